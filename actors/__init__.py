@@ -1,0 +1,1 @@
+"""Ray actors: one actor hosts one loaded stack and writes its own shards."""

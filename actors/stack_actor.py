@@ -1,0 +1,65 @@
+"""The Ray actor that hosts one loaded stack.
+
+Full-vocab arrays never travel through Ray's object store: the actor writes
+its Parquet shard itself and returns a small manifest (path, row count, times).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import ray
+
+from backends import backend_class
+from backends.base import sampled_positions
+from store.warehouse import ShardWriter
+
+
+@ray.remote
+class StackActor:
+    def __init__(self, cell: dict[str, Any], model_dir: str, threads: int, warehouse: str):
+        cls = backend_class(cell["engine"])
+        if cls is None:
+            raise RuntimeError(f"no backend for engine {cell['engine']!r} on node {socket.gethostname()}")
+        self.backend = cls(cell, model_dir, threads)
+        self.cell = cell
+        self.warehouse = warehouse
+
+    def load(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self.backend.load()
+        settings = self.backend.settings()
+        return {
+            "settings": settings, "versions": settings.pop("versions", {}),
+            "vocab_size": self.backend.vocab_size(), "load_seconds": time.perf_counter() - t0,
+            "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
+        }
+
+    def capture(self, run_id: str, repeat: int, prompts: list[tuple[str, list[int]]],
+                stride: int) -> dict[str, Any]:
+        """One teacher-forced prefill per prompt; rows at the sampled positions."""
+        t0 = time.perf_counter()
+        forward_s = 0.0
+        writer = ShardWriter(self.warehouse, run_id, self.cell["cell_id"], repeat)
+        try:
+            dtype = None
+            for prompt_id, ids in prompts:
+                positions = sampled_positions(len(ids), stride)
+                next_ids = [ids[p + 1] if p + 1 < len(ids) else None for p in positions]
+                tf = time.perf_counter()
+                native = self.backend.forward(ids, positions)  # (rows, vocab)
+                forward_s += time.perf_counter() - tf
+                writer.add(prompt_id, positions, next_ids, native)
+                dtype = str(native.dtype)
+            path = writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        return {"cell_id": self.cell["cell_id"], "repeat": repeat, "path": str(path),
+                "rows": writer.rows, "seconds": time.perf_counter() - t0,
+                "forward_seconds": forward_s, "array_dtype": dtype}
+
+    def close(self) -> None:
+        self.backend.close()

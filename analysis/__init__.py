@@ -1,0 +1,1 @@
+"""Analysis over the warehouse (DuckDB). Never imports a backend."""

@@ -1,0 +1,45 @@
+"""Backend registry: engine name -> "module:Class", imported only when used.
+
+Built-in backends are registered exactly like outside plugins, which add an
+entry point in the group ``logit_matrix.backends`` (name = engine name,
+value = ``"package.module:Class"``). Importing a backend module must not import
+its engine library: capability flags are plain class attributes, and the heavy
+import happens in ``load()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from backends.base import Backend
+    from matrix.spec import Cell
+
+BUILTIN = {
+    "hf": "backends.hf_backend:HFBackend",
+}
+
+
+def registry() -> dict[str, str]:
+    found = dict(BUILTIN)
+    for ep in entry_points(group="logit_matrix.backends"):
+        found.setdefault(ep.name, ep.value)
+    return found
+
+
+def backend_class(engine: str) -> type[Backend] | None:
+    target = registry().get(engine)
+    if target is None:
+        return None
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def unsupported_reason(cell: Cell) -> str | None:
+    """Why this cell cannot run with the installed backends, or None."""
+    cls = backend_class(cell.engine)
+    if cls is None:
+        return f"no backend for engine '{cell.engine}' is installed (available: {', '.join(registry())})"
+    return cls.unsupported(cell)

@@ -1,0 +1,77 @@
+"""The one interface every engine implements.
+
+How ids line up with captured rows (teacher forcing, one forward)::
+
+    ids        t0   t1   t2  ...  t32  t33  ...  t(T-1)
+    position    0    1    2  ...   32   33  ...   T-1
+    logits[p] is the distribution over t(p+1) after reading t0..tp
+    captured    ^                  ^               ^
+               p=0              p=stride      p=T-1 (always; no next token)
+
+A backend never sees text: it receives the canonical token ids, already
+tokenised once by the reference tokenizer, and returns raw logits in the
+engine's native dtype. It never imports ray.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+
+
+def sampled_positions(n_tokens: int, stride: int) -> list[int]:
+    """Every stride-th position from 0, and always the last one."""
+    pos = list(range(0, n_tokens, stride))
+    if pos[-1] != n_tokens - 1:
+        pos.append(n_tokens - 1)
+    return pos
+
+
+class Backend:
+    # Capability flags: checked by `matrix cells` without importing the engine.
+    engine: ClassVar[str] = ""
+    dtypes: ClassVar[frozenset[str]] = frozenset()
+    attention: ClassVar[frozenset[str]] = frozenset()
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    max_tp: ClassVar[int] = 1
+    # Native logits dtype per cell dtype: what the warehouse stores losslessly.
+    logits_dtype: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, cell: dict[str, Any], model_dir: str, threads: int):
+        self.cell = cell
+        self.model_dir = model_dir
+        self.threads = threads
+
+    @classmethod
+    def unsupported(cls, cell) -> str | None:
+        if cell.dtype not in cls.dtypes:
+            return f"engine {cls.engine} does not run dtype {cell.dtype} (runs: {', '.join(sorted(cls.dtypes))})"
+        if cell.attention not in cls.attention:
+            return (f"engine {cls.engine} has no attention '{cell.attention}' "
+                    f"(has: {', '.join(sorted(cls.attention))})")
+        if cell.device not in cls.devices:
+            return f"engine {cls.engine} does not run on device {cell.device} (runs on: {', '.join(sorted(cls.devices))})"
+        if cell.tp > cls.max_tp:
+            return f"engine {cls.engine} supports tp up to {cls.max_tp} in this version (asked tp={cell.tp})"
+        return None
+
+    def load(self) -> None:
+        raise NotImplementedError
+
+    def settings(self) -> dict[str, Any]:
+        """Everything that changes the arithmetic: dtype, attention, threads, versions..."""
+        raise NotImplementedError
+
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
+        """Teacher-forced logits at `positions`: (len(positions), vocab) in the native dtype.
+
+        bf16 comes back as its raw bits (uint16); fp32 as float32.
+        """
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,142 @@
+"""HF transformers backend: the oracle every other engine is compared against.
+
+torch / transformers are imported in load(), so `matrix cells` can read the
+capability flags without them.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from backends.base import Backend
+from matrix.errors import OracleError
+
+GPU_DEVICES = frozenset({"cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm"})
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+
+class HFBackend(Backend):
+    engine = "hf"
+    dtypes = frozenset(TORCH_DTYPES)
+    attention = frozenset({"eager", "sdpa", "flash_attention_2"})
+    devices = frozenset({"cpu"}) | GPU_DEVICES
+    max_tp = 1
+    logits_dtype = dict(zip(TORCH_DTYPES, TORCH_DTYPES))  # HF returns logits in the weights' dtype
+
+    @classmethod
+    def unsupported(cls, cell) -> str | None:
+        reason = super().unsupported(cell)
+        if reason is None and cell.attention == "flash_attention_2" and cell.device == "cpu":
+            reason = "attention flash_attention_2 needs a CUDA device"
+        return reason
+
+    def load(self) -> None:
+        import torch
+        import transformers
+
+        self._torch = torch
+        torch.set_num_threads(self.threads)
+        self.torch_device = "cpu" if self.cell["device"] == "cpu" else "cuda"
+        dtype = getattr(torch, TORCH_DTYPES[self.cell["dtype"]])
+        # Load with dtype= (not .to()): .to(bf16) would also cast the rotary inv_freq buffer.
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=dtype, attn_implementation=self.cell["attention"],
+            output_loading_info=True)
+        problems = []
+        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+            keys = sorted(str(k) for k in info.get(kind) or ())
+            if keys:
+                problems.append(f"{kind.replace('_', ' ')}: {', '.join(keys[:8])}"
+                                + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else ""))
+        if info.get("error_msgs"):
+            problems.append("errors: " + "; ".join(map(str, info["error_msgs"]))[:300])
+        if problems:
+            raise OracleError(f"{self.model_dir}: refusing to run, weights not loaded from the checkpoint: "
+                              + "; ".join(problems))
+        verify_against_checkpoint(model, self.model_dir)
+        self.model = model.to(self.torch_device).eval()
+        self._vocab = int(model.config.vocab_size)
+
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def settings(self) -> dict[str, Any]:
+        import accelerate
+        import safetensors
+        import torch
+        import transformers
+
+        cfg = self.model.config
+        return {
+            "dtype": self.cell["dtype"],
+            "torch_dtype": str(next(self.model.parameters()).dtype),
+            "attention": cfg._attn_implementation,
+            "threads": torch.get_num_threads(),
+            "interop_threads": torch.get_num_interop_threads(),
+            "torch_device": self.torch_device,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "mkldnn": bool(torch.backends.mkldnn.is_available()),
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "use_cache": False,
+            "batch_size": 1,
+            "cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name(0) if self.torch_device == "cuda" else None,
+            "machine": platform.machine(),
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "accelerate": accelerate.__version__, "safetensors": safetensors.__version__,
+                         "numpy": np.__version__},
+        }
+
+    def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
+        torch = self._torch
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.torch_device)  # (1, T)
+        keep = torch.tensor(positions, dtype=torch.long, device=self.torch_device)  # (rows,)
+        with torch.inference_mode():
+            # logits_to_keep: the LM head runs only on the sampled rows of the one prefill.
+            out = self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
+        logits = out.logits[0].detach().to("cpu")  # (rows, vocab), native dtype
+        if logits.dtype == torch.bfloat16:
+            return logits.view(torch.int16).numpy().view(np.uint16)  # raw bf16 bits
+        return logits.numpy()
+
+    def close(self) -> None:
+        self.model = None
+
+
+def verify_against_checkpoint(model, model_dir: str) -> None:
+    """Every parameter must equal the checkpoint tensor (cast to the load dtype).
+
+    Catches the failure seed 002 describes: a loader that reports success while
+    some weights were randomly initialised. Tied weights may be absent from the file.
+    """
+    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    if not files:
+        return  # hub id or .bin checkpoint: the loading report above is the check
+    import torch
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    seen, bad = set(), []
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                seen.add(key)
+                p = params.get(key)
+                if p is None:
+                    continue
+                if not torch.equal(p.detach(), fh.get_tensor(key).to(p.dtype)):
+                    bad.append(key)
+    tied = {k for k, p in params.items() if k not in seen and any(
+        p is q for k2, q in params.items() if k2 in seen)}
+    missing = sorted(k for k in params if k not in seen and k not in tied)
+    if missing or bad:
+        parts = []
+        if missing:
+            parts.append(f"not in the checkpoint (randomly initialised): {', '.join(missing[:8])}")
+        if bad:
+            parts.append(f"differ from the checkpoint: {', '.join(bad[:8])}")
+        raise OracleError(f"{model_dir}: refusing to run, " + "; ".join(parts))

