@@ -13,8 +13,7 @@ from typing import Any
 import ray
 
 from backends import backend_class
-from backends.base import sampled_positions
-from store.warehouse import ShardWriter
+from matrix.capture import capture_shard
 
 
 @ray.remote
@@ -39,27 +38,9 @@ class StackActor:
 
     def capture(self, run_id: str, repeat: int, prompts: list[tuple[str, list[int]]],
                 stride: int) -> dict[str, Any]:
-        """One teacher-forced prefill per prompt; rows at the sampled positions."""
-        t0 = time.perf_counter()
-        forward_s = 0.0
-        writer = ShardWriter(self.warehouse, run_id, self.cell["cell_id"], repeat)
-        try:
-            dtype = None
-            for prompt_id, ids in prompts:
-                positions = sampled_positions(len(ids), stride)
-                next_ids = [ids[p + 1] if p + 1 < len(ids) else None for p in positions]
-                tf = time.perf_counter()
-                native = self.backend.forward(ids, positions)  # (rows, vocab)
-                forward_s += time.perf_counter() - tf
-                writer.add(prompt_id, positions, next_ids, native)
-                dtype = str(native.dtype)
-            path = writer.commit()
-        except BaseException:
-            writer.abort()
-            raise
-        return {"cell_id": self.cell["cell_id"], "repeat": repeat, "path": str(path),
-                "rows": writer.rows, "seconds": time.perf_counter() - t0,
-                "forward_seconds": forward_s, "array_dtype": dtype}
+        """One teacher-forced prefill per prompt; the shard is written here, not returned."""
+        return capture_shard(self.backend, self.warehouse, run_id, self.cell["cell_id"], repeat,
+                             prompts, stride)
 
     def close(self) -> None:
         self.backend.close()

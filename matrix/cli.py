@@ -86,18 +86,23 @@ def cmd_run(args) -> int:
     for s in spec.skipped:
         _log(f"skipping {s['cell_id']}: {s['reason']}")
     plan = runner.prepare(spec, wh, _log)
-    if not plan.todo:
+    summary = None
+    if plan.todo:
+        wh.create()
+        with wh.lock():
+            runner.find_todo(plan, wh)  # another run may have finished cells meanwhile
+            if plan.todo:
+                ray = runner.init_ray(args.address)
+                try:
+                    summary = runner.execute(plan, wh, sys.argv, args.address, _log)
+                finally:
+                    ray.shutdown()
+                _log(f"run {summary['run_id']}: {summary['cells_done']}/{summary['cells_total']} cells complete, "
+                     f"{summary['rows_written']} rows in {summary['seconds']}s ({summary['rows_per_second']} rows/s)")
+    if summary is None:
         summary = {"cells_total": len(spec.cells), "cells_done": len(plan.complete), "cells_run": 0,
                    "rows_written": 0, "skipped": spec.skipped}
         _log(f"nothing to do: all {len(spec.cells)} cell(s) are complete in {wh.root}")
-    else:
-        ray = runner.init_ray(args.address)
-        try:
-            summary = runner.execute(plan, wh, sys.argv, args.address, _log)
-        finally:
-            ray.shutdown()
-        _log(f"run {summary['run_id']}: {summary['cells_done']}/{summary['cells_total']} cells complete, "
-             f"{summary['rows_written']} rows in {summary['seconds']}s ({summary['rows_per_second']} rows/s)")
     if args.json:
         emit_json(summary)
     return 0 if not summary.get("unplaceable") else 1

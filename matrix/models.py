@@ -99,6 +99,7 @@ def dequantise_gguf(gguf_path: Path, out_dir: Path, log: Callable[[str], None] =
     import transformers
 
     log(f"dequantising {gguf_path.name} to fp32 safetensors ...")
+    transformers.utils.logging.disable_progress_bar()  # our own log line says what is happening
     kw = dict(gguf_file=gguf_path.name)
     tok = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
     src = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)

@@ -65,6 +65,14 @@ def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
         tok_sha = sha256_file(tok_file) if os.path.isfile(tok_file) else None
         prompts[name] = tokenize(spec.corpus, name, tok, spec.bos, tok_sha)
     plan = Plan(spec, models, prompts)
+    find_todo(plan, wh)
+    return plan
+
+
+def find_todo(plan: Plan, wh: Warehouse) -> None:
+    """Which (cell, repeat) captures are missing. Re-checked under the writer lock."""
+    spec = plan.spec
+    plan.todo, plan.complete = {}, []
     exists = wh.check()
     for cell in spec.cells:
         done = wh.completed_repeats(cell.cell_id) if exists else set()
@@ -74,7 +82,16 @@ def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
             plan.complete.append(cell.cell_id)
         else:
             plan.todo[cell.cell_id] = missing
-    return plan
+
+
+def mark_interrupted_runs(wh: Warehouse, log: Callable[[str], None]) -> None:
+    """Runs still 'running' while we hold the writer lock were killed: say so."""
+    for f in wh.table_files("runs"):
+        rows = pq.read_table(f).to_pylist()
+        if rows and rows[0]["status"] == "running":
+            rows[0].update(status="interrupted", error="the process ended before the run finished")
+            wh.write_rows("runs", rows[0]["run_id"], rows)
+            log(f"run {rows[0]['run_id']} was interrupted; resuming its work")
 
 
 def cell_threads(cell: Cell) -> int:
@@ -142,6 +159,7 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
     todo = [c for c in todo if c.cell_id not in unplaceable]
 
     wh.create()
+    mark_interrupted_runs(wh, log)
     for p in wh.sweep_tmp():
         log(f"removed a partial file left by an interrupted run: {p.relative_to(wh.root)}")
     for plist in plan.prompts.values():
@@ -153,7 +171,7 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
     run = {"run_id": run_id, "status": "running", "started_at": now(), "finished_at": None,
            "spec_name": spec.name, "spec_path": str(spec.path), "spec_sha256": spec.sha256,
            "spec_yaml": spec.raw_text, "argv": json.dumps(argv), "host": socket.gethostname(),
-           "ray_address": address or "local", "logit_matrix_version": __version__,
+           "pid": os.getpid(), "ray_address": address or "local", "logit_matrix_version": __version__,
            "schema_version": SCHEMA_VERSION, "versions": json.dumps(library_versions(), sort_keys=True),
            "cells_total": len(spec.cells), "cells_done": len(plan.complete), "rows_written": 0, "error": None}
     wh.write_rows("runs", run_id, [run])

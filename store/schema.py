@@ -27,7 +27,7 @@ RUNS = pa.schema([
     ("run_id", pa.string()), ("status", pa.string()),  # running | done | failed | interrupted
     ("started_at", TS), ("finished_at", TS),
     ("spec_name", pa.string()), ("spec_path", pa.string()), ("spec_sha256", pa.string()),
-    ("spec_yaml", pa.string()), ("argv", pa.string()), ("host", pa.string()),
+    ("spec_yaml", pa.string()), ("argv", pa.string()), ("host", pa.string()), ("pid", pa.int64()),
     ("ray_address", pa.string()), ("logit_matrix_version", pa.string()),
     ("schema_version", pa.int32()), ("versions", pa.string()),  # JSON: every library version
     ("cells_total", pa.int32()), ("cells_done", pa.int32()), ("rows_written", pa.int64()),

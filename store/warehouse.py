@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -105,6 +107,23 @@ class Warehouse:
         tmp = _tmp_for(marker)
         tmp.write_text(json.dumps({"format": FORMAT, "schema_version": SCHEMA_VERSION}, indent=1) + "\n")
         _fsync_replace(tmp, marker)
+
+    @contextlib.contextmanager
+    def lock(self):
+        """Exclusive writer lock: two runs on one warehouse would capture the same cells twice."""
+        path = self.root / ".lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                raise UserError(f"{self.root}: another matrix run is writing to this warehouse ({holder})") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
 
     def sweep_tmp(self) -> list[Path]:
         """Remove temp files left by a killed writer (never visible to readers)."""

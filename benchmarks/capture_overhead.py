@@ -1,0 +1,54 @@
+"""Capture + store time over bare forward time, on the same loaded stack.
+
+Rounds alternate (bare, capture, bare, capture, ...) so drift in machine load
+hits both sides; the figure is the ratio of the medians. Target (issue 2): <= 1.10.
+
+    .venv/bin/python benchmarks/capture_overhead.py [--dtype bf16] [--attention sdpa] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+from _common import load_backend, model_and_prompts
+
+TARGET = 1.10
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--attention", default="sdpa")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--stride", type=int, default=32)
+    args = ap.parse_args()
+    from backends.base import sampled_positions
+    from matrix.capture import capture_shard
+
+    resolved, prompts = model_and_prompts()
+    be = load_backend(resolved.hf_dir, args.dtype, args.attention)
+    plan = [(ids, sampled_positions(len(ids), args.stride)) for _, ids in prompts]
+    be.forward(*plan[0])  # warm-up: first-call allocations are not what we measure
+    bare, full = [], []
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(args.rounds):
+            t0 = time.perf_counter()
+            for ids, pos in plan:
+                be.forward(ids, pos)
+            bare.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            m = capture_shard(be, d, "bench", "cell", r, prompts, args.stride)
+            full.append(time.perf_counter() - t0)
+            print(f"round {r + 1}/{args.rounds}: bare forward {bare[-1]:.2f}s, "
+                  f"capture + store {full[-1]:.2f}s ({m['rows']} rows)", flush=True)
+    ratio = statistics.median(full) / statistics.median(bare)
+    ok = "meets" if ratio <= TARGET else "MISSES"
+    print(f"\nhf {args.dtype} {args.attention}, {be.threads} threads, built-in corpus: "
+          f"capture+store / bare forward = {ratio:.3f} -> {ok} the <= {TARGET} target")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""One capture: teacher-forced prefill of every prompt, rows at the sampled positions, one shard.
+
+Kept free of Ray so the actor, the tests and the benchmarks run the same code.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from backends.base import Backend, sampled_positions
+from store.warehouse import ShardWriter
+
+
+def capture_shard(backend: Backend, warehouse: str, run_id: str, cell_id: str, repeat: int,
+                  prompts: list[tuple[str, list[int]]], stride: int) -> dict[str, Any]:
+    """Write logits/<cell_id>/r<repeat>.parquet; returns a small manifest (no arrays)."""
+    t0 = time.perf_counter()
+    forward_s = 0.0
+    writer = ShardWriter(warehouse, run_id, cell_id, repeat)
+    try:
+        dtype = None
+        for prompt_id, ids in prompts:
+            positions = sampled_positions(len(ids), stride)
+            # Row p holds the prediction for ids[p + 1]; the last row has no next token.
+            next_ids = [ids[p + 1] if p + 1 < len(ids) else None for p in positions]
+            tf = time.perf_counter()
+            native = backend.forward(ids, positions)  # (rows, vocab), native dtype
+            forward_s += time.perf_counter() - tf
+            writer.add(prompt_id, positions, next_ids, native)
+            dtype = str(native.dtype)
+        path = writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"cell_id": cell_id, "repeat": repeat, "path": str(path), "rows": writer.rows,
+            "seconds": time.perf_counter() - t0, "forward_seconds": forward_s, "array_dtype": dtype}

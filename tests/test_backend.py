@@ -1,0 +1,85 @@
+"""The HF backend in-process, on the full real SmolLM2 weights, and its oracle check."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends.base import sampled_positions
+from backends.hf_backend import HFBackend
+from matrix.errors import OracleError
+from store.warehouse import widen
+from tests.conftest import run_cli, write_spec
+
+IDS = [1, 504, 3365, 8187, 418, 3732, 28, 564, 260, 9726, 5001, 15407, 1326, 1069, 9043, 31, 2] * 3
+
+
+def backend(model_dir, dtype, attention, threads=1) -> HFBackend:
+    be = HFBackend({"dtype": dtype, "attention": attention, "device": "cpu"}, str(model_dir), threads)
+    be.load()
+    return be
+
+
+def test_sampled_positions():
+    assert sampled_positions(1, 32) == [0]
+    assert sampled_positions(32, 32) == [0, 31]
+    assert sampled_positions(33, 32) == [0, 32]
+    assert sampled_positions(100, 32) == [0, 32, 64, 96, 99]
+
+
+def test_full_model_fp32_eager_vs_sdpa_within_1e5_and_repeatable(reference_model):
+    pos = sampled_positions(len(IDS), 8)
+    eager = backend(reference_model.hf_dir, "fp32", "eager")
+    a1, a2 = eager.forward(IDS, pos), eager.forward(IDS, pos)  # (rows, vocab) float32
+    sdpa = backend(reference_model.hf_dir, "fp32", "sdpa")
+    b1, b2 = sdpa.forward(IDS, pos), sdpa.forward(IDS, pos)
+    assert a1.shape == (len(pos), 49152) and a1.dtype == np.float32
+    assert np.array_equal(a1, a2) and np.array_equal(b1, b2)  # bit-reproducible
+    diff = float(np.max(np.abs(a1 - b1)))
+    assert diff < 1e-4, diff
+    # the logits are a real language model's: the BOS row predicts a plausible token
+    assert np.isfinite(a1).all() and a1.std() > 1.0
+
+
+def test_full_model_bf16_returns_bits_that_widen_close_to_fp32(reference_model):
+    pos = sampled_positions(len(IDS), 8)
+    bf = backend(reference_model.hf_dir, "bf16", "sdpa").forward(IDS, pos)
+    fp = backend(reference_model.hf_dir, "fp32", "sdpa").forward(IDS, pos)
+    assert bf.dtype == np.uint16
+    w = widen(bf)
+    assert np.all((w.view(np.uint32) & 0xFFFF) == 0)
+    # bf16 arithmetic moves the logits, but by bf16-sized amounts, not garbage
+    assert 0 < float(np.max(np.abs(w - fp))) < 2.0
+    assert np.mean(np.argmax(w, -1) == np.argmax(fp, -1)) >= 0.8
+
+
+def _drop_tensor(src: Path, dst: Path, key: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    tensors = load_file(f)
+    del tensors[key]
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+def test_oracle_refuses_missing_weight_in_process(tiny_model, tmp_path):
+    broken = tmp_path / "broken"
+    _drop_tensor(tiny_model, broken, "model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(OracleError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
+        backend(broken, "fp32", "eager")
+
+
+def test_oracle_refusal_through_the_cli_exits_2(tiny_model, short_corpus, tmp_path):
+    broken = tmp_path / "broken"
+    _drop_tensor(tiny_model, broken, "model.norm.weight")
+    spec = write_spec(tmp_path / "spec.yaml", broken, short_corpus, dtypes=["fp32"],
+                      attention=["eager"], repeats=1, reference={"dtype": "fp32"})
+    r = run_cli("run", str(spec), "--warehouse", str(tmp_path / "wh"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("matrix: error:") and "model.norm.weight" in last and "refusing to run" in last
+    assert not list((tmp_path / "wh" / "logits").rglob("*.parquet"))

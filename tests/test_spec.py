@@ -1,0 +1,120 @@
+"""Spec validation and cell expansion (no Ray, no model load)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from matrix.errors import UserError
+from matrix.spec import load_spec
+from tests.conftest import REPO, run_cli
+
+
+def spec_file(tmp_path: Path, body: dict | str, name: str = "spec.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(body if isinstance(body, str) else yaml.safe_dump(body, sort_keys=False))
+    return p
+
+
+BASE = {"models": ["smollm2-135m"], "engines": ["hf"], "dtypes": ["fp32", "bf16"],
+        "attention": ["eager", "sdpa"]}
+
+
+def test_smoke_spec_expands_to_four_cells_with_bf16_eager_reference():
+    spec = load_spec(REPO / "configs" / "smoke.yaml")
+    assert [(c.dtype, c.attention) for c in spec.cells] == [
+        ("fp32", "eager"), ("fp32", "sdpa"), ("bf16", "eager"), ("bf16", "sdpa")]
+    assert spec.repeats == 2 and spec.stride == 32
+    ref = spec.reference_cells["smollm2-135m"]
+    assert ref.startswith("smollm2-135m.hf.bf16.eager.tp1.cpu-")
+
+
+def test_cell_ids_are_stable_and_change_with_what_changes_rows(tmp_path):
+    a = load_spec(spec_file(tmp_path, BASE, "a.yaml"))
+    b = load_spec(spec_file(tmp_path, BASE, "b.yaml"))
+    assert [c.cell_id for c in a.cells] == [c.cell_id for c in b.cells]
+    c = load_spec(spec_file(tmp_path, {**BASE, "stride": 16}, "c.yaml"))
+    assert not {x.cell_id for x in a.cells} & {x.cell_id for x in c.cells}
+    d = load_spec(spec_file(tmp_path, {**BASE, "bos": "always"}, "d.yaml"))
+    assert not {x.cell_id for x in a.cells} & {x.cell_id for x in d.cells}
+
+
+def test_include_exclude_follow_github_actions_semantics(tmp_path):
+    body = {**BASE, "exclude": [{"dtype": "fp32", "attention": "sdpa"}],
+            "include": [{"dtype": "bf16", "threads": 1},            # extends both bf16 cells
+                        {"dtype": "f16", "attention": "eager"}]}  # a new combination
+    spec = load_spec(spec_file(tmp_path, body))
+    got = {(c.dtype, c.attention, c.threads) for c in spec.cells}
+    assert got == {("fp32", "eager", None), ("bf16", "eager", 1), ("bf16", "sdpa", 1), ("f16", "eager", None)}
+
+
+def test_unrunnable_combinations_are_skipped_with_a_reason(tmp_path):
+    body = {**BASE, "engines": ["hf", "trtllm"], "attention": ["eager", "flash_attention_2"]}
+    spec = load_spec(spec_file(tmp_path, body))
+    reasons = {(s["engine"], s["attention"]): s["reason"] for s in spec.skipped}
+    assert "needs a CUDA device" in reasons[("hf", "flash_attention_2")]
+    assert "no backend for engine 'trtllm'" in reasons[("trtllm", "eager")]
+    assert {(c.engine, c.attention) for c in spec.cells} == {("hf", "eager")}
+
+
+def test_cells_json_lists_cells_and_skipped(tmp_path):
+    body = {**BASE, "attention": ["sdpa", "flash_attention_2"]}
+    r = run_cli("cells", str(spec_file(tmp_path, body)), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["cells"]) == 2 and len(out["skipped"]) == 2
+    assert all(c["cell_id"].startswith("smollm2-135m.hf.") for c in out["cells"])
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("models: [smollm2-135m\nengines: [hf", "malformed YAML: line"),
+    ({**BASE, "engines": ["hf", "vlm"]}, "engines[1]: unknown engine"),
+    ({**BASE, "dtypes": ["bf17"]}, "dtypes[0]: unknown dtype"),
+    ({**BASE, "attention": ["flash"]}, "attention[0]: unknown attention"),
+    ({**BASE, "models": [{"path": "/no/such/model"}]}, "models[0].path: does not exist"),
+    ({**BASE, "corpus": "missing-corpus.yaml"}, "corpus: corpus file not found"),
+    ({**BASE, "stirde": 32}, "stirde: unknown key"),
+    ({**BASE, "stride": 0}, "stride: must be a positive integer"),
+    ({**BASE, "exclude": [{"dtype": "q9"}]}, "exclude[0].dtype: unknown dtype"),
+    ({**BASE, "reference": {"dtype": "f16"}}, "reference: matches no cell"),
+])
+def test_bad_spec_is_one_line_exit_2_naming_file_field_value(tmp_path, body, needle):
+    path = spec_file(tmp_path, body)
+    wh = tmp_path / "wh"
+    for cmd in (["cells", str(path)], ["run", str(path), "--warehouse", str(wh)]):
+        r = run_cli(*cmd)
+        assert r.returncode == 2, (cmd, r.stdout, r.stderr)
+        err = r.stderr.strip()
+        assert len(err.splitlines()) == 1, err
+        assert str(path) in err and needle in err, err
+    assert not wh.exists()  # nothing was created
+
+
+def test_incompatible_warehouse_is_refused_and_untouched(tmp_path):
+    wh = tmp_path / "wh"
+    (wh / "logits").mkdir(parents=True)
+    (wh / "WAREHOUSE.json").write_text('{"format": "logit-matrix-warehouse", "schema_version": 99}')
+    (wh / "logits" / "keep.parquet").write_bytes(b"not touched")
+    before = sorted((p.relative_to(wh), p.read_bytes()) for p in wh.rglob("*") if p.is_file())
+    r = run_cli("run", str(REPO / "configs" / "smoke.yaml"), "--warehouse", str(wh))
+    assert r.returncode == 2
+    assert "WAREHOUSE.json: schema_version 99 is incompatible" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    after = sorted((p.relative_to(wh), p.read_bytes()) for p in wh.rglob("*") if p.is_file())
+    assert after == before
+
+
+def test_bad_corpus_entry_names_the_field(tmp_path):
+    corpus = tmp_path / "c.yaml"
+    corpus.write_text("prompts:\n  - id: a\n    category: poetry\n    text: hi\n")
+    r = run_cli("cells", str(spec_file(tmp_path, {**BASE, "corpus": str(corpus)})))
+    # cells only fingerprints the corpus files; run parses the entries
+    assert r.returncode == 0, r.stderr
+    r = run_cli("run", str(spec_file(tmp_path, {**BASE, "corpus": str(corpus)})),
+                "--warehouse", str(tmp_path / "wh"))
+    assert r.returncode == 2
+    assert "prompts[0].category" in r.stderr and "'poetry'" in r.stderr
+    assert not (tmp_path / "wh").exists()
