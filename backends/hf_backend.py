@@ -39,6 +39,7 @@ class HFBackend(Backend):
         import transformers
 
         self._torch = torch
+        transformers.utils.logging.disable_progress_bar()  # one stack loads in seconds; bars only clutter logs
         torch.set_num_threads(self.threads)
         self.torch_device = "cpu" if self.cell["device"] == "cpu" else "cuda"
         dtype = getattr(torch, TORCH_DTYPES[self.cell["dtype"]])

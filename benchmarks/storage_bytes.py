@@ -51,7 +51,7 @@ def main() -> None:
     resolved, prompts = model_and_prompts()
     print(f"corpus: built-in, {len(prompts)} prompts, {sum(len(i) for _, i in prompts)} tokens, "
           f"stride {args.stride}")
-    print(f"{'stack':<10} {'layout':<44} {'bytes':>12} {'B/logit':>8}")
+    print(f"{'stack':<10} {'layout':<52} {'bytes':>12} {'B/logit':>8}")
     results = {}
     for dtype in ("bf16", "fp32"):
         be = load_backend(resolved.hf_dir, dtype, "sdpa")
@@ -70,7 +70,7 @@ def main() -> None:
             else:
                 rows.append(("float32, zstd only (no BSS)", alt_layout(Path(d) / "c.parquet", natives, np.float32, False)))
             for name, size in rows:
-                print(f"{dtype:<10} {name:<44} {size:>12,} {size / logits:>8.3f}")
+                print(f"{dtype:<10} {name:<52} {size:>12,} {size / logits:>8.3f}")
             results[dtype] = prod / logits
             print(f"{'':<10} ({m['rows']} rows x {be.vocab_size()} vocab = {logits:,} logits; "
                   f"capture {time.perf_counter() - t0:.1f}s)")
