@@ -32,9 +32,30 @@ class StackActor:
         settings = self.backend.settings()
         return {
             "settings": settings, "versions": settings.pop("versions", {}),
+            "artifact": settings.pop("artifact", None),
             "vocab_size": self.backend.vocab_size(), "load_seconds": time.perf_counter() - t0,
             "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
         }
+
+    def parity(self, prompts: list[tuple[str, str, list[int]]], reference: dict[str, Any],
+               ref_vocab: int) -> dict[str, Any]:
+        """Encode each text with the engine's own tokenizer and compare with the canonical ids."""
+        from matrix.parity import diagnose, special_token_problems
+
+        special = self.backend.special_tokens()
+        rows = []
+        for prompt_id, text, canonical in prompts:
+            ids = self.backend.tokenize(text)
+            if ids is None:
+                return {"status": "not_checked", "rows": [], "special": special, "problems": []}
+            v = diagnose(canonical, ids, reference.get("bos"), ref_vocab)
+            rows.append({"prompt_id": prompt_id, "match": v.match, "first_diff": v.first_diff,
+                         "diagnosis": v.diagnosis, "n_canonical": len(canonical), "n_engine": len(ids),
+                         "engine_ids_head": ids[:16],
+                         "checked_with": f"{self.cell['engine']} tokenizer, engine defaults"})
+        problems = special_token_problems(reference, special)
+        ok = all(r["match"] for r in rows) and not problems
+        return {"status": "ok" if ok else "mismatch", "rows": rows, "special": special, "problems": problems}
 
     def capture(self, run_id: str, repeat: int, prompts: list[tuple[str, list[int]]],
                 stride: int) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import happens in ``load()``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 
 BUILTIN = {
     "hf": "backends.hf_backend:HFBackend",
+    "llamacpp": "backends.llamacpp_backend:LlamaCppBackend",
+    "mlx": "backends.mlx_backend:MLXBackend",
 }
 
 
@@ -27,6 +30,10 @@ def registry() -> dict[str, str]:
     for ep in entry_points(group="logit_matrix.backends"):
         found.setdefault(ep.name, ep.value)
     return found
+
+
+# The library each built-in backend needs at load time: without it the cell is skipped, with the reason.
+REQUIRES = {"hf": "transformers", "llamacpp": "llama_cpp", "mlx": "mlx_lm"}
 
 
 def backend_class(engine: str) -> type[Backend] | None:
@@ -42,4 +49,7 @@ def unsupported_reason(cell: Cell) -> str | None:
     cls = backend_class(cell.engine)
     if cls is None:
         return f"no backend for engine '{cell.engine}' is installed (available: {', '.join(registry())})"
+    lib = REQUIRES.get(cell.engine)
+    if lib and importlib.util.find_spec(lib) is None:
+        return f"engine {cell.engine} needs the Python package '{lib}', which is not installed"
     return cls.unsupported(cell)

@@ -28,6 +28,11 @@ def sampled_positions(n_tokens: int, stride: int) -> list[int]:
     return pos
 
 
+class SkipCell(Exception):
+    """This cell cannot be built as asked (e.g. a quant type the tensor shapes do not allow).
+    The run records it as skipped with the message as the reason and goes on."""
+
+
 class Backend:
     # Capability flags: checked by `matrix cells` without importing the engine.
     engine: ClassVar[str] = ""
@@ -35,6 +40,8 @@ class Backend:
     attention: ClassVar[frozenset[str]] = frozenset()
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
     max_tp: ClassVar[int] = 1
+    # Spec options (matrix.spec.OPTION_KEYS) this engine takes, e.g. kv_cache.
+    options: ClassVar[frozenset[str]] = frozenset()
     # Native logits dtype per cell dtype: what the warehouse stores losslessly.
     logits_dtype: ClassVar[dict[str, str]] = {}
 
@@ -72,6 +79,15 @@ class Backend:
         bf16 comes back as its raw bits (uint16); fp32 as float32.
         """
         raise NotImplementedError
+
+    def tokenize(self, text: str) -> list[int] | None:
+        """The engine's own tokenizer, called the way the engine calls it by default
+        (text in, special tokens as the engine adds them). None: the engine has none."""
+        return None
+
+    def special_tokens(self) -> dict[str, Any]:
+        """{"bos": id, "eos": id, "add_bos": bool} as the engine sees them."""
+        return {}
 
     def close(self) -> None:
         pass

@@ -104,6 +104,21 @@ class HFBackend(Backend):
             return logits.view(torch.int16).numpy().view(np.uint16)  # raw bf16 bits
         return logits.numpy()
 
+    def _tok(self):
+        if getattr(self, "_tokenizer", None) is None:
+            import transformers
+
+            self._tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
+        return self._tokenizer
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tok()(text).input_ids)  # add_special_tokens=True: the HF default
+
+    def special_tokens(self) -> dict[str, Any]:
+        t = self._tok()
+        return {"bos": t.bos_token_id, "eos": t.eos_token_id,
+                "add_bos": bool(getattr(t, "add_bos_token", False))}
+
     def close(self) -> None:
         self.model = None
 

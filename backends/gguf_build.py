@@ -1,0 +1,153 @@
+"""GGUF weights for the llama.cpp stacks, made by llama.cpp's own tools from the reference checkpoint.
+
+    reference HF dir --convert_hf_to_gguf.py--> F32 / F16 / BF16 GGUF
+    F32 GGUF --llama_model_quantize--> Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0, Q4_1, Q3_K_M, Q2_K
+
+The converter, gguf-py and the ggml-vocab test files come from the
+llama-cpp-python source distribution of the installed version (downloaded
+once from PyPI into the cache), so converter and runtime always match.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from backends.artifacts import ensure
+from backends.base import SkipCell
+from matrix.errors import UserError
+from matrix.models import _pip_download, cache_root
+
+FLOAT_TYPES = {"fp32": "f32", "f16": "f16", "bf16": "bf16"}
+# dtype -> llama_ftype name (llama.h)
+QUANT_TYPES = {
+    "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
+    "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0",
+    "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+    "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
+    "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K",
+}
+# The ggml type a quant is named after. K-quants need rows that are a multiple of 256;
+# llama.cpp silently substitutes another type for a tensor that is not (e.g. Q4_K -> Q5_0).
+PRIMARY_TYPE = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k_m": "Q5_K", "q5_0": "Q5_0", "q4_k_m": "Q4_K",
+                "q4_0": "Q4_0", "q4_1": "Q4_1", "q3_k_m": "Q3_K", "q2_k": "Q2_K"}
+
+
+def tools_dir() -> Path:
+    """vendor/llama.cpp pieces of the llama-cpp-python sdist matching the installed version."""
+    import llama_cpp
+
+    version = llama_cpp.__version__
+    d = cache_root() / "tools" / f"llama-cpp-python-{version}"
+    if (d / "convert_hf_to_gguf.py").is_file():
+        return d
+    d.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=d.parent) as tmp:
+        sdist = _pip_download_sdist(f"llama-cpp-python=={version}", Path(tmp))
+        out = Path(tmp) / "out"
+        want = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-")
+        with tarfile.open(sdist) as tf:
+            for m in tf.getmembers():
+                parts = m.name.split("/vendor/llama.cpp/", 1)
+                if len(parts) == 2 and parts[1].startswith(want) and (m.isfile() or m.isdir()):
+                    m.name = parts[1]
+                    tf.extract(m, out, filter="data")
+        if not (out / "convert_hf_to_gguf.py").is_file():
+            raise UserError(f"{sdist.name}: no vendor/llama.cpp/convert_hf_to_gguf.py inside")
+        os.replace(out, d)
+    return d
+
+
+def _pip_download_sdist(requirement: str, dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+           "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise UserError(f"could not download the {requirement} source distribution: {last}")
+    found = list(dest.glob("*.tar.gz"))
+    if len(found) != 1:
+        raise UserError(f"pip download {requirement} left {len(found)} archives")
+    return found[0]
+
+
+def convert(hf_dir: str, weights_sha256: str | None, outtype: str) -> dict[str, Any]:
+    """Reference HF weights -> GGUF of a float type, by llama.cpp's converter."""
+    import llama_cpp
+
+    tools = tools_dir()
+    recipe = {"tool": "convert_hf_to_gguf.py", "llama_cpp_python": llama_cpp.__version__,
+              "source": hf_dir, "source_weights_sha256": weights_sha256, "outtype": outtype}
+
+    def build(tmp: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": f"{tools / 'gguf-py'}{os.pathsep}{tools}"}
+        cmd = [sys.executable, str(tools / "convert_hf_to_gguf.py"), hf_dir, "--outtype", outtype,
+               "--outfile", str(tmp)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["failed"]
+            raise UserError(f"{hf_dir}: convert_hf_to_gguf.py --outtype {outtype} failed: {tail[0]}")
+
+    return ensure("gguf", f"model-{outtype}.gguf", recipe, build)
+
+
+def quantize(f32: dict[str, Any], dtype: str, threads: int) -> dict[str, Any]:
+    """F32 GGUF -> a quant type, by llama.cpp's own quantiser (llama_model_quantize)."""
+    import ctypes
+
+    import llama_cpp
+
+    ftype_name = QUANT_TYPES[dtype]
+    recipe = {"tool": "llama_model_quantize", "llama_cpp_python": llama_cpp.__version__,
+              "source_sha256": f32["sha256"], "ftype": ftype_name, "imatrix": None}
+
+    def build(tmp: Path) -> None:
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, ftype_name)
+        params.nthread = threads  # threads split rows; the result does not depend on them
+        rc = llama_cpp.llama_model_quantize(f32["path"].encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0 or not tmp.is_file():
+            raise UserError(f"llama.cpp could not quantise {f32['path']} to {dtype} (return code {rc})")
+
+    return ensure("gguf", f"model-{dtype}.gguf", recipe, build)
+
+
+def tensor_types(path: str) -> dict[str, int]:
+    """ggml type name -> number of tensors, as actually stored in the file."""
+    from gguf import GGUFReader
+
+    return dict(sorted(Counter(t.tensor_type.name for t in GGUFReader(path).tensors).items()))
+
+
+def check_gguf(path: str) -> None:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise UserError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+
+
+def build_for(dtype: str, hf_dir: str, weights_sha256: str | None, threads: int,
+              original: str | None = None, original_quant: str | None = None) -> dict[str, Any]:
+    """The GGUF for a cell dtype. A catalog model's own file serves its own quant type."""
+    if original and original_quant == dtype:
+        from matrix.models import sha256_file
+
+        check_gguf(original)
+        return {"path": original, "sha256": sha256_file(Path(original)),
+                "recipe": {"tool": "as shipped", "source": original}}
+    if dtype in FLOAT_TYPES:
+        return convert(hf_dir, weights_sha256, FLOAT_TYPES[dtype])
+    if dtype in QUANT_TYPES:
+        art = quantize(convert(hf_dir, weights_sha256, "f32"), dtype, threads)
+        types = tensor_types(art["path"])
+        if PRIMARY_TYPE[dtype] not in types:
+            raise SkipCell(f"the tensor shapes do not allow {dtype}: llama.cpp stored no tensor as "
+                           f"{PRIMARY_TYPE[dtype]} (got {', '.join(f'{k} x{v}' for k, v in types.items())})")
+        return art
+    raise UserError(f"llama.cpp has no dtype {dtype!r}")

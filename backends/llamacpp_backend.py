@@ -1,0 +1,188 @@
+"""llama.cpp backend (llama-cpp-python, low-level API).
+
+One teacher-forced evaluation of the canonical ids per prompt, in a fresh
+context (no prompt-cache reuse: reusing a cached prefix changes the
+arithmetic, seed 000). Only the sampled positions ask for logits, so the LM
+head runs on those rows alone:
+
+    ids       t0  t1 ... t31 | t32 ... (chunks of n_batch; llama.cpp splits each into n_ubatch)
+    logits[]   1   0 ...  0  |  1  ...  1 at the last position
+    row p  -> distribution over t(p+1), float32 (llama.cpp's output type for every weight type)
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import numpy as np
+
+from backends.base import Backend
+from backends.gguf_build import FLOAT_TYPES, QUANT_TYPES
+
+_LOG_CB = None  # keep the ctypes callback alive for the life of the process
+
+
+def quiet_logs() -> None:
+    """llama.cpp prints every tensor and graph node at load; keep only errors (to stderr)."""
+    global _LOG_CB
+    import ctypes
+    import sys
+
+    import llama_cpp
+
+    if _LOG_CB is None:
+        def cb(level, text, _user):
+            if level == 4:  # GGML_LOG_LEVEL_ERROR
+                sys.stderr.write(text.decode(errors="replace"))
+
+        _LOG_CB = llama_cpp.llama_log_callback(cb)
+        llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+
+
+def load_vocab(path: str):
+    """A vocab-only llama.cpp model (e.g. models/ggml-vocab-*.gguf): (model, vocab)."""
+    import llama_cpp as lc
+
+    quiet_logs()
+    lc.llama_backend_init()
+    mp = lc.llama_model_default_params()
+    mp.vocab_only = True
+    model = lc.llama_model_load_from_file(path.encode(), mp)
+    if not model:
+        from matrix.errors import UserError
+
+        raise UserError(f"{path}: llama.cpp could not load this GGUF")
+    return model, lc.llama_model_get_vocab(model)
+
+
+def tokenize_with(vocab, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    """llama_tokenize; add_special adds BOS/EOS only where the GGUF says the model wants them."""
+    import llama_cpp as lc
+
+    raw = text.encode()
+    buf = (lc.llama_token * (len(raw) + 8))()
+    n = lc.llama_tokenize(vocab, raw, len(raw), buf, len(buf), add_special, parse_special)
+    if n < 0:
+        buf = (lc.llama_token * (-n))()
+        n = lc.llama_tokenize(vocab, raw, len(raw), buf, len(buf), add_special, parse_special)
+    return list(buf[:n])
+
+
+KV_TYPES = {"f16": "GGML_TYPE_F16", "f32": "GGML_TYPE_F32", "q8_0": "GGML_TYPE_Q8_0"}
+DEFAULTS = {"n_batch": 2048, "n_ubatch": 512, "kv_cache": "f16"}  # llama.cpp's own defaults
+
+
+class LlamaCppBackend(Backend):
+    engine = "llamacpp"
+    dtypes = frozenset(FLOAT_TYPES) | frozenset(QUANT_TYPES)
+    attention = frozenset({"default", "flash_attn", "eager"})  # eager = flash attention off
+    devices = frozenset({"cpu", "cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm",
+                         "apple-m1", "apple-m2", "apple-m3", "apple-m4", "mps"})
+    options = frozenset({"kv_cache", "n_batch", "n_ubatch"})
+    logits_dtype = {d: "fp32" for d in dtypes}
+    has_own_tokenizer = True
+
+    def load(self) -> None:
+        import llama_cpp
+
+        from backends import gguf_build
+
+        self._lc = lc = llama_cpp
+        opts = {**DEFAULTS, **(self.cell.get("options") or {})}
+        self.n_batch, self.n_ubatch, self.kv_cache = opts["n_batch"], opts["n_ubatch"], opts["kv_cache"]
+        src = self.cell.get("source") or {}
+        self.artifact = gguf_build.build_for(
+            self.cell["dtype"], self.model_dir, self.cell.get("weights_sha256"), self.threads,
+            original=src.get("gguf"), original_quant=src.get("quant"))
+        quiet_logs()
+        lc.llama_backend_init()
+        mp = lc.llama_model_default_params()
+        mp.n_gpu_layers = 0 if self.cell["device"] == "cpu" else 999
+        # The AMX extra buffer types segfaulted on Q8_0/Q4_K_M on the dev VMs; the plain CPU path is used.
+        mp.use_extra_bufts = False
+        self.model = lc.llama_model_load_from_file(self.artifact["path"].encode(), mp)
+        if not self.model:
+            from matrix.errors import UserError
+
+            raise UserError(f"{self.artifact['path']}: llama.cpp could not load this GGUF")
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        self._n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.tensor_types = gguf_build.tensor_types(self.artifact["path"])
+
+    def vocab_size(self) -> int:
+        return self._n_vocab
+
+    def _flash(self) -> int:
+        lc = self._lc
+        return {"default": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "flash_attn": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                "eager": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}[self.cell["attention"]]
+
+    def settings(self) -> dict[str, Any]:
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+        return {
+            "dtype": self.cell["dtype"], "gguf_tensor_types": self.tensor_types,
+            "n_batch": self.n_batch, "n_ubatch": self.n_ubatch, "kv_cache": self.kv_cache,
+            "n_ctx": "prompt length", "flash_attn": self.cell["attention"], "threads": self.threads,
+            "fresh_context_per_prompt": True, "use_extra_bufts": False,
+            "n_gpu_layers": 0 if self.cell["device"] == "cpu" else 999,
+            "system_info": info, "machine": platform.machine(),
+            "artifact": self.artifact,
+            "versions": {"llama_cpp_python": llama_cpp.__version__, "numpy": np.__version__},
+        }
+
+    def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
+        lc = self._lc
+        n = len(token_ids)
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = n
+        cp.n_batch = min(self.n_batch, max(n, 1))
+        cp.n_ubatch = min(self.n_ubatch, cp.n_batch)
+        cp.n_seq_max = 1
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.type_k = cp.type_v = getattr(lc, KV_TYPES[self.kv_cache])
+        cp.flash_attn_type = self._flash()
+        cp.no_perf = True
+        ctx = lc.llama_init_from_model(self.model, cp)  # fresh context: nothing cached
+        if not ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        want = {p: i for i, p in enumerate(positions)}
+        out = np.empty((len(positions), self._n_vocab), dtype=np.float32)  # (rows, vocab)
+        batch = lc.llama_batch_init(cp.n_batch, 0, 1)
+        try:
+            for start in range(0, n, cp.n_batch):
+                chunk = token_ids[start:start + cp.n_batch]
+                batch.n_tokens = len(chunk)
+                for j, tok in enumerate(chunk):
+                    batch.token[j] = tok
+                    batch.pos[j] = start + j
+                    batch.n_seq_id[j] = 1
+                    batch.seq_id[j][0] = 0
+                    batch.logits[j] = (start + j) in want
+                rc = lc.llama_decode(ctx, batch)
+                if rc != 0:
+                    raise RuntimeError(f"llama_decode returned {rc} at positions {start}..{start + len(chunk) - 1}")
+                for j in range(len(chunk)):
+                    if (start + j) in want:
+                        ptr = lc.llama_get_logits_ith(ctx, j)
+                        out[want[start + j]] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        finally:
+            lc.llama_batch_free(batch)
+            lc.llama_free(ctx)
+        return out
+
+    def tokenize(self, text: str) -> list[int]:
+        """llama.cpp's own tokenizer as llama-cpp-python calls it by default (add_bos per the GGUF)."""
+        return tokenize_with(self.vocab, text, True, True)
+
+    def special_tokens(self) -> dict[str, Any]:
+        lc = self._lc
+        return {"bos": lc.llama_vocab_bos(self.vocab), "eos": lc.llama_vocab_eos(self.vocab),
+                "add_bos": bool(lc.llama_vocab_get_add_bos(self.vocab))}
+
+    def close(self) -> None:
+        if getattr(self, "model", None):
+            self._lc.llama_model_free(self.model)
+            self.model = None

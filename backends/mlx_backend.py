@@ -1,0 +1,131 @@
+"""MLX backend (mlx + mlx-lm; `mlx[cpu]` on Linux, Metal on Apple Silicon).
+
+The model is called directly on the whole id sequence (mlx-lm's generate keeps
+only the last position), then the sampled rows are taken:
+
+    logits = model(ids[None])   # (1, T, vocab), in the activations' dtype
+    rows   = logits[0, positions]  # (rows, vocab); row p predicts t(p+1)
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from backends.base import Backend
+from matrix.errors import OracleError, UserError
+
+# dtype -> (weights dtype for mlx_lm.convert, quantisation bits or None). Group size 64, affine.
+MLX_DTYPES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "f16": ("float16", None),
+              "q8_g64": ("bfloat16", 8), "q4_g64": ("bfloat16", 4)}
+GROUP_SIZE = 64
+
+
+def fix_rope_theta(config_path: Path) -> float | None:
+    """mlx-lm reads a top-level rope_theta; transformers 5 writes rope_parameters.rope_theta.
+
+    Without the key mlx-lm silently uses 10000 and every logit is wrong. Returns the value set.
+    """
+    cfg = json.loads(config_path.read_text())
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if "rope_theta" not in cfg and theta is not None:
+        cfg["rope_theta"] = theta
+        config_path.write_text(json.dumps(cfg, indent=1))
+        return theta
+    return None
+
+
+def convert(hf_dir: str, weights_sha256: str | None, dtype: str) -> dict[str, Any]:
+    import mlx_lm
+
+    from backends.artifacts import ensure
+
+    wdtype, bits = MLX_DTYPES[dtype]
+    recipe = {"tool": "mlx_lm.convert", "mlx_lm": mlx_lm.__version__, "source": hf_dir,
+              "source_weights_sha256": weights_sha256, "dtype": wdtype, "q_bits": bits,
+              "q_group_size": GROUP_SIZE if bits else None, "q_mode": "affine" if bits else None,
+              "rope_theta_fix": True}
+
+    def build(tmp: Path) -> None:
+        from mlx_lm import convert as mlx_convert
+
+        try:
+            mlx_convert(hf_dir, str(tmp), quantize=bits is not None, q_bits=bits,
+                        q_group_size=GROUP_SIZE if bits else None, dtype=wdtype)
+        except (ValueError, KeyError, ImportError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(f"{hf_dir}: mlx_lm cannot convert this model: {str(e).splitlines()[0]}") from None
+        fix_rope_theta(tmp / "config.json")
+
+    return ensure("mlx", f"mlx-{dtype}", recipe, build)
+
+
+class MLXBackend(Backend):
+    engine = "mlx"
+    dtypes = frozenset(MLX_DTYPES)
+    attention = frozenset({"default"})
+    devices = frozenset({"cpu", "apple-m1", "apple-m2", "apple-m3", "apple-m4", "mps"})
+    logits_dtype = {"fp32": "fp32", "bf16": "bf16", "f16": "f16", "q8_g64": "bf16", "q4_g64": "bf16"}
+    has_own_tokenizer = True
+
+    def load(self) -> None:
+        import mlx.core as mx
+        from mlx_lm import load
+
+        self._mx = mx
+        if self.cell["device"] == "cpu":
+            mx.set_default_device(mx.cpu)
+        self.artifact = convert(self.model_dir, self.cell.get("weights_sha256"), self.cell["dtype"])
+        self.model, self.tokenizer = load(self.artifact["path"])
+        self._check_rope()
+        cfg = json.loads((Path(self.artifact["path"]) / "config.json").read_text())
+        self._vocab = int(cfg["vocab_size"])
+
+    def _check_rope(self) -> None:
+        """The loaded model must use the checkpoint's rope base (see fix_rope_theta)."""
+        cfg = json.loads((Path(self.model_dir) / "config.json").read_text())
+        want = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
+        got = getattr(getattr(self.model, "args", None), "rope_theta", None)
+        if want is not None and got is not None and float(got) != float(want):
+            raise OracleError(f"{self.artifact['path']}: mlx-lm loaded rope_theta={got}, the checkpoint "
+                              f"says {want}; refusing to run (logits would be silently wrong)")
+
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def settings(self) -> dict[str, Any]:
+        import mlx.core as mx
+        import mlx_lm
+
+        return {
+            "dtype": self.cell["dtype"], "weights_dtype": MLX_DTYPES[self.cell["dtype"]][0],
+            "q_bits": MLX_DTYPES[self.cell["dtype"]][1], "q_group_size": GROUP_SIZE,
+            "device": str(mx.default_device()), "rope_theta": getattr(self.model.args, "rope_theta", None),
+            "threads": self.threads, "machine": platform.machine(), "artifact": self.artifact,
+            "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "numpy": np.__version__},
+        }
+
+    def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
+        mx = self._mx
+        logits = self.model(mx.array([token_ids]))  # (1, T, vocab)
+        rows = logits[0, mx.array(positions)]  # (rows, vocab)
+        mx.eval(rows)
+        if rows.dtype == mx.bfloat16:
+            return np.array(rows.view(mx.uint16))  # raw bf16 bits
+        if rows.dtype == mx.float16:
+            return np.array(rows).astype(np.float16, copy=False)
+        return np.array(rows.astype(mx.float32))
+
+    def tokenize(self, text: str) -> list[int]:
+        """mlx-lm's tokenizer wrapper, default call (special tokens as its HF tokenizer adds them)."""
+        return list(self.tokenizer.encode(text))
+
+    def special_tokens(self) -> dict[str, Any]:
+        t = self.tokenizer
+        return {"bos": t.bos_token_id, "eos": t.eos_token_id,
+                "add_bos": bool(getattr(t._tokenizer, "add_bos_token", False))}

@@ -1,0 +1,18 @@
+"""Numbered warehouse migrations. Each takes the warehouse root and moves it up one version.
+
+Only additive changes are allowed (new tables, new nullable columns): readers
+use union_by_name, so files written by older versions stay valid as they are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def m002_tokenizer_parity(root: Path) -> None:
+    """v2: table tokenizer_parity; cells gain options, artifact*, tokenizer_parity, engine_vocab_size."""
+    (root / "tokenizer_parity").mkdir(exist_ok=True)
+
+
+# target version -> migration
+MIGRATIONS = {2: m002_tokenizer_parity}
