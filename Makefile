@@ -7,6 +7,12 @@ STAMP := $(VENV)/.installed
 # CPU wheel for the dev/CI box. On a GPU box install your own torch into the
 # venv first; the step below then leaves it alone.
 TORCH_SPEC ?= torch==2.13.0
+# llama-cpp-python has no wheel for this box and builds from source (~10 min on 2 cores;
+# pip caches the wheel). -march=native segfaulted in the AMX path on quantised models on
+# the dev VMs, so the build targets plain AVX2. On a GPU box: LLAMA_CMAKE_ARGS="-DGGML_CUDA=on"
+# (and `pip install --no-cache-dir`, since pip's wheel cache does not key on CMAKE_ARGS).
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+EXTRAS ?= hf,llamacpp,mlx,test
 export RAY_AUTH_MODE ?= disabled
 
 .PHONY: venv demo test bench clean-warehouse
@@ -17,7 +23,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[hf,test]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 demo: $(STAMP)

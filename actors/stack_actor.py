@@ -61,7 +61,7 @@ class StackActor:
                 stride: int) -> dict[str, Any]:
         """One teacher-forced prefill per prompt; the shard is written here, not returned."""
         return capture_shard(self.backend, self.warehouse, run_id, self.cell["cell_id"], repeat,
-                             prompts, stride)
+                             prompts, stride, self.cell.get("max_tokens"))
 
     def close(self) -> None:
         self.backend.close()

@@ -13,8 +13,12 @@ from store.warehouse import ShardWriter
 
 
 def capture_shard(backend: Backend, warehouse: str, run_id: str, cell_id: str, repeat: int,
-                  prompts: list[tuple[str, list[int]]], stride: int) -> dict[str, Any]:
-    """Write logits/<cell_id>/r<repeat>.parquet; returns a small manifest (no arrays)."""
+                  prompts: list[tuple[str, list[int]]], stride: int,
+                  max_tokens: int | None = None) -> dict[str, Any]:
+    """Write logits/<cell_id>/r<repeat>.parquet; returns a small manifest (no arrays).
+
+    max_tokens: keep only the sampled positions below it and feed just the prefix they
+    need; logits at p depend on ids[0..p] only, so those rows mean what the full run's do."""
     t0 = time.perf_counter()
     forward_s = 0.0
     writer = ShardWriter(warehouse, run_id, cell_id, repeat)
@@ -22,6 +26,9 @@ def capture_shard(backend: Backend, warehouse: str, run_id: str, cell_id: str, r
         dtype = None
         for prompt_id, ids in prompts:
             positions = sampled_positions(len(ids), stride)
+            if max_tokens is not None:
+                positions = [p for p in positions if p < max_tokens]
+                ids = ids[:positions[-1] + 1]
             # Row p holds the prediction for ids[p + 1]; the last row has no next token.
             next_ids = [ids[p + 1] if p + 1 < len(ids) else None for p in positions]
             tf = time.perf_counter()

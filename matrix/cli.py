@@ -33,7 +33,7 @@ def cmd_cells(args) -> int:
     from matrix.spec import load_spec
 
     spec = load_spec(args.spec)
-    cells = [{**c.axes(), "threads": c.threads, "options": c.opts, "cell_id": c.cell_id,
+    cells = [{**c.axes(), "threads": c.threads, "options": c.opts, "max_tokens": c.max_tokens, "cell_id": c.cell_id,
               "reference": c.cell_id in spec.reference_cells.values()} for c in spec.cells]
     if args.json:
         emit_json({"spec": str(spec.path), "cells": cells, "skipped": spec.skipped,

@@ -160,7 +160,7 @@ def _cell_row(plan: Plan, cell: Cell, run_id: str, loaded: dict, wh: Warehouse, 
         "artifact": art.get("path"), "artifact_sha256": art.get("sha256"),
         "artifact_recipe": json.dumps(art.get("recipe"), sort_keys=True) if art else None,
         "tokenizer_parity": parity["status"] if parity else "not_checked",
-        "options": json.dumps(cell.opts, sort_keys=True),
+        "options": json.dumps(cell.opts, sort_keys=True), "max_tokens": cell.max_tokens,
         "settings": json.dumps(loaded["settings"], sort_keys=True),
         "versions": json.dumps(loaded["versions"], sort_keys=True),
         "host": loaded["host"], "node_id": loaded["node_id"], "load_seconds": loaded["load_seconds"],
@@ -216,7 +216,7 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
             if cell.device != "cpu":
                 opts["num_gpus"] = cell.tp
             model = plan.models[cell.model]
-            desc = {**cell.axes(), "cell_id": cell.cell_id, "options": cell.opts,
+            desc = {**cell.axes(), "cell_id": cell.cell_id, "options": cell.opts, "max_tokens": cell.max_tokens,
                     "weights_sha256": model.weights_sha256,
                     "source": {"gguf": model.gguf_path, "quant": model.gguf_quant}}
             actor = StackActor.options(**opts).remote(desc, model.hf_dir, threads, str(wh.root))

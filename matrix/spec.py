@@ -25,13 +25,13 @@ DEFAULT_STRIDE = 32
 BOS_POLICIES = ("tokenizer", "always", "never")
 TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
             "devices", "include", "exclude", "reference", "stride", "repeats",
-            "corpus", "bos", "threads", "options"}
+            "corpus", "bos", "threads", "options", "max_tokens"}
 MODEL_KEYS = {"name", "catalog", "path", "hub", "gguf", "revision"}
 # Engine options that change the arithmetic. Defaults go under top-level `options:`;
 # include entries may set them per cell. A backend lists the ones it takes.
 OPTION_KEYS = {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": int}
 # Non-axis keys an include entry may add to a cell.
-CELL_EXTRA_KEYS = {"threads"} | set(OPTION_KEYS)
+CELL_EXTRA_KEYS = {"threads", "max_tokens"} | set(OPTION_KEYS)
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ class Cell:
     device: str
     threads: int | None
     cell_id: str
+    # Feed only a prefix of each prompt (for slow stacks). Causal attention makes the
+    # rows it keeps identical in meaning to the full run's rows at the same positions.
+    max_tokens: int | None = None
     options: tuple = ()  # sorted (key, value) pairs the engine takes
 
     @property
@@ -89,6 +92,7 @@ class Spec:
     bos: str
     threads: int | None
     options: dict = field(default_factory=dict)
+    max_tokens: int | None = None
     raw_text: str = ""
     cells: list[Cell] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
@@ -189,7 +193,7 @@ def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool)
     for k, v in entry.items():
         if k in names.CELL_AXES:
             out[k] = _check_axis_value(path, f"{fld}.{k}", k, v, models)
-        elif extra_ok and k == "threads":
+        elif extra_ok and k in ("threads", "max_tokens"):
             out[k] = _check_threads(path, f"{fld}.{k}", v)
         elif extra_ok and k in OPTION_KEYS:
             out[k] = _check_option(path, f"{fld}.{k}", k, v)
@@ -304,6 +308,7 @@ def load_spec(spec_path: str | os.PathLike) -> Spec:
                 exclude=exclude, reference=reference, stride=_int(path, data, "stride", DEFAULT_STRIDE),
                 repeats=_int(path, data, "repeats", 1), corpus=corpus, bos=bos,
                 threads=_check_threads(path, "threads", data.get("threads")), options=options,
+                max_tokens=_check_threads(path, "max_tokens", data.get("max_tokens")),
                 raw_text=text)
     expand(spec)
     return spec
@@ -371,6 +376,8 @@ def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str) -> str:
            "bos": spec.bos, "corpus": corpus_fp}
     if opts:  # only when set, so cells without options keep their ids
         key["options"] = opts
+    if combo.get("max_tokens", spec.max_tokens):
+        key["max_tokens"] = combo.get("max_tokens", spec.max_tokens)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     return (f"{combo['model']}.{combo['engine']}.{combo['dtype']}.{combo['attention']}"
             f".tp{combo['tp']}.{combo['device']}-{digest}")
@@ -389,6 +396,7 @@ def expand(spec: Spec) -> None:
         seen.add(cid)
         cell = Cell(**{k: combo[k] for k in names.CELL_AXES},
                     threads=combo.get("threads", spec.threads), cell_id=cid,
+                    max_tokens=combo.get("max_tokens", spec.max_tokens),
                     options=tuple(opts.items()))
         reason = unsupported_reason(cell)
         if reason is None and foreign:

@@ -42,7 +42,8 @@ CELLS = pa.schema([
     ("status", pa.string()),  # done | skipped
     ("skip_reason", pa.string()), ("bit_reproducible", pa.bool_()),
     ("repeats", pa.int32()), ("rows_per_repeat", pa.int32()), ("n_prompts", pa.int32()),
-    ("stride", pa.int32()), ("threads", pa.int32()), ("corpus", pa.string()), ("bos_policy", pa.string()),
+    ("stride", pa.int32()), ("max_tokens", pa.int32()),  # null: whole prompts
+    ("threads", pa.int32()), ("corpus", pa.string()), ("bos_policy", pa.string()),
     ("is_reference", pa.bool_()), ("reference_cell_id", pa.string()),
     ("model_identity", pa.string()), ("model_source", pa.string()),
     ("source_sha256", pa.string()), ("weights_sha256", pa.string()),

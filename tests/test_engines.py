@@ -1,0 +1,183 @@
+"""llama.cpp and MLX stacks on the full real SmolLM2 weights, in-process, against HF."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from backends.base import SkipCell, sampled_positions
+from matrix.errors import OracleError, UserError
+
+llama_cpp = pytest.importorskip("llama_cpp")
+mlx_lm = pytest.importorskip("mlx_lm")
+
+STRIDE = 8
+
+
+def kl_rows(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    """Mean over rows of KL(P || Q), float64 log_softmax."""
+    p = p_logits.astype(np.float64)
+    q = q_logits.astype(np.float64)
+    lp = p - np.logaddexp.reduce(p, axis=-1, keepdims=True)  # (rows, vocab)
+    lq = q - np.logaddexp.reduce(q, axis=-1, keepdims=True)
+    return float(np.mean(np.sum(np.exp(lp) * (lp - lq), axis=-1)))
+
+
+@pytest.fixture(scope="module")
+def prompts(reference_model, short_corpus):
+    import transformers
+
+    from matrix.corpus import tokenize
+
+    tok = transformers.AutoTokenizer.from_pretrained(reference_model.hf_dir)
+    return tokenize(str(short_corpus), "smollm2-135m", tok, "tokenizer")
+
+
+def run_all(be, prompts) -> np.ndarray:
+    rows = [be.forward(p.token_ids, sampled_positions(len(p.token_ids), STRIDE)) for p in prompts]
+    return np.concatenate(rows)  # (rows, vocab)
+
+
+@pytest.fixture(scope="module")
+def hf_fp32(reference_model, prompts):
+    from backends.hf_backend import HFBackend
+
+    be = HFBackend({"dtype": "fp32", "attention": "sdpa", "device": "cpu"}, reference_model.hf_dir, 2)
+    be.load()
+    return run_all(be, prompts)
+
+
+def llama(reference_model, dtype, **opts):
+    from backends.llamacpp_backend import LlamaCppBackend
+
+    be = LlamaCppBackend({"dtype": dtype, "attention": "default", "device": "cpu", "options": opts,
+                          "weights_sha256": reference_model.weights_sha256,
+                          "source": {"gguf": reference_model.gguf_path, "quant": reference_model.gguf_quant}},
+                         reference_model.hf_dir, 2)
+    be.load()
+    return be
+
+
+def test_llamacpp_f32_matches_hf_fp32(reference_model, prompts, hf_fp32):
+    be = llama(reference_model, "fp32", kv_cache="f32")
+    got = run_all(be, prompts)
+    assert got.shape == hf_fp32.shape and got.dtype == np.float32
+    diff = float(np.max(np.abs(got - hf_fp32)))
+    assert diff < 0.1, diff  # ~2e-2 measured: different kernels, same weights
+    assert np.array_equal(got.argmax(-1), hf_fp32.argmax(-1))  # top-1 agreement 100%
+    assert np.array_equal(got, run_all(be, prompts))  # fresh context per prompt: bit-reproducible
+    assert be.settings()["gguf_tensor_types"] == {"F32": 272}
+    s = be.settings()
+    assert s["kv_cache"] == "f32" and s["n_ubatch"] == 512 and "AVX2 = 1" in s["system_info"]
+    assert len(s["artifact"]["sha256"]) == 64
+
+
+def test_quant_ladder_is_ordered_by_kl(reference_model, prompts, hf_fp32):
+    kls = {d: kl_rows(hf_fp32, run_all(llama(reference_model, d), prompts))
+           for d in ("f16", "q8_0", "q4_k_m", "q4_0")}
+    assert kls["f16"] < kls["q8_0"] < kls["q4_k_m"] < kls["q4_0"], kls
+    assert kls["f16"] < 1e-4 and kls["q4_0"] < 2.0, kls
+
+
+@pytest.mark.parametrize("dtype, primary", [("q2_k", "Q2_K"), ("q3_k_m", "Q3_K")])
+def test_k_quants_the_shapes_do_not_allow_are_skipped(reference_model, dtype, primary):
+    # hidden size 576 is not a multiple of 256: llama.cpp would substitute other types for every such tensor
+    with pytest.raises(SkipCell, match=rf"do not allow {dtype}: llama.cpp stored no tensor as {primary}"):
+        llama(reference_model, dtype)
+
+
+def test_shipped_q4_1_file_is_its_own_stack(reference_model, prompts, hf_fp32):
+    be = llama(reference_model, "q4_1")
+    assert be.artifact["path"] == reference_model.gguf_path
+    assert be.artifact["sha256"] == reference_model.source_sha256
+    # the reference weights were dequantised from this very file: it is close to them
+    assert kl_rows(hf_fp32, run_all(be, prompts)) < 0.01
+
+
+# MLX on Linux runs on the CPU with reference BLAS and its own quantised kernels
+# (~2 GFLOP/s dense, ~1.4 s per token quantised, measured here): the MLX tests feed
+# prefixes. Logits at p depend on ids[0..p] only, so prefix rows compare exactly.
+def _prefix_rows(prompts, n, which=None):
+    """[(ids prefix, positions)] for prompts[which], and their row indices in run_all(prompts)."""
+    out, index, offset = [], [], 0
+    for k, p in enumerate(prompts):
+        pos = sampled_positions(len(p.token_ids), STRIDE)
+        if which is None or k in which:
+            keep = [i for i, q in enumerate(pos) if q < n]
+            out.append((p.token_ids[:pos[keep[-1]] + 1], [pos[i] for i in keep]))
+            index += [offset + i for i in keep]
+        offset += len(pos)
+    return out, index
+
+
+def _mlx(reference_model, dtype):
+    from backends.mlx_backend import MLXBackend
+
+    be = MLXBackend({"dtype": dtype, "attention": "default", "device": "cpu",
+                     "weights_sha256": reference_model.weights_sha256}, reference_model.hf_dir, 2)
+    be.load()
+    return be
+
+
+def test_mlx_fp32_matches_hf_fp32_and_quants_move_away(reference_model, prompts, hf_fp32):
+    from store.warehouse import widen
+
+    plan, index = _prefix_rows(prompts, 49)
+    ref = hf_fp32[index]  # (rows, vocab)
+    fp32 = np.concatenate([_mlx(reference_model, "fp32").forward(i, q) for i, q in plan])
+    assert float(np.max(np.abs(fp32 - ref))) <= 1e-3
+    bf16 = _mlx(reference_model, "bf16").forward(*plan[3])
+    assert bf16.dtype == np.uint16  # native bf16 bits, stored as such
+    short, sidx = _prefix_rows(prompts, 17, which={3})  # the code prompt, positions 0, 8, 16
+    kls = [kl_rows(hf_fp32[sidx], widen(_mlx(reference_model, d).forward(*short[0])))
+           for d in ("q8_g64", "q4_g64")]
+    assert 0 < kls[0] < kls[1] < 2.0, kls
+
+
+def test_mlx_rope_theta_trap_is_caught(reference_model, prompts, hf_fp32, tmp_path):
+    """Without a top-level rope_theta mlx-lm silently uses 10000: the logits go wrong."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from backends.mlx_backend import MLXBackend, convert, fix_rope_theta
+
+    art = convert(reference_model.hf_dir, reference_model.weights_sha256, "fp32")
+    broken = tmp_path / "mlx-no-rope-theta"
+    shutil.copytree(art["path"], broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    assert cfg["rope_theta"] == 100000  # our conversion set it
+    del cfg["rope_theta"]
+    (broken / "config.json").write_text(json.dumps(cfg))
+    model, _ = load(str(broken))
+    assert model.args.rope_theta == 10000  # the trap
+    plan, index = _prefix_rows(prompts, 65, which={1})  # prose: positions 0..64
+    ref = hf_fp32[index]
+    ids, pos = plan[0]
+    wrong = np.array(model(mx.array([ids]))[0, mx.array(pos)])
+    assert float(np.max(np.abs(wrong - ref))) > 1.0  # silently wrong
+
+    # the backend refuses such a directory instead of capturing wrong logits
+    be = MLXBackend({"dtype": "fp32", "attention": "default", "device": "cpu"}, reference_model.hf_dir, 2)
+    be.artifact, be.model = {"path": str(broken)}, model
+    with pytest.raises(OracleError, match="rope_theta=10000"):
+        be._check_rope()
+    # and the fix restores it
+    assert fix_rope_theta(broken / "config.json") == 100000
+    fixed, _ = load(str(broken))
+    right = np.array(fixed(mx.array([ids]))[0, mx.array(pos)])
+    assert float(np.max(np.abs(right - ref))) <= 1e-3
+
+
+def test_mlx_unsupported_architecture_is_a_clear_error(tiny_model, tmp_path):
+    from backends.mlx_backend import convert
+
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_model, odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg["model_type"] = "no_such_arch"
+    (odd / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="mlx_lm cannot convert this model"):
+        convert(str(odd), None, "fp32")
