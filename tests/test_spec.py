@@ -23,10 +23,14 @@ BASE = {"models": ["smollm2-135m"], "engines": ["hf"], "dtypes": ["fp32", "bf16"
         "attention": ["eager", "sdpa"]}
 
 
-def test_smoke_spec_expands_to_four_cells_with_bf16_eager_reference():
+def test_smoke_spec_covers_hf_llamacpp_mlx_with_bf16_eager_reference():
     spec = load_spec(REPO / "configs" / "smoke.yaml")
-    assert [(c.dtype, c.attention) for c in spec.cells] == [
-        ("fp32", "eager"), ("fp32", "sdpa"), ("bf16", "eager"), ("bf16", "sdpa")]
+    assert [(c.engine, c.dtype, c.attention) for c in spec.cells] == [
+        ("hf", "fp32", "eager"), ("hf", "fp32", "sdpa"), ("hf", "bf16", "eager"), ("hf", "bf16", "sdpa"),
+        ("llamacpp", "f16", "default"), ("llamacpp", "q8_0", "default"), ("llamacpp", "q4_k_m", "default"),
+        ("llamacpp", "q4_1", "default"), ("mlx", "bf16", "default"), ("mlx", "q8_g64", "default"),
+        ("mlx", "q4_g64", "default")]
+    assert {c.max_tokens for c in spec.cells if c.engine != "mlx"} == {None}
     assert spec.repeats == 2 and spec.stride == 32
     ref = spec.reference_cells["smollm2-135m"]
     assert ref.startswith("smollm2-135m.hf.bf16.eager.tp1.cpu-")
@@ -49,6 +53,24 @@ def test_include_exclude_follow_github_actions_semantics(tmp_path):
     spec = load_spec(spec_file(tmp_path, body))
     got = {(c.dtype, c.attention, c.threads) for c in spec.cells}
     assert got == {("fp32", "eager", None), ("bf16", "eager", 1), ("bf16", "sdpa", 1), ("f16", "eager", None)}
+
+
+def test_engine_options_and_max_tokens(tmp_path):
+    body = {**BASE, "dtypes": ["fp32"], "attention": ["eager"], "options": {"n_ubatch": 256},
+            "include": [{"engine": "llamacpp", "dtype": "fp32", "attention": "default", "kv_cache": "f32"},
+                        {"engine": "llamacpp", "dtype": "q8_0", "attention": "default"},
+                        {"engine": "mlx", "dtype": "q4_g64", "attention": "default", "max_tokens": 9},
+                        {"engine": "hf", "dtype": "bf16", "attention": "eager", "kv_cache": "f32"}]}
+    spec = load_spec(spec_file(tmp_path, body))
+    by = {(c.engine, c.dtype): c for c in spec.cells}
+    assert by[("llamacpp", "fp32")].opts == {"kv_cache": "f32", "n_ubatch": 256}
+    assert by[("llamacpp", "q8_0")].opts == {"n_ubatch": 256}
+    assert by[("hf", "fp32")].opts == {}  # defaults only reach engines that take them
+    assert by[("mlx", "q4_g64")].max_tokens == 9
+    assert [s["reason"] for s in spec.skipped] == ["engine hf takes no option kv_cache"]
+    # an option changes the rows, so it changes the id
+    plain = load_spec(spec_file(tmp_path, {**body, "options": {}}, "b.yaml"))
+    assert {c.cell_id for c in plain.cells} ^ {c.cell_id for c in spec.cells} != set()
 
 
 def test_unrunnable_combinations_are_skipped_with_a_reason(tmp_path):
@@ -80,6 +102,8 @@ def test_cells_json_lists_cells_and_skipped(tmp_path):
     ({**BASE, "stride": 0}, "stride: must be a positive integer"),
     ({**BASE, "exclude": [{"dtype": "q9"}]}, "exclude[0].dtype: unknown dtype"),
     ({**BASE, "reference": {"dtype": "f16"}}, "reference: matches no cell"),
+    ({**BASE, "options": {"kv_cache": "f8"}}, "options.kv_cache: expected one of f16, f32, q8_0"),
+    ({**BASE, "include": [{"engine": "llamacpp", "dtype": "q9_k"}]}, "include[0].dtype: unknown dtype"),
 ])
 def test_bad_spec_is_one_line_exit_2_naming_file_field_value(tmp_path, body, needle):
     path = spec_file(tmp_path, body)

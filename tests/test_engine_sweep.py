@@ -1,0 +1,127 @@
+"""A cross-engine sweep on a real local Ray cluster: HF, llama.cpp and MLX on the truncated real model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from matrix.models import sha256_file
+from tests.conftest import run_cli, write_spec
+from tests.test_run import sql
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("mlx_lm")
+
+
+@pytest.fixture(scope="module")
+def engines_sweep(tiny_model, short_corpus, tmp_path_factory):
+    d = tmp_path_factory.mktemp("engines")
+    spec = write_spec(
+        d / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        include=[{"engine": "llamacpp", "dtype": "fp32", "attention": "default", "kv_cache": "f32"},
+                 {"engine": "llamacpp", "dtype": "q8_0", "attention": "default"},
+                 {"engine": "llamacpp", "dtype": "q2_k", "attention": "default"},
+                 {"engine": "mlx", "dtype": "fp32", "attention": "default", "max_tokens": 33},
+                 {"engine": "mlx", "dtype": "q4_g64", "attention": "default", "max_tokens": 17}])
+    wh = d / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return wh, json.loads(r.stdout), r.stderr
+
+
+def test_cells_done_skipped_and_rows_add_up(engines_sweep):
+    wh, summary, log = engines_sweep
+    cells = {(c["engine"], c["dtype"]): c for c in sql(wh, "select * from cells")}
+    assert set(cells) == {("hf", "fp32"), ("llamacpp", "fp32"), ("llamacpp", "q8_0"), ("llamacpp", "q2_k"),
+                          ("mlx", "fp32"), ("mlx", "q4_g64")}
+    skipped = cells[("llamacpp", "q2_k")]
+    assert skipped["status"] == "skipped" and "stored no tensor as Q2_K" in skipped["skip_reason"]
+    assert "skipped: the tensor shapes do not allow q2_k" in log
+    done = [c for c in cells.values() if c["status"] == "done"]
+    assert len(done) == 5 and all(c["bit_reproducible"] is not None for c in done)
+    n = sql(wh, "select count(*) as n from logits")[0]["n"]
+    assert n == sum(c["repeats"] * c["rows_per_repeat"] for c in done) == summary["rows_written"]
+
+
+def test_prefix_cells_capture_a_subset_of_the_reference_rows(engines_sweep):
+    wh, _, _ = engines_sweep
+    extra = sql(wh, """
+        select l.prompt_id, l.position from logits l join cells c using (cell_id)
+        where c.engine = 'mlx' and c.dtype = 'fp32'
+        except select l.prompt_id, l.position from logits l join cells c using (cell_id) where c.engine = 'hf'""")
+    assert extra == []
+    pos = {r["position"] for r in sql(wh, "select distinct position from logits l join cells c using (cell_id) "
+                                          "where c.engine = 'mlx' and c.dtype = 'fp32'")}
+    assert 0 in pos and 32 in pos and max(pos) == 32  # stride 16, prefix of 33 tokens
+
+
+def test_artifacts_are_recorded_with_their_sha256(engines_sweep):
+    wh, _, _ = engines_sweep
+    for c in sql(wh, "select engine, dtype, artifact, artifact_sha256, artifact_recipe, settings from cells "
+                     "where status = 'done' and engine <> 'hf'"):
+        recipe = json.loads(c["artifact_recipe"])
+        assert len(c["artifact_sha256"]) == 64
+        if c["engine"] == "llamacpp":
+            assert sha256_file(Path(c["artifact"])) == c["artifact_sha256"]
+            assert recipe["tool"] in ("convert_hf_to_gguf.py", "llama_model_quantize")
+            settings = json.loads(c["settings"])
+            assert settings["kv_cache"] == ("f32" if c["dtype"] == "fp32" else "f16")
+            assert "AVX2" in settings["system_info"]
+        else:
+            assert recipe["tool"] == "mlx_lm.convert" and recipe["rope_theta_fix"] is True
+
+
+def test_tokenizer_parity_is_recorded_per_cell_and_prompt(engines_sweep):
+    wh, _, _ = engines_sweep
+    rows = sql(wh, "select p.cell_id, p.prompt_id, p.match, p.diagnosis, c.engine from tokenizer_parity p "
+                   "join cells c using (cell_id)")
+    prompts = sql(wh, "select prompt_id from prompts")
+    assert len(rows) == 5 * len(prompts)
+    assert {r["engine"] for r in rows} == {"hf", "llamacpp", "mlx"}
+    # SmolLM2's tokenizer adds no BOS, and the converted GGUF / MLX copies agree with it
+    assert all(r["match"] and r["diagnosis"] == "ok" for r in rows), [r for r in rows if not r["match"]]
+    assert {c["tokenizer_parity"] for c in sql(wh, "select tokenizer_parity from cells where status='done'")} == {"ok"}
+
+
+def test_llamacpp_f32_agrees_with_hf_fp32_through_the_warehouse(engines_sweep):
+    wh, _, _ = engines_sweep
+    r = sql(wh, """
+        select max(abs(a.v - b.v)) as maxdiff, bool_and(a.top = b.top) as same_top1 from
+          (select prompt_id, position, unnest(logits) as v, generate_subscripts(logits, 1) as i,
+                  list_position(logits, list_max(logits)) as top
+           from logits join cells using (cell_id) where engine='hf' and repeat=0) a
+        join
+          (select prompt_id, position, unnest(logits) as v, generate_subscripts(logits, 1) as i,
+                  list_position(logits, list_max(logits)) as top
+           from logits join cells using (cell_id) where engine='llamacpp' and dtype='fp32' and repeat=0) b
+        using (prompt_id, position, i)""")[0]
+    assert r["maxdiff"] < 0.1 and r["same_top1"] is True
+
+
+def test_not_a_gguf_is_refused(tmp_path, short_corpus):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 this is a zip, not a GGUF")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"models: [{{gguf: {fake}}}]\nengines: [llamacpp]\ndtypes: [fp32]\n"
+                    f"attention: [default]\ncorpus: {short_corpus}\n")
+    r = run_cli("run", str(spec), "--warehouse", str(tmp_path / "wh"))
+    assert r.returncode == 2 and "not a GGUF file" in r.stderr and str(fake) in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_tokenizer_larger_than_the_model_vocab_is_refused(tiny_model, short_corpus, tmp_path):
+    import shutil
+
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_model, odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg["vocab_size"] = 1000
+    (odd / "config.json").write_text(json.dumps(cfg))
+    spec = write_spec(tmp_path / "spec.yaml", odd, short_corpus, dtypes=["fp32"], attention=["eager"],
+                      reference=None)
+    r = run_cli("run", str(spec), "--warehouse", str(tmp_path / "wh"))
+    assert r.returncode == 2 and "tokenizer has 49152 tokens but the model has vocab_size 1000" in r.stderr, r.stderr
+    assert not (tmp_path / "wh").exists()
