@@ -30,6 +30,8 @@ demo: $(STAMP)
 	$(VENV)/bin/matrix models fetch smollm2-135m
 	$(VENV)/bin/matrix run configs/smoke.yaml --warehouse warehouse
 	$(VENV)/bin/matrix sql "select c.engine, c.dtype, c.attention, c.status, c.max_tokens, c.repeats, c.rows_per_repeat, c.bit_reproducible, c.tokenizer_parity, count(l.position) as rows from cells c left join logits l using (cell_id) group by all order by c.engine, c.dtype, c.attention" --warehouse warehouse
+	$(VENV)/bin/matrix analyze --warehouse warehouse
+	$(VENV)/bin/matrix report --warehouse warehouse
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
 from matrix.errors import UserError
@@ -24,7 +25,97 @@ def connect(warehouse: str) -> duckdb.DuckDBPyConnection:
             # An empty table still has its columns, so queries written in advance run.
             con.register(f"_empty_{table}", pa.table({f.name: pa.array([], f.type) for f in schema}))
             con.execute(f"CREATE VIEW {table} AS SELECT * FROM _empty_{table}")
+    register_functions(con)
+    for name, body in VIEWS.items():
+        con.execute(f"CREATE VIEW {name} AS {body}")
     return con
+
+
+# Derived views over the analysis tables (`matrix analyze` fills them). Repeat 0 is the capture;
+# other repeats only feed the resolution floor (the reference's repeat-to-repeat KL).
+VIEWS = {
+    "summary": """
+        WITH m AS (SELECT * FROM metrics WHERE repeat = 0),
+        floor AS (SELECT reference_cell_id, avg(kld) AS reference_repeat_kld FROM metrics
+                  WHERE cell_id = reference_cell_id AND repeat > 0 GROUP BY ALL)
+        SELECT c.model, m.cell_id, c.engine, c.dtype, c.attention, m.reference_cell_id,
+               m.cell_id = m.reference_cell_id AS is_reference, count(*) AS rows,
+               avg(m.kld) AS kld_mean, stddev_samp(m.kld) / sqrt(count(*)) AS kld_stderr,
+               median(m.kld) AS kld_median, quantile_cont(m.kld, 0.9) AS kld_p90,
+               quantile_cont(m.kld, 0.99) AS kld_p99, quantile_cont(m.kld, 0.999) AS kld_p999,
+               max(m.kld) AS kld_max, avg(m.kld_reverse) AS kld_reverse_mean, avg(m.js) AS js_mean,
+               avg(m.top1_match::INT) AS top1_agreement, avg(m.storage_floor) AS storage_floor,
+               coalesce(any_value(f.reference_repeat_kld), 0) AS reference_repeat_kld,
+               any_value(c.bit_reproducible) AS bit_reproducible,
+               NOT (m.cell_id = m.reference_cell_id) AND avg(m.kld) <= 3 * greatest(
+                   avg(m.storage_floor), coalesce(any_value(f.reference_repeat_kld), 0)) AS below_resolution
+        FROM m JOIN cells c ON c.cell_id = m.cell_id LEFT JOIN floor f ON f.reference_cell_id = m.reference_cell_id
+        GROUP BY c.model, m.cell_id, c.engine, c.dtype, c.attention, m.reference_cell_id""",
+    "summary_by_range": """
+        SELECT m.cell_id, r.range, r.lo, p.category, count(*) AS rows,
+               avg(m.kld) AS kld_mean, stddev_samp(m.kld) / sqrt(count(*)) AS kld_stderr,
+               median(m.kld) AS kld_median, quantile_cont(m.kld, 0.9) AS kld_p90,
+               quantile_cont(m.kld, 0.99) AS kld_p99, quantile_cont(m.kld, 0.999) AS kld_p999,
+               max(m.kld) AS kld_max, avg(m.js) AS js_mean, avg(m.top1_match::INT) AS top1_agreement
+        FROM metrics m JOIN metrics_ranges r ON m.position >= r.lo AND m.position < r.hi
+        JOIN prompts p USING (prompt_id)
+        WHERE m.repeat = 0
+        GROUP BY GROUPING SETS ((m.cell_id, r.range, r.lo), (m.cell_id, r.range, r.lo, p.category))""",
+    "disagreement_clusters": """
+        WITH m AS (SELECT cell_id, prompt_id, position, top1_match,
+                          row_number() OVER (PARTITION BY cell_id, prompt_id ORDER BY position) AS rn
+                   FROM metrics WHERE repeat = 0),
+        d AS (SELECT *, rn - row_number() OVER (PARTITION BY cell_id, prompt_id ORDER BY position) AS grp
+              FROM m WHERE NOT top1_match)
+        SELECT cell_id, prompt_id, min(position) AS start_position, max(position) AS end_position,
+               count(*) AS sampled_positions
+        FROM d GROUP BY cell_id, prompt_id, grp""",
+    "centroid_summary": """
+        SELECT c.model, m.cell_id, any_value(m.is_reference) AS is_reference, count(*) AS rows,
+               avg(m.kld_centroid_stack) AS kld_centroid_stack, avg(m.kld_stack_centroid) AS kld_stack_centroid,
+               avg(m.js_centroid) AS js_centroid,
+               rank() OVER (PARTITION BY c.model ORDER BY avg(m.kld_centroid_stack)) AS rank_closest
+        FROM centroid_metrics m JOIN cells c USING (cell_id) GROUP BY c.model, m.cell_id""",
+}
+
+
+def _rows(col) -> np.ndarray:
+    """A list<float> Arrow column -> (rows, vocab) float32."""
+    arr = col.combine_chunks() if hasattr(col, "combine_chunks") else col
+    lengths = np.diff(arr.offsets.to_numpy())
+    if len(lengths) and (lengths != lengths[0]).any():
+        raise ValueError("rows of different lengths")
+    vocab = int(lengths[0]) if len(lengths) else 0
+    start = arr.offsets[0].as_py() if len(arr) else 0
+    vals = arr.values.to_numpy(zero_copy_only=False)[start:start + vocab * len(arr)]
+    return vals.astype(np.float32, copy=False).reshape(len(arr), vocab)
+
+
+def _pair_udf(fn):
+    def udf(a, b):
+        ra, rb = _rows(a), _rows(b)
+        if ra.shape != rb.shape:
+            raise ValueError(f"logits of different shapes {ra.shape} vs {rb.shape}")
+        return pa.array(fn(ra, rb))
+    return udf
+
+
+def register_functions(con: duckdb.DuckDBPyConnection) -> None:
+    """kld(a, b) = KL(P_a || P_b), kld_reverse, js, top1(a, b) over two logits columns."""
+    from duckdb.sqltypes import BOOLEAN, DOUBLE, FLOAT
+
+    from analysis import metrics as M
+
+    lst = duckdb.list_type(FLOAT)
+    f64 = M.log_softmax64
+    fns = {
+        "kld": (lambda a, b: M.kl(f64(a), f64(b)), DOUBLE),
+        "js": (lambda a, b: M.js(f64(a), f64(b)), DOUBLE),
+        "top1": (lambda a, b: a.argmax(-1) == b.argmax(-1), BOOLEAN),
+        "cosine": (lambda a, b: M.row_metrics(a, b, np.full(len(a), -1))["cosine"], DOUBLE),
+    }
+    for name, (fn, ret) in fns.items():
+        con.create_function(name, _pair_udf(fn), [lst, lst], ret, type="arrow")
 
 
 def query(warehouse: str, sql: str):

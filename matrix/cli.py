@@ -126,6 +126,38 @@ def cmd_sql(args) -> int:
     return 0
 
 
+def cmd_analyze(args) -> int:
+    from analysis.analyze import analyze
+
+    ranges = [0] + sorted({int(x) for x in args.ranges.split(",") if x.strip()} - {0}) if args.ranges else None
+    kw = {"ranges": tuple(ranges)} if ranges else {}
+    summary = analyze(args.warehouse, args.reference, centroid=args.centroid, log=_log, **kw)
+    _log(f"analyzed {summary['cells']} cell(s), {summary['metric_rows']} rows in {summary['seconds']}s")
+    if args.json:
+        emit_json(summary)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from pathlib import Path
+
+    from analysis.report import gather, terminal_table, write_html
+    from store import Warehouse
+
+    wh = Warehouse(args.warehouse).require()
+    if not wh.table_files("metrics"):
+        raise UserError(f"{wh.root}: no metrics yet; run `matrix analyze --warehouse {wh.root}` first")
+    data = gather(args.warehouse)
+    out = Path(args.out) if args.out else wh.root / "report"
+    path = write_html(data, out, args.warehouse)
+    if args.json:
+        emit_json({"html": str(path), **data})
+        return 0
+    print(terminal_table(data))
+    print(f"\nHTML report: {path}")
+    return 0
+
+
 def cmd_status(args) -> int:
     from analysis.sql import query
 
@@ -177,6 +209,20 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--warehouse", default="warehouse")
     q.add_argument("--format", choices=["table", "csv", "json"], default="table")
     q.set_defaults(func=cmd_sql)
+
+    a = sub.add_parser("analyze", help="metrics of every stack vs its reference and vs the centroid")
+    a.add_argument("--warehouse", default="warehouse")
+    a.add_argument("--reference", default=None, help="cell_id to compare against (default: each model's reference)")
+    a.add_argument("--ranges", default=None, help="position bucket edges, e.g. 512,2048,8192")
+    a.add_argument("--centroid", choices=["mean_prob", "mean_logprob"], default="mean_prob")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=cmd_analyze)
+
+    rp = sub.add_parser("report", help="terminal tables and a self-contained HTML report")
+    rp.add_argument("--warehouse", default="warehouse")
+    rp.add_argument("--out", default=None, help="directory for report.html (default: WAREHOUSE/report)")
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(func=cmd_report)
 
     s = sub.add_parser("status", help="cells and runs recorded in a warehouse")
     s.add_argument("--warehouse", default="warehouse")

@@ -9,6 +9,10 @@ a half-written file that a reader sees)::
     cells/<cell_id>.parquet             one row per completed cell (rewritten on resume)
     prompts/<prompt_id>.parquet         one row per tokenised prompt
     tokenizer_parity/<cell_id>.parquet  one row per (cell, prompt): the engine's own tokenizer vs the canonical ids
+    metrics/<cell_id>.parquet           `matrix analyze`: each row of each repeat vs the reference
+    centroid_metrics/<model>.parquet    `matrix analyze`: each stack vs the centroid of its group
+    pairwise/<model>.parquet            `matrix analyze`: every pair of stacks
+    metrics_ranges/ranges.parquet       position buckets for the summary views
     logits/<cell_id>/r<repeat>.parquet  one shard per (cell, repeat), one row group per prompt
 
 ``logits.logits`` holds the engine's native values widened exactly to float32
@@ -86,5 +90,30 @@ TOKENIZER_PARITY = pa.schema([
     ("checked_with", pa.string()),  # which tokenizer call, with which flags
 ])
 
+F64 = pa.float64()
+METRICS = pa.schema([
+    ("cell_id", pa.string()), ("reference_cell_id", pa.string()), ("prompt_id", pa.string()),
+    ("position", pa.int32()), ("repeat", pa.int32()),
+    ("kld", F64), ("kld_reverse", F64), ("js", F64),  # KL(P_ref||P_stack), KL(P_stack||P_ref), JS; nats
+    ("top1_match", pa.bool_()), ("top5_overlap", F64), ("top10_overlap", F64), ("spearman_top10", F64),
+    ("cosine", F64), ("norm_ratio", F64), ("nmse", F64), ("max_abs_diff", F64),  # on raw logits
+    ("delta_p", F64),  # p_stack(next token) - p_ref(next token); null at the last position
+    ("entropy_ref", F64), ("entropy_stack", F64),
+    ("storage_floor", F64),  # KL(native || stored): 0 while the warehouse is lossless
+])
+CENTROID_METRICS = pa.schema([
+    ("cell_id", pa.string()), ("prompt_id", pa.string()), ("position", pa.int32()),
+    ("n_stacks", pa.int32()),  # stacks that captured this row and form its centroid
+    ("kld_centroid_stack", F64), ("kld_stack_centroid", F64), ("js_centroid", F64),
+    ("centroid", pa.string()),  # mean_prob | mean_logprob
+    ("is_reference", pa.bool_()),
+])
+PAIRWISE = pa.schema([
+    ("cell_a", pa.string()), ("cell_b", pa.string()), ("rows", pa.int64()),
+    ("mean_js", F64), ("top1_agreement", F64),
+])
+METRICS_RANGES = pa.schema([("lo", pa.int32()), ("hi", pa.int32()), ("range", pa.string())])
+
 TABLES = {"runs": RUNS, "cells": CELLS, "prompts": PROMPTS, "logits": LOGITS,
-          "tokenizer_parity": TOKENIZER_PARITY}
+          "tokenizer_parity": TOKENIZER_PARITY, "metrics": METRICS, "centroid_metrics": CENTROID_METRICS,
+          "pairwise": PAIRWISE, "metrics_ranges": METRICS_RANGES}

@@ -165,6 +165,15 @@ class Warehouse:
         _fsync_replace(tmp, final)
         return final
 
+    def write_table(self, table: str, name: str, data: pa.Table) -> Path:
+        """A whole table file at once (analysis outputs), cast to the schema the store owns."""
+        final = self.root / table / f"{name}.parquet"
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _tmp_for(final)
+        pq.write_table(data.select(TABLES[table].names).cast(TABLES[table]), tmp, compression="zstd")
+        _fsync_replace(tmp, final)
+        return final
+
     def read_rows(self, table: str, name: str) -> list[dict]:
         path = self.root / table / f"{name}.parquet"
         return pq.read_table(path).to_pylist() if path.is_file() else []

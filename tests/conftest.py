@@ -116,3 +116,20 @@ def write_spec(path: Path, model_dir: Path, corpus: Path, **over) -> Path:
 
 def dedent(s: str) -> str:
     return textwrap.dedent(s).lstrip()
+
+
+def sql(wh: Path, q: str):
+    r = run_cli("sql", q, "--warehouse", str(wh), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="session")
+def swept(tiny_model, short_corpus, tmp_path_factory):
+    """One real sweep: 4 cells (fp32/bf16 x eager/sdpa) x 2 repeats on the truncated model."""
+    d = tmp_path_factory.mktemp("sweep")
+    spec = write_spec(d / "spec.yaml", tiny_model, short_corpus)
+    wh = d / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return spec, wh, json.loads(r.stdout), r.stderr

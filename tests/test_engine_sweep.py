@@ -9,7 +9,7 @@ import pytest
 
 from matrix.models import sha256_file
 from tests.conftest import run_cli, write_spec
-from tests.test_run import sql
+from tests.conftest import sql
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("mlx_lm")

@@ -16,24 +16,7 @@ import pytest
 
 from backends.base import sampled_positions
 from store.warehouse import narrow_bf16, row_hash
-from tests.conftest import REPO, run_cli, write_spec
-
-
-def sql(wh: Path, q: str):
-    r = run_cli("sql", q, "--warehouse", str(wh), "--format", "json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
-
-
-@pytest.fixture(scope="module")
-def swept(tiny_model, short_corpus, tmp_path_factory):
-    """One real sweep: 4 cells (fp32/bf16 x eager/sdpa) x 2 repeats."""
-    d = tmp_path_factory.mktemp("sweep")
-    spec = write_spec(d / "spec.yaml", tiny_model, short_corpus)
-    wh = d / "wh"
-    r = run_cli("run", str(spec), "--warehouse", str(wh), "--json")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return spec, wh, json.loads(r.stdout), r.stderr
+from tests.conftest import REPO, run_cli, sql, write_spec
 
 
 def test_sweep_writes_every_row_once(swept):
