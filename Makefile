@@ -39,6 +39,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/storage_bytes.py
 	$(PY) benchmarks/capture_overhead.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/analysis_throughput.py --warehouse warehouse
 
 clean-warehouse:
 	rm -rf warehouse

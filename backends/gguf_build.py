@@ -49,7 +49,7 @@ def tools_dir() -> Path:
         return d
     d.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=d.parent) as tmp:
-        sdist = _pip_download_sdist(f"llama-cpp-python=={version}", Path(tmp))
+        sdist = _pip_download_sdist("llama-cpp-python", version, Path(tmp))
         out = Path(tmp) / "out"
         want = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-")
         with tarfile.open(sdist) as tf:
@@ -64,8 +64,11 @@ def tools_dir() -> Path:
     return d
 
 
-def _pip_download_sdist(requirement: str, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+def _pip_download_sdist(name: str, version: str, dest: Path) -> Path:
+    # --no-binary for this package only: ":all:" would also force every build dependency
+    # of its metadata step to build from source (minutes of needless work).
+    requirement = f"{name}=={version}"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", name,
            "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
