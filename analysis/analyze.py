@@ -87,6 +87,12 @@ def compare(ref: Shard, stk: Shard) -> dict[str, np.ndarray]:
 def analyze(warehouse: str, reference: str | None = None, ranges=DEFAULT_RANGES, centroid: str = "mean_prob",
             log: Callable[[str], None] = print) -> dict:
     wh = Warehouse(warehouse).require()
+    with wh.lock():  # one writer at a time: a run in progress would change the cells under us
+        wh.migrate(log)
+        return _analyze(wh, reference, ranges, centroid, log)
+
+
+def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str, log: Callable[[str], None]) -> dict:
     cells = pq.read_table(wh.table_files("cells")).to_pylist() if wh.table_files("cells") else []
     done = [c for c in cells if c["status"] == "done"]
     if not done:
