@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from backends.artifacts import ensure
+from backends.artifacts import ensure, locked
 from backends.base import SkipCell
 from matrix.errors import UserError
 from matrix.models import _pip_download, cache_root
@@ -48,6 +48,13 @@ def tools_dir() -> Path:
     if (d / "convert_hf_to_gguf.py").is_file():
         return d
     d.parent.mkdir(parents=True, exist_ok=True)
+    with locked(d.parent / f".lock-{version}"):  # two actors may start at once on a fresh cache
+        if not (d / "convert_hf_to_gguf.py").is_file():
+            _fetch_tools(version, d)
+    return d
+
+
+def _fetch_tools(version: str, d: Path) -> None:
     with tempfile.TemporaryDirectory(dir=d.parent) as tmp:
         sdist = _pip_download_sdist("llama-cpp-python", version, Path(tmp))
         out = Path(tmp) / "out"
@@ -61,7 +68,6 @@ def tools_dir() -> Path:
         if not (out / "convert_hf_to_gguf.py").is_file():
             raise UserError(f"{sdist.name}: no vendor/llama.cpp/convert_hf_to_gguf.py inside")
         os.replace(out, d)
-    return d
 
 
 def _pip_download_sdist(name: str, version: str, dest: Path) -> Path:
