@@ -22,7 +22,7 @@ from typing import Any
 from backends.artifacts import ensure, locked
 from backends.base import SkipCell
 from matrix.errors import UserError
-from matrix.models import _pip_download, cache_root
+from matrix.models import cache_root, pip_download
 
 FLOAT_TYPES = {"fp32": "f32", "f16": "f16", "bf16": "bf16"}
 # dtype -> llama_ftype name (llama.h)
@@ -56,7 +56,10 @@ def tools_dir() -> Path:
 
 def _fetch_tools(version: str, d: Path) -> None:
     with tempfile.TemporaryDirectory(dir=d.parent) as tmp:
-        sdist = _pip_download_sdist("llama-cpp-python", version, Path(tmp))
+        # --no-binary for this package only: ":all:" would also force every build dependency
+        # of pip's metadata step to build from source (minutes of needless work).
+        sdist = pip_download(f"llama-cpp-python=={version}", Path(tmp),
+                             extra=("--no-binary", "llama-cpp-python"), pattern="*.tar.gz")
         out = Path(tmp) / "out"
         want = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-")
         with tarfile.open(sdist) as tf:
@@ -68,22 +71,6 @@ def _fetch_tools(version: str, d: Path) -> None:
         if not (out / "convert_hf_to_gguf.py").is_file():
             raise UserError(f"{sdist.name}: no vendor/llama.cpp/convert_hf_to_gguf.py inside")
         os.replace(out, d)
-
-
-def _pip_download_sdist(name: str, version: str, dest: Path) -> Path:
-    # --no-binary for this package only: ":all:" would also force every build dependency
-    # of its metadata step to build from source (minutes of needless work).
-    requirement = f"{name}=={version}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", name,
-           "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
-        raise UserError(f"could not download the {requirement} source distribution: {last}")
-    found = list(dest.glob("*.tar.gz"))
-    if len(found) != 1:
-        raise UserError(f"pip download {requirement} left {len(found)} archives")
-    return found[0]
 
 
 def convert(hf_dir: str, weights_sha256: str | None, outtype: str) -> dict[str, Any]:

