@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from analysis import metrics as M
 from matrix.errors import UserError
 from store import Warehouse
+from store.warehouse import logits_matrix
 
 DEFAULT_RANGES = (0, 512, 2048, 8192)
 CHUNK = 32  # rows per metric batch: (32, 151936) float64 is ~39 MB
@@ -42,13 +43,10 @@ class Shard:
 def read_shard(wh: Warehouse, cell_id: str, repeat: int) -> Shard:
     path = wh.shard_path(cell_id, repeat)
     t = pq.read_table(path, columns=["prompt_id", "position", "next_token_id", "logits"])
-    col = t.column("logits").combine_chunks()
-    lengths = np.diff(col.offsets.to_numpy())
-    if len(lengths) and (lengths != lengths[0]).any():
-        raise UserError(f"{path}: rows of different vocabulary sizes in one shard")
-    vocab = int(lengths[0]) if len(lengths) else 0
-    values = col.values.to_numpy(zero_copy_only=False)
-    logits = values.reshape(len(t), vocab)  # (rows, vocab)
+    try:
+        logits = logits_matrix(t.column("logits"))  # (rows, vocab)
+    except ValueError as e:
+        raise UserError(f"{path}: {e} in one shard") from None
     bad = ~np.isfinite(logits).all(-1)
     prompts, positions = t.column("prompt_id").to_pylist(), t.column("position").to_pylist()
     if bad.any():

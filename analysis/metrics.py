@@ -115,8 +115,8 @@ def row_metrics(ref: np.ndarray, stk: np.ndarray, next_ids: np.ndarray) -> dict[
     rn, sn = np.linalg.norm(r64, axis=-1), np.linalg.norm(s64, axis=-1)
     has_next = next_ids >= 0
     nid = np.where(has_next, next_ids, 0)[:, None]
-    p_next = np.take_along_axis(np.exp(lp), nid, -1)[:, 0]
-    q_next = np.take_along_axis(np.exp(lq), nid, -1)[:, 0]
+    p_next = np.exp(np.take_along_axis(lp, nid, -1)[:, 0])
+    q_next = np.exp(np.take_along_axis(lq, nid, -1)[:, 0])
     out = {
         "kld": kl(lp, lq), "kld_reverse": kl(lq, lp), "js": js(lp, lq),
         "top1_match": ref.argmax(-1) == stk.argmax(-1),

@@ -8,6 +8,7 @@ import pyarrow as pa
 
 from matrix.errors import UserError
 from store import TABLES, Warehouse
+from store.warehouse import logits_matrix
 
 READ_ONLY = {"SELECT", "EXPLAIN"}
 
@@ -79,21 +80,9 @@ VIEWS = {
 }
 
 
-def _rows(col) -> np.ndarray:
-    """A list<float> Arrow column -> (rows, vocab) float32."""
-    arr = col.combine_chunks() if hasattr(col, "combine_chunks") else col
-    lengths = np.diff(arr.offsets.to_numpy())
-    if len(lengths) and (lengths != lengths[0]).any():
-        raise ValueError("rows of different lengths")
-    vocab = int(lengths[0]) if len(lengths) else 0
-    start = arr.offsets[0].as_py() if len(arr) else 0
-    vals = arr.values.to_numpy(zero_copy_only=False)[start:start + vocab * len(arr)]
-    return vals.astype(np.float32, copy=False).reshape(len(arr), vocab)
-
-
 def _pair_udf(fn):
     def udf(a, b):
-        ra, rb = _rows(a), _rows(b)
+        ra, rb = logits_matrix(a), logits_matrix(b)
         if ra.shape != rb.shape:
             raise ValueError(f"logits of different shapes {ra.shape} vs {rb.shape}")
         return pa.array(fn(ra, rb))

@@ -22,7 +22,7 @@ from typing import Any
 from backends.artifacts import ensure, locked
 from backends.base import SkipCell
 from matrix.errors import UserError
-from matrix.models import cache_root, pip_download
+from matrix.models import cache_root, check_gguf, pip_download
 
 FLOAT_TYPES = {"fp32": "f32", "f16": "f16", "bf16": "bf16"}
 # dtype -> llama_ftype name (llama.h)
@@ -119,13 +119,6 @@ def tensor_types(path: str) -> dict[str, int]:
     from gguf import GGUFReader
 
     return dict(sorted(Counter(t.tensor_type.name for t in GGUFReader(path).tensors).items()))
-
-
-def check_gguf(path: str) -> None:
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise UserError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
 
 
 def build_for(dtype: str, hf_dir: str, weights_sha256: str | None, threads: int,

