@@ -4,10 +4,13 @@ Reads the warehouse's logits shards directly (Parquet, not through SQL: the
 rows are full-vocab arrays) and writes three tables, one file per cell or
 group, each rewritten atomically on every run:
 
-    metrics/<cell_id>.parquet           every row of every repeat vs the reference's repeat 0
-    centroid_metrics/<model>.parquet    repeat 0 of each stack vs the centroid of the group
-    pairwise/<model>.parquet            mean JS and top-1 agreement of every pair of stacks
-    metrics_ranges/ranges.parquet       the position buckets the summary views use
+    metrics/<cell_id>.parquet                 every row of every repeat vs the reference's repeat 0
+    centroid_metrics/<model>.<group>.parquet  repeat 0 of each stack vs the centroid of its group
+    pairwise/<model>.<group>.parquet          mean JS and top-1 agreement of every pair of stacks
+    metrics_ranges/ranges.parquet             the position buckets the summary views use
+
+A row with NaN/Inf logits is flagged (metrics.nonfinite, centroid_metrics.nonfinite), its
+metrics are null and it stays out of every centroid and mean; analyze says so per cell.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 from analysis import metrics as M
 from matrix.errors import UserError
@@ -27,7 +31,7 @@ from store import Warehouse
 from store.warehouse import logits_matrix
 
 DEFAULT_RANGES = (0, 512, 2048, 8192)
-CHUNK = 32  # rows per metric batch: (32, 151936) float64 is ~39 MB
+CHUNK = 256  # rows per metrics call: (256, 151936) float32 is ~155 MB per side
 
 
 @dataclass
@@ -38,6 +42,11 @@ class Shard:
     next_ids: np.ndarray  # (rows,) int, -1 where there is no next token
     prompt_ids: list[str]
     positions: list[int]
+    finite: np.ndarray | None = None  # (rows,) bool: no NaN/Inf in the row
+
+    def __post_init__(self):
+        if self.finite is None:
+            self.finite = np.isfinite(self.logits).all(-1)
 
 
 def read_shard(wh: Warehouse, cell_id: str, repeat: int) -> Shard:
@@ -47,12 +56,7 @@ def read_shard(wh: Warehouse, cell_id: str, repeat: int) -> Shard:
         logits = logits_matrix(t.column("logits"))  # (rows, vocab)
     except ValueError as e:
         raise UserError(f"{path}: {e} in one shard") from None
-    bad = ~np.isfinite(logits).all(-1)
     prompts, positions = t.column("prompt_id").to_pylist(), t.column("position").to_pylist()
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise UserError(f"{path}: {int(bad.sum())} row(s) with NaN/Inf logits, first at prompt "
-                        f"{prompts[i]} position {positions[i]}; refusing to average them in")
     nxt = np.array([-1 if v is None else v for v in t.column("next_token_id").to_pylist()], dtype=np.int64)
     keys = {(p, q): i for i, (p, q) in enumerate(zip(prompts, positions))}
     return Shard(cell_id, keys, logits, nxt, prompts, positions)
@@ -73,16 +77,29 @@ def compare(ref: Shard, stk: Shard) -> dict[str, np.ndarray]:
         raise UserError(f"cell {stk.cell_id} has vocabulary {stk.logits.shape[1]}, reference {ref.cell_id} has "
                         f"{ref.logits.shape[1]}: they cannot be compared row for row")
     ri, si = _align(ref, stk)
-    parts = []
-    for s in range(0, len(si), CHUNK):
-        r, k = ri[s:s + CHUNK], si[s:s + CHUNK]
-        parts.append(M.row_metrics(ref.logits[r], stk.logits[k], ref.next_ids[r]))
+    parts = [M.row_metrics(ref.logits[ri[s:s + CHUNK]], stk.logits[si[s:s + CHUNK]], ref.next_ids[ri[s:s + CHUNK]])
+             for s in range(0, len(si), CHUNK)]
     out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else {}
     out["_rows"] = si
     return out
 
 
-def analyze(warehouse: str, reference: str | None = None, ranges=DEFAULT_RANGES, centroid: str = "mean_prob",
+def _nullable(v: np.ndarray, bad: np.ndarray) -> pa.Array:
+    """NaN (a flagged row, a last position's delta_p, an undefined Spearman) -> SQL null."""
+    if v.dtype == bool:
+        return pa.array(v, mask=bad)
+    return pa.array(v, mask=bad | np.isnan(v))
+
+
+def _warn_nonfinite(log, cell_id: str, repeat: int, shard: Shard) -> None:
+    bad = np.flatnonzero(~shard.finite)
+    if len(bad):
+        i = int(bad[0])
+        log(f"WARNING cell {cell_id} repeat {repeat}: {len(bad)} row(s) with NaN/Inf logits, first at prompt "
+            f"{shard.prompt_ids[i]} position {shard.positions[i]}: flagged (metrics.nonfinite), left out of every mean")
+
+
+def analyze(warehouse: str, reference: str | None = None, ranges=DEFAULT_RANGES, centroid: str | None = None,
             log: Callable[[str], None] = print) -> dict:
     wh = Warehouse(warehouse).require()
     with wh.lock():  # one writer at a time: a run in progress would change the cells under us
@@ -90,7 +107,7 @@ def analyze(warehouse: str, reference: str | None = None, ranges=DEFAULT_RANGES,
         return _analyze(wh, reference, ranges, centroid, log)
 
 
-def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str, log: Callable[[str], None]) -> dict:
+def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None, log: Callable[[str], None]) -> dict:
     cells = pq.read_table(wh.table_files("cells")).to_pylist() if wh.table_files("cells") else []
     done = [c for c in cells if c["status"] == "done"]
     if not done:
@@ -98,8 +115,13 @@ def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str, log: C
     by_id = {c["cell_id"]: c for c in done}
     if reference is not None and reference not in by_id:
         raise UserError(f"--reference {reference}: no captured cell with that id in {wh.root}")
+    if centroid is None:
+        asked = {c.get("centroid") for c in done} - {None}
+        centroid = asked.pop() if len(asked) == 1 else "mean_prob"
+    log(f"metrics kernel: {M.kernel_mode()} (float64), torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     t0, rows_done = time.perf_counter(), 0
-    summary = {"cells": 0, "metric_rows": 0, "groups": 0}
+    total = sum(c["repeats"] * (c["rows_per_repeat"] or 0) for c in done)
+    summary = {"cells": 0, "metric_rows": 0, "groups": 0, "nonfinite_rows": 0, "centroid": centroid}
     for model in sorted({c["model"] for c in done}):
         group = sorted((c for c in done if c["model"] == model), key=lambda c: c["cell_id"])
         ref_id = reference if reference and by_id[reference]["model"] == model else \
@@ -115,27 +137,39 @@ def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str, log: C
                 stk = ref0 if (c["cell_id"] == ref_id and r == 0) else read_shard(wh, c["cell_id"], r)
                 if r == 0:
                     shards0[c["cell_id"]] = stk
+                _warn_nonfinite(log, c["cell_id"], r, stk)
                 m = compare(ref0, stk)
                 rows = m.pop("_rows")
+                nonfinite = m.pop("nonfinite")
+                bad = np.array([v is not None for v in nonfinite], dtype=bool)
+                summary["nonfinite_rows"] += int(bad.sum())
                 tables.append(pa.table({
                     "cell_id": [c["cell_id"]] * len(rows), "reference_cell_id": [ref_id] * len(rows),
                     "prompt_id": [stk.prompt_ids[j] for j in rows],
                     "position": pa.array([stk.positions[j] for j in rows], pa.int32()),
                     "repeat": pa.array([r] * len(rows), pa.int32()),
-                    **{k: pa.array(v) for k, v in m.items()},
+                    **{k: _nullable(v, bad) for k, v in m.items()},
                     # the warehouse stores native values exactly (widened): nothing is lost
                     "storage_floor": pa.array(np.zeros(len(rows))),
+                    "nonfinite": pa.array(list(nonfinite), pa.string()),
                 }))
                 rows_done += len(rows)
             wh.write_table("metrics", c["cell_id"], pa.concat_tables(tables))
             rate = rows_done / max(time.perf_counter() - t0, 1e-9)
             log(f"[{model} {i}/{len(group)}] {c['cell_id']}: {sum(len(t) for t in tables)} rows "
-                f"| {rows_done} rows | {rate:.0f} rows/s")
+                f"| {rows_done}/{total} rows | {rate:.0f} rows/s")
             summary["cells"] += 1
-        cent, pair = centroid_tables(shards0, ref_id, centroid)
-        wh.write_table("centroid_metrics", model, cent)
-        wh.write_table("pairwise", model, pair)
-        summary["groups"] += 1
+        groups: dict[str, list[str]] = {}
+        for c in group:
+            groups.setdefault(c.get("centroid_group") or model, []).append(c["cell_id"])
+        for gname, ids in sorted(groups.items()):
+            cent, pair = centroid_tables({cid: shards0[cid] for cid in ids}, ref_id, centroid, gname)
+            name = model if gname == model else f"{model}.{gname}"
+            wh.write_table("centroid_metrics", name, cent)
+            wh.write_table("pairwise", name, pair)
+            log(f"[{model}] centroid group {gname}: {len(ids)} stack(s), {cent.num_rows} rows, "
+                f"{pair.num_rows} pair(s)")
+            summary["groups"] += 1
     edges = list(ranges)
     labels = [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])] + [f"{edges[-1]}+"]
     wh.write_table("metrics_ranges", "ranges", pa.table({
@@ -145,50 +179,76 @@ def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str, log: C
     return summary
 
 
-def centroid_tables(shards: dict[str, Shard], ref_id: str, how: str) -> tuple[pa.Table, pa.Table]:
+def centroid_tables(shards: dict[str, Shard], ref_id: str, how: str,
+                    group: str | None = None) -> tuple[pa.Table, pa.Table]:
     """Per (prompt, position): the centroid of the stacks that captured that row.
 
     mean_prob: normalised mean of probabilities; mean_logprob: normalised geometric mean.
-    (A prefix-only stack joins the centroid only where it has rows; n_stacks says how many did.)"""
+    (A prefix-only stack joins the centroid only where it has rows, a NaN/Inf row not at all;
+    n_stacks says how many did.)"""
     ids = sorted(shards)
     keys = sorted(set().union(*(s.keys for s in shards.values())))
     cols = {k: [] for k in ("cell_id", "prompt_id", "position", "n_stacks", "kld_centroid_stack",
-                            "kld_stack_centroid", "js_centroid")}
+                            "kld_stack_centroid", "js_centroid", "nonfinite")}
+    pend_c, pend_s, pend_exact = [], [], []
+
+    def flush():
+        if not pend_c:
+            return
+        m = M.row_metrics(np.concatenate(pend_c), np.concatenate(pend_s))
+        exact = np.concatenate(pend_exact)
+        for src, dst in (("kld", "kld_centroid_stack"), ("kld_reverse", "kld_stack_centroid"), ("js", "js_centroid")):
+            v = m[src]
+            v[exact] = 0.0
+            cols[dst] += v.tolist()
+        pend_c.clear(), pend_s.clear(), pend_exact.clear()
+
     for key in keys:
         present = [c for c in ids if key in shards[c].keys]
-        rows = np.stack([shards[c].logits[shards[c].keys[key]] for c in present])  # (stacks, vocab)
-        lps = M.log_softmax64(rows)
-        if len(present) == 1:
-            lc = lps[:1]  # the centroid of one stack is that stack, exactly
-        elif how == "mean_logprob":
-            lc = M.log_softmax64(lps.mean(0, keepdims=True))
+        fin = [c for c in present if shards[c].finite[shards[c].keys[key]]]
+        for c in present:
+            if c not in fin:  # a flagged row: recorded, measured against nothing
+                flush()
+                cols["cell_id"].append(c), cols["prompt_id"].append(key[0]), cols["position"].append(key[1])
+                cols["n_stacks"].append(len(fin)), cols["nonfinite"].append(True)
+                for k in ("kld_centroid_stack", "kld_stack_centroid", "js_centroid"):
+                    cols[k].append(None)
+        if not fin:
+            continue
+        rows = np.stack([shards[c].logits[shards[c].keys[key]] for c in fin])  # (stacks, vocab)
+        lps = torch.log_softmax(torch.from_numpy(rows).double(), -1)  # (stacks, vocab)
+        if how == "mean_logprob":
+            lc = torch.log_softmax(lps.mean(0), -1)
         else:
-            mp = np.exp(lps).mean(0, keepdims=True)
-            lc = np.log(mp / mp.sum())
-        lcs = np.repeat(lc, len(present), 0)  # (stacks, vocab)
-        a, b, j = M.kl(lcs, lps), M.kl(lps, lcs), M.js(lcs, lps)
-        same = (lps == lcs).all(-1)
-        a[same] = b[same] = j[same] = 0.0
-        cols["cell_id"] += present
-        cols["prompt_id"] += [key[0]] * len(present)
-        cols["position"] += [key[1]] * len(present)
-        cols["n_stacks"] += [len(present)] * len(present)
-        cols["kld_centroid_stack"] += a.tolist()
-        cols["kld_stack_centroid"] += b.tolist()
-        cols["js_centroid"] += j.tolist()
-    cent = pa.table({**cols, "centroid": [how] * len(cols["cell_id"]),
-                     "is_reference": [c == ref_id for c in cols["cell_id"]]})
+            lc = torch.logsumexp(lps, 0) - np.log(len(fin))  # log of the mean probability
+        same = bool((rows == rows[:1]).all())  # one stack, or all identical: the centroid is that stack
+        pend_c.append(np.repeat(lc.numpy()[None], len(fin), 0))
+        pend_s.append(rows.astype(np.float64))
+        pend_exact.append(np.full(len(fin), same))
+        cols["cell_id"] += fin
+        cols["prompt_id"] += [key[0]] * len(fin)
+        cols["position"] += [key[1]] * len(fin)
+        cols["n_stacks"] += [len(fin)] * len(fin)
+        cols["nonfinite"] += [False] * len(fin)
+        if sum(len(x) for x in pend_c) >= 64:
+            flush()
+    flush()
+    n = len(cols["cell_id"])
+    cent = pa.table({**cols, "centroid": [how] * n, "is_reference": [c == ref_id for c in cols["cell_id"]],
+                     "centroid_group": [group] * n})
     pairs = {k: [] for k in ("cell_a", "cell_b", "rows", "mean_js", "top1_agreement")}
     for a, b in itertools.combinations(ids, 2):
-        both = sorted(set(shards[a].keys) & set(shards[b].keys))
-        ra = shards[a].logits[[shards[a].keys[k] for k in both]]
-        rb = shards[b].logits[[shards[b].keys[k] for k in both]]
-        jsv = np.concatenate([M.js(M.log_softmax64(ra[s:s + CHUNK]), M.log_softmax64(rb[s:s + CHUNK]))
-                              for s in range(0, len(both), CHUNK)]) if both else np.array([])
-        jsv[(ra == rb).all(-1)] = 0.0
+        sa, sb = shards[a], shards[b]
+        both = sorted(k for k in set(sa.keys) & set(sb.keys) if sa.finite[sa.keys[k]] and sb.finite[sb.keys[k]])
+        ia = np.array([sa.keys[k] for k in both], dtype=np.int64)
+        ib = np.array([sb.keys[k] for k in both], dtype=np.int64)
+        jsv, top1 = [], []
+        for s in range(0, len(both), CHUNK):
+            m = M.row_metrics(sa.logits[ia[s:s + CHUNK]], sb.logits[ib[s:s + CHUNK]])
+            jsv.append(m["js"]), top1.append(m["top1_match"])
         pairs["cell_a"].append(a)
         pairs["cell_b"].append(b)
         pairs["rows"].append(len(both))
-        pairs["mean_js"].append(float(jsv.mean()) if len(jsv) else None)
-        pairs["top1_agreement"].append(float((ra.argmax(-1) == rb.argmax(-1)).mean()) if len(both) else None)
+        pairs["mean_js"].append(float(np.concatenate(jsv).mean()) if both else None)
+        pairs["top1_agreement"].append(float(np.concatenate(top1).mean()) if both else None)
     return cent, pa.table(pairs)

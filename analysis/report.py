@@ -27,7 +27,7 @@ def gather(warehouse: str) -> dict:
         cells = rows("""
             SELECT s.cell_id, s.engine, s.dtype, s.attention, s.rows, s.kld_mean, s.kld_stderr, s.kld_p99,
                    s.top1_agreement, s.js_mean, s.below_resolution, s.is_reference, s.bit_reproducible,
-                   s.storage_floor, s.reference_repeat_kld, cs.kld_centroid_stack, cs.js_centroid, cs.rank_closest
+                   s.storage_floor, s.reference_repeat_kld, s.nonfinite_rows, cs.kld_centroid_stack, cs.js_centroid, cs.rank_closest
             FROM summary s LEFT JOIN centroid_summary cs USING (cell_id) ORDER BY s.kld_mean, s.cell_id""")
         curves = rows("""SELECT cell_id, position, avg(kld) AS kld FROM metrics WHERE repeat = 0
                          GROUP BY ALL ORDER BY cell_id, position""")
@@ -56,6 +56,8 @@ def terminal_table(data: dict) -> str:
     body = []
     for c in data["cells"]:
         note = "reference" if c["is_reference"] else ("below resolution" if c["below_resolution"] else "")
+        if c.get("nonfinite_rows"):
+            note = (note + "; " if note else "") + f"{c['nonfinite_rows']} NaN/Inf row(s) left out"
         body.append([c["cell_id"], c["rows"], _fmt(c["kld_mean"]), _fmt(c["kld_p99"]),
                      _fmt(c["top1_agreement"]), _fmt(c["js_mean"]), _fmt(c["kld_centroid_stack"]),
                      c["rank_closest"], _fmt(c["bit_reproducible"]), note])

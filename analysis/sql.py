@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import duckdb
-import numpy as np
 import pyarrow as pa
 
 from matrix.errors import UserError
@@ -19,12 +18,15 @@ def connect(warehouse: str) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(":memory:")
     for table, schema in TABLES.items():
         files = wh.table_files(table)
+        # The empty table carries every column of the current schema: an empty table still has its
+        # columns, and files written before a migration added a column read as null there.
+        con.register(f"_empty_{table}", pa.table({f.name: pa.array([], f.type) for f in schema}))
+        cols = ", ".join(f.name for f in schema)
         if files:
             paths = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
-            con.execute(f"CREATE VIEW {table} AS SELECT * FROM read_parquet([{paths}], union_by_name = true)")
+            con.execute(f"CREATE VIEW {table} AS SELECT {cols} FROM (SELECT * FROM _empty_{table} UNION ALL BY NAME "
+                        f"SELECT * FROM read_parquet([{paths}], union_by_name = true))")
         else:
-            # An empty table still has its columns, so queries written in advance run.
-            con.register(f"_empty_{table}", pa.table({f.name: pa.array([], f.type) for f in schema}))
             con.execute(f"CREATE VIEW {table} AS SELECT * FROM _empty_{table}")
     register_functions(con)
     for name, body in VIEWS.items():
@@ -46,6 +48,7 @@ VIEWS = {
                quantile_cont(m.kld, 0.99) AS kld_p99, quantile_cont(m.kld, 0.999) AS kld_p999,
                max(m.kld) AS kld_max, avg(m.kld_reverse) AS kld_reverse_mean, avg(m.js) AS js_mean,
                avg(m.top1_match::INT) AS top1_agreement, avg(m.storage_floor) AS storage_floor,
+               count(m.nonfinite) AS nonfinite_rows,  -- flagged rows: null metrics, left out of every mean
                coalesce(any_value(f.reference_repeat_kld), 0) AS reference_repeat_kld,
                any_value(c.bit_reproducible) AS bit_reproducible,
                NOT (m.cell_id = m.reference_cell_id) AND avg(m.kld) <= 3 * greatest(
@@ -53,7 +56,7 @@ VIEWS = {
         FROM m JOIN cells c ON c.cell_id = m.cell_id LEFT JOIN floor f ON f.reference_cell_id = m.reference_cell_id
         GROUP BY c.model, m.cell_id, c.engine, c.dtype, c.attention, m.reference_cell_id""",
     "summary_by_range": """
-        SELECT m.cell_id, r.range, r.lo, p.category, count(*) AS rows,
+        SELECT m.cell_id, r.range, r.lo, p.category, count(*) AS rows, count(m.nonfinite) AS nonfinite_rows,
                avg(m.kld) AS kld_mean, stddev_samp(m.kld) / sqrt(count(*)) AS kld_stderr,
                median(m.kld) AS kld_median, quantile_cont(m.kld, 0.9) AS kld_p90,
                quantile_cont(m.kld, 0.99) AS kld_p99, quantile_cont(m.kld, 0.999) AS kld_p999,
@@ -67,16 +70,20 @@ VIEWS = {
                           row_number() OVER (PARTITION BY cell_id, prompt_id ORDER BY position) AS rn
                    FROM metrics WHERE repeat = 0),
         d AS (SELECT *, rn - row_number() OVER (PARTITION BY cell_id, prompt_id ORDER BY position) AS grp
-              FROM m WHERE NOT top1_match)
+              FROM m WHERE NOT top1_match)  -- a flagged (NaN) row has top1_match null: not a disagreement
         SELECT cell_id, prompt_id, min(position) AS start_position, max(position) AS end_position,
                count(*) AS sampled_positions
         FROM d GROUP BY cell_id, prompt_id, grp""",
     "centroid_summary": """
-        SELECT c.model, m.cell_id, any_value(m.is_reference) AS is_reference, count(*) AS rows,
+        SELECT c.model, coalesce(m.centroid_group, c.model) AS centroid_group, m.cell_id,
+               any_value(m.is_reference) AS is_reference, count(*) AS rows,
+               count(*) FILTER (WHERE m.nonfinite) AS nonfinite_rows,
                avg(m.kld_centroid_stack) AS kld_centroid_stack, avg(m.kld_stack_centroid) AS kld_stack_centroid,
                avg(m.js_centroid) AS js_centroid,
-               rank() OVER (PARTITION BY c.model ORDER BY avg(m.kld_centroid_stack)) AS rank_closest
-        FROM centroid_metrics m JOIN cells c USING (cell_id) GROUP BY c.model, m.cell_id""",
+               rank() OVER (PARTITION BY c.model, coalesce(m.centroid_group, c.model)
+                            ORDER BY avg(m.kld_centroid_stack)) AS rank_closest
+        FROM centroid_metrics m JOIN cells c USING (cell_id)
+        GROUP BY c.model, coalesce(m.centroid_group, c.model), m.cell_id""",
 }
 
 
@@ -96,12 +103,12 @@ def register_functions(con: duckdb.DuckDBPyConnection) -> None:
     from analysis import metrics as M
 
     lst = duckdb.list_type(FLOAT)
-    f64 = M.log_softmax64
     fns = {
-        "kld": (lambda a, b: M.kl(f64(a), f64(b)), DOUBLE),
-        "js": (lambda a, b: M.js(f64(a), f64(b)), DOUBLE),
+        "kld": (lambda a, b: M.row_metrics(a, b)["kld"], DOUBLE),
+        "kld_reverse": (lambda a, b: M.row_metrics(a, b)["kld_reverse"], DOUBLE),
+        "js": (lambda a, b: M.row_metrics(a, b)["js"], DOUBLE),
         "top1": (lambda a, b: a.argmax(-1) == b.argmax(-1), BOOLEAN),
-        "cosine": (lambda a, b: M.row_metrics(a, b, np.full(len(a), -1))["cosine"], DOUBLE),
+        "cosine": (lambda a, b: M.row_metrics(a, b)["cosine"], DOUBLE),
     }
     for name, (fn, ret) in fns.items():
         con.create_function(name, _pair_udf(fn), [lst, lst], ret, type="arrow")

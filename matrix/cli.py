@@ -87,11 +87,12 @@ def cmd_run(args) -> int:
         _log(f"skipping {s['cell_id']}: {s['reason']}")
     plan = runner.prepare(spec, wh, _log)
     summary = None
-    if plan.todo:
+    if plan.todo or plan.complete:
         wh.create()
         with wh.lock():
             wh.migrate(_log)
             runner.find_todo(plan, wh)  # another run may have finished cells meanwhile
+            runner.regroup_complete_cells(plan, wh, _log)
             if plan.todo:
                 ray = runner.init_ray(args.address)
                 try:
@@ -214,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--warehouse", default="warehouse")
     a.add_argument("--reference", default=None, help="cell_id to compare against (default: each model's reference)")
     a.add_argument("--ranges", default=None, help="position bucket edges, e.g. 512,2048,8192")
-    a.add_argument("--centroid", choices=["mean_prob", "mean_logprob"], default="mean_prob")
+    a.add_argument("--centroid", choices=["mean_prob", "mean_logprob"], default=None,
+                   help="centroid definition (default: the spec's centroid.definition, else mean_prob)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_analyze)
 

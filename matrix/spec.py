@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ DEFAULT_STRIDE = 32
 BOS_POLICIES = ("tokenizer", "always", "never")
 TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
             "devices", "include", "exclude", "reference", "stride", "repeats",
-            "corpus", "bos", "threads", "options", "max_tokens"}
+            "corpus", "bos", "threads", "options", "max_tokens", "centroid"}
+CENTROID_DEFINITIONS = ("mean_prob", "mean_logprob")
 MODEL_KEYS = {"name", "catalog", "path", "hub", "gguf", "revision"}
 # Engine options that change the arithmetic. Defaults go under top-level `options:`;
 # include entries may set them per cell. A backend lists the ones it takes.
@@ -65,6 +67,8 @@ class Cell:
     # rows it keeps identical in meaning to the full run's rows at the same positions.
     max_tokens: int | None = None
     options: tuple = ()  # sorted (key, value) pairs the engine takes
+    # Analysis only (not in the cell id): whose centroid this stack joins. None: its model's.
+    centroid_group: str | None = None
 
     @property
     def opts(self) -> dict[str, Any]:
@@ -93,6 +97,8 @@ class Spec:
     threads: int | None
     options: dict = field(default_factory=dict)
     max_tokens: int | None = None
+    centroid: str = "mean_prob"  # centroid definition
+    centroid_groups: list = field(default_factory=list)  # [(name, [selector, ...])], first match wins
     raw_text: str = ""
     cells: list[Cell] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
@@ -203,6 +209,35 @@ def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool)
     return out
 
 
+def _parse_centroid(path: Path, raw: Any, models: dict) -> tuple[str, list]:
+    """centroid: {definition: mean_prob|mean_logprob, groups: {NAME: SELECTOR or [SELECTOR, ...]}}.
+
+    A selector is a mapping of cell axes (like an exclude entry). A stack joins the first group
+    it matches; stacks that match none form their model's default group. Groups never mix
+    models (their vocabularies differ), so a group spanning two models has one centroid per model."""
+    if raw is None:
+        return "mean_prob", []
+    if not isinstance(raw, dict):
+        raise _err(path, "centroid", "must be a mapping with keys definition, groups", raw)
+    for k in raw:
+        if k not in ("definition", "groups"):
+            raise _err(path, f"centroid.{k}", "unknown key; expected one of definition, groups")
+    definition = raw.get("definition", "mean_prob")
+    if definition not in CENTROID_DEFINITIONS:
+        raise _err(path, "centroid.definition", f"expected one of {', '.join(CENTROID_DEFINITIONS)}", definition)
+    graw = raw.get("groups") or {}
+    if not isinstance(graw, dict):
+        raise _err(path, "centroid.groups", "must be a mapping of group name to selector(s)", graw)
+    groups = []
+    for gname, sel in graw.items():
+        if not isinstance(gname, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", gname):
+            raise _err(path, "centroid.groups", "a group name must be letters, digits, _ or -", gname)
+        sels = sel if isinstance(sel, list) else [sel]
+        groups.append((gname, [_parse_entry(path, f"centroid.groups.{gname}[{i}]", e, models, False)
+                               for i, e in enumerate(sels)]))
+    return definition, groups
+
+
 def _check_option(path: Path, fld: str, key: str, v: Any) -> Any:
     kind = OPTION_KEYS[key]
     if kind is int:
@@ -300,6 +335,7 @@ def load_spec(spec_path: str | os.PathLike) -> Spec:
         if k not in OPTION_KEYS:
             raise _err(path, f"options.{k}", f"unknown option; expected one of {', '.join(sorted(OPTION_KEYS))}")
         options[k] = _check_option(path, f"options.{k}", k, v)
+    centroid, groups = _parse_centroid(path, data.get("centroid"), models)
     name = data.get("name", path.stem)
     if not isinstance(name, str):
         raise _err(path, "name", "must be a string", name)
@@ -309,7 +345,7 @@ def load_spec(spec_path: str | os.PathLike) -> Spec:
                 repeats=_int(path, data, "repeats", 1), corpus=corpus, bos=bos,
                 threads=_check_threads(path, "threads", data.get("threads")), options=options,
                 max_tokens=_check_threads(path, "max_tokens", data.get("max_tokens")),
-                raw_text=text)
+                centroid=centroid, centroid_groups=groups, raw_text=text)
     expand(spec)
     return spec
 
@@ -394,10 +430,12 @@ def expand(spec: Spec) -> None:
         if cid in seen:
             continue
         seen.add(cid)
+        group = next((g for g, sels in spec.centroid_groups
+                      if any(all(combo[k] == v for k, v in sel.items()) for sel in sels)), None)
         cell = Cell(**{k: combo[k] for k in names.CELL_AXES},
                     threads=combo.get("threads", spec.threads), cell_id=cid,
                     max_tokens=combo.get("max_tokens", spec.max_tokens),
-                    options=tuple(opts.items()))
+                    options=tuple(opts.items()), centroid_group=group)
         reason = unsupported_reason(cell)
         if reason is None and foreign:
             reason = f"engine {cell.engine} takes no option {foreign[0]}"

@@ -14,5 +14,11 @@ def m002_tokenizer_parity(root: Path) -> None:
     (root / "tokenizer_parity").mkdir(exist_ok=True)
 
 
+def m003_nonfinite_and_centroid_groups(root: Path) -> None:
+    """v3: metrics.nonfinite, centroid_metrics.centroid_group/nonfinite, cells.centroid_group/centroid.
+
+    Columns only: older files read as null there (the views add missing columns)."""
+
+
 # target version -> migration
-MIGRATIONS = {2: m002_tokenizer_parity}
+MIGRATIONS = {2: m002_tokenizer_parity, 3: m003_nonfinite_and_centroid_groups}

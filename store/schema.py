@@ -24,7 +24,7 @@ for bf16 rows the two low byte streams are all zero and cost almost nothing.
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -58,6 +58,8 @@ CELLS = pa.schema([
     ("tokenizer_parity", pa.string()),  # ok | mismatch | not_checked
     ("engine_vocab_size", pa.int32()),  # logits per row; > vocab_size means a padded vocabulary
     ("options", pa.string()),  # JSON: engine options asked for in the spec (kv_cache, n_batch, ...)
+    ("centroid_group", pa.string()),  # v3: which centroid this stack joins (default: its model's)
+    ("centroid", pa.string()),  # v3: the spec's centroid definition: mean_prob | mean_logprob
     ("settings", pa.string()),  # JSON: everything that changes the arithmetic
     ("versions", pa.string()),  # JSON: engine library versions
     ("host", pa.string()), ("node_id", pa.string()),
@@ -100,6 +102,9 @@ METRICS = pa.schema([
     ("delta_p", F64),  # p_stack(next token) - p_ref(next token); null at the last position
     ("entropy_ref", F64), ("entropy_stack", F64),
     ("storage_floor", F64),  # KL(native || stored): 0 while the warehouse is lossless
+    # v3: null for a clean row; 'stack' | 'reference' | 'both' when that side has NaN/Inf logits.
+    # Such a row's metrics are null, so aggregates skip it; summaries count it.
+    ("nonfinite", pa.string()),
 ])
 CENTROID_METRICS = pa.schema([
     ("cell_id", pa.string()), ("prompt_id", pa.string()), ("position", pa.int32()),
@@ -107,6 +112,8 @@ CENTROID_METRICS = pa.schema([
     ("kld_centroid_stack", F64), ("kld_stack_centroid", F64), ("js_centroid", F64),
     ("centroid", pa.string()),  # mean_prob | mean_logprob
     ("is_reference", pa.bool_()),
+    ("centroid_group", pa.string()),  # v3
+    ("nonfinite", pa.bool_()),  # v3: this stack's row has NaN/Inf: left out of the centroid
 ])
 PAIRWISE = pa.schema([
     ("cell_a", pa.string()), ("cell_b", pa.string()), ("rows", pa.int64()),

@@ -104,6 +104,9 @@ def test_cells_json_lists_cells_and_skipped(tmp_path):
     ({**BASE, "reference": {"dtype": "f16"}}, "reference: matches no cell"),
     ({**BASE, "options": {"kv_cache": "f8"}}, "options.kv_cache: expected one of f16, f32, q8_0"),
     ({**BASE, "include": [{"engine": "llamacpp", "dtype": "q9_k"}]}, "include[0].dtype: unknown dtype"),
+    ({**BASE, "centroid": {"definition": "median"}}, "centroid.definition: expected one of mean_prob, mean_logprob"),
+    ({**BASE, "centroid": {"groups": {"g": {"dtype": "q9"}}}}, "centroid.groups.g[0].dtype: unknown dtype"),
+    ({**BASE, "centroid": {"group": {}}}, "centroid.group: unknown key"),
 ])
 def test_bad_spec_is_one_line_exit_2_naming_file_field_value(tmp_path, body, needle):
     path = spec_file(tmp_path, body)
