@@ -16,6 +16,7 @@ metrics are null and it stays out of every centroid and mean; analyze says so pe
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -63,16 +64,14 @@ def read_shard(wh: Warehouse, cell_id: str, repeat: int) -> Shard:
 
 
 def _align(ref: Shard, stk: Shard) -> tuple[np.ndarray, np.ndarray]:
-    missing = [k for k in stk.keys if k not in ref.keys]
-    if missing:
-        raise UserError(f"cell {stk.cell_id}: {len(missing)} row(s) have no reference row at the same "
-                        f"(prompt, position), first {missing[0]} (reference {ref.cell_id}); positions do not line up")
-    si = np.arange(len(stk.positions))
-    ri = np.array([ref.keys[(p, q)] for p, q in zip(stk.prompt_ids, stk.positions)], dtype=np.int64)
+    """Rows of the stack that the reference also has, as (reference rows, stack rows)."""
+    si = np.array([i for i, k in enumerate(zip(stk.prompt_ids, stk.positions)) if k in ref.keys], dtype=np.int64)
+    ri = np.array([ref.keys[(stk.prompt_ids[i], stk.positions[i])] for i in si], dtype=np.int64)
     return ri, si
 
 
 def compare(ref: Shard, stk: Shard) -> dict[str, np.ndarray]:
+    """Metrics of every stack row that has a reference row at the same (prompt, position)."""
     if ref.logits.shape[1] != stk.logits.shape[1]:
         raise UserError(f"cell {stk.cell_id} has vocabulary {stk.logits.shape[1]}, reference {ref.cell_id} has "
                         f"{ref.logits.shape[1]}: they cannot be compared row for row")
@@ -99,6 +98,12 @@ def _warn_nonfinite(log, cell_id: str, repeat: int, shard: Shard) -> None:
             f"{shard.prompt_ids[i]} position {shard.positions[i]}: flagged (metrics.nonfinite), left out of every mean")
 
 
+def _floor(cell: dict) -> float:
+    """KL between what the engine produced and what the warehouse holds: 0 for captured cells
+    (stored exactly); an imported lossy file records its own estimate."""
+    return float(json.loads(cell.get("settings") or "{}").get("storage_floor") or 0.0)
+
+
 def analyze(warehouse: str, reference: str | None = None, ranges=DEFAULT_RANGES, centroid: str | None = None,
             log: Callable[[str], None] = print) -> dict:
     wh = Warehouse(warehouse).require()
@@ -121,7 +126,8 @@ def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None,
     log(f"metrics kernel: {M.kernel_mode()} (float64), torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     t0, rows_done = time.perf_counter(), 0
     total = sum(c["repeats"] * (c["rows_per_repeat"] or 0) for c in done)
-    summary = {"cells": 0, "metric_rows": 0, "groups": 0, "nonfinite_rows": 0, "centroid": centroid}
+    summary = {"cells": 0, "metric_rows": 0, "groups": 0, "nonfinite_rows": 0, "centroid": centroid,
+               "unaligned_rows": {}}
     for model in sorted({c["model"] for c in done}):
         group = sorted((c for c in done if c["model"] == model), key=lambda c: c["cell_id"])
         ref_id = reference if reference and by_id[reference]["model"] == model else \
@@ -131,6 +137,7 @@ def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None,
             continue
         ref0 = read_shard(wh, ref_id, 0)
         shards0 = {ref_id: ref0}
+        ref_floor = _floor(by_id[ref_id])
         for i, c in enumerate(group, 1):
             tables = []
             for r in range(c["repeats"]):
@@ -140,6 +147,13 @@ def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None,
                 _warn_nonfinite(log, c["cell_id"], r, stk)
                 m = compare(ref0, stk)
                 rows = m.pop("_rows")
+                if len(rows) < len(stk.positions):
+                    k = next(k for k in zip(stk.prompt_ids, stk.positions) if k not in ref0.keys)
+                    summary["unaligned_rows"][c["cell_id"]] = len(stk.positions) - len(rows)
+                    log(f"{'NOTE' if len(rows) else 'WARNING'} cell {c['cell_id']} repeat {r}: "
+                        f"{len(stk.positions) - len(rows)} of {len(stk.positions)} row(s) have no row of reference "
+                        f"{ref_id} at the same (prompt, position), first {k}: left out"
+                        + ("" if len(rows) else "; nothing to compare"))
                 nonfinite = m.pop("nonfinite")
                 bad = np.array([v is not None for v in nonfinite], dtype=bool)
                 summary["nonfinite_rows"] += int(bad.sum())
@@ -149,11 +163,14 @@ def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None,
                     "position": pa.array([stk.positions[j] for j in rows], pa.int32()),
                     "repeat": pa.array([r] * len(rows), pa.int32()),
                     **{k: _nullable(v, bad) for k, v in m.items()},
-                    # the warehouse stores native values exactly (widened): nothing is lost
-                    "storage_floor": pa.array(np.zeros(len(rows))),
+                    # native values are stored exactly (0); an imported lossy format has its own floor
+                    "storage_floor": pa.array(np.full(len(rows), ref_floor + _floor(c))),
                     "nonfinite": pa.array(list(nonfinite), pa.string()),
                 }))
                 rows_done += len(rows)
+            if not any(len(t) for t in tables):
+                wh.remove_table("metrics", c["cell_id"])  # not a stale result from an earlier analysis
+                continue
             wh.write_table("metrics", c["cell_id"], pa.concat_tables(tables))
             rate = rows_done / max(time.perf_counter() - t0, 1e-9)
             log(f"[{model} {i}/{len(group)}] {c['cell_id']}: {sum(len(t) for t in tables)} rows "

@@ -230,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warehouse", default="warehouse")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
+
+    from matrix import cli_quant
+
+    cli_quant.add_parsers(sub)
     return p
 
 

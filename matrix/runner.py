@@ -96,18 +96,21 @@ def find_todo(plan: Plan, wh: Warehouse) -> None:
 
 
 def regroup_complete_cells(plan: Plan, wh: Warehouse, log: Callable[[str], None]) -> None:
-    """The centroid grouping is analysis-only (not in the cell id): a spec that changes it
-    re-labels captured cells instead of capturing them again."""
+    """Centroid grouping and calibration notes describe a cell without changing its arithmetic
+    (they are not in the cell id): a spec that changes them re-labels captured cells instead
+    of capturing them again."""
     cells = {c.cell_id: c for c in plan.spec.cells}
     changed = 0
     for cid in plan.complete:
         rows = wh.read_rows("cells", cid)
-        want = {"centroid_group": cells[cid].centroid_group, "centroid": plan.spec.centroid}
+        want = {"centroid_group": cells[cid].centroid_group, "centroid": plan.spec.centroid,
+                "calibration": cells[cid].calibration}
         if rows and any(rows[0].get(k) != v for k, v in want.items()):
             wh.write_rows("cells", cid, [{**rows[0], **want}])
             changed += 1
     if changed:
-        log(f"centroid grouping changed: relabelled {changed} captured cell(s); run `matrix analyze` again")
+        log(f"centroid grouping / calibration changed: relabelled {changed} captured cell(s); "
+            "run `matrix analyze` again")
 
 
 def mark_interrupted_runs(wh: Warehouse, log: Callable[[str], None]) -> None:
@@ -153,7 +156,8 @@ def _skipped_row(plan: Plan, cell: Cell, run_id: str, reason: str) -> dict:
             "options": json.dumps(cell.opts, sort_keys=True), "model_identity": model.identity,
             "model_source": model.source, "source_sha256": model.source_sha256,
             "weights_sha256": model.weights_sha256, "finished_at": now(),
-            "centroid_group": cell.centroid_group, "centroid": plan.spec.centroid}
+            "centroid_group": cell.centroid_group, "centroid": plan.spec.centroid,
+            "calibration": cell.calibration}
 
 
 def _cell_row(plan: Plan, cell: Cell, run_id: str, loaded: dict, wh: Warehouse, capture_s: float,
@@ -177,7 +181,7 @@ def _cell_row(plan: Plan, cell: Cell, run_id: str, loaded: dict, wh: Warehouse, 
         "artifact_recipe": json.dumps(art.get("recipe"), sort_keys=True) if art else None,
         "tokenizer_parity": parity["status"] if parity else "not_checked",
         "options": json.dumps(cell.opts, sort_keys=True), "max_tokens": cell.max_tokens,
-        "centroid_group": cell.centroid_group, "centroid": spec.centroid,
+        "centroid_group": cell.centroid_group, "centroid": spec.centroid, "calibration": cell.calibration,
         "settings": json.dumps(loaded["settings"], sort_keys=True),
         "versions": json.dumps(loaded["versions"], sort_keys=True),
         "host": loaded["host"], "node_id": loaded["node_id"], "load_seconds": loaded["load_seconds"],

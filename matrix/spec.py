@@ -33,7 +33,9 @@ MODEL_KEYS = {"name", "catalog", "path", "hub", "gguf", "revision"}
 # include entries may set them per cell. A backend lists the ones it takes.
 OPTION_KEYS = {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": int}
 # Non-axis keys an include entry may add to a cell.
-CELL_EXTRA_KEYS = {"threads", "max_tokens"} | set(OPTION_KEYS)
+# `calibration` describes the artefact (e.g. "imatrix from wiki.train, 512 chunks") for model
+# cards; like the centroid group it is not part of the cell id.
+CELL_EXTRA_KEYS = {"threads", "max_tokens", "calibration"} | set(OPTION_KEYS)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Cell:
     options: tuple = ()  # sorted (key, value) pairs the engine takes
     # Analysis only (not in the cell id): whose centroid this stack joins. None: its model's.
     centroid_group: str | None = None
+    calibration: str | None = None  # declared in the spec; model cards disclose it
 
     @property
     def opts(self) -> dict[str, Any]:
@@ -201,6 +204,10 @@ def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool)
             out[k] = _check_axis_value(path, f"{fld}.{k}", k, v, models)
         elif extra_ok and k in ("threads", "max_tokens"):
             out[k] = _check_threads(path, f"{fld}.{k}", v)
+        elif extra_ok and k == "calibration":
+            if not isinstance(v, str) or not v.strip():
+                raise _err(path, f"{fld}.{k}", "must be a non-empty string describing the calibration data", v)
+            out[k] = v.strip()
         elif extra_ok and k in OPTION_KEYS:
             out[k] = _check_option(path, f"{fld}.{k}", k, v)
         else:
@@ -435,7 +442,7 @@ def expand(spec: Spec) -> None:
         cell = Cell(**{k: combo[k] for k in names.CELL_AXES},
                     threads=combo.get("threads", spec.threads), cell_id=cid,
                     max_tokens=combo.get("max_tokens", spec.max_tokens),
-                    options=tuple(opts.items()), centroid_group=group)
+                    options=tuple(opts.items()), centroid_group=group, calibration=combo.get("calibration"))
         reason = unsupported_reason(cell)
         if reason is None and foreign:
             reason = f"engine {cell.engine} takes no option {foreign[0]}"

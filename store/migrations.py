@@ -15,7 +15,7 @@ def m002_tokenizer_parity(root: Path) -> None:
 
 
 def m003_nonfinite_and_centroid_groups(root: Path) -> None:
-    """v3: metrics.nonfinite, centroid_metrics.centroid_group/nonfinite, cells.centroid_group/centroid.
+    """v3: metrics.nonfinite, centroid_metrics.centroid_group/nonfinite, cells.centroid_group/centroid/calibration.
 
     Columns only: older files read as null there (the views add missing columns)."""
 

@@ -186,6 +186,10 @@ class Warehouse:
         _fsync_replace(tmp, final)
         return final
 
+    def remove_table(self, table: str, name: str) -> None:
+        """Drop one analysis output file (e.g. metrics of a cell that no longer has a comparison)."""
+        (self.root / table / f"{name}.parquet").unlink(missing_ok=True)
+
     def read_rows(self, table: str, name: str) -> list[dict]:
         path = self.root / table / f"{name}.parquet"
         return pq.read_table(path).to_pylist() if path.is_file() else []

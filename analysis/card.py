@@ -1,0 +1,197 @@
+"""`matrix card CELL`: a model-card KLD block that discloses what makes the number interpretable.
+
+A KLD is meaningless without its reference checkpoint, both runtimes, the evaluation text,
+calibration data, context lengths, sampled positions, KL direction, vocabulary truncation,
+aggregation, storage floor and reproducibility (seeds/004). Every field is read from the
+warehouse; one that is unknown fails the card (naming the field) unless the caller allows
+it to be printed as "undisclosed".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from analysis.sql import connect
+from matrix.errors import UserError
+
+UNDISCLOSED = "undisclosed"
+
+
+def _rows(con, sql: str, params=()) -> list[dict]:
+    rel = con.execute(sql, params)
+    cols = [d[0] for d in rel.description]
+    return [dict(zip(cols, r)) for r in rel.fetchall()]
+
+
+def _json(s: str | None) -> dict:
+    return json.loads(s) if s else {}
+
+
+def calibration(cell: dict) -> str | None:
+    """What the artefact was calibrated on: declared in the spec, or known from its recipe."""
+    if cell.get("calibration"):
+        return cell["calibration"]
+    recipe = _json(cell.get("artifact_recipe"))
+    tool = recipe.get("tool")
+    if tool == "llama_model_quantize":
+        return ("none: llama.cpp round-to-nearest quantisation, no importance matrix"
+                if recipe.get("imatrix") is None else f"importance matrix {recipe['imatrix']}")
+    if tool == "convert_hf_to_gguf.py":
+        return "none: float conversion of the reference weights"
+    if tool == "mlx_lm.convert":
+        return (f"none: mlx_lm affine round-to-nearest, {recipe['q_bits']}-bit, group {recipe['q_group_size']}"
+                if recipe.get("q_bits") else "none: float conversion of the reference weights")
+    if tool is None and cell["engine"] == "hf":
+        return f"none: the reference checkpoint's weights at {cell['dtype']}"
+    return None  # e.g. a file used as shipped: only its publisher knows
+
+
+def _driver(cell: dict) -> str | None:
+    if cell["device"] == "cpu":
+        return "none (CPU)"
+    s = _json(cell.get("settings"))
+    gpu = s.get("gpu") if isinstance(s.get("gpu"), dict) else {}
+    drv = s.get("driver") or gpu.get("driver")
+    cuda = s.get("cuda") or gpu.get("cuda")
+    return f"driver {drv}, CUDA {cuda}" if drv else None
+
+
+def _runtime(cell: dict) -> dict[str, Any]:
+    s = _json(cell.get("settings"))
+    build = {k: s[k] for k in ("system_info", "cpu_capability", "mkldnn", "gguf_tensor_types", "kv_cache",
+                               "n_batch", "n_ubatch", "torch_dtype", "deterministic_algorithms") if k in s}
+    return {
+        "cell_id": cell["cell_id"], "engine": cell["engine"],
+        "libraries": _json(cell.get("versions")) or None,
+        "build": build or None,
+        "device": cell["device"], "driver": _driver(cell), "host": cell.get("host"),
+        "threads": cell.get("threads"), "dtype": cell["dtype"], "attention": cell["attention"], "tp": cell["tp"],
+        "artifact_sha256": cell.get("artifact_sha256") or ("none: the checkpoint itself" if cell["engine"] == "hf"
+                                                           else None),
+    }
+
+
+def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False) -> dict:
+    con = connect(warehouse)
+    try:
+        cells = {c["cell_id"]: c for c in _rows(con, "SELECT * FROM cells")}
+        if cell_id not in cells:
+            raise UserError(f"card: no cell {cell_id} in {warehouse} (see `matrix status --json`)")
+        cell = cells[cell_id]
+        if cell["status"] != "done":
+            raise UserError(f"card: cell {cell_id} was not captured ({cell['status']}: {cell.get('skip_reason')})")
+        summ = _rows(con, "SELECT * FROM summary WHERE cell_id = ?", [cell_id])
+        if not summ:
+            raise UserError(f"card: cell {cell_id} has no metrics yet; run `matrix analyze --warehouse {warehouse}`")
+        s = summ[0]
+        ref = cells[s["reference_cell_id"]]
+        ranges = _rows(con, """SELECT range, lo, rows, kld_mean, kld_stderr, kld_p99, kld_max, top1_agreement
+                               FROM summary_by_range WHERE cell_id = ? AND category IS NULL ORDER BY lo""", [cell_id])
+        prompts = _rows(con, """SELECT DISTINCT p.prompt_id, p.name, p.category, p.n_tokens, p.ids_sha256, p.bos_policy,
+                                       p.bos_added, p.corpus FROM prompts p JOIN metrics m USING (prompt_id)
+                                WHERE m.cell_id = ? AND m.repeat = 0 ORDER BY p.prompt_id""", [cell_id])
+        pos = _rows(con, """SELECT count(*) AS n, min(position) AS first, max(position) AS last
+                            FROM metrics WHERE cell_id = ? AND repeat = 0""", [cell_id])[0]
+    finally:
+        con.close()
+
+    ctx = sorted(p["n_tokens"] for p in prompts)
+    cats: dict[str, int] = {}
+    for p in prompts:
+        cats[p["category"]] = cats.get(p["category"], 0) + 1
+    ids_hash = hashlib.sha256("".join(p["ids_sha256"] for p in prompts).encode()).hexdigest()
+    vocab, evocab = cell.get("vocab_size"), cell.get("engine_vocab_size")
+    trunc = (f"none: all {evocab} logits per row compared" if evocab == vocab or evocab is None
+             else f"none: the engine's {evocab} logits per row (tokenizer {vocab}) compared in full")
+    numbers = {
+        "kld_mean": s["kld_mean"], "kld_stderr": s["kld_stderr"], "kld_median": s["kld_median"],
+        "kld_p99": s["kld_p99"], "kld_max": s["kld_max"], "kld_reverse_mean": s["kld_reverse_mean"],
+        "js_mean": s["js_mean"], "top1_agreement": s["top1_agreement"], "rows": s["rows"],
+        "nonfinite_rows": s["nonfinite_rows"], "below_resolution": s["below_resolution"],
+    }
+    disclosure = {
+        "reference_checkpoint": {"identity": ref.get("model_identity"), "weights_sha256": ref.get("weights_sha256"),
+                                 # a GGUF-sourced checkpoint also names the file it was dequantised from
+                                 "source": ref.get("model_source"),
+                                 **({"source_sha256": ref["source_sha256"]} if ref.get("source_sha256") else {})},
+        "reference_runtime": _runtime(ref),
+        "candidate_runtime": _runtime(cell),
+        "evaluation_text": {"corpus": cell.get("corpus"), "prompts": len(prompts), "categories": cats,
+                            "token_ids_sha256": ids_hash, "bos_policy": cell.get("bos_policy"),
+                            "tokenizer_parity": cell.get("tokenizer_parity")},
+        "calibration_data": calibration(cell),
+        "context_lengths": {"min": ctx[0] if ctx else None, "median": ctx[len(ctx) // 2] if ctx else None,
+                            "max": ctx[-1] if ctx else None, "fed_prefix_tokens": cell.get("max_tokens") or "whole prompts"},
+        "sampled_positions": {"stride": cell.get("stride"), "count": pos["n"], "first": pos["first"],
+                              "last": pos["last"], "rule": "every stride-th position from 0, plus each prompt's last",
+                              "teacher_forced": True},
+        "kl_direction": "KL(P_reference || P_candidate), natural log (nats); reverse KL and JS also reported",
+        "vocabulary_truncation": trunc,
+        "aggregation": (f"arithmetic mean over {s['rows']} sampled rows (repeat 0) of per-row KL computed in float64 "
+                        "from full-vocabulary log-softmax; ± standard error of the mean; percentiles by linear "
+                        "interpolation; per output range as listed; rows with NaN/Inf excluded and counted"),
+        "storage_floor": s["storage_floor"],
+        "bit_reproducible": {"candidate": cell.get("bit_reproducible"), "reference": ref.get("bit_reproducible"),
+                             "repeats": cell.get("repeats")},
+    }
+    missing = sorted(_unknown(disclosure))
+    if missing and not allow_undisclosed:
+        raise UserError(f"card: {missing[0]} is unknown for cell {cell_id}"
+                        + (f" (and {len(missing) - 1} more: {', '.join(missing[1:4])})" if len(missing) > 1 else "")
+                        + "; declare it (e.g. `calibration:` in the spec's include entry) or pass --allow-undisclosed")
+    _fill(disclosure)
+    return {"cell_id": cell_id, "reference_cell_id": ref["cell_id"], "model": cell["model"],
+            "numbers": numbers, "ranges": ranges, "disclosure": disclosure, "undisclosed": missing}
+
+
+def _unknown(d: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the fields that are None."""
+    if isinstance(d, dict):
+        return [m for k, v in d.items() for m in _unknown(v, f"{prefix}{k}.")]
+    return [prefix[:-1]] if d is None else []
+
+
+def _fill(d: dict) -> None:
+    for k, v in d.items():
+        if isinstance(v, dict):
+            _fill(v)
+        elif v is None:
+            d[k] = UNDISCLOSED
+
+
+def _g(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, dict):
+        return "; ".join(f"{k}: {_g(x)}" for k, x in v.items())
+    return str(v)
+
+
+def markdown(card: dict) -> str:
+    n = card["numbers"]
+    out = [f"### KL divergence: `{card['cell_id']}` vs reference `{card['reference_cell_id']}`", "",
+           "| metric | value |", "|---|---|",
+           f"| mean KLD ± s.e. | {n['kld_mean']:.4g} ± {n['kld_stderr'] or 0:.2g} nats |",
+           f"| median / p99 / max KLD | {n['kld_median']:.4g} / {n['kld_p99']:.4g} / {n['kld_max']:.4g} |",
+           f"| mean reverse KLD / mean JS | {n['kld_reverse_mean']:.4g} / {n['js_mean']:.4g} |",
+           f"| top-1 agreement | {n['top1_agreement']:.4f} |",
+           f"| rows (NaN/Inf excluded) | {n['rows']} ({n['nonfinite_rows']}) |",
+           f"| below measurement resolution | {_g(n['below_resolution'])} |", "",
+           "| output range | rows | mean KLD ± s.e. | p99 | max | top-1 |", "|---|---|---|---|---|---|"]
+    for r in card["ranges"]:
+        out.append(f"| {r['range']} | {r['rows']} | {r['kld_mean']:.4g} ± {r['kld_stderr'] or 0:.2g} | "
+                   f"{r['kld_p99']:.4g} | {r['kld_max']:.4g} | {r['top1_agreement']:.4f} |")
+    out += ["", "| disclosure | value |", "|---|---|"]
+    for k, v in card["disclosure"].items():
+        if isinstance(v, dict) and k.endswith("runtime"):
+            for kk, vv in v.items():
+                out.append(f"| {k}.{kk} | {_g(vv).replace('|', '/')} |")
+        else:
+            out.append(f"| {k} | {_g(v).replace('|', '/')} |")
+    if card["undisclosed"]:
+        out += ["", f"Undisclosed: {', '.join(card['undisclosed'])}."]
+    return "\n".join(out) + "\n"

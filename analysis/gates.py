@@ -1,0 +1,105 @@
+"""Admission gates: per quant class thresholds a stack must meet against its reference.
+
+    classes:
+      8bit: {mean_kld: 0.02, p99_kld: 0.2, max_kld: 2.0, top1_agreement: 0.93,
+             cosine_min: 0.998, norm_ratio_tol: 0.05}
+    dtypes: {q8_0: 8bit, ...}        # optional: which class a cell dtype belongs to
+
+Any NaN/Inf row rejects, always (it is not a threshold). An isolated KL spike rejects
+through max_kld (seeds/000); cosine and the norm ratio are two gates because cosine is
+blind to a dropped scale factor (seeds/003).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from matrix.errors import UserError
+
+# gate -> (metric it reads, comparison, description)
+GATES = {
+    "mean_kld": ("kld_mean", "<=", "mean KL(P_ref || P_stack) over sampled rows"),
+    "p99_kld": ("kld_p99", "<=", "99th percentile of per-row KL"),
+    "max_kld": ("kld_max", "<=", "largest single-row KL (an isolated spike rejects)"),
+    "top1_agreement": ("top1_agreement", ">=", "share of rows whose argmax matches the reference"),
+    "cosine_min": ("cosine_min", ">=", "smallest per-row cosine of raw logits"),
+    "norm_ratio_tol": ("norm_ratio_dev", "<=", "largest |‖stack‖/‖ref‖ − 1| over rows (what cosine misses)"),
+    "mean_js": ("js_mean", "<=", "mean Jensen-Shannon divergence"),
+}
+DEFAULT_CLASSES = {  # a cell dtype -> its quant class, unless the gates file says otherwise
+    "fp32": "fp16", "bf16": "fp16", "f16": "fp16", "f32": "fp16", "fp16": "fp16",
+    "q8_0": "8bit", "q8_g64": "8bit", "fp8": "8bit",
+    "q6_k": "8bit", "q5_0": "4bit", "q5_1": "4bit", "q5_k_m": "4bit",
+    "q4_0": "4bit", "q4_1": "4bit", "q4_k_m": "4bit", "q4_g64": "4bit",
+    "q3_k_m": "2bit", "q2_k": "2bit",
+}
+
+
+def load_gates(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: gates file not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"{p}: malformed YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("classes"), dict) or not data["classes"]:
+        raise UserError(f"{p}: classes: a mapping of quant class -> gates is required")
+    for k in data:
+        if k not in ("classes", "dtypes"):
+            raise UserError(f"{p}: {k}: unknown key; expected classes, dtypes")
+    for cls, gates in data["classes"].items():
+        if not isinstance(gates, dict) or not gates:
+            raise UserError(f"{p}: classes.{cls}: must be a mapping of gate -> threshold (got {gates!r})")
+        for g, v in gates.items():
+            if g not in GATES:
+                raise UserError(f"{p}: classes.{cls}.{g}: unknown gate; expected one of {', '.join(GATES)}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise UserError(f"{p}: classes.{cls}.{g}: threshold must be a number (got {v!r})")
+    dtypes = data.get("dtypes") or {}
+    if not isinstance(dtypes, dict):
+        raise UserError(f"{p}: dtypes: must be a mapping of dtype -> class (got {dtypes!r})")
+    for d, cls in dtypes.items():
+        if cls not in data["classes"]:
+            raise UserError(f"{p}: dtypes.{d}: unknown class {cls!r}; classes are {', '.join(data['classes'])}")
+    return {"path": str(p), "classes": data["classes"], "dtypes": {**DEFAULT_CLASSES, **dtypes}}
+
+
+def pick_class(gates: dict, dtype: str, asked: str | None) -> str:
+    cls = asked or gates["dtypes"].get(dtype)
+    if cls is None:
+        raise UserError(f"{gates['path']}: no quant class for dtype {dtype!r}; add it under dtypes: or pass --class")
+    if cls not in gates["classes"]:
+        raise UserError(f"--class {cls}: not in {gates['path']} (classes: {', '.join(gates['classes'])})")
+    return cls
+
+
+def evaluate(measured: dict[str, float | None], thresholds: dict[str, float], nonfinite: int) -> list[dict]:
+    """One row per gate: gate, threshold, measured, pass. NaN/Inf rows always reject."""
+    out = [{"gate": "finite", "comparison": "==", "threshold": 0, "measured": nonfinite, "pass": nonfinite == 0,
+            "meaning": "rows with NaN/Inf logits (any rejects)"}]
+    for g, thr in thresholds.items():
+        key, cmp, meaning = GATES[g]
+        v = measured.get(key)
+        ok = v is not None and (v <= thr if cmp == "<=" else v >= thr)
+        out.append({"gate": g, "comparison": cmp, "threshold": thr, "measured": v, "pass": bool(ok),
+                    "meaning": meaning})
+    return out
+
+
+def measured_from_warehouse(con, cell_id: str) -> tuple[dict, int, str]:
+    """The gated quantities of a cell vs its reference, from the metrics table (repeat 0)."""
+    rel = con.execute("""
+        SELECT avg(kld) AS kld_mean, quantile_cont(kld, 0.99) AS kld_p99, max(kld) AS kld_max,
+               avg(top1_match::INT) AS top1_agreement, min(cosine) AS cosine_min,
+               max(abs(norm_ratio - 1)) AS norm_ratio_dev, avg(js) AS js_mean,
+               count(nonfinite) AS nonfinite, count(*) AS rows, any_value(reference_cell_id) AS ref
+        FROM metrics WHERE cell_id = ? AND repeat = 0""", [cell_id])
+    cols = [d[0] for d in rel.description]
+    row = dict(zip(cols, rel.fetchone()))
+    if not row["rows"]:
+        raise UserError(f"admit: cell {cell_id} has no metrics; run `matrix analyze` first")
+    return row, int(row["nonfinite"]), row["ref"]

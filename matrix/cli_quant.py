@@ -1,0 +1,182 @@
+"""Quant-author commands: `matrix card`, `matrix admit`, `matrix fixture`, `matrix kld-base`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from matrix.corpus import CONFIGS
+from matrix.errors import UserError
+
+GATES = CONFIGS / "gates.yaml"
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cmd_card(args) -> int:
+    from analysis.card import build_card, markdown
+
+    card = build_card(args.warehouse, args.cell, allow_undisclosed=args.allow_undisclosed)
+    if args.format == "json":
+        print(json.dumps(card, indent=1, default=str))
+    else:
+        print(markdown(card), end="")
+    return 0
+
+
+def print_gates(rows: list[dict], title: str) -> None:
+    from matrix.cli import table
+
+    def f(v):
+        return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
+
+    print(title)
+    print(table(["gate", "threshold", "measured", "result"],
+                [[r["gate"], f"{r['comparison']} {f(r['threshold'])}", f(r["measured"]),
+                  "pass" if r["pass"] else "FAIL"] for r in rows]))
+
+
+def cmd_admit(args) -> int:
+    from analysis.gates import evaluate, load_gates, measured_from_warehouse, pick_class
+    from analysis.sql import connect
+
+    gates = load_gates(args.gates)
+    con = connect(args.warehouse)
+    try:
+        cell = con.execute("SELECT dtype, status FROM cells WHERE cell_id = ?", [args.cell]).fetchone()
+        if cell is None:
+            raise UserError(f"admit: no cell {args.cell} in {args.warehouse}")
+        measured, nonfinite, ref = measured_from_warehouse(con, args.cell)
+    finally:
+        con.close()
+    cls = pick_class(gates, cell[0], args.quant_class)
+    rows = evaluate(measured, gates["classes"][cls], nonfinite)
+    ok = all(r["pass"] for r in rows)
+    if args.json:
+        print(json.dumps({"cell_id": args.cell, "reference_cell_id": ref, "class": cls, "gates_file": gates["path"],
+                          "rows": measured["rows"], "pass": ok, "gates": rows}, indent=1, default=str))
+    else:
+        print_gates(rows, f"{args.cell} vs {ref}: class {cls} ({gates['path']}), {measured['rows']} rows")
+        print(f"\n{'ADMITTED' if ok else 'REJECTED'}: {sum(r['pass'] for r in rows)}/{len(rows)} gates pass")
+    return 0 if ok else 1
+
+
+def cmd_fixture(args) -> int:
+    if args.action == "export":
+        from matrix.fixtures import export_fixture
+
+        out = export_fixture(args.warehouse, args.cell, args.out, k=args.k, log=_log)
+        if args.json:
+            print(json.dumps(out, indent=1))
+        return 0
+    import numpy as np
+
+    from analysis.gates import evaluate, load_gates, pick_class
+    from matrix.fixtures import check_fixture
+
+    gates = load_gates(args.gates)  # a bad gates file fails before any model loads
+    cls = pick_class(gates, args.dtype, args.quant_class)
+    res = check_fixture(args.fixture, args.engine, args.model, args.dtype, args.attention, args.threads, log=_log)
+    m = res["metrics"]
+    measured = {"kld_mean": float(m["kld"].mean()), "kld_p99": float(np.quantile(m["kld"], 0.99)),
+                "kld_max": float(m["kld"].max()), "top1_agreement": float(m["top1_match"].mean()),
+                "cosine_min": float(m["cosine_topk"].min()),
+                "norm_ratio_dev": float(np.abs(m["norm_ratio_topk"] - 1).max()), "js_mean": float(m["js"].mean())}
+    upper = {"mean_kld": float(m["kld_upper"].mean()), "p99_kld": float(np.quantile(m["kld_upper"], 0.99)),
+             "max_kld": float(m["kld_upper"].max())}
+    rows = evaluate(measured, gates["classes"][cls], res["nonfinite"])
+    for r in rows:
+        r["upper_bound"] = upper.get(r["gate"])
+    ok = all(r["pass"] for r in rows)
+    k = res["header"]["k"]
+    trunc = {"k": k, "vocab_size": res["header"]["vocab_size"], "tail_mass_mean": float(m["tail_mass"].mean()),
+             "tail_mass_max": float(m["tail_mass"].max()),
+             "note": "KL over the top-k plus one tail bucket: a lower bound of the full KL; upper_bound adds the "
+                     "largest the tail can contribute (every tail p <= the k-th probability). cosine and norm "
+                     "ratio are over the top-k logits only."}
+    if args.json:
+        print(json.dumps({"fixture": args.fixture, "engine": args.engine, "model": args.model, "dtype": args.dtype,
+                          "class": cls, "rows": res["rows"], "pass": ok, "truncation": trunc, "gates": rows},
+                         indent=1, default=str))
+    else:
+        from matrix.cli import table
+
+        def f(v):
+            return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
+
+        print(f"{args.engine} {args.dtype} {args.attention} vs fixture {args.fixture} "
+              f"(from {res['header']['produced_by']['cell_id']}): class {cls}, {res['rows']} rows")
+        print(table(["gate", "threshold", "measured (lower bound)", "upper bound", "result"],
+                    [[r["gate"], f"{r['comparison']} {f(r['threshold'])}", f(r["measured"]), f(r["upper_bound"]),
+                      "pass" if r["pass"] else "FAIL"] for r in rows]))
+        print(f"\ntop-{k} of {trunc['vocab_size']}: reference tail mass mean {trunc['tail_mass_mean']:.3g}, "
+              f"max {trunc['tail_mass_max']:.3g}; KL is quoted as [lower, upper] because of that tail")
+        print(f"{'ADMITTED' if ok else 'REJECTED'}: {sum(r['pass'] for r in rows)}/{len(rows)} gates pass")
+    return 0 if ok else 1
+
+
+def cmd_kld_base(args) -> int:
+    from matrix import interop
+
+    if args.action == "export":
+        out = interop.export_kld_base(args.warehouse, args.cell, args.n_ctx, args.out, log=_log)
+    else:
+        out = interop.import_kld_base(args.warehouse, args.file, args.model, log=_log)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+def add_parsers(sub) -> None:
+    c = sub.add_parser("card", help="a model-card KLD block with every disclosure field")
+    c.add_argument("cell")
+    c.add_argument("--warehouse", default="warehouse")
+    c.add_argument("--format", choices=["md", "json"], default="md")
+    c.add_argument("--allow-undisclosed", action="store_true",
+                   help="print unknown fields as 'undisclosed' instead of failing")
+    c.set_defaults(func=cmd_card)
+
+    a = sub.add_parser("admit", help="gate a cell against its reference (exit 0 pass, 1 fail, 2 error)")
+    a.add_argument("cell")
+    a.add_argument("--gates", default=str(GATES))
+    a.add_argument("--class", dest="quant_class", default=None, help="quant class (default: from the cell's dtype)")
+    a.add_argument("--warehouse", default="warehouse")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=cmd_admit)
+
+    fx = sub.add_parser("fixture", help="reference-output fixtures: export from a cell, check a stack against one")
+    fsub = fx.add_subparsers(dest="action", required=True)
+    fe = fsub.add_parser("export", help="write a standalone fixture (.json readable, .parquet dense)")
+    fe.add_argument("cell")
+    fe.add_argument("--out", required=True, help="FILE.json or FILE.parquet")
+    fe.add_argument("--k", type=int, default=64, help="top-k ids and logits kept per row (default 64)")
+    fe.add_argument("--warehouse", default="warehouse")
+    fe.add_argument("--json", action="store_true")
+    fc = fsub.add_parser("check", help="run a stack on the fixture's ids and gate it (exit 0 pass, 1 fail, 2 error)")
+    fc.add_argument("fixture")
+    fc.add_argument("--engine", required=True)
+    fc.add_argument("--model", required=True, help="catalog name or a model directory")
+    fc.add_argument("--dtype", default="bf16")
+    fc.add_argument("--attention", default="default")
+    fc.add_argument("--threads", type=int, default=2)
+    fc.add_argument("--gates", default=str(GATES))
+    fc.add_argument("--class", dest="quant_class", default=None)
+    fc.add_argument("--json", action="store_true")
+    fx.set_defaults(func=cmd_fixture)
+
+    kb = sub.add_parser("kld-base", help="llama.cpp --kl-divergence-base files: export a cell, import a file")
+    ksub = kb.add_subparsers(dest="action", required=True)
+    ke = ksub.add_parser("export")
+    ke.add_argument("cell")
+    ke.add_argument("--n-ctx", type=int, required=True, help="llama-perplexity's -c: chunk length in tokens")
+    ke.add_argument("--out", required=True)
+    ke.add_argument("--warehouse", default="warehouse")
+    ke.add_argument("--json", action="store_true")
+    ki = ksub.add_parser("import")
+    ki.add_argument("file")
+    ki.add_argument("--model", required=True, help="the warehouse model the file was made from (it carries no hash)")
+    ki.add_argument("--warehouse", default="warehouse")
+    ki.add_argument("--json", action="store_true")
+    kb.set_defaults(func=cmd_kld_base)

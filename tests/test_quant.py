@@ -1,0 +1,174 @@
+"""Quant-author workflow on real captures: model cards, admission gates, llama.cpp KLD-base interop."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from store import Warehouse
+from store import llamacpp_kld as K
+from store.warehouse import logits_matrix
+from tests.conftest import run_cli, sql, write_spec
+
+DISCLOSURE = {"reference_checkpoint", "reference_runtime", "candidate_runtime", "evaluation_text",
+              "calibration_data", "context_lengths", "sampled_positions", "kl_direction",
+              "vocabulary_truncation", "aggregation", "storage_floor", "bit_reproducible"}
+
+
+@pytest.fixture(scope="module")
+def analyzed(swept, tmp_path_factory):
+    _, wh, _, _ = swept
+    d = tmp_path_factory.mktemp("quant") / "wh"
+    shutil.copytree(wh, d)
+    r = run_cli("analyze", "--warehouse", str(d))
+    assert r.returncode == 0, r.stderr[-2000:]
+    cells = {c["dtype"] + "." + c["attention"]: c["cell_id"] for c in sql(d, "select * from cells")}
+    return d, cells
+
+
+def test_card_discloses_every_field_and_matches_the_summary(analyzed):
+    wh, cells = analyzed
+    r = run_cli("card", cells["fp32.sdpa"], "--warehouse", str(wh), "--format", "json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    card = json.loads(r.stdout)
+    assert set(card["disclosure"]) == DISCLOSURE and card["undisclosed"] == []
+    assert '"undisclosed",' not in r.stdout and ': "undisclosed"' not in r.stdout
+    s = sql(wh, f"select * from summary where cell_id = '{cells['fp32.sdpa']}'")[0]
+    assert card["numbers"]["kld_mean"] == pytest.approx(s["kld_mean"], rel=1e-12) and s["kld_mean"] > 0
+    assert card["reference_cell_id"] == cells["bf16.eager"]
+    d = card["disclosure"]
+    assert d["reference_checkpoint"]["weights_sha256"] == sql(wh, "select weights_sha256 from cells limit 1")[0][
+        "weights_sha256"]
+    assert d["candidate_runtime"]["attention"] == "sdpa" and d["reference_runtime"]["dtype"] == "bf16"
+    assert d["candidate_runtime"]["libraries"]["torch"].startswith("2.")
+    assert d["sampled_positions"]["stride"] == 16 and d["sampled_positions"]["count"] == s["rows"]
+    assert d["evaluation_text"]["prompts"] == 4 and len(d["evaluation_text"]["token_ids_sha256"]) == 64
+    assert d["kl_direction"].startswith("KL(P_reference || P_candidate)")
+    assert d["calibration_data"].startswith("none")
+    assert {x["range"] for x in card["ranges"]} == {"0-511"}
+    md = run_cli("card", cells["fp32.sdpa"], "--warehouse", str(wh))
+    assert md.returncode == 0 and "| mean KLD ± s.e. |" in md.stdout and "| kl_direction |" in md.stdout
+
+
+def test_card_refuses_an_unknown_field_unless_allowed(analyzed, tmp_path):
+    wh0, cells = analyzed
+    wh = tmp_path / "wh"
+    shutil.copytree(wh0, wh)
+    w = Warehouse(wh)
+    row = w.read_rows("cells", cells["fp32.eager"])[0]
+    w.write_rows("cells", cells["fp32.eager"], [{**row, "threads": None}])
+    r = run_cli("card", cells["fp32.eager"], "--warehouse", str(wh))
+    assert r.returncode == 2 and "candidate_runtime.threads is unknown" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = run_cli("card", cells["fp32.eager"], "--warehouse", str(wh), "--allow-undisclosed", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    card = json.loads(r.stdout)
+    assert card["disclosure"]["candidate_runtime"]["threads"] == "undisclosed"
+    assert card["undisclosed"] == ["candidate_runtime.threads"]
+    r = run_cli("card", "no-such-cell", "--warehouse", str(wh))
+    assert r.returncode == 2 and "no cell no-such-cell" in r.stderr
+
+
+def test_admit_passes_the_reference_and_fails_tight_gates(analyzed, tmp_path):
+    wh, cells = analyzed
+    r = run_cli("admit", cells["bf16.eager"], "--warehouse", str(wh), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["pass"] and out["class"] == "fp16" and {g["gate"] for g in out["gates"]} >= {
+        "finite", "mean_kld", "p99_kld", "max_kld", "top1_agreement", "cosine_min", "norm_ratio_tol"}
+    assert all(g["measured"] in (0, 0.0, 1.0) for g in out["gates"])  # itself: exact zeros / ones
+    tight = tmp_path / "tight.yaml"
+    tight.write_text("classes:\n  fp16: {mean_kld: 1.0e-9, max_kld: 1.0e-6, cosine_min: 0.5}\n")
+    r = run_cli("admit", cells["bf16.sdpa"], "--warehouse", str(wh), "--gates", str(tight))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "REJECTED" in r.stdout and "mean_kld" in r.stdout and "FAIL" in r.stdout and "pass" in r.stdout
+    for body, needle in [("classes:\n  fp16: {mean_kl: 0.1}\n", "classes.fp16.mean_kl: unknown gate"),
+                         ("classes:\n  fp16: {mean_kld: lots}\n", "classes.fp16.mean_kld: threshold must be a number"),
+                         ("classes: [1]\n", "classes: a mapping"), ("classes:\n  fp16: {mean_kld: 1}\ndtypes: {bf16: 3bit}\n",
+                                                                    "dtypes.bf16: unknown class")]:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(body)
+        r = run_cli("admit", cells["bf16.sdpa"], "--warehouse", str(wh), "--gates", str(bad))
+        assert r.returncode == 2 and needle in r.stderr and str(bad) in r.stderr, (body, r.stderr)
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_model, short_corpus, tmp_path_factory):
+    """Every position of the first 40 tokens: what llama-perplexity scores with -c 32."""
+    d = tmp_path_factory.mktemp("dense")
+    spec = write_spec(d / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32", "bf16"], attention=["eager"],
+                      reference={"engine": "hf", "dtype": "fp32"}, stride=1, repeats=1, max_tokens=40)
+    wh = d / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh))
+    assert r.returncode == 0, r.stderr[-3000:]
+    cells = {c["dtype"]: c["cell_id"] for c in sql(wh, "select * from cells")}
+    return wh, cells
+
+
+def test_llamacpp_kld_base_round_trip(dense, tmp_path):
+    wh, cells = dense
+    base = tmp_path / "ref.kld"
+    r = run_cli("kld-base", "export", cells["fp32"], "--n-ctx", "32", "--out", str(base), "--warehouse", str(wh),
+                "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["n_chunk"] == 2 and out["rows"] == 2 * 15  # chat (98 tokens) and prose (338); 16..30
+    f = K.read(base)
+    assert (f["n_ctx"], f["n_vocab"], f["n_chunk"]) == (32, 49152, 2)
+    assert base.stat().st_size == 20 + 4 * 2 * 32 + 2 * 2 * 15 * K.row_width(49152)
+    # decoded log-probs vs the originals: within half a step above the clamp, clamped below it
+    t = pq.read_table(wh / "logits" / cells["fp32"] / "r0.parquet")
+    keys = list(zip(t["prompt_id"].to_pylist(), t["position"].to_pylist()))
+    logits = logits_matrix(t["logits"]).astype(np.float64)
+    for c, pid in enumerate(out["prompts"]):
+        orig = logits[[keys.index((pid, j)) for j in range(16, 31)]]
+        lp = orig - orig.max(-1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+        dec = K.decode_rows(np.asarray(f["rows"][c]), 49152).astype(np.float64)
+        scale = np.asarray(f["rows"][c][:, :2]).view(np.float32)[:, 0].astype(np.float64)
+        above = lp > lp.max(-1, keepdims=True) - 15.99
+        err = np.abs(dec - lp)
+        assert (err[above] <= (scale[:, None] * 0.5 + 2e-5).repeat(49152, 1)[above]).all(), err[above].max()
+        assert (dec[~above] <= lp.max(-1, keepdims=True).repeat(49152, 1)[~above] - 15.9).all()
+        assert (np.asarray(f["tokens"][c]) == sql(wh, f"select token_ids from prompts where prompt_id = '{pid}'")[0][
+            "token_ids"][:32]).all()
+    # import it back: a lossy reference cell, its floor measured against the original rows
+    r = run_cli("kld-base", "import", str(base), "--model", "tiny", "--warehouse", str(wh), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    imp = json.loads(r.stdout)
+    assert imp["lossy"] and imp["matched_prompts"] == 2 and imp["rows"] == 30
+    assert "LOSSY" in r.stderr and "no model or tokenizer hash" in r.stderr
+    again = run_cli("kld-base", "import", str(base), "--model", "tiny", "--warehouse", str(wh), "--json")
+    assert again.returncode == 0 and not json.loads(again.stdout)["imported"]
+    r = run_cli("analyze", "--warehouse", str(wh), "--reference", imp["cell_id"], "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = sql(wh, f"""select avg(kld) as k, max(kld) as kmax, min(top1_match::int) as t1, count(*) as n,
+                    avg(storage_floor) as floor from metrics where cell_id = '{cells['fp32']}'""")[0]
+    assert m["n"] == 30 and m["t1"] == 1  # only the imported rows line up; the rest are left out (and said so)
+    assert "have no row of reference" in r.stderr
+    assert 0 < m["k"] < 1e-3 and m["kmax"] < 1e-2, m  # the format's own floor, measured
+    assert m["floor"] == pytest.approx(imp["storage_floor"]) and m["k"] < 10 * m["floor"], m
+
+
+def test_kld_base_bad_input(dense, tmp_path):
+    wh, cells = dense
+    r = run_cli("kld-base", "export", cells["fp32"], "--n-ctx", "64", "--out", str(tmp_path / "x.kld"),
+                "--warehouse", str(wh))
+    assert r.returncode == 2 and "lacks" in r.stderr and "stride: 1" in r.stderr, r.stderr
+    good = tmp_path / "ok.kld"
+    assert run_cli("kld-base", "export", cells["fp32"], "--n-ctx", "32", "--out", str(good),
+                   "--warehouse", str(wh)).returncode == 0
+    data = good.read_bytes()
+    cases = {"foreign.kld": b"GGUF" + data[4:], "short.kld": data[:-10], "empty.kld": b""}
+    for name, body in cases.items():
+        p = tmp_path / name
+        p.write_bytes(body)
+        r = run_cli("kld-base", "import", str(p), "--model", "tiny", "--warehouse", str(wh))
+        assert r.returncode == 2 and str(p) in r.stderr, (name, r.stderr)
+        assert ("magic" in r.stderr) if name != "short.kld" else ("do not add up" in r.stderr), r.stderr
+    r = run_cli("kld-base", "import", str(good), "--model", "nosuch", "--warehouse", str(wh))
+    assert r.returncode == 2 and "--model nosuch" in r.stderr
