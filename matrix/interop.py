@@ -29,6 +29,7 @@ from store import llamacpp_kld as K
 from store.warehouse import ShardWriter, logits_matrix
 
 ENGINE = "llama.cpp-kld-base"
+CLAMPED_BELOW = 64.0  # nats below min_log_prob where an imported clamped entry is put
 
 
 def _prompts(wh: Warehouse, model: str) -> list[dict]:
@@ -69,15 +70,13 @@ def export_kld_base(warehouse: str, cell_id: str, n_ctx: int, out: str, log: Cal
 
 
 def floor_estimate(rows_u16: np.ndarray, n_vocab: int) -> np.ndarray:
-    """Per row, the KL the encoding itself costs, estimated from the file alone:
-    uniform rounding of each log-prob within +-scale/2 (KL ~ scale^2/24), plus the mass the clamp
-    assigns to tokens it flattened (their true mass is at most that)."""
+    """Per row, a bound on the KL the encoding itself costs, from the file alone: uniform rounding
+    of each log-prob within +-scale/2 (KL ~ scale^2/24), plus the probability mass the clamp
+    dropped (at most e^min_log_prob per clamped token; dropping mass m costs KL ~ m)."""
     head = np.ascontiguousarray(rows_u16[:, :4]).view(np.float32)  # (rows, 2)
     scale, mlp = head[:, 0].astype(np.float64), head[:, 1].astype(np.float64)
-    lp = K.decode_rows(rows_u16, n_vocab).astype(np.float64)  # (rows, vocab)
-    lse = np.log(np.exp(lp).sum(-1))
-    clamped = (rows_u16[:, 4:4 + n_vocab] == 0).sum(-1) * np.exp(mlp - lse)
-    return scale ** 2 / 24 + clamped
+    dropped = (rows_u16[:, 4:4 + n_vocab] == 0).sum(-1) * np.exp(mlp)
+    return scale ** 2 / 24 + np.minimum(dropped, 1.0)
 
 
 def import_kld_base(warehouse: str, path: str, model: str, log: Callable[[str], None] = print) -> dict:
@@ -127,6 +126,12 @@ def import_kld_base(warehouse: str, path: str, model: str, log: Callable[[str], 
                     matched += 1
                 rows = np.asarray(f["rows"][c])  # (n_scored, nv) uint16
                 lp = K.decode_rows(rows, f["n_vocab"])  # (n_scored, vocab) log-probs
+                # q = 0 means "16+ nats below the top: no information". llama.cpp's own KL skips those
+                # base entries; stored at min_log_prob - 64 they carry ~zero probability here too,
+                # instead of the e^-16 each that would otherwise be spread over thousands of tokens.
+                head = np.ascontiguousarray(rows[:, :4]).view(np.float32)  # (n_scored, 2)
+                clamped = (rows[:, 4:4 + f["n_vocab"]] == 0) & (head[:, :1] > 0)
+                lp[clamped] = np.broadcast_to(head[:, 1:2] - np.float32(CLAMPED_BELOW), lp.shape)[clamped]
                 floors.append(floor_estimate(rows, f["n_vocab"]))
                 writer.add(hit["prompt_id"], scored, [toks[j + 1] for j in scored], lp)
             writer.commit()

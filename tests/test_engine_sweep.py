@@ -125,3 +125,72 @@ def test_tokenizer_larger_than_the_model_vocab_is_refused(tiny_model, short_corp
     r = run_cli("run", str(spec), "--warehouse", str(tmp_path / "wh"))
     assert r.returncode == 2 and "tokenizer has 49152 tokens but the model has vocab_size 1000" in r.stderr, r.stderr
     assert not (tmp_path / "wh").exists()
+
+
+@pytest.fixture(scope="module")
+def engines_analyzed(engines_sweep):
+    wh, _, _ = engines_sweep
+    r = run_cli("analyze", "--warehouse", str(wh))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return wh, {(c["engine"], c["dtype"]): c["cell_id"] for c in sql(wh, "select * from cells")}
+
+
+def test_admit_rejects_a_4bit_stack_under_8bit_gates_and_cards_disclose_quant_recipes(engines_analyzed):
+    wh, cells = engines_analyzed
+    # Q2_K cannot exist for this model (no tensor takes that type: the cell is skipped), so the
+    # lowest-bit stack here is MLX 4-bit; under the 8-bit class it must fail, under 4-bit it is judged as such.
+    r = run_cli("admit", cells[("mlx", "q4_g64")], "--warehouse", str(wh), "--class", "8bit", "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert not out["pass"] and out["class"] == "8bit"
+    assert any(g["gate"] == "mean_kld" and not g["pass"] for g in out["gates"])
+    r = run_cli("admit", cells[("hf", "fp32")], "--warehouse", str(wh), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["pass"]
+    r = run_cli("card", cells[("llamacpp", "q8_0")], "--warehouse", str(wh), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    card = json.loads(r.stdout)
+    assert card["disclosure"]["calibration_data"].startswith("none: llama.cpp round-to-nearest")
+    assert "Q8_0" in json.dumps(card["disclosure"]["candidate_runtime"]["build"])
+    r = run_cli("card", cells[("llamacpp", "q2_k")], "--warehouse", str(wh))
+    assert r.returncode == 2 and "was not captured" in r.stderr
+
+
+def test_fixture_export_and_check(engines_analyzed, tiny_model, tmp_path):
+    wh, cells = engines_analyzed
+    ref = cells[("hf", "fp32")]
+    for ext in ("json", "parquet"):
+        r = run_cli("fixture", "export", ref, "--out", str(tmp_path / f"fx.{ext}"), "--k", "32",
+                    "--warehouse", str(wh), "--json")
+        assert r.returncode == 0, r.stderr[-2000:]
+    body = json.loads((tmp_path / "fx.json").read_text())
+    assert body["k"] == 32 and body["kl_direction"].startswith("KL(P_fixture") and len(body["prompts"]) == 4
+    row = body["rows"][0]
+    assert len(row["topk_ids"]) == 32 and row["logsumexp"] > max(row["topk_logits"])
+    # the same stack passes (its rows are bit-identical: KL exactly 0 on the known part)
+    r = run_cli("fixture", "check", str(tmp_path / "fx.parquet"), "--engine", "hf", "--model", str(tiny_model),
+                "--dtype", "fp32", "--attention", "eager", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    same = json.loads(r.stdout)
+    assert same["pass"] and same["truncation"]["k"] == 32 and 0 <= same["truncation"]["tail_mass_mean"] < 1
+    kl = next(g for g in same["gates"] if g["gate"] == "mean_kld")
+    assert kl["measured"] < 1e-12 and kl["upper_bound"] >= kl["measured"]
+    # a quantised stack fails tight gates, with the truncation bound quoted beside each KL
+    tight = tmp_path / "tight.yaml"
+    tight.write_text("classes:\n  strict: {mean_kld: 1.0e-4, top1_agreement: 1.0}\n")
+    r = run_cli("fixture", "check", str(tmp_path / "fx.json"), "--engine", "llamacpp", "--model", str(tiny_model),
+                "--dtype", "q8_0", "--gates", str(tight), "--class", "strict")
+    assert r.returncode == 1, r.stdout + r.stderr[-2000:]
+    assert "REJECTED" in r.stdout and "upper bound" in r.stdout and "tail mass" in r.stdout
+    # damaged or foreign fixtures are errors, not verdicts
+    bad = dict(body)
+    bad["rows"] = [dict(body["rows"][0], topk_logits=[v + 1 for v in body["rows"][0]["topk_logits"]])] + body["rows"][1:]
+    (tmp_path / "damaged.json").write_text(json.dumps(bad))
+    other = dict(body, prompts=[dict(body["prompts"][0], token_ids=[5] + body["prompts"][0]["token_ids"][1:])]
+                 + body["prompts"][1:])
+    (tmp_path / "ids.json").write_text(json.dumps(other))
+    (tmp_path / "vocab.json").write_text(json.dumps(dict(body, vocab_size=1000)))
+    for name, needle in [("damaged.json", "fails its checksum"), ("ids.json", "token ids do not match"),
+                         ("vocab.json", "vocabulary 1000 but model")]:
+        r = run_cli("fixture", "check", str(tmp_path / name), "--engine", "hf", "--model", str(tiny_model),
+                    "--dtype", "fp32", "--attention", "eager")
+        assert r.returncode == 2 and needle in r.stderr, (name, r.stderr[-1500:])

@@ -150,8 +150,8 @@ def test_llamacpp_kld_base_round_trip(dense, tmp_path):
                     avg(storage_floor) as floor from metrics where cell_id = '{cells['fp32']}'""")[0]
     assert m["n"] == 30 and m["t1"] == 1  # only the imported rows line up; the rest are left out (and said so)
     assert "have no row of reference" in r.stderr
-    assert 0 < m["k"] < 1e-3 and m["kmax"] < 1e-2, m  # the format's own floor, measured
-    assert m["floor"] == pytest.approx(imp["storage_floor"]) and m["k"] < 10 * m["floor"], m
+    # the format's own floor, measured: within the bound the import estimated from the file alone
+    assert m["floor"] == pytest.approx(imp["storage_floor"]) and 0 < m["k"] <= m["floor"], m
 
 
 def test_kld_base_bad_input(dense, tmp_path):
