@@ -14,6 +14,7 @@ import ray
 
 from backends import backend_class
 from matrix.capture import capture_shard
+from matrix.fingerprint import fingerprint
 
 
 @ray.remote
@@ -35,6 +36,7 @@ class StackActor:
             "artifact": settings.pop("artifact", None),
             "vocab_size": self.backend.vocab_size(), "load_seconds": time.perf_counter() - t0,
             "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
+            "fingerprint": fingerprint(),
         }
 
     def parity(self, prompts: list[tuple[str, str, list[int]]], reference: dict[str, Any],

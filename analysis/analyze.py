@@ -70,14 +70,21 @@ def _align(ref: Shard, stk: Shard) -> tuple[np.ndarray, np.ndarray]:
     return ri, si
 
 
+def _take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """Rows idx of a: a view when they are consecutive (the usual case), else a copy."""
+    if len(idx) and idx[-1] - idx[0] == len(idx) - 1 and (np.diff(idx) == 1).all():
+        return a[idx[0]:idx[-1] + 1]
+    return a[idx]
+
+
 def compare(ref: Shard, stk: Shard) -> dict[str, np.ndarray]:
     """Metrics of every stack row that has a reference row at the same (prompt, position)."""
     if ref.logits.shape[1] != stk.logits.shape[1]:
         raise UserError(f"cell {stk.cell_id} has vocabulary {stk.logits.shape[1]}, reference {ref.cell_id} has "
                         f"{ref.logits.shape[1]}: they cannot be compared row for row")
     ri, si = _align(ref, stk)
-    parts = [M.row_metrics(ref.logits[ri[s:s + CHUNK]], stk.logits[si[s:s + CHUNK]], ref.next_ids[ri[s:s + CHUNK]])
-             for s in range(0, len(si), CHUNK)]
+    parts = [M.row_metrics(_take(ref.logits, ri[s:s + CHUNK]), _take(stk.logits, si[s:s + CHUNK]),
+                           ref.next_ids[ri[s:s + CHUNK]]) for s in range(0, len(si), CHUNK)]
     out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else {}
     out["_rows"] = si
     return out

@@ -51,11 +51,27 @@ def calibration(cell: dict) -> str | None:
 def _driver(cell: dict) -> str | None:
     if cell["device"] == "cpu":
         return "none (CPU)"
-    s = _json(cell.get("settings"))
-    gpu = s.get("gpu") if isinstance(s.get("gpu"), dict) else {}
-    drv = s.get("driver") or gpu.get("driver")
-    cuda = s.get("cuda") or gpu.get("cuda")
-    return f"driver {drv}, CUDA {cuda}" if drv else None
+    fp = _json(cell.get("fingerprint"))
+    nv, amd = fp.get("nvidia") or {}, fp.get("rocm") or {}
+    if nv.get("status") == "ok":
+        return f"NVIDIA driver {nv.get('driver')}, CUDA {nv.get('cuda_driver')}"
+    if amd.get("status") == "ok" or amd.get("rocm_version"):
+        return f"ROCm {amd.get('rocm_version', 'unknown version')}"
+    return None
+
+
+def _hardware(cell: dict) -> str | None:
+    fp = _json(cell.get("fingerprint"))
+    if not fp:
+        return None
+    cpu = fp.get("cpu") or {}
+    flags = [f for f, on in (cpu.get("flags") or {}).items() if on and f.startswith(("avx512", "amx", "sve", "sme"))]
+    out = f"{cpu.get('model')} ({cpu.get('logical_cores')} cores{', ' + ' '.join(flags) if flags else ''})"
+    gpus = (fp.get("nvidia") or {}).get("gpus") or []
+    if cell["device"] != "cpu" and gpus:
+        g = gpus[0]
+        out += f"; {g.get('name')} x{len(gpus)}, {g.get('sm_count')} SMs, sm_{g.get('compute_capability')}"
+    return out
 
 
 def _runtime(cell: dict) -> dict[str, Any]:
@@ -66,7 +82,7 @@ def _runtime(cell: dict) -> dict[str, Any]:
         "cell_id": cell["cell_id"], "engine": cell["engine"],
         "libraries": _json(cell.get("versions")) or None,
         "build": build or None,
-        "device": cell["device"], "driver": _driver(cell), "host": cell.get("host"),
+        "device": cell["device"], "hardware": _hardware(cell), "driver": _driver(cell), "host": cell.get("host"),
         "threads": cell.get("threads"), "dtype": cell["dtype"], "attention": cell["attention"], "tp": cell["tp"],
         "artifact_sha256": cell.get("artifact_sha256") or ("none: the checkpoint itself" if cell["engine"] == "hf"
                                                            else None),
@@ -140,7 +156,8 @@ def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False) ->
     if missing and not allow_undisclosed:
         raise UserError(f"card: {missing[0]} is unknown for cell {cell_id}"
                         + (f" (and {len(missing) - 1} more: {', '.join(missing[1:4])})" if len(missing) > 1 else "")
-                        + "; declare it (e.g. `calibration:` in the spec's include entry) or pass --allow-undisclosed")
+                        + "; capture again with this version (older cells lack some fields), declare it in the spec "
+                        "where it is declarable (`calibration:` in an include entry), or pass --allow-undisclosed")
     _fill(disclosure)
     return {"cell_id": cell_id, "reference_cell_id": ref["cell_id"], "model": cell["model"],
             "numbers": numbers, "ranges": ranges, "disclosure": disclosure, "undisclosed": missing}

@@ -22,6 +22,7 @@ BUILTIN = {
     "hf": "backends.hf_backend:HFBackend",
     "llamacpp": "backends.llamacpp_backend:LlamaCppBackend",
     "mlx": "backends.mlx_backend:MLXBackend",
+    "trtllm": "backends.trtllm_backend:TrtllmBackend",
 }
 
 
@@ -33,7 +34,7 @@ def registry() -> dict[str, str]:
 
 
 # The library each built-in backend needs at load time: without it the cell is skipped, with the reason.
-REQUIRES = {"hf": "transformers", "llamacpp": "llama_cpp", "mlx": "mlx_lm"}
+REQUIRES = {"hf": "transformers", "llamacpp": "llama_cpp", "mlx": "mlx_lm", "trtllm": "tensorrt_llm"}
 
 
 def backend_class(engine: str) -> type[Backend] | None:

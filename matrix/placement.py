@@ -1,0 +1,138 @@
+"""Which Ray node can host a cell: device class and TP degree -> labels, resources, bundles.
+
+A node advertises its device class one of three ways, in this order of preference:
+  1. our label  `logit-matrix.io/device: h200`          (cluster.yaml sets it per node type)
+  2. Ray's label `ray.io/accelerator-type: H200`       (Ray sets it from the GPU it detects)
+  3. a custom resource `apple-m3: 1`                   (Apple Silicon is no Ray accelerator type)
+A cell asks for its device's GPUs (`tp` of them, in one STRICT_PACK placement group when tp > 1)
+and a selector that only matching nodes satisfy. Cells no node can ever host are reported
+before the sweep starts instead of pending forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+LABEL = "logit-matrix.io/device"
+RAY_ACCEL = "ray.io/accelerator-type"
+
+
+@dataclass(frozen=True)
+class Need:
+    gpu: bool = False
+    accel: tuple[str, ...] = ()  # Ray accelerator-type values that mean this device
+    resource: str | None = None  # custom resource for devices Ray does not type
+
+
+NEEDS: dict[str, Need] = {
+    "cpu": Need(),
+    "cuda": Need(gpu=True),
+    "h100": Need(gpu=True, accel=("H100",)),
+    "h200": Need(gpu=True, accel=("H200",)),
+    "b200": Need(gpu=True, accel=("B200",)),
+    "sm120": Need(gpu=True, accel=("RTX-PRO-6000", "RTX-PRO-6000-Blackwell", "RTX-5090")),
+    "mi300x": Need(gpu=True, accel=("AMD-Instinct-MI300X-OAM", "AMD-Instinct-MI300X")),
+    "rocm": Need(gpu=True),
+    "apple-m1": Need(resource="apple-m1"), "apple-m2": Need(resource="apple-m2"),
+    "apple-m3": Need(resource="apple-m3"), "apple-m4": Need(resource="apple-m4"),
+    "mps": Need(resource="mps"),
+}
+
+
+@dataclass
+class Node:
+    node_id: str
+    host: str
+    resources: dict[str, float]
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def cluster_nodes() -> list[Node]:
+    import ray
+
+    return [Node(n["NodeID"], n.get("NodeManagerHostname", ""), dict(n.get("Resources") or {}),
+                 dict(n.get("Labels") or {})) for n in ray.nodes() if n.get("Alive")]
+
+
+def selector(device: str, node: Node) -> dict[str, str] | None:
+    """The label selector by which `node` is a `device` node; None if it is not one."""
+    need = NEEDS[device]
+    if device == "cpu":
+        return {}
+    if node.labels.get(LABEL) == device:
+        return {LABEL: device}
+    if need.accel and node.labels.get(RAY_ACCEL) in need.accel:
+        return {RAY_ACCEL: node.labels[RAY_ACCEL]}
+    if need.resource and node.resources.get(need.resource, 0) >= 1:
+        return {}
+    if device in ("cuda", "rocm") and node.resources.get("GPU", 0) > 0 and LABEL not in node.labels:
+        return {}  # any GPU node that is not claimed by a specific class
+    return None
+
+
+def hosts(device: str, tp: int, threads: int, nodes: list[Node]) -> list[tuple[Node, dict[str, str]]]:
+    out = []
+    for n in nodes:
+        sel = selector(device, n)
+        if sel is None:
+            continue
+        need = NEEDS[device]
+        if need.gpu and n.resources.get("GPU", 0) < tp:
+            continue
+        if not need.gpu and n.resources.get("CPU", 0) < threads * (tp if tp > 1 else 1):
+            continue
+        out.append((n, sel))
+    return out
+
+
+def problem(device: str, tp: int, threads: int, nodes: list[Node]) -> str | None:
+    """Why no node of this cluster can ever host the cell, or None."""
+    if device not in NEEDS:
+        return f"device {device}: no placement rule (known: {', '.join(NEEDS)})"
+    if hosts(device, tp, threads, nodes):
+        return None
+    need = NEEDS[device]
+    typed = [n for n in nodes if selector(device, n) is not None]
+    if not typed:
+        how = [f"label {LABEL}={device}"] + [f"{RAY_ACCEL}={a}" for a in need.accel] \
+            + ([f"resource {need.resource}"] if need.resource else [])
+        return f"device {device}: no node of the cluster is one (looked for {' or '.join(how)})"
+    if need.gpu:
+        most = max(int(n.resources.get("GPU", 0)) for n in typed)
+        return f"device {device}: tp {tp} needs {tp} GPUs on one node; the largest {device} node has {most}"
+    most = max(int(n.resources.get("CPU", 0)) for n in typed)
+    return f"device {device}: needs {threads * max(tp, 1)} CPUs on one node; the largest has {most}"
+
+
+def actor_options(device: str, tp: int, threads: int, nodes: list[Node]) -> dict[str, Any]:
+    """Ray options for the cell's actor (tp == 1), or for each rank's bundle (tp > 1)."""
+    found = hosts(device, tp, threads, nodes)
+    sel = found[0][1] if found else {}
+    need = NEEDS[device]
+    opts: dict[str, Any] = {"num_cpus": threads}
+    if need.gpu:
+        opts["num_gpus"] = 1
+    if need.resource:
+        opts["resources"] = {need.resource: 1}
+    if sel:
+        opts["label_selector"] = sel
+    return opts
+
+
+def placement_group_for(device: str, tp: int, threads: int, nodes: list[Node]):
+    """tp bundles on one node (STRICT_PACK): every rank of a tensor-parallel stack shares a host.
+
+    Engines that start their own Ray workers (vLLM) get this group handed to them rather than
+    creating one inside it: a group inside a group deadlocks."""
+    from ray.util.placement_group import placement_group
+
+    opts = actor_options(device, tp, threads, nodes)
+    bundle = {"CPU": float(threads)}
+    if opts.get("num_gpus"):
+        bundle["GPU"] = 1.0
+    for k, v in (opts.get("resources") or {}).items():
+        bundle[k] = float(v)
+    sel = opts.get("label_selector")
+    return placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK",
+                           bundle_label_selector=[dict(sel) for _ in range(tp)] if sel else None)

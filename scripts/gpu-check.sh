@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One prepared GPU check (issue 6): a small real sweep on one NVIDIA GPU, a warehouse, a summary.
+#   scripts/gpu-check.sh MODEL_DIR [OUT_DIR]
+# MODEL_DIR: a local HF model directory (the GPU box may have no network). Runs HF eager / sdpa
+# (+ flash_attention_2 when flash-attn is importable) at fp32 and bf16 on `cuda`, TensorRT-LLM
+# when tensorrt_llm is importable, TP=1, then analyze + report + the environment fingerprint.
+set -euo pipefail
+model=${1:?usage: gpu-check.sh MODEL_DIR [OUT_DIR]}
+out=${2:-${OUT:-/tmp/gpu-check}}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export RAY_AUTH_MODE=disabled
+"$py" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true
+has() { "$py" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
+attn="[eager, sdpa]"
+if has flash_attn; then attn="[eager, sdpa, flash_attention_2]"; fi
+extra=""
+if has tensorrt_llm; then
+  extra="  - {engine: trtllm, dtype: bf16, attention: default, device: cuda}"
+fi
+cat > "$out/gpu.yaml" <<YAML
+name: gpu-check
+models: [{name: m, path: $model}]
+engines: [hf]
+dtypes: [fp32, bf16]
+attention: $attn
+devices: [cuda, cpu]
+exclude: [{device: cpu, dtype: bf16}, {device: cpu, attention: sdpa}, {device: cpu, attention: flash_attention_2}]
+include:
+$( [ -n "$extra" ] && echo "$extra" || echo "  []" )
+reference: {engine: hf, dtype: fp32, attention: eager, device: cpu}
+stride: 32
+repeats: 2
+YAML
+"$py" -m matrix cells "$out/gpu.yaml"
+"$py" -m matrix run "$out/gpu.yaml" --warehouse "$out/wh"
+"$py" -m matrix analyze --warehouse "$out/wh"
+"$py" -m matrix report --warehouse "$out/wh" --out "$out/report"
+"$py" -m matrix sql "select c.device, c.dtype, c.attention, s.kld_mean, s.kld_p99, s.top1_agreement, c.bit_reproducible
+                     from summary s join cells c using (cell_id) order by c.device, c.dtype, c.attention" --warehouse "$out/wh"
+"$py" -m matrix sql "select distinct json_extract_string(fingerprint, '$.nvidia.gpus[0].name') as gpu,
+                     json_extract(fingerprint, '$.nvidia.gpus[0].sm_count') as sms,
+                     json_extract_string(fingerprint, '$.nvidia.driver') as driver
+                     from cells where device = 'cuda'" --warehouse "$out/wh"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Join a machine the cloud launcher cannot create to a running logit-matrix cluster.
+#   scripts/join-node.sh DEVICE HEAD_IP:6379
+# DEVICE: sm120 | mi300x | rocm | apple-m1 .. apple-m4 | cpu | h200 | b200 | cuda
+# Installs logit-matrix with the extras that device runs, then starts a Ray worker that
+# advertises the device the way matrix/placement.py looks for it.
+set -euo pipefail
+device=${1:?usage: join-node.sh DEVICE HEAD_IP:6379}
+head=${2:?usage: join-node.sh DEVICE HEAD_IP:6379}
+here=$(cd "$(dirname "$0")/.." && pwd)
+case "$device" in
+  apple-m*) extras="mlx,llamacpp"; res="--resources={\"$device\": 1}"; labels="logit-matrix.io/device=$device" ;;
+  mi300x|rocm) extras="hf,llamacpp"; res=""; labels="logit-matrix.io/device=$device"
+               export CMAKE_ARGS="-DGGML_HIP=ON" ;;
+  cpu) extras="hf,llamacpp"; res=""; labels="logit-matrix.io/device=cpu"
+       export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" ;;
+  sm120|h200|b200|h100|cuda) extras="hf,llamacpp"; res=""; labels="logit-matrix.io/device=$device"
+                             export CMAKE_ARGS="-DGGML_CUDA=ON" ;;
+  *) echo "join-node.sh: unknown device $device" >&2; exit 2 ;;
+esac
+python3 -m pip install -q "ray[default]>=2.49"
+python3 -m pip install -q -e "$here[$extras]"
+ray stop || true
+# shellcheck disable=SC2086
+RAY_AUTH_MODE=disabled ray start --address="$head" --labels="$labels" $res

@@ -1,0 +1,125 @@
+"""Placement on a real multi-node Ray cluster (ray.cluster_utils: several raylets on this machine).
+
+The GPU and Apple nodes are declared by labels and resources only; probe actors scheduled with
+the options a cell would get report where they landed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from matrix import placement
+from matrix.fingerprint import fingerprint
+from tests.conftest import run_cli, write_spec
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes = {
+        "h200": c.add_node(num_cpus=2, num_gpus=2, labels={placement.LABEL: "h200"}),
+        "apple": c.add_node(num_cpus=2, resources={"apple-m3": 1}),
+        "cpu": c.add_node(num_cpus=2),
+    }
+    ray.init(address=c.address)
+    try:
+        yield c, {k: n.node_id for k, n in nodes.items()}
+    finally:
+        ray.shutdown()  # the test owns this process's Ray connection, as the CLI does
+        c.shutdown()
+
+
+def test_cells_land_only_on_nodes_that_match(cluster):
+    import ray
+
+    @ray.remote
+    class Probe:
+        def where(self):
+            return ray.get_runtime_context().get_node_id()
+
+    _, ids = cluster
+    nodes = placement.cluster_nodes()
+    assert len(nodes) == 4
+    for device, want in [("h200", ids["h200"]), ("apple-m3", ids["apple"])]:
+        for _ in range(2):
+            a = Probe.options(**placement.actor_options(device, 1, 1, nodes)).remote()
+            assert ray.get(a.where.remote(), timeout=60) == want, device
+            ray.kill(a)
+    # a plain CPU cell asks for CPUs only; the GPU node is not the only place it can go
+    assert {n.node_id for n, _ in placement.hosts("cpu", 1, 2, nodes)} == set(ids.values())
+
+
+def test_tp2_gets_two_bundles_on_one_node(cluster):
+    import ray
+    from ray.util.placement_group import placement_group_table, remove_placement_group
+
+    _, ids = cluster
+    nodes = placement.cluster_nodes()
+    pg = placement.placement_group_for("h200", 2, 1, nodes)
+    ray.get(pg.ready(), timeout=60)
+    table = placement_group_table(pg)
+    assert table["strategy"] == "STRICT_PACK" and len(table["bundles"]) == 2
+    assert set(table["bundles_to_node_id"].values()) == {ids["h200"]}
+    assert all(b.get("GPU") == 1 for b in table["bundles"].values())
+    remove_placement_group(pg)
+
+
+def test_unplaceable_cells_are_reported_up_front(cluster, tiny_model, short_corpus, tmp_path):
+    c, _ = cluster
+    nodes = placement.cluster_nodes()
+    assert "no node of the cluster is one" in placement.problem("b200", 1, 1, nodes)
+    assert "tp 4 needs 4 GPUs on one node; the largest h200 node has 2" in placement.problem("h200", 4, 1, nodes)
+    assert placement.problem("h200", 2, 1, nodes) is None and placement.problem("apple-m3", 1, 1, nodes) is None
+    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                      devices=["cpu", "b200"], reference={"engine": "hf", "dtype": "fp32", "device": "cpu"})
+    wh = tmp_path / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--address", c.address)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "cannot place" in r.stderr and "b200" in r.stderr and "no node of the cluster is one" in r.stderr
+    assert not (wh / "logits").exists() or not any((wh / "logits").iterdir())  # nothing captured
+
+
+def test_unreachable_address_is_an_error_before_any_work(tiny_model, short_corpus, tmp_path):
+    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                      reference={"engine": "hf", "dtype": "fp32"})
+    r = run_cli("run", str(spec), "--warehouse", str(tmp_path / "wh"), "--address", "127.0.0.1:9")
+    assert r.returncode == 2 and "--address 127.0.0.1:9: cannot reach" in r.stderr, r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()[-1:]) == 1
+
+
+def test_fingerprint_without_a_gpu_records_why_and_never_crashes(monkeypatch):
+    fp = fingerprint()
+    assert fp["python"] and fp["cpu"]["logical_cores"] >= 1 and fp["libraries"]["torch"]
+    assert fp["nvidia"]["status"].startswith("no NVIDIA GPU") or fp["nvidia"]["status"] == "ok"
+    import pynvml
+
+    def boom():
+        raise pynvml.NVMLError_LibraryNotFound()
+
+    monkeypatch.setattr(pynvml, "nvmlInit", boom)
+    assert fingerprint()["nvidia"] == {"status": "no NVIDIA GPU (NVML library not found)"}
+
+
+def test_cluster_yaml_node_types_satisfy_placement():
+    from pathlib import Path
+
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parent.parent / "cluster.yaml").read_text())
+    types = cfg["available_node_types"]
+    assert cfg["head_node_type"] == "head" and types["head"]["resources"] == {"CPU": 0}
+    for name, t in types.items():
+        if name == "head":
+            continue
+        device = t["labels"][placement.LABEL]
+        assert device == name and device in placement.NEEDS
+        node = placement.Node(name, name, {k: float(v) for k, v in t["resources"].items()}, t["labels"])
+        gpus = int(t["resources"].get("GPU", 0))
+        assert placement.problem(device, max(gpus, 1), 1, [node]) is None, name
+        others = [d for d in ("h200", "b200", "apple-m3") if d != device]
+        assert all(placement.selector(d, node) is None for d in others), name  # a node is one class only
