@@ -13,7 +13,7 @@ from typing import Any
 import ray
 
 from backends import backend_class
-from matrix.capture import capture_shard
+from matrix.capture import capture_shard, fed_ids
 from matrix.fingerprint import fingerprint
 
 
@@ -27,8 +27,20 @@ class StackActor:
         self.cell = cell
         self.warehouse = warehouse
 
-    def load(self) -> dict[str, Any]:
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's address and a free port for torch.distributed's TCP store."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def load(self, dist: dict[str, Any] | None = None, rendezvous: tuple[str, int] | None = None) -> dict[str, Any]:
+        """dist: {rank, world_size} for one rank of a tp > 1 cell; rendezvous: rank 0's (address, port)."""
         t0 = time.perf_counter()
+        if dist is not None:
+            dist = {**dist, "master_addr": rendezvous[0], "master_port": rendezvous[1]}
+        self.backend.dist = dist
+        self.rank = dist["rank"] if dist else 0
         self.backend.load()
         settings = self.backend.settings()
         return {
@@ -61,7 +73,14 @@ class StackActor:
 
     def capture(self, run_id: str, repeat: int, prompts: list[tuple[str, list[int]]],
                 stride: int) -> dict[str, Any]:
-        """One teacher-forced prefill per prompt; the shard is written here, not returned."""
+        """One teacher-forced prefill per prompt; the shard is written here, not returned.
+
+        Under tensor parallelism every rank runs the same forwards (they are collective); only
+        rank 0 writes rows."""
+        if getattr(self, "rank", 0) > 0:
+            for _, ids in prompts:
+                self.backend.forward(*fed_ids(ids, stride, self.cell.get("max_tokens")))
+            return {"rows": 0, "rank": self.rank}
         return capture_shard(self.backend, self.warehouse, run_id, self.cell["cell_id"], repeat,
                              prompts, stride, self.cell.get("max_tokens"))
 

@@ -49,6 +49,9 @@ class Backend:
         self.cell = cell
         self.model_dir = model_dir
         self.threads = threads
+        # Tensor parallel: {rank, world_size, master_addr, master_port} when this process is one
+        # rank of a tp > 1 cell (set before load()); None for a single-process stack.
+        self.dist: dict[str, Any] | None = None
 
     @classmethod
     def unsupported(cls, cell) -> str | None:

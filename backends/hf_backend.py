@@ -24,7 +24,7 @@ class HFBackend(Backend):
     dtypes = frozenset(TORCH_DTYPES)
     attention = frozenset({"eager", "sdpa", "flash_attention_2"})
     devices = frozenset({"cpu"}) | GPU_DEVICES
-    max_tp = 1
+    max_tp = 8  # tensor parallel through torch.distributed: gloo on CPU, NCCL on GPU
     logits_dtype = dict(zip(TORCH_DTYPES, TORCH_DTYPES))  # HF returns logits in the weights' dtype
 
     @classmethod
@@ -43,10 +43,11 @@ class HFBackend(Backend):
         torch.set_num_threads(self.threads)
         self.torch_device = "cpu" if self.cell["device"] == "cpu" else "cuda"
         dtype = getattr(torch, TORCH_DTYPES[self.cell["dtype"]])
+        tp_kw = self._init_tp(torch, transformers) if self.dist else {}
         # Load with dtype= (not .to()): .to(bf16) would also cast the rotary inv_freq buffer.
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=dtype, attn_implementation=self.cell["attention"],
-            output_loading_info=True)
+            output_loading_info=True, **tp_kw)
         problems = []
         for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
             keys = sorted(str(k) for k in info.get(kind) or ())
@@ -59,11 +60,31 @@ class HFBackend(Backend):
             raise OracleError(f"{self.model_dir}: refusing to run, weights not loaded from the checkpoint: "
                               + "; ".join(problems))
         verify_against_checkpoint(model, self.model_dir)
-        self.model = model.to(self.torch_device).eval()
+        self.model = (model if self.dist else model.to(self.torch_device)).eval()
         self._vocab = int(model.config.vocab_size)
 
     def vocab_size(self) -> int:
         return self._vocab
+
+    def _init_tp(self, torch, transformers) -> dict[str, Any]:
+        """Join the cell's process group (one rank per Ray actor) and shard with the model's own TP plan."""
+        import os
+
+        from backends.base import SkipCell
+
+        d = self.dist
+        cfg = transformers.AutoConfig.from_pretrained(self.model_dir)
+        heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        if heads % d["world_size"] or kv % d["world_size"]:
+            raise SkipCell(f"tp {d['world_size']} does not divide the model's {heads} attention / {kv} KV heads")
+        os.environ.update(MASTER_ADDR=d["master_addr"], MASTER_PORT=str(d["master_port"]), RANK=str(d["rank"]),
+                          WORLD_SIZE=str(d["world_size"]), LOCAL_RANK="0")  # one device per actor (Ray sets it)
+        backend = "gloo" if self.torch_device == "cpu" else "nccl"
+        if self.torch_device == "cuda":
+            torch.cuda.set_device(0)
+        torch.distributed.init_process_group(backend, rank=d["rank"], world_size=d["world_size"])
+        self._tp = {"world_size": d["world_size"], "rank": d["rank"], "backend": backend, "tp_plan": "auto"}
+        return {"tp_plan": "auto"}
 
     def settings(self) -> dict[str, Any]:
         import accelerate
@@ -84,6 +105,7 @@ class HFBackend(Backend):
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "use_cache": False,
             "batch_size": 1,
+            "tensor_parallel": getattr(self, "_tp", None),
             "cuda": torch.version.cuda,
             "gpu": torch.cuda.get_device_name(0) if self.torch_device == "cuda" else None,
             "machine": platform.machine(),
@@ -121,6 +143,11 @@ class HFBackend(Backend):
 
     def close(self) -> None:
         self.model = None
+        if self.dist:
+            import torch
+
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
 
 def verify_against_checkpoint(model, model_dir: str) -> None:
@@ -144,7 +171,8 @@ def verify_against_checkpoint(model, model_dir: str) -> None:
                 p = params.get(key)
                 if p is None:
                     continue
-                if not torch.equal(p.detach(), fh.get_tensor(key).to(p.dtype)):
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a TP shard: compare the whole
+                if not torch.equal(full.detach(), fh.get_tensor(key).to(p.dtype)):
                     bad.append(key)
     tied = {k for k, p in params.items() if k not in seen and any(
         p is q for k2, q in params.items() if k2 in seen)}

@@ -12,6 +12,16 @@ from backends.base import Backend, sampled_positions
 from store.warehouse import ShardWriter
 
 
+def fed_ids(ids: list[int], stride: int, max_tokens: int | None) -> tuple[list[int], list[int]]:
+    """The ids a stack is fed and the positions kept: every stride-th and the last; with
+    max_tokens only the prefix those positions need."""
+    positions = sampled_positions(len(ids), stride)
+    if max_tokens is not None:
+        positions = [p for p in positions if p < max_tokens]
+        ids = ids[:positions[-1] + 1]
+    return ids, positions
+
+
 def capture_shard(backend: Backend, warehouse: str, run_id: str, cell_id: str, repeat: int,
                   prompts: list[tuple[str, list[int]]], stride: int,
                   max_tokens: int | None = None) -> dict[str, Any]:
@@ -25,10 +35,7 @@ def capture_shard(backend: Backend, warehouse: str, run_id: str, cell_id: str, r
     try:
         dtype = None
         for prompt_id, ids in prompts:
-            positions = sampled_positions(len(ids), stride)
-            if max_tokens is not None:
-                positions = [p for p in positions if p < max_tokens]
-                ids = ids[:positions[-1] + 1]
+            ids, positions = fed_ids(ids, stride, max_tokens)
             # Row p holds the prediction for ids[p + 1]; the last row has no next token.
             next_ids = [ids[p + 1] if p + 1 < len(ids) else None for p in positions]
             tf = time.perf_counter()

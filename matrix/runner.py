@@ -188,6 +188,8 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
             log: Callable[[str], None]) -> dict:
     """Run every unfinished cell; returns a summary. Requires ray to be initialised."""
     import ray
+    from ray.util.placement_group import remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from actors.stack_actor import StackActor
 
@@ -225,25 +227,54 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
     units_total = sum(len(plan.todo[c.cell_id]) for c in todo)
     units_done, rows, t0 = 0, 0, time.perf_counter()
     cells_done = len(plan.complete)
-    actors, pending = {}, {}  # cell_id -> actor; future -> (kind, cell_id, repeat)
+    actors, pending = {}, {}  # cell_id -> actor (rank 0); future -> (kind, cell_id, repeat)
+    followers, groups = {}, {}  # cell_id -> actors of ranks 1.. / its placement group (tp > 1)
     loaded, capture_s, left, parity = {}, {}, {}, {}
     status = "failed"
+
+    def drop(cid: str) -> None:
+        for fut in [f for f, (_, c, _) in pending.items() if c == cid]:
+            del pending[fut]
+        for a in [actors.pop(cid)] + followers.pop(cid, []):
+            ray.kill(a)
+        if cid in groups:
+            remove_placement_group(groups.pop(cid))
+
     try:
         for cell in todo:
             threads = cell_threads(cell)
-            opts = placement.actor_options(cell.device, cell.tp, threads, nodes)
             model = plan.models[cell.model]
             desc = {**cell.axes(), "cell_id": cell.cell_id, "options": cell.opts, "max_tokens": cell.max_tokens,
                     "weights_sha256": model.weights_sha256,
                     "source": {"gguf": model.gguf_path, "quant": model.gguf_quant}}
-            actor = StackActor.options(**opts).remote(desc, model.hf_dir, threads, str(wh.root))
+            ids = [(p.prompt_id, p.token_ids) for p in plan.prompts[cell.model]]
+            if cell.tp > 1:
+                # One actor per rank, all in one STRICT_PACK group; every rank loads and runs the
+                # (collective) forwards, rank 0 also checks parity and writes the rows.
+                # Nothing here blocks: the actors start when the group is placed, and rank 0's
+                # address reaches the other ranks' load() as an object ref.
+                pg = groups[cell.cell_id] = placement.placement_group_for(cell.device, cell.tp, threads, nodes)
+                gpu = {"num_gpus": 1} if placement.NEEDS[cell.device].gpu else {}
+                ranks = [StackActor.options(num_cpus=threads, **gpu, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=i)).remote(desc, model.hf_dir, threads, str(wh.root))
+                    for i in range(cell.tp)]
+                rendezvous = ranks[0].rendezvous.remote()
+                actor, followers[cell.cell_id] = ranks[0], ranks[1:]
+                for i, a in enumerate(ranks):
+                    pending[a.load.remote({"rank": i, "world_size": cell.tp}, rendezvous)] = \
+                        ("load" if i == 0 else "rank", cell.cell_id, None)
+                for a in ranks[1:]:
+                    for r in plan.todo[cell.cell_id]:
+                        pending[a.capture.remote(run_id, r, ids, spec.stride)] = ("rank", cell.cell_id, r)
+            else:
+                opts = placement.actor_options(cell.device, cell.tp, threads, nodes)
+                actor = StackActor.options(**opts).remote(desc, model.hf_dir, threads, str(wh.root))
+                pending[actor.load.remote()] = ("load", cell.cell_id, None)
             actors[cell.cell_id] = actor
             # An actor runs its calls in order: load, parity, then the captures.
-            pending[actor.load.remote()] = ("load", cell.cell_id, None)
             texts = [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]]
             pending[actor.parity.remote(texts, plan.special[cell.model], plan.vocab[cell.model])] = \
                 ("parity", cell.cell_id, None)
-            ids = [(p.prompt_id, p.token_ids) for p in plan.prompts[cell.model]]
             for r in plan.todo[cell.cell_id]:
                 pending[actor.capture.remote(run_id, r, ids, spec.stride)] = ("capture", cell.cell_id, r)
             left[cell.cell_id] = len(plan.todo[cell.cell_id])
@@ -256,17 +287,17 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
                 result = ray.get(ready[0])
             except Exception as e:
                 cause = getattr(e, "cause", None)
-                if kind != "load" or not isinstance(cause, SkipCell):
+                if kind not in ("load", "rank") or not isinstance(cause, SkipCell):
                     raise
                 reason = str(cause).splitlines()[0]
                 log(f"[cells {cells_done + 1}/{len(spec.cells)}] {cid} skipped: {reason}")
-                for fut in [f for f, (_, c, _) in pending.items() if c == cid]:
-                    del pending[fut]
                 units_total -= left.pop(cid)
-                ray.kill(actors.pop(cid))
+                drop(cid)
                 wh.write_rows("cells", cid, [_skipped_row(plan, cells[cid], run_id, reason)])
                 cells_done += 1
                 continue
+            if kind == "rank":
+                continue  # another rank's load or forwards finished; rank 0 reports the cell
             if kind == "load":
                 loaded[cid] = result
                 log(f"loaded {cid} on {result['host']} in {result['load_seconds']:.1f}s")
@@ -292,8 +323,8 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
             if left.get(cid) == 0 and cid in loaded and cid in parity:
                 wh.write_rows("cells", cid, [_cell_row(plan, cells[cid], run_id, loaded[cid], wh, capture_s[cid],
                                                        parity.get(cid))])
-                ray.get(actors[cid].close.remote())
-                ray.kill(actors.pop(cid))
+                ray.get([a.close.remote() for a in [actors[cid]] + followers.get(cid, [])])
+                drop(cid)
                 del left[cid]
                 cells_done += 1
                 log(f"[cells {cells_done}/{len(spec.cells)}] {cid} done")
@@ -305,8 +336,8 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
         run["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
         raise
     finally:
-        for a in actors.values():
-            ray.kill(a)
+        for cid in list(actors):
+            drop(cid)
         run.update(status=status, finished_at=now(), cells_done=cells_done, rows_written=rows)
         wh.write_rows("runs", run_id, [run])
     elapsed = time.perf_counter() - t0

@@ -25,6 +25,7 @@ def cluster():
         "h200": c.add_node(num_cpus=2, num_gpus=2, labels={placement.LABEL: "h200"}),
         "apple": c.add_node(num_cpus=2, resources={"apple-m3": 1}),
         "cpu": c.add_node(num_cpus=2),
+        "tp": c.add_node(num_cpus=3),  # room for a tp=3 CPU cell (one thread per rank)
     }
     ray.init(address=c.address)
     try:
@@ -44,7 +45,7 @@ def test_cells_land_only_on_nodes_that_match(cluster):
 
     _, ids = cluster
     nodes = placement.cluster_nodes()
-    assert len(nodes) == 4
+    assert len(nodes) == 5
     for device, want in [("h200", ids["h200"]), ("apple-m3", ids["apple"])]:
         for _ in range(2):
             a = Probe.options(**placement.actor_options(device, 1, 1, nodes)).remote()
@@ -123,3 +124,30 @@ def test_cluster_yaml_node_types_satisfy_placement():
         assert placement.problem(device, max(gpus, 1), 1, [node]) is None, name
         others = [d for d in ("h200", "b200", "apple-m3") if d != device]
         assert all(placement.selector(d, node) is None for d in others), name  # a node is one class only
+
+
+def test_hf_tensor_parallel_on_cpu_runs_as_ranks_in_one_group(cluster, tiny_model, short_corpus, tmp_path):
+    """SmolLM2 has 9 attention / 3 KV heads: tp=3 divides them, tp=2 does not (skipped, with why)."""
+    c, ids = cluster
+    spec = write_spec(tmp_path / "tp.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                      tp=[1, 2, 3], reference={"engine": "hf", "dtype": "fp32", "tp": 1}, repeats=2)
+    wh = tmp_path / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--address", c.address)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from tests.conftest import sql
+
+    cells = {x["tp"]: x for x in sql(wh, "select * from cells")}
+    assert cells[2]["status"] == "skipped" and "tp 2 does not divide the model's 9 attention / 3 KV heads" in \
+        cells[2]["skip_reason"]
+    tp3 = cells[3]
+    assert tp3["status"] == "done" and tp3["bit_reproducible"] and tp3["rows_per_repeat"] == cells[1]["rows_per_repeat"]
+    import json
+
+    assert json.loads(tp3["settings"])["tensor_parallel"] == {"world_size": 3, "rank": 0, "backend": "gloo",
+                                                              "tp_plan": "auto"}
+    assert tp3["node_id"] == ids["tp"]  # the only node with 3 CPUs for its 3 one-thread ranks
+    r = run_cli("analyze", "--warehouse", str(wh))
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = sql(wh, f"select max(max_abs_diff) as d, max(kld) as k, min(top1_match::int) as t from metrics "
+                f"where cell_id = '{tp3['cell_id']}' and repeat = 0")[0]
+    assert 0 < m["d"] < 1e-3 and m["k"] < 1e-9 and m["t"] == 1, m  # fp32: reduction order only

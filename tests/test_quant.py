@@ -172,3 +172,22 @@ def test_kld_base_bad_input(dense, tmp_path):
         assert ("magic" in r.stderr) if name != "short.kld" else ("do not add up" in r.stderr), r.stderr
     r = run_cli("kld-base", "import", str(good), "--model", "nosuch", "--warehouse", str(wh))
     assert r.returncode == 2 and "--model nosuch" in r.stderr
+
+
+def test_fixture_from_hf_bf16_passes_the_same_stack_and_fails_sdpa_under_tight_gates(analyzed, tiny_model, tmp_path):
+    wh, cells = analyzed
+    fx = tmp_path / "bf16.json"
+    r = run_cli("fixture", "export", cells["bf16.eager"], "--out", str(fx), "--warehouse", str(wh))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_cli("fixture", "check", str(fx), "--engine", "hf", "--model", str(tiny_model), "--dtype", "bf16",
+                "--attention", "eager", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["pass"] and out["rows"] == sql(wh, f"select rows_per_repeat from cells where cell_id = "
+                                                  f"'{cells['bf16.eager']}'")[0]["rows_per_repeat"]
+    assert next(g for g in out["gates"] if g["gate"] == "top1_agreement")["measured"] == 1.0
+    tight = tmp_path / "tight.yaml"
+    tight.write_text("classes:\n  fp16: {mean_kld: 1.0e-9}\n")
+    r = run_cli("fixture", "check", str(fx), "--engine", "hf", "--model", str(tiny_model), "--dtype", "bf16",
+                "--attention", "sdpa", "--gates", str(tight))
+    assert r.returncode == 1 and "REJECTED" in r.stdout, r.stdout + r.stderr[-2000:]

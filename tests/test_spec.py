@@ -74,11 +74,11 @@ def test_engine_options_and_max_tokens(tmp_path):
 
 
 def test_unrunnable_combinations_are_skipped_with_a_reason(tmp_path):
-    body = {**BASE, "engines": ["hf", "trtllm"], "attention": ["eager", "flash_attention_2"]}
+    body = {**BASE, "engines": ["hf", "vllm"], "attention": ["eager", "flash_attention_2"]}
     spec = load_spec(spec_file(tmp_path, body))
     reasons = {(s["engine"], s["attention"]): s["reason"] for s in spec.skipped}
     assert "needs a CUDA device" in reasons[("hf", "flash_attention_2")]
-    assert "no backend for engine 'trtllm'" in reasons[("trtllm", "eager")]
+    assert "no backend for engine 'vllm'" in reasons[("vllm", "eager")]
     assert {(c.engine, c.attention) for c in spec.cells} == {("hf", "eager")}
 
 
