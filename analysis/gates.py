@@ -15,9 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from matrix.errors import UserError
+from matrix.errors import UserError, read_yaml_file
 
 # gate -> (metric it reads, comparison, description)
 GATES = {
@@ -40,12 +38,7 @@ DEFAULT_CLASSES = {  # a cell dtype -> its quant class, unless the gates file sa
 
 def load_gates(path: str) -> dict[str, Any]:
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{p}: gates file not found")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise UserError(f"{p}: malformed YAML: {str(e).splitlines()[0]}") from None
+    data = read_yaml_file(p, "gates file")
     if not isinstance(data, dict) or not isinstance(data.get("classes"), dict) or not data["classes"]:
         raise UserError(f"{p}: classes: a mapping of quant class -> gates is required")
     for k in data:

@@ -11,9 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from matrix.errors import UserError
+from matrix.errors import UserError, read_yaml_file
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 BUILTIN = CONFIGS / "corpus" / "builtin.yaml"
@@ -55,12 +54,7 @@ def corpus_path(corpus: str) -> Path:
 
 
 def _load_yaml(path: Path) -> dict:
-    if not path.is_file():
-        raise UserError(f"{path}: corpus file not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise UserError(f"{path}: malformed YAML: {str(e).splitlines()[0]}") from None
+    data = read_yaml_file(path, "corpus file")
     if not isinstance(data, dict) or not isinstance(data.get("prompts"), list) or not data["prompts"]:
         raise UserError(f"{path}: prompts: a corpus needs a non-empty 'prompts' list")
     unknown = set(data) - {"name", "prompts", "description"}

@@ -8,3 +8,18 @@ class UserError(Exception):
 class OracleError(UserError):
     """A stack's weights were not all loaded from the checkpoint (seed 002: a silently
     random-initialised oracle makes every comparison meaningless)."""
+
+
+def read_yaml_file(path, what: str):
+    """Parse a YAML file; a missing file or malformed YAML is a UserError naming the file (and line)."""
+    from pathlib import Path
+
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: {what} not found")
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"{p}: malformed YAML: {str(e).splitlines()[0]}") from None

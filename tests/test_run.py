@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-import pytest
 
 from backends.base import sampled_positions
 from store.warehouse import narrow_bf16, row_hash

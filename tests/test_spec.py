@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from matrix.errors import UserError
 from matrix.spec import load_spec
 from tests.conftest import REPO, run_cli
 
