@@ -373,7 +373,7 @@ def _combos(spec: Spec) -> list[dict]:
                 c.update(inc)
                 added = True
         if not added:
-            new = dict(inc)
+            new = dict(inc, _include=i)  # a combination the spec asked for by name
             for k in keys:
                 if k not in new:
                     if len(spec.axes[k]) != 1:
@@ -428,7 +428,7 @@ def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str) -> str:
 
 
 def expand(spec: Spec) -> None:
-    from backends import unsupported_reason
+    from backends import backend_class, unsupported_reason
 
     corpus_fp = corpus_fingerprint(spec)
     seen = set()
@@ -445,6 +445,12 @@ def expand(spec: Spec) -> None:
                     max_tokens=combo.get("max_tokens", spec.max_tokens),
                     options=tuple(opts.items()), centroid_group=group, calibration=combo.get("calibration"))
         reason = unsupported_reason(cell)
+        if "_include" in combo and "attention" in spec.include[combo["_include"]]:
+            cls = backend_class(cell.engine)
+            if cls is not None and cell.attention not in cls.attention:  # asked for by name: an error, not a skip
+                raise _err(spec.path, f"include[{combo['_include']}].attention",
+                           f"engine {cell.engine} has no attention {cell.attention!r} "
+                           f"(has: {', '.join(sorted(cls.attention))})", cell.attention)
         if reason is None and foreign:
             reason = f"engine {cell.engine} takes no option {foreign[0]}"
         if reason:

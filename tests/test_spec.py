@@ -77,7 +77,7 @@ def test_unrunnable_combinations_are_skipped_with_a_reason(tmp_path):
     spec = load_spec(spec_file(tmp_path, body))
     reasons = {(s["engine"], s["attention"]): s["reason"] for s in spec.skipped}
     assert "needs a CUDA device" in reasons[("hf", "flash_attention_2")]
-    assert "no backend for engine 'vllm'" in reasons[("vllm", "eager")]
+    assert "engine vllm has no attention 'eager'" in reasons[("vllm", "eager")]
     assert {(c.engine, c.attention) for c in spec.cells} == {("hf", "eager")}
 
 
@@ -103,6 +103,8 @@ def test_cells_json_lists_cells_and_skipped(tmp_path):
     ({**BASE, "reference": {"dtype": "f16"}}, "reference: matches no cell"),
     ({**BASE, "options": {"kv_cache": "f8"}}, "options.kv_cache: expected one of f16, f32, q8_0"),
     ({**BASE, "include": [{"engine": "llamacpp", "dtype": "q9_k"}]}, "include[0].dtype: unknown dtype"),
+    ({**BASE, "include": [{"engine": "llamacpp", "dtype": "q8_0", "attention": "sdpa"}]},
+     "include[0].attention: engine llamacpp has no attention 'sdpa'"),
     ({**BASE, "centroid": {"definition": "median"}}, "centroid.definition: expected one of mean_prob, mean_logprob"),
     ({**BASE, "centroid": {"groups": {"g": {"dtype": "q9"}}}}, "centroid.groups.g[0].dtype: unknown dtype"),
     ({**BASE, "centroid": {"group": {}}}, "centroid.group: unknown key"),
