@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 NEG_TOLERANCE = -1e-12
-LN2 = float(np.log(2.0))
 ROWS = 64  # rows per kernel call: (32, 151936) float64 temporaries stay cache-sized
 BLOCK = 64  # top-k candidates come from the K blocks of 64 logits with the highest maxima
 K = 10
@@ -213,9 +212,3 @@ def row_metrics(ref: np.ndarray, stk: np.ndarray, next_ids: np.ndarray | None = 
         out["top1_match"][~(fr & fs)] = False
     out["nonfinite"] = nonfinite
     return out
-
-
-def log_softmax64(x: np.ndarray) -> np.ndarray:
-    """(rows, vocab) -> float64 log-probabilities."""
-    t = torch.from_numpy(np.ascontiguousarray(x)).double()
-    return torch.log_softmax(t, -1).numpy()
