@@ -120,7 +120,7 @@ def analyze(warehouse: str, reference: str | None = None, ranges=DEFAULT_RANGES,
 
 
 def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None, log: Callable[[str], None]) -> dict:
-    cells = pq.read_table(wh.table_files("cells")).to_pylist() if wh.table_files("cells") else []
+    cells = wh.read_all("cells")
     done = [c for c in cells if c["status"] == "done"]
     if not done:
         raise UserError(f"{wh.root}: no captured cells to analyze (the warehouse has no logits)")

@@ -47,8 +47,7 @@ def _checksum(ids: list[int], logits: list[float], lse: float) -> str:
 
 def export_fixture(warehouse: str, cell_id: str, out: str, k: int = 64, log: Callable[[str], None] = print) -> dict:
     wh = Warehouse(warehouse).require()
-    files = wh.table_files("cells")
-    cells = {c["cell_id"]: c for c in pq.read_table(files).to_pylist()} if files else {}
+    cells = {c["cell_id"]: c for c in wh.read_all("cells")}
     cell = cells.get(cell_id)
     if cell is None or cell["status"] != "done":
         raise UserError(f"fixture export: no captured cell {cell_id} in {wh.root}")
@@ -68,8 +67,7 @@ def export_fixture(warehouse: str, cell_id: str, out: str, k: int = 64, log: Cal
     top_vals = np.take_along_axis(logits, top, -1)
     pids = t.column("prompt_id").to_pylist()
     used = sorted(set(pids))
-    pfiles = wh.table_files("prompts")
-    prompts = {p["prompt_id"]: p for p in pq.read_table(pfiles).to_pylist()} if pfiles else {}
+    prompts = {p["prompt_id"]: p for p in wh.read_all("prompts")}
     header = {
         "format": FORMAT, "version": VERSION, "k": k, "vocab_size": vocab,
         "kl_direction": "KL(P_fixture || P_stack), natural log",

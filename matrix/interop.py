@@ -13,7 +13,6 @@ cells.settings, with an estimate of the format's own KL floor.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import socket
 import uuid
@@ -23,7 +22,9 @@ from typing import Callable
 import numpy as np
 import pyarrow.parquet as pq
 
+from matrix.corpus import ids_sha256
 from matrix.errors import UserError
+from matrix.models import sha256_file
 from store import Warehouse
 from store import llamacpp_kld as K
 from store.warehouse import ShardWriter, logits_matrix
@@ -33,15 +34,12 @@ CLAMPED_BELOW = 64.0  # nats below min_log_prob where an imported clamped entry 
 
 
 def _prompts(wh: Warehouse, model: str) -> list[dict]:
-    files = wh.table_files("prompts")
-    rows = pq.read_table(files).to_pylist() if files else []
-    return sorted((p for p in rows if p["model"] == model), key=lambda p: p["prompt_id"])
+    return sorted((p for p in wh.read_all("prompts") if p["model"] == model), key=lambda p: p["prompt_id"])
 
 
 def export_kld_base(warehouse: str, cell_id: str, n_ctx: int, out: str, log: Callable[[str], None] = print) -> dict:
     wh = Warehouse(warehouse).require()
-    cells = {c["cell_id"]: c for c in pq.read_table(wh.table_files("cells")).to_pylist()} \
-        if wh.table_files("cells") else {}
+    cells = {c["cell_id"]: c for c in wh.read_all("cells")}
     if cell_id not in cells or cells[cell_id]["status"] != "done":
         raise UserError(f"kld-base export: no captured cell {cell_id} in {wh.root}")
     if n_ctx < 4 or n_ctx % 2:
@@ -87,11 +85,11 @@ def import_kld_base(warehouse: str, path: str, model: str, log: Callable[[str], 
     except OSError as e:
         raise UserError(f"{path}: {e.strerror}") from None
     wh = Warehouse(warehouse).require()
-    sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    sha = sha256_file(Path(path))  # chunked: a base file can be many GB
     cell_id = f"{model}.{ENGINE}.{sha[:12]}"
     with wh.lock():
         wh.migrate(log)
-        cells = pq.read_table(wh.table_files("cells")).to_pylist() if wh.table_files("cells") else []
+        cells = wh.read_all("cells")
         if any(c["cell_id"] == cell_id for c in cells):
             log(f"{path} is already imported as {cell_id}")
             return {"cell_id": cell_id, "imported": False}
@@ -116,7 +114,7 @@ def import_kld_base(warehouse: str, path: str, model: str, log: Callable[[str], 
                 hit = next((p for p in prompts if len(p["token_ids"]) >= n_ctx
                             and p["token_ids"][1:n_ctx] == toks[1:]), None)
                 if hit is None:
-                    ids_sha = hashlib.sha256(np.array(toks, dtype=np.int32).tobytes()).hexdigest()
+                    ids_sha = ids_sha256(toks)
                     hit = {"prompt_id": f"kldbase-{ids_sha[:12]}", "model": model, "corpus": f"kld-base:{sha[:12]}",
                            "name": f"{Path(path).name} chunk {c}", "category": "kld-base", "source": str(path),
                            "text": None, "token_ids": toks, "n_tokens": n_ctx, "ids_sha256": ids_sha,

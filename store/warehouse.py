@@ -190,6 +190,11 @@ class Warehouse:
         """Drop one analysis output file (e.g. metrics of a cell that no longer has a comparison)."""
         (self.root / table / f"{name}.parquet").unlink(missing_ok=True)
 
+    def read_all(self, table: str) -> list[dict]:
+        """Every row of a table (all its files); [] when it has none yet."""
+        files = self.table_files(table)
+        return pq.read_table(files).to_pylist() if files else []
+
     def read_rows(self, table: str, name: str) -> list[dict]:
         path = self.root / table / f"{name}.parquet"
         return pq.read_table(path).to_pylist() if path.is_file() else []
