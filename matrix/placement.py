@@ -123,8 +123,8 @@ def actor_options(device: str, tp: int, threads: int, nodes: list[Node]) -> dict
 def placement_group_for(device: str, tp: int, threads: int, nodes: list[Node]):
     """tp bundles on one node (STRICT_PACK): every rank of a tensor-parallel stack shares a host.
 
-    Engines that start their own Ray workers (vLLM) get this group handed to them rather than
-    creating one inside it: a group inside a group deadlocks."""
+    Engines that start their own Ray workers (vLLM's Ray executor) get this group handed to them
+    (engine_driver_options) rather than creating one inside it: a group inside a group deadlocks."""
     from ray.util.placement_group import placement_group
 
     opts = actor_options(device, tp, threads, nodes)
@@ -136,3 +136,15 @@ def placement_group_for(device: str, tp: int, threads: int, nodes: list[Node]):
     sel = opts.get("label_selector")
     return placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK",
                            bundle_label_selector=[dict(sel) for _ in range(tp)] if sel else None)
+
+
+def engine_driver_options(pg) -> dict[str, Any]:
+    """Ray options for the actor of an engine that starts its own Ray workers into `pg`.
+
+    It sits in bundle 0 with one CPU and no device (the workers take the devices, one per bundle),
+    and captures child tasks, so the engine's get_current_placement_group() returns `pg` and its
+    workers join it instead of a group of their own."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"num_cpus": 1, "num_gpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}

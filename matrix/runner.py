@@ -268,6 +268,15 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
                 for a in ranks[1:]:
                     for r in plan.todo[cell.cell_id]:
                         pending[a.capture.remote(run_id, r, ids, spec.stride)] = ("rank", cell.cell_id, r)
+            elif getattr(cls, "workers_in_group", None) and cls.workers_in_group(cell):
+                # The engine starts its own Ray workers (vLLM's Ray executor): they go into this
+                # cell's group, found from inside the actor, not into a group nested in ours.
+                pg = groups[cell.cell_id] = placement.placement_group_for(cell.device, cell.tp, threads, nodes)
+                opts = placement.engine_driver_options(pg)
+                if getattr(cls, "separate_python", False):
+                    opts["runtime_env"] = cls.runtime_env(desc, threads)
+                actor = StackActor.options(**opts).remote(desc, model.hf_dir, threads, str(wh.root))
+                pending[actor.load.remote()] = ("load", cell.cell_id, None)
             else:
                 opts = placement.actor_options(cell.device, cell.tp, threads, nodes)
                 if cell.tp > 1:  # an engine with its own tp workers (vLLM): one actor holds all their devices
@@ -275,7 +284,7 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
                     if "num_gpus" in opts:
                         opts["num_gpus"] = cell.tp
                 if getattr(cls, "separate_python", False):  # e.g. vLLM's own venv: its pins stay out of ours
-                    opts["runtime_env"] = cls.runtime_env(threads)
+                    opts["runtime_env"] = cls.runtime_env(desc, threads)
                 actor = StackActor.options(**opts).remote(desc, model.hf_dir, threads, str(wh.root))
                 pending[actor.load.remote()] = ("load", cell.cell_id, None)
             actors[cell.cell_id] = actor

@@ -32,7 +32,7 @@ MODEL_KEYS = {"name", "catalog", "path", "hub", "gguf", "revision"}
 # Engine options that change the arithmetic. Defaults go under top-level `options:`;
 # include entries may set them per cell. A backend lists the ones it takes.
 OPTION_KEYS = {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": int,
-               "trt_backend": ("pytorch", "tensorrt")}
+               "trt_backend": ("pytorch", "tensorrt"), "vllm_executor": ("mp", "ray")}
 # Non-axis keys an include entry may add to a cell.
 # `calibration` describes the artefact (e.g. "imatrix from wiki.train, 512 chunks") for model
 # cards; like the centroid group it is not part of the cell id.
@@ -364,8 +364,8 @@ def _combos(spec: Spec) -> list[dict]:
     combos = [dict(zip(keys, vals)) for vals in itertools.product(*(spec.axes[k] for k in keys))]
     combos = [c for c in combos
               if not any(all(c.get(k) == v for k, v in ex.items()) for ex in spec.exclude)]
-    originals = [dict(c) for c in combos]
-    for i, inc in enumerate(spec.include):
+    originals = [dict(c) for c in combos]  # the product's combinations only: as in GitHub Actions,
+    for i, inc in enumerate(spec.include):  # an include never extends one an earlier include created
         added = False
         for c, orig in zip(combos, originals):
             # Extend a combination when no key overwrites one of its original values.
@@ -381,7 +381,6 @@ def _combos(spec: Spec) -> list[dict]:
                                    "a new combination must name this axis (it has several values)")
                     new[k] = spec.axes[k][0]
             combos.append(new)
-            originals.append(dict(new))
     return combos
 
 

@@ -2,21 +2,34 @@
 # One prepared GPU check (issue 6): a small real sweep on one NVIDIA GPU, a warehouse, a summary.
 #   scripts/gpu-check.sh MODEL_DIR [OUT_DIR]
 # MODEL_DIR: a local HF model directory (the GPU box may have no network). Runs HF eager / sdpa
-# (+ flash_attention_2 when flash-attn is importable) at fp32 and bf16 on `cuda`, TensorRT-LLM
-# when tensorrt_llm is importable, TP=1, then analyze + report + the environment fingerprint.
+# (+ flash_attention_2 when flash-attn is importable) at fp32 and bf16 on `cuda`; when vllm is
+# importable, vLLM bf16 with its default, FLASH_ATTN, TRITON_ATTN (+ FLASHINFER when installed)
+# attention and once through its Ray executor in our placement group; TensorRT-LLM when
+# tensorrt_llm is importable; TP=1; then analyze + report + the environment fingerprint.
 set -euo pipefail
 model=${1:?usage: gpu-check.sh MODEL_DIR [OUT_DIR]}
 out=${2:-${OUT:-/tmp/gpu-check}}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export RAY_AUTH_MODE=disabled
-"$py" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true
+if ! "$py" -c "import matrix" 2>/dev/null; then
+  "$py" -m pip install -q --no-deps --no-build-isolation -e .
+fi
 has() { "$py" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
 attn="[eager, sdpa]"
 if has flash_attn; then attn="[eager, sdpa, flash_attention_2]"; fi
 extra=""
+if has vllm; then
+  export LOGIT_MATRIX_VLLM_PYTHON="$(command -v "$py")"  # vLLM lives in this interpreter here
+  vattn="default flash_attn triton_attn"
+  if has flashinfer; then vattn="$vattn flashinfer"; fi
+  for a in $vattn; do
+    extra="$extra  - {engine: vllm, dtype: bf16, attention: $a, device: cuda}"$'\n'
+  done
+  extra="$extra  - {engine: vllm, dtype: bf16, attention: default, device: cuda, vllm_executor: ray}"$'\n'
+fi
 if has tensorrt_llm; then
-  extra="  - {engine: trtllm, dtype: bf16, attention: default, device: cuda}"
+  extra="$extra  - {engine: trtllm, dtype: bf16, attention: default, device: cuda}"$'\n'
 fi
 cat > "$out/gpu.yaml" <<YAML
 name: gpu-check
@@ -27,7 +40,7 @@ attention: $attn
 devices: [cuda, cpu]
 exclude: [{device: cpu, dtype: bf16}, {device: cpu, attention: sdpa}, {device: cpu, attention: flash_attention_2}]
 include:
-$( [ -n "$extra" ] && echo "$extra" || echo "  []" )
+$( [ -n "$extra" ] && printf '%s' "$extra" || echo "  []" )
 reference: {engine: hf, dtype: fp32, attention: eager, device: cpu}
 stride: 32
 repeats: 2
@@ -36,8 +49,8 @@ YAML
 "$py" -m matrix run "$out/gpu.yaml" --warehouse "$out/wh"
 "$py" -m matrix analyze --warehouse "$out/wh"
 "$py" -m matrix report --warehouse "$out/wh" --out "$out/report"
-"$py" -m matrix sql "select c.device, c.dtype, c.attention, s.kld_mean, s.kld_p99, s.top1_agreement, c.bit_reproducible
-                     from summary s join cells c using (cell_id) order by c.device, c.dtype, c.attention" --warehouse "$out/wh"
+"$py" -m matrix sql "select c.engine, c.device, c.dtype, c.attention, c.options, s.kld_mean, s.kld_p99, s.top1_agreement, c.bit_reproducible
+                     from summary s join cells c using (cell_id) order by c.engine, c.device, c.dtype, c.attention" --warehouse "$out/wh"
 "$py" -m matrix sql "select distinct json_extract_string(fingerprint, '$.nvidia.gpus[0].name') as gpu,
                      json_extract(fingerprint, '$.nvidia.gpus[0].sm_count') as sms,
                      json_extract_string(fingerprint, '$.nvidia.driver') as driver

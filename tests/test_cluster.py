@@ -70,6 +70,43 @@ def test_tp2_gets_two_bundles_on_one_node(cluster):
     remove_placement_group(pg)
 
 
+def test_engine_workers_join_the_cells_group_instead_of_nesting_one(cluster):
+    """What vLLM's Ray executor does inside our actor (initialize_ray_cluster, then one worker per
+    bundle with num_cpus=0, num_gpus=1): the group it finds is ours, and its workers fit in it."""
+    import ray
+    from ray.util.placement_group import placement_group_table, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote
+    class Worker:
+        def where(self):
+            return ray.get_runtime_context().get_node_id(), ray.get_runtime_context().get_accelerator_ids()["GPU"]
+
+    @ray.remote
+    class Driver:
+        def start_workers(self):
+            pg = ray.util.get_current_placement_group()
+            if pg is None:
+                return None
+            ws = [Worker.options(num_cpus=0, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=True)).remote()
+                for i in range(len(pg.bundle_specs))]
+            return pg.id.hex(), ray.get([w.where.remote() for w in ws], timeout=60)
+
+    _, ids = cluster
+    groups_before = len(placement_group_table())
+    pg = placement.placement_group_for("h200", 2, 1, placement.cluster_nodes())
+    d = Driver.options(**placement.engine_driver_options(pg)).remote()
+    got = ray.get(d.start_workers.remote(), timeout=120)
+    assert got is not None, "the driver does not see the cell's group: vLLM would create a nested one"
+    pg_id, workers = got
+    assert pg_id == pg.id.hex() and len(placement_group_table()) == groups_before + 1
+    assert [w[0] for w in workers] == [ids["h200"]] * 2
+    assert sorted(g for w in workers for g in w[1]) == ["0", "1"]  # one device each, both of the node's
+    ray.kill(d)
+    remove_placement_group(pg)
+
+
 def test_unplaceable_cells_are_reported_up_front(cluster, tiny_model, short_corpus, tmp_path):
     c, _ = cluster
     nodes = placement.cluster_nodes()

@@ -52,6 +52,12 @@ def test_include_exclude_follow_github_actions_semantics(tmp_path):
     spec = load_spec(spec_file(tmp_path, body))
     got = {(c.dtype, c.attention, c.threads) for c in spec.cells}
     assert got == {("fp32", "eager", None), ("bf16", "eager", 1), ("bf16", "sdpa", 1), ("f16", "eager", None)}
+    # a combination an include created is not extended by a later include: both stand
+    body = {**BASE, "dtypes": ["fp32"], "attention": ["eager"],
+            "include": [{"engine": "llamacpp", "dtype": "q8_0", "attention": "default"},
+                        {"engine": "llamacpp", "dtype": "q8_0", "attention": "default", "kv_cache": "f32"}]}
+    spec = load_spec(spec_file(tmp_path, body, "b.yaml"))
+    assert sorted(c.opts.get("kv_cache", "-") for c in spec.cells if c.engine == "llamacpp") == ["-", "f32"]
 
 
 def test_engine_options_and_max_tokens(tmp_path):

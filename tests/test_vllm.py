@@ -20,7 +20,57 @@ def test_engine_arguments_disable_what_changes_the_arithmetic():
     assert kw["compilation_config"] == {"mode": 0} and kw["dtype"] == "bfloat16" and kw["seed"] == 0
     assert "attention_backend" not in kw
     assert V.engine_kwargs({**cell, "attention": "flashinfer"}, "/m", 64, 1)["attention_backend"] == "FLASHINFER"
-    assert V.worker_env(3)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and V.worker_env(3)["OMP_NUM_THREADS"] == "3"
+    env = V.worker_env({**cell, "device": "cpu"}, 3)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "3"
+    assert "VLLM_RAY_BUNDLE_INDICES" not in env and V.engine_kwargs(cell, "/m", 64, 1).get(
+        "distributed_executor_backend") is None  # tp=1, mp: vLLM's in-process executor
+
+
+def test_ray_executor_uses_the_cells_group_and_only_the_listed_environment():
+    cell = {"dtype": "bf16", "attention": "default", "tp": 4, "device": "h200", "options": {"vllm_executor": "ray"}}
+    assert V.engine_kwargs(cell, "/m", 64, 1)["distributed_executor_backend"] == "ray"
+    assert V.engine_kwargs({**cell, "options": {}}, "/m", 64, 1)["distributed_executor_backend"] == "mp"
+    env = V.worker_env(cell, 8)
+    # worker i in bundle i of our group, one GPU each; no CPU-platform knobs on a GPU cell
+    assert env["VLLM_RAY_BUNDLE_INDICES"] == "0,1,2,3" and env["VLLM_RAY_PER_WORKER_GPUS"] == "1"
+    assert not any(k.startswith("VLLM_CPU_") or k == "OMP_NUM_THREADS" for k in env), env
+    rt = V.VLLMBackend.runtime_env(cell, 8)
+    assert rt["env_vars"] == env and set(rt) == {"py_executable", "env_vars"}
+
+
+def test_ray_executor_on_cpu_is_skipped_with_the_reason(tiny_model, short_corpus, tmp_path):
+    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                      reference={"engine": "hf", "dtype": "fp32"},
+                      include=[{"engine": "vllm", "dtype": "fp32", "attention": "default", "vllm_executor": "ray"}])
+    r = run_cli("cells", str(spec), "--json")
+    assert r.returncode == 0, r.stderr
+    skipped = json.loads(r.stdout)["skipped"]
+    assert len(skipped) == 1 and "vllm_executor ray needs a GPU" in skipped[0]["reason"], skipped
+    bad = write_spec(tmp_path / "b.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                     reference={"engine": "hf", "dtype": "fp32"}, options={"vllm_executor": "threads"})
+    r = run_cli("cells", str(bad))
+    assert r.returncode == 2 and "options.vllm_executor" in r.stderr and "threads" in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(V.vllm_python() is None, reason="needs `make vllm-env` (vllm-cpu in its own venv)")
+def test_what_vllms_ray_executor_copies_to_workers_leaves_our_settings_out():
+    # vLLM's own get_driver_env_vars (what RayExecutorV2 hands every worker), run in its environment
+    code = (
+        "import os, json\n"
+        "os.environ.update(OMP_NUM_THREADS='1', LOGIT_MATRIX_COMPILE='0', NCCL_DEBUG='INFO')\n"
+        "from backends.vllm_backend import keep_back\n"
+        "held = keep_back(dict(os.environ))\n"
+        "from vllm.v1.executor.ray_env_utils import get_driver_env_vars\n"
+        "out = get_driver_env_vars(worker_specific_vars=set())\n"
+        "print(json.dumps({'held': held, 'copied': sorted(out)}))\n")
+    import subprocess
+
+    r = subprocess.run([V.vllm_python(), "-c", code], capture_output=True, text=True, cwd=V.REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {"OMP_NUM_THREADS", "LOGIT_MATRIX_COMPILE"} <= set(got["held"])
+    assert "OMP_NUM_THREADS" not in got["copied"] and "LOGIT_MATRIX_COMPILE" not in got["copied"]
+    assert "NCCL_DEBUG" in got["copied"]  # what the user set for the engine still travels
 
 
 def test_without_a_vllm_environment_cells_are_skipped_with_the_way_out(tiny_model, short_corpus, tmp_path,
@@ -58,3 +108,38 @@ def test_vllm_on_cpu_through_its_own_environment_matches_hf(tiny_model, short_co
     m = sql(wh, f"""select max(max_abs_diff) as d, max(kld) as k, min(top1_match::int) as t from metrics
                     where cell_id = '{v['cell_id']}' and repeat = 0""")[0]
     assert m["d"] < 1e-3 and m["k"] < 1e-6 and m["t"] == 1, m  # fp32, same weights: kernels only
+
+
+GPU_MODEL = __import__("os").environ.get("LOGIT_MATRIX_GPU_MODEL")
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (GPU_MODEL and V.vllm_python() and _cuda()),
+                    reason="needs CUDA, vLLM (LOGIT_MATRIX_VLLM_PYTHON) and LOGIT_MATRIX_GPU_MODEL")
+def test_vllm_ray_executor_in_our_group_gives_the_same_bits_as_mp_on_gpu(short_corpus, tmp_path):
+    from pathlib import Path
+
+    spec = write_spec(tmp_path / "g.yaml", Path(GPU_MODEL), short_corpus, dtypes=["bf16"], attention=["eager"],
+                      devices=["cuda"], reference={"engine": "hf", "dtype": "bf16", "device": "cuda"}, repeats=1,
+                      include=[{"engine": "vllm", "dtype": "bf16", "attention": "default", "device": "cuda"},
+                               {"engine": "vllm", "dtype": "bf16", "attention": "default", "device": "cuda",
+                                "vllm_executor": "ray"}])
+    wh = tmp_path / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh))
+    assert r.returncode == 0, r.stderr[-3000:]
+    cells = sql(wh, "select cell_id, status, settings from cells where engine = 'vllm' order by cell_id")
+    assert [c["status"] for c in cells] == ["done", "done"], cells
+    by = {json.loads(c["settings"])["executor"]: c["cell_id"] for c in cells}
+    assert set(by) == {"mp", "ray"}
+    diff = sql(wh, f"select count(*) as n, count(*) filter (where hash(a.logits) <> hash(b.logits)) as differ "
+                   f"from logits a join logits b using (prompt_id, position, repeat) "
+                   f"where a.cell_id = '{by['mp']}' and b.cell_id = '{by['ray']}'")[0]
+    assert diff["n"] > 0 and diff["differ"] == 0, diff  # same kernels, same TP: the executor moves no bits
