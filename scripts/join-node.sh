@@ -20,6 +20,17 @@ case "$device" in
 esac
 python3 -m pip install -q "ray[default]>=2.49"
 python3 -m pip install -q -e "$here[$extras]"
+case "$device" in
+  # (ROCm: PyPI's vllm is the CUDA build; use AMD's ROCm vLLM and point LOGIT_MATRIX_VLLM_PYTHON at it)
+  sm120|h200|b200|h100|cuda)
+    # vLLM pins its own torch: its own venv, where the vllm backend looks (.venv-vllm), same Ray version
+    if [ ! -x "$here/.venv-vllm/bin/python" ]; then
+      python3 -m venv "$here/.venv-vllm"
+      "$here/.venv-vllm/bin/pip" install -q vllm "ray==$(python3 -c 'import ray; print(ray.__version__)')" \
+        pyarrow pyyaml nvidia-ml-py duckdb
+      "$here/.venv-vllm/bin/pip" install -q --no-deps -e "$here"
+    fi ;;
+esac
 ray stop || true
 # shellcheck disable=SC2086
 RAY_AUTH_MODE=disabled ray start --address="$head" --labels="$labels" $res
