@@ -35,16 +35,43 @@ def cmd_cells(args) -> int:
     spec = load_spec(args.spec)
     cells = [{**c.axes(), "threads": c.threads, "options": c.opts, "max_tokens": c.max_tokens, "cell_id": c.cell_id,
               "reference": c.cell_id in spec.reference_cells.values()} for c in spec.cells]
+    placed = _placement(spec.cells, args.address, args.cluster_config)
+    for c in cells:
+        if placed:
+            c["placement"] = placed[c["cell_id"]]
     if args.json:
         emit_json({"spec": str(spec.path), "cells": cells, "skipped": spec.skipped,
                    "stride": spec.stride, "repeats": spec.repeats, "corpus": spec.corpus})
-        return 0
-    print(table(["cell_id", "reference"], [[c["cell_id"], "yes" if c["reference"] else ""] for c in cells]))
-    if spec.skipped:
-        print(f"\nskipped ({len(spec.skipped)}):")
-        print(table(["combination", "reason"], [[s["cell_id"], s["reason"]] for s in spec.skipped]))
-    print(f"\n{len(cells)} cell(s), {len(spec.skipped)} skipped; stride {spec.stride}, repeats {spec.repeats}")
+    else:
+        cols = ["cell_id", "reference"] + (["placement"] if placed else [])
+        print(table(cols, [[c["cell_id"], "yes" if c["reference"] else ""]
+                           + ([c["placement"].split(" (looked for")[0]] if placed else []) for c in cells]))
+        if spec.skipped:
+            print(f"\nskipped ({len(spec.skipped)}):")
+            print(table(["combination", "reason"], [[s["cell_id"], s["reason"]] for s in spec.skipped]))
+        print(f"\n{len(cells)} cell(s), {len(spec.skipped)} skipped; stride {spec.stride}, repeats {spec.repeats}")
+    bad = [(cid, w) for cid, w in (placed or {}).items() if w.startswith("UNPLACEABLE")]
+    if bad:
+        more = f" (and {len(bad) - 1} more cell(s))" if len(bad) > 1 else ""
+        raise UserError(f"cannot place {bad[0][0]}: {bad[0][1][len('UNPLACEABLE: '):]}{more}")
     return 0
+
+
+def _placement(cells, address: str | None, cluster_config: str | None) -> dict[str, str] | None:
+    """cell_id -> where it would run (live hosts / autoscaler node type / UNPLACEABLE: why)."""
+    from matrix import placement, runner
+
+    if not address and not cluster_config:
+        return None
+    live = []
+    if address:
+        ray = runner.init_ray(address)
+        try:
+            live = placement.cluster_nodes()
+        finally:
+            ray.shutdown()
+    nodes = placement.known_nodes(live, cluster_config or placement.default_cluster_config(address))
+    return {c.cell_id: placement.where(c.device, c.tp, runner.cell_threads(c, nodes), nodes) for c in cells}
 
 
 def cmd_models(args) -> int:
@@ -76,11 +103,13 @@ def _log(msg: str) -> None:
 
 
 def cmd_run(args) -> int:
-    from matrix import runner
+    from matrix import placement, runner
     from matrix.spec import load_spec
     from store import Warehouse
 
     spec = load_spec(args.spec)
+    if args.cluster_config:
+        placement.node_types(args.cluster_config)  # a bad file fails here, before any work
     wh = Warehouse(args.warehouse)
     wh.check()  # an incompatible warehouse fails here, before anything is written
     for s in spec.skipped:
@@ -96,7 +125,8 @@ def cmd_run(args) -> int:
             if plan.todo:
                 ray = runner.init_ray(args.address)
                 try:
-                    summary = runner.execute(plan, wh, sys.argv, args.address, _log)
+                    summary = runner.execute(plan, wh, sys.argv, args.address, _log, args.cluster_config
+                                             or placement.default_cluster_config(args.address))
                 finally:
                     ray.shutdown()
                 _log(f"run {summary['run_id']}: {summary['cells_done']}/{summary['cells_total']} cells complete, "
@@ -188,11 +218,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC))
     r.add_argument("--warehouse", default="warehouse")
     r.add_argument("--address", default=None, help="Ray cluster address (default: start a local cluster)")
+    r.add_argument("--cluster-config", default=None, metavar="YAML",
+                   help="Ray launcher config whose node types count as hosts the autoscaler can start "
+                        "(default with --address: ~/ray_bootstrap_config.yaml where it exists)")
     r.add_argument("--json", action="store_true", help="print the run summary as JSON on stdout")
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("cells", help="list the cells a spec expands to, and the skipped combinations")
     c.add_argument("spec")
+    c.add_argument("--address", default=None,
+                   help="also say where each cell would run on this Ray cluster (exit 2 if one cannot)")
+    c.add_argument("--cluster-config", default=None, metavar="YAML",
+                   help="also say where each cell would run on the node types of this launcher config")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_cells)
 

@@ -7,15 +7,24 @@ A node advertises its device class one of three ways, in this order of preferenc
 A cell asks for its device's GPUs (`tp` of them, in one STRICT_PACK placement group when tp > 1)
 and a selector that only matching nodes satisfy. Cells no node can ever host are reported
 before the sweep starts instead of pending forever.
+
+"Can ever host" counts the node types of the cluster's launcher config as well as live nodes:
+with `min_workers: 0` an autoscaling cluster has no h200 node until a cell asks for one. The
+launcher leaves that config on the head as ~/ray_bootstrap_config.yaml; `--cluster-config`
+names another.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from matrix.errors import UserError, read_yaml_file
 
 LABEL = "logit-matrix.io/device"
 RAY_ACCEL = "ray.io/accelerator-type"
+BOOTSTRAP_CONFIG = Path.home() / "ray_bootstrap_config.yaml"  # where `ray up` leaves cluster.yaml on the head
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,40 @@ class Node:
     host: str
     resources: dict[str, float]
     labels: dict[str, str] = field(default_factory=dict)
+    node_type: str | None = None  # set: not running yet, a type the autoscaler can start
+
+
+def node_types(path: str | Path) -> list[Node]:
+    """The node types of a Ray cluster launcher config that can run workers, as would-be nodes."""
+    data = read_yaml_file(path, "cluster config")
+    types = data.get("available_node_types") if isinstance(data, dict) else None
+    if not isinstance(types, dict) or not types:
+        raise UserError(f"{path}: available_node_types: expected a mapping of node types, got {types!r}")
+    out = []
+    for name, t in types.items():
+        if not isinstance(t, dict):
+            raise UserError(f"{path}: available_node_types.{name}: expected a mapping, got {t!r}")
+        res, labels = t.get("resources") or {}, t.get("labels") or {}
+        if not isinstance(res, dict) or not all(isinstance(v, (int, float)) for v in res.values()):
+            raise UserError(f"{path}: available_node_types.{name}.resources: expected name: number, got {res!r}")
+        if not isinstance(labels, dict):
+            raise UserError(f"{path}: available_node_types.{name}.labels: expected a mapping, got {labels!r}")
+        is_head = name == data.get("head_node_type")
+        if not is_head and int(t.get("max_workers", data.get("max_workers", 0)) or 0) < 1:
+            continue  # the launcher will never start one
+        out.append(Node(f"type:{name}", f"node type {name}", {k: float(v) for k, v in res.items()},
+                        {str(k): str(v) for k, v in labels.items()}, node_type=name))
+    return out
+
+
+def known_nodes(live: list[Node], config: str | Path | None) -> list[Node]:
+    """Live nodes plus the node types the launcher config can still start."""
+    return live + (node_types(config) if config else [])
+
+
+def default_cluster_config(address: str | None) -> Path | None:
+    """On a launcher-made head node, its config; elsewhere none (live nodes only)."""
+    return BOOTSTRAP_CONFIG if address and BOOTSTRAP_CONFIG.is_file() else None
 
 
 def cluster_nodes() -> list[Node]:
@@ -72,9 +115,16 @@ def selector(device: str, node: Node) -> dict[str, str] | None:
 
 
 def hosts(device: str, tp: int, threads: int, nodes: list[Node]) -> list[tuple[Node, dict[str, str]]]:
+    """Nodes (live first, then launchable types) that can host the cell, with their selector.
+
+    A cpu cell goes to any node's CPUs, unless some nodes are labelled cpu: then only to those
+    (the autoscaler must not start an 8-GPU machine for a CPU cell)."""
     out = []
+    cpu_labelled = device == "cpu" and any(n.labels.get(LABEL) == "cpu" for n in nodes)
     for n in nodes:
         sel = selector(device, n)
+        if cpu_labelled:
+            sel = {LABEL: "cpu"} if n.labels.get(LABEL) == "cpu" else None
         if sel is None:
             continue
         need = NEEDS[device]
@@ -83,7 +133,7 @@ def hosts(device: str, tp: int, threads: int, nodes: list[Node]) -> list[tuple[N
         if not need.gpu and n.resources.get("CPU", 0) < threads * (tp if tp > 1 else 1):
             continue
         out.append((n, sel))
-    return out
+    return sorted(out, key=lambda h: h[0].node_type is not None)
 
 
 def problem(device: str, tp: int, threads: int, nodes: list[Node]) -> str | None:
@@ -97,12 +147,25 @@ def problem(device: str, tp: int, threads: int, nodes: list[Node]) -> str | None
     if not typed:
         how = [f"label {LABEL}={device}"] + [f"{RAY_ACCEL}={a}" for a in need.accel] \
             + ([f"resource {need.resource}"] if need.resource else [])
-        return f"device {device}: no node of the cluster is one (looked for {' or '.join(how)})"
+        where = "no node of the cluster" + (" and no node type of its config" if any(
+            n.node_type for n in nodes) else "")
+        return f"device {device}: {where} is one (looked for {' or '.join(how)})"
     if need.gpu:
         most = max(int(n.resources.get("GPU", 0)) for n in typed)
         return f"device {device}: tp {tp} needs {tp} GPUs on one node; the largest {device} node has {most}"
     most = max(int(n.resources.get("CPU", 0)) for n in typed)
     return f"device {device}: needs {threads * max(tp, 1)} CPUs on one node; the largest has {most}"
+
+
+def where(device: str, tp: int, threads: int, nodes: list[Node]) -> str:
+    """Where the cell would run, in words: live hosts, else the node type the autoscaler starts."""
+    found = hosts(device, tp, threads, nodes)
+    if not found:
+        return "UNPLACEABLE: " + (problem(device, tp, threads, nodes) or "")
+    live = sorted({n.host or n.node_id[:8] for n, _ in found if n.node_type is None})
+    if live:
+        return ", ".join(live[:3]) + (f" (+{len(live) - 3})" if len(live) > 3 else "")
+    return "autoscaler: " + ", ".join(sorted({n.node_type for n, _ in found}))
 
 
 def actor_options(device: str, tp: int, threads: int, nodes: list[Node]) -> dict[str, Any]:

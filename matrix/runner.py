@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import pyarrow.parquet as pq
@@ -125,17 +126,34 @@ def mark_interrupted_runs(wh: Warehouse, log: Callable[[str], None]) -> None:
             log(f"run {rows[0]['run_id']} was interrupted; resuming its work")
 
 
-def cell_threads(cell: Cell) -> int:
-    import ray
-
+def cell_threads(cell: Cell, nodes: list[placement.Node]) -> int:
+    """The spec's threads, else the smallest node's CPU count (live nodes; types when none is)."""
     if cell.threads:
         return cell.threads
-    cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+    live = [n for n in nodes if n.node_type is None] or nodes
+    cpus = [n.resources.get("CPU", 0) for n in live]
     return max(1, int(min(c for c in cpus if c > 0))) if any(cpus) else 1
+
+
+def check_placement(cells: list[Cell], nodes: list[placement.Node], log: Callable[[str], None]) -> None:
+    """Before anything is written: a cell no node (or node type) can host would wait forever."""
+    unplaceable = {c.cell_id: p for c in cells
+                   if (p := placement.problem(c.device, c.tp, cell_threads(c, nodes), nodes))}
+    if unplaceable:
+        cid, why = next(iter(unplaceable.items()))
+        more = f" (and {len(unplaceable) - 1} more cell(s))" if len(unplaceable) > 1 else ""
+        raise UserError(f"cannot place {cid}: {why}{more}; nodes: "
+                        + ", ".join(f"{n.host or n.node_id[:8]} {_node_desc(n)}" for n in nodes))
+    for c in cells:
+        w = placement.where(c.device, c.tp, cell_threads(c, nodes), nodes)
+        if w.startswith("autoscaler: "):
+            log(f"{c.cell_id}: no live node can host it yet; it waits for the autoscaler to start {w[12:]}")
 
 
 def _node_desc(n) -> str:
     dev = n.labels.get(placement.LABEL) or n.labels.get(placement.RAY_ACCEL) or "cpu"
+    if n.node_type:
+        dev = f"launchable, {dev}"
     return f"[{dev}, {int(n.resources.get('CPU', 0))} CPU, {int(n.resources.get('GPU', 0))} GPU]"
 
 
@@ -186,7 +204,7 @@ def _cell_row(plan: Plan, cell: Cell, run_id: str, loaded: dict, wh: Warehouse, 
 
 
 def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
-            log: Callable[[str], None]) -> dict:
+            log: Callable[[str], None], cluster_config: str | Path | None = None) -> dict:
     """Run every unfinished cell; returns a summary. Requires ray to be initialised."""
     import ray
     from ray.util.placement_group import remove_placement_group
@@ -199,13 +217,10 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
     todo = [cells[cid] for cid in plan.todo]
     # The reference first: every other number is measured against it.
     todo.sort(key=lambda c: c.cell_id not in spec.reference_cells.values())
-    nodes = placement.cluster_nodes()
-    unplaceable = {c.cell_id: p for c in todo if (p := placement.problem(c.device, c.tp, cell_threads(c), nodes))}
-    if unplaceable:  # before anything is written: a cell no node can host would wait forever
-        cid, why = next(iter(unplaceable.items()))
-        more = f" (and {len(unplaceable) - 1} more cell(s))" if len(unplaceable) > 1 else ""
-        raise UserError(f"cannot place {cid}: {why}{more}; nodes: "
-                        + ", ".join(f"{n.host or n.node_id[:8]} {_node_desc(n)}" for n in nodes))
+    nodes = placement.known_nodes(placement.cluster_nodes(), cluster_config)
+    if cluster_config:
+        log(f"node types from {cluster_config}: " + ", ".join(n.node_type for n in nodes if n.node_type))
+    check_placement(todo, nodes, log)
 
     wh.create()
     mark_interrupted_runs(wh, log)
@@ -243,7 +258,7 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
 
     try:
         for cell in todo:
-            threads = cell_threads(cell)
+            threads = cell_threads(cell, nodes)
             model = plan.models[cell.model]
             desc = {**cell.axes(), "cell_id": cell.cell_id, "options": cell.opts, "max_tokens": cell.max_tokens,
                     "weights_sha256": model.weights_sha256,

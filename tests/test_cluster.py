@@ -122,6 +122,53 @@ def test_unplaceable_cells_are_reported_up_front(cluster, tiny_model, short_corp
     assert not (wh / "logits").exists() or not any((wh / "logits").iterdir())  # nothing captured
 
 
+REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def test_node_types_the_autoscaler_can_start_count_as_hosts():
+    types = placement.node_types(REPO / "cluster.yaml")
+    assert {n.node_type for n in types} == {"head", "cpu", "h200", "b200"}
+    assert placement.problem("h200", 8, 1, types) is None and placement.problem("b200", 1, 16, types) is None
+    assert "tp 16 needs 16 GPUs on one node; the largest h200 node has 8" in placement.problem("h200", 16, 1, types)
+    assert "no node of the cluster and no node type of its config is one" in placement.problem("sm120", 1, 1, types)
+    assert placement.where("b200", 2, 1, types) == "autoscaler: b200"
+    assert placement.where("cpu", 1, 8, types) == "autoscaler: cpu"  # not an 8-GPU machine for a CPU cell
+    live = placement.Node("n1", "gpu-box-1", {"CPU": 16, "GPU": 2}, {placement.LABEL: "h200"})
+    assert placement.where("h200", 2, 1, [live] + types) == "gpu-box-1"  # a live node first
+    assert placement.where("h200", 4, 1, [live] + types) == "autoscaler: h200"  # too small: the type can
+    assert placement.where("cpu", 1, 512, types).startswith("UNPLACEABLE: device cpu: needs 512 CPUs")
+
+
+def test_cells_says_where_each_cell_would_run(cluster, tiny_model, short_corpus, tmp_path):
+    import json
+
+    c, _ = cluster
+    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                      devices=["cpu", "b200"], reference={"engine": "hf", "dtype": "fp32", "device": "cpu"})
+    # live nodes only: the test cluster has no b200 node
+    r = run_cli("cells", str(spec), "--address", c.address)
+    assert r.returncode == 2 and "cannot place" in r.stderr and "b200" in r.stderr, r.stderr[-2000:]
+    # with the launcher's node types the b200 cell waits for the autoscaler
+    r = run_cli("cells", str(spec), "--address", c.address, "--cluster-config", str(REPO / "cluster.yaml"), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    where = {x["device"]: x["placement"] for x in json.loads(r.stdout)["cells"]}
+    # the config labels a cpu node type, so cpu cells go to such nodes only (none is live here)
+    assert where == {"b200": "autoscaler: b200", "cpu": "autoscaler: cpu"}, where
+    # offline, against the config alone; and a bad config names the file and the field
+    big = write_spec(tmp_path / "t.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                     devices=["cpu"], include=[{"device": "sm120", "dtype": "fp32", "attention": "eager"}],
+                     reference={"engine": "hf", "dtype": "fp32", "device": "cpu"})
+    r = run_cli("cells", str(big), "--cluster-config", str(REPO / "cluster.yaml"))
+    assert r.returncode == 2 and "sm120: no node of the cluster and no node type of its config" in r.stderr, r.stderr
+    assert "UNPLACEABLE" in r.stdout  # the table still says where every other cell goes
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("available_node_types: 3\n")
+    for cmd in (["cells", str(spec)], ["run", str(spec), "--warehouse", str(tmp_path / "wh")]):
+        r = run_cli(*cmd, "--cluster-config", str(bad))
+        assert r.returncode == 2 and f"{bad}: available_node_types: expected a mapping" in r.stderr, r.stderr
+    assert not (tmp_path / "wh").exists()
+
+
 def test_unreachable_address_is_an_error_before_any_work(tiny_model, short_corpus, tmp_path):
     spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
                       reference={"engine": "hf", "dtype": "fp32"})
