@@ -57,10 +57,8 @@ def vllm_python() -> str | None:
     return p if os.path.isfile(p) else None
 
 
-EXECUTORS = ("mp", "ray")
-
-
 def executor(cell: dict[str, Any]) -> str:
+    """The cell's vllm_executor option (values checked by the spec): mp unless ray is asked for."""
     opts = cell.get("options") or {}
     return dict(opts).get("vllm_executor", "mp")
 

