@@ -313,7 +313,11 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
             capture_s[cell.cell_id] = 0.0
         log(f"{len(todo)} cell(s) to run, {units_total} capture(s); {len(plan.complete)} already complete")
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=HEARTBEAT_S)
+            if not ready:  # nothing finished for a while: say what is still waiting, and on what
+                now_nodes = placement.known_nodes(placement.cluster_nodes(), cluster_config)
+                log(_heartbeat(cells, pending, loaded, now_nodes, units_done, units_total, rows, t0))
+                continue
             kind, cid, rep = pending.pop(ready[0])
             try:
                 result = ray.get(ready[0])
@@ -377,6 +381,31 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
             "cells_run": len(todo), "rows_written": rows, "seconds": round(elapsed, 2),
             "rows_per_second": round(rows / max(elapsed, 1e-9), 2),
             "skipped": spec.skipped}
+
+
+HEARTBEAT_S = float(os.environ.get("LOGIT_MATRIX_HEARTBEAT_S", "60"))
+
+
+def _heartbeat(cells: dict, pending: dict, loaded: dict, nodes: list, units_done: int, units_total: int,
+               rows: int, t0: float) -> str:
+    """One line while nothing finishes: which cells are not loaded yet, and where they can go now."""
+    waiting = sorted({cid for kind, cid, _ in pending.values() if kind == "load" and cid not in loaded})
+    where = []
+    for cid in waiting[:3]:
+        c = cells[cid]
+        where.append(f"{cid} ({placement.where(c.device, c.tp, cell_threads(c, nodes), nodes)})")
+    more = f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""
+    state = (f"; {len(waiting)} cell(s) not loaded yet: " + ", ".join(where) + more) if waiting else ""
+    # an actor runs its calls in order: a loaded cell's first pending capture is the one running
+    busy = {}
+    for kind, cid, rep in pending.values():
+        if kind == "capture" and cid in loaded:
+            busy[cid] = min(busy.get(cid, rep), rep)
+    if busy:
+        state += "; capturing: " + ", ".join(f"{cid} r{r}" for cid, r in sorted(busy.items())[:3]) \
+            + (f" and {len(busy) - 3} more" if len(busy) > 3 else "")
+    return (f"waiting {time.perf_counter() - t0:.0f}s in: captures {units_done}/{units_total}, rows {rows}"
+            f"{state}")
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:

@@ -61,7 +61,7 @@ def autoscaling_head(tmp_path):
 
 
 def test_a_cell_waits_for_the_node_type_the_autoscaler_starts(autoscaling_head, tiny_model, short_corpus,
-                                                              tmp_path):
+                                                              tmp_path, monkeypatch):
     pytest.importorskip("mlx_lm")
     spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
                       devices=["cpu"], reference={"engine": "hf", "dtype": "fp32", "device": "cpu"}, repeats=1,
@@ -71,10 +71,15 @@ def test_a_cell_waits_for_the_node_type_the_autoscaler_starts(autoscaling_head, 
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--address", "auto")
     assert r.returncode == 2 and "apple-m3: no node of the cluster is one" in r.stderr, r.stderr[-2000:]
     # with the launcher config the cell waits for the "mac" node type, which the autoscaler starts
+    monkeypatch.setenv("LOGIT_MATRIX_HEARTBEAT_S", "1")  # the progress line while the node starts
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--address", "auto",
                 "--cluster-config", str(autoscaling_head), "--json", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "waits for the autoscaler to start mac" in r.stderr
+    beats = [ln for ln in r.stderr.splitlines() if ln.startswith("waiting ")]
+    assert any("not loaded yet:" in ln and "tiny.mlx.fp32.default.tp1.apple-m3-" in ln for ln in beats), beats
+    assert any("capturing: tiny.mlx.fp32.default.tp1.apple-m3-" in ln and " r0" in ln for ln in beats), beats
+
     assert json.loads(r.stdout)["cells_done"] == 2
     cells = {c["engine"]: c for c in sql(wh, "select engine, status, node_id from cells")}
     assert cells["mlx"]["status"] == cells["hf"]["status"] == "done"
