@@ -34,11 +34,18 @@ class StackActor:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def load(self, dist: dict[str, Any] | None = None, rendezvous: tuple[str, int] | None = None) -> dict[str, Any]:
-        """dist: {rank, world_size} for one rank of a tp > 1 cell; rendezvous: rank 0's (address, port)."""
+    def gpu_ids(self) -> list[str]:
+        """The GPUs Ray assigned this actor (physical ids on its node)."""
+        return [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+
+    def load(self, dist: dict[str, Any] | None = None, rendezvous: tuple[str, int] | None = None,
+             *node_gpus: list[str]) -> dict[str, Any]:
+        """dist: {rank, world_size} for one rank of a tp > 1 cell; rendezvous: rank 0's (address, port);
+        node_gpus: every rank's gpu_ids(), in rank order (object refs, resolved by Ray)."""
         t0 = time.perf_counter()
         if dist is not None:
-            dist = {**dist, "master_addr": rendezvous[0], "master_port": rendezvous[1]}
+            dist = {**dist, "master_addr": rendezvous[0], "master_port": rendezvous[1],
+                    "own_gpus": self.gpu_ids(), "node_gpus": [list(g) for g in node_gpus]}
         self.backend.dist = dist
         self.rank = dist["rank"] if dist else 0
         self.backend.load()

@@ -19,6 +19,16 @@ GPU_DEVICES = frozenset({"cuda", "h100", "h200", "b200", "sm120", "mi300x", "roc
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
 
+def shared_devices(own: list[str], group: list[list[str]]) -> tuple[str, int]:
+    """CUDA_VISIBLE_DEVICES for one rank that sees every rank's GPU, and its own index in it.
+
+    own: the GPU ids Ray gave this rank (one); group: every rank's ids, in rank order."""
+    ids = sorted({g for ranks in group for g in ranks}, key=int)  # (n_gpus,) physical ids
+    if len(own) != 1:
+        raise RuntimeError(f"a tensor-parallel rank holds one GPU; Ray gave this one {own}")
+    return ",".join(ids), ids.index(own[0])
+
+
 class HFBackend(Backend):
     engine = "hf"
     dtypes = frozenset(TORCH_DTYPES)
@@ -77,13 +87,21 @@ class HFBackend(Backend):
         heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
         if heads % d["world_size"] or kv % d["world_size"]:
             raise SkipCell(f"tp {d['world_size']} does not divide the model's {heads} attention / {kv} KV heads")
+        local, visible = 0, None
+        if self.torch_device == "cuda" and d.get("node_gpus"):
+            # Ray shows each rank only its own GPU; NCCL then cannot use P2P / NVLink between
+            # ranks and falls back to shared memory, with other all-reduce algorithms (other bits).
+            # Every rank sees the group's GPUs instead, and picks its own by index (as Ray Train does).
+            visible, local = shared_devices(d["own_gpus"], d["node_gpus"])
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before CUDA initialises in this process
         os.environ.update(MASTER_ADDR=d["master_addr"], MASTER_PORT=str(d["master_port"]), RANK=str(d["rank"]),
-                          WORLD_SIZE=str(d["world_size"]), LOCAL_RANK="0")  # one device per actor (Ray sets it)
+                          WORLD_SIZE=str(d["world_size"]), LOCAL_RANK=str(local))
         backend = "gloo" if self.torch_device == "cpu" else "nccl"
         if self.torch_device == "cuda":
-            torch.cuda.set_device(0)
+            torch.cuda.set_device(local)
         torch.distributed.init_process_group(backend, rank=d["rank"], world_size=d["world_size"])
-        self._tp = {"world_size": d["world_size"], "rank": d["rank"], "backend": backend, "tp_plan": "auto"}
+        self._tp = {"world_size": d["world_size"], "rank": d["rank"], "backend": backend, "tp_plan": "auto",
+                    "cuda_visible_devices": visible, "local_device": local}
         return {"tp_plan": "auto"}
 
     def settings(self) -> dict[str, Any]:

@@ -276,9 +276,10 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
                     pg, placement_group_bundle_index=i)).remote(desc, model.hf_dir, threads, str(wh.root))
                     for i in range(cell.tp)]
                 rendezvous = ranks[0].rendezvous.remote()
+                gpus = [a.gpu_ids.remote() for a in ranks] if gpu else []  # each rank sees them all (NCCL P2P)
                 actor, followers[cell.cell_id] = ranks[0], ranks[1:]
                 for i, a in enumerate(ranks):
-                    pending[a.load.remote({"rank": i, "world_size": cell.tp}, rendezvous)] = \
+                    pending[a.load.remote({"rank": i, "world_size": cell.tp}, rendezvous, *gpus)] = \
                         ("load" if i == 0 else "rank", cell.cell_id, None)
                 for a in ranks[1:]:
                     for r in plan.todo[cell.cell_id]:

@@ -70,6 +70,31 @@ def test_tp2_gets_two_bundles_on_one_node(cluster):
     remove_placement_group(pg)
 
 
+def test_gpu_tp_ranks_each_see_the_groups_gpus_and_pick_their_own(cluster):
+    """HF tp on GPU: Ray gives each rank one GPU; for NCCL P2P every rank is shown the group's
+    GPUs and uses its own by index. Here the ids come from real actors on the "h200" node."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from actors.stack_actor import StackActor
+    from backends.hf_backend import shared_devices
+
+    _, ids = cluster
+    pg = placement.placement_group_for("h200", 2, 1, placement.cluster_nodes())
+    cell = {"engine": "hf", "dtype": "bf16", "attention": "sdpa", "device": "h200", "tp": 2, "cell_id": "x"}
+    ranks = [StackActor.options(num_cpus=1, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=i)).remote(cell, "/nowhere", 1, "/nowhere") for i in range(2)]
+    got = ray.get([a.gpu_ids.remote() for a in ranks], timeout=120)
+    assert sorted(g for r in got for g in r) == ["0", "1"]
+    assert [shared_devices(own, got) for own in got] == [("0,1", int(got[0][0])), ("0,1", int(got[1][0]))]
+    with pytest.raises(RuntimeError, match="holds one GPU"):
+        shared_devices(["0", "1"], got)
+    for a in ranks:
+        ray.kill(a)
+    remove_placement_group(pg)
+
+
 def test_engine_workers_join_the_cells_group_instead_of_nesting_one(cluster):
     """What vLLM's Ray executor does inside our actor (initialize_ray_cluster, then one worker per
     bundle with num_cpus=0, num_gpus=1): the group it finds is ours, and its workers fit in it."""
@@ -263,7 +288,8 @@ def test_hf_tensor_parallel_on_cpu_runs_as_ranks_in_one_group(cluster, tiny_mode
     import json
 
     assert json.loads(tp3["settings"])["tensor_parallel"] == {"world_size": 3, "rank": 0, "backend": "gloo",
-                                                              "tp_plan": "auto"}
+                                                              "tp_plan": "auto", "cuda_visible_devices": None,
+                                                              "local_device": 0}
     assert tp3["node_id"] == ids["tp"]  # the only node with 3 CPUs for its 3 one-thread ranks
     r = run_cli("analyze", "--warehouse", str(wh))
     assert r.returncode == 0, r.stderr[-2000:]

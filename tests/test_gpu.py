@@ -56,3 +56,26 @@ def test_cuda_stacks_are_bit_reproducible_and_drift_from_cpu_is_measured():
     if out:
         with open(os.path.join(out, "gpu_report.json"), "w") as f:
             json.dump(report, f, indent=1)
+
+
+@pytest.mark.skipif(not (MODEL and torch.cuda.is_available() and torch.cuda.device_count() >= 2),
+                    reason="needs 2 CUDA GPUs and LOGIT_MATRIX_GPU_MODEL (heads divisible by 2)")
+def test_hf_tp2_over_nccl_matches_tp1(tmp_path, short_corpus):
+    from pathlib import Path
+
+    from tests.conftest import run_cli, sql, write_spec
+
+    spec = write_spec(tmp_path / "tp.yaml", Path(MODEL), short_corpus, dtypes=["fp32"], attention=["sdpa"],
+                      devices=["cuda"], tp=[1, 2], repeats=2,
+                      reference={"engine": "hf", "dtype": "fp32", "device": "cuda", "tp": 1})
+    wh = tmp_path / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh))
+    assert r.returncode == 0, r.stderr[-3000:]
+    tp2 = sql(wh, "select cell_id, status, bit_reproducible, settings from cells where tp = 2")[0]
+    assert tp2["status"] == "done" and tp2["bit_reproducible"], tp2
+    tp = json.loads(tp2["settings"])["tensor_parallel"]
+    assert tp["backend"] == "nccl" and len(tp["cuda_visible_devices"].split(",")) == 2, tp  # both GPUs, P2P
+    assert run_cli("analyze", "--warehouse", str(wh)).returncode == 0
+    m = sql(wh, f"select max(max_abs_diff) as d, min(top1_match::int) as t from metrics "
+                f"where cell_id = '{tp2['cell_id']}'")[0]
+    assert m["d"] < 1e-2 and m["t"] == 1, m
