@@ -35,7 +35,12 @@ def cmd_cells(args) -> int:
     spec = load_spec(args.spec)
     cells = [{**c.axes(), "threads": c.threads, "options": c.opts, "max_tokens": c.max_tokens, "cell_id": c.cell_id,
               "reference": c.cell_id in spec.reference_cells.values()} for c in spec.cells]
-    placed = _placement(spec.cells, args.address, args.cluster_config)
+    nodes = _known_nodes(args.address, args.cluster_config)
+    placed = None
+    if nodes is not None:
+        from matrix import placement, runner
+
+        placed = {c.cell_id: placement.where(c.device, c.tp, runner.cell_threads(c, nodes), nodes) for c in spec.cells}
     for c in cells:
         if placed:
             c["placement"] = placed[c["cell_id"]]
@@ -50,15 +55,13 @@ def cmd_cells(args) -> int:
             print(f"\nskipped ({len(spec.skipped)}):")
             print(table(["combination", "reason"], [[s["cell_id"], s["reason"]] for s in spec.skipped]))
         print(f"\n{len(cells)} cell(s), {len(spec.skipped)} skipped; stride {spec.stride}, repeats {spec.repeats}")
-    bad = [(cid, w) for cid, w in (placed or {}).items() if w.startswith("UNPLACEABLE")]
-    if bad:
-        more = f" (and {len(bad) - 1} more cell(s))" if len(bad) > 1 else ""
-        raise UserError(f"cannot place {bad[0][0]}: {bad[0][1][len('UNPLACEABLE: '):]}{more}")
+    if nodes is not None:
+        runner.check_placement(spec.cells, nodes, lambda msg: None)  # the same exit 2 as `matrix run`
     return 0
 
 
-def _placement(cells, address: str | None, cluster_config: str | None) -> dict[str, str] | None:
-    """cell_id -> where it would run (live hosts / autoscaler node type / UNPLACEABLE: why)."""
+def _known_nodes(address: str | None, cluster_config: str | None) -> list | None:
+    """Live nodes of --address plus the node types of the launcher config; None: neither given."""
     from matrix import placement, runner
 
     if not address and not cluster_config:
@@ -70,8 +73,7 @@ def _placement(cells, address: str | None, cluster_config: str | None) -> dict[s
             live = placement.cluster_nodes()
         finally:
             ray.shutdown()
-    nodes = placement.known_nodes(live, cluster_config or placement.default_cluster_config(address))
-    return {c.cell_id: placement.where(c.device, c.tp, runner.cell_threads(c, nodes), nodes) for c in cells}
+    return placement.known_nodes(live, cluster_config or placement.default_cluster_config(address))
 
 
 def cmd_models(args) -> int:
