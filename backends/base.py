@@ -54,6 +54,12 @@ class Backend:
         self.dist: dict[str, Any] | None = None
 
     @classmethod
+    def workers_in_group(cls, cell) -> bool:
+        """True: the engine starts its own Ray workers, into the placement group the runner makes
+        for the cell (its actor sits in bundle 0 and captures child tasks)."""
+        return False
+
+    @classmethod
     def unsupported(cls, cell) -> str | None:
         if cell.dtype not in cls.dtypes:
             return f"engine {cls.engine} does not run dtype {cell.dtype} (runs: {', '.join(sorted(cls.dtypes))})"

@@ -284,7 +284,7 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
                 for a in ranks[1:]:
                     for r in plan.todo[cell.cell_id]:
                         pending[a.capture.remote(run_id, r, ids, spec.stride)] = ("rank", cell.cell_id, r)
-            elif getattr(cls, "workers_in_group", None) and cls.workers_in_group(cell):
+            elif cls.workers_in_group(cell):
                 # The engine starts its own Ray workers (vLLM's Ray executor): they go into this
                 # cell's group, found from inside the actor, not into a group nested in ours.
                 pg = groups[cell.cell_id] = placement.placement_group_for(cell.device, cell.tp, threads, nodes)
