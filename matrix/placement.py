@@ -3,7 +3,7 @@
 A node advertises its device class one of three ways, in this order of preference:
   1. our label  `logit-matrix.io/device: h200`          (cluster.yaml sets it per node type)
   2. Ray's label `ray.io/accelerator-type: H200`       (Ray sets it from the GPU it detects)
-  3. a custom resource `apple-m3: 1`                   (Apple Silicon is no Ray accelerator type)
+  3. a custom resource `apple-m3: 1`                   (Apple Silicon before Ray typed it)
 A cell asks for its device's GPUs (`tp` of them, in one STRICT_PACK placement group when tp > 1)
 and a selector that only matching nodes satisfy. Cells no node can ever host are reported
 before the sweep starts instead of pending forever.
@@ -34,19 +34,31 @@ class Need:
     resource: str | None = None  # custom resource for devices Ray does not type
 
 
+# Ray >= 2.5x types Apple Silicon itself (resource GPU: 1, ray.io/accelerator-type M3-Max, ...).
+APPLE = {f"apple-{m}": tuple(f"{m.upper()}{v}" for v in ("", "-Pro", "-Max", "-Ultra")) for m in ("m1", "m2", "m3", "m4")}
+APPLE_ALL = tuple(a for v in APPLE.values() for a in v) + ("Apple-Silicon",)
+
 NEEDS: dict[str, Need] = {
     "cpu": Need(),
     "cuda": Need(gpu=True),
     "h100": Need(gpu=True, accel=("H100",)),
     "h200": Need(gpu=True, accel=("H200",)),
     "b200": Need(gpu=True, accel=("B200",)),
-    "sm120": Need(gpu=True, accel=("RTX-PRO-6000", "RTX-PRO-6000-Blackwell", "RTX-5090")),
-    "mi300x": Need(gpu=True, accel=("AMD-Instinct-MI300X-OAM", "AMD-Instinct-MI300X")),
+    # Ray's names: "NVIDIA RTX PRO 6000 ..." -> RTX-PRO-6000, "NVIDIA GeForce RTX 5090" -> GeForce-RTX-5090
+    "sm120": Need(gpu=True, accel=("RTX-PRO-6000", "RTX-PRO-6000-Blackwell", "RTX-PRO-5000", "RTX-PRO-4000",
+                                   "GeForce-RTX-5090", "GeForce-RTX-5080", "RTX-5090")),
+    "mi300x": Need(gpu=True, accel=("AMD-Instinct-MI300X-OAM", "AMD-Instinct-MI300X-HF", "AMD-Instinct-MI300X")),
     "rocm": Need(gpu=True),
-    "apple-m1": Need(resource="apple-m1"), "apple-m2": Need(resource="apple-m2"),
-    "apple-m3": Need(resource="apple-m3"), "apple-m4": Need(resource="apple-m4"),
-    "mps": Need(resource="mps"),
+    **{d: Need(resource=d, accel=a) for d, a in APPLE.items()},
+    "mps": Need(resource="mps", accel=APPLE_ALL),
 }
+
+
+def _vendor(accel: str | None) -> str | None:
+    """nvidia | amd | apple from a Ray accelerator type; None when the node has none."""
+    if not accel:
+        return None
+    return "apple" if accel in APPLE_ALL else "amd" if accel.startswith("AMD-") else "nvidia"
 
 
 @dataclass
@@ -112,7 +124,13 @@ def selector(device: str, node: Node) -> dict[str, str] | None:
     if need.resource and node.resources.get(need.resource, 0) >= 1:
         return {}
     if device in ("cuda", "rocm") and node.resources.get("GPU", 0) > 0 and LABEL not in node.labels:
-        return {}  # any GPU node that is not claimed by a specific class
+        # any GPU node not claimed by a specific class, of the right vendor where Ray says which
+        vendor = _vendor(node.labels.get(RAY_ACCEL))
+        if vendor is None:
+            return {}
+        if vendor == ("nvidia" if device == "cuda" else "amd"):
+            return {RAY_ACCEL: node.labels[RAY_ACCEL]}
+        return None
     return None
 
 
@@ -174,12 +192,15 @@ def actor_options(device: str, tp: int, threads: int, nodes: list[Node]) -> dict
     """Ray options for the cell's actor (tp == 1), or for each rank's bundle (tp > 1)."""
     found = hosts(device, tp, threads, nodes)
     sel = found[0][1] if found else {}
+    if sel and RAY_ACCEL in sel:  # every accelerator type among the hosts, not just the first's
+        types = sorted({h[1][RAY_ACCEL] for h in found if RAY_ACCEL in h[1]})
+        sel = {RAY_ACCEL: types[0] if len(types) == 1 else f"in({','.join(types)})"}
     need = NEEDS[device]
     opts: dict[str, Any] = {"num_cpus": threads}
     if need.gpu:
         opts["num_gpus"] = 1
-    if need.resource:
-        opts["resources"] = {need.resource: 1}
+    if need.resource and found and found[0][0].resources.get(need.resource, 0) >= 1:
+        opts["resources"] = {need.resource: 1}  # a node that advertises the device by resource
     if sel:
         opts["label_selector"] = sel
     return opts

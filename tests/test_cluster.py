@@ -199,6 +199,29 @@ def test_node_types_the_autoscaler_can_start_count_as_hosts():
     assert placement.where("cpu", 1, 512, types).startswith("UNPLACEABLE: device cpu: needs 512 CPUs")
 
 
+def test_devices_ray_types_itself_are_recognised_by_vendor():
+    N = placement.Node
+    mac = N("m", "mac", {"CPU": 12, "GPU": 1}, {placement.RAY_ACCEL: "M3-Max"})  # Ray's own Apple typing
+    amd = N("a", "mi", {"CPU": 64, "GPU": 8}, {placement.RAY_ACCEL: "AMD-Instinct-MI300X-OAM"})
+    pro = N("p", "ws", {"CPU": 32, "GPU": 2}, {placement.RAY_ACCEL: "RTX-PRO-6000"})
+    rtx = N("r", "pc", {"CPU": 16, "GPU": 1}, {placement.RAY_ACCEL: "GeForce-RTX-5090"})
+    bare = N("b", "box", {"CPU": 8, "GPU": 1}, {})  # a GPU Ray could not type
+    nodes = [mac, amd, pro, rtx, bare]
+    hosts = {d: [n.host for n, _ in placement.hosts(d, 1, 1, nodes)] for d in ("apple-m3", "mps", "cuda", "rocm",
+                                                                                "sm120", "mi300x", "apple-m4")}
+    assert hosts == {"apple-m3": ["mac"], "mps": ["mac"], "cuda": ["ws", "pc", "box"], "rocm": ["mi", "box"],
+                     "sm120": ["ws", "pc"], "mi300x": ["mi"], "apple-m4": []}
+    # Apple typed by Ray: a label selector, no custom resource the node does not have, no GPU asked
+    assert placement.actor_options("apple-m3", 1, 2, nodes) == {
+        "num_cpus": 2, "label_selector": {placement.RAY_ACCEL: "M3-Max"}}
+    # every sm120 model among the hosts, not only the first one found
+    assert placement.actor_options("sm120", 1, 1, nodes)["label_selector"] == {
+        placement.RAY_ACCEL: "in(GeForce-RTX-5090,RTX-PRO-6000)"}
+    # a Mac declared by resource (older Ray, or scripts/join-node.sh) still asks for it
+    old_mac = N("o", "mac2", {"CPU": 8, "apple-m3": 1}, {})
+    assert placement.actor_options("apple-m3", 1, 1, [old_mac])["resources"] == {"apple-m3": 1}
+
+
 def test_cells_says_where_each_cell_would_run(cluster, tiny_model, short_corpus, tmp_path):
     import json
 
