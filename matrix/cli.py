@@ -92,6 +92,22 @@ def cmd_models(args) -> int:
     if args.name not in models.CATALOG:
         raise UserError(f"models fetch: unknown catalog model {args.name!r} (known: {', '.join(models.CATALOG)})")
     resolved = models.fetch(ModelRef(args.name, "catalog", args.name), log=_log)
+    if args.action == "cut":
+        from pathlib import Path
+
+        if args.layers < 1:
+            raise UserError(f"models cut: --layers must be at least 1, got {args.layers}")
+        out = Path(args.out)
+        if out.exists() and any(out.iterdir()):
+            raise UserError(f"models cut: {out} exists and is not empty")
+        models.cut_layers(Path(resolved.hf_dir), out, args.layers, bf16=args.bf16)
+        info = {"name": args.name, "layers": args.layers, "bf16": args.bf16, "path": str(out),
+                "bytes": sum(f.stat().st_size for f in out.iterdir())}
+        if args.json:
+            emit_json(info)
+        else:
+            print(f"{args.name} cut to {args.layers} layer(s): {out} ({info['bytes'] / 2**20:.1f} MiB)")
+        return 0
     if args.json:
         emit_json(resolved.to_dict())
     else:
@@ -242,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     mf = msub.add_parser("fetch", help="download and dequantise a catalog model into the cache")
     mf.add_argument("name")
     mf.add_argument("--json", action="store_true")
+    mc = msub.add_parser("cut", help="a catalog model with only its first N layers (real weights; "
+                                     "small enough to carry to a GPU box without a model hub)")
+    mc.add_argument("name")
+    mc.add_argument("--layers", type=int, required=True)
+    mc.add_argument("--out", required=True)
+    mc.add_argument("--bf16", action="store_true", help="store the weights in bf16 (half the bytes)")
+    mc.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)
 
     q = sub.add_parser("sql", help="run a read-only DuckDB query over the warehouse views")

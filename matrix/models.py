@@ -124,6 +124,29 @@ def dequantise_gguf(gguf_path: Path, out_dir: Path, log: Callable[[str], None] =
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def cut_layers(src: Path, out: Path, layers: int, bf16: bool = False) -> Path:
+    """A copy of an HF model directory with only its first `layers` decoder layers: real weights
+    and tokenizer, small enough to carry to a machine without a model hub (tests, GPU checks).
+    bf16: store the weights in bf16 (half the bytes; an fp32 load of them is exact)."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json" and f.is_file():
+            shutil.copy(f, out / f.name)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        for k, v in load_file(f).items():
+            if k.startswith("model.layers.") and int(k.split(".")[2]) >= layers:
+                continue
+            tensors[k] = (v.bfloat16() if bf16 and v.is_floating_point() else v).contiguous()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 def pip_download(requirement: str, dest: Path, extra: tuple[str, ...] = (), pattern: str = "*.whl") -> Path:
     """One distribution file from the package index (no dependencies) into dest."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",

@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
 # One prepared GPU check (issue 6): a small real sweep on one NVIDIA GPU, a warehouse, a summary.
-#   scripts/gpu-check.sh MODEL_DIR [OUT_DIR]
-# MODEL_DIR: a local HF model directory (the GPU box may have no network). Runs HF eager / sdpa
+#   scripts/gpu-check.sh MODEL_DIR|MODEL.tar.xz [OUT_DIR]
+# MODEL_DIR: a local HF model directory (the GPU box may have no network), or a .tar.xz of one
+# (what fits a 64 MiB carry: `matrix models cut smollm2-135m --layers 1 --bf16 --out gpu-model &&
+# tar -cJf gpu-model.tar.xz gpu-model`, 40 MiB). Runs HF eager / sdpa
 # (+ flash_attention_2 when flash-attn is importable) at fp32 and bf16 on `cuda`; when vllm is
 # importable, vLLM bf16 with its default, FLASH_ATTN, TRITON_ATTN (+ FLASHINFER when installed)
 # attention and once through its Ray executor in our placement group; TensorRT-LLM when
 # tensorrt_llm is importable; TP=1; then analyze + report + the environment fingerprint.
 set -euo pipefail
-model=${1:?usage: gpu-check.sh MODEL_DIR [OUT_DIR]}
+model=${1:?usage: gpu-check.sh MODEL_DIR|MODEL.tar.xz [OUT_DIR]}
 out=${2:-${OUT:-/tmp/gpu-check}}
 mkdir -p "$out"
+case "$model" in
+  *.tar.xz)
+    unpacked=$(mktemp -d)  # not under OUT_DIR: the model need not come back with the results
+    tar -xJf "$model" -C "$unpacked"
+    model=$(dirname "$(find "$unpacked" -name config.json | head -n 1)") ;;
+esac
+test -f "$model/config.json" || { echo "gpu-check.sh: $model has no config.json" >&2; exit 2; }
 py=${PYTHON:-python3}
 export RAY_AUTH_MODE=disabled
 if ! "$py" -c "import matrix" 2>/dev/null; then

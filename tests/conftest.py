@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -41,26 +40,9 @@ def reference_model():
 @pytest.fixture(scope="session")
 def tiny_model(reference_model, tmp_path_factory) -> Path:
     """SmolLM2 cut to its first TINY_LAYERS layers: real weights, real tokenizer."""
-    from safetensors.torch import load_file, save_file
+    from matrix.models import cut_layers
 
-    src = Path(reference_model.hf_dir)
-    out = tmp_path_factory.mktemp("models") / "smollm2-tiny"
-    out.mkdir()
-    for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy(f, out / f.name)
-    config = json.loads((src / "config.json").read_text())
-    config["num_hidden_layers"] = TINY_LAYERS
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    tensors = {}
-    for f in src.glob("*.safetensors"):
-        for k, v in load_file(f).items():
-            if k.startswith("model.layers."):
-                if int(k.split(".")[2]) >= TINY_LAYERS:
-                    continue
-            tensors[k] = v.contiguous()
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    return cut_layers(Path(reference_model.hf_dir), tmp_path_factory.mktemp("models") / "smollm2-tiny", TINY_LAYERS)
 
 
 SHORT_CORPUS = """\

@@ -156,3 +156,23 @@ def test_killed_run_resumes_without_duplicates_or_gaps(tiny_model, short_corpus,
     assert not list(wh.rglob(".tmp-*"))
     cells = sql(wh, "select bit_reproducible from cells")
     assert len(cells) == 4 and all(c["bit_reproducible"] for c in cells)
+
+
+def test_models_cut_makes_a_model_small_enough_to_carry(reference_model, tmp_path):
+    from safetensors import safe_open
+
+    out = tmp_path / "gpu-model"
+    r = run_cli("models", "cut", "smollm2-135m", "--layers", "1", "--bf16", "--out", str(out), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    info = json.loads(r.stdout)
+    assert info["layers"] == 1 and info["bytes"] < 70e6  # ~64 MB raw, ~40 MiB as .tar.xz
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
+    assert (out / "tokenizer.json").is_file()
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+        assert {k.split(".")[2] for k in keys if k.startswith("model.layers.")} == {"0"}
+        assert str(f.get_tensor("model.embed_tokens.weight").dtype) == "torch.bfloat16"
+    again = run_cli("models", "cut", "smollm2-135m", "--layers", "1", "--out", str(out))
+    assert again.returncode == 2 and "exists and is not empty" in again.stderr
+    zero = run_cli("models", "cut", "smollm2-135m", "--layers", "0", "--out", str(tmp_path / "z"))
+    assert zero.returncode == 2 and "--layers must be at least 1" in zero.stderr
