@@ -245,7 +245,7 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
     cells_done = len(plan.complete)
     actors, pending = {}, {}  # cell_id -> actor (rank 0); future -> (kind, cell_id, repeat)
     followers, groups = {}, {}  # cell_id -> actors of ranks 1.. / its placement group (tp > 1)
-    loaded, capture_s, left, parity = {}, {}, {}, {}
+    loaded, capture_s, left, parity, threads_of = {}, {}, {}, {}, {}
     status = "failed"
 
     def drop(cid: str) -> None:
@@ -258,7 +258,7 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
 
     try:
         for cell in todo:
-            threads = cell_threads(cell, nodes)
+            threads = threads_of[cell.cell_id] = cell_threads(cell, nodes)
             model = plan.models[cell.model]
             desc = {**cell.axes(), "cell_id": cell.cell_id, "options": cell.opts, "max_tokens": cell.max_tokens,
                     "weights_sha256": model.weights_sha256,
@@ -284,21 +284,18 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
                 for a in ranks[1:]:
                     for r in plan.todo[cell.cell_id]:
                         pending[a.capture.remote(run_id, r, ids, spec.stride)] = ("rank", cell.cell_id, r)
-            elif cls.workers_in_group(cell):
-                # The engine starts its own Ray workers (vLLM's Ray executor): they go into this
-                # cell's group, found from inside the actor, not into a group nested in ours.
-                pg = groups[cell.cell_id] = placement.placement_group_for(cell.device, cell.tp, threads, nodes)
-                opts = placement.engine_driver_options(pg)
-                if getattr(cls, "separate_python", False):
-                    opts["runtime_env"] = cls.runtime_env(desc, threads)
-                actor = StackActor.options(**opts).remote(desc, model.hf_dir, threads, str(wh.root))
-                pending[actor.load.remote()] = ("load", cell.cell_id, None)
             else:
-                opts = placement.actor_options(cell.device, cell.tp, threads, nodes)
-                if cell.tp > 1:  # an engine with its own tp workers (vLLM): one actor holds all their devices
-                    opts["num_cpus"] = threads * cell.tp
-                    if "num_gpus" in opts:
-                        opts["num_gpus"] = cell.tp
+                if cls.workers_in_group(cell):
+                    # The engine starts its own Ray workers (vLLM's Ray executor): they go into this
+                    # cell's group, found from inside the actor, not into a group nested in ours.
+                    pg = groups[cell.cell_id] = placement.placement_group_for(cell.device, cell.tp, threads, nodes)
+                    opts = placement.engine_driver_options(pg)
+                else:
+                    opts = placement.actor_options(cell.device, cell.tp, threads, nodes)
+                    if cell.tp > 1:  # own tp workers (vLLM "mp"): one actor holds all their devices
+                        opts["num_cpus"] = threads * cell.tp
+                        if "num_gpus" in opts:
+                            opts["num_gpus"] = cell.tp
                 if getattr(cls, "separate_python", False):  # e.g. vLLM's own venv: its pins stay out of ours
                     opts["runtime_env"] = cls.runtime_env(desc, threads)
                 actor = StackActor.options(**opts).remote(desc, model.hf_dir, threads, str(wh.root))
@@ -317,7 +314,7 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=HEARTBEAT_S)
             if not ready:  # nothing finished for a while: say what is still waiting, and on what
                 now_nodes = placement.known_nodes(placement.cluster_nodes(), cluster_config)
-                log(_heartbeat(cells, pending, loaded, now_nodes, units_done, units_total, rows, t0))
+                log(_heartbeat(cells, threads_of, pending, loaded, now_nodes, units_done, units_total, rows, t0))
                 continue
             kind, cid, rep = pending.pop(ready[0])
             try:
@@ -387,14 +384,14 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
 HEARTBEAT_S = float(os.environ.get("LOGIT_MATRIX_HEARTBEAT_S", "60"))
 
 
-def _heartbeat(cells: dict, pending: dict, loaded: dict, nodes: list, units_done: int, units_total: int,
-               rows: int, t0: float) -> str:
+def _heartbeat(cells: dict, threads_of: dict, pending: dict, loaded: dict, nodes: list, units_done: int,
+               units_total: int, rows: int, t0: float) -> str:
     """One line while nothing finishes: which cells are not loaded yet, and where they can go now."""
     waiting = sorted({cid for kind, cid, _ in pending.values() if kind == "load" and cid not in loaded})
     where = []
     for cid in waiting[:3]:
         c = cells[cid]
-        where.append(f"{cid} ({placement.where(c.device, c.tp, cell_threads(c, nodes), nodes)})")
+        where.append(f"{cid} ({placement.where(c.device, c.tp, threads_of[cid], nodes)})")
     more = f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""
     state = (f"; {len(waiting)} cell(s) not loaded yet: " + ", ".join(where) + more) if waiting else ""
     # an actor runs its calls in order: a loaded cell's first pending capture is the one running
