@@ -134,19 +134,20 @@ def selector(device: str, node: Node) -> dict[str, str] | None:
     return None
 
 
-def hosts(device: str, tp: int, threads: int, nodes: list[Node]) -> list[tuple[Node, dict[str, str]]]:
-    """Nodes (live first, then launchable types) that can host the cell, with their selector.
+def typed_nodes(device: str, nodes: list[Node]) -> list[tuple[Node, dict[str, str]]]:
+    """The nodes that are `device` nodes, whatever their size, with their selector.
 
     A cpu cell goes to any node's CPUs, unless some nodes are labelled cpu: then only to those
     (the autoscaler must not start an 8-GPU machine for a CPU cell)."""
+    if device == "cpu" and any(n.labels.get(LABEL) == "cpu" for n in nodes):
+        return [(n, {LABEL: "cpu"}) for n in nodes if n.labels.get(LABEL) == "cpu"]
+    return [(n, sel) for n in nodes if (sel := selector(device, n)) is not None]
+
+
+def hosts(device: str, tp: int, threads: int, nodes: list[Node]) -> list[tuple[Node, dict[str, str]]]:
+    """Device nodes big enough for the cell (live first, then launchable types), with their selector."""
     out = []
-    cpu_labelled = device == "cpu" and any(n.labels.get(LABEL) == "cpu" for n in nodes)
-    for n in nodes:
-        sel = selector(device, n)
-        if cpu_labelled:
-            sel = {LABEL: "cpu"} if n.labels.get(LABEL) == "cpu" else None
-        if sel is None:
-            continue
+    for n, sel in typed_nodes(device, nodes):
         need = NEEDS[device]
         if need.gpu and n.resources.get("GPU", 0) < tp:
             continue
@@ -163,7 +164,7 @@ def problem(device: str, tp: int, threads: int, nodes: list[Node]) -> str | None
     if hosts(device, tp, threads, nodes):
         return None
     need = NEEDS[device]
-    typed = [n for n in nodes if selector(device, n) is not None]
+    typed = [n for n, _ in typed_nodes(device, nodes)]
     if not typed:
         how = [f"label {LABEL}={device}"] + [f"{RAY_ACCEL}={a}" for a in need.accel] \
             + ([f"resource {need.resource}"] if need.resource else [])

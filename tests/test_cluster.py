@@ -193,6 +193,8 @@ def test_node_types_the_autoscaler_can_start_count_as_hosts():
     assert "no node of the cluster and no node type of its config is one" in placement.problem("sm120", 1, 1, types)
     assert placement.where("b200", 2, 1, types) == "autoscaler: b200"
     assert placement.where("cpu", 1, 8, types) == "autoscaler: cpu"  # not an 8-GPU machine for a CPU cell
+    # and its size limit is the cpu type's, not the GPU machines' 192 CPUs
+    assert placement.problem("cpu", 1, 64, types) == "device cpu: needs 64 CPUs on one node; the largest has 32"
     live = placement.Node("n1", "gpu-box-1", {"CPU": 16, "GPU": 2}, {placement.LABEL: "h200"})
     assert placement.where("h200", 2, 1, [live] + types) == "gpu-box-1"  # a live node first
     assert placement.where("h200", 4, 1, [live] + types) == "autoscaler: h200"  # too small: the type can
