@@ -57,10 +57,9 @@ def vllm_python() -> str | None:
     return p if os.path.isfile(p) else None
 
 
-def executor(cell: dict[str, Any]) -> str:
+def executor(options: dict[str, Any] | None) -> str:
     """The cell's vllm_executor option (values checked by the spec): mp unless ray is asked for."""
-    opts = cell.get("options") or {}
-    return dict(opts).get("vllm_executor", "mp")
+    return (options or {}).get("vllm_executor", "mp")
 
 
 def engine_kwargs(cell: dict[str, Any], model_dir: str, max_len: int, threads: int) -> dict[str, Any]:
@@ -73,7 +72,7 @@ def engine_kwargs(cell: dict[str, Any], model_dir: str, max_len: int, threads: i
         "max_num_seqs": 1, "enforce_eager": True,
         "compilation_config": {"mode": 0},  # no torch.compile: the norm hook must see the real forward
     }
-    if executor(cell) == "ray":
+    if executor(cell.get("options")) == "ray":
         kw["distributed_executor_backend"] = "ray"  # into the group the runner made (see module doc)
     elif kw["tensor_parallel_size"] > 1:
         kw["distributed_executor_backend"] = "mp"
@@ -114,7 +113,7 @@ def worker_env(cell: dict[str, Any], threads: int) -> dict[str, str]:
     if cell["device"] == "cpu":  # CPU-platform knobs only where they mean something
         env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads),
                     "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
-    if executor(cell) == "ray":
+    if executor(cell.get("options")) == "ray":
         # one device per worker, worker i in bundle i of our group (not "the first bundles with a GPU")
         tp = int(cell.get("tp") or 1)
         env.update({"VLLM_RAY_PER_WORKER_GPUS": "1", "VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, range(tp)))})
@@ -152,12 +151,12 @@ class VLLMBackend(Backend):
     @classmethod
     def workers_in_group(cls, cell) -> bool:
         """True: vLLM starts its own Ray workers into the cell's placement group (Ray executor)."""
-        return executor({"options": cell.opts}) == "ray"
+        return executor(cell.opts) == "ray"
 
     @classmethod
     def unsupported(cls, cell) -> str | None:
         reason = super().unsupported(cell)
-        if reason is None and executor({"options": cell.opts}) == "ray" and cell.device == "cpu":
+        if reason is None and executor(cell.opts) == "ray" and cell.device == "cpu":
             reason = ("vllm_executor ray needs a GPU: vLLM's CPU platform has no Ray device key "
                       "(use vllm_executor mp)")
         if reason is None and vllm_python() is None:
@@ -178,7 +177,7 @@ class VLLMBackend(Backend):
 
         torch.set_num_threads(self.threads)
         self._kw = engine_kwargs(self.cell, self.model_dir, MAX_MODEL_LEN, self.threads)
-        self._held_back = keep_back(dict(os.environ)) if executor(self.cell) == "ray" else []
+        self._held_back = keep_back(dict(os.environ)) if executor(self.cell.get("options")) == "ray" else []
         self._llm = LLM(**self._kw)
         self._llm.apply_model(install_norm_hook)
         self._vocab = int(self._llm.llm_engine.model_config.get_vocab_size())
@@ -213,7 +212,7 @@ class VLLMBackend(Backend):
     def settings(self) -> dict[str, Any]:
         return {"dtype": self.cell["dtype"], "attention": self.cell["attention"], "engine_args": self._kw,
                 "logits_path": "forward hook on model.model.norm + model.compute_logits (no prompt_logprobs dicts)",
-                "executor": executor(self.cell), "env_held_back_from_workers": self._held_back,
+                "executor": executor(self.cell.get("options")), "env_held_back_from_workers": self._held_back,
                 "prefix_caching": False, "chunked_prefill": "one chunk (max_num_batched_tokens = max_model_len)",
                 "threads": self.threads, "versions": self._versions}
 
