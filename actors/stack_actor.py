@@ -26,6 +26,17 @@ class StackActor:
         self.backend = cls(cell, model_dir, threads)
         self.cell = cell
         self.warehouse = warehouse
+        self.rank = 0
+        self._load_outcome: Exception | bool = False  # False: not loaded; True: loaded; else load's error
+
+    def _loaded(self) -> None:
+        """Ray runs an actor's queued calls even after an earlier one raised. Every call after a
+        failed load raises the load's own exception, so the driver gets one outcome for the cell
+        whichever of its futures it takes first."""
+        if isinstance(self._load_outcome, Exception):
+            raise self._load_outcome
+        if self._load_outcome is not True:
+            raise RuntimeError(f"{self.cell['cell_id']}: called before load()")
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's address and a free port for torch.distributed's TCP store."""
@@ -42,6 +53,16 @@ class StackActor:
              *node_gpus: list[str]) -> dict[str, Any]:
         """dist: {rank, world_size} for one rank of a tp > 1 cell; rendezvous: rank 0's (address, port);
         node_gpus: every rank's gpu_ids(), in rank order (object refs, resolved by Ray)."""
+        try:
+            out = self._load(dist, rendezvous, node_gpus)
+        except Exception as e:
+            self._load_outcome = e
+            raise
+        self._load_outcome = True
+        return out
+
+    def _load(self, dist: dict[str, Any] | None, rendezvous: tuple[str, int] | None,
+              node_gpus: tuple[list[str], ...]) -> dict[str, Any]:
         t0 = time.perf_counter()
         if dist is not None:
             dist = {**dist, "master_addr": rendezvous[0], "master_port": rendezvous[1],
@@ -63,6 +84,7 @@ class StackActor:
         """Encode each text with the engine's own tokenizer and compare with the canonical ids."""
         from matrix.parity import diagnose, special_token_problems
 
+        self._loaded()
         special = self.backend.special_tokens()
         rows = []
         for prompt_id, text, canonical in prompts:
@@ -84,7 +106,8 @@ class StackActor:
 
         Under tensor parallelism every rank runs the same forwards (they are collective); only
         rank 0 writes rows."""
-        if getattr(self, "rank", 0) > 0:
+        self._loaded()
+        if self.rank > 0:
             for _, ids in prompts:
                 self.backend.forward(*fed_ids(ids, stride, self.cell.get("max_tokens")))
             return {"rows": 0, "rank": self.rank}

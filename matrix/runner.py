@@ -320,8 +320,10 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
             try:
                 result = ray.get(ready[0])
             except Exception as e:
+                # After a failed load every later call of the cell raises the load's own exception
+                # (StackActor._loaded), so a SkipCell from any of them is the load's outcome.
                 cause = getattr(e, "cause", None)
-                if kind not in ("load", "rank") or not isinstance(cause, SkipCell):
+                if not isinstance(cause, SkipCell):
                     raise
                 reason = str(cause).splitlines()[0]
                 log(f"[cells {cells_done + 1}/{len(spec.cells)}] {cid} skipped: {reason}")
@@ -367,7 +369,8 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
         status = "interrupted"
         raise
     except Exception as e:
-        run["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+        err = getattr(e, "cause", None) or e  # the actor's own exception, not Ray's wrapper
+        run["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]
         raise
     finally:
         for cid in list(actors):
