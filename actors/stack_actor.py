@@ -12,19 +12,20 @@ from typing import Any
 
 import ray
 
+from actors.capture import capture_shard, fed_ids
+from actors.fingerprint import fingerprint
 from backends import backend_class
-from matrix.capture import capture_shard, fed_ids
-from matrix.fingerprint import fingerprint
+from common.stack import StackDesc
 
 
 @ray.remote
 class StackActor:
-    def __init__(self, cell: dict[str, Any], model_dir: str, threads: int, warehouse: str):
-        cls = backend_class(cell["engine"])
+    def __init__(self, stack: StackDesc, model_dir: str, threads: int, warehouse: str):
+        cls = backend_class(stack.engine)
         if cls is None:
-            raise RuntimeError(f"no backend for engine {cell['engine']!r} on node {socket.gethostname()}")
-        self.backend = cls(cell, model_dir, threads)
-        self.cell = cell
+            raise RuntimeError(f"no backend for engine {stack.engine!r} on node {socket.gethostname()}")
+        self.backend = cls(stack, model_dir, threads)
+        self.stack = stack
         self.warehouse = warehouse
         self.rank = 0
         self._load_outcome: Exception | bool = False  # False: not loaded; True: loaded; else load's error
@@ -36,7 +37,7 @@ class StackActor:
         if isinstance(self._load_outcome, Exception):
             raise self._load_outcome
         if self._load_outcome is not True:
-            raise RuntimeError(f"{self.cell['cell_id']}: called before load()")
+            raise RuntimeError(f"{self.stack.cell_id}: called before load()")
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's address and a free port for torch.distributed's TCP store."""
@@ -82,7 +83,7 @@ class StackActor:
     def parity(self, prompts: list[tuple[str, str, list[int]]], reference: dict[str, Any],
                ref_vocab: int) -> dict[str, Any]:
         """Encode each text with the engine's own tokenizer and compare with the canonical ids."""
-        from matrix.parity import diagnose, special_token_problems
+        from actors.parity import diagnose, special_token_problems
 
         self._loaded()
         special = self.backend.special_tokens()
@@ -95,7 +96,7 @@ class StackActor:
             rows.append({"prompt_id": prompt_id, "match": v.match, "first_diff": v.first_diff,
                          "diagnosis": v.diagnosis, "n_canonical": len(canonical), "n_engine": len(ids),
                          "engine_ids_head": ids[:16],
-                         "checked_with": f"{self.cell['engine']} tokenizer, engine defaults"})
+                         "checked_with": f"{self.stack.engine} tokenizer, engine defaults"})
         problems = special_token_problems(reference, special)
         ok = all(r["match"] for r in rows) and not problems
         return {"status": "ok" if ok else "mismatch", "rows": rows, "special": special, "problems": problems}
@@ -109,10 +110,10 @@ class StackActor:
         self._loaded()
         if self.rank > 0:
             for _, ids in prompts:
-                self.backend.forward(*fed_ids(ids, stride, self.cell.get("max_tokens")))
+                self.backend.forward(*fed_ids(ids, stride, self.stack.max_tokens))
             return {"rows": 0, "rank": self.rank}
-        return capture_shard(self.backend, self.warehouse, run_id, self.cell["cell_id"], repeat,
-                             prompts, stride, self.cell.get("max_tokens"))
+        return capture_shard(self.backend, self.warehouse, run_id, self.stack.cell_id, repeat,
+                             prompts, stride, self.stack.max_tokens)
 
     def close(self) -> None:
         self.backend.close()

@@ -18,16 +18,15 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from analysis import metrics as M
-from matrix.errors import UserError
+from common.errors import UserError
 from store import Warehouse
 from store.warehouse import logits_matrix
 
@@ -51,12 +50,11 @@ class Shard:
 
 
 def read_shard(wh: Warehouse, cell_id: str, repeat: int) -> Shard:
-    path = wh.shard_path(cell_id, repeat)
-    t = pq.read_table(path, columns=["prompt_id", "position", "next_token_id", "logits"])
+    t = wh.read_shard(cell_id, repeat, ["prompt_id", "position", "next_token_id", "logits"])
     try:
         logits = logits_matrix(t.column("logits"))  # (rows, vocab)
     except ValueError as e:
-        raise UserError(f"{path}: {e} in one shard") from None
+        raise UserError(f"{wh.shard_path(cell_id, repeat)}: {e} in one shard") from None
     prompts, positions = t.column("prompt_id").to_pylist(), t.column("position").to_pylist()
     nxt = np.array([-1 if v is None else v for v in t.column("next_token_id").to_pylist()], dtype=np.int64)
     keys = {(p, q): i for i, (p, q) in enumerate(zip(prompts, positions))}
@@ -119,9 +117,92 @@ def analyze(warehouse: str, reference: str | None = None, ranges=DEFAULT_RANGES,
         return _analyze(wh, reference, ranges, centroid, log)
 
 
+@dataclass
+class Progress:
+    """Rows compared so far, of how many, since when (for the per-cell progress line)."""
+
+    total: int
+    done: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+
+    def rate(self) -> float:
+        return self.done / max(time.perf_counter() - self.t0, 1e-9)
+
+
+def _repeat_table(ref0: Shard, stk: Shard, c: dict, r: int, ref_id: str, ref_floor: float, summary: dict,
+                  log: Callable[[str], None]) -> pa.Table:
+    """The metrics rows of one repeat of one cell against the reference's repeat 0."""
+    _warn_nonfinite(log, c["cell_id"], r, stk)
+    m = compare(ref0, stk)
+    rows = m.pop("_rows")
+    if len(rows) < len(stk.positions):
+        k = next(k for k in zip(stk.prompt_ids, stk.positions) if k not in ref0.keys)
+        summary["unaligned_rows"][c["cell_id"]] = len(stk.positions) - len(rows)
+        log(f"{'NOTE' if len(rows) else 'WARNING'} cell {c['cell_id']} repeat {r}: "
+            f"{len(stk.positions) - len(rows)} of {len(stk.positions)} row(s) have no row of reference "
+            f"{ref_id} at the same (prompt, position), first {k}: left out"
+            + ("" if len(rows) else "; nothing to compare"))
+    nonfinite = m.pop("nonfinite")
+    bad = np.array([v is not None for v in nonfinite], dtype=bool)
+    summary["nonfinite_rows"] += int(bad.sum())
+    return pa.table({
+        "cell_id": [c["cell_id"]] * len(rows), "reference_cell_id": [ref_id] * len(rows),
+        "prompt_id": [stk.prompt_ids[j] for j in rows],
+        "position": pa.array([stk.positions[j] for j in rows], pa.int32()),
+        "repeat": pa.array([r] * len(rows), pa.int32()),
+        **{k: _nullable(v, bad) for k, v in m.items()},
+        # native values are stored exactly (0); an imported lossy format has its own floor
+        "storage_floor": pa.array(np.full(len(rows), ref_floor + _floor(c))),
+        "nonfinite": pa.array(list(nonfinite), pa.string()),
+    })
+
+
+def _reference_metrics(wh: Warehouse, model: str, group: list[dict], ref_id: str, by_id: dict, summary: dict,
+                       progress: Progress, log: Callable[[str], None]) -> dict[str, Shard]:
+    """metrics/<cell>.parquet for every cell of a model; returns each cell's repeat-0 shard."""
+    ref0 = read_shard(wh, ref_id, 0)
+    shards0 = {ref_id: ref0}
+    for i, c in enumerate(group, 1):
+        tables = []
+        for r in range(c["repeats"]):
+            stk = ref0 if (c["cell_id"] == ref_id and r == 0) else read_shard(wh, c["cell_id"], r)
+            if r == 0:
+                shards0[c["cell_id"]] = stk
+            tables.append(_repeat_table(ref0, stk, c, r, ref_id, _floor(by_id[ref_id]), summary, log))
+            progress.done += len(tables[-1])
+        if not any(len(t) for t in tables):
+            wh.remove_table("metrics", c["cell_id"])  # not a stale result from an earlier analysis
+            continue
+        wh.write_table("metrics", c["cell_id"], pa.concat_tables(tables))
+        log(f"[{model} {i}/{len(group)}] {c['cell_id']}: {sum(len(t) for t in tables)} rows "
+            f"| {progress.done}/{progress.total} rows | {progress.rate():.0f} rows/s")
+        summary["cells"] += 1
+    return shards0
+
+
+def _centroids(wh: Warehouse, model: str, group: list[dict], shards0: dict[str, Shard], ref_id: str,
+               centroid: str, summary: dict, log: Callable[[str], None]) -> None:
+    groups: dict[str, list[str]] = {}
+    for c in group:
+        groups.setdefault(c.get("centroid_group") or model, []).append(c["cell_id"])
+    for gname, ids in sorted(groups.items()):
+        cent, pair = centroid_tables({cid: shards0[cid] for cid in ids}, ref_id, centroid, gname)
+        name = model if gname == model else f"{model}.{gname}"
+        wh.write_table("centroid_metrics", name, cent)
+        wh.write_table("pairwise", name, pair)
+        log(f"[{model}] centroid group {gname}: {len(ids)} stack(s), {cent.num_rows} rows, {pair.num_rows} pair(s)")
+        summary["groups"] += 1
+
+
+def _write_ranges(wh: Warehouse, ranges) -> None:
+    edges = list(ranges)
+    labels = [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])] + [f"{edges[-1]}+"]
+    wh.write_table("metrics_ranges", "ranges", pa.table({
+        "lo": pa.array(edges, pa.int32()), "hi": pa.array(edges[1:] + [2**31 - 1], pa.int32()), "range": labels}))
+
+
 def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None, log: Callable[[str], None]) -> dict:
-    cells = wh.read_all("cells")
-    done = [c for c in cells if c["status"] == "done"]
+    done = [c for c in wh.read_all("cells") if c["status"] == "done"]
     if not done:
         raise UserError(f"{wh.root}: no captured cells to analyze (the warehouse has no logits)")
     by_id = {c["cell_id"]: c for c in done}
@@ -131,8 +212,7 @@ def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None,
         asked = {c.get("centroid") for c in done} - {None}
         centroid = asked.pop() if len(asked) == 1 else "mean_prob"
     log(f"metrics kernel: {M.kernel_mode()} (float64), torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
-    t0, rows_done = time.perf_counter(), 0
-    total = sum(c["repeats"] * (c["rows_per_repeat"] or 0) for c in done)
+    progress = Progress(sum(c["repeats"] * (c["rows_per_repeat"] or 0) for c in done))
     summary = {"cells": 0, "metric_rows": 0, "groups": 0, "nonfinite_rows": 0, "centroid": centroid,
                "unaligned_rows": {}}
     for model in sorted({c["model"] for c in done}):
@@ -142,64 +222,11 @@ def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None,
         if ref_id is None:
             log(f"{model}: no reference cell captured; skipping the reference metrics")
             continue
-        ref0 = read_shard(wh, ref_id, 0)
-        shards0 = {ref_id: ref0}
-        ref_floor = _floor(by_id[ref_id])
-        for i, c in enumerate(group, 1):
-            tables = []
-            for r in range(c["repeats"]):
-                stk = ref0 if (c["cell_id"] == ref_id and r == 0) else read_shard(wh, c["cell_id"], r)
-                if r == 0:
-                    shards0[c["cell_id"]] = stk
-                _warn_nonfinite(log, c["cell_id"], r, stk)
-                m = compare(ref0, stk)
-                rows = m.pop("_rows")
-                if len(rows) < len(stk.positions):
-                    k = next(k for k in zip(stk.prompt_ids, stk.positions) if k not in ref0.keys)
-                    summary["unaligned_rows"][c["cell_id"]] = len(stk.positions) - len(rows)
-                    log(f"{'NOTE' if len(rows) else 'WARNING'} cell {c['cell_id']} repeat {r}: "
-                        f"{len(stk.positions) - len(rows)} of {len(stk.positions)} row(s) have no row of reference "
-                        f"{ref_id} at the same (prompt, position), first {k}: left out"
-                        + ("" if len(rows) else "; nothing to compare"))
-                nonfinite = m.pop("nonfinite")
-                bad = np.array([v is not None for v in nonfinite], dtype=bool)
-                summary["nonfinite_rows"] += int(bad.sum())
-                tables.append(pa.table({
-                    "cell_id": [c["cell_id"]] * len(rows), "reference_cell_id": [ref_id] * len(rows),
-                    "prompt_id": [stk.prompt_ids[j] for j in rows],
-                    "position": pa.array([stk.positions[j] for j in rows], pa.int32()),
-                    "repeat": pa.array([r] * len(rows), pa.int32()),
-                    **{k: _nullable(v, bad) for k, v in m.items()},
-                    # native values are stored exactly (0); an imported lossy format has its own floor
-                    "storage_floor": pa.array(np.full(len(rows), ref_floor + _floor(c))),
-                    "nonfinite": pa.array(list(nonfinite), pa.string()),
-                }))
-                rows_done += len(rows)
-            if not any(len(t) for t in tables):
-                wh.remove_table("metrics", c["cell_id"])  # not a stale result from an earlier analysis
-                continue
-            wh.write_table("metrics", c["cell_id"], pa.concat_tables(tables))
-            rate = rows_done / max(time.perf_counter() - t0, 1e-9)
-            log(f"[{model} {i}/{len(group)}] {c['cell_id']}: {sum(len(t) for t in tables)} rows "
-                f"| {rows_done}/{total} rows | {rate:.0f} rows/s")
-            summary["cells"] += 1
-        groups: dict[str, list[str]] = {}
-        for c in group:
-            groups.setdefault(c.get("centroid_group") or model, []).append(c["cell_id"])
-        for gname, ids in sorted(groups.items()):
-            cent, pair = centroid_tables({cid: shards0[cid] for cid in ids}, ref_id, centroid, gname)
-            name = model if gname == model else f"{model}.{gname}"
-            wh.write_table("centroid_metrics", name, cent)
-            wh.write_table("pairwise", name, pair)
-            log(f"[{model}] centroid group {gname}: {len(ids)} stack(s), {cent.num_rows} rows, "
-                f"{pair.num_rows} pair(s)")
-            summary["groups"] += 1
-    edges = list(ranges)
-    labels = [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])] + [f"{edges[-1]}+"]
-    wh.write_table("metrics_ranges", "ranges", pa.table({
-        "lo": pa.array(edges, pa.int32()), "hi": pa.array(edges[1:] + [2**31 - 1], pa.int32()), "range": labels}))
-    summary["metric_rows"] = rows_done
-    summary["seconds"] = round(time.perf_counter() - t0, 2)
+        shards0 = _reference_metrics(wh, model, group, ref_id, by_id, summary, progress, log)
+        _centroids(wh, model, group, shards0, ref_id, centroid, summary, log)
+    _write_ranges(wh, ranges)
+    summary["metric_rows"] = progress.done
+    summary["seconds"] = round(time.perf_counter() - progress.t0, 2)
     return summary
 
 
@@ -260,6 +287,12 @@ def centroid_tables(shards: dict[str, Shard], ref_id: str, how: str,
     n = len(cols["cell_id"])
     cent = pa.table({**cols, "centroid": [how] * n, "is_reference": [c == ref_id for c in cols["cell_id"]],
                      "centroid_group": [group] * n})
+    return cent, pairwise_table(shards)
+
+
+def pairwise_table(shards: dict[str, Shard]) -> pa.Table:
+    """Mean JS and top-1 agreement of every pair of stacks, over the rows both have (finite)."""
+    ids = sorted(shards)
     pairs = {k: [] for k in ("cell_a", "cell_b", "rows", "mean_js", "top1_agreement")}
     for a, b in itertools.combinations(ids, 2):
         sa, sb = shards[a], shards[b]
@@ -275,4 +308,4 @@ def centroid_tables(shards: dict[str, Shard], ref_id: str, how: str,
         pairs["rows"].append(len(both))
         pairs["mean_js"].append(float(np.concatenate(jsv).mean()) if both else None)
         pairs["top1_agreement"].append(float(np.concatenate(top1).mean()) if both else None)
-    return cent, pa.table(pairs)
+    return pa.table(pairs)

@@ -2,7 +2,7 @@
 
 A KLD is meaningless without its reference checkpoint, both runtimes, the evaluation text,
 calibration data, context lengths, sampled positions, KL direction, vocabulary truncation,
-aggregation, storage floor and reproducibility (seeds/004). Every field is read from the
+aggregation, storage floor and reproducibility (004_8a541a91d0de6ac9.txt). Every field is read from the
 warehouse; one that is unknown fails the card (naming the field) unless the caller allows
 it to be printed as "undisclosed".
 """
@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from analysis.sql import connect
-from matrix.errors import UserError
+from common.errors import UserError
 
 UNDISCLOSED = "undisclosed"
 
@@ -89,7 +89,8 @@ def _runtime(cell: dict) -> dict[str, Any]:
     }
 
 
-def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False) -> dict:
+def _query(warehouse: str, cell_id: str) -> tuple[dict, dict, dict, list, list, dict]:
+    """-> (cell, its reference, its summary row, ranges, prompts, sampled positions)."""
     con = connect(warehouse)
     try:
         cells = {c["cell_id"]: c for c in _rows(con, "SELECT * FROM cells")}
@@ -112,7 +113,10 @@ def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False) ->
                             FROM metrics WHERE cell_id = ? AND repeat = 0""", [cell_id])[0]
     finally:
         con.close()
+    return cell, ref, s, ranges, prompts, pos
 
+
+def _disclosure(cell: dict, ref: dict, s: dict, prompts: list, pos: dict) -> dict:
     ctx = sorted(p["n_tokens"] for p in prompts)
     cats: dict[str, int] = {}
     for p in prompts:
@@ -121,13 +125,7 @@ def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False) ->
     vocab, evocab = cell.get("vocab_size"), cell.get("engine_vocab_size")
     trunc = (f"none: all {evocab} logits per row compared" if evocab == vocab or evocab is None
              else f"none: the engine's {evocab} logits per row (tokenizer {vocab}) compared in full")
-    numbers = {
-        "kld_mean": s["kld_mean"], "kld_stderr": s["kld_stderr"], "kld_median": s["kld_median"],
-        "kld_p99": s["kld_p99"], "kld_max": s["kld_max"], "kld_reverse_mean": s["kld_reverse_mean"],
-        "js_mean": s["js_mean"], "top1_agreement": s["top1_agreement"], "rows": s["rows"],
-        "nonfinite_rows": s["nonfinite_rows"], "below_resolution": s["below_resolution"],
-    }
-    disclosure = {
+    return {
         "reference_checkpoint": {"identity": ref.get("model_identity"), "weights_sha256": ref.get("weights_sha256"),
                                  # a GGUF-sourced checkpoint also names the file it was dequantised from
                                  "source": ref.get("model_source"),
@@ -152,6 +150,16 @@ def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False) ->
         "bit_reproducible": {"candidate": cell.get("bit_reproducible"), "reference": ref.get("bit_reproducible"),
                              "repeats": cell.get("repeats")},
     }
+
+
+NUMBERS = ("kld_mean", "kld_stderr", "kld_median", "kld_p99", "kld_max", "kld_reverse_mean", "js_mean",
+           "top1_agreement", "rows", "nonfinite_rows", "below_resolution")
+
+
+def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False) -> dict:
+    cell, ref, s, ranges, prompts, pos = _query(warehouse, cell_id)
+    numbers = {k: s[k] for k in NUMBERS}
+    disclosure = _disclosure(cell, ref, s, prompts, pos)
     missing = sorted(_unknown(disclosure))
     if missing and not allow_undisclosed:
         raise UserError(f"card: {missing[0]} is unknown for cell {cell_id}"

@@ -6,8 +6,8 @@
     dtypes: {q8_0: 8bit, ...}        # optional: which class a cell dtype belongs to
 
 Any NaN/Inf row rejects, always (it is not a threshold). An isolated KL spike rejects
-through max_kld (seeds/000); cosine and the norm ratio are two gates because cosine is
-blind to a dropped scale factor (seeds/003).
+through max_kld (000_d5fbcc845b899b80.txt); cosine and the norm ratio are two gates because cosine is
+blind to a dropped scale factor (003_0a72f8c17495d068.txt).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from matrix.errors import UserError, read_yaml_file
+from common.errors import UserError, read_yaml_file
 
 # gate -> (metric it reads, comparison, description)
 GATES = {

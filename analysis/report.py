@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from analysis.sql import connect
+from common.output import table
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173"]
@@ -50,8 +51,6 @@ def _fmt(v, digits=4):
 
 
 def terminal_table(data: dict) -> str:
-    from matrix.cli import table
-
     cols = ["cell", "rows", "kld mean", "kld p99", "top-1", "JS", "to centroid", "rank", "bit-repro", "note"]
     body = []
     for c in data["cells"]:
@@ -62,11 +61,6 @@ def terminal_table(data: dict) -> str:
                      _fmt(c["top1_agreement"]), _fmt(c["js_mean"]), _fmt(c["kld_centroid_stack"]),
                      c["rank_closest"], _fmt(c["bit_reproducible"]), note])
     return table(cols, body)
-
-
-def _short(cell_id: str) -> str:
-    parts = cell_id.split("-")[0].split(".")
-    return ".".join(parts[1:4]) if len(parts) >= 4 else cell_id
 
 
 def svg_lines(curves: list[dict], w=760, h=320) -> str:

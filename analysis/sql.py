@@ -5,7 +5,7 @@ from __future__ import annotations
 import duckdb
 import pyarrow as pa
 
-from matrix.errors import UserError
+from common.errors import UserError
 from store import TABLES, Warehouse
 from store.warehouse import logits_matrix
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from backends.base import Backend
-    from matrix.spec import Cell
+    from common.stack import Cell
 
 BUILTIN = {
     "hf": "backends.hf_backend:HFBackend",

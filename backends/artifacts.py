@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from matrix.models import cache_root, sha256_file
+from common.files import cache_root, sha256_file
 
 
 def artifact_dir(kind: str, recipe: dict[str, Any]) -> Path:

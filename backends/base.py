@@ -19,6 +19,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from common.stack import StackDesc
+
 
 def sampled_positions(n_tokens: int, stride: int) -> list[int]:
     """Every stride-th position from 0, and always the last one."""
@@ -42,11 +44,13 @@ class Backend:
     max_tp: ClassVar[int] = 1
     # Spec options (matrix.spec.OPTION_KEYS) this engine takes, e.g. kv_cache.
     options: ClassVar[frozenset[str]] = frozenset()
-    # Native logits dtype per cell dtype: what the warehouse stores losslessly.
-    logits_dtype: ClassVar[dict[str, str]] = {}
+    # How a tp > 1 cell is started (matrix/launch.py): "ranks", one actor per rank that joins a
+    # torch.distributed group; "engine", one actor holding all the cell's devices, whose engine
+    # starts its own tp workers.
+    tp_workers: ClassVar[str] = "ranks"
 
-    def __init__(self, cell: dict[str, Any], model_dir: str, threads: int):
-        self.cell = cell
+    def __init__(self, stack: StackDesc, model_dir: str, threads: int):
+        self.stack = stack
         self.model_dir = model_dir
         self.threads = threads
         # Tensor parallel: {rank, world_size, master_addr, master_port} when this process is one
@@ -58,6 +62,11 @@ class Backend:
         """True: the engine starts its own Ray workers, into the placement group the runner makes
         for the cell (its actor sits in bundle 0 and captures child tasks)."""
         return False
+
+    @classmethod
+    def runtime_env(cls, stack: StackDesc, threads: int) -> dict[str, Any] | None:
+        """A Ray runtime_env for the cell's actor (e.g. another interpreter), or None for the driver's."""
+        return None
 
     @classmethod
     def unsupported(cls, cell) -> str | None:

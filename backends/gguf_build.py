@@ -21,8 +21,8 @@ from typing import Any
 
 from backends.artifacts import ensure, locked
 from backends.base import SkipCell
-from matrix.errors import UserError
-from matrix.models import cache_root, check_gguf, pip_download
+from common.errors import UserError
+from common.files import cache_root, check_gguf, pip_download
 
 FLOAT_TYPES = {"fp32": "f32", "f16": "f16", "bf16": "bf16"}
 # dtype -> llama_ftype name (llama.h)
@@ -125,7 +125,7 @@ def build_for(dtype: str, hf_dir: str, weights_sha256: str | None, threads: int,
               original: str | None = None, original_quant: str | None = None) -> dict[str, Any]:
     """The GGUF for a cell dtype. A catalog model's own file serves its own quant type."""
     if original and original_quant == dtype:
-        from matrix.models import sha256_file
+        from common.files import sha256_file
 
         check_gguf(original)
         return {"path": original, "sha256": sha256_file(Path(original)),

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend
-from matrix.errors import OracleError
+from common.errors import OracleError
 
 GPU_DEVICES = frozenset({"cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm"})
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -35,7 +35,6 @@ class HFBackend(Backend):
     attention = frozenset({"eager", "sdpa", "flash_attention_2"})
     devices = frozenset({"cpu"}) | GPU_DEVICES
     max_tp = 8  # tensor parallel through torch.distributed: gloo on CPU, NCCL on GPU
-    logits_dtype = dict(zip(TORCH_DTYPES, TORCH_DTYPES))  # HF returns logits in the weights' dtype
 
     @classmethod
     def unsupported(cls, cell) -> str | None:
@@ -51,12 +50,12 @@ class HFBackend(Backend):
         self._torch = torch
         transformers.utils.logging.disable_progress_bar()  # one stack loads in seconds; bars only clutter logs
         torch.set_num_threads(self.threads)
-        self.torch_device = "cpu" if self.cell["device"] == "cpu" else "cuda"
-        dtype = getattr(torch, TORCH_DTYPES[self.cell["dtype"]])
+        self.torch_device = "cpu" if self.stack.device == "cpu" else "cuda"
+        dtype = getattr(torch, TORCH_DTYPES[self.stack.dtype])
         tp_kw = self._init_tp(torch, transformers) if self.dist else {}
         # Load with dtype= (not .to()): .to(bf16) would also cast the rotary inv_freq buffer.
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=dtype, attn_implementation=self.cell["attention"],
+            self.model_dir, dtype=dtype, attn_implementation=self.stack.attention,
             output_loading_info=True, **tp_kw)
         problems = []
         for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
@@ -112,7 +111,7 @@ class HFBackend(Backend):
 
         cfg = self.model.config
         return {
-            "dtype": self.cell["dtype"],
+            "dtype": self.stack.dtype,
             "torch_dtype": str(next(self.model.parameters()).dtype),
             "attention": cfg._attn_implementation,
             "threads": torch.get_num_threads(),
@@ -171,7 +170,7 @@ class HFBackend(Backend):
 def verify_against_checkpoint(model, model_dir: str) -> None:
     """Every parameter must equal the checkpoint tensor (cast to the load dtype).
 
-    Catches the failure seed 002 describes: a loader that reports success while
+    Catches the failure 002_df4bbf58123a44b3.txt describes: a loader that reports success while
     some weights were randomly initialised. Tied weights may be absent from the file.
     """
     files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []

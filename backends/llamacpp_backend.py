@@ -2,7 +2,7 @@
 
 One teacher-forced evaluation of the canonical ids per prompt, in a fresh
 context (no prompt-cache reuse: reusing a cached prefix changes the
-arithmetic, seed 000). Only the sampled positions ask for logits, so the LM
+arithmetic, 000_d5fbcc845b899b80.txt). Only the sampled positions ask for logits, so the LM
 head runs on those rows alone:
 
     ids       t0  t1 ... t31 | t32 ... (chunks of n_batch; llama.cpp splits each into n_ubatch)
@@ -50,7 +50,7 @@ def load_vocab(path: str):
     mp.vocab_only = True
     model = lc.llama_model_load_from_file(path.encode(), mp)
     if not model:
-        from matrix.errors import UserError
+        from common.errors import UserError
 
         raise UserError(f"{path}: llama.cpp could not load this GGUF")
     return model, lc.llama_model_get_vocab(model)
@@ -80,8 +80,6 @@ class LlamaCppBackend(Backend):
     devices = frozenset({"cpu", "cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm",
                          "apple-m1", "apple-m2", "apple-m3", "apple-m4", "mps"})
     options = frozenset({"kv_cache", "n_batch", "n_ubatch"})
-    logits_dtype = {d: "fp32" for d in dtypes}
-    has_own_tokenizer = True
 
     def load(self) -> None:
         import llama_cpp
@@ -89,21 +87,20 @@ class LlamaCppBackend(Backend):
         from backends import gguf_build
 
         self._lc = lc = llama_cpp
-        opts = {**DEFAULTS, **(self.cell.get("options") or {})}
+        opts = {**DEFAULTS, **(self.stack.opts)}
         self.n_batch, self.n_ubatch, self.kv_cache = opts["n_batch"], opts["n_ubatch"], opts["kv_cache"]
-        src = self.cell.get("source") or {}
         self.artifact = gguf_build.build_for(
-            self.cell["dtype"], self.model_dir, self.cell.get("weights_sha256"), self.threads,
-            original=src.get("gguf"), original_quant=src.get("quant"))
+            self.stack.dtype, self.model_dir, self.stack.weights_sha256, self.threads,
+            original=self.stack.source_gguf, original_quant=self.stack.source_quant)
         quiet_logs()
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
-        mp.n_gpu_layers = 0 if self.cell["device"] == "cpu" else 999
+        mp.n_gpu_layers = 0 if self.stack.device == "cpu" else 999
         # The AMX extra buffer types segfaulted on Q8_0/Q4_K_M on the dev VMs; the plain CPU path is used.
         mp.use_extra_bufts = False
         self.model = lc.llama_model_load_from_file(self.artifact["path"].encode(), mp)
         if not self.model:
-            from matrix.errors import UserError
+            from common.errors import UserError
 
             raise UserError(f"{self.artifact['path']}: llama.cpp could not load this GGUF")
         self.vocab = lc.llama_model_get_vocab(self.model)
@@ -116,18 +113,18 @@ class LlamaCppBackend(Backend):
     def _flash(self) -> int:
         lc = self._lc
         return {"default": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "flash_attn": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-                "eager": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}[self.cell["attention"]]
+                "eager": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}[self.stack.attention]
 
     def settings(self) -> dict[str, Any]:
         import llama_cpp
 
         info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
         return {
-            "dtype": self.cell["dtype"], "gguf_tensor_types": self.tensor_types,
+            "dtype": self.stack.dtype, "gguf_tensor_types": self.tensor_types,
             "n_batch": self.n_batch, "n_ubatch": self.n_ubatch, "kv_cache": self.kv_cache,
-            "n_ctx": "prompt length", "flash_attn": self.cell["attention"], "threads": self.threads,
+            "n_ctx": "prompt length", "flash_attn": self.stack.attention, "threads": self.threads,
             "fresh_context_per_prompt": True, "use_extra_bufts": False,
-            "n_gpu_layers": 0 if self.cell["device"] == "cpu" else 999,
+            "n_gpu_layers": 0 if self.stack.device == "cpu" else 999,
             "system_info": info, "machine": platform.machine(),
             "artifact": self.artifact,
             "versions": {"llama_cpp_python": llama_cpp.__version__, "numpy": np.__version__},

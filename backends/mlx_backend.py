@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend
-from matrix.errors import OracleError, UserError
+from common.errors import OracleError, UserError
 
 # dtype -> (weights dtype for mlx_lm.convert, quantisation bits or None). Group size 64, affine.
 MLX_DTYPES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "f16": ("float16", None),
@@ -70,17 +70,15 @@ class MLXBackend(Backend):
     dtypes = frozenset(MLX_DTYPES)
     attention = frozenset({"default"})
     devices = frozenset({"cpu", "apple-m1", "apple-m2", "apple-m3", "apple-m4", "mps"})
-    logits_dtype = {"fp32": "fp32", "bf16": "bf16", "f16": "f16", "q8_g64": "bf16", "q4_g64": "bf16"}
-    has_own_tokenizer = True
 
     def load(self) -> None:
         import mlx.core as mx
         from mlx_lm import load
 
         self._mx = mx
-        if self.cell["device"] == "cpu":
+        if self.stack.device == "cpu":
             mx.set_default_device(mx.cpu)
-        self.artifact = convert(self.model_dir, self.cell.get("weights_sha256"), self.cell["dtype"])
+        self.artifact = convert(self.model_dir, self.stack.weights_sha256, self.stack.dtype)
         self.model, self.tokenizer = load(self.artifact["path"])
         self._check_rope()
         cfg = json.loads((Path(self.artifact["path"]) / "config.json").read_text())
@@ -103,8 +101,8 @@ class MLXBackend(Backend):
         import mlx_lm
 
         return {
-            "dtype": self.cell["dtype"], "weights_dtype": MLX_DTYPES[self.cell["dtype"]][0],
-            "q_bits": MLX_DTYPES[self.cell["dtype"]][1], "q_group_size": GROUP_SIZE,
+            "dtype": self.stack.dtype, "weights_dtype": MLX_DTYPES[self.stack.dtype][0],
+            "q_bits": MLX_DTYPES[self.stack.dtype][1], "q_group_size": GROUP_SIZE,
             "device": str(mx.default_device()), "rope_theta": getattr(self.model.args, "rope_theta", None),
             "threads": self.threads, "machine": platform.machine(), "artifact": self.artifact,
             "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "numpy": np.__version__},

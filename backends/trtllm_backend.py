@@ -20,29 +20,30 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend
+from common.stack import StackDesc
 
 TRT_DTYPES = {"bf16": "bfloat16", "f16": "float16", "fp32": "float32", "fp8": "bfloat16", "nvfp4": "bfloat16"}
 QUANT_ALGOS = {"fp8": "FP8", "nvfp4": "NVFP4"}  # tensorrt_llm.llmapi.QuantAlgo members
 ATTN_BACKENDS = {"default": "TRTLLM", "flashinfer": "FLASHINFER", "eager": "VANILLA"}  # PyTorch-backend attn_backend
 
 
-def llm_kwargs(cell: dict[str, Any], model_dir: str, max_seq_len: int) -> dict[str, Any]:
+def llm_kwargs(stack: StackDesc, model_dir: str, max_seq_len: int) -> dict[str, Any]:
     """Arguments for tensorrt_llm.LLM, as plain data (recorded verbatim in the cell's settings)."""
-    engine_backend = cell.get("options", {}).get("trt_backend", "pytorch")
+    engine_backend = stack.opts.get("trt_backend", "pytorch")
     kw: dict[str, Any] = {
-        "model": model_dir, "backend": engine_backend, "dtype": TRT_DTYPES[cell["dtype"]],
-        "tensor_parallel_size": int(cell.get("tp") or 1), "max_batch_size": 1,
+        "model": model_dir, "backend": engine_backend, "dtype": TRT_DTYPES[stack.dtype],
+        "tensor_parallel_size": stack.tp, "max_batch_size": 1,
         "max_seq_len": max_seq_len, "max_num_tokens": max_seq_len,
         "kv_cache_config": {"enable_block_reuse": False},  # reuse would drop the shared prefix's logits
         "enable_chunked_prefill": False,  # one prefill per prompt: chunking changes the arithmetic
     }
-    if cell["dtype"] in QUANT_ALGOS:
-        kw["quant_config"] = {"quant_algo": QUANT_ALGOS[cell["dtype"]]}
+    if stack.dtype in QUANT_ALGOS:
+        kw["quant_config"] = {"quant_algo": QUANT_ALGOS[stack.dtype]}
     if engine_backend == "tensorrt":
         kw["build_config"] = {"gather_context_logits": True, "max_seq_len": max_seq_len,
                               "max_batch_size": 1, "max_num_tokens": max_seq_len}
     else:
-        kw["attn_backend"] = ATTN_BACKENDS[cell["attention"]]
+        kw["attn_backend"] = ATTN_BACKENDS[stack.attention]
     return kw
 
 
@@ -76,7 +77,6 @@ class TrtllmBackend(Backend):
     devices = frozenset({"cuda", "h100", "h200", "b200", "sm120"})
     max_tp = 8
     options = frozenset({"trt_backend"})  # pytorch (default) | tensorrt (engine build)
-    logits_dtype = {d: "float32" for d in TRT_DTYPES}  # context logits come back as float32
 
     MAX_SEQ_LEN = 8192
 
@@ -85,7 +85,7 @@ class TrtllmBackend(Backend):
         from tensorrt_llm import LLM, SamplingParams
         from tensorrt_llm.llmapi import BuildConfig, KvCacheConfig, QuantAlgo, QuantConfig
 
-        self._kw = llm_kwargs(self.cell, self.model_dir, self.MAX_SEQ_LEN)
+        self._kw = llm_kwargs(self.stack, self.model_dir, self.MAX_SEQ_LEN)
         kw = dict(self._kw)
         kw["kv_cache_config"] = KvCacheConfig(**kw["kv_cache_config"])
         if "build_config" in kw:
@@ -108,7 +108,7 @@ class TrtllmBackend(Backend):
     def settings(self) -> dict[str, Any]:
         import torch
 
-        return {"dtype": self.cell["dtype"], "attention": self.cell["attention"], "llm_args": self._kw,
+        return {"dtype": self.stack.dtype, "attention": self.stack.attention, "llm_args": self._kw,
                 "sampling": sampling_kwargs(), "gpu": torch.cuda.get_device_name(0),
                 "versions": {"tensorrt_llm": self._version, "torch": torch.__version__}}
 

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from backends.base import Backend
+from common.stack import StackDesc
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
 ATTENTION = {"default": None, "flash_attn": "FLASH_ATTN", "flashinfer": "FLASHINFER",
@@ -62,22 +63,22 @@ def executor(options: dict[str, Any] | None) -> str:
     return (options or {}).get("vllm_executor", "mp")
 
 
-def engine_kwargs(cell: dict[str, Any], model_dir: str, max_len: int, threads: int) -> dict[str, Any]:
+def engine_kwargs(stack: StackDesc, model_dir: str, max_len: int, threads: int) -> dict[str, Any]:
     """Arguments for vllm.LLM, as plain data (recorded in the cell's settings)."""
     kw: dict[str, Any] = {
-        "model": model_dir, "dtype": VLLM_DTYPES[cell["dtype"]], "seed": 0,
-        "tensor_parallel_size": int(cell.get("tp") or 1),
+        "model": model_dir, "dtype": VLLM_DTYPES[stack.dtype], "seed": 0,
+        "tensor_parallel_size": stack.tp,
         "enable_prefix_caching": False,  # a cached prefix would not be recomputed
         "max_model_len": max_len, "max_num_batched_tokens": max_len,  # the whole prompt in one prefill chunk
         "max_num_seqs": 1, "enforce_eager": True,
         "compilation_config": {"mode": 0},  # no torch.compile: the norm hook must see the real forward
     }
-    if executor(cell.get("options")) == "ray":
+    if executor(stack.opts) == "ray":
         kw["distributed_executor_backend"] = "ray"  # into the group the runner made (see module doc)
     elif kw["tensor_parallel_size"] > 1:
         kw["distributed_executor_backend"] = "mp"
-    if ATTENTION[cell["attention"]]:
-        kw["attention_backend"] = ATTENTION[cell["attention"]]
+    if ATTENTION[stack.attention]:
+        kw["attention_backend"] = ATTENTION[stack.attention]
     return kw
 
 
@@ -105,17 +106,17 @@ def prefill_logits(model, n_tokens: int, positions: list[int]):
     return model.compute_logits(prefill[0][keep]).detach().cpu()
 
 
-def worker_env(cell: dict[str, Any], threads: int) -> dict[str, str]:
+def worker_env(stack: StackDesc, threads: int) -> dict[str, str]:
     """The environment the cell's actor (and through it vLLM's workers) gets: an explicit list."""
     # In-process engine core: the hook and the captured states live in this actor's process;
     # apply_model sends the two functions above to every rank, which needs pickle over vLLM's RPC.
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    if cell["device"] == "cpu":  # CPU-platform knobs only where they mean something
+    if stack.device == "cpu":  # CPU-platform knobs only where they mean something
         env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads),
                     "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
-    if executor(cell.get("options")) == "ray":
+    if executor(stack.opts) == "ray":
         # one device per worker, worker i in bundle i of our group (not "the first bundles with a GPU")
-        tp = int(cell.get("tp") or 1)
+        tp = stack.tp
         env.update({"VLLM_RAY_PER_WORKER_GPUS": "1", "VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, range(tp)))})
     return env
 
@@ -143,9 +144,7 @@ class VLLMBackend(Backend):
     attention = frozenset(ATTENTION)
     devices = frozenset({"cpu", "cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm"})
     max_tp = 8
-    logits_dtype = dict(zip(VLLM_DTYPES, VLLM_DTYPES))
-    separate_python: ClassVar[bool] = True  # runs under vllm_python(), not the driver's interpreter
-    own_workers: ClassVar[bool] = True  # tp ranks are the engine's processes: one actor holds all their devices
+    tp_workers = "engine"  # tp ranks are vLLM's own processes; runtime_env runs it under vllm_python()
     options = frozenset({"vllm_executor"})
 
     @classmethod
@@ -165,19 +164,19 @@ class VLLMBackend(Backend):
         return reason
 
     @classmethod
-    def runtime_env(cls, cell: dict[str, Any], threads: int) -> dict[str, Any]:
+    def runtime_env(cls, stack: StackDesc, threads: int) -> dict[str, Any]:
         """Ray runtime_env for the cell's actor (the runner passes it through; no ray import here)."""
-        return {"py_executable": vllm_python(), "env_vars": worker_env(cell, threads)}
+        return {"py_executable": vllm_python(), "env_vars": worker_env(stack, threads)}
 
     def load(self) -> None:
-        os.environ.update(worker_env(self.cell, self.threads))
+        os.environ.update(worker_env(self.stack, self.threads))
         import torch
         import vllm
         from vllm import LLM
 
         torch.set_num_threads(self.threads)
-        self._kw = engine_kwargs(self.cell, self.model_dir, MAX_MODEL_LEN, self.threads)
-        self._held_back = keep_back(dict(os.environ)) if executor(self.cell.get("options")) == "ray" else []
+        self._kw = engine_kwargs(self.stack, self.model_dir, MAX_MODEL_LEN, self.threads)
+        self._held_back = keep_back(dict(os.environ)) if executor(self.stack.opts) == "ray" else []
         self._llm = LLM(**self._kw)
         self._llm.apply_model(install_norm_hook)
         self._vocab = int(self._llm.llm_engine.model_config.get_vocab_size())
@@ -210,9 +209,9 @@ class VLLMBackend(Backend):
         return {"bos": t.bos_token_id, "eos": t.eos_token_id, "add_bos": bool(getattr(t, "add_bos_token", False))}
 
     def settings(self) -> dict[str, Any]:
-        return {"dtype": self.cell["dtype"], "attention": self.cell["attention"], "engine_args": self._kw,
+        return {"dtype": self.stack.dtype, "attention": self.stack.attention, "engine_args": self._kw,
                 "logits_path": "forward hook on model.model.norm + model.compute_logits (no prompt_logprobs dicts)",
-                "executor": executor(self.cell.get("options")), "env_held_back_from_workers": self._held_back,
+                "executor": executor(self.stack.opts), "env_held_back_from_workers": self._held_back,
                 "prefix_caching": False, "chunked_prefill": "one chunk (max_num_batched_tokens = max_model_len)",
                 "threads": self.threads, "versions": self._versions}
 

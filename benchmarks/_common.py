@@ -24,8 +24,9 @@ def model_and_prompts(model: str = "smollm2-135m"):
 
 def load_backend(model_dir: str, dtype: str, attention: str):
     from backends.hf_backend import HFBackend
+    from common.stack import StackDesc
 
-    be = HFBackend({"dtype": dtype, "attention": attention, "device": "cpu"}, model_dir,
+    be = HFBackend(StackDesc("hf", dtype, attention), model_dir,
                    int(os.environ.get("THREADS", os.cpu_count() or 1)))
     be.load()
     return be

@@ -25,8 +25,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--stride", type=int, default=32)
     args = ap.parse_args()
+    from actors.capture import capture_shard
     from backends.base import sampled_positions
-    from matrix.capture import capture_shard
 
     resolved, prompts = model_and_prompts()
     be = load_backend(resolved.hf_dir, args.dtype, args.attention)

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 from _common import load_backend, model_and_prompts
 
 TARGET_BF16 = 1.3
@@ -45,8 +44,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stride", type=int, default=32)
     args = ap.parse_args()
+    from actors.capture import capture_shard
     from backends.base import sampled_positions
-    from matrix.capture import capture_shard
 
     resolved, prompts = model_and_prompts()
     print(f"corpus: built-in, {len(prompts)} prompts, {sum(len(i) for _, i in prompts)} tokens, "

@@ -5,32 +5,18 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import signal
 import sys
-from typing import Any
 
+from common.errors import UserError
+from common.output import emit_json, log, table
 from matrix.corpus import CONFIGS
-from matrix.errors import UserError
 
 DEFAULT_SPEC = CONFIGS / "smoke.yaml"
 
 
-def table(cols: list[str], rows: list[list[Any]]) -> str:
-    cells = [[("" if v is None else str(v)) for v in r] for r in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*cols), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*r) for r in cells]
-    return "\n".join(lines)
-
-
-def emit_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=1, default=str))
-
-
 def cmd_cells(args) -> int:
-    from matrix.spec import load_spec
+    from matrix.cells import load_spec
 
     spec = load_spec(args.spec)
     cells = [{**c.axes(), "threads": c.threads, "options": c.opts, "max_tokens": c.max_tokens, "cell_id": c.cell_id,
@@ -38,37 +24,37 @@ def cmd_cells(args) -> int:
     nodes = _known_nodes(args.address, args.cluster_config)
     placed = None
     if nodes is not None:
-        from matrix import placement, runner
+        from matrix import placement
 
-        placed = {c.cell_id: placement.where(c.device, c.tp, runner.cell_threads(c, nodes), nodes) for c in spec.cells}
+        placed = {c.cell_id: placement.where(c.device, c.tp, placement.cell_threads(c, nodes), nodes) for c in spec.cells}
     for c in cells:
         if placed:
-            c["placement"] = placed[c["cell_id"]]
+            c["placement"] = str(placed[c["cell_id"]])
     if args.json:
         emit_json({"spec": str(spec.path), "cells": cells, "skipped": spec.skipped,
                    "stride": spec.stride, "repeats": spec.repeats, "corpus": spec.corpus})
     else:
         cols = ["cell_id", "reference"] + (["placement"] if placed else [])
         print(table(cols, [[c["cell_id"], "yes" if c["reference"] else ""]
-                           + ([c["placement"].split(" (looked for")[0]] if placed else []) for c in cells]))
+                           + ([placed[c["cell_id"]].brief()] if placed else []) for c in cells]))
         if spec.skipped:
             print(f"\nskipped ({len(spec.skipped)}):")
             print(table(["combination", "reason"], [[s["cell_id"], s["reason"]] for s in spec.skipped]))
         print(f"\n{len(cells)} cell(s), {len(spec.skipped)} skipped; stride {spec.stride}, repeats {spec.repeats}")
     if nodes is not None:
-        runner.check_placement(spec.cells, nodes, lambda msg: None)  # the same exit 2 as `matrix run`
+        placement.check_placement(spec.cells, nodes, lambda msg: None)  # the same exit 2 as `matrix run`
     return 0
 
 
 def _known_nodes(address: str | None, cluster_config: str | None) -> list | None:
     """Live nodes of --address plus the node types of the launcher config; None: neither given."""
-    from matrix import placement, runner
+    from matrix import cluster, placement
 
     if not address and not cluster_config:
         return None
     live = []
     if address:
-        ray = runner.init_ray(address)
+        ray = cluster.init_ray(address)
         try:
             live = placement.cluster_nodes()
         finally:
@@ -91,7 +77,7 @@ def cmd_models(args) -> int:
 
     if args.name not in models.CATALOG:
         raise UserError(f"models fetch: unknown catalog model {args.name!r} (known: {', '.join(models.CATALOG)})")
-    resolved = models.fetch(ModelRef(args.name, "catalog", args.name), log=_log)
+    resolved = models.fetch(ModelRef(args.name, "catalog", args.name), log=log)
     if args.action == "cut":
         from pathlib import Path
 
@@ -116,13 +102,9 @@ def cmd_models(args) -> int:
     return 0
 
 
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def cmd_run(args) -> int:
-    from matrix import placement, runner
-    from matrix.spec import load_spec
+    from matrix import cluster, placement, runner
+    from matrix.cells import load_spec
     from store import Warehouse
 
     spec = load_spec(args.spec)
@@ -131,28 +113,28 @@ def cmd_run(args) -> int:
     wh = Warehouse(args.warehouse)
     wh.check()  # an incompatible warehouse fails here, before anything is written
     for s in spec.skipped:
-        _log(f"skipping {s['cell_id']}: {s['reason']}")
-    plan = runner.prepare(spec, wh, _log)
+        log(f"skipping {s['cell_id']}: {s['reason']}")
+    plan = runner.prepare(spec, wh, log)
     summary = None
     if plan.todo or plan.complete:
         wh.create()
         with wh.lock():
-            wh.migrate(_log)
+            wh.migrate(log)
             runner.find_todo(plan, wh)  # another run may have finished cells meanwhile
-            runner.regroup_complete_cells(plan, wh, _log)
+            runner.regroup_complete_cells(plan, wh, log)
             if plan.todo:
-                ray = runner.init_ray(args.address)
+                ray = cluster.init_ray(args.address)
                 try:
-                    summary = runner.execute(plan, wh, sys.argv, args.address, _log, args.cluster_config
+                    summary = runner.execute(plan, wh, sys.argv, args.address, log, args.cluster_config
                                              or placement.default_cluster_config(args.address))
                 finally:
                     ray.shutdown()
-                _log(f"run {summary['run_id']}: {summary['cells_done']}/{summary['cells_total']} cells complete, "
+                log(f"run {summary['run_id']}: {summary['cells_done']}/{summary['cells_total']} cells complete, "
                      f"{summary['rows_written']} rows in {summary['seconds']}s ({summary['rows_per_second']} rows/s)")
     if summary is None:
         summary = {"cells_total": len(spec.cells), "cells_done": len(plan.complete), "cells_run": 0,
                    "rows_written": 0, "skipped": spec.skipped}
-        _log(f"nothing to do: all {len(spec.cells)} cell(s) are complete in {wh.root}")
+        log(f"nothing to do: all {len(spec.cells)} cell(s) are complete in {wh.root}")
     if args.json:
         emit_json(summary)
     return 0
@@ -180,8 +162,8 @@ def cmd_analyze(args) -> int:
 
     ranges = [0] + sorted({int(x) for x in args.ranges.split(",") if x.strip()} - {0}) if args.ranges else None
     kw = {"ranges": tuple(ranges)} if ranges else {}
-    summary = analyze(args.warehouse, args.reference, centroid=args.centroid, log=_log, **kw)
-    _log(f"analyzed {summary['cells']} cell(s), {summary['metric_rows']} rows in {summary['seconds']}s")
+    summary = analyze(args.warehouse, args.reference, centroid=args.centroid, log=log, **kw)
+    log(f"analyzed {summary['cells']} cell(s), {summary['metric_rows']} rows in {summary['seconds']}s")
     if args.json:
         emit_json(summary)
     return 0
@@ -229,9 +211,18 @@ def cmd_status(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from matrix import cli_quant
+
     p = argparse.ArgumentParser(prog="matrix", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+    _add_sweep_parsers(sub)
+    _add_model_parsers(sub)
+    _add_warehouse_parsers(sub)
+    cli_quant.add_parsers(sub)
+    return p
 
+
+def _add_sweep_parsers(sub) -> None:
     r = sub.add_parser("run", help="run a sweep spec into a warehouse (resumes)")
     r.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC))
     r.add_argument("--warehouse", default="warehouse")
@@ -251,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_cells)
 
+
+def _add_model_parsers(sub) -> None:
     m = sub.add_parser("models", help="the model catalog")
     msub = m.add_subparsers(dest="action", required=True)
     ml = msub.add_parser("list")
@@ -267,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     mc.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)
 
+
+def _add_warehouse_parsers(sub) -> None:
     q = sub.add_parser("sql", help="run a read-only DuckDB query over the warehouse views")
     q.add_argument("query")
     q.add_argument("--warehouse", default="warehouse")
@@ -277,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--warehouse", default="warehouse")
     a.add_argument("--reference", default=None, help="cell_id to compare against (default: each model's reference)")
     a.add_argument("--ranges", default=None, help="position bucket edges, e.g. 512,2048,8192")
-    a.add_argument("--centroid", choices=["mean_prob", "mean_logprob"], default=None,
+    a.add_argument("--centroid", choices=["mean_prob", "meanlogprob"], default=None,
                    help="centroid definition (default: the spec's centroid.definition, else mean_prob)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_analyze)
@@ -292,11 +287,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warehouse", default="warehouse")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
-
-    from matrix import cli_quant
-
-    cli_quant.add_parsers(sub)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

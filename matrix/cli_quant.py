@@ -2,40 +2,31 @@
 
 from __future__ import annotations
 
-import json
-import sys
-
+from common.errors import UserError
+from common.output import emit_json, fmt_number, log, table
 from matrix.corpus import CONFIGS
-from matrix.errors import UserError
 
 GATES = CONFIGS / "gates.yaml"
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def cmd_card(args) -> int:
     from analysis.card import build_card, markdown
 
     card = build_card(args.warehouse, args.cell, allow_undisclosed=args.allow_undisclosed)
-    if args.format == "json":
-        print(json.dumps(card, indent=1, default=str))
+    if args.json or args.format == "json":
+        emit_json(card)
     else:
         print(markdown(card), end="")
     return 0
 
 
-def print_gates(rows: list[dict], title: str) -> None:
-    from matrix.cli import table
-
-    def f(v):
-        return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
-
+def print_gates(rows: list[dict], title: str, upper: bool = False) -> None:
+    """One line per gate; upper: also the upper bound a fixture's truncated KL allows."""
     print(title)
-    print(table(["gate", "threshold", "measured", "result"],
-                [[r["gate"], f"{r['comparison']} {f(r['threshold'])}", f(r["measured"]),
-                  "pass" if r["pass"] else "FAIL"] for r in rows]))
+    cols = ["gate", "threshold", "measured (lower bound)" if upper else "measured"] + (["upper bound"] if upper else [])
+    print(table(cols + ["result"], [
+        [r["gate"], f"{r['comparison']} {fmt_number(r['threshold'])}", fmt_number(r["measured"])]
+        + ([fmt_number(r["upper_bound"])] if upper else []) + ["pass" if r["pass"] else "FAIL"] for r in rows]))
 
 
 def cmd_admit(args) -> int:
@@ -55,8 +46,8 @@ def cmd_admit(args) -> int:
     rows = evaluate(measured, gates["classes"][cls], nonfinite)
     ok = all(r["pass"] for r in rows)
     if args.json:
-        print(json.dumps({"cell_id": args.cell, "reference_cell_id": ref, "class": cls, "gates_file": gates["path"],
-                          "rows": measured["rows"], "pass": ok, "gates": rows}, indent=1, default=str))
+        emit_json({"cell_id": args.cell, "reference_cell_id": ref, "class": cls, "gates_file": gates["path"],
+                   "rows": measured["rows"], "pass": ok, "gates": rows})
     else:
         print_gates(rows, f"{args.cell} vs {ref}: class {cls} ({gates['path']}), {measured['rows']} rows")
         print(f"\n{'ADMITTED' if ok else 'REJECTED'}: {sum(r['pass'] for r in rows)}/{len(rows)} gates pass")
@@ -67,53 +58,33 @@ def cmd_fixture(args) -> int:
     if args.action == "export":
         from matrix.fixtures import export_fixture
 
-        out = export_fixture(args.warehouse, args.cell, args.out, k=args.k, log=_log)
+        out = export_fixture(args.warehouse, args.cell, args.out, k=args.k, log=log)
         if args.json:
-            print(json.dumps(out, indent=1))
+            emit_json(out)
         return 0
-    import numpy as np
-
     from analysis.gates import evaluate, load_gates, pick_class
+    from analysis.truncated import NOTE, gate_values
     from matrix.fixtures import check_fixture
 
     gates = load_gates(args.gates)  # a bad gates file fails before any model loads
     cls = pick_class(gates, args.dtype, args.quant_class)
-    res = check_fixture(args.fixture, args.engine, args.model, args.dtype, args.attention, args.threads, log=_log)
-    m = res["metrics"]
-    measured = {"kld_mean": float(m["kld"].mean()), "kld_p99": float(np.quantile(m["kld"], 0.99)),
-                "kld_max": float(m["kld"].max()), "top1_agreement": float(m["top1_match"].mean()),
-                "cosine_min": float(m["cosine_topk"].min()),
-                "norm_ratio_dev": float(np.abs(m["norm_ratio_topk"] - 1).max()), "js_mean": float(m["js"].mean())}
-    upper = {"mean_kld": float(m["kld_upper"].mean()), "p99_kld": float(np.quantile(m["kld_upper"], 0.99)),
-             "max_kld": float(m["kld_upper"].max())}
+    res = check_fixture(args.fixture, args.engine, args.model, args.dtype, args.attention, args.threads, log=log)
+    measured, upper, tail = gate_values(res["metrics"])
     rows = evaluate(measured, gates["classes"][cls], res["nonfinite"])
     for r in rows:
         r["upper_bound"] = upper.get(r["gate"])
     ok = all(r["pass"] for r in rows)
     k = res["header"]["k"]
-    trunc = {"k": k, "vocab_size": res["header"]["vocab_size"], "tail_mass_mean": float(m["tail_mass"].mean()),
-             "tail_mass_max": float(m["tail_mass"].max()),
-             "note": "KL over the top-k plus one tail bucket: a lower bound of the full KL; upper_bound adds the "
-                     "largest the tail can contribute (every tail p <= the k-th probability). cosine and norm "
-                     "ratio are over the top-k logits only."}
+    trunc = {"k": k, "vocab_size": res["header"]["vocab_size"], **tail, "note": NOTE}
     if args.json:
-        print(json.dumps({"fixture": args.fixture, "engine": args.engine, "model": args.model, "dtype": args.dtype,
-                          "class": cls, "rows": res["rows"], "pass": ok, "truncation": trunc, "gates": rows},
-                         indent=1, default=str))
-    else:
-        from matrix.cli import table
-
-        def f(v):
-            return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
-
-        print(f"{args.engine} {args.dtype} {args.attention} vs fixture {args.fixture} "
-              f"(from {res['header']['produced_by']['cell_id']}): class {cls}, {res['rows']} rows")
-        print(table(["gate", "threshold", "measured (lower bound)", "upper bound", "result"],
-                    [[r["gate"], f"{r['comparison']} {f(r['threshold'])}", f(r["measured"]), f(r["upper_bound"]),
-                      "pass" if r["pass"] else "FAIL"] for r in rows]))
-        print(f"\ntop-{k} of {trunc['vocab_size']}: reference tail mass mean {trunc['tail_mass_mean']:.3g}, "
-              f"max {trunc['tail_mass_max']:.3g}; KL is quoted as [lower, upper] because of that tail")
-        print(f"{'ADMITTED' if ok else 'REJECTED'}: {sum(r['pass'] for r in rows)}/{len(rows)} gates pass")
+        emit_json({"fixture": args.fixture, "engine": args.engine, "model": args.model, "dtype": args.dtype,
+                   "class": cls, "rows": res["rows"], "pass": ok, "truncation": trunc, "gates": rows})
+        return 0 if ok else 1
+    print_gates(rows, f"{args.engine} {args.dtype} {args.attention} vs fixture {args.fixture} "
+                      f"(from {res['header']['produced_by']['cell_id']}): class {cls}, {res['rows']} rows", upper=True)
+    print(f"\ntop-{k} of {trunc['vocab_size']}: reference tail mass mean {trunc['tail_mass_mean']:.3g}, "
+          f"max {trunc['tail_mass_max']:.3g}; KL is quoted as [lower, upper] because of that tail")
+    print(f"{'ADMITTED' if ok else 'REJECTED'}: {sum(r['pass'] for r in rows)}/{len(rows)} gates pass")
     return 0 if ok else 1
 
 
@@ -121,11 +92,11 @@ def cmd_kld_base(args) -> int:
     from matrix import interop
 
     if args.action == "export":
-        out = interop.export_kld_base(args.warehouse, args.cell, args.n_ctx, args.out, log=_log)
+        out = interop.export_kld_base(args.warehouse, args.cell, args.n_ctx, args.out, log=log)
     else:
-        out = interop.import_kld_base(args.warehouse, args.file, args.model, log=_log)
+        out = interop.import_kld_base(args.warehouse, args.file, args.model, log=log)
     if args.json:
-        print(json.dumps(out, indent=1))
+        emit_json(out)
     return 0
 
 
@@ -134,6 +105,7 @@ def add_parsers(sub) -> None:
     c.add_argument("cell")
     c.add_argument("--warehouse", default="warehouse")
     c.add_argument("--format", choices=["md", "json"], default="md")
+    c.add_argument("--json", action="store_true", help="the card as JSON (same as --format json)")
     c.add_argument("--allow-undisclosed", action="store_true",
                    help="print unknown fields as 'undisclosed' instead of failing")
     c.set_defaults(func=cmd_card)

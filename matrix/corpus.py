@@ -6,13 +6,12 @@ explicit BOS policy; the resulting ids (not the text) go to every stack.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
-from matrix.errors import UserError, read_yaml_file
+from common.errors import UserError, read_yaml_file
+from common.files import ids_sha256
+from common.ids import prompt_id as mint_prompt_id
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 BUILTIN = CONFIGS / "corpus" / "builtin.yaml"
@@ -119,9 +118,6 @@ def load_entries(corpus: str) -> tuple[str, list[Entry]]:
     return name, entries
 
 
-def ids_sha256(ids: list[int]) -> str:
-    return hashlib.sha256(np.asarray(ids, dtype="<i4").tobytes()).hexdigest()
-
 
 def tokenize(corpus: str, model: str, tokenizer, bos_policy: str,
              tokenizer_sha256: str | None = None) -> list[Prompt]:
@@ -156,7 +152,7 @@ def tokenize(corpus: str, model: str, tokenizer, bos_policy: str,
             raise UserError(f"{model}: prompt {e.id} tokenises to no tokens")
         h = ids_sha256(ids)
         prompts.append(Prompt(
-            prompt_id=f"{e.id}-{h[:12]}", model=model, corpus=name, name=e.id, category=e.category,
+            prompt_id=mint_prompt_id(e.id, h), model=model, corpus=name, name=e.id, category=e.category,
             source=e.source, text=text, token_ids=[int(i) for i in ids], ids_sha256=h,
             bos_policy=bos_policy, bos_added=bool(added), starts_with_bos=bos is not None and ids[0] == bos,
             tokenizer_sha256=tokenizer_sha256))

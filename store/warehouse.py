@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from matrix.errors import UserError
+from common.errors import UserError
 from store.schema import FORMAT, LOGITS, SCHEMA_VERSION, TABLES
 
 MARKER = "WAREHOUSE.json"
@@ -210,8 +210,15 @@ class Warehouse:
         d = self.root / "logits" / cell_id
         return {int(p.stem[1:]) for p in d.glob("r*.parquet")} if d.is_dir() else set()
 
+    def read_shard(self, cell_id: str, repeat: int, columns: list[str] | None = None) -> pa.Table:
+        """One (cell, repeat) shard, or just the named columns (every reader of a shard comes here)."""
+        return pq.read_table(self.shard_path(cell_id, repeat), columns=columns)
+
+    def shard_rows(self, cell_id: str, repeat: int) -> int:
+        return pq.read_metadata(self.shard_path(cell_id, repeat)).num_rows
+
     def shard_hashes(self, cell_id: str, repeat: int) -> dict[tuple[str, int], str]:
-        t = pq.read_table(self.shard_path(cell_id, repeat), columns=["prompt_id", "position", "row_hash"])
+        t = self.read_shard(cell_id, repeat, ["prompt_id", "position", "row_hash"])
         return {(p, int(q)): h for p, q, h in zip(*(t.column(c).to_pylist() for c in t.column_names))}
 
 
@@ -224,7 +231,6 @@ class ShardWriter:
         self.tmp = _tmp_for(self.final)
         self.run_id, self.cell_id, self.repeat = run_id, cell_id, repeat
         self.rows = 0
-        self.hashes: list[str] = []
         self._writer = pq.ParquetWriter(
             self.tmp, LOGITS, compression="zstd", compression_level=ZSTD_LEVEL,
             use_dictionary=["run_id", "cell_id", "prompt_id", "logits_dtype"],
@@ -250,7 +256,6 @@ class ShardWriter:
         }, schema=LOGITS)
         self._writer.write_table(batch)
         self.rows += n
-        self.hashes.extend(hashes)
 
     def commit(self) -> Path:
         self._writer.close()

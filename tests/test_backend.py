@@ -10,7 +10,8 @@ import pytest
 
 from backends.base import sampled_positions
 from backends.hf_backend import HFBackend
-from matrix.errors import OracleError
+from common.errors import OracleError
+from common.stack import StackDesc
 from store.warehouse import widen
 from tests.conftest import run_cli, write_spec
 
@@ -18,7 +19,7 @@ IDS = [1, 504, 3365, 8187, 418, 3732, 28, 564, 260, 9726, 5001, 15407, 1326, 106
 
 
 def backend(model_dir, dtype, attention, threads=1) -> HFBackend:
-    be = HFBackend({"dtype": dtype, "attention": attention, "device": "cpu"}, str(model_dir), threads)
+    be = HFBackend(StackDesc("hf", dtype, attention), str(model_dir), threads)
     be.load()
     return be
 

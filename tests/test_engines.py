@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from backends.base import SkipCell, sampled_positions
-from matrix.errors import OracleError, UserError
+from common.errors import OracleError, UserError
+from common.stack import StackDesc
 
 llama_cpp = pytest.importorskip("llama_cpp")
 mlx_lm = pytest.importorskip("mlx_lm")
@@ -45,7 +46,7 @@ def run_all(be, prompts) -> np.ndarray:
 def hf_fp32(reference_model, prompts):
     from backends.hf_backend import HFBackend
 
-    be = HFBackend({"dtype": "fp32", "attention": "sdpa", "device": "cpu"}, reference_model.hf_dir, 2)
+    be = HFBackend(StackDesc("hf", "fp32", "sdpa"), reference_model.hf_dir, 2)
     be.load()
     return run_all(be, prompts)
 
@@ -53,9 +54,9 @@ def hf_fp32(reference_model, prompts):
 def llama(reference_model, dtype, **opts):
     from backends.llamacpp_backend import LlamaCppBackend
 
-    be = LlamaCppBackend({"dtype": dtype, "attention": "default", "device": "cpu", "options": opts,
-                          "weights_sha256": reference_model.weights_sha256,
-                          "source": {"gguf": reference_model.gguf_path, "quant": reference_model.gguf_quant}},
+    be = LlamaCppBackend(StackDesc("llamacpp", dtype, "default", options=tuple(sorted(opts.items())),
+                                   weights_sha256=reference_model.weights_sha256,
+                                   source_gguf=reference_model.gguf_path, source_quant=reference_model.gguf_quant),
                          reference_model.hf_dir, 2)
     be.load()
     return be
@@ -116,8 +117,8 @@ def _prefix_rows(prompts, n, which=None):
 def _mlx(reference_model, dtype):
     from backends.mlx_backend import MLXBackend
 
-    be = MLXBackend({"dtype": dtype, "attention": "default", "device": "cpu",
-                     "weights_sha256": reference_model.weights_sha256}, reference_model.hf_dir, 2)
+    be = MLXBackend(StackDesc("mlx", dtype, "default", weights_sha256=reference_model.weights_sha256),
+                    reference_model.hf_dir, 2)
     be.load()
     return be
 
@@ -160,7 +161,7 @@ def test_mlx_rope_theta_trap_is_caught(reference_model, prompts, hf_fp32, tmp_pa
     assert float(np.max(np.abs(wrong - ref))) > 1.0  # silently wrong
 
     # the backend refuses such a directory instead of capturing wrong logits
-    be = MLXBackend({"dtype": "fp32", "attention": "default", "device": "cpu"}, reference_model.hf_dir, 2)
+    be = MLXBackend(StackDesc("mlx", "fp32", "default"), reference_model.hf_dir, 2)
     be.artifact, be.model = {"path": str(broken)}, model
     with pytest.raises(OracleError, match="rope_theta=10000"):
         be._check_rope()

@@ -26,8 +26,9 @@ IDS = [1, 504, 3365, 8187, 418, 3732, 28, 564, 260, 9726, 5001, 15407, 1326, 106
 def run(dtype, attention, device, threads=8):
     from backends.base import sampled_positions
     from backends.hf_backend import HFBackend
+    from common.stack import StackDesc
 
-    be = HFBackend({"dtype": dtype, "attention": attention, "device": device}, MODEL, threads)
+    be = HFBackend(StackDesc("hf", dtype, attention, device=device), MODEL, threads)
     be.load()
     pos = sampled_positions(len(IDS), 32)
     return be, be.forward(IDS, pos), be.forward(IDS, pos)

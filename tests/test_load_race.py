@@ -35,7 +35,7 @@ def local_ray():
 def plan_for(tiny_model, short_corpus, tmp_path_factory):
     """A fresh plan and empty warehouse per call: the fp32 reference and the Q2_K cell, llama.cpp only."""
     from matrix import runner
-    from matrix.spec import load_spec
+    from matrix.cells import load_spec
     from store import Warehouse
 
     d = tmp_path_factory.mktemp("race")
@@ -59,13 +59,13 @@ def skip_of(ray, ref) -> SkipCell:
 
 def test_calls_queued_behind_a_skipped_load_raise_the_loads_skip(local_ray, plan_for):
     from actors.stack_actor import StackActor
+    from matrix.cells import stack_desc
 
     ray = local_ray
     plan, _ = plan_for(0)
     cell = next(c for c in plan.spec.cells if c.dtype == "q2_k")
     model = plan.models[cell.model]
-    desc = {**cell.axes(), "cell_id": cell.cell_id, "options": cell.opts, "max_tokens": cell.max_tokens,
-            "weights_sha256": model.weights_sha256, "source": {"gguf": model.gguf_path, "quant": model.gguf_quant}}
+    desc = stack_desc(cell, model)
     texts = [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]]
     ids = [(p.prompt_id, p.token_ids) for p in plan.prompts[cell.model]]
     for _ in range(REPEATS):

@@ -52,6 +52,8 @@ def test_card_discloses_every_field_and_matches_the_summary(analyzed):
     assert {x["range"] for x in card["ranges"]} == {"0-511"}
     md = run_cli("card", cells["fp32.sdpa"], "--warehouse", str(wh))
     assert md.returncode == 0 and "| mean KLD ± s.e. |" in md.stdout and "| kl_direction |" in md.stdout
+    js = run_cli("card", cells["fp32.sdpa"], "--warehouse", str(wh), "--json")  # like every other command
+    assert js.returncode == 0 and json.loads(js.stdout) == card
 
 
 def test_card_refuses_an_unknown_field_unless_allowed(analyzed, tmp_path):

@@ -90,9 +90,10 @@ def test_bf16_bits_round_trip_exactly(swept, tiny_model):
 
     # and they are the engine's own bits: one in-process forward gives the same rows
     from backends.hf_backend import HFBackend
+    from common.stack import StackDesc
 
     prompt = sql(wh, "select prompt_id, token_ids from prompts where category='code'")[0]
-    be = HFBackend({"dtype": "bf16", "attention": "eager", "device": "cpu"}, str(tiny_model), 1)
+    be = HFBackend(StackDesc("hf", "bf16", "eager"), str(tiny_model), 1)
     be.load()
     pos = sampled_positions(len(prompt["token_ids"]), 16)
     native = be.forward(prompt["token_ids"], pos)  # (rows, vocab) uint16

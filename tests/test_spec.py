@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from matrix.spec import load_spec
+from matrix.cells import load_spec
 from tests.conftest import REPO, run_cli
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from matrix.parity import diagnose
+from actors.parity import diagnose
 
 pytest.importorskip("llama_cpp")
 

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from backends import trtllm_backend as T
+from common.stack import StackDesc
 from store.warehouse import widen
 from tests.conftest import run_cli, write_spec
 
 
-def _cell(**over):
-    return {"model": "m", "engine": "trtllm", "dtype": "bf16", "attention": "default", "tp": 1, "device": "h200",
-            "options": {}, **over}
+def _cell(options=None, **over):
+    return StackDesc(**{"model": "m", "engine": "trtllm", "dtype": "bf16", "attention": "default", "tp": 1,
+                        "device": "h200", "options": tuple(sorted((options or {}).items())), **over})
 
 
 def test_llm_arguments_turn_block_reuse_off_and_ask_for_context_logits():

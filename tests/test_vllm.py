@@ -6,30 +6,32 @@ without it the test is skipped and `matrix cells` says why the vllm cells cannot
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from backends import vllm_backend as V
+from common.stack import StackDesc
 from tests.conftest import run_cli, sql, write_spec
 
 
 def test_engine_arguments_disable_what_changes_the_arithmetic():
-    cell = {"dtype": "bf16", "attention": "default", "tp": 1}
+    cell = StackDesc("vllm", "bf16", "default", device="h200")
     kw = V.engine_kwargs(cell, "/m", 4096, 2)
     assert kw["enable_prefix_caching"] is False and kw["max_num_batched_tokens"] == kw["max_model_len"] == 4096
     assert kw["compilation_config"] == {"mode": 0} and kw["dtype"] == "bfloat16" and kw["seed"] == 0
     assert "attention_backend" not in kw
-    assert V.engine_kwargs({**cell, "attention": "flashinfer"}, "/m", 64, 1)["attention_backend"] == "FLASHINFER"
-    env = V.worker_env({**cell, "device": "cpu"}, 3)
+    assert V.engine_kwargs(replace(cell, attention="flashinfer"), "/m", 64, 1)["attention_backend"] == "FLASHINFER"
+    env = V.worker_env(replace(cell, device="cpu"), 3)
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "3"
     assert "VLLM_RAY_BUNDLE_INDICES" not in env and V.engine_kwargs(cell, "/m", 64, 1).get(
         "distributed_executor_backend") is None  # tp=1, mp: vLLM's in-process executor
 
 
 def test_ray_executor_uses_the_cells_group_and_only_the_listed_environment():
-    cell = {"dtype": "bf16", "attention": "default", "tp": 4, "device": "h200", "options": {"vllm_executor": "ray"}}
+    cell = StackDesc("vllm", "bf16", "default", tp=4, device="h200", options=(("vllm_executor", "ray"),))
     assert V.engine_kwargs(cell, "/m", 64, 1)["distributed_executor_backend"] == "ray"
-    assert V.engine_kwargs({**cell, "options": {}}, "/m", 64, 1)["distributed_executor_backend"] == "mp"
+    assert V.engine_kwargs(replace(cell, options=()), "/m", 64, 1)["distributed_executor_backend"] == "mp"
     env = V.worker_env(cell, 8)
     # worker i in bundle i of our group, one GPU each; no CPU-platform knobs on a GPU cell
     assert env["VLLM_RAY_BUNDLE_INDICES"] == "0,1,2,3" and env["VLLM_RAY_PER_WORKER_GPUS"] == "1"

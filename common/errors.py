@@ -6,7 +6,7 @@ class UserError(Exception):
 
 
 class OracleError(UserError):
-    """A stack's weights were not all loaded from the checkpoint (seed 002: a silently
+    """A stack's weights were not all loaded from the checkpoint (002_df4bbf58123a44b3.txt: a silently
     random-initialised oracle makes every comparison meaningless)."""
 
 

@@ -1,0 +1,42 @@
+"""Every id the project mints, made here and nowhere else.
+
+A sweep's cell id is its readable coordinates plus a hash of everything that changes its
+rows, so one spec gives the same ids on every machine. Run ids sort by start time.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import uuid
+from typing import Any
+
+
+def cell_id(coords: dict[str, Any], key: dict[str, Any]) -> str:
+    """coords: model, engine, dtype, attention, tp, device; key: everything that changes the rows."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    return (f"{coords['model']}.{coords['engine']}.{coords['dtype']}.{coords['attention']}"
+            f".tp{coords['tp']}.{coords['device']}-{digest}")
+
+
+def imported_cell_id(model: str, engine: str, file_sha256: str) -> str:
+    """A cell made from a file (a llama.cpp KLD base): the file's hash names it."""
+    return f"{model}.{engine}.{file_sha256[:12]}"
+
+
+def check_cell_id(engine: str, dtype: str, attention: str) -> str:
+    """The stack `matrix fixture check` runs in-process (never written to a warehouse)."""
+    return f"fixture-check.{engine}.{dtype}.{attention}"
+
+
+def run_id(kind: str = "run") -> str:
+    """A `matrix run`: UTC start time + random suffix; an import: import-<random>."""
+    if kind == "import":
+        return "import-" + uuid.uuid4().hex[:10]
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+
+
+def prompt_id(name: str, ids_sha256: str) -> str:
+    """A tokenised prompt: its corpus entry's name and the hash of its token ids."""
+    return f"{name}-{ids_sha256[:12]}"

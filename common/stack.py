@@ -1,0 +1,62 @@
+"""What a sweep is made of: a Cell (one stack as the spec names it) and a StackDesc (what a
+backend is given to build and run that stack). Both live here, below spec and backends alike,
+so neither has to import the other's package to name them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from common import names
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One stack: a model run by one engine at one dtype / attention / TP / device."""
+
+    model: str
+    engine: str
+    dtype: str
+    attention: str
+    tp: int
+    device: str
+    threads: int | None
+    cell_id: str
+    # Feed only a prefix of each prompt (for slow stacks). Causal attention makes the
+    # rows it keeps identical in meaning to the full run's rows at the same positions.
+    max_tokens: int | None = None
+    options: tuple = ()  # sorted (key, value) pairs the engine takes
+    # Analysis only (not in the cell id): whose centroid this stack joins. None: its model's.
+    centroid_group: str | None = None
+    calibration: str | None = None  # declared in the spec; model cards disclose it
+
+    @property
+    def opts(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    def axes(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in names.CELL_AXES}
+
+
+@dataclass(frozen=True)
+class StackDesc:
+    """The typed input of every backend: one cell's coordinates, engine options and where its
+    reference weights came from. Built by matrix.cells.stack_desc (tests build their own);
+    frozen and plain, it is pickled into the cell's Ray actor as it is."""
+
+    engine: str
+    dtype: str
+    attention: str
+    device: str = "cpu"
+    tp: int = 1
+    model: str = ""
+    cell_id: str = ""
+    options: tuple = ()  # sorted (key, value) pairs, as Cell.options
+    max_tokens: int | None = None
+    weights_sha256: str | None = None  # of the reference checkpoint the engine's weights are built from
+    source_gguf: str | None = None  # the GGUF the reference weights were dequantised from, if any
+    source_quant: str | None = None  # its quant type: a cell of that dtype runs the file itself
+
+    @property
+    def opts(self) -> dict[str, Any]:
+        return dict(self.options)

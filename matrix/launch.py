@@ -1,0 +1,134 @@
+"""Starting a cell on the cluster: its actors, and every call it will need, queued at once.
+
+One path per kind of start, chosen by what the backend class declares (backends/base.py):
+
+    tp == 1                       one actor with the cell's device
+    tp > 1, tp_workers "ranks"    one actor per rank in a STRICT_PACK group (torch.distributed)
+    tp > 1, tp_workers "engine"   one actor holding all tp devices; the engine starts its own workers
+    workers_in_group(cell)        the engine starts Ray workers into the cell's group (vLLM's Ray executor)
+
+Nothing here blocks: actors start when their group is placed, and an actor runs its calls in
+order (load, parity, captures). Calls after a failed load raise the load's own exception
+(actors/stack_actor.py), so whatever comes back first tells the cell's outcome.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends import backend_class
+from common.stack import Cell, StackDesc
+from matrix import placement
+
+
+class Kind(enum.Enum):
+    LOAD = "load"  # rank 0's load: the cell's settings, versions, host
+    RANK = "rank"  # another rank's load or forwards: only its failure matters
+    PARITY = "parity"  # the engine's own tokenizer against the canonical ids
+    CAPTURE = "capture"  # one repeat's shard, written by the actor
+
+
+@dataclass(frozen=True)
+class Call:
+    kind: Kind
+    cell_id: str
+    repeat: int | None = None
+
+
+@dataclass
+class Started:
+    """A cell's actors and placement group, and the calls queued on them (future -> Call)."""
+
+    actor: Any  # rank 0: loads, checks parity, writes the rows
+    followers: list = field(default_factory=list)  # ranks 1.. of a "ranks" cell
+    group: Any = None  # its placement group, when it has one
+    calls: dict = field(default_factory=dict)
+
+    @property
+    def actors(self) -> list:
+        return [self.actor] + self.followers
+
+
+@dataclass(frozen=True)
+class Work:
+    """What every cell of a run is asked to do (the same for each cell of a model)."""
+
+    run_id: str
+    warehouse: str
+    stride: int
+    repeats: list[int]  # the repeats still missing for this cell
+    prompts: list[tuple[str, str, list[int]]]  # (prompt_id, text, canonical ids)
+    special: dict[str, Any]  # the reference tokenizer's bos / eos ids
+    vocab: int  # the reference's vocabulary size
+
+
+def _ranks(cell: Cell, desc: StackDesc, model_dir: str, threads: int, nodes: list, warehouse: str) -> Started:
+    """One actor per rank, all in one STRICT_PACK group; every rank loads and runs the (collective)
+    forwards, rank 0 also checks parity and writes the rows. Rank 0's address reaches the other
+    ranks' load() as an object ref."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from actors.stack_actor import StackActor
+
+    pg = placement.placement_group_for(cell.device, cell.tp, threads, nodes)
+    gpu = {"num_gpus": 1} if placement.NEEDS[cell.device].gpu else {}
+    ranks = [StackActor.options(num_cpus=threads, **gpu, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=i)).remote(desc, model_dir, threads, warehouse) for i in range(cell.tp)]
+    rendezvous = ranks[0].rendezvous.remote()
+    gpus = [a.gpu_ids.remote() for a in ranks] if gpu else []  # each rank sees them all (NCCL P2P)
+    started = Started(ranks[0], ranks[1:], pg)
+    for i, a in enumerate(ranks):
+        started.calls[a.load.remote({"rank": i, "world_size": cell.tp}, rendezvous, *gpus)] = \
+            Call(Kind.LOAD if i == 0 else Kind.RANK, cell.cell_id)
+    return started
+
+
+def _one_actor(cell: Cell, desc: StackDesc, model_dir: str, threads: int, nodes: list, warehouse: str) -> Started:
+    from actors.stack_actor import StackActor
+
+    cls = backend_class(cell.engine)
+    pg = None
+    if cls.workers_in_group(cell):
+        # The engine's own Ray workers go into this cell's group, found from inside the actor,
+        # not into a group nested in ours (that deadlocks).
+        pg = placement.placement_group_for(cell.device, cell.tp, threads, nodes)
+        opts = placement.engine_driver_options(pg)
+    else:
+        opts = placement.actor_options(cell.device, cell.tp, threads, nodes)
+        if cell.tp > 1:  # the engine's own tp workers ("engine"): one actor holds all their devices
+            opts["num_cpus"] = threads * cell.tp
+            if "num_gpus" in opts:
+                opts["num_gpus"] = cell.tp
+    env = cls.runtime_env(desc, threads)  # e.g. vLLM's own interpreter: its pins stay out of ours
+    if env:
+        opts["runtime_env"] = env
+    actor = StackActor.options(**opts).remote(desc, model_dir, threads, warehouse)
+    return Started(actor, group=pg, calls={actor.load.remote(): Call(Kind.LOAD, cell.cell_id)})
+
+
+def start(cell: Cell, desc: StackDesc, model_dir: str, threads: int, nodes: list, work: Work) -> Started:
+    """Start the cell's actors and queue load, parity and every missing capture."""
+    ranks = cell.tp > 1 and backend_class(cell.engine).tp_workers == "ranks"
+    started = (_ranks if ranks else _one_actor)(cell, desc, model_dir, threads, nodes, work.warehouse)
+    ids = [(pid, toks) for pid, _, toks in work.prompts]
+    for a in started.followers:
+        for r in work.repeats:
+            started.calls[a.capture.remote(work.run_id, r, ids, work.stride)] = Call(Kind.RANK, cell.cell_id, r)
+    a = started.actor
+    started.calls[a.parity.remote(work.prompts, work.special, work.vocab)] = Call(Kind.PARITY, cell.cell_id)
+    for r in work.repeats:
+        started.calls[a.capture.remote(work.run_id, r, ids, work.stride)] = Call(Kind.CAPTURE, cell.cell_id, r)
+    return started
+
+
+def stop(started: Started) -> None:
+    """Kill the cell's actors and free its group (pending calls on them fail; nobody waits on them)."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for a in started.actors:
+        ray.kill(a)
+    if started.group is not None:
+        remove_placement_group(started.group)
