@@ -79,10 +79,11 @@ def test_gpu_tp_ranks_each_see_the_groups_gpus_and_pick_their_own(cluster):
 
     from actors.stack_actor import StackActor
     from backends.hf_backend import shared_devices
+    from common.stack import StackDesc
 
     _, ids = cluster
     pg = placement.placement_group_for("h200", 2, 1, placement.cluster_nodes())
-    cell = {"engine": "hf", "dtype": "bf16", "attention": "sdpa", "device": "h200", "tp": 2, "cell_id": "x"}
+    cell = StackDesc("hf", "bf16", "sdpa", device="h200", tp=2, cell_id="x")
     ranks = [StackActor.options(num_cpus=1, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
         pg, placement_group_bundle_index=i)).remote(cell, "/nowhere", 1, "/nowhere") for i in range(2)]
     got = ray.get([a.gpu_ids.remote() for a in ranks], timeout=120)
