@@ -84,11 +84,22 @@ def cmd_models(args) -> int:
         if args.layers < 1:
             raise UserError(f"models cut: --layers must be at least 1, got {args.layers}")
         out = Path(args.out)
-        if out.exists() and any(out.iterdir()):
-            raise UserError(f"models cut: {out} exists and is not empty")
-        models.cut_layers(Path(resolved.hf_dir), out, args.layers, bf16=args.bf16)
-        info = {"name": args.name, "layers": args.layers, "bf16": args.bf16, "path": str(out),
-                "bytes": sum(f.stat().st_size for f in out.iterdir())}
+        if out.is_file() or (out.is_dir() and any(out.iterdir())):
+            raise UserError(f"models cut: {out} exists{'' if out.is_file() else ' and is not empty'}")
+        if args.gguf and args.bf16:
+            raise UserError("models cut: --gguf keeps the source's own quantisation; --bf16 does not apply")
+        if args.gguf:
+            from store.gguf_cut import cut_gguf
+
+            if not resolved.gguf_path:
+                raise UserError(f"models cut: {args.name} has no source GGUF to cut")
+            cut_gguf(Path(resolved.gguf_path), out, args.layers)
+            size = out.stat().st_size
+        else:
+            models.cut_layers(Path(resolved.hf_dir), out, args.layers, bf16=args.bf16)
+            size = sum(f.stat().st_size for f in out.iterdir())
+        info = {"name": args.name, "layers": args.layers, "bf16": args.bf16, "gguf": args.gguf,
+                "path": str(out), "bytes": size}
         if args.json:
             emit_json(info)
         else:
@@ -257,6 +268,9 @@ def _add_model_parsers(sub) -> None:
     mc.add_argument("--layers", type=int, required=True)
     mc.add_argument("--out", required=True)
     mc.add_argument("--bf16", action="store_true", help="store the weights in bf16 (half the bytes)")
+    mc.add_argument("--gguf", action="store_true",
+                    help="write OUT as a GGUF holding the source GGUF's own quantised tensors of those layers "
+                         "(no requantisation; a spec names it with {gguf: OUT})")
     mc.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)
 
