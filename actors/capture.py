@@ -9,7 +9,6 @@ import time
 from typing import Any
 
 from backends.base import Backend, sampled_positions
-from store.warehouse import ShardWriter
 
 
 def fed_ids(ids: list[int], stride: int, max_tokens: int | None) -> tuple[list[int], list[int]]:
@@ -22,16 +21,15 @@ def fed_ids(ids: list[int], stride: int, max_tokens: int | None) -> tuple[list[i
     return ids, positions
 
 
-def capture_shard(backend: Backend, warehouse: str, run_id: str, cell_id: str, repeat: int,
-                  prompts: list[tuple[str, list[int]]], stride: int,
+def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]], stride: int,
                   max_tokens: int | None = None) -> dict[str, Any]:
-    """Write logits/<cell_id>/r<repeat>.parquet; returns a small manifest (no arrays).
+    """Every prompt's rows into writer (a ShardWriter, or a RemoteShard on a node that cannot
+    see the warehouse), committed at the end; returns a small manifest (no arrays).
 
     max_tokens: keep only the sampled positions below it and feed just the prefix they
     need; logits at p depend on ids[0..p] only, so those rows mean what the full run's do."""
     t0 = time.perf_counter()
     forward_s = 0.0
-    writer = ShardWriter(warehouse, run_id, cell_id, repeat)
     try:
         dtype = None
         for prompt_id, ids in prompts:
@@ -47,5 +45,5 @@ def capture_shard(backend: Backend, warehouse: str, run_id: str, cell_id: str, r
     except BaseException:
         writer.abort()
         raise
-    return {"cell_id": cell_id, "repeat": repeat, "path": str(path), "rows": writer.rows,
-            "seconds": time.perf_counter() - t0, "forward_seconds": forward_s, "array_dtype": dtype}
+    return {"path": str(path), "rows": writer.rows, "seconds": time.perf_counter() - t0,
+            "forward_seconds": forward_s, "array_dtype": dtype}

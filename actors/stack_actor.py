@@ -1,13 +1,17 @@
 """The Ray actor that hosts one loaded stack.
 
-Full-vocab arrays never travel through Ray's object store: the actor writes
-its Parquet shard itself and returns a small manifest (path, row count, times).
+Full-vocab float arrays never travel through Ray as Python objects. A node that sees the
+warehouse directory writes its Parquet shard itself; one that does not (another computer)
+sends each prompt's row group to the driver's depot, already encoded (actors/depot.py).
+Either way the call returns a small manifest (path, row count, times, where the rows went).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -15,18 +19,29 @@ import ray
 from actors.capture import capture_shard, fed_ids
 from actors.fingerprint import fingerprint
 from backends import backend_class
-from common.stack import StackDesc
+from common.stack import ModelCopy, StackDesc
+from store.warehouse import ShardWriter, Warehouse
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where a cell's rows go: the driver's warehouse directory, the nonce this run wrote there
+    (a node that reads it back sees that directory), and the driver's depot for the others."""
+
+    warehouse: str
+    nonce: str
+    depot: Any
 
 
 @ray.remote
 class StackActor:
-    def __init__(self, stack: StackDesc, model_dir: str, threads: int, warehouse: str):
-        cls = backend_class(stack.engine)
-        if cls is None:
+    def __init__(self, stack: StackDesc, model: ModelCopy, threads: int, delivery: Delivery):
+        self.cls = backend_class(stack.engine)
+        if self.cls is None:
             raise RuntimeError(f"no backend for engine {stack.engine!r} on node {socket.gethostname()}")
-        self.backend = cls(stack, model_dir, threads)
-        self.stack = stack
-        self.warehouse = warehouse
+        self.backend = None  # made in load(), once the weights are on this node
+        self.stack, self.model, self.threads, self.delivery = stack, model, threads, delivery
+        self.direct = False  # whether this node writes shards into the warehouse itself
         self.rank = 0
         self._load_outcome: Exception | bool = False  # False: not loaded; True: loaded; else load's error
 
@@ -64,12 +79,18 @@ class StackActor:
 
     def _load(self, dist: dict[str, Any] | None, rendezvous: tuple[str, int] | None,
               node_gpus: tuple[list[str], ...]) -> dict[str, Any]:
+        from actors.model_copy import model_dir, source_gguf
+
         t0 = time.perf_counter()
         if dist is not None:
             dist = {**dist, "master_addr": rendezvous[0], "master_port": rendezvous[1],
                     "own_gpus": self.gpu_ids(), "node_gpus": [list(g) for g in node_gpus]}
+        local_dir, model_via = model_dir(self.model, self.delivery.depot)
+        stack = dataclasses.replace(self.stack, source_gguf=source_gguf(self.model, self.delivery.depot))
+        self.backend = self.cls(stack, local_dir, self.threads)
         self.backend.dist = dist
         self.rank = dist["rank"] if dist else 0
+        self.direct = Warehouse.reaches(self.delivery.warehouse, self.delivery.nonce)
         self.backend.load()
         settings = self.backend.settings()
         return {
@@ -77,7 +98,7 @@ class StackActor:
             "artifact": settings.pop("artifact", None),
             "vocab_size": self.backend.vocab_size(), "load_seconds": time.perf_counter() - t0,
             "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
-            "fingerprint": fingerprint(),
+            "fingerprint": fingerprint(), "model_via": model_via, "rows_via": "node" if self.direct else "driver",
         }
 
     def parity(self, prompts: list[tuple[str, str, list[int]]], reference: dict[str, Any],
@@ -112,8 +133,15 @@ class StackActor:
             for _, ids in prompts:
                 self.backend.forward(*fed_ids(ids, stride, self.stack.max_tokens))
             return {"rows": 0, "rank": self.rank}
-        return capture_shard(self.backend, self.warehouse, run_id, self.stack.cell_id, repeat,
-                             prompts, stride, self.stack.max_tokens)
+        from actors.depot import RemoteShard
+
+        cid = self.stack.cell_id
+        writer = (ShardWriter(self.delivery.warehouse, run_id, cid, repeat) if self.direct
+                  else RemoteShard(self.delivery.depot, run_id, cid, repeat))
+        out = capture_shard(self.backend, writer, prompts, stride, self.stack.max_tokens)
+        return {**out, "cell_id": cid, "repeat": repeat, "rows_via": "node" if self.direct else "driver",
+                "bytes_sent": 0 if self.direct else writer.bytes}
 
     def close(self) -> None:
-        self.backend.close()
+        if self.backend is not None:
+            self.backend.close()

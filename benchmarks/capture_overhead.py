@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--stride", type=int, default=32)
     args = ap.parse_args()
     from actors.capture import capture_shard
+    from store.warehouse import ShardWriter
     from backends.base import sampled_positions
 
     resolved, prompts = model_and_prompts()
@@ -40,7 +41,7 @@ def main() -> None:
                 be.forward(ids, pos)
             bare.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            m = capture_shard(be, d, "bench", "cell", r, prompts, args.stride)
+            m = capture_shard(be, ShardWriter(d, "bench", "cell", r), prompts, args.stride)
             full.append(time.perf_counter() - t0)
             print(f"round {r + 1}/{args.rounds}: bare forward {bare[-1]:.2f}s, "
                   f"capture + store {full[-1]:.2f}s ({m['rows']} rows)", flush=True)

@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--stride", type=int, default=32)
     args = ap.parse_args()
     from actors.capture import capture_shard
+    from store.warehouse import ShardWriter
     from backends.base import sampled_positions
 
     resolved, prompts = model_and_prompts()
@@ -56,7 +57,7 @@ def main() -> None:
         be = load_backend(resolved.hf_dir, dtype, "sdpa")
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
-            m = capture_shard(be, d, "bench", "cell", 0, prompts, args.stride)
+            m = capture_shard(be, ShardWriter(d, "bench", "cell", 0), prompts, args.stride)
             shard = Path(m["path"])
             logits = m["rows"] * be.vocab_size()
             prod = shard.stat().st_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +25,30 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def weights_digest(hf_dir: Path) -> str:
+    """sha256 over a checkpoint's safetensors files (name + content), in name order."""
+    h = hashlib.sha256()
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        h.update(f.name.encode() + b"\0" + bytes.fromhex(sha256_file(f)))
+    return h.hexdigest()
+
+
+def weights_digest_cached(hf_dir: Path) -> str:
+    """weights_digest, remembered per (path, size, mtime) so big checkpoints hash once per machine."""
+    hf_dir = Path(hf_dir)
+    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(hf_dir.glob("*.safetensors"))]
+    key = hashlib.sha256(json.dumps([str(hf_dir), stats]).encode()).hexdigest()[:24]
+    memo = cache_root() / "digests" / f"{key}.txt"
+    if memo.is_file():
+        return memo.read_text().strip()
+    digest = weights_digest(hf_dir)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f".tmp-{os.getpid()}-{memo.name}")
+    tmp.write_text(digest)
+    os.replace(tmp, memo)
+    return digest
 
 
 def ids_sha256(ids: list[int]) -> str:

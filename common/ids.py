@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import secrets
 import uuid
 from typing import Any
 
@@ -40,3 +41,8 @@ def run_id(kind: str = "run") -> str:
 def prompt_id(name: str, ids_sha256: str) -> str:
     """A tokenised prompt: its corpus entry's name and the hash of its token ids."""
     return f"{name}-{ids_sha256[:12]}"
+
+
+def probe_nonce() -> str:
+    """What a run writes into its warehouse so a node can tell whether it sees that directory."""
+    return secrets.token_hex(16)

@@ -60,3 +60,15 @@ class StackDesc:
     @property
     def opts(self) -> dict[str, Any]:
         return dict(self.options)
+
+
+@dataclass(frozen=True)
+class ModelCopy:
+    """What a node needs to get a cell's reference weights: the driver's paths and the hashes the
+    driver recorded. The node uses its own copy only when the hashes match, else it is sent one."""
+
+    name: str
+    hf_dir: str  # on the driver (a hub id when weights_sha256 is None)
+    weights_sha256: str | None  # of the safetensors files (common.files.weights_digest)
+    source_gguf: str | None = None  # the GGUF the weights were dequantised from, on the driver
+    source_sha256: str | None = None

@@ -9,7 +9,7 @@ import os
 
 from common import ids, names
 from common.errors import UserError
-from common.stack import Cell, StackDesc
+from common.stack import Cell, ModelCopy, StackDesc
 from matrix.spec import OPTION_KEYS, Spec, field_error, parse_spec
 
 
@@ -26,6 +26,12 @@ def stack_desc(cell: Cell, model) -> StackDesc:
                      tp=cell.tp, model=cell.model, cell_id=cell.cell_id, options=cell.options,
                      max_tokens=cell.max_tokens, weights_sha256=model.weights_sha256,
                      source_gguf=model.gguf_path, source_quant=model.gguf_quant)
+
+
+def model_copy(model) -> ModelCopy:
+    """What a node is told about the cell's reference weights (model: matrix.models.ResolvedModel)."""
+    return ModelCopy(model.name, model.hf_dir, model.weights_sha256, model.gguf_path,
+                     model.source_sha256 if model.gguf_path else None)
 
 
 def _combos(spec: Spec) -> list[dict]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends import backend_class
-from common.stack import Cell, StackDesc
+from common.stack import Cell, ModelCopy, StackDesc
 from matrix import placement
 
 
@@ -56,7 +56,7 @@ class Work:
     """What every cell of a run is asked to do (the same for each cell of a model)."""
 
     run_id: str
-    warehouse: str
+    delivery: Any  # actors.stack_actor.Delivery: the warehouse, this run's nonce, the driver's depot
     stride: int
     repeats: list[int]  # the repeats still missing for this cell
     prompts: list[tuple[str, str, list[int]]]  # (prompt_id, text, canonical ids)
@@ -64,7 +64,7 @@ class Work:
     vocab: int  # the reference's vocabulary size
 
 
-def _ranks(cell: Cell, desc: StackDesc, model_dir: str, threads: int, nodes: list, warehouse: str) -> Started:
+def _ranks(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, delivery) -> Started:
     """One actor per rank, all in one STRICT_PACK group; every rank loads and runs the (collective)
     forwards, rank 0 also checks parity and writes the rows. Rank 0's address reaches the other
     ranks' load() as an object ref."""
@@ -75,7 +75,7 @@ def _ranks(cell: Cell, desc: StackDesc, model_dir: str, threads: int, nodes: lis
     pg = placement.placement_group_for(cell.device, cell.tp, threads, nodes)
     gpu = {"num_gpus": 1} if placement.NEEDS[cell.device].gpu else {}
     ranks = [StackActor.options(num_cpus=threads, **gpu, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        pg, placement_group_bundle_index=i)).remote(desc, model_dir, threads, warehouse) for i in range(cell.tp)]
+        pg, placement_group_bundle_index=i)).remote(desc, model, threads, delivery) for i in range(cell.tp)]
     rendezvous = ranks[0].rendezvous.remote()
     gpus = [a.gpu_ids.remote() for a in ranks] if gpu else []  # each rank sees them all (NCCL P2P)
     started = Started(ranks[0], ranks[1:], pg)
@@ -85,7 +85,7 @@ def _ranks(cell: Cell, desc: StackDesc, model_dir: str, threads: int, nodes: lis
     return started
 
 
-def _one_actor(cell: Cell, desc: StackDesc, model_dir: str, threads: int, nodes: list, warehouse: str) -> Started:
+def _one_actor(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, delivery) -> Started:
     from actors.stack_actor import StackActor
 
     cls = backend_class(cell.engine)
@@ -104,14 +104,14 @@ def _one_actor(cell: Cell, desc: StackDesc, model_dir: str, threads: int, nodes:
     env = cls.runtime_env(desc, threads)  # e.g. vLLM's own interpreter: its pins stay out of ours
     if env:
         opts["runtime_env"] = env
-    actor = StackActor.options(**opts).remote(desc, model_dir, threads, warehouse)
+    actor = StackActor.options(**opts).remote(desc, model, threads, delivery)
     return Started(actor, group=pg, calls={actor.load.remote(): Call(Kind.LOAD, cell.cell_id)})
 
 
-def start(cell: Cell, desc: StackDesc, model_dir: str, threads: int, nodes: list, work: Work) -> Started:
+def start(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, work: Work) -> Started:
     """Start the cell's actors and queue load, parity and every missing capture."""
     ranks = cell.tp > 1 and backend_class(cell.engine).tp_workers == "ranks"
-    started = (_ranks if ranks else _one_actor)(cell, desc, model_dir, threads, nodes, work.warehouse)
+    started = (_ranks if ranks else _one_actor)(cell, desc, model, threads, nodes, work.delivery)
     ids = [(pid, toks) for pid, _, toks in work.prompts]
     for a in started.followers:
         for r in work.repeats:

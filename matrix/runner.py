@@ -21,7 +21,7 @@ from common.errors import UserError
 from common.files import sha256_file
 from common.stack import Cell
 from matrix import __version__, launch, placement
-from matrix.cells import stack_desc
+from matrix.cells import model_copy, stack_desc
 from matrix.corpus import Prompt, tokenize
 from matrix.launch import Call, Kind
 from matrix.models import ResolvedModel, fetch
@@ -166,14 +166,16 @@ def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse) -> dict:
         settings=json.dumps(loaded["settings"], sort_keys=True),
         fingerprint=json.dumps(loaded.get("fingerprint"), sort_keys=True, default=str),
         versions=json.dumps(loaded["versions"], sort_keys=True), host=loaded["host"], node_id=loaded["node_id"],
-        load_seconds=loaded["load_seconds"], capture_seconds=live.capture_s)
+        rows_via=loaded["rows_via"], model_via=loaded["model_via"], load_seconds=loaded["load_seconds"], capture_seconds=live.capture_s)
 
 
 class Sweep:
     """The run loop's state: the cells in flight, the calls queued on their actors, the counts."""
 
-    def __init__(self, plan: Plan, wh: Warehouse, run_id: str, nodes: list, log: Callable[[str], None]):
+    def __init__(self, plan: Plan, wh: Warehouse, run_id: str, nodes: list, log: Callable[[str], None], delivery):
         self.plan, self.wh, self.run_id, self.nodes, self.log = plan, wh, run_id, nodes, log
+        self.delivery = delivery  # actors.stack_actor.Delivery
+        self.via = {"node": 0, "driver": 0, "bytes_to_driver": 0}  # runs.rows_delivery
         self.live: dict[str, Live] = {}
         self.pending: dict = {}  # object ref -> launch.Call
         self.cells_total, self.cells_done = len(plan.spec.cells), len(plan.complete)
@@ -183,10 +185,10 @@ class Sweep:
     def start(self, cell: Cell) -> None:
         plan = self.plan
         model, threads, repeats = plan.models[cell.model], placement.cell_threads(cell, self.nodes), plan.todo[cell.cell_id]
-        work = launch.Work(self.run_id, str(self.wh.root), plan.spec.stride, repeats,
+        work = launch.Work(self.run_id, self.delivery, plan.spec.stride, repeats,
                            [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]],
                            plan.special[cell.model], plan.vocab[cell.model])
-        started = launch.start(cell, stack_desc(cell, model), model.hf_dir, threads, self.nodes, work)
+        started = launch.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
         self.live[cell.cell_id] = Live(cell, started, threads, len(repeats))
         self.pending.update(started.calls)
         self.units_total += len(repeats)
@@ -208,7 +210,9 @@ class Sweep:
         live = self.live[call.cell_id]
         if call.kind is Kind.LOAD:
             live.loaded = result
-            self.log(f"loaded {call.cell_id} on {result['host']} in {result['load_seconds']:.1f}s")
+            away = f"; weights {result['model_via']}, rows via the {result['rows_via']}" \
+                if (result["model_via"], result["rows_via"]) != ("local", "node") else ""
+            self.log(f"loaded {call.cell_id} on {result['host']} in {result['load_seconds']:.1f}s{away}")
         elif call.kind is Kind.PARITY:
             live.parity = result
             self._record_parity(call.cell_id, result)
@@ -217,6 +221,8 @@ class Sweep:
             self.rows += result["rows"]
             live.capture_s += result["seconds"]
             live.left -= 1
+            self.via[result["rows_via"]] += 1
+            self.via["bytes_to_driver"] += result["bytes_sent"]
             rate = self.rows / max(time.perf_counter() - self.t0, 1e-9)
             self.log(f"[cells {self.cells_done}/{self.cells_total} | captures {self.units_done}/{self.units_total}] "
                      f"{call.cell_id} r{call.repeat}: {result['rows']} rows in {result['seconds']:.1f}s "
@@ -285,11 +291,13 @@ class Sweep:
                 f"rows {self.rows}{state}")
 
 
-def _begin(plan: Plan, wh: Warehouse, argv: list[str], address: str | None, log: Callable[[str], None]) -> dict:
+def _begin(plan: Plan, wh: Warehouse, argv: list[str], address: str | None, log: Callable[[str], None],
+           nonce: str) -> dict:
     """Under the writer lock, before any cell starts: tidy what a killed run left, write the
     prompts, and the run's own row (status running)."""
     spec = plan.spec
     wh.create()
+    wh.write_probe(nonce)
     mark_interrupted_runs(wh, log)
     for p in wh.sweep_tmp():
         log(f"removed a partial file left by an interrupted run: {p.relative_to(wh.root)}")
@@ -318,8 +326,15 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
     if cluster_config:
         log(f"node types from {cluster_config}: " + ", ".join(n.node_type for n in nodes if n.node_type))
     placement.check_placement(todo, nodes, log)
-    run = _begin(plan, wh, argv, address, log)
-    sweep, status = Sweep(plan, wh, run["run_id"], nodes, log), "failed"
+    import ray
+
+    from actors.depot import DriverDepot, depot_options
+    from actors.stack_actor import Delivery
+
+    nonce = ids.probe_nonce()
+    run = _begin(plan, wh, argv, address, log, nonce)
+    depot = DriverDepot.options(**depot_options(ray.get_runtime_context().get_node_id())).remote(str(wh.root))
+    sweep, status = Sweep(plan, wh, run["run_id"], nodes, log, Delivery(str(wh.root), nonce, depot)), "failed"
     try:
         for cell in todo:
             sweep.start(cell)
@@ -336,9 +351,12 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
     finally:
         for cid in list(sweep.live):
             sweep.drop(cid)
+        ray.kill(depot)
         wh.write_rows("runs", run["run_id"], [R.run_finished(run, status, cells_done=sweep.cells_done,
-                                                              rows_written=sweep.rows)])
+                                                              rows_written=sweep.rows,
+                                                              rows_delivery=json.dumps(sweep.via))])
     elapsed = time.perf_counter() - sweep.t0
     return {"run_id": run["run_id"], "cells_total": len(spec.cells), "cells_done": sweep.cells_done,
             "cells_run": len(todo), "rows_written": sweep.rows, "seconds": round(elapsed, 2),
-            "rows_per_second": round(sweep.rows / max(elapsed, 1e-9), 2), "skipped": spec.skipped}
+            "rows_per_second": round(sweep.rows / max(elapsed, 1e-9), 2), "rows_delivery": sweep.via,
+            "skipped": spec.skipped}

@@ -20,5 +20,11 @@ def m003_nonfinite_and_centroid_groups(root: Path) -> None:
     Columns only: older files read as null there (the views add missing columns)."""
 
 
+def m004_rows_delivery(root: Path) -> None:
+    """v4: runs.rows_delivery, cells.rows_via / model_via (sweeps across machines without a shared disk).
+
+    Columns only: older files read as null there."""
+
+
 # target version -> migration
-MIGRATIONS = {2: m002_tokenizer_parity, 3: m003_nonfinite_and_centroid_groups}
+MIGRATIONS = {2: m002_tokenizer_parity, 3: m003_nonfinite_and_centroid_groups, 4: m004_rows_delivery}

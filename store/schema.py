@@ -1,10 +1,10 @@
-"""Warehouse schema, version 3 (migrations from older versions: store/migrations.py).
+"""Warehouse schema, version 4 (migrations from older versions: store/migrations.py).
 
 Layout (one directory per table; readers glob ``*.parquet``; writers go
 through a hidden temp file and an atomic rename, so a killed run never leaves
 a half-written file that a reader sees)::
 
-    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 3}
+    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 4}
     runs/<run_id>.parquet               one row per `matrix run` that had work to do
     cells/<cell_id>.parquet             one row per completed cell (rewritten on resume)
     prompts/<prompt_id>.parquet         one row per tokenised prompt
@@ -24,7 +24,7 @@ for bf16 rows the two low byte streams are all zero and cost almost nothing.
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -37,6 +37,9 @@ RUNS = pa.schema([
     ("schema_version", pa.int32()), ("versions", pa.string()),  # JSON: every library version
     ("cells_total", pa.int32()), ("cells_done", pa.int32()), ("rows_written", pa.int64()),
     ("error", pa.string()),
+    # v4 JSON: where this run's rows went: {"node": captures written by the node that ran them,
+    # "driver": captures sent to the driver's depot (no shared disk), "bytes_to_driver": encoded bytes}
+    ("rows_delivery", pa.string()),
 ])
 
 CELLS = pa.schema([
@@ -65,6 +68,8 @@ CELLS = pa.schema([
     ("settings", pa.string()),  # JSON: everything that changes the arithmetic
     ("versions", pa.string()),  # JSON: engine library versions
     ("host", pa.string()), ("node_id", pa.string()),
+    ("rows_via", pa.string()),  # v4: node (it wrote its shards) | driver (it sent them to the driver's depot)
+    ("model_via", pa.string()),  # v4: local (the node's own copy, hash checked) | shipped (from the driver) | hub
     ("load_seconds", pa.float64()), ("capture_seconds", pa.float64()), ("finished_at", TS),
 ])
 

@@ -20,6 +20,7 @@ from store.schema import FORMAT, LOGITS, SCHEMA_VERSION, TABLES
 
 MARKER = "WAREHOUSE.json"
 TMP_PREFIX = ".tmp-"
+PROBE = ".probe"  # the run's nonce: which nodes see this directory (Warehouse.reaches)
 # Byte-stream-split needs the leaf path of a list column; the flag alone ignores it.
 LOGITS_LEAF = "logits.list.element"
 ZSTD_LEVEL = 3
@@ -158,6 +159,23 @@ class Warehouse:
         finally:
             os.close(fd)  # closing releases the flock
 
+    def write_probe(self, nonce: str) -> None:
+        """A file only nodes that see this directory can read back: see reaches()."""
+        probe = self.root / PROBE
+        tmp = _tmp_for(probe)
+        tmp.write_text(nonce)
+        _fsync_replace(tmp, probe)
+
+    @staticmethod
+    def reaches(root: str | os.PathLike, nonce: str) -> bool:
+        """Whether this node sees the driver's warehouse itself (a shared filesystem): it reads
+        back the nonce the driver wrote for this run. A path that exists here but is another
+        disk's directory reads another nonce, or none."""
+        try:
+            return (Path(root) / PROBE).read_text() == nonce
+        except OSError:
+            return False
+
     def sweep_tmp(self) -> list[Path]:
         """Remove temp files left by a killed writer (never visible to readers)."""
         gone = [p for p in self.root.rglob(f"{TMP_PREFIX}*") if p.is_file()]
@@ -222,6 +240,70 @@ class Warehouse:
         return {(p, int(q)): h for p, q, h in zip(*(t.column(c).to_pylist() for c in t.column_names))}
 
 
+def rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, positions: list[int],
+               next_ids: Iterable[int | None], native: np.ndarray) -> pa.Table:
+    """One prompt's rows as a LOGITS table. native: (rows, vocab) as returned by a backend."""
+    n, vocab = native.shape
+    assert n == len(positions), (n, len(positions))
+    dtype = native_dtype_of(native)
+    hashes = [row_hash(native[i]) for i in range(n)]
+    values = pa.array(widen(native).reshape(-1), type=pa.float32())  # (rows * vocab,)
+    offsets = pa.array(np.arange(0, (n + 1) * vocab, vocab, dtype=np.int32))
+    return pa.table({
+        "run_id": pa.array([run_id] * n), "cell_id": pa.array([cell_id] * n),
+        "prompt_id": pa.array([prompt_id] * n), "position": pa.array(positions, pa.int32()),
+        "next_token_id": pa.array(list(next_ids), pa.int32()),
+        "repeat": pa.array([repeat] * n, pa.int32()),
+        "logits_dtype": pa.array([dtype] * n),
+        "logits": pa.ListArray.from_arrays(offsets, values),
+        "row_hash": pa.array(hashes),
+    }, schema=LOGITS)
+
+
+def _writer(where) -> pq.ParquetWriter:
+    return pq.ParquetWriter(
+        where, LOGITS, compression="zstd", compression_level=ZSTD_LEVEL,
+        use_dictionary=["run_id", "cell_id", "prompt_id", "logits_dtype"],
+        use_byte_stream_split=[LOGITS_LEAF], write_statistics=["position", "repeat", "next_token_id"])
+
+
+def encode_rows(rows: pa.Table) -> bytes:
+    """One row group as the bytes of a small Parquet file, encoded as a shard encodes it
+    (what a node that cannot reach the warehouse sends to the driver)."""
+    sink = pa.BufferOutputStream()
+    w = _writer(sink)
+    w.write_table(rows)
+    w.close()
+    return sink.getvalue().to_pybytes()
+
+
+def native_rows(rows: pa.Table) -> np.ndarray:
+    """A LOGITS table's rows back in their native dtype, exactly: (rows, vocab)."""
+    dtypes = set(rows.column("logits_dtype").to_pylist())
+    if len(dtypes) > 1:
+        raise ValueError(f"rows of several native dtypes: {sorted(dtypes)}")
+    values = logits_matrix(rows.column("logits"))  # (rows, vocab) float32
+    kind = dtypes.pop() if dtypes else "fp32"
+    return narrow_bf16(values) if kind == "bf16" else values.astype(np.float16) if kind == "f16" else values
+
+
+def decode_rows(data: bytes, run_id: str, cell_id: str, repeat: int) -> pa.Table:
+    """encode_rows' bytes back to a table, refused unless every row is this shard's and every
+    row_hash matches its values (the bytes crossed a network)."""
+    rows = pq.read_table(pa.BufferReader(data))
+    if rows.schema != LOGITS:
+        raise ValueError(f"rows for {cell_id} r{repeat}: not the logits schema")
+    for col, want in (("run_id", run_id), ("cell_id", cell_id), ("repeat", repeat)):
+        got = set(rows.column(col).to_pylist())
+        if got - {want}:
+            raise ValueError(f"rows for {cell_id} r{repeat}: {col} {sorted(got - {want})[0]!r}, expected {want!r}")
+    native = native_rows(rows)
+    for i, h in enumerate(rows.column("row_hash").to_pylist()):
+        if row_hash(native[i]) != h:
+            raise ValueError(f"rows for {cell_id} r{repeat}: row {i} does not match its row_hash")
+    return rows
+
+
 class ShardWriter:
     """Streams one (cell, repeat) shard, a row group per prompt; visible only after commit()."""
 
@@ -231,31 +313,21 @@ class ShardWriter:
         self.tmp = _tmp_for(self.final)
         self.run_id, self.cell_id, self.repeat = run_id, cell_id, repeat
         self.rows = 0
-        self._writer = pq.ParquetWriter(
-            self.tmp, LOGITS, compression="zstd", compression_level=ZSTD_LEVEL,
-            use_dictionary=["run_id", "cell_id", "prompt_id", "logits_dtype"],
-            use_byte_stream_split=[LOGITS_LEAF], write_statistics=["position", "repeat", "next_token_id"])
+        self._writer = _writer(self.tmp)
 
     def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
             native: np.ndarray) -> None:
         """native: (rows, vocab) as returned by a backend."""
-        n, vocab = native.shape
-        assert n == len(positions), (n, len(positions))
-        dtype = native_dtype_of(native)
-        hashes = [row_hash(native[i]) for i in range(n)]
-        values = pa.array(widen(native).reshape(-1), type=pa.float32())  # (rows * vocab,)
-        offsets = pa.array(np.arange(0, (n + 1) * vocab, vocab, dtype=np.int32))
-        batch = pa.table({
-            "run_id": pa.array([self.run_id] * n), "cell_id": pa.array([self.cell_id] * n),
-            "prompt_id": pa.array([prompt_id] * n), "position": pa.array(positions, pa.int32()),
-            "next_token_id": pa.array(list(next_ids), pa.int32()),
-            "repeat": pa.array([self.repeat] * n, pa.int32()),
-            "logits_dtype": pa.array([dtype] * n),
-            "logits": pa.ListArray.from_arrays(offsets, values),
-            "row_hash": pa.array(hashes),
-        }, schema=LOGITS)
-        self._writer.write_table(batch)
-        self.rows += n
+        self.add_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native))
+
+    def add_rows(self, rows: pa.Table) -> None:
+        self._writer.write_table(rows)
+        self.rows += rows.num_rows
+
+    def add_encoded(self, data: bytes) -> int:
+        """A row group another node encoded (encode_rows); checked before it is written."""
+        self.add_rows(decode_rows(data, self.run_id, self.cell_id, self.repeat))
+        return self.rows
 
     def commit(self) -> Path:
         self._writer.close()

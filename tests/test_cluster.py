@@ -77,15 +77,16 @@ def test_gpu_tp_ranks_each_see_the_groups_gpus_and_pick_their_own(cluster):
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from actors.stack_actor import StackActor
+    from actors.stack_actor import Delivery, StackActor
     from backends.hf_backend import shared_devices
-    from common.stack import StackDesc
+    from common.stack import ModelCopy, StackDesc
 
     _, ids = cluster
     pg = placement.placement_group_for("h200", 2, 1, placement.cluster_nodes())
     cell = StackDesc("hf", "bf16", "sdpa", device="h200", tp=2, cell_id="x")
     ranks = [StackActor.options(num_cpus=1, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        pg, placement_group_bundle_index=i)).remote(cell, "/nowhere", 1, "/nowhere") for i in range(2)]
+        pg, placement_group_bundle_index=i)).remote(cell, ModelCopy("m", "/nowhere", None), 1, Delivery("/nowhere", "", None))
+             for i in range(2)]
     got = ray.get([a.gpu_ids.remote() for a in ranks], timeout=120)
     assert sorted(g for r in got for g in r) == ["0", "1"]
     assert [shared_devices(own, got) for own in got] == [("0,1", int(got[0][0])), ("0,1", int(got[1][0]))]

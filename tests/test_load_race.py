@@ -59,8 +59,8 @@ def skip_of(ray, ref) -> SkipCell:
 
 
 def test_calls_queued_behind_a_skipped_load_raise_the_loads_skip(local_ray, plan_for):
-    from actors.stack_actor import StackActor
-    from matrix.cells import stack_desc
+    from actors.stack_actor import Delivery, StackActor
+    from matrix.cells import model_copy, stack_desc
 
     ray = local_ray
     plan, _ = plan_for(0)
@@ -70,7 +70,8 @@ def test_calls_queued_behind_a_skipped_load_raise_the_loads_skip(local_ray, plan
     texts = [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]]
     ids = [(p.prompt_id, p.token_ids) for p in plan.prompts[cell.model]]
     for _ in range(ACTOR_REPEATS):
-        actor = StackActor.options(num_cpus=1).remote(desc, model.hf_dir, 1, "/nonexistent-warehouse")
+        actor = StackActor.options(num_cpus=1).remote(desc, model_copy(model), 1,
+                                                        Delivery("/nonexistent-warehouse", "nonce", None))
         load = actor.load.remote()
         parity = actor.parity.remote(texts, plan.special[cell.model], plan.vocab[cell.model])
         captures = [actor.capture.remote("run", r, ids, 16) for r in range(2)]

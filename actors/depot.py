@@ -1,0 +1,140 @@
+"""The driver's end of a sweep on machines that share no disk.
+
+`DriverDepot` is a Ray actor pinned to the driver's node. It writes the shards of actors whose
+node cannot see the warehouse directory (they send each prompt's row group already encoded, as
+Parquet bytes, never float arrays), and it serves the reference weights to nodes that do not
+have them. `RemoteShard` is the actor-side writer that talks to it, with one row group in
+flight: the next prompt's forward overlaps the last one's transfer, and the depot's memory
+stays at one row group per capture however many rows a sweep makes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import ray
+
+from common.files import sha256_file
+from store.warehouse import ShardWriter, encode_rows, rows_table
+
+CHUNK = 8 << 20  # bytes per read() of a model file
+
+
+@ray.remote
+class DriverDepot:
+    def __init__(self, warehouse: str):
+        self.warehouse = warehouse
+        self.open: dict[tuple[str, int], ShardWriter] = {}
+        self.manifests: dict[str, dict[str, list]] = {}
+        self.lock = threading.Lock()  # a threaded actor: calls of different captures run at once
+        self.received = 0  # encoded bytes written for other nodes
+
+    # -- shards of nodes that cannot see the warehouse ---------------------------------
+    def begin(self, run_id: str, cell_id: str, repeat: int) -> None:
+        with self.lock:
+            stale = self.open.pop((cell_id, repeat), None)  # a capture whose actor died midway
+            self.open[(cell_id, repeat)] = ShardWriter(self.warehouse, run_id, cell_id, repeat)
+        if stale is not None:
+            stale.abort()
+
+    def add(self, cell_id: str, repeat: int, data: bytes) -> int:
+        rows = self.open[(cell_id, repeat)].add_encoded(data)
+        with self.lock:
+            self.received += len(data)
+        return rows
+
+    def commit(self, cell_id: str, repeat: int) -> str:
+        with self.lock:
+            writer = self.open.pop((cell_id, repeat))
+        return str(writer.commit())
+
+    def abort(self, cell_id: str, repeat: int) -> None:
+        with self.lock:
+            writer = self.open.pop((cell_id, repeat), None)
+        if writer is not None:
+            writer.abort()
+
+    def stats(self) -> dict[str, int]:
+        return {"bytes_received": self.received, "open_shards": len(self.open), "pid": os.getpid()}
+
+    # -- reference weights for nodes that do not have them --------------------------------
+    def manifest(self, path: str) -> dict[str, list]:
+        """{relative file: [size, sha256]} of a model directory, or of one file (key: its name)."""
+        with self.lock:
+            if path not in self.manifests:
+                p = Path(path)
+                files = [f for f in sorted(p.rglob("*")) if f.is_file()] if p.is_dir() else [p]
+                base = p if p.is_dir() else p.parent
+                self.manifests[path] = {str(f.relative_to(base)): [f.stat().st_size, sha256_file(f)]
+                                        for f in files if not f.name.startswith(".")}
+            return self.manifests[path]
+
+    def read(self, path: str, rel: str, offset: int, size: int) -> bytes:
+        if rel not in self.manifest(path):  # only files the manifest lists: no path escapes
+            raise KeyError(f"{rel} is not part of {path}")
+        p = Path(path)
+        with open((p if p.is_dir() else p.parent) / rel, "rb") as f:
+            f.seek(offset)
+            return f.read(min(size, CHUNK))
+
+
+class RemoteShard:
+    """ShardWriter's interface, for a node that cannot see the warehouse: rows go to the depot."""
+
+    def __init__(self, depot, run_id: str, cell_id: str, repeat: int):
+        self.depot, self.run_id, self.cell_id, self.repeat = depot, run_id, cell_id, repeat
+        self.rows = 0
+        self.bytes = 0
+        self.pending = None
+        ray.get(depot.begin.remote(run_id, cell_id, repeat))
+
+    def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
+            native: np.ndarray) -> None:
+        data = encode_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions,
+                                      next_ids, native))
+        self._settle()  # back-pressure: the previous row group is written before this one goes
+        self.pending = self.depot.add.remote(self.cell_id, self.repeat, data)
+        self.rows += native.shape[0]
+        self.bytes += len(data)
+
+    def _settle(self) -> None:
+        if self.pending is not None:
+            ray.get(self.pending)
+            self.pending = None
+
+    def commit(self) -> str:
+        self._settle()
+        return ray.get(self.depot.commit.remote(self.cell_id, self.repeat))
+
+    def abort(self) -> None:
+        # The capture is already failing with its own exception; the depot drops the temp file
+        # (or the next run sweeps it). Nothing waits on this call.
+        self.depot.abort.remote(self.cell_id, self.repeat)
+
+
+def fetch_file(depot, path: str, rel: str, size: int, sha256: str, dest: Path) -> None:
+    """One file of the driver's into dest, checked against the driver's sha256."""
+    h = hashlib.sha256()
+    with open(dest, "wb") as f:
+        offset, nxt = 0, depot.read.remote(path, rel, 0, CHUNK) if size else None
+        while offset < size:
+            block = ray.get(nxt)
+            offset += len(block)
+            nxt = depot.read.remote(path, rel, offset, CHUNK) if offset < size else None  # next one in flight
+            f.write(block)
+            h.update(block)
+    if h.hexdigest() != sha256:
+        raise OSError(f"{rel}: received sha256 {h.hexdigest()}, the driver's is {sha256}")
+
+
+def depot_options(node_id: str) -> dict[str, Any]:
+    """On the driver's node, taking no CPU from the cells, several captures at once."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"num_cpus": 0, "max_concurrency": 16,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}

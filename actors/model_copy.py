@@ -1,0 +1,90 @@
+"""A cell's reference weights on the node that runs it.
+
+The driver resolved the model and recorded its weights' sha256. A node uses the directory at
+the driver's path only when it holds exactly those weights: a copy that differs (another
+dequantisation, another revision) is refused, naming the node and both hashes. A node without
+the directory gets the driver's files through the depot (actors/depot.py), checked file by file
+and as a whole, and keeps them in its cache under the weights' hash for the next cell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+from common.errors import UserError
+from common.files import cache_root, sha256_file, weights_digest, weights_digest_cached
+from common.stack import ModelCopy
+
+
+@contextlib.contextmanager
+def _locked(d: Path):
+    """Two cells on one node may want the same model: the second waits, then reuses it."""
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _receive(depot, path: str, dest: Path) -> None:
+    """Every file of the driver's `path` (a directory or one file) into dest, atomically."""
+    import ray
+
+    from actors.depot import fetch_file
+
+    manifest = ray.get(depot.manifest.remote(path))
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
+    try:
+        for rel, (size, sha) in manifest.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            fetch_file(depot, path, rel, size, sha, tmp / rel)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def model_dir(model: ModelCopy, depot) -> tuple[str, str]:
+    """(a local directory holding the reference weights, how they got here: local | shipped | hub)."""
+    want = model.weights_sha256
+    if want is None:  # a hub id: the node loads it from the hub (or its own hub cache) itself
+        return model.hf_dir, "hub"
+    node = socket.gethostname()
+    own = Path(model.hf_dir)
+    if own.is_dir() and any(own.glob("*.safetensors")):
+        got = weights_digest_cached(own)
+        if got != want:
+            raise UserError(f"node {node}: {own} holds weights sha256 {got}, but the driver recorded {want} "
+                            f"for model {model.name}; remove that copy or make it the same")
+        return str(own), "local"
+    dest = cache_root() / "shipped" / want
+    with _locked(dest.parent):
+        if not dest.is_dir():
+            _receive(depot, model.hf_dir, dest)
+    got = weights_digest(dest)
+    if got != want:
+        raise UserError(f"node {node}: the weights received for model {model.name} have sha256 {got}, "
+                        f"the driver recorded {want}")
+    return str(dest), "shipped"
+
+
+def source_gguf(model: ModelCopy, depot) -> str | None:
+    """The GGUF the weights came from (a llama.cpp cell of its quant type runs it as it is)."""
+    if not model.source_gguf:
+        return None
+    own = Path(model.source_gguf)
+    if own.is_file() and sha256_file(own) == model.source_sha256:
+        return str(own)
+    dest = cache_root() / "shipped" / f"gguf-{model.source_sha256}"
+    with _locked(dest.parent):
+        if not dest.is_dir():
+            _receive(depot, model.source_gguf, dest)
+    return str(dest / own.name)
+
