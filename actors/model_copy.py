@@ -13,7 +13,6 @@ import contextlib
 import fcntl
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
@@ -51,12 +50,12 @@ def _receive(depot, path: str, dest: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def model_dir(model: ModelCopy, depot) -> tuple[str, str]:
-    """(a local directory holding the reference weights, how they got here: local | shipped | hub)."""
+def model_dir(model: ModelCopy, depot, node: str) -> tuple[str, str]:
+    """(a local directory holding the reference weights, how they got here: local | shipped | hub).
+    node: this node, as error messages name it."""
     want = model.weights_sha256
     if want is None:  # a hub id: the node loads it from the hub (or its own hub cache) itself
         return model.hf_dir, "hub"
-    node = socket.gethostname()
     own = Path(model.hf_dir)
     if own.is_dir() and any(own.glob("*.safetensors")):
         got = weights_digest_cached(own)

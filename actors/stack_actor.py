@@ -85,7 +85,8 @@ class StackActor:
         if dist is not None:
             dist = {**dist, "master_addr": rendezvous[0], "master_port": rendezvous[1],
                     "own_gpus": self.gpu_ids(), "node_gpus": [list(g) for g in node_gpus]}
-        local_dir, model_via = model_dir(self.model, self.delivery.depot)
+        node = f"{socket.gethostname()} ({ray.get_runtime_context().get_node_id()[:12]})"
+        local_dir, model_via = model_dir(self.model, self.delivery.depot, node)
         stack = dataclasses.replace(self.stack, source_gguf=source_gguf(self.model, self.delivery.depot))
         self.backend = self.cls(stack, local_dir, self.threads)
         self.backend.dist = dist

@@ -37,6 +37,8 @@ def init_ray(address: str | None):
         except ConnectionError as e:
             raise UserError(f"--address {address}: {str(e).splitlines()[0]}") from None
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+        # address "local": a new cluster of our own, even when `ray start` left one on this machine
+        # (ray.init() would join that one, with whatever nodes and settings it has)
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     return ray
