@@ -204,10 +204,10 @@ def _write_ranges(wh: Warehouse, ranges) -> None:
 def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None, log: Callable[[str], None]) -> dict:
     done = [c for c in wh.read_all("cells") if c["status"] == "done"]
     if not done:
-        raise UserError(f"{wh.root}: no captured cells to analyze (the warehouse has no logits)")
+        raise UserError(f"{wh.where}: no captured cells to analyze (the warehouse has no logits)")
     by_id = {c["cell_id"]: c for c in done}
     if reference is not None and reference not in by_id:
-        raise UserError(f"--reference {reference}: no captured cell with that id in {wh.root}")
+        raise UserError(f"--reference {reference}: no captured cell with that id in {wh.where}")
     if centroid is None:
         asked = {c.get("centroid") for c in done} - {None}
         centroid = asked.pop() if len(asked) == 1 else "mean_prob"

@@ -22,7 +22,14 @@ def connect(warehouse: str) -> duckdb.DuckDBPyConnection:
         # columns, and files written before a migration added a column read as null there.
         con.register(f"_empty_{table}", pa.table({f.name: pa.array([], f.type) for f in schema}))
         cols = ", ".join(f.name for f in schema)
-        if files:
+        if files and wh.remote:
+            # DuckDB reads the object store through Arrow (pyarrow's filesystem, the AWS chain):
+            # no DuckDB extension to download, the same credentials as the writer's
+            import pyarrow.dataset as ds
+
+            con.register(f"_files_{table}", ds.dataset(files, schema=schema, format="parquet", filesystem=wh.loc.fs))
+            con.execute(f"CREATE VIEW {table} AS SELECT {cols} FROM _files_{table}")
+        elif files:
             paths = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
             con.execute(f"CREATE VIEW {table} AS SELECT {cols} FROM (SELECT * FROM _empty_{table} UNION ALL BY NAME "
                         f"SELECT * FROM read_parquet([{paths}], union_by_name = true))")

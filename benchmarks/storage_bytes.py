@@ -58,7 +58,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
             m = capture_shard(be, ShardWriter(d, "bench", "cell", 0), prompts, args.stride)
-            shard = Path(m["path"])
+            shard = Path(d) / m["path"]
             logits = m["rows"] * be.vocab_size()
             prod = shard.stat().st_size
             # the same native rows again, for the alternative layouts

@@ -1,5 +1,7 @@
 """Errors the CLI turns into one line on stderr and exit code 2."""
 
+import os
+
 
 class UserError(Exception):
     """Bad input (spec, corpus, model path, warehouse). The message is the whole report."""
@@ -23,3 +25,15 @@ def read_yaml_file(path, what: str):
         return yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         raise UserError(f"{p}: malformed YAML: {str(e).splitlines()[0]}") from None
+
+
+SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECURITY_TOKEN")
+
+
+def redact(text: str) -> str:
+    """text with every credential this process holds replaced by ***."""
+    for name in SECRET_ENV:
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            text = text.replace(value, "***")
+    return text

@@ -145,7 +145,7 @@ def cmd_run(args) -> int:
     if summary is None:
         summary = {"cells_total": len(spec.cells), "cells_done": len(plan.complete), "cells_run": 0,
                    "rows_written": 0, "skipped": spec.skipped}
-        log(f"nothing to do: all {len(spec.cells)} cell(s) are complete in {wh.root}")
+        log(f"nothing to do: all {len(spec.cells)} cell(s) are complete in {wh.where}")
     if args.json:
         emit_json(summary)
     return 0
@@ -188,9 +188,9 @@ def cmd_report(args) -> int:
 
     wh = Warehouse(args.warehouse).require()
     if not wh.table_files("metrics"):
-        raise UserError(f"{wh.root}: no metrics yet; run `matrix analyze --warehouse {wh.root}` first")
+        raise UserError(f"{wh.where}: no metrics yet; run `matrix analyze --warehouse {wh.where}` first")
     data = gather(args.warehouse)
-    out = Path(args.out) if args.out else wh.root / "report"
+    out = Path(args.out) if args.out else Path("report") if wh.remote else Path(wh.where) / "report"
     path = write_html(data, out, args.warehouse)
     if args.json:
         emit_json({"html": str(path), **data})

@@ -49,7 +49,7 @@ def export_fixture(warehouse: str, cell_id: str, out: str, k: int = 64, log: Cal
     wh = Warehouse(warehouse).require()
     cell = {c["cell_id"]: c for c in wh.read_all("cells")}.get(cell_id)
     if cell is None or cell["status"] != "done":
-        raise UserError(f"fixture export: no captured cell {cell_id} in {wh.root}")
+        raise UserError(f"fixture export: no captured cell {cell_id} in {wh.where}")
     if k < 1:
         raise UserError(f"fixture export: --k {k}: must be >= 1")
     if Path(out).suffix not in fixture_file.SUFFIXES:

@@ -38,7 +38,7 @@ def export_kld_base(warehouse: str, cell_id: str, n_ctx: int, out: str, log: Cal
     wh = Warehouse(warehouse).require()
     cells = {c["cell_id"]: c for c in wh.read_all("cells")}
     if cell_id not in cells or cells[cell_id]["status"] != "done":
-        raise UserError(f"kld-base export: no captured cell {cell_id} in {wh.root}")
+        raise UserError(f"kld-base export: no captured cell {cell_id} in {wh.where}")
     if n_ctx < 4 or n_ctx % 2:
         raise UserError(f"kld-base export: --n-ctx {n_ctx}: must be an even number >= 4")
     chunks = [p for p in _prompts(wh, cells[cell_id]["model"]) if p["n_tokens"] >= n_ctx]
@@ -77,7 +77,7 @@ def _model_vocab(wh: Warehouse, cells: list[dict], model: str, path: str, n_voca
     """The warehouse model's vocabulary; the file (which carries no hash) must have the same."""
     mine = [c for c in cells if c["model"] == model and c["status"] == "done" and c.get("vocab_size")]
     if not mine:
-        raise UserError(f"kld-base import: --model {model}: no captured cell of that model in {wh.root} "
+        raise UserError(f"kld-base import: --model {model}: no captured cell of that model in {wh.where} "
                         "(the file carries no model hash; name the warehouse model it belongs to)")
     vocab = mine[0]["vocab_size"]
     if n_vocab not in {c.get("engine_vocab_size") or vocab for c in mine} | {vocab}:
@@ -137,7 +137,7 @@ def import_kld_base(warehouse: str, path: str, model: str, log: Callable[[str], 
             return {"cell_id": cell_id, "imported": False}
         vocab = _model_vocab(wh, cells, model, path, f["n_vocab"])
         run_id = ids.run_id("import")
-        writer = ShardWriter(wh.root, run_id, cell_id, 0)
+        writer = ShardWriter(wh.where, run_id, cell_id, 0)
         try:
             new_prompts, matched, floor = _write_rows(f, writer, _prompts(wh, model), model, path, sha)
             writer.commit()

@@ -300,7 +300,7 @@ def _begin(plan: Plan, wh: Warehouse, argv: list[str], address: str | None, log:
     wh.write_probe(nonce)
     mark_interrupted_runs(wh, log)
     for p in wh.sweep_tmp():
-        log(f"removed a partial file left by an interrupted run: {p.relative_to(wh.root)}")
+        log(f"removed a partial file left by an interrupted run: {p}")
     for plist in plan.prompts.values():
         for p in plist:
             if not wh.has_rows("prompts", p.prompt_id):
@@ -333,8 +333,8 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
 
     nonce = ids.probe_nonce()
     run = _begin(plan, wh, argv, address, log, nonce)
-    depot = DriverDepot.options(**depot_options(ray.get_runtime_context().get_node_id())).remote(str(wh.root))
-    sweep, status = Sweep(plan, wh, run["run_id"], nodes, log, Delivery(str(wh.root), nonce, depot)), "failed"
+    depot = DriverDepot.options(**depot_options(ray.get_runtime_context().get_node_id())).remote(wh.where)
+    sweep, status = Sweep(plan, wh, run["run_id"], nodes, log, Delivery(wh.where, nonce, depot)), "failed"
     try:
         for cell in todo:
             sweep.start(cell)

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Join a machine the cloud launcher cannot create to a running logit-matrix cluster.
 #   scripts/join-node.sh DEVICE HEAD_IP:6379
+# The cluster uses Ray's token auth: give its token the way Ray looks for it, RAY_AUTH_TOKEN,
+# else the file RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token (copy the one `ray up` used:
+# scp ~/.ray/auth_token HOST:.ray/auth_token).
 # DEVICE: sm120 | mi300x | rocm | apple-m1 .. apple-m4 | cpu | h200 | b200 | cuda
 # Installs logit-matrix with the extras that device runs, then starts a Ray worker that
 # advertises the device the way matrix/placement.py looks for it.
@@ -18,7 +21,13 @@ case "$device" in
                              export CMAKE_ARGS="-DGGML_CUDA=ON" ;;
   *) echo "join-node.sh: unknown device $device" >&2; exit 2 ;;
 esac
-python3 -m pip install -q "ray[default]>=2.49"
+# Checked before installing anything; the token itself is never printed.
+token_file=${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}
+if [ -z "${RAY_AUTH_TOKEN:-}" ] && ! { [ -r "$token_file" ] && [ -s "$token_file" ]; }; then
+  echo "join-node.sh: no cluster token: set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, or copy it to ~/.ray/auth_token" >&2
+  exit 2
+fi
+python3 -m pip install -q "ray[default]>=2.52"   # 2.52: token auth (older Ray ignores RAY_AUTH_MODE)
 python3 -m pip install -q -e "$here[$extras]"
 case "$device" in
   # (ROCm: PyPI's vllm is the CUDA build; use AMD's ROCm vLLM and point LOGIT_MATRIX_VLLM_PYTHON at it)
@@ -33,4 +42,4 @@ case "$device" in
 esac
 ray stop || true
 # shellcheck disable=SC2086
-RAY_AUTH_MODE=disabled ray start --address="$head" --labels="$labels" $res
+RAY_AUTH_MODE=token ray start --address="$head" --labels="$labels" $res

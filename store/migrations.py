@@ -1,4 +1,5 @@
-"""Numbered warehouse migrations. Each takes the warehouse root and moves it up one version.
+"""Numbered warehouse migrations. Each takes the warehouse location (store/location.py) and moves
+it up one version.
 
 Only additive changes are allowed (new tables, new nullable columns): readers
 use union_by_name, so files written by older versions stay valid as they are.
@@ -6,21 +7,19 @@ use union_by_name, so files written by older versions stay valid as they are.
 
 from __future__ import annotations
 
-from pathlib import Path
 
-
-def m002_tokenizer_parity(root: Path) -> None:
+def m002_tokenizer_parity(loc) -> None:
     """v2: table tokenizer_parity; cells gain options, artifact*, tokenizer_parity, engine_vocab_size."""
-    (root / "tokenizer_parity").mkdir(exist_ok=True)
+    loc.mkdirs("tokenizer_parity")
 
 
-def m003_nonfinite_and_centroid_groups(root: Path) -> None:
+def m003_nonfinite_and_centroid_groups(loc) -> None:
     """v3: metrics.nonfinite, centroid_metrics.centroid_group/nonfinite, cells.centroid_group/centroid/calibration.
 
     Columns only: older files read as null there (the views add missing columns)."""
 
 
-def m004_rows_delivery(root: Path) -> None:
+def m004_rows_delivery(loc) -> None:
     """v4: runs.rows_delivery, cells.rows_via / model_via (sweeps across machines without a shared disk).
 
     Columns only: older files read as null there."""

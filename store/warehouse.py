@@ -1,13 +1,11 @@
-"""Reading and writing the warehouse. Every file write is temp file + fsync + rename."""
+"""Reading and writing the warehouse, wherever it is (store/location.py). A file is visible only
+when complete: locally temp file + fsync + rename, on S3 one whole object."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
-import uuid
 from pathlib import Path
 from typing import Iterable
 
@@ -16,27 +14,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from common.errors import UserError
+from store.location import PROBE, open_location, write_whole
 from store.schema import FORMAT, LOGITS, SCHEMA_VERSION, TABLES
 
 MARKER = "WAREHOUSE.json"
-TMP_PREFIX = ".tmp-"
-PROBE = ".probe"  # the run's nonce: which nodes see this directory (Warehouse.reaches)
 # Byte-stream-split needs the leaf path of a list column; the flag alone ignores it.
 LOGITS_LEAF = "logits.list.element"
 ZSTD_LEVEL = 3
-
-
-def _fsync_replace(tmp: Path, final: Path) -> None:
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
-
-
-def _tmp_for(final: Path) -> Path:
-    return final.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{final.name}.part"
 
 
 def native_dtype_of(arr: np.ndarray) -> str:
@@ -79,27 +63,35 @@ def row_hash(row: np.ndarray) -> str:
 
 
 class Warehouse:
-    def __init__(self, root: str | os.PathLike):
-        self.root = Path(root)
+    """The warehouse at a location: a directory here, or an s3:// prefix (store/location.py)."""
+
+    def __init__(self, where: str | os.PathLike):
+        self.loc = open_location(where)
+        self.where = str(self.loc)  # what messages name, and what actors are given
+
+    @property
+    def remote(self) -> bool:
+        return self.loc.remote
 
     # -- lifecycle -----------------------------------------------------------------
     def check(self) -> bool:
         """Validate an existing warehouse without writing. Returns whether it exists."""
-        marker = self.root / MARKER
-        if not self.root.exists():
+        state = self.loc.state()
+        if state == "missing":
             return False
-        if not self.root.is_dir():
-            raise UserError(f"{self.root}: warehouse path is not a directory")
-        if not marker.is_file():
-            if any(self.root.iterdir()):
-                raise UserError(f"{self.root}: not a logit-matrix warehouse (no {MARKER}) and not empty")
+        if state == "not a directory":
+            raise UserError(f"{self.where}: warehouse path is not a directory")
+        if not self.loc.exists(MARKER):
+            # our own bookkeeping (.probe, .lease.json, .lock) does not make a prefix "used"
+            if state == "used" and any(not Path(k).name.startswith(".") for k in self.loc.list("", "")):
+                raise UserError(f"{self.where}: not a logit-matrix warehouse (no {MARKER}) and not empty")
             return False
         try:
-            meta = json.loads(marker.read_text())
+            meta = json.loads(self.loc.read_bytes(MARKER))
         except json.JSONDecodeError as e:
-            raise UserError(f"{marker}: unreadable warehouse marker: {e}") from None
+            raise UserError(f"{self.where}/{MARKER}: unreadable warehouse marker: {e}") from None
         if meta.get("format") != FORMAT:
-            raise UserError(f"{marker}: format {meta.get('format')!r} is not {FORMAT!r}")
+            raise UserError(f"{self.where}/{MARKER}: format {meta.get('format')!r} is not {FORMAT!r}")
         version = meta.get("schema_version")
         from store.migrations import MIGRATIONS
 
@@ -108,8 +100,8 @@ class Warehouse:
             self.version = version  # readable now; migrate() before writing
             return True
         if version != SCHEMA_VERSION:
-            raise UserError(f"{marker}: schema_version {version!r} is incompatible with this logit-matrix "
-                            f"(reads and writes schema_version {SCHEMA_VERSION}); use a new --warehouse")
+            raise UserError(f"{self.where}/{MARKER}: schema_version {version!r} is incompatible with this "
+                            f"logit-matrix (reads and writes schema_version {SCHEMA_VERSION}); use a new --warehouse")
         return True
 
     def migrate(self, log=lambda m: None) -> None:
@@ -118,122 +110,101 @@ class Warehouse:
 
         version = getattr(self, "version", SCHEMA_VERSION)
         for v in range(version + 1, SCHEMA_VERSION + 1):
-            MIGRATIONS[v](self.root)
+            MIGRATIONS[v](self.loc)
             self._write_marker(v)
-            log(f"{self.root}: migrated warehouse to schema_version {v} ({MIGRATIONS[v].__name__})")
+            log(f"{self.where}: migrated warehouse to schema_version {v} ({MIGRATIONS[v].__name__})")
         self.version = SCHEMA_VERSION
 
     def _write_marker(self, version: int) -> None:
-        marker = self.root / MARKER
-        tmp = _tmp_for(marker)
-        tmp.write_text(json.dumps({"format": FORMAT, "schema_version": version}, indent=1) + "\n")
-        _fsync_replace(tmp, marker)
+        self.loc.write_bytes(MARKER, (json.dumps({"format": FORMAT, "schema_version": version}, indent=1) + "\n").encode())
 
     def require(self) -> "Warehouse":
         if not self.check():
-            raise UserError(f"{self.root}: no warehouse here (run `matrix run --warehouse {self.root}` first)")
+            raise UserError(f"{self.where}: no warehouse here (run `matrix run --warehouse {self.where}` first)")
         return self
 
     def create(self) -> None:
         if self.check():
             return
         for name in TABLES:
-            (self.root / name).mkdir(parents=True, exist_ok=True)
+            self.loc.mkdirs(name)
         self._write_marker(SCHEMA_VERSION)
         self.version = SCHEMA_VERSION
 
-    @contextlib.contextmanager
     def lock(self):
-        """Exclusive writer lock: two runs on one warehouse would capture the same cells twice."""
-        path = self.root / ".lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-                raise UserError(f"{self.root}: another matrix run is writing to this warehouse ({holder})") from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
-            yield
-        finally:
-            os.close(fd)  # closing releases the flock
+        """Exclusive writer lock: two runs on one warehouse would capture the same cells twice.
+        A directory: flock; an object store: a lease object (store/s3.py)."""
+        return self.loc.lock(f"pid {os.getpid()} on {os.uname().nodename}")
 
     def write_probe(self, nonce: str) -> None:
-        """A file only nodes that see this directory can read back: see reaches()."""
-        probe = self.root / PROBE
-        tmp = _tmp_for(probe)
-        tmp.write_text(nonce)
-        _fsync_replace(tmp, probe)
+        """A file only nodes that see this warehouse can read back: see reaches()."""
+        self.loc.write_bytes(PROBE, nonce.encode())
 
     @staticmethod
-    def reaches(root: str | os.PathLike, nonce: str) -> bool:
-        """Whether this node sees the driver's warehouse itself (a shared filesystem): it reads
-        back the nonce the driver wrote for this run. A path that exists here but is another
-        disk's directory reads another nonce, or none."""
+    def reaches(where: str, nonce: str) -> bool:
+        """Whether this node reaches the driver's warehouse itself (a shared filesystem, or the
+        bucket with credentials): it reads back the nonce the driver wrote for this run. A path
+        that exists here but is another disk's directory reads another nonce, or none."""
         try:
-            return (Path(root) / PROBE).read_text() == nonce
-        except OSError:
-            return False
+            return open_location(where).read_bytes(PROBE).decode() == nonce
+        except (OSError, UserError):
+            return False  # then its rows go through the driver
 
-    def sweep_tmp(self) -> list[Path]:
+    def sweep_tmp(self) -> list[str]:
         """Remove temp files left by a killed writer (never visible to readers)."""
-        gone = [p for p in self.root.rglob(f"{TMP_PREFIX}*") if p.is_file()]
-        for p in gone:
-            p.unlink()
-        return gone
+        return self.loc.sweep_tmp()
 
     # -- small tables -------------------------------------------------------------
-    def table_files(self, table: str) -> list[Path]:
-        return sorted((self.root / table).rglob("*.parquet"))
+    def table_files(self, table: str) -> list[str]:
+        """The table's files, as paths the location's filesystem (self.loc.fs) reads."""
+        return [self.loc.path(k) for k in self.loc.list(f"{table}/")]
 
-    def write_rows(self, table: str, name: str, rows: list[dict]) -> Path:
-        final = self.root / table / f"{name}.parquet"
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_for(final)
-        pq.write_table(pa.Table.from_pylist(rows, schema=TABLES[table]), tmp, compression="zstd")
-        _fsync_replace(tmp, final)
-        return final
+    def write_rows(self, table: str, name: str, rows: list[dict]) -> str:
+        key = f"{table}/{name}.parquet"
+        t = pa.Table.from_pylist(rows, schema=TABLES[table])
+        write_whole(self.loc, key, lambda tmp: pq.write_table(t, tmp, compression="zstd"))
+        return key
 
-    def write_table(self, table: str, name: str, data: pa.Table) -> Path:
+    def write_table(self, table: str, name: str, data: pa.Table) -> str:
         """A whole table file at once (analysis outputs), cast to the schema the store owns."""
-        final = self.root / table / f"{name}.parquet"
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_for(final)
-        pq.write_table(data.select(TABLES[table].names).cast(TABLES[table]), tmp, compression="zstd")
-        _fsync_replace(tmp, final)
-        return final
+        key = f"{table}/{name}.parquet"
+        t = data.select(TABLES[table].names).cast(TABLES[table])
+        write_whole(self.loc, key, lambda tmp: pq.write_table(t, tmp, compression="zstd"))
+        return key
 
     def remove_table(self, table: str, name: str) -> None:
         """Drop one analysis output file (e.g. metrics of a cell that no longer has a comparison)."""
-        (self.root / table / f"{name}.parquet").unlink(missing_ok=True)
+        self.loc.delete(f"{table}/{name}.parquet")
 
     def read_all(self, table: str) -> list[dict]:
         """Every row of a table (all its files); [] when it has none yet."""
         files = self.table_files(table)
-        return pq.read_table(files).to_pylist() if files else []
+        return pq.read_table(files, filesystem=self.loc.fs).to_pylist() if files else []
 
     def read_rows(self, table: str, name: str) -> list[dict]:
-        path = self.root / table / f"{name}.parquet"
-        return pq.read_table(path).to_pylist() if path.is_file() else []
+        key = f"{table}/{name}.parquet"
+        return pq.read_table(self.loc.path(key), filesystem=self.loc.fs).to_pylist() if self.loc.exists(key) else []
 
     def has_rows(self, table: str, name: str) -> bool:
-        return (self.root / table / f"{name}.parquet").is_file()
+        return self.loc.exists(f"{table}/{name}.parquet")
 
     # -- logits shards --------------------------------------------------------------
-    def shard_path(self, cell_id: str, repeat: int) -> Path:
-        return self.root / "logits" / cell_id / f"r{repeat}.parquet"
+    @staticmethod
+    def shard_key(cell_id: str, repeat: int) -> str:
+        return f"logits/{cell_id}/r{repeat}.parquet"
+
+    def shard_path(self, cell_id: str, repeat: int) -> str:
+        return self.loc.path(self.shard_key(cell_id, repeat))
 
     def completed_repeats(self, cell_id: str) -> set[int]:
-        d = self.root / "logits" / cell_id
-        return {int(p.stem[1:]) for p in d.glob("r*.parquet")} if d.is_dir() else set()
+        return {int(Path(k).stem[1:]) for k in self.loc.list(f"logits/{cell_id}/") if Path(k).name.startswith("r")}
 
     def read_shard(self, cell_id: str, repeat: int, columns: list[str] | None = None) -> pa.Table:
         """One (cell, repeat) shard, or just the named columns (every reader of a shard comes here)."""
-        return pq.read_table(self.shard_path(cell_id, repeat), columns=columns)
+        return pq.read_table(self.shard_path(cell_id, repeat), columns=columns, filesystem=self.loc.fs)
 
     def shard_rows(self, cell_id: str, repeat: int) -> int:
-        return pq.read_metadata(self.shard_path(cell_id, repeat)).num_rows
+        return pq.read_metadata(self.shard_path(cell_id, repeat), filesystem=self.loc.fs).num_rows
 
     def shard_hashes(self, cell_id: str, repeat: int) -> dict[tuple[str, int], str]:
         t = self.read_shard(cell_id, repeat, ["prompt_id", "position", "row_hash"])
@@ -307,13 +278,11 @@ def decode_rows(data: bytes, run_id: str, cell_id: str, repeat: int) -> pa.Table
 class ShardWriter:
     """Streams one (cell, repeat) shard, a row group per prompt; visible only after commit()."""
 
-    def __init__(self, warehouse_root: str | os.PathLike, run_id: str, cell_id: str, repeat: int):
-        self.final = Warehouse(warehouse_root).shard_path(cell_id, repeat)
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = _tmp_for(self.final)
+    def __init__(self, warehouse: str | os.PathLike, run_id: str, cell_id: str, repeat: int):
+        self.stage = open_location(warehouse).stage(Warehouse.shard_key(cell_id, repeat))
         self.run_id, self.cell_id, self.repeat = run_id, cell_id, repeat
         self.rows = 0
-        self._writer = _writer(self.tmp)
+        self._writer = _writer(self.stage.tmp)
 
     def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
             native: np.ndarray) -> None:
@@ -329,11 +298,11 @@ class ShardWriter:
         self.add_rows(decode_rows(data, self.run_id, self.cell_id, self.repeat))
         return self.rows
 
-    def commit(self) -> Path:
+    def commit(self) -> str:
         self._writer.close()
-        _fsync_replace(self.tmp, self.final)
-        return self.final
+        self.stage.commit()
+        return Warehouse.shard_key(self.cell_id, self.repeat)
 
     def abort(self) -> None:
         self._writer.close()
-        self.tmp.unlink(missing_ok=True)
+        self.stage.abort()

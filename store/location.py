@@ -1,0 +1,150 @@
+"""Where a warehouse lives: a local directory, or an object-store prefix (`s3://bucket/prefix`).
+
+Both offer the warehouse the same few operations on keys ("cells/x.parquet"), with the same
+guarantee: a file is visible only when complete. Locally: a temp file, fsync, rename. On S3:
+one object written whole (a single PUT, or boto3's multipart upload, aborted on failure), so
+there is no partial object and no temp leftover. Credentials come from the store's own chain
+(environment, ~/.aws, instance role): a URI that carries any is refused, and no message of
+ours prints them (common.errors.redact).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from common.errors import UserError
+
+TMP_PREFIX = ".tmp-"
+PROBE = ".probe"  # a run's nonce: which nodes reach the warehouse themselves (Warehouse.reaches)
+def open_location(where: str | os.PathLike) -> "LocalDir | S3Dir":
+    where = str(where)
+    if "://" not in where:
+        return LocalDir(Path(where))
+    scheme, rest = where.split("://", 1)
+    if scheme == "file":
+        return LocalDir(Path(rest))
+    if scheme != "s3":
+        raise UserError(f"--warehouse {scheme}://...: the scheme {scheme!r} is not supported "
+                        "(a directory, file://DIR or s3://BUCKET/PREFIX)")
+    bucket, _, prefix = rest.partition("/")
+    if "@" in bucket or ":" in bucket or "?" in rest:
+        # never echo it: the URI may hold a key
+        raise UserError("--warehouse s3://...: credentials or options in the URI are refused; give them "
+                        "through the AWS environment or config (AWS_PROFILE, AWS_ENDPOINT_URL, ...)")
+    if not bucket:
+        raise UserError(f"--warehouse {where}: no bucket named")
+    from store.s3 import S3Dir
+
+    return S3Dir(bucket, prefix.strip("/"))
+
+
+def fsync_replace(tmp: Path, final: Path) -> None:
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+
+
+class LocalDir:
+    """A warehouse directory on this machine."""
+
+    remote = False
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.fs = None  # pyarrow reads local paths itself
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def path(self, key: str) -> str:
+        return str(self.root / key)
+
+    def state(self) -> str:
+        """missing | empty | used | not a directory"""
+        if not self.root.exists():
+            return "missing"
+        if not self.root.is_dir():
+            return "not a directory"
+        return "used" if any(self.root.iterdir()) else "empty"
+
+    def exists(self, key: str) -> bool:
+        return (self.root / key).is_file()
+
+    def read_bytes(self, key: str) -> bytes:
+        return (self.root / key).read_bytes()
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        write_whole(self, key, lambda tmp: tmp.write_bytes(data))
+
+    def stage(self, key: str) -> "LocalStage":
+        return LocalStage(self.root / key)
+
+    def list(self, prefix: str, suffix: str = ".parquet") -> list[str]:
+        d = self.root / prefix
+        if not d.is_dir():
+            return []
+        return sorted(str(p.relative_to(self.root)) for p in d.rglob(f"*{suffix}")
+                      if p.is_file() and not p.name.startswith(TMP_PREFIX))
+
+    def delete(self, key: str) -> None:
+        (self.root / key).unlink(missing_ok=True)
+
+    def mkdirs(self, prefix: str) -> None:
+        (self.root / prefix).mkdir(parents=True, exist_ok=True)
+
+    def sweep_tmp(self) -> list[str]:
+        """Remove temp files left by a killed writer (never visible to readers)."""
+        gone = [p for p in self.root.rglob(f"{TMP_PREFIX}*") if p.is_file()]
+        for p in gone:
+            p.unlink()
+        return [str(p.relative_to(self.root)) for p in gone]
+
+    @contextlib.contextmanager
+    def lock(self, holder: str):
+        import fcntl
+
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                other = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                raise UserError(f"{self.root}: another matrix run is writing to this warehouse ({other})") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder.encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+
+class LocalStage:
+    """A temp file beside `final` to write the whole file to; commit() makes it `final`."""
+
+    def __init__(self, final: Path):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        self.final = final
+        self.tmp = final.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{final.name}.part"
+
+    def commit(self) -> None:
+        fsync_replace(self.tmp, self.final)
+
+    def abort(self) -> None:
+        self.tmp.unlink(missing_ok=True)
+
+
+def write_whole(loc, key: str, write: Callable[[Path], None]) -> None:
+    """write(tmp) writes the whole file; it becomes `key` only if that succeeds."""
+    st = loc.stage(key)
+    try:
+        write(st.tmp)
+        st.commit()
+    except BaseException:
+        st.abort()
+        raise
