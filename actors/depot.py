@@ -4,8 +4,8 @@
 node cannot see the warehouse directory (they send each prompt's row group already encoded, as
 Parquet bytes, never float arrays), and it serves the reference weights to nodes that do not
 have them. `RemoteShard` is the actor-side writer that talks to it, with one row group in
-flight: the next prompt's forward overlaps the last one's transfer, and the depot's memory
-stays at one row group per capture however many rows a sweep makes.
+flight: the next chunk's encoding (or the next prompt's forward) overlaps the last one's
+write, and the depot's memory stays at one chunk per capture however many rows a sweep makes.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from common.files import sha256_file
 from store.warehouse import ShardWriter, encode_rows, rows_table
 
 CHUNK = 8 << 20  # bytes per read() of a model file
+MESSAGE_BYTES = 16 << 20  # native logit bytes per row group a node sends to the depot
 
 
 @ray.remote
@@ -95,12 +96,19 @@ class RemoteShard:
 
     def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
             native: np.ndarray) -> None:
-        data = encode_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions,
-                                      next_ids, native))
-        self._settle()  # back-pressure: the previous row group is written before this one goes
-        self.pending = self.depot.add.remote(self.cell_id, self.repeat, data)
+        """native: (rows, vocab). Sent in chunks of at most MESSAGE_BYTES of values, so this node
+        encodes the next chunk while the depot writes the last (two cores at work, not one), and
+        a long prompt never has to fit in one message."""
+        next_ids = list(next_ids)
+        step = max(1, MESSAGE_BYTES // max(1, native.shape[1] * native.itemsize))
+        for lo in range(0, native.shape[0], step):
+            hi = lo + step
+            data = encode_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions[lo:hi],
+                                          next_ids[lo:hi], native[lo:hi]))
+            self._settle()  # back-pressure: the previous chunk is written before this one goes
+            self.pending = self.depot.add.remote(self.cell_id, self.repeat, data)
+            self.bytes += len(data)
         self.rows += native.shape[0]
-        self.bytes += len(data)
 
     def _settle(self) -> None:
         if self.pending is not None:

@@ -45,8 +45,8 @@ def main() -> None:
     ap.add_argument("--stride", type=int, default=32)
     args = ap.parse_args()
     from actors.capture import capture_shard
-    from store.warehouse import ShardWriter
     from backends.base import sampled_positions
+    from store.warehouse import ShardWriter
 
     resolved, prompts = model_and_prompts()
     print(f"corpus: built-in, {len(prompts)} prompts, {sum(len(i) for _, i in prompts)} tokens, "

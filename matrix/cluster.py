@@ -6,9 +6,12 @@ Only the CLI calls init_ray, and only the CLI shuts Ray down: library code never
 from __future__ import annotations
 
 import os
+import secrets
 import socket
+from pathlib import Path
 
 from common.errors import UserError
+from common.files import cache_root
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:
@@ -25,17 +28,47 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
         raise UserError(f"--address {address}: cannot reach {host}:{port} ({e.strerror or e})") from None
 
 
+def _token_file() -> Path:
+    """This user's token for the local clusters matrix starts: made once, readable by its owner only."""
+    path = cache_root() / "ray-auth-token"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        os.replace(path.with_suffix(".tmp"), path)
+    return path
+
+
+def _has_token() -> bool:
+    """Whether Ray would find a token where it looks (env, token file, ~/.ray/auth_token)."""
+    return bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+                or (Path.home() / ".ray" / "auth_token").is_file())
+
+
 def init_ray(address: str | None):
-    """Connect to a cluster or start a local one. Only the CLI calls this (and shutdown)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 defaults to token auth
+    """Connect to a cluster or start a local one. Only the CLI calls this (and shutdown).
+
+    Ray's ports listen on every interface, so neither kind is left without authentication:
+    joining, token mode is on whenever a token is given (Ray's driver never turns it on by
+    itself); a local cluster uses a token of this user's (_token_file) unless RAY_AUTH_MODE
+    says otherwise (the tests and `make` set `disabled`)."""
+    # before `import ray`: Ray reads its auth settings once, when it is imported
+    if address and "RAY_AUTH_MODE" not in os.environ and _has_token():
+        os.environ["RAY_AUTH_MODE"] = "token"
+    if not address and "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ.setdefault("RAY_AUTH_TOKEN_PATH", str(_token_file()))
     import ray
 
     if address:
         _check_reachable(address)
         try:
             ray.init(address=address, log_to_driver=False)
-        except ConnectionError as e:
-            raise UserError(f"--address {address}: {str(e).splitlines()[0]}") from None
+        except (ConnectionError, ray.exceptions.AuthenticationError) as e:
+            hint = "" if os.environ.get("RAY_AUTH_MODE") == "token" else \
+                " (a cluster with token auth needs RAY_AUTH_MODE=token and its token: RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+            raise UserError(f"--address {address}: {str(e).splitlines()[0]}{hint}") from None
     else:
         # address "local": a new cluster of our own, even when `ray start` left one on this machine
         # (ray.init() would join that one, with whatever nodes and settings it has)

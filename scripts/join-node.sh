@@ -28,7 +28,7 @@ if [ -z "${RAY_AUTH_TOKEN:-}" ] && ! { [ -r "$token_file" ] && [ -s "$token_file
   exit 2
 fi
 python3 -m pip install -q "ray[default]>=2.52"   # 2.52: token auth (older Ray ignores RAY_AUTH_MODE)
-python3 -m pip install -q -e "$here[$extras]"
+python3 -m pip install -q -e "$here[$extras,s3]"
 case "$device" in
   # (ROCm: PyPI's vllm is the CUDA build; use AMD's ROCm vLLM and point LOGIT_MATRIX_VLLM_PYTHON at it)
   sm120|h200|b200|h100|cuda)

@@ -14,9 +14,12 @@ import contextlib
 import os
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from common.errors import UserError
+
+if TYPE_CHECKING:
+    from store.s3 import S3Dir
 
 TMP_PREFIX = ".tmp-"
 PROBE = ".probe"  # a run's nonce: which nodes reach the warehouse themselves (Warehouse.reaches)

@@ -13,8 +13,8 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path

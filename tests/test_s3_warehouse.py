@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -95,6 +94,13 @@ def test_sweep_analysis_and_sql_on_s3(s3, tiny_model, short_corpus, swept, tmp_p
         logs.append(out.stdout + out.stderr)
         assert out.returncode == 0, (cmd, out.stderr[-2000:])
     assert len(sql(uri, "select * from summary")) == 2
+    sdpa = next(c["cell_id"] for c in cells if ".sdpa." in c["cell_id"])
+    eager = next(c["cell_id"] for c in cells if ".eager." in c["cell_id"])
+    for cmd, ok in ((["card", sdpa, "--json", "--allow-undisclosed"], {0}), (["admit", sdpa], {0, 1}),
+                    (["fixture", "export", eager, "--out", str(tmp_path / "fixture.json")], {0})):
+        out = run_cli(*cmd, "--warehouse", uri)
+        logs.append(out.stdout + out.stderr)
+        assert out.returncode in ok, (cmd, out.stderr[-2000:])
     # a live lease: a second writer is refused, naming the holder, and nothing changes
     lease(s3, "sweep", "pid 4242 on the-other-driver", expires_in=600)
     before = keys(s3, "sweep/")
