@@ -203,6 +203,9 @@ def part_memory(args) -> None:
     print(f"  depot peak RSS at N={max(args.sizes)} / N={min(args.sizes)}: {ratio:.2f}x "
           f"({hi['bytes'] / lo['bytes']:.0f}x the bytes; target: flat, ~1.0x); anonymous (heap) "
           f"peak {hi['anon'] / lo['anon']:.2f}x"
+          + "".join(f"\n  depot peak RSS at N={max(args.sizes)} / N={n}: {hi['peak'] / results[n]['peak']:.2f}x"
+                    for n in sorted(args.sizes)[1:-1])
+          + " (one run each: the smallest size may end before the allocator's pools are warm)"
           f"\n  driver process: peak RSS while streaming {mib(max(r['driver'] for r in results.values()))}, "
           f"VmHWM over the whole script {mib(proc_kib('self', 'VmHWM'))}")
 
