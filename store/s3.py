@@ -136,8 +136,13 @@ class S3Dir:
         lease.take()
         try:
             yield
-        finally:
+        except BaseException:
             lease.release()
+            raise
+        lease.release()
+        if lease.error is not None:  # the work finished, but another writer may have overlapped it
+            raise UserError(redact(f"{self}: the writer lease could not be renewed during the run "
+                                   f"({type(lease.error).__name__}: {str(lease.error).splitlines()[0]})"))
 
 
 class Lease:
@@ -148,6 +153,7 @@ class Lease:
         self.where, self.key = where, where._key(LEASE)
         self.holder = f"{holder} on {socket.gethostname()}"
         self.etag = None
+        self.error: Exception | None = None  # a renewal that failed
         self.stop = threading.Event()
         self.thread = None
 
@@ -179,7 +185,11 @@ class Lease:
 
     def _renew(self) -> None:
         while not self.stop.wait(LEASE_S / 3):
-            self.etag = self._put(IfMatch=self.etag)
+            try:
+                self.etag = self._put(IfMatch=self.etag)
+            except Exception as e:  # kept for the holder to report (lock()), not printed from a thread
+                self.error = e
+                return
 
     def release(self) -> None:
         self.stop.set()
