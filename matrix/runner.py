@@ -151,15 +151,18 @@ class Live:
 def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse) -> dict:
     spec, cell, loaded = plan.spec, live.cell, live.loaded
     art = loaded.get("artifact") or {}
-    hashes = [wh.shard_hashes(cell.cell_id, r) for r in range(spec.repeats)]
+    # shard 0 read once (on object storage each read is a request): its hashes, rows and dtype
+    first = wh.read_shard(cell.cell_id, 0, ["prompt_id", "position", "row_hash", "logits_dtype"])
+    hashes = [{(p, int(q)): h for p, q, h in zip(*(first.column(c).to_pylist() for c in first.column_names[:3]))}]
+    hashes += [wh.shard_hashes(cell.cell_id, r) for r in range(1, spec.repeats)]
     ref = spec.reference_cells.get(cell.model)
     return R.cell_row(
         cell.cell_id, run_id, "done", **_cell_fields(plan, cell),
         bit_reproducible=all(h == hashes[0] for h in hashes[1:]),
-        repeats=spec.repeats, rows_per_repeat=wh.shard_rows(cell.cell_id, 0), n_prompts=len(plan.prompts[cell.model]),
+        repeats=spec.repeats, rows_per_repeat=first.num_rows, n_prompts=len(plan.prompts[cell.model]),
         threads=loaded["settings"].get("threads"), bos_policy=spec.bos, is_reference=ref == cell.cell_id,
         reference_cell_id=ref, vocab_size=plan.vocab[cell.model], engine_vocab_size=loaded["vocab_size"],
-        logits_dtype=wh.read_shard(cell.cell_id, 0, ["logits_dtype"]).column(0)[0].as_py(),
+        logits_dtype=first.column("logits_dtype")[0].as_py(),
         artifact=art.get("path"), artifact_sha256=art.get("sha256"),
         artifact_recipe=json.dumps(art.get("recipe"), sort_keys=True) if art else None,
         tokenizer_parity=live.parity["status"] if live.parity else "not_checked", max_tokens=cell.max_tokens,
