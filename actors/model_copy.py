@@ -9,28 +9,15 @@ and as a whole, and keeps them in its cache under the weights' hash for the next
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from backends.artifacts import locked  # two cells on one node may want the same model
 from common.errors import UserError
-from common.files import cache_root, sha256_file, weights_digest, weights_digest_cached
+from common.files import cache_root, sha256_file, weights_digest_cached
 from common.stack import ModelCopy
-
-
-@contextlib.contextmanager
-def _locked(d: Path):
-    """Two cells on one node may want the same model: the second waits, then reuses it."""
-    d.mkdir(parents=True, exist_ok=True)
-    fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _receive(depot, path: str, dest: Path) -> None:
@@ -64,10 +51,10 @@ def model_dir(model: ModelCopy, depot, node: str) -> tuple[str, str]:
                             f"for model {model.name}; remove that copy or make it the same")
         return str(own), "local"
     dest = cache_root() / "shipped" / want
-    with _locked(dest.parent):
+    with locked(dest.parent):
         if not dest.is_dir():
             _receive(depot, model.hf_dir, dest)
-    got = weights_digest(dest)
+    got = weights_digest_cached(dest)  # hashed once after it arrives, not at every cell's load
     if got != want:
         raise UserError(f"node {node}: the weights received for model {model.name} have sha256 {got}, "
                         f"the driver recorded {want}")
@@ -82,8 +69,7 @@ def source_gguf(model: ModelCopy, depot) -> str | None:
     if own.is_file() and sha256_file(own) == model.source_sha256:
         return str(own)
     dest = cache_root() / "shipped" / f"gguf-{model.source_sha256}"
-    with _locked(dest.parent):
+    with locked(dest.parent):
         if not dest.is_dir():
             _receive(depot, model.source_gguf, dest)
     return str(dest / own.name)
-

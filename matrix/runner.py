@@ -28,6 +28,7 @@ from matrix.models import ResolvedModel, fetch
 from matrix.spec import Spec
 from store import SCHEMA_VERSION, Warehouse
 from store import rows as R
+from store.warehouse import row_hashes
 
 HEARTBEAT_S = float(os.environ.get("LOGIT_MATRIX_HEARTBEAT_S", "60"))
 
@@ -153,7 +154,7 @@ def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse) -> dict:
     art = loaded.get("artifact") or {}
     # shard 0 read once (on object storage each read is a request): its hashes, rows and dtype
     first = wh.read_shard(cell.cell_id, 0, ["prompt_id", "position", "row_hash", "logits_dtype"])
-    hashes = [{(p, int(q)): h for p, q, h in zip(*(first.column(c).to_pylist() for c in first.column_names[:3]))}]
+    hashes = [row_hashes(first)]
     hashes += [wh.shard_hashes(cell.cell_id, r) for r in range(1, spec.repeats)]
     ref = spec.reference_cells.get(cell.model)
     return R.cell_row(

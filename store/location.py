@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 TMP_PREFIX = ".tmp-"
 PROBE = ".probe"  # a run's nonce: which nodes reach the warehouse themselves (Warehouse.reaches)
+
+
 def open_location(where: str | os.PathLike) -> "LocalDir | S3Dir":
     where = str(where)
     if "://" not in where:

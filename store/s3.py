@@ -67,7 +67,7 @@ class S3Dir:
 
     def _fail(self, what: str, e: Exception) -> UserError:
         """One line for an unreachable bucket, missing credentials, a refused request."""
-        code = getattr(e, "response", {}).get("Error", {}).get("Code") if hasattr(e, "response") else None
+        code = getattr(e, "response", {}).get("Error", {}).get("Code")
         return UserError(redact(f"{self}: {what}: {code + ': ' if code else ''}{str(e).splitlines()[0]}"))
 
     @contextlib.contextmanager

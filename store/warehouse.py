@@ -207,8 +207,12 @@ class Warehouse:
         return pq.read_metadata(self.shard_path(cell_id, repeat), filesystem=self.loc.fs).num_rows
 
     def shard_hashes(self, cell_id: str, repeat: int) -> dict[tuple[str, int], str]:
-        t = self.read_shard(cell_id, repeat, ["prompt_id", "position", "row_hash"])
-        return {(p, int(q)): h for p, q, h in zip(*(t.column(c).to_pylist() for c in t.column_names))}
+        return row_hashes(self.read_shard(cell_id, repeat, ["prompt_id", "position", "row_hash"]))
+
+
+def row_hashes(rows: pa.Table) -> dict[tuple[str, int], str]:
+    """(prompt_id, position) -> row_hash of a shard's rows (a table with at least those columns)."""
+    return {(p, int(q)): h for p, q, h in zip(*(rows.column(c).to_pylist() for c in ("prompt_id", "position", "row_hash")))}
 
 
 def rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, positions: list[int],
