@@ -80,8 +80,14 @@ class StackActor:
     def _load(self, dist: dict[str, Any] | None, rendezvous: tuple[str, int] | None,
               node_gpus: tuple[list[str], ...]) -> dict[str, Any]:
         from actors.model_copy import model_dir, source_gguf
+        from common.builds import describe, engine_build
 
         t0 = time.perf_counter()
+        built = engine_build(self.cls.libraries)
+        if self.stack.build and built["build"] != self.stack.build:  # reinstalled since the probe
+            raise RuntimeError(f"{self.stack.cell_id}: node {socket.gethostname()} now has {self.stack.engine} "
+                               f"build {built['build']} ({describe(built['libraries'])}), not the build "
+                               f"{self.stack.build} the run planned for; run again to capture it as a new cell")
         if dist is not None:
             dist = {**dist, "master_addr": rendezvous[0], "master_port": rendezvous[1],
                     "own_gpus": self.gpu_ids(), "node_gpus": [list(g) for g in node_gpus]}
@@ -100,6 +106,7 @@ class StackActor:
             "vocab_size": self.backend.vocab_size(), "load_seconds": time.perf_counter() - t0,
             "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
             "fingerprint": fingerprint(), "model_via": model_via, "rows_via": "node" if self.direct else "driver",
+            "build": built["build"], "build_libraries": built["libraries"],
         }
 
     def parity(self, prompts: list[tuple[str, str, list[int]]], reference: dict[str, Any],

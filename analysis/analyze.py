@@ -184,6 +184,8 @@ def _centroids(wh: Warehouse, model: str, group: list[dict], shards0: dict[str, 
                centroid: str, summary: dict, log: Callable[[str], None]) -> None:
     groups: dict[str, list[str]] = {}
     for c in group:
+        if c.get("replica"):  # another host's copy of a stack: it would weigh that stack twice
+            continue
         groups.setdefault(c.get("centroid_group") or model, []).append(c["cell_id"])
     for gname, ids in sorted(groups.items()):
         cent, pair = centroid_tables({cid: shards0[cid] for cid in ids}, ref_id, centroid, gname)
@@ -217,8 +219,10 @@ def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None,
                "unaligned_rows": {}}
     for model in sorted({c["model"] for c in done}):
         group = sorted((c for c in done if c["model"] == model), key=lambda c: c["cell_id"])
+        # several engine builds of the reference stack: the newest capture is the model's reference
+        refs = {c["reference_cell_id"] for c in group if c.get("reference_cell_id") in by_id}
         ref_id = reference if reference and by_id[reference]["model"] == model else \
-            next((c["reference_cell_id"] for c in group if c.get("reference_cell_id") in by_id), None)
+            max(refs, key=lambda r: (by_id[r]["finished_at"], r)) if refs else None
         if ref_id is None:
             log(f"{model}: no reference cell captured; skipping the reference metrics")
             continue

@@ -91,6 +91,23 @@ VIEWS = {
                             ORDER BY avg(m.kld_centroid_stack)) AS rank_closest
         FROM centroid_metrics m JOIN cells c USING (cell_id)
         GROUP BY c.model, coalesce(m.centroid_group, c.model), m.cell_id""",
+    # Byte identity of one stack across hosts (replicas) and engine builds: every pair of its
+    # captured cells, compared row by row on the row hashes of repeat 0 (no logits are read).
+    "stack_identity": """
+        WITH s AS (SELECT cell_id, coalesce(stack_id, regexp_replace(split_part(cell_id, '@', 1),
+                                                                     '\\.r[0-9]+$', '')) AS stack_id,
+                          coalesce(replica, 0) AS replica, build, host, node_id
+                   FROM cells WHERE status = 'done'),
+        h AS (SELECT cell_id, prompt_id, position, row_hash FROM logits WHERE repeat = 0)
+        SELECT a.stack_id, a.cell_id AS cell_a, b.cell_id AS cell_b, a.host AS host_a, b.host AS host_b,
+               a.node_id AS node_a, b.node_id AS node_b, a.build AS build_a, b.build AS build_b,
+               a.replica AS replica_a, b.replica AS replica_b, count(*) AS rows,
+               count(*) FILTER (WHERE ha.row_hash = hb.row_hash) AS identical_rows,
+               bool_and(ha.row_hash = hb.row_hash) AS identical
+        FROM s a JOIN s b ON a.stack_id = b.stack_id AND a.cell_id < b.cell_id
+        JOIN h ha ON ha.cell_id = a.cell_id
+        JOIN h hb ON hb.cell_id = b.cell_id AND hb.prompt_id = ha.prompt_id AND hb.position = ha.position
+        GROUP BY ALL""",
 }
 
 

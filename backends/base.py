@@ -48,6 +48,9 @@ class Backend:
     # torch.distributed group; "engine", one actor holding all the cell's devices, whose engine
     # starts its own tp workers.
     tp_workers: ClassVar[str] = "ranks"
+    # The installed distributions whose build changes the rows (common/builds.py): their
+    # versions and file hashes name the cell's build, part of what decides "already captured".
+    libraries: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, stack: StackDesc, model_dir: str, threads: int):
         self.stack = stack

@@ -35,6 +35,7 @@ class HFBackend(Backend):
     attention = frozenset({"eager", "sdpa", "flash_attention_2"})
     devices = frozenset({"cpu"}) | GPU_DEVICES
     max_tp = 8  # tensor parallel through torch.distributed: gloo on CPU, NCCL on GPU
+    libraries = ("torch", "transformers", "accelerate", "safetensors")
 
     @classmethod
     def unsupported(cls, cell) -> str | None:

@@ -80,6 +80,7 @@ class LlamaCppBackend(Backend):
     devices = frozenset({"cpu", "cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm",
                          "apple-m1", "apple-m2", "apple-m3", "apple-m4", "mps"})
     options = frozenset({"kv_cache", "n_batch", "n_ubatch"})
+    libraries = ("llama_cpp_python", "gguf")  # gguf-py writes the converted and quantised files
 
     def load(self) -> None:
         import llama_cpp

@@ -69,6 +69,7 @@ class MLXBackend(Backend):
     engine = "mlx"
     dtypes = frozenset(MLX_DTYPES)
     attention = frozenset({"default"})
+    libraries = ("mlx", "mlx-metal", "mlx-cpu", "mlx-lm")  # mlx-metal on a Mac, mlx-cpu on Linux
     devices = frozenset({"cpu", "apple-m1", "apple-m2", "apple-m3", "apple-m4", "mps"})
 
     def load(self) -> None:

@@ -77,6 +77,7 @@ class TrtllmBackend(Backend):
     devices = frozenset({"cuda", "h100", "h200", "b200", "sm120"})
     max_tp = 8
     options = frozenset({"trt_backend"})  # pytorch (default) | tensorrt (engine build)
+    libraries = ("tensorrt_llm", "torch")
 
     MAX_SEQ_LEN = 8192
 

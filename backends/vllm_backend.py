@@ -146,6 +146,7 @@ class VLLMBackend(Backend):
     max_tp = 8
     tp_workers = "engine"  # tp ranks are vLLM's own processes; runtime_env runs it under vllm_python()
     options = frozenset({"vllm_executor"})
+    libraries = ("vllm", "torch")
 
     @classmethod
     def workers_in_group(cls, cell) -> bool:

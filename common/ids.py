@@ -9,16 +9,31 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
 import secrets
 import uuid
 from typing import Any
 
 
-def cell_id(coords: dict[str, Any], key: dict[str, Any]) -> str:
-    """coords: model, engine, dtype, attention, tp, device; key: everything that changes the rows."""
+def cell_id(coords: dict[str, Any], key: dict[str, Any], replica: int = 0) -> str:
+    """A stack as the spec names it. coords: model, engine, dtype, attention, tp, device; key:
+    everything in the spec that changes the rows; replica i > 0 (another node) gets `.r<i>`."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     return (f"{coords['model']}.{coords['engine']}.{coords['dtype']}.{coords['attention']}"
-            f".tp{coords['tp']}.{coords['device']}-{digest}")
+            f".tp{coords['tp']}.{coords['device']}-{digest}" + (f".r{replica}" if replica else ""))
+
+
+def built_cell_id(stack_id: str, build: str) -> str:
+    """A captured cell: the stack and the engine build that ran it (common/builds.py)."""
+    return f"{stack_id}@{build[:8]}"
+
+
+def split_cell_id(cell_id: str) -> tuple[str, int, str | None]:
+    """(stack id, replica, build) of a cell id; a cell captured before builds were recorded
+    (warehouse v4) has no build."""
+    spec_id, _, build = cell_id.partition("@")
+    m = re.fullmatch(r"(.*-[0-9a-f]{10})\.r([0-9]+)", spec_id)
+    return (m.group(1), int(m.group(2)), build or None) if m else (spec_id, 0, build or None)
 
 
 def imported_cell_id(model: str, engine: str, file_sha256: str) -> str:

@@ -29,6 +29,13 @@ class Cell:
     # Analysis only (not in the cell id): whose centroid this stack joins. None: its model's.
     centroid_group: str | None = None
     calibration: str | None = None  # declared in the spec; model cards disclose it
+    # `replicas: N`: copy i of the stack, each on its own node (0: the stack itself)
+    replica: int = 0
+    # Set when the run binds the cell to a node's engine build (matrix/builds.py): cell_id is
+    # then stack_id@build; before, cell_id == stack_id (the spec alone decides it).
+    stack_id: str = ""
+    build: str | None = None
+    pin: tuple[str, ...] = ()  # Ray node ids the cell may run on (empty: any that fits)
 
     @property
     def opts(self) -> dict[str, Any]:
@@ -56,6 +63,7 @@ class StackDesc:
     weights_sha256: str | None = None  # of the reference checkpoint the engine's weights are built from
     source_gguf: str | None = None  # the GGUF the reference weights were dequantised from, if any
     source_quant: str | None = None  # its quant type: a cell of that dtype runs the file itself
+    build: str | None = None  # the engine build the driver bound the cell to (common/builds.py)
 
     @property
     def opts(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@ typed description each cell's backend is given. `load_spec` is parse (spec.py) +
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -25,7 +26,7 @@ def stack_desc(cell: Cell, model) -> StackDesc:
     return StackDesc(engine=cell.engine, dtype=cell.dtype, attention=cell.attention, device=cell.device,
                      tp=cell.tp, model=cell.model, cell_id=cell.cell_id, options=cell.options,
                      max_tokens=cell.max_tokens, weights_sha256=model.weights_sha256,
-                     source_gguf=model.gguf_path, source_quant=model.gguf_quant)
+                     source_gguf=model.gguf_path, source_quant=model.gguf_quant, build=cell.build)
 
 
 def model_copy(model) -> ModelCopy:
@@ -88,7 +89,7 @@ def cell_options(spec: Spec, combo: dict) -> tuple[dict, list[str]]:
     return dict(sorted(opts.items())), foreign
 
 
-def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str) -> str:
+def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: int = 0) -> str:
     """Stable id: readable coordinates plus a hash of everything that changes the rows."""
     key = {**{k: combo[k] for k in names.CELL_AXES}, "model": spec.models[combo["model"]].identity,
            "threads": combo.get("threads", spec.threads), "stride": spec.stride,
@@ -97,7 +98,7 @@ def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str) -> str:
         key["options"] = opts
     if combo.get("max_tokens", spec.max_tokens):
         key["max_tokens"] = combo.get("max_tokens", spec.max_tokens)
-    return ids.cell_id(combo, key)
+    return ids.cell_id(combo, key, replica)
 
 
 def expand(spec: Spec) -> None:
@@ -114,7 +115,7 @@ def expand(spec: Spec) -> None:
         group = next((g for g, sels in spec.centroid_groups
                       if any(all(combo[k] == v for k, v in sel.items()) for sel in sels)), None)
         cell = Cell(**{k: combo[k] for k in names.CELL_AXES},
-                    threads=combo.get("threads", spec.threads), cell_id=cid,
+                    threads=combo.get("threads", spec.threads), cell_id=cid, stack_id=cid,
                     max_tokens=combo.get("max_tokens", spec.max_tokens),
                     options=tuple(opts.items()), centroid_group=group, calibration=combo.get("calibration"))
         reason = unsupported_reason(cell)
@@ -128,8 +129,11 @@ def expand(spec: Spec) -> None:
             reason = f"engine {cell.engine} takes no option {foreign[0]}"
         if reason:
             spec.skipped.append({**cell.axes(), "cell_id": cid, "reason": reason})
-        else:
-            spec.cells.append(cell)
+            continue
+        spec.cells.append(cell)
+        for i in range(1, combo.get("replicas", spec.replicas)):  # the same stack on other nodes
+            rid = make_cell_id(spec, combo, opts, corpus_fp, i)
+            spec.cells.append(dataclasses.replace(cell, cell_id=rid, stack_id=rid, replica=i))
     if not spec.cells:
         raise UserError(f"{spec.path}: no runnable cell: "
                         + "; ".join(f"{s['cell_id']}: {s['reason']}" for s in spec.skipped[:3]))
@@ -138,7 +142,7 @@ def expand(spec: Spec) -> None:
             sel = {"model": model, **spec.reference}
             if sel["model"] != model:
                 continue
-            hits = [c for c in spec.cells if all(getattr(c, k) == v for k, v in sel.items())]
+            hits = [c for c in spec.cells if c.replica == 0 and all(getattr(c, k) == v for k, v in sel.items())]
             skipped = [s for s in spec.skipped if all(s[k] == v for k, v in sel.items())]
             if not hits and skipped:
                 raise field_error(spec.path, "reference", f"the reference stack cannot run: {skipped[0]['reason']}",

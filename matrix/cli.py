@@ -17,11 +17,12 @@ DEFAULT_SPEC = CONFIGS / "smoke.yaml"
 
 def cmd_cells(args) -> int:
     from matrix.cells import load_spec
+    from matrix.cli_builds import build_columns
 
     spec = load_spec(args.spec)
     cells = [{**c.axes(), "threads": c.threads, "options": c.opts, "max_tokens": c.max_tokens, "cell_id": c.cell_id,
-              "reference": c.cell_id in spec.reference_cells.values()} for c in spec.cells]
-    nodes = _known_nodes(args.address, args.cluster_config)
+              "replica": c.replica, "reference": c.cell_id in spec.reference_cells.values()} for c in spec.cells]
+    nodes, answers = _known_nodes(args.address, args.cluster_config, spec if args.warehouse else None)
     placed = None
     if nodes is not None:
         from matrix import placement
@@ -30,13 +31,19 @@ def cmd_cells(args) -> int:
     for c in cells:
         if placed:
             c["placement"] = str(placed[c["cell_id"]])
+    builds = build_columns(spec, args.warehouse, answers) if args.warehouse else None
+    for c in cells:
+        if builds:
+            c.update(builds[c["cell_id"]])
     if args.json:
         emit_json({"spec": str(spec.path), "cells": cells, "skipped": spec.skipped,
                    "stride": spec.stride, "repeats": spec.repeats, "corpus": spec.corpus})
     else:
-        cols = ["cell_id", "reference"] + (["placement"] if placed else [])
+        cols = ["cell_id", "reference"] + (["placement"] if placed else []) + (["build", "captured by", "a run"] if builds else [])
         print(table(cols, [[c["cell_id"], "yes" if c["reference"] else ""]
-                           + ([placed[c["cell_id"]].brief()] if placed else []) for c in cells]))
+                           + ([placed[c["cell_id"]].brief()] if placed else [])
+                           + ([c["build"] or "?", ", ".join(b["build"] or "unrecorded" for b in c["captured"]) or "-",
+                               c["action"]] if builds else []) for c in cells]))
         if spec.skipped:
             print(f"\nskipped ({len(spec.skipped)}):")
             print(table(["combination", "reason"], [[s["cell_id"], s["reason"]] for s in spec.skipped]))
@@ -46,20 +53,29 @@ def cmd_cells(args) -> int:
     return 0
 
 
-def _known_nodes(address: str | None, cluster_config: str | None) -> list | None:
-    """Live nodes of --address plus the node types of the launcher config; None: neither given."""
+def _known_nodes(address: str | None, cluster_config: str | None, probe_spec=None) -> tuple[list | None, dict | None]:
+    """Live nodes of --address plus the node types of the launcher config (None: neither given),
+    and with probe_spec, the engine build of each node its cells can use (matrix/builds.py)."""
     from matrix import cluster, placement
 
     if not address and not cluster_config:
-        return None
-    live = []
+        return None, None
+    live, answers = [], None
     if address:
         ray = cluster.init_ray(address)
         try:
             live = placement.cluster_nodes()
+            if probe_spec is not None:
+                from matrix import builds
+                from matrix.models import fetch
+
+                known = placement.known_nodes(live, cluster_config or placement.default_cluster_config(address))
+                placement.check_placement(probe_spec.cells, known, lambda msg: None)
+                models = {n: fetch(ref, log=log) for n, ref in probe_spec.models.items()}
+                answers = builds.probe(probe_spec.cells, models, known, log)
         finally:
             ray.shutdown()
-    return placement.known_nodes(live, cluster_config or placement.default_cluster_config(address))
+    return placement.known_nodes(live, cluster_config or placement.default_cluster_config(address)), answers
 
 
 def cmd_models(args) -> int:
@@ -127,25 +143,30 @@ def cmd_run(args) -> int:
         log(f"skipping {s['cell_id']}: {s['reason']}")
     plan = runner.prepare(spec, wh, log)
     summary = None
-    if plan.todo or plan.complete:
-        wh.create()
-        with wh.lock():
-            wh.migrate(log)
-            runner.find_todo(plan, wh)  # another run may have finished cells meanwhile
+    config = args.cluster_config or placement.default_cluster_config(args.address)
+    wh.create()
+    with wh.lock():
+        wh.migrate(log)
+        ray = cluster.init_ray(args.address)
+        try:
+            nodes = placement.known_nodes(placement.cluster_nodes(), config)
+            if config:
+                log(f"node types from {config}: " + ", ".join(n.node_type for n in nodes if n.node_type))
+            placement.check_placement(spec.cells, nodes, log)
+            runner.bind(plan, wh, nodes, log, args.reuse_cells_from_other_builds)
             runner.regroup_complete_cells(plan, wh, log)
             if plan.todo:
-                ray = cluster.init_ray(args.address)
-                try:
-                    summary = runner.execute(plan, wh, sys.argv, args.address, log, args.cluster_config
-                                             or placement.default_cluster_config(args.address))
-                finally:
-                    ray.shutdown()
-                log(f"run {summary['run_id']}: {summary['cells_done']}/{summary['cells_total']} cells complete, "
-                     f"{summary['rows_written']} rows in {summary['seconds']}s ({summary['rows_per_second']} rows/s)")
-    if summary is None:
-        summary = {"cells_total": len(spec.cells), "cells_done": len(plan.complete), "cells_run": 0,
-                   "rows_written": 0, "skipped": spec.skipped}
-        log(f"nothing to do: all {len(spec.cells)} cell(s) are complete in {wh.where}")
+                summary = runner.execute(plan, wh, sys.argv, args.address, log, config)
+        finally:
+            ray.shutdown()
+    if summary is not None:
+        log(f"run {summary['run_id']}: {summary['cells_done']}/{summary['cells_total']} cells complete, "
+            f"{summary['rows_written']} rows in {summary['seconds']}s ({summary['rows_per_second']} rows/s)")
+    else:
+        summary = {"cells_total": len(plan.cells), "cells_done": len(plan.complete), "cells_run": 0,
+                   "rows_written": 0, "skipped": spec.skipped, "left_out": plan.left_out, "reused": plan.reused}
+        log(f"nothing to do: all {len(plan.cells)} cell(s) are complete in {wh.where}"
+            + (f" ({len(plan.left_out)} left out this time)" if plan.left_out else ""))
     if args.json:
         emit_json(summary)
     return 0
@@ -241,6 +262,9 @@ def _add_sweep_parsers(sub) -> None:
     r.add_argument("--cluster-config", default=None, metavar="YAML",
                    help="Ray launcher config whose node types count as hosts the autoscaler can start "
                         "(default with --address: ~/ray_bootstrap_config.yaml where it exists)")
+    r.add_argument("--reuse-cells-from-other-builds", action="store_true",
+                   help="count a stack captured by another engine build (or before builds were recorded) "
+                        "as done instead of capturing it again with this cluster's build")
     r.add_argument("--json", action="store_true", help="print the run summary as JSON on stdout")
     r.set_defaults(func=cmd_run)
 
@@ -250,6 +274,9 @@ def _add_sweep_parsers(sub) -> None:
                    help="also say where each cell would run on this Ray cluster (exit 2 if one cannot)")
     c.add_argument("--cluster-config", default=None, metavar="YAML",
                    help="also say where each cell would run on the node types of this launcher config")
+    c.add_argument("--warehouse", default=None,
+                   help="also say which engine builds captured each stack there, and whether a run "
+                        "would capture it again (the build: this machine's, or --address's nodes')")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_cells)
 

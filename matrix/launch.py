@@ -72,7 +72,7 @@ def _ranks(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: l
 
     from actors.stack_actor import StackActor
 
-    pg = placement.placement_group_for(cell.device, cell.tp, threads, nodes)
+    pg = placement.placement_group_for(cell.device, cell.tp, threads, nodes, cell.pin)
     gpu = {"num_gpus": 1} if placement.NEEDS[cell.device].gpu else {}
     ranks = [StackActor.options(num_cpus=threads, **gpu, scheduling_strategy=PlacementGroupSchedulingStrategy(
         pg, placement_group_bundle_index=i)).remote(desc, model, threads, delivery) for i in range(cell.tp)]
@@ -93,10 +93,10 @@ def _one_actor(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, node
     if cls.workers_in_group(cell):
         # The engine's own Ray workers go into this cell's group, found from inside the actor,
         # not into a group nested in ours (that deadlocks).
-        pg = placement.placement_group_for(cell.device, cell.tp, threads, nodes)
+        pg = placement.placement_group_for(cell.device, cell.tp, threads, nodes, cell.pin)
         opts = placement.engine_driver_options(pg)
     else:
-        opts = placement.actor_options(cell.device, cell.tp, threads, nodes)
+        opts = placement.actor_options(cell.device, cell.tp, threads, nodes, cell.pin)
         if cell.tp > 1:  # the engine's own tp workers ("engine"): one actor holds all their devices
             opts["num_cpus"] = threads * cell.tp
             if "num_gpus" in opts:

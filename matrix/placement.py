@@ -24,6 +24,7 @@ from common.errors import UserError, read_yaml_file
 
 LABEL = "logit-matrix.io/device"
 RAY_ACCEL = "ray.io/accelerator-type"
+NODE_ID = "ray.io/node-id"  # every node carries it (Ray >= 2.49): how a cell is pinned to nodes
 BOOTSTRAP_CONFIG = Path.home() / "ray_bootstrap_config.yaml"  # where `ray up` leaves cluster.yaml on the head
 
 
@@ -217,8 +218,16 @@ def where(device: str, tp: int, threads: int, nodes: list[Node]) -> Where:
     return Where(live=live, launchable=tuple(sorted({n.node_type for n, _ in found if n.node_type is not None})))
 
 
-def actor_options(device: str, tp: int, threads: int, nodes: list[Node]) -> dict[str, Any]:
-    """Ray options for the cell's actor (tp == 1), or for each rank's bundle (tp > 1)."""
+def pinned(pin: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """A label selector for "one of these nodes" (a cell bound to the nodes of one engine build)."""
+    if not pin:
+        return {}
+    return {NODE_ID: pin[0] if len(pin) == 1 else f"in({','.join(sorted(pin))})"}
+
+
+def actor_options(device: str, tp: int, threads: int, nodes: list[Node], pin: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Ray options for the cell's actor (tp == 1), or for each rank's bundle (tp > 1); `pin`:
+    the node ids it may use (matrix/builds.py)."""
     found = hosts(device, tp, threads, nodes)
     sel = found[0][1] if found else {}
     if sel and RAY_ACCEL in sel:  # every accelerator type among the hosts, not just the first's
@@ -230,19 +239,20 @@ def actor_options(device: str, tp: int, threads: int, nodes: list[Node]) -> dict
         opts["num_gpus"] = 1
     if need.resource and found and found[0][0].resources.get(need.resource, 0) >= 1:
         opts["resources"] = {need.resource: 1}  # a node that advertises the device by resource
+    sel = {**sel, **pinned(pin)}
     if sel:
         opts["label_selector"] = sel
     return opts
 
 
-def placement_group_for(device: str, tp: int, threads: int, nodes: list[Node]):
+def placement_group_for(device: str, tp: int, threads: int, nodes: list[Node], pin: tuple[str, ...] = ()):
     """tp bundles on one node (STRICT_PACK): every rank of a tensor-parallel stack shares a host.
 
     Engines that start their own Ray workers (vLLM's Ray executor) get this group handed to them
     (engine_driver_options) rather than creating one inside it: a group inside a group deadlocks."""
     from ray.util.placement_group import placement_group
 
-    opts = actor_options(device, tp, threads, nodes)
+    opts = actor_options(device, tp, threads, nodes, pin)
     bundle = {"CPU": float(threads)}
     if opts.get("num_gpus"):
         bundle["GPU"] = 1.0

@@ -7,6 +7,7 @@ are built by store/rows.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -55,6 +56,12 @@ class Plan:
     complete: list[str] = field(default_factory=list)
     special: dict[str, dict] = field(default_factory=dict)  # model -> reference bos/eos ids
     vocab: dict[str, int] = field(default_factory=dict)  # model -> reference vocab size (logits per row)
+    # Set by bind(): the spec's cells bound to an engine build (cell_id = stack@build)
+    cells: list[Cell] = field(default_factory=list)
+    reference_cells: dict[str, str] = field(default_factory=dict)  # model -> bound cell id
+    builds: dict[str, dict] = field(default_factory=dict)  # cell id -> its build's libraries
+    left_out: dict[str, str] = field(default_factory=dict)  # stack id -> why it does not run this time
+    reused: dict[str, str] = field(default_factory=dict)  # stack id -> the other build's cell it reuses
 
 
 def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
@@ -74,24 +81,58 @@ def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
         tok_file = os.path.join(m.hf_dir, "tokenizer.json")
         tok_sha = sha256_file(tok_file) if os.path.isfile(tok_file) else None
         prompts[name] = tokenize(spec.corpus, name, tok, spec.bos, tok_sha)
-    plan = Plan(spec, models, prompts, special=special, vocab=vocab)
-    find_todo(plan, wh)
-    return plan
+    return Plan(spec, models, prompts, special=special, vocab=vocab)
 
 
-def find_todo(plan: Plan, wh: Warehouse) -> None:
-    """Which (cell, repeat) captures are missing. Re-checked under the writer lock."""
+def bind(plan: Plan, wh: Warehouse, nodes: list, log: Callable[[str], None], reuse_other_builds: bool = False) -> None:
+    """Bind every cell to the engine build of the node(s) it will run on (matrix/builds.py), then
+    work out what is left to do. Run under the writer lock, with Ray initialised."""
+    from matrix import builds
+
+    captured: dict[str, set[str]] = {}
+    for r in (wh.read_all("cells") if wh.check() else []):
+        if r["status"] == "done" and r.get("build"):
+            captured.setdefault(r["cell_id"].partition("@")[0], set()).add(r["build"])
+    answers = builds.probe(plan.spec.cells, plan.models, nodes, log)
+    plan.cells, plan.builds, plan.left_out = builds.bind(plan.spec.cells, answers, captured, log)
+    for sid, why in plan.left_out.items():
+        log(f"not run this time: {sid}: {why}")
+    bound = {c.stack_id: c.cell_id for c in plan.cells}
+    plan.reference_cells = {m: bound[s] for m, s in plan.spec.reference_cells.items() if s in bound}
+    find_todo(plan, wh, reuse_other_builds, log)
+
+
+def _other_build(cell: Cell, rows: dict[str, dict], repeats: int) -> dict | None:
+    """The newest complete capture of this stack (and replica) by another engine build."""
+    same = [r for cid, r in rows.items() if cid.partition("@")[0] == cell.stack_id and cid != cell.cell_id
+            and r["status"] == "done" and (r["repeats"] or 0) >= repeats]
+    return max(same, key=lambda r: r["finished_at"]) if same else None
+
+
+def find_todo(plan: Plan, wh: Warehouse, reuse_other_builds: bool = False,
+              log: Callable[[str], None] = lambda m: None) -> None:
+    """Which (cell, repeat) captures are missing for the bound cells. A cell is its stack run by
+    one engine build: a capture by another build counts only when the user says so."""
     spec = plan.spec
-    plan.todo, plan.complete = {}, []
+    plan.todo, plan.complete, plan.reused = {}, [], {}
     exists = wh.check()
-    for cell in spec.cells:
+    rows = {r["cell_id"]: r for r in wh.read_all("cells")} if exists else {}
+    for i, cell in enumerate(plan.cells):
         done = wh.completed_repeats(cell.cell_id) if exists else set()
         missing = [r for r in range(spec.repeats) if r not in done]
-        row = wh.read_rows("cells", cell.cell_id) if exists else []
-        if row and row[0]["status"] == "skipped":
+        row = rows.get(cell.cell_id)
+        if row and row["status"] == "skipped":
             plan.complete.append(cell.cell_id)  # deterministic: building it again fails the same way
-        elif not missing and row and row[0]["status"] == "done" and row[0]["repeats"] >= spec.repeats:
+        elif not missing and row and row["status"] == "done" and row["repeats"] >= spec.repeats:
             plan.complete.append(cell.cell_id)
+        elif reuse_other_builds and (other := _other_build(cell, rows, spec.repeats)):
+            plan.cells[i] = dataclasses.replace(cell, cell_id=other["cell_id"], build=other.get("build"))
+            plan.complete.append(other["cell_id"])
+            plan.reused[cell.stack_id] = other["cell_id"]
+            if plan.reference_cells.get(cell.model) == cell.cell_id:
+                plan.reference_cells[cell.model] = other["cell_id"]
+            log(f"{cell.stack_id}: reusing {other['cell_id']}, captured by build {other.get('build') or 'unrecorded'} "
+                f"on {other['host']}, instead of capturing build {cell.build}")
         else:
             plan.todo[cell.cell_id] = missing
 
@@ -100,7 +141,7 @@ def regroup_complete_cells(plan: Plan, wh: Warehouse, log: Callable[[str], None]
     """Centroid grouping and calibration notes describe a cell without changing its arithmetic
     (they are not in the cell id): a spec that changes them re-labels captured cells instead
     of capturing them again."""
-    cells = {c.cell_id: c for c in plan.spec.cells}
+    cells = {c.cell_id: c for c in plan.cells}
     changed = 0
     for cid in plan.complete:
         rows = wh.read_rows("cells", cid)
@@ -128,12 +169,13 @@ def _cell_fields(plan: Plan, cell: Cell) -> dict:
     """The columns every cells row of this cell has, captured or skipped."""
     return {**cell.axes(), **R.model_fields(plan.models[cell.model]), "stride": plan.spec.stride,
             "corpus": plan.spec.corpus, "options": json.dumps(cell.opts, sort_keys=True),
-            "centroid_group": cell.centroid_group, "centroid": plan.spec.centroid, "calibration": cell.calibration}
+            "centroid_group": cell.centroid_group, "centroid": plan.spec.centroid, "calibration": cell.calibration,
+            "stack_id": ids.split_cell_id(cell.stack_id)[0], "replica": cell.replica, "build": cell.build}
 
 
 def skipped_row(plan: Plan, cell: Cell, run_id: str, reason: str) -> dict:
     return R.cell_row(cell.cell_id, run_id, "skipped", **_cell_fields(plan, cell), skip_reason=reason, repeats=0,
-                      host=None)
+                      host=None, build_libraries=json.dumps(plan.builds.get(cell.cell_id), sort_keys=True))
 
 
 @dataclass
@@ -156,7 +198,7 @@ def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse) -> dict:
     first = wh.read_shard(cell.cell_id, 0, ["prompt_id", "position", "row_hash", "logits_dtype"])
     hashes = [row_hashes(first)]
     hashes += [wh.shard_hashes(cell.cell_id, r) for r in range(1, spec.repeats)]
-    ref = spec.reference_cells.get(cell.model)
+    ref = plan.reference_cells.get(cell.model)
     return R.cell_row(
         cell.cell_id, run_id, "done", **_cell_fields(plan, cell),
         bit_reproducible=all(h == hashes[0] for h in hashes[1:]),
@@ -170,7 +212,8 @@ def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse) -> dict:
         settings=json.dumps(loaded["settings"], sort_keys=True),
         fingerprint=json.dumps(loaded.get("fingerprint"), sort_keys=True, default=str),
         versions=json.dumps(loaded["versions"], sort_keys=True), host=loaded["host"], node_id=loaded["node_id"],
-        rows_via=loaded["rows_via"], model_via=loaded["model_via"], load_seconds=loaded["load_seconds"], capture_seconds=live.capture_s)
+        rows_via=loaded["rows_via"], model_via=loaded["model_via"], load_seconds=loaded["load_seconds"],
+        capture_seconds=live.capture_s, build_libraries=json.dumps(loaded["build_libraries"], sort_keys=True))
 
 
 class Sweep:
@@ -182,7 +225,7 @@ class Sweep:
         self.via = {"node": 0, "driver": 0, "bytes_to_driver": 0}  # runs.rows_delivery
         self.live: dict[str, Live] = {}
         self.pending: dict = {}  # object ref -> launch.Call
-        self.cells_total, self.cells_done = len(plan.spec.cells), len(plan.complete)
+        self.cells_total, self.cells_done = len(plan.cells), len(plan.complete)
         self.units_total = self.units_done = self.rows = 0
         self.t0 = time.perf_counter()
 
@@ -314,22 +357,19 @@ def _begin(plan: Plan, wh: Warehouse, argv: list[str], address: str | None, log:
                     spec_path=str(spec.path), spec_sha256=spec.sha256, spec_yaml=spec.raw_text, argv=json.dumps(argv),
                     pid=os.getpid(), ray_address=address or "local", logit_matrix_version=__version__,
                     schema_version=SCHEMA_VERSION, versions=json.dumps(library_versions(), sort_keys=True),
-                    cells_total=len(spec.cells), cells_done=len(plan.complete), rows_written=0, error=None)
+                    cells_total=len(plan.cells), cells_done=len(plan.complete), rows_written=0, error=None)
     wh.write_rows("runs", run_id, [run])
     return run
 
 
 def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
             log: Callable[[str], None], cluster_config: str | Path | None = None) -> dict:
-    """Run every unfinished cell; returns a summary. Requires ray to be initialised."""
+    """Run every unfinished cell of a bound plan (bind()); returns a summary. Requires ray to be initialised."""
     spec = plan.spec
-    cells = {c.cell_id: c for c in spec.cells}
+    cells = {c.cell_id: c for c in plan.cells}
     todo = [cells[cid] for cid in plan.todo]
-    todo.sort(key=lambda c: c.cell_id not in spec.reference_cells.values())  # the reference first
+    todo.sort(key=lambda c: c.cell_id not in plan.reference_cells.values())  # the reference first
     nodes = placement.known_nodes(placement.cluster_nodes(), cluster_config)
-    if cluster_config:
-        log(f"node types from {cluster_config}: " + ", ".join(n.node_type for n in nodes if n.node_type))
-    placement.check_placement(todo, nodes, log)
     import ray
 
     from actors.depot import DriverDepot, depot_options
@@ -360,7 +400,7 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
                                                               rows_written=sweep.rows,
                                                               rows_delivery=json.dumps(sweep.via))])
     elapsed = time.perf_counter() - sweep.t0
-    return {"run_id": run["run_id"], "cells_total": len(spec.cells), "cells_done": sweep.cells_done,
+    return {"run_id": run["run_id"], "cells_total": len(plan.cells), "cells_done": sweep.cells_done,
             "cells_run": len(todo), "rows_written": sweep.rows, "seconds": round(elapsed, 2),
             "rows_per_second": round(sweep.rows / max(elapsed, 1e-9), 2), "rows_delivery": sweep.via,
-            "skipped": spec.skipped}
+            "skipped": spec.skipped, "left_out": plan.left_out, "reused": plan.reused}

@@ -25,7 +25,7 @@ DEFAULT_STRIDE = 32
 BOS_POLICIES = ("tokenizer", "always", "never")
 TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
             "devices", "include", "exclude", "reference", "stride", "repeats",
-            "corpus", "bos", "threads", "options", "max_tokens", "centroid"}
+            "corpus", "bos", "threads", "options", "max_tokens", "centroid", "replicas"}
 CENTROID_DEFINITIONS = ("mean_prob", "mean_logprob")
 MODEL_KEYS = {"name", "catalog", "path", "hub", "gguf", "revision"}
 # Engine options that change the arithmetic. Defaults go under top-level `options:`;
@@ -35,7 +35,8 @@ OPTION_KEYS = {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": i
 # Non-axis keys an include entry may add to a cell.
 # `calibration` describes the artefact (e.g. "imatrix from wiki.train, 512 chunks") for model
 # cards; like the centroid group it is not part of the cell id.
-CELL_EXTRA_KEYS = {"threads", "max_tokens", "calibration"} | set(OPTION_KEYS)
+# `replicas: N` runs the same stack on N distinct nodes of its device class (cross-host identity).
+CELL_EXTRA_KEYS = {"threads", "max_tokens", "calibration", "replicas"} | set(OPTION_KEYS)
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,13 @@ class Spec:
     threads: int | None
     options: dict = field(default_factory=dict)
     max_tokens: int | None = None
+    replicas: int = 1  # default copies of each stack, each on its own node
     centroid: str = "mean_prob"  # centroid definition
     centroid_groups: list = field(default_factory=list)  # [(name, [selector, ...])], first match wins
     raw_text: str = ""
     cells: list[Cell] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
-    reference_cells: dict[str, str] = field(default_factory=dict)  # model -> cell_id
+    reference_cells: dict[str, str] = field(default_factory=dict)  # model -> stack id (its replica 0)
 
     @property
     def sha256(self) -> str:
@@ -173,6 +175,8 @@ def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool)
             out[k] = _check_axis_value(path, f"{fld}.{k}", k, v, models)
         elif extra_ok and k in ("threads", "max_tokens"):
             out[k] = _check_threads(path, f"{fld}.{k}", v)
+        elif extra_ok and k == "replicas":
+            out[k] = _int(path, entry, k, 1, fld=f"{fld}.{k}")
         elif extra_ok and k == "calibration":
             if not isinstance(v, str) or not v.strip():
                 raise field_error(path, f"{fld}.{k}", "must be a non-empty string describing the calibration data", v)
@@ -232,10 +236,10 @@ def _check_threads(path: Path, fld: str, v: Any) -> int | None:
     return v
 
 
-def _int(path: Path, data: dict, key: str, default: int) -> int:
+def _int(path: Path, data: dict, key: str, default: int, fld: str | None = None) -> int:
     v = data.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise field_error(path, key, "must be a positive integer", v)
+        raise field_error(path, fld or key, "must be a positive integer", v)
     return v
 
 
@@ -343,4 +347,4 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
                 repeats=_int(path, data, "repeats", 1), corpus=corpus, bos=bos,
                 threads=_check_threads(path, "threads", data.get("threads")), options=options,
                 max_tokens=_check_threads(path, "max_tokens", data.get("max_tokens")),
-                centroid=centroid, centroid_groups=groups, raw_text=text)
+                replicas=_int(path, data, "replicas", 1), centroid=centroid, centroid_groups=groups, raw_text=text)

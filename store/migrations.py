@@ -25,5 +25,13 @@ def m004_rows_delivery(loc) -> None:
     Columns only: older files read as null there."""
 
 
+def m005_builds_and_replicas(loc) -> None:
+    """v5: cells.stack_id / replica / build / build_libraries (the engine build is part of a cell).
+
+    Columns only: a cell captured before v5 has no build (null) and its cell id is its stack id;
+    a run counts it as captured by another build (see --reuse-cells-from-other-builds)."""
+
+
 # target version -> migration
-MIGRATIONS = {2: m002_tokenizer_parity, 3: m003_nonfinite_and_centroid_groups, 4: m004_rows_delivery}
+MIGRATIONS = {2: m002_tokenizer_parity, 3: m003_nonfinite_and_centroid_groups, 4: m004_rows_delivery,
+              5: m005_builds_and_replicas}

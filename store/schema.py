@@ -1,10 +1,10 @@
-"""Warehouse schema, version 4 (migrations from older versions: store/migrations.py).
+"""Warehouse schema, version 5 (migrations from older versions: store/migrations.py).
 
 Layout (one directory per table; readers glob ``*.parquet``; writers go
 through a hidden temp file and an atomic rename, so a killed run never leaves
 a half-written file that a reader sees)::
 
-    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 4}
+    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 5}
     runs/<run_id>.parquet               one row per `matrix run` that had work to do
     cells/<cell_id>.parquet             one row per completed cell (rewritten on resume)
     prompts/<prompt_id>.parquet         one row per tokenised prompt
@@ -24,7 +24,7 @@ for bf16 rows the two low byte streams are all zero and cost almost nothing.
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -71,6 +71,10 @@ CELLS = pa.schema([
     ("rows_via", pa.string()),  # v4: node (it wrote its shards) | driver (it sent them to the driver's depot)
     ("model_via", pa.string()),  # v4: local (the node's own copy, hash checked) | shipped (from the driver) | hub
     ("load_seconds", pa.float64()), ("capture_seconds", pa.float64()), ("finished_at", TS),
+    # v5: a cell is a stack (what the spec names, the same on every host and build) run by one
+    # engine build (common/builds.py) as one of the spec's replicas: cell_id = stack_id[.rN]@build
+    ("stack_id", pa.string()), ("replica", pa.int32()),
+    ("build", pa.string()), ("build_libraries", pa.string()),  # JSON: {library: {version, files}}
 ])
 
 PROMPTS = pa.schema([

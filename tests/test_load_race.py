@@ -85,7 +85,7 @@ def test_calls_queued_behind_a_skipped_load_raise_the_loads_skip(local_ray, plan
 def test_sweep_skips_the_cell_whatever_order_its_futures_come_back_in(local_ray, plan_for, monkeypatch):
     """Half the runs take futures as Ray returns them; the other half wait for every future and
     take them newest first, so the Q2_K cell's captures and parity reach the driver before its load."""
-    from matrix import runner
+    from matrix import placement, runner
 
     ray = local_ray
     real_wait = ray.wait
@@ -104,6 +104,7 @@ def test_sweep_skips_the_cell_whatever_order_its_futures_come_back_in(local_ray,
         plan, wh = plan_for(i)
         wh.create()
         with wh.lock():
+            runner.bind(plan, wh, placement.cluster_nodes(), lambda m: None)
             summary = runner.execute(plan, wh, ["test"], None, lambda m: None)
         cells = {r["dtype"]: r for r in wh.read_all("cells")}
         assert summary["cells_done"] == 2 and summary["rows_written"] > 0, (i, summary)

@@ -78,6 +78,21 @@ def test_engine_options_and_max_tokens(tmp_path):
     assert {c.cell_id for c in plain.cells} ^ {c.cell_id for c in spec.cells} != set()
 
 
+def test_replicas_are_cells_of_one_stack_and_only_replica_0_is_the_reference(tmp_path):
+    one = load_spec(spec_file(tmp_path, {**BASE, "attention": ["eager"]}))
+    body = {**BASE, "attention": ["eager"], "replicas": 2,
+            "include": [{"dtype": "fp32", "replicas": 3}], "reference": {"dtype": "bf16"}}
+    spec = load_spec(spec_file(tmp_path, body))
+    plain = {c.dtype: c.cell_id for c in one.cells}
+    got = sorted((c.dtype, c.replica, c.cell_id) for c in spec.cells)
+    assert got == [("bf16", 0, plain["bf16"]), ("bf16", 1, plain["bf16"] + ".r1"),
+                   ("fp32", 0, plain["fp32"]), ("fp32", 1, plain["fp32"] + ".r1"), ("fp32", 2, plain["fp32"] + ".r2")]
+    assert spec.reference_cells == {"smollm2-135m": plain["bf16"]}  # replica 0 keeps the stack's own id
+    from common.ids import split_cell_id
+
+    assert split_cell_id(plain["fp32"] + ".r2@0123abcd") == (plain["fp32"], 2, "0123abcd")
+
+
 def test_unrunnable_combinations_are_skipped_with_a_reason(tmp_path):
     body = {**BASE, "engines": ["hf", "vllm"], "attention": ["eager", "flash_attention_2"]}
     spec = load_spec(spec_file(tmp_path, body))
@@ -114,6 +129,8 @@ def test_cells_json_lists_cells_and_skipped(tmp_path):
     ({**BASE, "centroid": {"definition": "median"}}, "centroid.definition: expected one of mean_prob, mean_logprob"),
     ({**BASE, "centroid": {"groups": {"g": {"dtype": "q9"}}}}, "centroid.groups.g[0].dtype: unknown dtype"),
     ({**BASE, "centroid": {"group": {}}}, "centroid.group: unknown key"),
+    ({**BASE, "replicas": 0}, "replicas: must be a positive integer (got 0)"),
+    ({**BASE, "include": [{"engine": "hf", "replicas": "two"}]}, "include[0].replicas: must be a positive integer"),
 ])
 def test_bad_spec_is_one_line_exit_2_naming_file_field_value(tmp_path, body, needle):
     path = spec_file(tmp_path, body)

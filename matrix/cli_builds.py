@@ -1,0 +1,72 @@
+"""`matrix cells --warehouse W`: which engine builds captured each stack, and what a run would do.
+
+The build a run would use is the cluster's (probed, with --address) or else this machine's: a
+local run's actors import the driver's libraries, or the interpreter the backend's runtime_env
+names (vLLM), asked here the same way the probe task asks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from backends import backend_class
+from common.builds import describe, engine_build
+from common.errors import UserError
+from common.stack import StackDesc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _local_build(cell) -> str | None:
+    cls = backend_class(cell.engine)
+    desc = StackDesc(engine=cell.engine, dtype=cell.dtype, attention=cell.attention, device=cell.device,
+                     tp=cell.tp, model=cell.model, cell_id=cell.cell_id, options=cell.options)
+    env = cls.runtime_env(desc, cell.threads or 1) or {}
+    if not env.get("py_executable"):
+        return engine_build(cls.libraries)["build"]
+    if not os.access(env["py_executable"], os.X_OK):
+        return None
+    code = "import json, sys; from common.builds import engine_build; print(json.dumps(engine_build(sys.argv[1:])))"
+    r = subprocess.run([env["py_executable"], "-c", code, *cls.libraries], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    if r.returncode != 0:
+        raise UserError(f"{env['py_executable']}: could not read the {cell.engine} build: "
+                        f"{(r.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return json.loads(r.stdout)["build"]
+
+
+def build_columns(spec, warehouse: str, answers: dict | None) -> dict[str, dict]:
+    """stack id -> {"build": the build a run would use (None: unknown here), "captured": [...],
+    "action": complete | capture | capture again (...)}."""
+    from matrix import builds
+    from store import Warehouse
+
+    wh = Warehouse(warehouse)
+    rows = [r for r in wh.read_all("cells") if r["status"] == "done"] if wh.check() else []
+    by_stack: dict[str, list[dict]] = {}
+    for r in sorted(rows, key=lambda r: r["finished_at"]):
+        libs = json.loads(r["build_libraries"]) if r.get("build_libraries") else None
+        by_stack.setdefault(r["cell_id"].partition("@")[0], []).append(
+            {"cell_id": r["cell_id"], "build": r.get("build"), "host": r["host"], "repeats": r["repeats"],
+             "libraries": describe(libs) if libs else None})
+    if answers is not None:
+        captured = {sid: {b["build"] for b in got if b["build"]} for sid, got in by_stack.items()}
+        bound, _, _ = builds.bind(spec.cells, answers, captured, lambda m: None)
+        current = {c.stack_id: c.build for c in bound}
+    else:
+        current = {c.stack_id: _local_build(c) for c in spec.cells}
+    out = {}
+    for c in spec.cells:
+        got, build = by_stack.get(c.cell_id, []), current.get(c.cell_id)
+        full = [g for g in got if (g["repeats"] or 0) >= spec.repeats]
+        if build and any(g["build"] == build for g in full):
+            action = "complete"
+        elif full:
+            action = f"capture again as build {build or '?'} (or --reuse-cells-from-other-builds: {full[-1]['cell_id']})"
+        else:
+            action = "capture"
+        out[c.cell_id] = {"build": build, "captured": got, "action": action}
+    return out
