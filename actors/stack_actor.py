@@ -9,6 +9,7 @@ Either way the call returns a small manifest (path, row count, times, where the 
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -106,7 +107,7 @@ class StackActor:
             "vocab_size": self.backend.vocab_size(), "load_seconds": time.perf_counter() - t0,
             "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
             "fingerprint": fingerprint(), "model_via": model_via, "rows_via": "node" if self.direct else "driver",
-            "build": built["build"], "build_libraries": built["libraries"],
+            "build": built["build"], "build_libraries": built["libraries"], "pid": os.getpid(),
         }
 
     def parity(self, prompts: list[tuple[str, str, list[int]]], reference: dict[str, Any],

@@ -153,7 +153,7 @@ def cmd_run(args) -> int:
             if config:
                 log(f"node types from {config}: " + ", ".join(n.node_type for n in nodes if n.node_type))
             placement.check_placement(spec.cells, nodes, log)
-            runner.bind(plan, wh, nodes, log, args.reuse_cells_from_other_builds)
+            runner.bind(plan, wh, nodes, log, args.reuse_cells_from_other_builds, args.skip_failed)
             runner.regroup_complete_cells(plan, wh, log)
             if plan.todo:
                 summary = runner.execute(plan, wh, sys.argv, args.address, log, config)
@@ -169,6 +169,13 @@ def cmd_run(args) -> int:
             + (f" ({len(plan.left_out)} left out this time)" if plan.left_out else ""))
     if args.json:
         emit_json(summary)
+    if summary.get("failed"):
+        log(f"{len(summary['failed'])} cell(s) FAILED (run again to retry them, or --skip-failed):")
+        for cid, why in summary["failed"].items():
+            log(f"  {cid}: {why}")
+        if summary.get("bad_input"):  # the input is at fault (e.g. a node's weights): exit 2, said last
+            raise UserError(summary["bad_input"])
+        return 1
     return 0
 
 
@@ -265,6 +272,8 @@ def _add_sweep_parsers(sub) -> None:
     r.add_argument("--reuse-cells-from-other-builds", action="store_true",
                    help="count a stack captured by another engine build (or before builds were recorded) "
                         "as done instead of capturing it again with this cluster's build")
+    r.add_argument("--skip-failed", action="store_true",
+                   help="leave cells an earlier run recorded as failed alone (default: try them again)")
     r.add_argument("--json", action="store_true", help="print the run summary as JSON on stdout")
     r.set_defaults(func=cmd_run)
 

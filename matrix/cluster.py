@@ -74,4 +74,18 @@ def init_ray(address: str | None):
         # (ray.init() would join that one, with whatever nodes and settings it has)
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
+    _sigterm_interrupts()
     return ray
+
+
+def _sigterm_interrupts() -> None:
+    """ray.init makes SIGTERM a bare sys.exit; make it an interrupt like Ctrl-C instead, so the
+    run records itself as interrupted, frees its actors and says how to resume."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)

@@ -25,7 +25,7 @@ DEFAULT_STRIDE = 32
 BOS_POLICIES = ("tokenizer", "always", "never")
 TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
             "devices", "include", "exclude", "reference", "stride", "repeats",
-            "corpus", "bos", "threads", "options", "max_tokens", "centroid", "replicas"}
+            "corpus", "bos", "threads", "options", "max_tokens", "centroid", "replicas", "retries"}
 CENTROID_DEFINITIONS = ("mean_prob", "mean_logprob")
 MODEL_KEYS = {"name", "catalog", "path", "hub", "gguf", "revision"}
 # Engine options that change the arithmetic. Defaults go under top-level `options:`;
@@ -71,6 +71,7 @@ class Spec:
     options: dict = field(default_factory=dict)
     max_tokens: int | None = None
     replicas: int = 1  # default copies of each stack, each on its own node
+    retries: int = 2  # a cell whose actor or node died is started again up to this many times
     centroid: str = "mean_prob"  # centroid definition
     centroid_groups: list = field(default_factory=list)  # [(name, [selector, ...])], first match wins
     raw_text: str = ""
@@ -236,6 +237,13 @@ def _check_threads(path: Path, fld: str, v: Any) -> int | None:
     return v
 
 
+def _retries(path: Path, data: dict) -> int:
+    v = data.get("retries", 2)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise field_error(path, "retries", "must be a whole number, 0 or more", v)
+    return v
+
+
 def _int(path: Path, data: dict, key: str, default: int, fld: str | None = None) -> int:
     v = data.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -347,4 +355,4 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
                 repeats=_int(path, data, "repeats", 1), corpus=corpus, bos=bos,
                 threads=_check_threads(path, "threads", data.get("threads")), options=options,
                 max_tokens=_check_threads(path, "max_tokens", data.get("max_tokens")),
-                replicas=_int(path, data, "replicas", 1), centroid=centroid, centroid_groups=groups, raw_text=text)
+                replicas=_int(path, data, "replicas", 1), retries=_retries(path, data), centroid=centroid, centroid_groups=groups, raw_text=text)

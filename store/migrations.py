@@ -32,6 +32,10 @@ def m005_builds_and_replicas(loc) -> None:
     a run counts it as captured by another build (see --reuse-cells-from-other-builds)."""
 
 
+def m006_failed_cells(loc) -> None:
+    """v6: cells.error_class / error / attempts (status failed), runs.cells_failed. Columns only."""
+
+
 # target version -> migration
 MIGRATIONS = {2: m002_tokenizer_parity, 3: m003_nonfinite_and_centroid_groups, 4: m004_rows_delivery,
-              5: m005_builds_and_replicas}
+              5: m005_builds_and_replicas, 6: m006_failed_cells}

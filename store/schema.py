@@ -1,10 +1,10 @@
-"""Warehouse schema, version 5 (migrations from older versions: store/migrations.py).
+"""Warehouse schema, version 6 (migrations from older versions: store/migrations.py).
 
 Layout (one directory per table; readers glob ``*.parquet``; writers go
 through a hidden temp file and an atomic rename, so a killed run never leaves
 a half-written file that a reader sees)::
 
-    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 5}
+    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 6}
     runs/<run_id>.parquet               one row per `matrix run` that had work to do
     cells/<cell_id>.parquet             one row per completed cell (rewritten on resume)
     prompts/<prompt_id>.parquet         one row per tokenised prompt
@@ -24,7 +24,7 @@ for bf16 rows the two low byte streams are all zero and cost almost nothing.
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -40,13 +40,14 @@ RUNS = pa.schema([
     # v4 JSON: where this run's rows went: {"node": captures written by the node that ran them,
     # "driver": captures sent to the driver's depot (no shared disk), "bytes_to_driver": encoded bytes}
     ("rows_delivery", pa.string()),
+    ("cells_failed", pa.int32()),  # v6: cells this run recorded as failed
 ])
 
 CELLS = pa.schema([
     ("cell_id", pa.string()), ("run_id", pa.string()),
     ("model", pa.string()), ("engine", pa.string()), ("dtype", pa.string()),
     ("attention", pa.string()), ("tp", pa.int32()), ("device", pa.string()),
-    ("status", pa.string()),  # done | skipped
+    ("status", pa.string()),  # done | skipped | failed (v6)
     ("skip_reason", pa.string()), ("bit_reproducible", pa.bool_()),
     ("repeats", pa.int32()), ("rows_per_repeat", pa.int32()), ("n_prompts", pa.int32()),
     ("stride", pa.int32()), ("max_tokens", pa.int32()),  # null: whole prompts
@@ -75,6 +76,9 @@ CELLS = pa.schema([
     # engine build (common/builds.py) as one of the spec's replicas: cell_id = stack_id[.rN]@build
     ("stack_id", pa.string()), ("replica", pa.int32()),
     ("build", pa.string()), ("build_libraries", pa.string()),  # JSON: {library: {version, files}}
+    # v6: a failed cell: the original exception's class and first line; attempts: how many times
+    # this run started the cell (an actor or node that died is retried; see matrix/failures.py)
+    ("error_class", pa.string()), ("error", pa.string()), ("attempts", pa.int32()),
 ])
 
 PROMPTS = pa.schema([

@@ -1,0 +1,76 @@
+"""What went wrong with a cell, and whether trying again can help.
+
+Ray wraps what an actor raised (RayTaskError, with the original as `.cause`) and reports the
+infrastructure's own failures as its own exception types. An actor or node that died, or an
+object that was lost, says nothing about the cell: try it again elsewhere. An exception the
+engine raised on the cell's input will be raised again: record it. Ray's memory monitor
+killing the worker (OutOfMemoryError) gets one more try: an OOM that repeats is the cell's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+@dataclass(frozen=True)
+class Failure:
+    error_class: str  # the original exception's class, not Ray's wrapper
+    message: str  # its first line, without ANSI codes
+    infrastructure: bool  # the actor / node / object went away: retry on any node that fits
+    oom: bool = False
+    bad_input: bool = False  # a UserError (e.g. a node's weights differ): the run ends with exit 2
+
+    def line(self) -> str:
+        return f"{self.error_class}: {self.message}" if self.message else self.error_class
+
+    def retries_allowed(self, retries: int) -> int:
+        if not self.infrastructure:
+            return 0
+        return min(retries, 1) if self.oom else retries
+
+
+def first_line(text: str) -> str:
+    for line in ANSI.sub("", text).splitlines():
+        if line.strip():
+            return line.strip()[:500]
+    return ""
+
+
+def _infrastructure_types() -> tuple[type, ...]:
+    import ray.exceptions as rx
+
+    names = ("RayActorError", "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError",
+             "WorkerCrashedError", "ObjectFetchTimedOutError", "ReferenceCountingAssertionError",
+             "LocalRayletDiedError", "RaySystemError", "OutOfMemoryError")
+    return tuple(getattr(rx, n) for n in names if hasattr(rx, n))
+
+
+def classify(exc: BaseException) -> Failure:
+    """The cell's failure, from what ray.get raised for one of its calls."""
+    import ray.exceptions as rx
+
+    oom = isinstance(exc, getattr(rx, "OutOfMemoryError", ()))
+    if isinstance(exc, _infrastructure_types()):
+        return Failure(type(exc).__name__, _infra_message(exc), True, oom)
+    cause = getattr(exc, "cause", None) if isinstance(exc, rx.RayTaskError) else None
+    err = cause if isinstance(cause, BaseException) else exc
+    if isinstance(err, _infrastructure_types()):  # e.g. a depot call inside the capture lost its actor
+        return Failure(type(err).__name__, _infra_message(err), True)
+    from common.errors import UserError
+
+    return Failure(type(err).__name__, first_line(str(err)), False, bad_input=isinstance(err, UserError))
+
+
+def _infra_message(exc: BaseException) -> str:
+    """Ray's infrastructure messages start with boilerplate; keep the line that says what died."""
+    text = ANSI.sub("", str(exc))
+    for pattern in (r"The actor died because of an error raised in its creation task[^\n]*",
+                    r"The actor died unexpectedly before finishing this task[^\n]*",
+                    r"The actor is dead because[^\n]*", r"The node[^\n]*died[^\n]*", r"[^\n]*was killed[^\n]*"):
+        m = re.search(pattern, text)
+        if m:
+            return m.group(0).strip()[:500]
+    return first_line(text)

@@ -1,0 +1,247 @@
+"""The run loop: the cells in flight, what comes back from their actors, and the rows it records.
+
+matrix/runner.py plans a run and calls Sweep.loop; a cell's outcome (done, skipped, failed,
+retried) is decided here, one cell at a time, so one cell's failure never ends the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from backends.base import SkipCell
+from common import ids
+from common.stack import Cell
+from matrix import launch, placement
+from matrix.cells import model_copy, stack_desc
+from matrix.failures import Failure, classify
+from matrix.launch import Call, Kind
+from store import Warehouse
+from store import rows as R
+from store.warehouse import row_hashes
+
+if TYPE_CHECKING:
+    from matrix.runner import Plan
+
+HEARTBEAT_S = float(os.environ.get("LOGIT_MATRIX_HEARTBEAT_S", "60"))
+
+
+def _cell_fields(plan: "Plan", cell: Cell) -> dict:
+    """The columns every cells row of this cell has, captured or skipped."""
+    return {**cell.axes(), **R.model_fields(plan.models[cell.model]), "stride": plan.spec.stride,
+            "corpus": plan.spec.corpus, "options": json.dumps(cell.opts, sort_keys=True),
+            "centroid_group": cell.centroid_group, "centroid": plan.spec.centroid, "calibration": cell.calibration,
+            "stack_id": ids.split_cell_id(cell.stack_id)[0], "replica": cell.replica, "build": cell.build}
+
+
+def skipped_row(plan: "Plan", cell: Cell, run_id: str, reason: str) -> dict:
+    return R.cell_row(cell.cell_id, run_id, "skipped", **_cell_fields(plan, cell), skip_reason=reason, repeats=0,
+                      host=None, build_libraries=json.dumps(plan.builds.get(cell.cell_id), sort_keys=True))
+
+
+def failed_row(plan: "Plan", live: "Live", run_id: str, failure: Failure, attempts: int) -> dict:
+    """A cell that raised, or whose actor died more often than the spec's retries allow. Its
+    complete shards stay (the next run captures only the missing repeats)."""
+    loaded = live.loaded or {}
+    return R.cell_row(live.cell.cell_id, run_id, "failed", **_cell_fields(plan, live.cell), repeats=0,
+                      error_class=failure.error_class, error=failure.message, attempts=attempts,
+                      host=loaded.get("host"), node_id=loaded.get("node_id"),
+                      build_libraries=json.dumps(plan.builds.get(live.cell.cell_id), sort_keys=True))
+
+
+@dataclass
+class Live:
+    """One cell in flight: its actors, what has come back, and how many captures are still out."""
+
+    cell: Cell
+    started: launch.Started
+    threads: int
+    left: int
+    loaded: dict | None = None
+    parity: dict | None = None
+    capture_s: float = 0.0
+
+
+def done_row(plan: "Plan", live: Live, run_id: str, wh: Warehouse, attempts: int = 1) -> dict:
+    spec, cell, loaded = plan.spec, live.cell, live.loaded
+    art = loaded.get("artifact") or {}
+    # shard 0 read once (on object storage each read is a request): its hashes, rows and dtype
+    first = wh.read_shard(cell.cell_id, 0, ["prompt_id", "position", "row_hash", "logits_dtype"])
+    hashes = [row_hashes(first)]
+    hashes += [wh.shard_hashes(cell.cell_id, r) for r in range(1, spec.repeats)]
+    ref = plan.reference_cells.get(cell.model)
+    return R.cell_row(
+        cell.cell_id, run_id, "done", **_cell_fields(plan, cell),
+        bit_reproducible=all(h == hashes[0] for h in hashes[1:]),
+        repeats=spec.repeats, rows_per_repeat=first.num_rows, n_prompts=len(plan.prompts[cell.model]),
+        threads=loaded["settings"].get("threads"), bos_policy=spec.bos, is_reference=ref == cell.cell_id,
+        reference_cell_id=ref, vocab_size=plan.vocab[cell.model], engine_vocab_size=loaded["vocab_size"],
+        logits_dtype=first.column("logits_dtype")[0].as_py(),
+        artifact=art.get("path"), artifact_sha256=art.get("sha256"),
+        artifact_recipe=json.dumps(art.get("recipe"), sort_keys=True) if art else None,
+        tokenizer_parity=live.parity["status"] if live.parity else "not_checked", max_tokens=cell.max_tokens,
+        settings=json.dumps(loaded["settings"], sort_keys=True),
+        fingerprint=json.dumps(loaded.get("fingerprint"), sort_keys=True, default=str),
+        versions=json.dumps(loaded["versions"], sort_keys=True), host=loaded["host"], node_id=loaded["node_id"],
+        rows_via=loaded["rows_via"], model_via=loaded["model_via"], load_seconds=loaded["load_seconds"],
+        capture_seconds=live.capture_s, build_libraries=json.dumps(loaded["build_libraries"], sort_keys=True),
+        attempts=attempts)
+
+
+class Sweep:
+    """The run loop's state: the cells in flight, the calls queued on their actors, the counts."""
+
+    def __init__(self, plan: "Plan", wh: Warehouse, run: dict, nodes: list, log: Callable[[str], None], delivery):
+        self.plan, self.wh, self.run, self.run_id, self.nodes, self.log = plan, wh, run, run["run_id"], nodes, log
+        self.attempts: dict[str, int] = {}  # cell id -> times started in this run
+        self.failed: dict[str, Failure] = {}  # cell id -> why
+        self.delivery = delivery  # actors.stack_actor.Delivery
+        self.via = {"node": 0, "driver": 0, "bytes_to_driver": 0}  # runs.rows_delivery
+        self.live: dict[str, Live] = {}
+        self.pending: dict = {}  # object ref -> launch.Call
+        self.cells_total, self.cells_done = len(plan.cells), len(plan.complete)
+        self.units_total = self.units_done = self.rows = 0
+        self.t0 = time.perf_counter()
+
+    def start(self, cell: Cell) -> None:
+        plan = self.plan
+        model, threads, repeats = plan.models[cell.model], placement.cell_threads(cell, self.nodes), plan.todo[cell.cell_id]
+        work = launch.Work(self.run_id, self.delivery, plan.spec.stride, repeats,
+                           [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]],
+                           plan.special[cell.model], plan.vocab[cell.model])
+        started = launch.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
+        self.live[cell.cell_id] = Live(cell, started, threads, len(repeats))
+        self.pending.update(started.calls)
+        self.units_total += len(repeats)
+
+    def drop(self, cid: str) -> None:
+        for fut in [f for f, call in self.pending.items() if call.cell_id == cid]:
+            del self.pending[fut]
+        launch.stop(self.live.pop(cid).started)
+
+    def skip(self, cid: str, reason: str) -> None:
+        self.log(f"[cells {self.cells_done + 1}/{self.cells_total}] {cid} skipped: {reason}")
+        live = self.live[cid]
+        self.units_total -= live.left
+        self.drop(cid)
+        self.wh.write_rows("cells", cid, [skipped_row(self.plan, live.cell, self.run_id, reason)])
+        self.cells_done += 1
+        self.progress()
+
+    def progress(self) -> None:
+        """The runs row follows the sweep, so an interrupted run still shows what it did."""
+        self.wh.write_rows("runs", self.run_id, [{**self.run, "cells_done": self.cells_done, "rows_written": self.rows,
+                                                  "cells_failed": len(self.failed),
+                                                  "rows_delivery": json.dumps(self.via)}])
+
+    def on_error(self, call: Call, exc: Exception) -> None:
+        """One of a cell's calls raised: skip, retry or fail that cell, and only that cell."""
+        cid = call.cell_id
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, SkipCell):
+            # After a failed load every later call of the cell raises the load's own exception
+            # (StackActor._loaded), so a SkipCell from any of them is the load's outcome.
+            self.skip(cid, str(cause).splitlines()[0])
+            return
+        failure, attempt = classify(exc), self.attempts.get(cid, 1)
+        live = self.live[cid]
+        if attempt <= failure.retries_allowed(self.plan.spec.retries):
+            self.log(f"{cid}: {failure.line()} -- starting it again (attempt {attempt + 1} of at most "
+                     f"{failure.retries_allowed(self.plan.spec.retries) + 1})")
+            self.units_total -= live.left
+            self.drop(cid)
+            done = self.wh.completed_repeats(cid)  # shards the dead actor finished are kept
+            self.plan.todo[cid] = [r for r in self.plan.todo[cid] if r not in done]
+            self.attempts[cid] = attempt + 1
+            self.start(live.cell)
+            return
+        self.units_total -= live.left
+        self.drop(cid)
+        self.failed[cid] = failure
+        self.wh.write_rows("cells", cid, [failed_row(self.plan, live, self.run_id, failure, attempt)])
+        self.log(f"[cells {self.cells_done}/{self.cells_total}] {cid} FAILED after {attempt} attempt(s): {failure.line()}")
+        self.progress()
+
+    def record(self, call: Call, result: dict) -> None:
+        live = self.live[call.cell_id]
+        if call.kind is Kind.LOAD:
+            live.loaded = result
+            away = f"; weights {result['model_via']}, rows via the {result['rows_via']}" \
+                if (result["model_via"], result["rows_via"]) != ("local", "node") else ""
+            self.log(f"loaded {call.cell_id} on {result['host']} (pid {result['pid']}) in {result['load_seconds']:.1f}s{away}")
+        elif call.kind is Kind.PARITY:
+            live.parity = result
+            self._record_parity(call.cell_id, result)
+        elif call.kind is Kind.CAPTURE:
+            self.units_done += 1
+            self.rows += result["rows"]
+            live.capture_s += result["seconds"]
+            live.left -= 1
+            self.via[result["rows_via"]] += 1
+            self.via["bytes_to_driver"] += result["bytes_sent"]
+            rate = self.rows / max(time.perf_counter() - self.t0, 1e-9)
+            self.log(f"[cells {self.cells_done}/{self.cells_total} | captures {self.units_done}/{self.units_total}] "
+                     f"{call.cell_id} r{call.repeat}: {result['rows']} rows in {result['seconds']:.1f}s "
+                     f"| rows {self.rows} | {rate:.1f} rows/s")
+        if live.left == 0 and live.loaded is not None and live.parity is not None:
+            self._finish(call.cell_id)
+
+    def _record_parity(self, cid: str, result: dict) -> None:
+        self.wh.write_rows("tokenizer_parity", cid, R.parity_rows(cid, self.run_id, self.live[cid].cell.engine,
+                                                                  result["rows"]))
+        if result["status"] == "mismatch":
+            bad = [r for r in result["rows"] if not r["match"]]
+            what = "; ".join(f"{r['prompt_id']}: {r['diagnosis']} at position {r['first_diff']}"
+                             for r in bad[:3]) + "".join(f"; {p}" for p in result["problems"])
+            self.log(f"tokenizer parity MISMATCH for {cid} ({len(bad)}/{len(result['rows'])} prompts): {what}"
+                     " -- capture still uses the canonical ids")
+
+    def _finish(self, cid: str) -> None:
+        import ray
+
+        live = self.live[cid]
+        self.wh.write_rows("cells", cid, [done_row(self.plan, live, self.run_id, self.wh, self.attempts.get(cid, 1))])
+        ray.get([a.close.remote() for a in live.started.actors])
+        self.drop(cid)
+        self.cells_done += 1
+        self.log(f"[cells {self.cells_done}/{self.cells_total}] {cid} done")
+        self.progress()
+
+    def loop(self, cluster_config: str | Path | None) -> None:
+        import ray
+
+        while self.pending:
+            ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=HEARTBEAT_S)
+            if not ready:  # nothing finished for a while: say what is still waiting, and on what
+                self.log(self.heartbeat(placement.known_nodes(placement.cluster_nodes(), cluster_config)))
+                continue
+            call = self.pending.pop(ready[0])
+            try:
+                result = ray.get(ready[0])
+            except Exception as e:  # the call's cell answers for it (on_error), never the sweep
+                self.on_error(call, e)
+                continue
+            if call.kind is not Kind.RANK:  # another rank's load or forwards: rank 0 reports the cell
+                self.record(call, result)
+
+    def heartbeat(self, nodes: list) -> str:
+        """One line while nothing finishes: which cells are not loaded yet, and where they can go now."""
+        waiting = sorted(cid for cid, lv in self.live.items() if lv.loaded is None)
+        where = [f"{cid} ({placement.where(self.live[cid].cell.device, self.live[cid].cell.tp, self.live[cid].threads, nodes)})"
+                 for cid in waiting[:3]]
+        more = f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""
+        state = (f"; {len(waiting)} cell(s) not loaded yet: " + ", ".join(where) + more) if waiting else ""
+        # an actor runs its calls in order: a loaded cell's first pending capture is the one running
+        busy = {}
+        for call in self.pending.values():
+            if call.kind is Kind.CAPTURE and self.live[call.cell_id].loaded is not None:
+                busy[call.cell_id] = min(busy.get(call.cell_id, call.repeat), call.repeat)
+        if busy:
+            state += "; capturing: " + ", ".join(f"{cid} r{r}" for cid, r in sorted(busy.items())[:3]) \
+                + (f" and {len(busy) - 3} more" if len(busy) > 3 else "")
+        return (f"waiting {time.perf_counter() - self.t0:.0f}s in: captures {self.units_done}/{self.units_total}, "
+                f"rows {self.rows}{state}")
