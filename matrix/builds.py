@@ -79,9 +79,10 @@ def _gather(futures: dict, log: Callable[[str], None]) -> dict:
             except Exception as e:  # kept as this node's answer: the cells that needed it are left out
                 out[key] = e
         if pending:
-            waiting = sorted({k[0] for k in pending.values()})
-            log(f"probing engine builds: {len(futures) - len(pending)}/{len(futures)} answered after "
-                f"{time.perf_counter() - t0:.0f}s; waiting on {', '.join(w[:16] for w in waiting[:3])}"
+            waiting = sorted({f"{k[0][11:]} (for the autoscaler to start a node)" if k[0].startswith("autoscaler:")
+                              else f"node {k[0][:12]}" for k in pending.values()})
+            log(f"waiting {time.perf_counter() - t0:.0f}s for engine builds: {len(futures) - len(pending)}/"
+                f"{len(futures)} answered; not yet: {', '.join(waiting[:3])}"
                 + (f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""))
     return out
 

@@ -24,6 +24,7 @@ from matrix import placement
 
 
 class Kind(enum.Enum):
+    READY = "ready"  # rank 0's actor exists (placed and started): the load's clock starts
     LOAD = "load"  # rank 0's load: the cell's settings, versions, host
     RANK = "rank"  # another rank's load or forwards: only its failure matters
     PARITY = "parity"  # the engine's own tokenizer against the canonical ids
@@ -76,9 +77,10 @@ def _ranks(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: l
     gpu = {"num_gpus": 1} if placement.NEEDS[cell.device].gpu else {}
     ranks = [StackActor.options(num_cpus=threads, **gpu, scheduling_strategy=PlacementGroupSchedulingStrategy(
         pg, placement_group_bundle_index=i)).remote(desc, model, threads, delivery) for i in range(cell.tp)]
+    started = Started(ranks[0], ranks[1:], pg)
+    started.calls[ranks[0].__ray_ready__.remote()] = Call(Kind.READY, cell.cell_id)  # first in its queue
     rendezvous = ranks[0].rendezvous.remote()
     gpus = [a.gpu_ids.remote() for a in ranks] if gpu else []  # each rank sees them all (NCCL P2P)
-    started = Started(ranks[0], ranks[1:], pg)
     for i, a in enumerate(ranks):
         started.calls[a.load.remote({"rank": i, "world_size": cell.tp}, rendezvous, *gpus)] = \
             Call(Kind.LOAD if i == 0 else Kind.RANK, cell.cell_id)
@@ -105,7 +107,9 @@ def _one_actor(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, node
     if env:
         opts["runtime_env"] = env
     actor = StackActor.options(**opts).remote(desc, model, threads, delivery)
-    return Started(actor, group=pg, calls={actor.load.remote(): Call(Kind.LOAD, cell.cell_id)})
+    ready = actor.__ray_ready__.remote()  # first in its queue: returns once the actor is placed and started
+    return Started(actor, group=pg, calls={ready: Call(Kind.READY, cell.cell_id),
+                                           actor.load.remote(): Call(Kind.LOAD, cell.cell_id)})
 
 
 def start(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, work: Work) -> Started:

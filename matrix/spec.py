@@ -25,7 +25,8 @@ DEFAULT_STRIDE = 32
 BOS_POLICIES = ("tokenizer", "always", "never")
 TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
             "devices", "include", "exclude", "reference", "stride", "repeats",
-            "corpus", "bos", "threads", "options", "max_tokens", "centroid", "replicas", "retries"}
+            "corpus", "bos", "threads", "options", "max_tokens", "centroid", "replicas", "retries",
+            "load_timeout_s", "capture_timeout_s"}
 CENTROID_DEFINITIONS = ("mean_prob", "mean_logprob")
 MODEL_KEYS = {"name", "catalog", "path", "hub", "gguf", "revision"}
 # Engine options that change the arithmetic. Defaults go under top-level `options:`;
@@ -72,6 +73,8 @@ class Spec:
     max_tokens: int | None = None
     replicas: int = 1  # default copies of each stack, each on its own node
     retries: int = 2  # a cell whose actor or node died is started again up to this many times
+    load_timeout_s: float = 3600.0  # from the actor's start: weights shipped, artifacts built, engine loaded
+    capture_timeout_s: float | None = None  # per repeat (None: matrix/sweep.py scales it by tokens fed)
     centroid: str = "mean_prob"  # centroid definition
     centroid_groups: list = field(default_factory=list)  # [(name, [selector, ...])], first match wins
     raw_text: str = ""
@@ -237,6 +240,15 @@ def _check_threads(path: Path, fld: str, v: Any) -> int | None:
     return v
 
 
+def _seconds(path: Path, data: dict, key: str, default: float | None) -> float | None:
+    v = data.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        raise field_error(path, key, "must be a number of seconds above 0, or null", v)
+    return float(v)
+
+
 def _retries(path: Path, data: dict) -> int:
     v = data.get("retries", 2)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -355,4 +367,6 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
                 repeats=_int(path, data, "repeats", 1), corpus=corpus, bos=bos,
                 threads=_check_threads(path, "threads", data.get("threads")), options=options,
                 max_tokens=_check_threads(path, "max_tokens", data.get("max_tokens")),
-                replicas=_int(path, data, "replicas", 1), retries=_retries(path, data), centroid=centroid, centroid_groups=groups, raw_text=text)
+                replicas=_int(path, data, "replicas", 1), retries=_retries(path, data),
+                load_timeout_s=_seconds(path, data, "load_timeout_s", 3600.0),
+                capture_timeout_s=_seconds(path, data, "capture_timeout_s", None), centroid=centroid, centroid_groups=groups, raw_text=text)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -64,6 +64,18 @@ class Live:
     loaded: dict | None = None
     parity: dict | None = None
     capture_s: float = 0.0
+    # What rank 0's actor is doing now (its calls run in order) and since when; "placing" has no
+    # time limit (it waits for a node), the others have the spec's.
+    phase: str = "placing"
+    since: float = field(default_factory=time.perf_counter)
+    repeats: list[int] = field(default_factory=list)  # captures not back yet, in queue order
+    ready: bool = False  # the actor exists (its __ray_ready__ came back)
+
+
+# Without capture_timeout_s: this long per token fed in one repeat, at least CAPTURE_FLOOR_S. Two
+# seconds a token is ~4x the slowest capture measured here (HF bf16 on AVX2 without AMX: 0.56 s).
+CAPTURE_S_PER_TOKEN = 2.0
+CAPTURE_FLOOR_S = 600.0
 
 
 def done_row(plan: "Plan", live: Live, run_id: str, wh: Warehouse, attempts: int = 1) -> dict:
@@ -114,7 +126,7 @@ class Sweep:
                            [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]],
                            plan.special[cell.model], plan.vocab[cell.model])
         started = launch.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
-        self.live[cell.cell_id] = Live(cell, started, threads, len(repeats))
+        self.live[cell.cell_id] = Live(cell, started, threads, len(repeats), repeats=sorted(repeats))
         self.pending.update(started.calls)
         self.units_total += len(repeats)
 
@@ -159,6 +171,10 @@ class Sweep:
             self.attempts[cid] = attempt + 1
             self.start(live.cell)
             return
+        self.give_up(cid, failure, attempt)
+
+    def give_up(self, cid: str, failure: Failure, attempt: int) -> None:
+        live = self.live[cid]
         self.units_total -= live.left
         self.drop(cid)
         self.failed[cid] = failure
@@ -166,8 +182,58 @@ class Sweep:
         self.log(f"[cells {self.cells_done}/{self.cells_total}] {cid} FAILED after {attempt} attempt(s): {failure.line()}")
         self.progress()
 
+    def capture_limit(self, cell: Cell) -> float:
+        spec = self.plan.spec
+        if spec.capture_timeout_s:
+            return spec.capture_timeout_s
+        fed = sum(min(len(p.token_ids), cell.max_tokens or len(p.token_ids)) for p in self.plan.prompts[cell.model])
+        return max(CAPTURE_FLOOR_S, CAPTURE_S_PER_TOKEN * fed)
+
+    def limit(self, live: Live) -> tuple[float, str] | None:
+        """(seconds, spec key) for what the cell's actor is doing now; None while it is being placed."""
+        if live.phase == "placing":
+            return None
+        if live.phase == "loading":
+            return self.plan.spec.load_timeout_s, "load_timeout_s"
+        return self.capture_limit(live.cell), "capture_timeout_s"
+
+    def advance(self, live: Live, call: Call) -> None:
+        """A call of rank 0 came back: the next one in its queue starts now. (Two calls done by
+        the same wait may come back in either order, so the phase follows what is back, not the order.)"""
+        if call.kind is Kind.CAPTURE and call.repeat in live.repeats:
+            live.repeats.remove(call.repeat)
+        live.ready = True  # any call of rank 0 back: its actor exists
+        phase = ("placing" if not live.ready else "loading" if live.loaded is None
+                 else "tokenizer parity" if live.parity is None
+                 else f"capture r{live.repeats[0]}" if live.repeats else "closing")
+        if phase != live.phase:
+            live.phase, live.since = phase, time.perf_counter()
+
+    def overdue(self) -> None:
+        """Stop every cell whose engine ran past its time limit, and record it failed."""
+        now = time.perf_counter()
+        for cid, live in list(self.live.items()):
+            lim = self.limit(live)
+            if lim and now - live.since > lim[0]:
+                self.give_up(cid, Failure("Timeout", f"{live.phase} ran past {lim[0]:.0f}s ({lim[1]}); its engine was "
+                                                     "stopped", infrastructure=False), self.attempts.get(cid, 1))
+
+    def next_deadline(self) -> float:
+        """Seconds until the first time limit of a cell in flight runs out (inf: none)."""
+        left = [live.since + lim[0] - time.perf_counter() for live in self.live.values() if (lim := self.limit(live))]
+        return min(left, default=float("inf"))
+
     def record(self, call: Call, result: dict) -> None:
         live = self.live[call.cell_id]
+        try:
+            self._record(live, call, result)
+        finally:
+            if call.cell_id in self.live:
+                self.advance(live, call)
+
+    def _record(self, live: Live, call: Call, result: dict) -> None:
+        if call.kind is Kind.READY:
+            return
         if call.kind is Kind.LOAD:
             live.loaded = result
             away = f"; weights {result['model_via']}, rows via the {result['rows_via']}" \
@@ -214,11 +280,19 @@ class Sweep:
     def loop(self, cluster_config: str | Path | None) -> None:
         import ray
 
+        last_event = last_beat = time.perf_counter()
         while self.pending:
-            ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=HEARTBEAT_S)
-            if not ready:  # nothing finished for a while: say what is still waiting, and on what
-                self.log(self.heartbeat(placement.known_nodes(placement.cluster_nodes(), cluster_config)))
+            quiet = time.perf_counter() - max(last_event, last_beat)
+            wait = max(0.05, min(HEARTBEAT_S - quiet, self.next_deadline()))
+            ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=wait)
+            if not ready:
+                self.overdue()
+                if time.perf_counter() - max(last_event, last_beat) >= HEARTBEAT_S:
+                    # nothing finished for a while: say what is still waiting, and on what
+                    self.log(self.heartbeat(placement.known_nodes(placement.cluster_nodes(), cluster_config)))
+                    last_beat = time.perf_counter()
                 continue
+            last_event = time.perf_counter()
             call = self.pending.pop(ready[0])
             try:
                 result = ray.get(ready[0])
@@ -235,13 +309,11 @@ class Sweep:
                  for cid in waiting[:3]]
         more = f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""
         state = (f"; {len(waiting)} cell(s) not loaded yet: " + ", ".join(where) + more) if waiting else ""
-        # an actor runs its calls in order: a loaded cell's first pending capture is the one running
-        busy = {}
-        for call in self.pending.values():
-            if call.kind is Kind.CAPTURE and self.live[call.cell_id].loaded is not None:
-                busy[call.cell_id] = min(busy.get(call.cell_id, call.repeat), call.repeat)
-        if busy:
-            state += "; capturing: " + ", ".join(f"{cid} r{r}" for cid, r in sorted(busy.items())[:3]) \
+        now = time.perf_counter()
+        busy = sorted((cid, lv) for cid, lv in self.live.items() if lv.loaded is not None)
+        if busy:  # what each loaded cell's engine is doing, and for how long (its time limit applies)
+            state += "; running: " + ", ".join(f"{cid} {lv.phase} for {now - lv.since:.0f}s"
+                                                 for cid, lv in busy[:3]) \
                 + (f" and {len(busy) - 3} more" if len(busy) > 3 else "")
         return (f"waiting {time.perf_counter() - self.t0:.0f}s in: captures {self.units_done}/{self.units_total}, "
                 f"rows {self.rows}{state}")

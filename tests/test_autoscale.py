@@ -77,8 +77,10 @@ def test_a_cell_waits_for_the_node_type_the_autoscaler_starts(autoscaling_head, 
     assert r.returncode == 0, r.stderr[-3000:]
     assert "waits for the autoscaler to start mac" in r.stderr
     beats = [ln for ln in r.stderr.splitlines() if ln.startswith("waiting ")]
-    assert any("not loaded yet:" in ln and "tiny.mlx.fp32.default.tp1.apple-m3-" in ln for ln in beats), beats
-    assert any("capturing: tiny.mlx.fp32.default.tp1.apple-m3-" in ln and " r0" in ln for ln in beats), beats
+    # the cell's build is asked on the node the autoscaler starts for it, before the cell is placed
+    assert any(" for engine builds: " in ln and "tiny.mlx.fp32.default.tp1.apple-m3-" in ln
+               and "(for the autoscaler to start a node)" in ln for ln in beats), beats
+    assert any("running: tiny.mlx.fp32.default.tp1.apple-m3-" in ln and " capture r0 for " in ln for ln in beats), beats
 
     assert json.loads(r.stdout)["cells_done"] == 2
     cells = {c["engine"]: c for c in sql(wh, "select engine, status, node_id from cells")}

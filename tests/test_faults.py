@@ -20,8 +20,8 @@ from tests.conftest import REPO, sql, write_spec
 STRIDE = 16
 
 
-def _popen(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+def _popen(*args: str, **env_extra: str) -> subprocess.Popen:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", **env_extra}
     return subprocess.Popen([sys.executable, "-m", "matrix", *args], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -175,3 +175,24 @@ def test_a_node_that_leaves_mid_capture_its_cell_completes_on_another(tiny_model
         assert_exact(wh, cell, 4)
     finally:
         c.shutdown()
+
+
+def test_a_frozen_actor_is_stopped_by_the_time_limit(tiny_model, short_corpus, tmp_path):
+    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32", "bf16"], attention=["eager"],
+                      reference={"engine": "hf", "dtype": "fp32"}, repeats=2, stride=STRIDE, capture_timeout_s=8)
+    wh = tmp_path / "wh"
+    p = _popen("run", str(spec), "--warehouse", str(wh), LOGIT_MATRIX_HEARTBEAT_S="3")
+    frozen, lines = None, []
+    for line in p.stderr:
+        lines.append(line)
+        m = re.match(r"loaded (\S+\.bf16\.\S+) on \S+ \(pid (\d+)\)", line)
+        if m and frozen is None:
+            os.kill(int(m.group(2)), signal.SIGSTOP)  # the engine hangs: no error, no progress
+            frozen = m.group(1)
+    assert p.wait(timeout=60) == 1, "".join(lines)[-3000:]
+    log = "".join(lines)
+    assert f"{frozen} FAILED after 1 attempt(s): Timeout: " in log and "ran past 8s (capture_timeout_s)" in log
+    assert re.search(rf"running: .*{re.escape(frozen)} (tokenizer parity|capture r0) for \d+s", log), log[-2000:]
+    cells = {c["dtype"]: c for c in sql(wh, "select * from cells")}
+    assert (cells["bf16"]["status"], cells["bf16"]["error_class"]) == ("failed", "Timeout")
+    assert_exact(wh, cells["fp32"], 2)

@@ -130,6 +130,8 @@ def test_cells_json_lists_cells_and_skipped(tmp_path):
     ({**BASE, "centroid": {"groups": {"g": {"dtype": "q9"}}}}, "centroid.groups.g[0].dtype: unknown dtype"),
     ({**BASE, "centroid": {"group": {}}}, "centroid.group: unknown key"),
     ({**BASE, "replicas": 0}, "replicas: must be a positive integer (got 0)"),
+    ({**BASE, "retries": -1}, "retries: must be a whole number, 0 or more (got -1)"),
+    ({**BASE, "capture_timeout_s": "1h"}, "capture_timeout_s: must be a number of seconds above 0, or null"),
     ({**BASE, "include": [{"engine": "hf", "replicas": "two"}]}, "include[0].replicas: must be a positive integer"),
 ])
 def test_bad_spec_is_one_line_exit_2_naming_file_field_value(tmp_path, body, needle):
