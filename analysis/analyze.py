@@ -28,7 +28,10 @@ import torch
 from analysis import metrics as M
 from common.errors import UserError
 from store import Warehouse
+from store.verify import DamagedShard, check_rows
 from store.warehouse import logits_matrix
+
+SEE_VERIFY = "run `matrix verify`, or `matrix analyze --skip-damaged` to leave it out"
 
 DEFAULT_RANGES = (0, 512, 2048, 8192)
 CHUNK = 256  # rows per metrics call: (256, 151936) float32 is ~155 MB per side
@@ -50,7 +53,16 @@ class Shard:
 
 
 def read_shard(wh: Warehouse, cell_id: str, repeat: int) -> Shard:
-    t = wh.read_shard(cell_id, repeat, ["prompt_id", "position", "next_token_id", "logits"])
+    """One shard, refused (DamagedShard) when it does not parse or a row is not what its hash says."""
+    path = wh.shard_path(cell_id, repeat)
+    try:
+        t = wh.read_shard(cell_id, repeat, ["prompt_id", "position", "next_token_id", "logits", "logits_dtype", "row_hash"])
+    except (OSError, pa.ArrowException) as e:
+        raise DamagedShard(f"{path}: damaged ({str(e).strip().splitlines()[0]}); {SEE_VERIFY}") from None
+    bad = check_rows(t, path, cell_id, repeat)
+    if bad:
+        raise DamagedShard(f"{path}: {len(bad)} row(s) damaged, first prompt {bad[0].prompt_id} position "
+                           f"{bad[0].position}: {bad[0].what}; {SEE_VERIFY}")
     try:
         logits = logits_matrix(t.column("logits"))  # (rows, vocab)
     except ValueError as e:
@@ -110,11 +122,23 @@ def _floor(cell: dict) -> float:
 
 
 def analyze(warehouse: str, reference: str | None = None, ranges=DEFAULT_RANGES, centroid: str | None = None,
-            log: Callable[[str], None] = print) -> dict:
+            log: Callable[[str], None] = print, skip_damaged: bool = False) -> dict:
     wh = Warehouse(warehouse).require()
     with wh.lock():  # one writer at a time: a run in progress would change the cells under us
         wh.migrate(log)
-        return _analyze(wh, reference, ranges, centroid, log)
+        return _analyze(wh, reference, ranges, centroid, log, skip_damaged)
+
+
+def _read_or_skip(wh: Warehouse, cell_id: str, repeat: int, summary: dict, log: Callable[[str], None]) -> Shard | None:
+    """The shard, or None when it is damaged and --skip-damaged says to leave it out."""
+    try:
+        return read_shard(wh, cell_id, repeat)
+    except DamagedShard as e:
+        if not summary["skip_damaged"]:
+            raise
+        summary["damaged"].append(str(e))
+        log(f"SKIPPED (damaged) {str(e).split('; run')[0]}")
+        return None
 
 
 @dataclass
@@ -160,12 +184,17 @@ def _repeat_table(ref0: Shard, stk: Shard, c: dict, r: int, ref_id: str, ref_flo
 def _reference_metrics(wh: Warehouse, model: str, group: list[dict], ref_id: str, by_id: dict, summary: dict,
                        progress: Progress, log: Callable[[str], None]) -> dict[str, Shard]:
     """metrics/<cell>.parquet for every cell of a model; returns each cell's repeat-0 shard."""
-    ref0 = read_shard(wh, ref_id, 0)
+    ref0 = _read_or_skip(wh, ref_id, 0, summary, log)
+    if ref0 is None:
+        log(f"{model}: its reference {ref_id} is damaged; no metrics for this model")
+        return {}
     shards0 = {ref_id: ref0}
     for i, c in enumerate(group, 1):
         tables = []
         for r in range(c["repeats"]):
-            stk = ref0 if (c["cell_id"] == ref_id and r == 0) else read_shard(wh, c["cell_id"], r)
+            stk = ref0 if (c["cell_id"] == ref_id and r == 0) else _read_or_skip(wh, c["cell_id"], r, summary, log)
+            if stk is None:
+                continue
             if r == 0:
                 shards0[c["cell_id"]] = stk
             tables.append(_repeat_table(ref0, stk, c, r, ref_id, _floor(by_id[ref_id]), summary, log))
@@ -188,6 +217,9 @@ def _centroids(wh: Warehouse, model: str, group: list[dict], shards0: dict[str, 
             continue
         groups.setdefault(c.get("centroid_group") or model, []).append(c["cell_id"])
     for gname, ids in sorted(groups.items()):
+        ids = [cid for cid in ids if cid in shards0]  # a damaged repeat 0 left out (--skip-damaged)
+        if not ids:
+            continue
         cent, pair = centroid_tables({cid: shards0[cid] for cid in ids}, ref_id, centroid, gname)
         name = model if gname == model else f"{model}.{gname}"
         wh.write_table("centroid_metrics", name, cent)
@@ -203,7 +235,8 @@ def _write_ranges(wh: Warehouse, ranges) -> None:
         "lo": pa.array(edges, pa.int32()), "hi": pa.array(edges[1:] + [2**31 - 1], pa.int32()), "range": labels}))
 
 
-def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None, log: Callable[[str], None]) -> dict:
+def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None, log: Callable[[str], None],
+             skip_damaged: bool = False) -> dict:
     done = [c for c in wh.read_all("cells") if c["status"] == "done"]
     if not done:
         raise UserError(f"{wh.where}: no captured cells to analyze (the warehouse has no logits)")
@@ -216,7 +249,7 @@ def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None,
     log(f"metrics kernel: {M.kernel_mode()} (float64), torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     progress = Progress(sum(c["repeats"] * (c["rows_per_repeat"] or 0) for c in done))
     summary = {"cells": 0, "metric_rows": 0, "groups": 0, "nonfinite_rows": 0, "centroid": centroid,
-               "unaligned_rows": {}}
+               "unaligned_rows": {}, "skip_damaged": skip_damaged, "damaged": []}
     for model in sorted({c["model"] for c in done}):
         group = sorted((c for c in done if c["model"] == model), key=lambda c: c["cell_id"])
         # several engine builds of the reference stack: the newest capture is the model's reference

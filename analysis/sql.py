@@ -17,7 +17,7 @@ def connect(warehouse: str) -> duckdb.DuckDBPyConnection:
     wh = Warehouse(warehouse).require()
     con = duckdb.connect(":memory:")
     for table, schema in TABLES.items():
-        files = wh.table_files(table)
+        files = wh.table_files(table) if wh.remote else _readable(wh.table_files(table), table)
         # The empty table carries every column of the current schema: an empty table still has its
         # columns, and files written before a migration added a column read as null there.
         con.register(f"_empty_{table}", pa.table({f.name: pa.array([], f.type) for f in schema}))
@@ -39,6 +39,26 @@ def connect(warehouse: str) -> duckdb.DuckDBPyConnection:
     for name, body in VIEWS.items():
         con.execute(f"CREATE VIEW {name} AS {body}")
     return con
+
+
+def _readable(files: list[str], table: str) -> list[str]:
+    """The files whose Parquet footer reads; each other one is named on stderr and left out of its
+    view, so one damaged file never takes every query down (`matrix verify` says what is wrong)."""
+    import sys
+
+    import pyarrow.parquet as pq
+
+    ok = []
+    for f in files:
+        try:
+            pq.read_metadata(f)
+        except Exception as e:
+            why = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            print(f"matrix: warning: {f}: damaged ({why}); left out of the {table} view "
+                  "(run `matrix verify`)", file=sys.stderr)
+            continue
+        ok.append(f)
+    return ok
 
 
 # Derived views over the analysis tables (`matrix analyze` fills them). Repeat 0 is the capture;

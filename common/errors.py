@@ -12,6 +12,19 @@ class OracleError(UserError):
     random-initialised oracle makes every comparison meaningless)."""
 
 
+def read_text_file(path, what: str = "file") -> str:
+    """A UTF-8 text file's contents; any other encoding is a UserError naming the file and the byte."""
+    from pathlib import Path
+
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise UserError(f"{path}: {what} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} "
+                        f"(line {line}); save it as UTF-8") from None
+
+
 def read_yaml_file(path, what: str):
     """Parse a YAML file; a missing file or malformed YAML is a UserError naming the file (and line)."""
     from pathlib import Path
@@ -22,7 +35,7 @@ def read_yaml_file(path, what: str):
     if not p.is_file():
         raise UserError(f"{p}: {what} not found")
     try:
-        return yaml.safe_load(p.read_text())
+        return yaml.safe_load(read_text_file(p, what))
     except yaml.YAMLError as e:
         raise UserError(f"{p}: malformed YAML: {str(e).splitlines()[0]}") from None
 

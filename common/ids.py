@@ -53,6 +53,11 @@ def run_id(kind: str = "run") -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
 
 
+def aside_dir() -> str:
+    """Where a run moves the damaged shards it captures again: damaged/<UTC time>-<random>/."""
+    return "damaged/" + run_id()
+
+
 def prompt_id(name: str, ids_sha256: str) -> str:
     """A tokenised prompt: its corpus entry's name and the hash of its token ids."""
     return f"{name}-{ids_sha256[:12]}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import os
 import signal
 import sys
 
@@ -147,13 +148,15 @@ def cmd_run(args) -> int:
     wh.create()
     with wh.lock():
         wh.migrate(log)
+        runner.mark_interrupted_runs(wh, log)  # even when nothing is left to do
         ray = cluster.init_ray(args.address)
         try:
             nodes = placement.known_nodes(placement.cluster_nodes(), config)
             if config:
                 log(f"node types from {config}: " + ", ".join(n.node_type for n in nodes if n.node_type))
             placement.check_placement(spec.cells, nodes, log)
-            runner.bind(plan, wh, nodes, log, args.reuse_cells_from_other_builds, args.skip_failed)
+            runner.bind(plan, wh, nodes, log, runner.Resume(args.reuse_cells_from_other_builds, args.skip_failed,
+                                                            args.recapture_damaged))
             runner.regroup_complete_cells(plan, wh, log)
             if plan.todo:
                 summary = runner.execute(plan, wh, sys.argv, args.address, log, config)
@@ -201,7 +204,8 @@ def cmd_analyze(args) -> int:
 
     ranges = [0] + sorted({int(x) for x in args.ranges.split(",") if x.strip()} - {0}) if args.ranges else None
     kw = {"ranges": tuple(ranges)} if ranges else {}
-    summary = analyze(args.warehouse, args.reference, centroid=args.centroid, log=log, **kw)
+    summary = analyze(args.warehouse, args.reference, centroid=args.centroid, log=log,
+                      skip_damaged=args.skip_damaged, **kw)
     log(f"analyzed {summary['cells']} cell(s), {summary['metric_rows']} rows in {summary['seconds']}s")
     if args.json:
         emit_json(summary)
@@ -226,6 +230,29 @@ def cmd_report(args) -> int:
     print(terminal_table(data))
     print(f"\nHTML report: {path}")
     return 0
+
+
+def cmd_verify(args) -> int:
+    from store import Warehouse
+    from store.verify import verify
+
+    wh = Warehouse(args.warehouse).require()
+    report = verify(wh, args.cells, log=log)
+    for path in report["damaged_files"]:
+        hits = [d for d in report["damage"] if d["path"] == path]
+        log(f"DAMAGED {path}: {len(hits)} problem(s); first: " + _damage_line(hits[0]))
+    log(f"verified {report['shards']} shard(s), {report['rows']} rows, {report['bytes'] / 2**20:.1f} MiB in "
+        f"{report['seconds']}s ({report['mib_per_s']} MiB/s): "
+        + (f"{len(report['damaged_files'])} damaged file(s)" if report["damage"] else "no damage"))
+    if args.json:
+        emit_json(report)
+    return 1 if report["damage"] else 0
+
+
+def _damage_line(d: dict) -> str:
+    from store.verify import Damage
+
+    return Damage(**d).line().removeprefix(d["path"]).lstrip(": ")
 
 
 def cmd_status(args) -> int:
@@ -272,6 +299,9 @@ def _add_sweep_parsers(sub) -> None:
     r.add_argument("--reuse-cells-from-other-builds", action="store_true",
                    help="count a stack captured by another engine build (or before builds were recorded) "
                         "as done instead of capturing it again with this cluster's build")
+    r.add_argument("--recapture-damaged", action="store_true",
+                   help="check every row of the spec's shards against its hash; move a damaged shard aside "
+                        "(WAREHOUSE/damaged/...) and capture it again (default: refuse to resume over one)")
     r.add_argument("--skip-failed", action="store_true",
                    help="leave cells an earlier run recorded as failed alone (default: try them again)")
     r.add_argument("--json", action="store_true", help="print the run summary as JSON on stdout")
@@ -322,8 +352,10 @@ def _add_warehouse_parsers(sub) -> None:
     a.add_argument("--warehouse", default="warehouse")
     a.add_argument("--reference", default=None, help="cell_id to compare against (default: each model's reference)")
     a.add_argument("--ranges", default=None, help="position bucket edges, e.g. 512,2048,8192")
-    a.add_argument("--centroid", choices=["mean_prob", "meanlogprob"], default=None,
+    a.add_argument("--centroid", choices=["mean_prob", "mean_logprob"], default=None,
                    help="centroid definition (default: the spec's centroid.definition, else mean_prob)")
+    a.add_argument("--skip-damaged", action="store_true",
+                   help="leave out shards that fail their row hashes or do not parse (default: refuse them)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_analyze)
 
@@ -332,6 +364,14 @@ def _add_warehouse_parsers(sub) -> None:
     rp.add_argument("--out", default=None, help="directory for report.html (default: WAREHOUSE/report)")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=cmd_report)
+
+    v = sub.add_parser("verify", help="check every row against its row_hash, every shard's row count and "
+                                      "every table file; exit 1 on damage (reads only)")
+    v.add_argument("--warehouse", default="warehouse")
+    v.add_argument("--cells", nargs="+", default=None, metavar="CELL",
+                   help="only these cells' shards (a cell id, or the start of one, e.g. a stack id)")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("status", help="cells and runs recorded in a warehouse")
     s.add_argument("--warehouse", default="warehouse")
@@ -342,10 +382,14 @@ def _add_warehouse_parsers(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     if hasattr(signal, "SIGPIPE"):  # `matrix sql ... | head` ends quietly
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("LOGIT_MATRIX_DEBUG") == "1"
+    args = build_parser().parse_args([a for a in argv if a != "--debug"])
     try:
         return args.func(args)
     except UserError as e:
+        if debug:
+            raise
         # An error raised inside a Ray actor arrives wrapped; report the original.
         cause = getattr(e, "cause", None) or e
         print(f"matrix: error: {str(cause).splitlines()[0]}", file=sys.stderr)
@@ -353,6 +397,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("matrix: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
+    except Exception as e:  # an operational failure: one line, exit 1; --debug shows where
+        if debug:
+            raise
+        from matrix.failures import StorageError, first_line, storage_error, storage_line
+
+        full = storage_error(e)
+        cause = getattr(e, "cause", None) or e
+        line = storage_line(full, "") if full is not None else \
+            str(e) if isinstance(e, StorageError) else f"{type(cause).__name__}: {first_line(str(cause))}"
+        print(f"matrix: error: {line} (--debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

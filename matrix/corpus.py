@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common.errors import UserError, read_yaml_file
+from common.errors import UserError, read_text_file, read_yaml_file
 from common.files import ids_sha256
 from common.ids import prompt_id as mint_prompt_id
 
@@ -107,7 +107,7 @@ def load_entries(corpus: str) -> tuple[str, list[Entry]]:
             f = path.parent / str(e["file"])
             if not f.is_file():
                 raise UserError(f"{fld}.file: file not found ({f})")
-            text = f.read_text()
+            text = read_text_file(f, f"the file of prompts[{i}] in {path}")
         else:
             chat = e["chat"]
             if not isinstance(chat, list) or not chat or not all(

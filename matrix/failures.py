@@ -9,8 +9,14 @@ killing the worker (OutOfMemoryError) gets one more try: an OOM that repeats is 
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import os
 import re
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -74,3 +80,60 @@ def _infra_message(exc: BaseException) -> str:
         if m:
             return m.group(0).strip()[:500]
     return first_line(text)
+
+
+# -- the warehouse's own storage failing ----------------------------------------------------
+# A full disk or a failing one is no cell's fault: the run stops, and says where and how full.
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS}
+
+
+class StorageError(Exception):
+    """Writing the warehouse failed (disk full, I/O error): the run stops with this line."""
+
+
+def storage_error(exc: BaseException) -> OSError | None:
+    """The OSError of a full or failing disk behind exc (also inside Ray's wrapper), else None."""
+    for e in (exc, getattr(exc, "cause", None), exc.__cause__, exc.__context__):
+        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+            return e
+    return None
+
+
+def storage_line(err: OSError, where: str) -> str:
+    """`No space left on device writing PATH (0.0 MiB free of 20 MiB there)`."""
+    path = err.filename or where
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        du, vfs = shutil.disk_usage(probe), os.statvfs(probe)
+        inodes = "no free inodes, " if vfs.f_files and not vfs.f_favail else ""
+        free = f" ({inodes}{du.free / 2**20:.1f} MiB free of {du.total / 2**20:.0f} MiB there)"
+    except OSError:
+        free = ""
+    return f"{err.strerror or type(err).__name__} writing {path}{free}"
+
+
+def _marker_dir(where: str) -> Path:
+    from common.files import cache_root
+
+    return cache_root() / "unrecorded-runs" / hashlib.sha256(where.encode()).hexdigest()[:16]
+
+
+def leave_marker(where: str, run_id: str, status: str, error: str | None) -> Path:
+    """When the run's own row cannot be written (the disk is full), its outcome goes here, on
+    this machine's cache disk, for the next run on the warehouse to record."""
+    d = _marker_dir(where)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{run_id}.json"
+    path.write_text(json.dumps({"run_id": run_id, "status": status, "error": error}))
+    return path
+
+
+def read_markers(where: str) -> dict[str, dict]:
+    d = _marker_dir(where)
+    return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))} if d.is_dir() else {}
+
+
+def drop_marker(where: str, run_id: str) -> None:
+    (_marker_dir(where) / f"{run_id}.json").unlink(missing_ok=True)

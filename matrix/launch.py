@@ -136,3 +136,11 @@ def stop(started: Started) -> None:
         ray.kill(a)
     if started.group is not None:
         remove_placement_group(started.group)
+
+
+def wait_gone(actors: list, timeout_s: float = 15.0) -> None:
+    """Return once killed actors are dead (a call on each fails), so none still writes a temp file."""
+    import ray
+
+    pings = [a.__ray_ready__.remote() for a in actors]
+    ray.wait(pings, num_returns=len(pings), timeout=timeout_s)

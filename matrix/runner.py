@@ -20,7 +20,7 @@ from common import ids
 from common.errors import UserError
 from common.files import sha256_file
 from common.stack import Cell
-from matrix import __version__, placement
+from matrix import __version__, failures, launch, placement
 from matrix.corpus import Prompt, tokenize
 from matrix.models import ResolvedModel, fetch
 from matrix.spec import Spec
@@ -57,6 +57,7 @@ class Plan:
     builds: dict[str, dict] = field(default_factory=dict)  # cell id -> its build's libraries
     left_out: dict[str, str] = field(default_factory=dict)  # stack id -> why it does not run this time
     reused: dict[str, str] = field(default_factory=dict)  # stack id -> the other build's cell it reuses
+    aside: str = field(default_factory=ids.aside_dir)  # where this run moves damaged shards
 
 
 def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
@@ -79,8 +80,16 @@ def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
     return Plan(spec, models, prompts, special=special, vocab=vocab)
 
 
-def bind(plan: Plan, wh: Warehouse, nodes: list, log: Callable[[str], None], reuse_other_builds: bool = False,
-         skip_failed: bool = False) -> None:
+@dataclass(frozen=True)
+class Resume:
+    """How a run treats what earlier runs left (the `matrix run` flags of the same names)."""
+
+    reuse_other_builds: bool = False
+    skip_failed: bool = False
+    recapture_damaged: bool = False
+
+
+def bind(plan: Plan, wh: Warehouse, nodes: list, log: Callable[[str], None], resume: Resume = Resume()) -> None:
     """Bind every cell to the engine build of the node(s) it will run on (matrix/builds.py), then
     work out what is left to do. Run under the writer lock, with Ray initialised."""
     from matrix import builds
@@ -95,7 +104,7 @@ def bind(plan: Plan, wh: Warehouse, nodes: list, log: Callable[[str], None], reu
         log(f"not run this time: {sid}: {why}")
     bound = {c.stack_id: c.cell_id for c in plan.cells}
     plan.reference_cells = {m: bound[s] for m, s in plan.spec.reference_cells.items() if s in bound}
-    find_todo(plan, wh, reuse_other_builds, log, skip_failed)
+    find_todo(plan, wh, resume, log)
 
 
 def _other_build(cell: Cell, rows: dict[str, dict], repeats: int) -> dict | None:
@@ -105,8 +114,42 @@ def _other_build(cell: Cell, rows: dict[str, dict], repeats: int) -> dict | None
     return max(same, key=lambda r: r["finished_at"]) if same else None
 
 
-def find_todo(plan: Plan, wh: Warehouse, reuse_other_builds: bool = False,
-              log: Callable[[str], None] = lambda m: None, skip_failed: bool = False) -> None:
+def expected_rows(plan: Plan, cell: Cell) -> int:
+    """Rows one repeat of this cell holds: its sampled positions over every prompt."""
+    from actors.capture import fed_ids
+
+    return sum(len(fed_ids(p.token_ids, plan.spec.stride, cell.max_tokens)[1]) for p in plan.prompts[cell.model])
+
+
+def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: Callable[[str], None]) -> set[int]:
+    """The repeats whose shard is complete: it parses, with the cell's row count (a file that only
+    exists is not done). With recapture_damaged every row is checked against its hash too, and a
+    damaged shard is moved aside (never deleted) to be captured again; without, it is refused."""
+    from store.verify import verify_shard
+
+    want, done = expected_rows(plan, cell), set()
+    for r in sorted(wh.completed_repeats(cell.cell_id)):
+        if resume.recapture_damaged:
+            damage, _, _ = verify_shard(wh, cell.cell_id, r, want)
+            why = damage[0].line().removeprefix(wh.shard_path(cell.cell_id, r)).lstrip(": ") if damage else None
+        else:
+            try:
+                n = wh.shard_rows(cell.cell_id, r)
+                why = None if n == want else f"{n} rows, the cell has {want} per repeat"
+            except Exception as e:  # a truncated or overwritten file: Parquet says why
+                why = "unreadable: " + (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if why is None:
+            done.add(r)
+        elif resume.recapture_damaged:
+            aside = wh.move_aside(cell.cell_id, r, plan.aside)
+            log(f"{wh.shard_path(cell.cell_id, r)}: damaged ({why}); moved to {aside}, capturing it again")
+        else:
+            raise UserError(f"{wh.shard_path(cell.cell_id, r)}: damaged ({why}); run `matrix verify`, or "
+                            "`matrix run --recapture-damaged` to move it aside and capture it again")
+    return done
+
+
+def find_todo(plan: Plan, wh: Warehouse, resume: Resume = Resume(), log: Callable[[str], None] = lambda m: None) -> None:
     """Which (cell, repeat) captures are missing for the bound cells. A cell is its stack run by
     one engine build: a capture by another build counts only when the user says so. A cell that
     failed is tried again (its complete shards kept), unless skip_failed."""
@@ -114,8 +157,9 @@ def find_todo(plan: Plan, wh: Warehouse, reuse_other_builds: bool = False,
     plan.todo, plan.complete, plan.reused = {}, [], {}
     exists = wh.check()
     rows = {r["cell_id"]: r for r in wh.read_all("cells")} if exists else {}
+    reuse_other_builds, skip_failed = resume.reuse_other_builds, resume.skip_failed
     for i, cell in enumerate(plan.cells):
-        done = wh.completed_repeats(cell.cell_id) if exists else set()
+        done = complete_shards(plan, wh, cell, resume, log) if exists else set()
         missing = [r for r in range(spec.repeats) if r not in done]
         row = rows.get(cell.cell_id)
         if row and row["status"] == "skipped":
@@ -155,13 +199,31 @@ def regroup_complete_cells(plan: Plan, wh: Warehouse, log: Callable[[str], None]
 
 
 def mark_interrupted_runs(wh: Warehouse, log: Callable[[str], None]) -> None:
-    """Runs still 'running' while we hold the writer lock were killed: say so."""
+    """Runs still 'running' while we hold the writer lock were killed, or could not record their
+    end (a marker on this machine says how they ended): say so."""
+    markers = failures.read_markers(wh.where)
     for run in wh.read_all("runs"):
         if run["status"] == "running":
-            wh.write_rows("runs", run["run_id"], [R.run_finished(
-                run, "interrupted", finished_at=run["finished_at"],
-                error="the process ended before the run finished")])
-            log(f"run {run['run_id']} was interrupted; resuming its work")
+            m = markers.get(run["run_id"]) or {"status": "interrupted", "error": "the process ended before the run finished"}
+            wh.write_rows("runs", run["run_id"], [R.run_finished(run, m["status"], finished_at=run["finished_at"],
+                                                                 error=m["error"])])
+            failures.drop_marker(wh.where, run["run_id"])
+            log(f"run {run['run_id']} ended {m['status']}" + (f" ({m['error']})" if m["error"] else "")
+                + "; resuming its work")
+
+
+def _record_end(wh: Warehouse, row: dict, log: Callable[[str], None]) -> OSError | None:
+    """The run's last row; when the warehouse cannot take it (its disk is full), the outcome goes
+    to a marker in this machine's cache for the next run to record. Returns that write's error."""
+    try:
+        wh.write_rows("runs", row["run_id"], [row])
+        return None
+    except OSError as e:
+        path = failures.leave_marker(wh.where, row["run_id"], row["status"], row["error"])
+        log(f"could not record the end of run {row['run_id']} in the warehouse "
+            f"({failures.storage_line(e, wh.where) if failures.storage_error(e) else e}); kept in {path}, "
+            "for the next run to record")
+        return e
 
 
 def _begin(plan: Plan, wh: Warehouse, argv: list[str], address: str | None, log: Callable[[str], None],
@@ -171,7 +233,7 @@ def _begin(plan: Plan, wh: Warehouse, argv: list[str], address: str | None, log:
     spec = plan.spec
     wh.create()
     wh.write_probe(nonce)
-    mark_interrupted_runs(wh, log)
+    mark_interrupted_runs(wh, log)  # also done by the CLI before planning; here for direct callers
     for p in wh.sweep_tmp():
         log(f"removed a partial file left by an interrupted run: {p}")
     for plist in plan.prompts.values():
@@ -215,17 +277,27 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
         status = "interrupted"
         raise
     except Exception as e:
+        full = failures.storage_error(e)
+        if full is not None:  # a driver-side write: the same one line as an actor's
+            e = failures.StorageError(failures.storage_line(full, wh.where))
         err = getattr(e, "cause", None) or e  # the actor's own exception, not Ray's wrapper
         run["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]
+        if full is not None:
+            raise e from None
         raise
     finally:
+        stopped = [a for lv in sweep.live.values() for a in lv.started.actors]
         for cid in list(sweep.live):
             sweep.drop(cid)
         ray.kill(depot)
-        wh.write_rows("runs", run["run_id"], [R.run_finished(run, status, cells_done=sweep.cells_done,
-                                                              rows_written=sweep.rows,
-                                                              rows_delivery=json.dumps(sweep.via),
-                                                              cells_failed=len(sweep.failed))])
+        if stopped:  # a stopped run leaves no temp file: its killed actors' partial shards go too
+            launch.wait_gone(stopped)
+            for p in wh.sweep_tmp():
+                log(f"removed the partial file of a stopped capture: {p}")
+        unrecorded = _record_end(wh, R.run_finished(run, status, cells_done=sweep.cells_done, rows_written=sweep.rows,
+                                                     rows_delivery=json.dumps(sweep.via), cells_failed=len(sweep.failed)), log)
+    if unrecorded is not None:
+        raise unrecorded
     elapsed = time.perf_counter() - sweep.t0
     return {"run_id": run["run_id"], "cells_total": len(plan.cells), "cells_done": sweep.cells_done,
             "cells_run": len(todo), "rows_written": sweep.rows, "seconds": round(elapsed, 2),

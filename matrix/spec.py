@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from common import names
-from common.errors import UserError
+from common.errors import UserError, read_text_file
 from common.stack import Cell
 
 DEFAULT_STRIDE = 32
@@ -266,7 +266,7 @@ def _int(path: Path, data: dict, key: str, default: int, fld: str | None = None)
 def _read_mapping(path: Path) -> tuple[str, dict]:
     if not path.is_file():
         raise UserError(f"{path}: spec file not found")
-    text = path.read_text()
+    text = read_text_file(path, "spec file")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -18,7 +18,7 @@ from common import ids
 from common.stack import Cell
 from matrix import launch, placement
 from matrix.cells import model_copy, stack_desc
-from matrix.failures import Failure, classify
+from matrix.failures import Failure, StorageError, classify, storage_error, storage_line
 from matrix.launch import Call, Kind
 from store import Warehouse
 from store import rows as R
@@ -159,6 +159,9 @@ class Sweep:
             # (StackActor._loaded), so a SkipCell from any of them is the load's outcome.
             self.skip(cid, str(cause).splitlines()[0])
             return
+        full = storage_error(exc)
+        if full is not None:  # the warehouse's disk, not the cell: every other cell would fail too
+            raise StorageError(storage_line(full, self.wh.where)) from None
         failure, attempt = classify(exc), self.attempts.get(cid, 1)
         live = self.live[cid]
         if attempt <= failure.retries_allowed(self.plan.spec.retries):

@@ -101,6 +101,10 @@ class LocalDir:
     def delete(self, key: str) -> None:
         (self.root / key).unlink(missing_ok=True)
 
+    def move(self, key: str, to: str) -> None:
+        (self.root / to).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.root / key, self.root / to)
+
     def mkdirs(self, prefix: str) -> None:
         (self.root / prefix).mkdir(parents=True, exist_ok=True)
 
@@ -148,8 +152,21 @@ def write_whole(loc, key: str, write: Callable[[Path], None]) -> None:
     """write(tmp) writes the whole file; it becomes `key` only if that succeeds."""
     st = loc.stage(key)
     try:
-        write(st.tmp)
-        st.commit()
+        with named_io_errors(loc.path(key)):
+            write(st.tmp)
+            st.commit()
     except BaseException:
         st.abort()
+        raise
+
+
+@contextlib.contextmanager
+def named_io_errors(path: str):
+    """An I/O error (a full disk) names the file it was writing: pyarrow's own says neither the
+    file nor, in its strerror, anything but "Error writing bytes to file"."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno and not e.filename:
+            raise OSError(e.errno, os.strerror(e.errno), path) from e
         raise

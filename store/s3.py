@@ -124,6 +124,12 @@ class S3Dir:
         with self._errors(f"cannot delete {key}"):
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
+    def move(self, key: str, to: str) -> None:
+        """Server-side copy, then delete: the object is never absent from both places."""
+        with self._errors(f"cannot move {key} to {to}"):
+            self.client.copy({"Bucket": self.bucket, "Key": self._key(key)}, self.bucket, self._key(to))
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
     def mkdirs(self, prefix: str) -> None:
         """Object stores have no directories."""
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from common.errors import UserError
-from store.location import PROBE, open_location, write_whole
+from store.location import PROBE, named_io_errors, open_location, write_whole
 from store.schema import FORMAT, LOGITS, SCHEMA_VERSION, TABLES
 
 MARKER = "WAREHOUSE.json"
@@ -162,14 +162,14 @@ class Warehouse:
     def write_rows(self, table: str, name: str, rows: list[dict]) -> str:
         key = f"{table}/{name}.parquet"
         t = pa.Table.from_pylist(rows, schema=TABLES[table])
-        write_whole(self.loc, key, lambda tmp: pq.write_table(t, tmp, compression="zstd"))
+        write_whole(self.loc, key, lambda tmp: pq.write_table(t, tmp, compression="zstd", write_page_checksum=True))
         return key
 
     def write_table(self, table: str, name: str, data: pa.Table) -> str:
         """A whole table file at once (analysis outputs), cast to the schema the store owns."""
         key = f"{table}/{name}.parquet"
         t = data.select(TABLES[table].names).cast(TABLES[table])
-        write_whole(self.loc, key, lambda tmp: pq.write_table(t, tmp, compression="zstd"))
+        write_whole(self.loc, key, lambda tmp: pq.write_table(t, tmp, compression="zstd", write_page_checksum=True))
         return key
 
     def remove_table(self, table: str, name: str) -> None:
@@ -201,7 +201,14 @@ class Warehouse:
 
     def read_shard(self, cell_id: str, repeat: int, columns: list[str] | None = None) -> pa.Table:
         """One (cell, repeat) shard, or just the named columns (every reader of a shard comes here)."""
-        return pq.read_table(self.shard_path(cell_id, repeat), columns=columns, filesystem=self.loc.fs)
+        return pq.read_table(self.shard_path(cell_id, repeat), columns=columns, filesystem=self.loc.fs,
+                             page_checksum_verification=True)
+
+    def move_aside(self, cell_id: str, repeat: int, aside: str) -> str:
+        """Move a damaged shard to <aside>/logits/... (kept for inspection; readers no longer see it)."""
+        key = self.shard_key(cell_id, repeat)
+        self.loc.move(key, f"{aside}/{key}")
+        return self.loc.path(f"{aside}/{key}")
 
     def shard_rows(self, cell_id: str, repeat: int) -> int:
         return pq.read_metadata(self.shard_path(cell_id, repeat), filesystem=self.loc.fs).num_rows
@@ -239,7 +246,8 @@ def _writer(where) -> pq.ParquetWriter:
     return pq.ParquetWriter(
         where, LOGITS, compression="zstd", compression_level=ZSTD_LEVEL,
         use_dictionary=["run_id", "cell_id", "prompt_id", "logits_dtype"],
-        use_byte_stream_split=[LOGITS_LEAF], write_statistics=["position", "repeat", "next_token_id"])
+        use_byte_stream_split=[LOGITS_LEAF], write_statistics=["position", "repeat", "next_token_id"],
+        write_page_checksum=True)  # a flipped byte fails its page's CRC on read (store/verify.py)
 
 
 def encode_rows(rows: pa.Table) -> bytes:
@@ -283,10 +291,13 @@ class ShardWriter:
     """Streams one (cell, repeat) shard, a row group per prompt; visible only after commit()."""
 
     def __init__(self, warehouse: str | os.PathLike, run_id: str, cell_id: str, repeat: int):
-        self.stage = open_location(warehouse).stage(Warehouse.shard_key(cell_id, repeat))
+        loc = open_location(warehouse)
+        self.stage = loc.stage(Warehouse.shard_key(cell_id, repeat))
+        self.path = loc.path(Warehouse.shard_key(cell_id, repeat))  # named by a write that fails
         self.run_id, self.cell_id, self.repeat = run_id, cell_id, repeat
         self.rows = 0
-        self._writer = _writer(self.stage.tmp)
+        with named_io_errors(self.path):
+            self._writer = _writer(self.stage.tmp)
 
     def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
             native: np.ndarray) -> None:
@@ -294,7 +305,8 @@ class ShardWriter:
         self.add_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native))
 
     def add_rows(self, rows: pa.Table) -> None:
-        self._writer.write_table(rows)
+        with named_io_errors(self.path):
+            self._writer.write_table(rows)
         self.rows += rows.num_rows
 
     def add_encoded(self, data: bytes) -> int:
@@ -303,10 +315,13 @@ class ShardWriter:
         return self.rows
 
     def commit(self) -> str:
-        self._writer.close()
-        self.stage.commit()
+        with named_io_errors(self.path):
+            self._writer.close()
+            self.stage.commit()
         return Warehouse.shard_key(self.cell_id, self.repeat)
 
     def abort(self) -> None:
-        self._writer.close()
-        self.stage.abort()
+        try:
+            self._writer.close()  # may fail again (a full disk): the temp file goes all the same
+        finally:
+            self.stage.abort()

@@ -14,7 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from backends.base import sampled_positions
+import pytest
+
+from actors.capture import fed_ids
 from tests.conftest import REPO, sql, write_spec
 
 STRIDE = 16
@@ -34,8 +36,8 @@ def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
 
 def expected_rows(wh: Path, max_tokens: int | None = None) -> int:
     """Rows per repeat the prompts give at STRIDE (what every complete shard must hold)."""
-    n = [p["n_tokens"] for p in sql(wh, "select n_tokens from prompts")]
-    return sum(len(sampled_positions(min(t, max_tokens or t), STRIDE)) for t in n)
+    ids = [p["token_ids"] for p in sql(wh, "select token_ids from prompts")]
+    return sum(len(fed_ids(t, STRIDE, max_tokens)[1]) for t in ids)
 
 
 def row_hashes(wh: Path, cell_id: str) -> dict[int, list[str]]:
@@ -196,3 +198,199 @@ def test_a_frozen_actor_is_stopped_by_the_time_limit(tiny_model, short_corpus, t
     cells = {c["dtype"]: c for c in sql(wh, "select * from cells")}
     assert (cells["bf16"]["status"], cells["bf16"]["error_class"]) == ("failed", "Timeout")
     assert_exact(wh, cells["fp32"], 2)
+
+
+# -- a full disk -----------------------------------------------------------------------------
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI and dev boxes run as root)")
+
+
+def _mount(path: Path, opts: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], check=True)
+
+
+def _temps(wh: Path) -> list[Path]:
+    return [p for p in wh.rglob("*") if p.name.startswith(".tmp") or p.name.endswith(".part")]
+
+
+@needs_root
+def test_a_full_disk_stops_the_run_with_its_cause_and_leaves_nothing_partial(tiny_model, short_corpus, tmp_path):
+    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager", "sdpa"],
+                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=2, stride=STRIDE)
+    wh = tmp_path / "wh"
+    _mount(wh, "size=14m")  # room for two of the four ~5.5 MB shards
+    try:
+        r = _run("run", str(spec), "--warehouse", str(wh))
+        assert r.returncode == 1, r.stderr[-3000:]
+        last = r.stderr.strip().splitlines()[-1]
+        assert re.fullmatch(rf"matrix: error: No space left on device writing {re.escape(str(wh))}/\S+ "
+                            r"\([0-9.]+ MiB free of 14 MiB there\) \(--debug for the traceback\)", last), last
+        assert "Traceback" not in r.stderr
+        assert _temps(wh) == []
+        (run,) = sql(wh, "select status, error from runs")
+        assert run["status"] == "failed" and run["error"].startswith("StorageError: No space left on device writing ")
+        done = sql(wh, "select * from cells where status = 'done'")
+        assert len(done) < 2  # the run stopped: not every cell is done, and none is done without its rows
+        for c in done:
+            assert_exact(wh, c, 2)
+        v = _run("verify", "--warehouse", str(wh), "--json")
+        assert v.returncode == 0 and json.loads(v.stdout)["damage"] == [], v.stdout[-2000:]
+
+        subprocess.run(["mount", "-o", "remount,size=64m", str(wh)], check=True)  # space freed
+        r = _run("run", str(spec), "--warehouse", str(wh))
+        assert r.returncode == 0, r.stderr[-3000:]
+        for c in sql(wh, "select * from cells"):
+            assert_exact(wh, c, 2)
+    finally:
+        subprocess.run(["umount", "-l", str(wh)], check=False)
+
+
+@needs_root
+def test_a_full_disk_at_the_runs_write_keeps_the_cause_for_the_next_run(tiny_model, short_corpus, tmp_path):
+    """runs/ on a tmpfs with one inode for files: the run's first row fits, no rewrite does (the
+    first comes when a cell is done), the final one included. The outcome waits on this machine
+    and the next run records it."""
+    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager", "sdpa"],
+                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=1, stride=STRIDE,
+                      threads=2)
+    wh = tmp_path / "wh"
+    (wh / "runs").mkdir(parents=True)
+    _mount(wh / "runs", "size=1m,nr_inodes=2")
+    cache = tmp_path / "cache"
+    env = {"LOGIT_MATRIX_CACHE": str(cache)}
+    try:
+        r = _run_env(env, "run", str(spec), "--warehouse", str(wh))
+        assert r.returncode == 1, r.stderr[-3000:]
+        assert "could not record the end of run" in r.stderr and "no free inodes" in r.stderr
+        markers = list((cache / "unrecorded-runs").rglob("*.json"))
+        assert len(markers) == 1 and json.loads(markers[0].read_text())["status"] == "failed"
+        saved = {p.name: p.read_bytes() for p in (wh / "runs").iterdir()}
+    finally:
+        subprocess.run(["umount", "-l", str(wh / "runs")], check=False)
+    for name, data in saved.items():  # the disk is replaced by a bigger one, with its files
+        (wh / "runs" / name).write_bytes(data)
+    assert [r["status"] for r in sql(wh, "select status from runs")] == ["running"]
+    r = _run_env(env, "run", str(spec), "--warehouse", str(wh))
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = sql(wh, "select status, error from runs order by started_at")
+    assert [x["status"] for x in runs] == ["failed", "done"]
+    assert runs[0]["error"].startswith("StorageError: No space left on device writing ") and "no free inodes" in runs[0]["error"]
+    assert not list((cache / "unrecorded-runs").rglob("*.json"))
+    cells = sql(wh, "select * from cells")
+    assert len(cells) == 2
+    for c in cells:
+        assert_exact(wh, c, 1)
+
+
+def _run_env(env: dict, *args: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", **env}
+    return subprocess.run([sys.executable, "-m", "matrix", *args], cwd=REPO, env=full, capture_output=True,
+                          text=True, timeout=900)
+
+
+# -- damaged files ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def captured(tiny_model, short_corpus, tmp_path_factory):
+    """A finished two-cell sweep to damage copies of."""
+    d = tmp_path_factory.mktemp("captured")
+    spec = write_spec(d / "s.yaml", tiny_model, short_corpus, dtypes=["fp32", "bf16"], attention=["eager"],
+                      reference={"engine": "hf", "dtype": "fp32"}, repeats=2, stride=STRIDE)
+    r = _run("run", str(spec), "--warehouse", str(d / "wh"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return spec, d / "wh"
+
+
+def _copy(captured, tmp_path) -> tuple[Path, Path, dict]:
+    import shutil
+
+    spec, src = captured
+    wh = tmp_path / "wh"
+    shutil.copytree(src, wh)
+    cells = {c["dtype"]: c for c in sql(wh, "select * from cells")}
+    return spec, wh, cells
+
+
+def test_a_flipped_byte_is_caught_by_verify_and_analyze_and_recaptured_on_request(captured, tmp_path):
+    spec, wh, cells = _copy(captured, tmp_path)
+    bf16 = cells["bf16"]["cell_id"]
+    before = row_hashes(wh, bf16)
+    shard = wh / "logits" / bf16 / "r1.parquet"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10  # inside the logits pages, far from the footer
+    shard.write_bytes(bytes(data))
+
+    v = _run("verify", "--warehouse", str(wh), "--json")
+    assert v.returncode == 1, v.stderr[-2000:]
+    report = json.loads(v.stdout)
+    assert report["damaged_files"] == [str(shard)] and report["shards"] == 4
+    assert all(d["cell_id"] == bf16 and d["repeat"] == 1 for d in report["damage"])
+    assert f"DAMAGED {shard}" in v.stderr
+
+    a = _run("analyze", "--warehouse", str(wh))
+    assert a.returncode == 2 and a.stderr.strip().splitlines()[-1].startswith(f"matrix: error: {shard}: "), a.stderr[-2000:]
+    a = _run("analyze", "--warehouse", str(wh), "--skip-damaged", "--json")
+    assert a.returncode == 0, a.stderr[-2000:]
+    assert [d.split(":")[0] for d in json.loads(a.stdout)["damaged"]] == [str(shard)]
+    assert sql(wh, "select count(*) as n from cells") == [{"n": 2}]  # SQL over the other tables works
+
+    r = _run("run", str(spec), "--warehouse", str(wh), "--recapture-damaged")
+    assert r.returncode == 0, r.stderr[-3000:]
+    moved = list((wh / "damaged").rglob("r1.parquet"))
+    assert len(moved) == 1 and moved[0].read_bytes() == bytes(data)  # kept, never deleted
+    assert row_hashes(wh, bf16) == before  # captured again, bit for bit
+    assert _run("verify", "--warehouse", str(wh)).returncode == 0
+
+
+def test_a_truncated_shard_is_not_done_and_sql_still_works(captured, tmp_path):
+    spec, wh, cells = _copy(captured, tmp_path)
+    fp32 = cells["fp32"]["cell_id"]
+    shard = wh / "logits" / fp32 / "r0.parquet"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    r = _run("sql", "select count(*) as n from cells", "--warehouse", str(wh), "--format", "json")
+    assert r.returncode == 0 and json.loads(r.stdout) == [{"n": 2}], r.stderr
+    assert f"matrix: warning: {shard}: damaged" in r.stderr
+    assert _run("status", "--warehouse", str(wh)).returncode == 0
+    v = _run("verify", "--warehouse", str(wh), "--json")
+    assert v.returncode == 1 and json.loads(v.stdout)["damaged_files"] == [str(shard)]
+    run = _run("run", str(spec), "--warehouse", str(wh))
+    assert run.returncode == 2 and run.stderr.strip().splitlines()[-1] == (
+        f"matrix: error: {shard}: damaged (unreadable: " + run.stderr.split("(unreadable: ", 1)[1].split(")")[0]
+        + "); run `matrix verify`, or `matrix run --recapture-damaged` to move it aside and capture it again"), run.stderr
+    assert "Traceback" not in run.stderr
+    run = _run("run", str(spec), "--warehouse", str(wh), "--recapture-damaged")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_exact(wh, sql(wh, f"select * from cells where cell_id = '{fp32}'")[0], 2)
+
+
+def test_a_truncated_table_file_leaves_the_other_tables_queryable(captured, tmp_path):
+    _, wh, cells = _copy(captured, tmp_path)
+    f = next((wh / "tokenizer_parity").iterdir())
+    f.write_bytes(f.read_bytes()[:40])
+    r = _run("sql", "select count(*) as n from logits", "--warehouse", str(wh), "--format", "json")
+    assert r.returncode == 0 and json.loads(r.stdout)[0]["n"] > 0, r.stderr
+    v = _run("verify", "--warehouse", str(wh), "--json")
+    assert v.returncode == 1 and json.loads(v.stdout)["damaged_files"] == [str(f)]
+
+
+@pytest.mark.parametrize("where", ["spec", "corpus"])
+def test_latin1_input_is_one_line_and_exit_2(tiny_model, short_corpus, tmp_path, where):
+    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                      reference={"engine": "hf", "dtype": "fp32"})
+    if where == "spec":
+        spec.write_bytes(spec.read_bytes().replace(b"name: test", "name: caf\u00e9".encode("latin-1")))
+        bad, what = spec, "spec file"
+    else:
+        import shutil
+
+        corpus = tmp_path / "corpus"
+        shutil.copytree(short_corpus.parent, corpus)
+        (corpus / "prose.txt").write_bytes("Caf\u00e9 au lait.".encode("latin-1"))
+        spec.write_text(spec.read_text().replace(str(short_corpus), str(corpus / "corpus.yaml")))
+        bad, what = corpus / "prose.txt", f"the file of prompts[1] in {corpus / 'corpus.yaml'}"
+    r = _run("run", str(spec), "--warehouse", str(tmp_path / "wh"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        f"matrix: error: {bad}: {what} is not UTF-8 text: byte 0xe9 at offset "
+        + r.stderr.split("at offset ")[1].split(" ")[0] + " (line " + r.stderr.split("(line ")[1].split(")")[0]
+        + "); save it as UTF-8"]
+    assert not (tmp_path / "wh").exists()

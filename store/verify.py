@@ -1,0 +1,153 @@
+"""Checking a warehouse against itself, reading only: every row's values against its row_hash,
+every shard's row count against its cell, every table file against Parquet (and the page CRCs
+the writers add). `matrix verify` reports; `matrix analyze` and `matrix run` refuse what fails.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from common.errors import UserError
+from store.warehouse import Warehouse, logits_matrix, row_hash
+
+ROW_COLUMNS = ["prompt_id", "position", "logits_dtype", "logits", "row_hash"]
+
+
+class DamagedShard(UserError):
+    """A shard that does not parse, or whose rows do not match their hashes."""
+
+
+@dataclass(frozen=True)
+class Damage:
+    path: str
+    what: str
+    cell_id: str | None = None
+    repeat: int | None = None
+    prompt_id: str | None = None
+    position: int | None = None
+
+    def line(self) -> str:
+        at = "".join(f" {k} {v}" for k, v in (("repeat", self.repeat), ("prompt", self.prompt_id),
+                                                ("position", self.position)) if v is not None)
+        return f"{self.path}{':' + at if at else ''}: {self.what}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _first_line(e: Exception) -> str:
+    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+
+
+def bad_rows(rows: pa.Table) -> list[tuple[int, str]]:
+    """(row index, why) of every row whose values are not what its row_hash says."""
+    values = logits_matrix(rows.column("logits"))  # (rows, vocab) float32, widened from native
+    kinds = rows.column("logits_dtype").to_pylist()
+    hashes = rows.column("row_hash").to_pylist()
+    out = []
+    for kind in set(kinds):
+        idx = np.flatnonzero(np.array(kinds) == kind)
+        v = values[idx]
+        if kind == "bf16":
+            bits = v.view(np.uint32)
+            lossy = (bits & 0xFFFF).any(-1)  # a widened bf16 has a zero low half
+            native = (bits >> 16).astype(np.uint16)
+        elif kind == "f16":
+            native = v.astype(np.float16)
+            lossy = (native.astype(np.float32).view(np.uint32) != v.view(np.uint32)).any(-1)
+        else:
+            native, lossy = v, np.zeros(len(idx), bool)
+        for j, i in enumerate(idx):
+            if lossy[j]:
+                out.append((int(i), f"values are not {kind} (the low bits of a widened value are set)"))
+            elif row_hash(native[j]) != hashes[i]:
+                out.append((int(i), "values do not match row_hash"))
+    return sorted(out)
+
+
+def check_rows(rows: pa.Table, path: str, cell_id: str | None, repeat: int | None) -> list[Damage]:
+    prompts, positions = rows.column("prompt_id").to_pylist(), rows.column("position").to_pylist()
+    return [Damage(path, why, cell_id, repeat, prompts[i], positions[i]) for i, why in bad_rows(rows)]
+
+
+def verify_shard(wh: Warehouse, cell_id: str, repeat: int, expected_rows: int | None) -> tuple[list[Damage], int, int]:
+    """(damage, rows checked, file bytes) of one shard, row group by row group (bounded memory)."""
+    path = wh.shard_path(cell_id, repeat)
+    try:
+        pf = pq.ParquetFile(path, filesystem=wh.loc.fs, page_checksum_verification=True)
+    except Exception as e:  # a truncated or overwritten file: Parquet says why
+        return [Damage(path, f"unreadable: {_first_line(e)}", cell_id, repeat)], 0, 0
+    damage, rows = [], 0
+    for g in range(pf.num_row_groups):
+        try:
+            t = pf.read_row_group(g, columns=ROW_COLUMNS)
+        except Exception as e:
+            damage.append(Damage(path, f"row group {g} unreadable: {_first_line(e)}", cell_id, repeat))
+            continue
+        rows += t.num_rows
+        damage += check_rows(t, path, cell_id, repeat)
+    if expected_rows is not None and pf.metadata.num_rows != expected_rows:
+        damage.append(Damage(path, f"{pf.metadata.num_rows} rows, the cell has {expected_rows} per repeat", cell_id, repeat))
+    size = wh.loc.fs.get_file_info(path).size if wh.remote else _size(path)
+    return damage, rows, size
+
+
+def _size(path: str) -> int:
+    import os
+
+    return os.path.getsize(path)
+
+
+def verify_table_files(wh: Warehouse, tables: Iterable[str]) -> list[Damage]:
+    out = []
+    for table in tables:
+        for path in wh.table_files(table):
+            try:
+                pq.read_table(path, filesystem=wh.loc.fs, page_checksum_verification=True)
+            except Exception as e:
+                out.append(Damage(path, f"unreadable: {_first_line(e)}"))
+    return out
+
+
+def verify(wh: Warehouse, cells: list[str] | None = None, log: Callable[[str], None] = lambda m: None) -> dict:
+    """Every table file and every shard (of `cells`, a list of cell ids or stack-id prefixes, when
+    given). Returns the report; nothing is written."""
+    from store.schema import TABLES
+
+    t0 = time.perf_counter()
+    damage = verify_table_files(wh, [t for t in TABLES if t != "logits"])
+    bad_tables = {d.path for d in damage}
+    expected = {}
+    for path in wh.table_files("cells"):
+        if path not in bad_tables:
+            for c in pq.read_table(path, filesystem=wh.loc.fs).to_pylist():
+                if c["status"] == "done":
+                    expected[c["cell_id"]] = (c["repeats"], c["rows_per_repeat"])
+    shards = {}  # (cell, repeat) -> expected rows or None
+    for key in wh.loc.list("logits/"):
+        cid, name = key.split("/")[1], key.split("/")[-1]
+        shards[(cid, int(name[1:].split(".")[0]))] = expected.get(cid, (0, None))[1]
+    def wanted(cid: str) -> bool:
+        return not cells or any(cid == c or cid.startswith(c) for c in cells)
+
+    for cid, (repeats, _) in expected.items():
+        damage += [Damage(wh.shard_path(cid, r), "missing: the cell is done but has no such shard", cid, r)
+                   for r in range(repeats) if (cid, r) not in shards and wanted(cid)]
+    shards = {k: v for k, v in shards.items() if wanted(k[0])}
+    rows = size = 0
+    for i, ((cid, r), want) in enumerate(sorted(shards.items()), 1):
+        d, n, b = verify_shard(wh, cid, r, want)
+        damage, rows, size = damage + d, rows + n, size + b
+        el = time.perf_counter() - t0
+        log(f"[shards {i}/{len(shards)}] {cid} r{r}: {n} rows{', DAMAGED' if d else ''} | "
+            f"{size / 2**20:.0f} MiB in {el:.1f}s ({size / 2**20 / max(el, 1e-9):.0f} MiB/s)")
+    el = time.perf_counter() - t0
+    return {"warehouse": wh.where, "shards": len(shards), "rows": rows, "bytes": size, "seconds": round(el, 2),
+            "mib_per_s": round(size / 2**20 / max(el, 1e-9), 1), "damage": [d.to_dict() for d in damage],
+            "damaged_files": sorted({d.path for d in damage})}
