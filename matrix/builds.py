@@ -26,7 +26,7 @@ from typing import Callable
 
 from backends import backend_class
 from common import ids
-from common.builds import describe
+from common.builds import describe, engine_build
 from common.stack import Cell
 from matrix import placement
 from matrix.cells import stack_desc
@@ -49,19 +49,32 @@ def _probe_keys(cell: Cell, model, nodes: list) -> tuple[list[tuple], dict, dict
     return [(where, env_key, cls.libraries)], {where: opts}, env
 
 
-def probe(cells: list[Cell], models: dict, nodes: list, log: Callable[[str], None]) -> dict[str, list]:
-    """stack id -> [probe result or the exception it raised, one per node that can host it]."""
+def probe(cells: list[Cell], models: dict, nodes: list, log: Callable[[str], None],
+          own_cluster: bool = False) -> dict[str, list]:
+    """stack id -> [probe result or the exception it raised, one per node that can host it].
+
+    own_cluster: the run started this Ray cluster itself, so the driver's node runs actors in
+    the driver's own interpreter and environment; its build is read here, without a task."""
+    import socket
+
+    import ray
+
     from actors.probe import node_build
 
-    futures, wants = {}, {}
+    here = ray.get_runtime_context().get_node_id() if own_cluster else None
+    futures, results, wants = {}, {}, {}
     for cell in cells:
         keys, opts, env = _probe_keys(cell, models[cell.model], nodes)
         for key in keys:
-            if key not in futures:
+            if key in futures or key in results:
+                continue
+            if key[0] == here and not env:
+                results[key] = {"node_id": here, "host": socket.gethostname(), **engine_build(key[2])}
+            else:
                 extra = {"runtime_env": env} if env else {}
                 futures[key] = node_build.options(**opts[key[0]], **extra).remote(key[2])
         wants[cell.stack_id] = keys
-    results = _gather(futures, log)
+    results.update(_gather(futures, log))
     return {sid: [results[k] for k in keys] for sid, keys in wants.items()}
 
 

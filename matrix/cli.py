@@ -156,7 +156,7 @@ def cmd_run(args) -> int:
                 log(f"node types from {config}: " + ", ".join(n.node_type for n in nodes if n.node_type))
             placement.check_placement(spec.cells, nodes, log)
             runner.bind(plan, wh, nodes, log, runner.Resume(args.reuse_cells_from_other_builds, args.skip_failed,
-                                                            args.recapture_damaged))
+                                                            args.recapture_damaged, own_cluster=not args.address))
             runner.regroup_complete_cells(plan, wh, log)
             if plan.todo:
                 summary = runner.execute(plan, wh, sys.argv, args.address, log, config)

@@ -12,7 +12,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,8 +21,9 @@ from common.errors import UserError
 from common.files import sha256_file
 from common.stack import Cell
 from matrix import __version__, failures, launch, placement
-from matrix.corpus import Prompt, tokenize
-from matrix.models import ResolvedModel, fetch
+from matrix.corpus import tokenize
+from matrix.models import fetch
+from matrix.plan import Plan
 from matrix.spec import Spec
 from matrix.sweep import Sweep
 from store import SCHEMA_VERSION, Warehouse
@@ -40,24 +41,6 @@ def library_versions() -> dict[str, str]:
         except PackageNotFoundError:
             pass
     return out
-
-
-@dataclass
-class Plan:
-    spec: Spec
-    models: dict[str, ResolvedModel]
-    prompts: dict[str, list[Prompt]]  # model -> prompts
-    todo: dict[str, list[int]] = field(default_factory=dict)  # cell_id -> repeats to capture
-    complete: list[str] = field(default_factory=list)
-    special: dict[str, dict] = field(default_factory=dict)  # model -> reference bos/eos ids
-    vocab: dict[str, int] = field(default_factory=dict)  # model -> reference vocab size (logits per row)
-    # Set by bind(): the spec's cells bound to an engine build (cell_id = stack@build)
-    cells: list[Cell] = field(default_factory=list)
-    reference_cells: dict[str, str] = field(default_factory=dict)  # model -> bound cell id
-    builds: dict[str, dict] = field(default_factory=dict)  # cell id -> its build's libraries
-    left_out: dict[str, str] = field(default_factory=dict)  # stack id -> why it does not run this time
-    reused: dict[str, str] = field(default_factory=dict)  # stack id -> the other build's cell it reuses
-    aside: str = field(default_factory=ids.aside_dir)  # where this run moves damaged shards
 
 
 def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
@@ -87,6 +70,7 @@ class Resume:
     reuse_other_builds: bool = False
     skip_failed: bool = False
     recapture_damaged: bool = False
+    own_cluster: bool = False  # this run started its Ray cluster (no --address): see builds.probe
 
 
 def bind(plan: Plan, wh: Warehouse, nodes: list, log: Callable[[str], None], resume: Resume = Resume()) -> None:
@@ -98,7 +82,7 @@ def bind(plan: Plan, wh: Warehouse, nodes: list, log: Callable[[str], None], res
     for r in (wh.read_all("cells") if wh.check() else []):
         if r["status"] == "done" and r.get("build"):
             captured.setdefault(r["cell_id"].partition("@")[0], set()).add(r["build"])
-    answers = builds.probe(plan.spec.cells, plan.models, nodes, log)
+    answers = builds.probe(plan.spec.cells, plan.models, nodes, log, resume.own_cluster)
     plan.cells, plan.builds, plan.left_out = builds.bind(plan.spec.cells, answers, captured, log)
     for sid, why in plan.left_out.items():
         log(f"not run this time: {sid}: {why}")

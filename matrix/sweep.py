@@ -11,7 +11,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from backends.base import SkipCell
 from common import ids
@@ -20,17 +20,15 @@ from matrix import launch, placement
 from matrix.cells import model_copy, stack_desc
 from matrix.failures import Failure, StorageError, classify, storage_error, storage_line
 from matrix.launch import Call, Kind
+from matrix.plan import Plan
 from store import Warehouse
 from store import rows as R
 from store.warehouse import row_hashes
 
-if TYPE_CHECKING:
-    from matrix.runner import Plan
-
 HEARTBEAT_S = float(os.environ.get("LOGIT_MATRIX_HEARTBEAT_S", "60"))
 
 
-def _cell_fields(plan: "Plan", cell: Cell) -> dict:
+def _cell_fields(plan: Plan, cell: Cell) -> dict:
     """The columns every cells row of this cell has, captured or skipped."""
     return {**cell.axes(), **R.model_fields(plan.models[cell.model]), "stride": plan.spec.stride,
             "corpus": plan.spec.corpus, "options": json.dumps(cell.opts, sort_keys=True),
@@ -38,12 +36,12 @@ def _cell_fields(plan: "Plan", cell: Cell) -> dict:
             "stack_id": ids.split_cell_id(cell.stack_id)[0], "replica": cell.replica, "build": cell.build}
 
 
-def skipped_row(plan: "Plan", cell: Cell, run_id: str, reason: str) -> dict:
+def skipped_row(plan: Plan, cell: Cell, run_id: str, reason: str) -> dict:
     return R.cell_row(cell.cell_id, run_id, "skipped", **_cell_fields(plan, cell), skip_reason=reason, repeats=0,
                       host=None, build_libraries=json.dumps(plan.builds.get(cell.cell_id), sort_keys=True))
 
 
-def failed_row(plan: "Plan", live: "Live", run_id: str, failure: Failure, attempts: int) -> dict:
+def failed_row(plan: Plan, live: "Live", run_id: str, failure: Failure, attempts: int) -> dict:
     """A cell that raised, or whose actor died more often than the spec's retries allow. Its
     complete shards stay (the next run captures only the missing repeats)."""
     loaded = live.loaded or {}
@@ -78,7 +76,7 @@ CAPTURE_S_PER_TOKEN = 2.0
 CAPTURE_FLOOR_S = 600.0
 
 
-def done_row(plan: "Plan", live: Live, run_id: str, wh: Warehouse, attempts: int = 1) -> dict:
+def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse, attempts: int = 1) -> dict:
     spec, cell, loaded = plan.spec, live.cell, live.loaded
     art = loaded.get("artifact") or {}
     # shard 0 read once (on object storage each read is a request): its hashes, rows and dtype
@@ -107,7 +105,7 @@ def done_row(plan: "Plan", live: Live, run_id: str, wh: Warehouse, attempts: int
 class Sweep:
     """The run loop's state: the cells in flight, the calls queued on their actors, the counts."""
 
-    def __init__(self, plan: "Plan", wh: Warehouse, run: dict, nodes: list, log: Callable[[str], None], delivery):
+    def __init__(self, plan: Plan, wh: Warehouse, run: dict, nodes: list, log: Callable[[str], None], delivery):
         self.plan, self.wh, self.run, self.run_id, self.nodes, self.log = plan, wh, run, run["run_id"], nodes, log
         self.attempts: dict[str, int] = {}  # cell id -> times started in this run
         self.failed: dict[str, Failure] = {}  # cell id -> why

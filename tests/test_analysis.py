@@ -15,6 +15,7 @@ from scipy.stats import spearmanr
 
 from analysis import metrics as M
 from analysis.analyze import Shard, centroid_tables
+from store.warehouse import row_hash
 from tests.conftest import run_cli, sql, write_spec
 
 LN2 = np.log(2.0)
@@ -190,6 +191,10 @@ def test_analyze_bad_input(swept, tmp_path):
     rows = t["logits"].to_pylist()
     rows[3][100] = float("nan")
     t = t.set_column(t.schema.get_field_index("logits"), "logits", pa.array(rows, t.schema.field("logits").type))
+    # as if the engine had returned the NaN: the row's hash is of those values (else it is damage)
+    hashes = t["row_hash"].to_pylist()
+    hashes[3] = row_hash(np.array(rows[3], dtype=np.float32))
+    t = t.set_column(t.schema.get_field_index("row_hash"), "row_hash", pa.array(hashes))
     pq.write_table(t, f)
     before = sorted(p.name for p in (bad / "logits").rglob("*.parquet"))
     r = run_cli("analyze", "--warehouse", str(bad), "--json")

@@ -1,0 +1,113 @@
+"""`matrix verify` throughput per core, against reading and hashing the same files plainly.
+
+Captures the built-in corpus once with the real SmolLM2 weights (fp32, stride 32), writes the
+rows as production shards (fp32, and the same rows rounded to bf16) until each dtype holds
+--mb of files, then times on one core (Arrow's pools set to one thread):
+
+- verify: store.verify.verify_shard (page CRCs, decode, re-hash every row, count rows);
+- decode: pyarrow.parquet reading the same columns (no hashing);
+- sha256: hashlib over the raw file bytes (what checking a copy with sha256sum costs).
+
+Target (issue 13): verify >= 200 MB/s of warehouse files per core.
+
+    .venv/bin/python benchmarks/verify_throughput.py [--mb 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from _common import load_backend, model_and_prompts
+
+TARGET_MB_S = 200.0
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def capture(stride: int) -> list[tuple[str, list[int], np.ndarray]]:
+    from actors.capture import fed_ids
+
+    resolved, prompts = model_and_prompts()
+    be = load_backend(resolved.hf_dir, "fp32", "sdpa")
+    out = []
+    for pid, ids in prompts:
+        ids, positions = fed_ids(ids, stride, None)
+        out.append((pid, positions, be.forward(ids, positions)))  # (rows, vocab) float32
+    return out
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 bits, round to nearest even (what a bf16 stack returns)."""
+    b = x.view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def write_shards(wh, rows, dtype: str, mb: float) -> list[tuple[str, int]]:
+    from store.warehouse import ShardWriter
+
+    shards, size, r = [], 0, 0
+    while size < mb * 2**20:
+        w = ShardWriter(wh.where, "bench", f"bench.{dtype}", r)
+        for pid, positions, native in rows:
+            w.add(pid, positions, [None] * len(positions), to_bf16(native) if dtype == "bf16" else native)
+        w.commit()
+        shards.append((f"bench.{dtype}", r))
+        size += Path(wh.shard_path(f"bench.{dtype}", r)).stat().st_size
+        r += 1
+    return shards
+
+
+def timed(fn, shards) -> float:
+    t0 = time.perf_counter()
+    for cid, r in shards:
+        fn(cid, r)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=float, default=256, help="MiB of shards per dtype")
+    ap.add_argument("--stride", type=int, default=32)
+    args = ap.parse_args()
+    from store import Warehouse
+    from store.verify import verify_shard
+
+    rows = capture(args.stride)
+    pa.set_cpu_count(1)
+    pa.set_io_thread_count(1)
+    print(f"CPU: {cpu_name()}; one core (Arrow: 1 thread); {sum(len(p) for _, p, _ in rows)} rows per shard, "
+          f"vocab {rows[0][2].shape[1]}")
+    print(f"{'dtype':6} {'files MiB':>9} {'verify MB/s':>12} {'decode MB/s':>12} {'sha256 MB/s':>12} "
+          f"{'verify/sha256':>13} {'target':>8}")
+    with tempfile.TemporaryDirectory() as d:
+        wh = Warehouse(Path(d) / "wh")
+        wh.create()
+        for dtype in ("fp32", "bf16"):
+            shards = write_shards(wh, rows, dtype, args.mb)
+            size = sum(Path(wh.shard_path(c, r)).stat().st_size for c, r in shards)
+            bad = []
+            t_verify = timed(lambda c, r: bad.extend(verify_shard(wh, c, r, None)[0]), shards)
+            assert not bad, bad[:3]
+            t_decode = timed(lambda c, r: pq.read_table(wh.shard_path(c, r), columns=["logits", "row_hash"]), shards)
+            t_sha = timed(lambda c, r: hashlib.sha256(Path(wh.shard_path(c, r)).read_bytes()).hexdigest(), shards)
+            mb = size / 1e6
+            v = mb / t_verify
+            print(f"{dtype:6} {size / 2**20:9.0f} {v:12.0f} {mb / t_decode:12.0f} {mb / t_sha:12.0f} "
+                  f"{t_sha / t_verify:12.2f}x {'ok' if v >= TARGET_MB_S else 'MISSED':>8}")
+
+
+if __name__ == "__main__":
+    main()
