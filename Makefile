@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/storage_bytes.py
 	$(PY) benchmarks/capture_overhead.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/analysis_throughput.py --warehouse warehouse
+	$(PY) benchmarks/verify_throughput.py
 
 clean-warehouse:
 	rm -rf warehouse
