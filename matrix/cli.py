@@ -259,16 +259,17 @@ def cmd_status(args) -> int:
     from analysis.sql import query
 
     _, cells = query(args.warehouse, """
-        select c.cell_id, c.status, c.repeats, c.rows_per_repeat, c.bit_reproducible, c.is_reference
+        select c.cell_id, c.status, c.repeats, c.rows_per_repeat, c.bit_reproducible, c.is_reference,
+               coalesce(c.error_class || ': ' || c.error, c.skip_reason) as why
         from cells c order by c.cell_id""")
     _, runs = query(args.warehouse, """
         select run_id, status, started_at, cells_done, cells_total, rows_written from runs order by started_at""")
     if args.json:
-        keys_c = ["cell_id", "status", "repeats", "rows_per_repeat", "bit_reproducible", "is_reference"]
+        keys_c = ["cell_id", "status", "repeats", "rows_per_repeat", "bit_reproducible", "is_reference", "why"]
         keys_r = ["run_id", "status", "started_at", "cells_done", "cells_total", "rows_written"]
         emit_json({"cells": [dict(zip(keys_c, r)) for r in cells], "runs": [dict(zip(keys_r, r)) for r in runs]})
         return 0
-    print(table(["cell_id", "status", "repeats", "rows/repeat", "bit_reproducible", "reference"],
+    print(table(["cell_id", "status", "repeats", "rows/repeat", "bit_reproducible", "reference", "why"],
                 [list(r) for r in cells]))
     print()
     print(table(["run_id", "status", "started_at", "cells_done", "cells_total", "rows_written"],

@@ -107,6 +107,9 @@ def test_a_cell_that_fails_is_recorded_the_others_complete_and_a_rerun_retries_o
     hf_hashes = row_hashes(wh, cells["hf"]["cell_id"])
     (run,) = sql(wh, "select status, cells_done, cells_failed from runs")
     assert (run["status"], run["cells_done"], run["cells_failed"]) == ("done", 1, 1)
+    st = _run("status", "--warehouse", str(wh), "--json")
+    assert {c["cell_id"]: c["why"] for c in json.loads(st.stdout)["cells"]}[bad] == \
+        "RuntimeError: llama.cpp could not create a context"
 
     again = _run("run", str(spec), "--warehouse", str(wh), "--json")
     assert again.returncode == 1
