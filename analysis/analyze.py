@@ -26,7 +26,7 @@ import pyarrow as pa
 import torch
 
 from analysis import metrics as M
-from common.errors import UserError
+from common.errors import UserError, first_line
 from store import Warehouse
 from store.verify import DamagedShard, check_rows
 from store.warehouse import logits_matrix
@@ -58,7 +58,7 @@ def read_shard(wh: Warehouse, cell_id: str, repeat: int) -> Shard:
     try:
         t = wh.read_shard(cell_id, repeat, ["prompt_id", "position", "next_token_id", "logits", "logits_dtype", "row_hash"])
     except (OSError, pa.ArrowException) as e:
-        raise DamagedShard(f"{path}: damaged ({str(e).strip().splitlines()[0]}); {SEE_VERIFY}") from None
+        raise DamagedShard(f"{path}: damaged ({first_line(str(e), type(e).__name__)}); {SEE_VERIFY}") from None
     bad = check_rows(t, path, cell_id, repeat)
     if bad:
         raise DamagedShard(f"{path}: {len(bad)} row(s) damaged, first prompt {bad[0].prompt_id} position "

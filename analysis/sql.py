@@ -5,7 +5,7 @@ from __future__ import annotations
 import duckdb
 import pyarrow as pa
 
-from common.errors import UserError
+from common.errors import UserError, first_line
 from store import TABLES, Warehouse
 from store.warehouse import logits_matrix
 
@@ -53,7 +53,7 @@ def _readable(files: list[str], table: str) -> list[str]:
         try:
             pq.read_metadata(f)
         except Exception as e:
-            why = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            why = first_line(str(e), type(e).__name__)
             print(f"matrix: warning: {f}: damaged ({why}); left out of the {table} view "
                   "(run `matrix verify`)", file=sys.stderr)
             continue

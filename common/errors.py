@@ -1,6 +1,17 @@
 """Errors the CLI turns into one line on stderr and exit code 2."""
 
 import os
+import re
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def first_line(text: str, default: str = "") -> str:
+    """The first non-blank line of an error message, without ANSI colour codes (at most 500 chars)."""
+    for line in ANSI.sub("", text).splitlines():
+        if line.strip():
+            return line.strip()[:500]
+    return default
 
 
 class UserError(Exception):

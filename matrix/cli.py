@@ -401,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # an operational failure: one line, exit 1; --debug shows where
         if debug:
             raise
-        from matrix.failures import StorageError, first_line, storage_error, storage_line
+        from common.errors import first_line
+        from matrix.failures import StorageError, storage_error, storage_line
 
         full = storage_error(e)
         cause = getattr(e, "cause", None) or e

@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+from common.errors import ANSI, UserError, first_line
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,6 @@ class Failure:
         if not self.infrastructure:
             return 0
         return min(retries, 1) if self.oom else retries
-
-
-def first_line(text: str) -> str:
-    for line in ANSI.sub("", text).splitlines():
-        if line.strip():
-            return line.strip()[:500]
-    return ""
 
 
 def _infrastructure_types() -> tuple[type, ...]:
@@ -65,8 +58,6 @@ def classify(exc: BaseException) -> Failure:
     err = cause if isinstance(cause, BaseException) else exc
     if isinstance(err, _infrastructure_types()):  # e.g. a depot call inside the capture lost its actor
         return Failure(type(err).__name__, _infra_message(err), True)
-    from common.errors import UserError
-
     return Failure(type(err).__name__, first_line(str(err)), False, bad_input=isinstance(err, UserError))
 
 

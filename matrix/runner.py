@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from common import ids
-from common.errors import UserError
+from common.errors import UserError, first_line
 from common.files import sha256_file
 from common.stack import Cell
 from matrix import __version__, failures, launch, placement
@@ -121,7 +121,7 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
                 n = wh.shard_rows(cell.cell_id, r)
                 why = None if n == want else f"{n} rows, the cell has {want} per repeat"
             except Exception as e:  # a truncated or overwritten file: Parquet says why
-                why = "unreadable: " + (str(e).strip().splitlines() or [type(e).__name__])[0]
+                why = "unreadable: " + first_line(str(e), type(e).__name__)
         if why is None:
             done.add(r)
         elif resume.recapture_damaged:

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from common.errors import UserError
+from common.errors import UserError, first_line
 from store.warehouse import Warehouse, logits_matrix, row_hash
 
 ROW_COLUMNS = ["prompt_id", "position", "logits_dtype", "logits", "row_hash"]
@@ -42,7 +42,7 @@ class Damage:
 
 
 def _first_line(e: Exception) -> str:
-    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    return first_line(str(e), type(e).__name__)
 
 
 def bad_rows(rows: pa.Table) -> list[tuple[int, str]]:
