@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from typing import Callable
 
@@ -30,8 +29,7 @@ from common.builds import describe, engine_build
 from common.stack import Cell
 from matrix import placement
 from matrix.cells import stack_desc
-
-HEARTBEAT_S = float(os.environ.get("LOGIT_MATRIX_HEARTBEAT_S", "60"))
+from matrix.sweep import HEARTBEAT_S
 
 
 def _probe_keys(cell: Cell, model, nodes: list) -> tuple[list[tuple], dict, dict | None]:
@@ -97,6 +95,15 @@ def _gather(futures: dict, log: Callable[[str], None]) -> dict:
             log(f"waiting {time.perf_counter() - t0:.0f}s for engine builds: {len(futures) - len(pending)}/"
                 f"{len(futures)} answered; not yet: {', '.join(waiting[:3])}"
                 + (f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""))
+    return out
+
+
+def captured_builds(rows: list[dict]) -> dict[str, set[str]]:
+    """Spec id (stack and replica) -> the builds that captured it, from the cells table's rows."""
+    out: dict[str, set[str]] = {}
+    for r in rows:
+        if r["status"] == "done" and r.get("build"):
+            out.setdefault(r["cell_id"].partition("@")[0], set()).add(r["build"])
     return out
 
 

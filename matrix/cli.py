@@ -61,22 +61,23 @@ def _known_nodes(address: str | None, cluster_config: str | None, probe_spec=Non
 
     if not address and not cluster_config:
         return None, None
-    live, answers = [], None
-    if address:
-        ray = cluster.init_ray(address)
-        try:
-            live = placement.cluster_nodes()
-            if probe_spec is not None:
-                from matrix import builds
-                from matrix.models import fetch
+    config = cluster_config or placement.default_cluster_config(address)
+    if not address:
+        return placement.known_nodes([], config), None
+    answers = None
+    ray = cluster.init_ray(address)
+    try:
+        known = placement.known_nodes(placement.cluster_nodes(), config)
+        if probe_spec is not None:
+            from matrix import builds
+            from matrix.models import fetch
 
-                known = placement.known_nodes(live, cluster_config or placement.default_cluster_config(address))
-                placement.check_placement(probe_spec.cells, known, lambda msg: None)
-                models = {n: fetch(ref, log=log) for n, ref in probe_spec.models.items()}
-                answers = builds.probe(probe_spec.cells, models, known, log)
-        finally:
-            ray.shutdown()
-    return placement.known_nodes(live, cluster_config or placement.default_cluster_config(address)), answers
+            placement.check_placement(probe_spec.cells, known, lambda msg: None)
+            models = {n: fetch(ref, log=log) for n, ref in probe_spec.models.items()}
+            answers = builds.probe(probe_spec.cells, models, known, log)
+    finally:
+        ray.shutdown()
+    return known, answers
 
 
 def cmd_models(args) -> int:

@@ -53,8 +53,7 @@ def build_columns(spec, warehouse: str, answers: dict | None) -> dict[str, dict]
             {"cell_id": r["cell_id"], "build": r.get("build"), "host": r["host"], "repeats": r["repeats"],
              "libraries": describe(libs) if libs else None})
     if answers is not None:
-        captured = {sid: {b["build"] for b in got if b["build"]} for sid, got in by_stack.items()}
-        bound, _, _ = builds.bind(spec.cells, answers, captured, lambda m: None)
+        bound, _, _ = builds.bind(spec.cells, answers, builds.captured_builds(rows), lambda m: None)
         current = {c.stack_id: c.build for c in bound}
     else:
         current = {c.stack_id: _local_build(c) for c in spec.cells}

@@ -78,17 +78,14 @@ def bind(plan: Plan, wh: Warehouse, nodes: list, log: Callable[[str], None], res
     work out what is left to do. Run under the writer lock, with Ray initialised."""
     from matrix import builds
 
-    captured: dict[str, set[str]] = {}
-    for r in (wh.read_all("cells") if wh.check() else []):
-        if r["status"] == "done" and r.get("build"):
-            captured.setdefault(r["cell_id"].partition("@")[0], set()).add(r["build"])
+    rows = wh.read_all("cells") if wh.check() else []  # read once: the builds and find_todo use it
     answers = builds.probe(plan.spec.cells, plan.models, nodes, log, resume.own_cluster)
-    plan.cells, plan.builds, plan.left_out = builds.bind(plan.spec.cells, answers, captured, log)
+    plan.cells, plan.builds, plan.left_out = builds.bind(plan.spec.cells, answers, builds.captured_builds(rows), log)
     for sid, why in plan.left_out.items():
         log(f"not run this time: {sid}: {why}")
     bound = {c.stack_id: c.cell_id for c in plan.cells}
     plan.reference_cells = {m: bound[s] for m, s in plan.spec.reference_cells.items() if s in bound}
-    find_todo(plan, wh, resume, log)
+    find_todo(plan, wh, resume, log, rows)
 
 
 def _other_build(cell: Cell, rows: dict[str, dict], repeats: int) -> dict | None:
@@ -133,14 +130,17 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
     return done
 
 
-def find_todo(plan: Plan, wh: Warehouse, resume: Resume = Resume(), log: Callable[[str], None] = lambda m: None) -> None:
+def find_todo(plan: Plan, wh: Warehouse, resume: Resume = Resume(), log: Callable[[str], None] = lambda m: None,
+              cell_rows: list[dict] | None = None) -> None:
     """Which (cell, repeat) captures are missing for the bound cells. A cell is its stack run by
     one engine build: a capture by another build counts only when the user says so. A cell that
     failed is tried again (its complete shards kept), unless skip_failed."""
     spec = plan.spec
     plan.todo, plan.complete, plan.reused = {}, [], {}
     exists = wh.check()
-    rows = {r["cell_id"]: r for r in wh.read_all("cells")} if exists else {}
+    if cell_rows is None:
+        cell_rows = wh.read_all("cells") if exists else []
+    rows = {r["cell_id"]: r for r in cell_rows}
     reuse_other_builds, skip_failed = resume.reuse_other_builds, resume.skip_failed
     for i, cell in enumerate(plan.cells):
         done = complete_shards(plan, wh, cell, resume, log) if exists else set()
