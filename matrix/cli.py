@@ -235,25 +235,19 @@ def cmd_report(args) -> int:
 
 def cmd_verify(args) -> int:
     from store import Warehouse
-    from store.verify import verify
+    from store.verify import Damage, verify
 
     wh = Warehouse(args.warehouse).require()
     report = verify(wh, args.cells, log=log)
     for path in report["damaged_files"]:
         hits = [d for d in report["damage"] if d["path"] == path]
-        log(f"DAMAGED {path}: {len(hits)} problem(s); first: " + _damage_line(hits[0]))
+        log(f"DAMAGED {path}: {len(hits)} problem(s); first: " + Damage(**hits[0]).detail())
     log(f"verified {report['shards']} shard(s), {report['rows']} rows, {report['bytes'] / 2**20:.1f} MiB in "
         f"{report['seconds']}s ({report['mib_per_s']} MiB/s): "
         + (f"{len(report['damaged_files'])} damaged file(s)" if report["damage"] else "no damage"))
     if args.json:
         emit_json(report)
     return 1 if report["damage"] else 0
-
-
-def _damage_line(d: dict) -> str:
-    from store.verify import Damage
-
-    return Damage(**d).line().removeprefix(d["path"]).lstrip(": ")
 
 
 def cmd_status(args) -> int:

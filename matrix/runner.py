@@ -112,7 +112,7 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
     for r in sorted(wh.completed_repeats(cell.cell_id)):
         if resume.recapture_damaged:
             damage, _, _ = verify_shard(wh, cell.cell_id, r, want)
-            why = damage[0].line().removeprefix(wh.shard_path(cell.cell_id, r)).lstrip(": ") if damage else None
+            why = damage[0].detail() if damage else None
         else:
             try:
                 n = wh.shard_rows(cell.cell_id, r)

@@ -67,7 +67,7 @@ class Live:
     phase: str = "placing"
     since: float = field(default_factory=time.perf_counter)
     repeats: list[int] = field(default_factory=list)  # captures not back yet, in queue order
-    ready: bool = False  # the actor exists (its __ray_ready__ came back)
+    capture_limit_s: float = 0.0  # capture_timeout_s, or its default for this cell's tokens
 
 
 # Without capture_timeout_s: this long per token fed in one repeat, at least CAPTURE_FLOOR_S. Two
@@ -124,7 +124,8 @@ class Sweep:
                            [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]],
                            plan.special[cell.model], plan.vocab[cell.model])
         started = launch.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
-        self.live[cell.cell_id] = Live(cell, started, threads, len(repeats), repeats=sorted(repeats))
+        self.live[cell.cell_id] = Live(cell, started, threads, len(repeats), repeats=sorted(repeats),
+                                       capture_limit_s=self.capture_limit(cell))
         self.pending.update(started.calls)
         self.units_total += len(repeats)
 
@@ -133,11 +134,16 @@ class Sweep:
             del self.pending[fut]
         launch.stop(self.live.pop(cid).started)
 
-    def skip(self, cid: str, reason: str) -> None:
-        self.log(f"[cells {self.cells_done + 1}/{self.cells_total}] {cid} skipped: {reason}")
+    def retire(self, cid: str) -> Live:
+        """Stop a cell that will not finish in this attempt: its captures still out leave the total."""
         live = self.live[cid]
         self.units_total -= live.left
         self.drop(cid)
+        return live
+
+    def skip(self, cid: str, reason: str) -> None:
+        self.log(f"[cells {self.cells_done + 1}/{self.cells_total}] {cid} skipped: {reason}")
+        live = self.retire(cid)
         self.wh.write_rows("cells", cid, [skipped_row(self.plan, live.cell, self.run_id, reason)])
         self.cells_done += 1
         self.progress()
@@ -161,12 +167,10 @@ class Sweep:
         if full is not None:  # the warehouse's disk, not the cell: every other cell would fail too
             raise StorageError(storage_line(full, self.wh.where)) from None
         failure, attempt = classify(exc), self.attempts.get(cid, 1)
-        live = self.live[cid]
         if attempt <= failure.retries_allowed(self.plan.spec.retries):
             self.log(f"{cid}: {failure.line()} -- starting it again (attempt {attempt + 1} of at most "
                      f"{failure.retries_allowed(self.plan.spec.retries) + 1})")
-            self.units_total -= live.left
-            self.drop(cid)
+            live = self.retire(cid)
             done = self.wh.completed_repeats(cid)  # shards the dead actor finished are kept
             self.plan.todo[cid] = [r for r in self.plan.todo[cid] if r not in done]
             self.attempts[cid] = attempt + 1
@@ -175,15 +179,14 @@ class Sweep:
         self.give_up(cid, failure, attempt)
 
     def give_up(self, cid: str, failure: Failure, attempt: int) -> None:
-        live = self.live[cid]
-        self.units_total -= live.left
-        self.drop(cid)
+        live = self.retire(cid)
         self.failed[cid] = failure
         self.wh.write_rows("cells", cid, [failed_row(self.plan, live, self.run_id, failure, attempt)])
         self.log(f"[cells {self.cells_done}/{self.cells_total}] {cid} FAILED after {attempt} attempt(s): {failure.line()}")
         self.progress()
 
     def capture_limit(self, cell: Cell) -> float:
+        """Seconds one repeat may take (worked out once, when the cell starts)."""
         spec = self.plan.spec
         if spec.capture_timeout_s:
             return spec.capture_timeout_s
@@ -196,15 +199,15 @@ class Sweep:
             return None
         if live.phase == "loading":
             return self.plan.spec.load_timeout_s, "load_timeout_s"
-        return self.capture_limit(live.cell), "capture_timeout_s"
+        return live.capture_limit_s, "capture_timeout_s"
 
     def advance(self, live: Live, call: Call) -> None:
         """A call of rank 0 came back: the next one in its queue starts now. (Two calls done by
         the same wait may come back in either order, so the phase follows what is back, not the order.)"""
         if call.kind is Kind.CAPTURE and call.repeat in live.repeats:
             live.repeats.remove(call.repeat)
-        live.ready = True  # any call of rank 0 back: its actor exists
-        phase = ("placing" if not live.ready else "loading" if live.loaded is None
+        # any call of rank 0 that came back means its actor exists: never "placing" again
+        phase = ("loading" if live.loaded is None
                  else "tokenizer parity" if live.parity is None
                  else f"capture r{live.repeats[0]}" if live.repeats else "closing")
         if phase != live.phase:

@@ -5,6 +5,7 @@ the writers add). `matrix verify` reports; `matrix analyze` and `matrix run` ref
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
@@ -32,10 +33,14 @@ class Damage:
     prompt_id: str | None = None
     position: int | None = None
 
+    def detail(self) -> str:
+        """What is wrong and where inside the file: `repeat 1 prompt p position 32: ...`."""
+        at = " ".join(f"{k} {v}" for k, v in (("repeat", self.repeat), ("prompt", self.prompt_id),
+                                               ("position", self.position)) if v is not None)
+        return f"{at}: {self.what}" if at else self.what
+
     def line(self) -> str:
-        at = "".join(f" {k} {v}" for k, v in (("repeat", self.repeat), ("prompt", self.prompt_id),
-                                                ("position", self.position)) if v is not None)
-        return f"{self.path}{':' + at if at else ''}: {self.what}"
+        return f"{self.path}: {self.detail()}"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,14 +99,8 @@ def verify_shard(wh: Warehouse, cell_id: str, repeat: int, expected_rows: int | 
         damage += check_rows(t, path, cell_id, repeat)
     if expected_rows is not None and pf.metadata.num_rows != expected_rows:
         damage.append(Damage(path, f"{pf.metadata.num_rows} rows, the cell has {expected_rows} per repeat", cell_id, repeat))
-    size = wh.loc.fs.get_file_info(path).size if wh.remote else _size(path)
+    size = wh.loc.fs.get_file_info(path).size if wh.remote else os.path.getsize(path)
     return damage, rows, size
-
-
-def _size(path: str) -> int:
-    import os
-
-    return os.path.getsize(path)
 
 
 def verify_table_files(wh: Warehouse, tables: Iterable[str]) -> list[Damage]:
