@@ -59,14 +59,14 @@ def read_shard(wh: Warehouse, cell_id: str, repeat: int) -> Shard:
         t = wh.read_shard(cell_id, repeat, ["prompt_id", "position", "next_token_id", "logits", "logits_dtype", "row_hash"])
     except (OSError, pa.ArrowException) as e:
         raise DamagedShard(f"{path}: damaged ({first_line(str(e), type(e).__name__)}); {SEE_VERIFY}") from None
-    bad = check_rows(t, path, cell_id, repeat)
+    try:
+        logits = logits_matrix(t.column("logits"))  # (rows, vocab), decoded once: checked and used
+    except ValueError as e:
+        raise UserError(f"{path}: {e} in one shard") from None
+    bad = check_rows(t, path, cell_id, repeat, logits)
     if bad:
         raise DamagedShard(f"{path}: {len(bad)} row(s) damaged, first prompt {bad[0].prompt_id} position "
                            f"{bad[0].position}: {bad[0].what}; {SEE_VERIFY}")
-    try:
-        logits = logits_matrix(t.column("logits"))  # (rows, vocab)
-    except ValueError as e:
-        raise UserError(f"{wh.shard_path(cell_id, repeat)}: {e} in one shard") from None
     prompts, positions = t.column("prompt_id").to_pylist(), t.column("position").to_pylist()
     nxt = np.array([-1 if v is None else v for v in t.column("next_token_id").to_pylist()], dtype=np.int64)
     keys = {(p, q): i for i, (p, q) in enumerate(zip(prompts, positions))}

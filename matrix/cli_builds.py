@@ -7,6 +7,7 @@ names (vLLM), asked here the same way the probe task asks.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -25,15 +26,22 @@ def _local_build(cell) -> str | None:
     desc = StackDesc(engine=cell.engine, dtype=cell.dtype, attention=cell.attention, device=cell.device,
                      tp=cell.tp, model=cell.model, cell_id=cell.cell_id, options=cell.options)
     env = cls.runtime_env(desc, cell.threads or 1) or {}
-    if not env.get("py_executable"):
-        return engine_build(cls.libraries)["build"]
-    if not os.access(env["py_executable"], os.X_OK):
+    return _interpreter_build(env.get("py_executable"), cls.libraries, cell.engine)
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreter_build(python: str | None, libraries: tuple[str, ...], engine: str) -> str | None:
+    """The build of `libraries` as `python` sees them (None: this interpreter); once per
+    interpreter and engine, however many cells share them."""
+    if not python:
+        return engine_build(libraries)["build"]
+    if not os.access(python, os.X_OK):
         return None
     code = "import json, sys; from common.builds import engine_build; print(json.dumps(engine_build(sys.argv[1:])))"
-    r = subprocess.run([env["py_executable"], "-c", code, *cls.libraries], capture_output=True, text=True,
+    r = subprocess.run([python, "-c", code, *libraries], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     if r.returncode != 0:
-        raise UserError(f"{env['py_executable']}: could not read the {cell.engine} build: "
+        raise UserError(f"{python}: could not read the {engine} build: "
                         f"{(r.stderr.strip().splitlines() or ['no output'])[-1]}")
     return json.loads(r.stdout)["build"]
 

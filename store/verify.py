@@ -50,9 +50,11 @@ def _first_line(e: Exception) -> str:
     return first_line(str(e), type(e).__name__)
 
 
-def bad_rows(rows: pa.Table) -> list[tuple[int, str]]:
-    """(row index, why) of every row whose values are not what its row_hash says."""
-    values = logits_matrix(rows.column("logits"))  # (rows, vocab) float32, widened from native
+def bad_rows(rows: pa.Table, values: np.ndarray | None = None) -> list[tuple[int, str]]:
+    """(row index, why) of every row whose values are not what its row_hash says. values: the
+    rows' logits already decoded by the caller (logits_matrix), so they are not decoded twice."""
+    if values is None:
+        values = logits_matrix(rows.column("logits"))  # (rows, vocab) float32, widened from native
     kinds = rows.column("logits_dtype").to_pylist()
     hashes = rows.column("row_hash").to_pylist()
     out = []
@@ -76,9 +78,10 @@ def bad_rows(rows: pa.Table) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def check_rows(rows: pa.Table, path: str, cell_id: str | None, repeat: int | None) -> list[Damage]:
+def check_rows(rows: pa.Table, path: str, cell_id: str | None, repeat: int | None,
+               values: np.ndarray | None = None) -> list[Damage]:
     prompts, positions = rows.column("prompt_id").to_pylist(), rows.column("position").to_pylist()
-    return [Damage(path, why, cell_id, repeat, prompts[i], positions[i]) for i, why in bad_rows(rows)]
+    return [Damage(path, why, cell_id, repeat, prompts[i], positions[i]) for i, why in bad_rows(rows, values)]
 
 
 def verify_shard(wh: Warehouse, cell_id: str, repeat: int, expected_rows: int | None) -> tuple[list[Damage], int, int]:

@@ -160,15 +160,15 @@ class Warehouse:
         return [self.loc.path(k) for k in self.loc.list(f"{table}/")]
 
     def write_rows(self, table: str, name: str, rows: list[dict]) -> str:
-        key = f"{table}/{name}.parquet"
-        t = pa.Table.from_pylist(rows, schema=TABLES[table])
-        write_whole(self.loc, key, lambda tmp: pq.write_table(t, tmp, compression="zstd", write_page_checksum=True))
-        return key
+        return self._write_file(table, name, pa.Table.from_pylist(rows, schema=TABLES[table]))
 
     def write_table(self, table: str, name: str, data: pa.Table) -> str:
         """A whole table file at once (analysis outputs), cast to the schema the store owns."""
+        return self._write_file(table, name, data.select(TABLES[table].names).cast(TABLES[table]))
+
+    def _write_file(self, table: str, name: str, t: pa.Table) -> str:
+        """Every small table file is written here: whole, zstd, with page checksums (store/verify.py)."""
         key = f"{table}/{name}.parquet"
-        t = data.select(TABLES[table].names).cast(TABLES[table])
         write_whole(self.loc, key, lambda tmp: pq.write_table(t, tmp, compression="zstd", write_page_checksum=True))
         return key
 
