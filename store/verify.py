@@ -15,9 +15,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from common.errors import UserError, first_line
-from store.warehouse import Warehouse, logits_matrix, row_hash
+from store import pages
+from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, row_hash
 
 ROW_COLUMNS = ["prompt_id", "position", "logits_dtype", "logits", "row_hash"]
+SMALL_COLUMNS = [c for c in ROW_COLUMNS if c != "logits"]
 
 
 class DamagedShard(UserError):
@@ -89,21 +91,49 @@ def verify_shard(wh: Warehouse, cell_id: str, repeat: int, expected_rows: int | 
     path = wh.shard_path(cell_id, repeat)
     try:
         pf = pq.ParquetFile(path, filesystem=wh.loc.fs, page_checksum_verification=True)
+        leaf = pages.leaf_index(pf.schema, LOGITS_LEAF)
+        f = wh.loc.fs.open_input_file(path) if wh.loc.fs else pa.memory_map(path)  # local: zero-copy reads
     except Exception as e:  # a truncated or overwritten file: Parquet says why
         return [Damage(path, f"unreadable: {_first_line(e)}", cell_id, repeat)], 0, 0
     damage, rows = [], 0
-    for g in range(pf.num_row_groups):
-        try:
-            t = pf.read_row_group(g, columns=ROW_COLUMNS)
-        except Exception as e:
-            damage.append(Damage(path, f"row group {g} unreadable: {_first_line(e)}", cell_id, repeat))
-            continue
-        rows += t.num_rows
-        damage += check_rows(t, path, cell_id, repeat)
+    with f:
+        for g in range(pf.num_row_groups):
+            try:
+                t = pf.read_row_group(g, columns=SMALL_COLUMNS)
+                damage += _check_group(pf, f, g, leaf, t, path, cell_id, repeat)
+            except Exception as e:
+                damage.append(Damage(path, f"row group {g} unreadable: {_first_line(e)}", cell_id, repeat))
+                continue
+            rows += t.num_rows
     if expected_rows is not None and pf.metadata.num_rows != expected_rows:
         damage.append(Damage(path, f"{pf.metadata.num_rows} rows, the cell has {expected_rows} per repeat", cell_id, repeat))
-    size = wh.loc.fs.get_file_info(path).size if wh.remote else os.path.getsize(path)
-    return damage, rows, size
+    return damage, rows, _size(wh, path)
+
+
+def _size(wh: Warehouse, path: str) -> int:
+    return wh.loc.fs.get_file_info(path).size if wh.remote else os.path.getsize(path)
+
+
+def _check_group(pf, f, g: int, leaf: int, t: pa.Table, path: str, cell_id: str | None,
+                 repeat: int | None) -> list[Damage]:
+    """One row group: its logits read from their pages (store/pages.py) and hashed in their native
+    dtype; through Arrow where that reader does not apply (several dtypes, an unexpected encoding)."""
+    kinds = set(t.column("logits_dtype").to_pylist())
+    try:
+        if len(kinds) != 1:
+            raise pages.Unsupported("several native dtypes")
+        native = pages.read_row_group_leaf(f, pf.metadata, pf.schema, g, leaf).rows(kinds.pop())
+    except pages.Unsupported:
+        full = pf.read_row_group(g, columns=ROW_COLUMNS)
+        return check_rows(full, path, cell_id, repeat)
+    except pages.Corrupt as e:
+        return [Damage(path, f"row group {g}: {e}", cell_id, repeat)]
+    if len(native) != t.num_rows:
+        return [Damage(path, f"row group {g}: {len(native)} logits rows for {t.num_rows} rows", cell_id, repeat)]
+    hashes = t.column("row_hash").to_pylist()
+    bad = [i for i in range(len(native)) if row_hash(native[i]) != hashes[i]]
+    prompts, positions = t.column("prompt_id").to_pylist(), t.column("position").to_pylist()
+    return [Damage(path, "values do not match row_hash", cell_id, repeat, prompts[i], positions[i]) for i in bad]
 
 
 def verify_table_files(wh: Warehouse, tables: Iterable[str]) -> list[Damage]:

@@ -59,7 +59,8 @@ def logits_matrix(col) -> np.ndarray:
 
 
 def row_hash(row: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(row).tobytes()).hexdigest()
+    """sha256 of a row's native bytes (hashed in place: a copy would cost as much as the hash)."""
+    return hashlib.sha256(np.ascontiguousarray(row).data).hexdigest()
 
 
 class Warehouse:

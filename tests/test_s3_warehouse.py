@@ -94,6 +94,12 @@ def test_sweep_analysis_and_sql_on_s3(s3, tiny_model, short_corpus, swept, tmp_p
         logs.append(out.stdout + out.stderr)
         assert out.returncode == 0, (cmd, out.stderr[-2000:])
     assert len(sql(uri, "select * from summary")) == 2
+    v = run_cli("verify", "--warehouse", uri, "--json")  # pages read by ranged GETs on the bucket
+    logs.append(v.stdout + v.stderr)
+    assert v.returncode == 0, v.stderr[-2000:]
+    report = json.loads(v.stdout)
+    rows = sql(uri, "select count(*) as n from logits")[0]["n"]
+    assert (report["shards"], report["rows"], report["damage"]) == (4, rows, []) and rows > 0
     sdpa = next(c["cell_id"] for c in cells if ".sdpa." in c["cell_id"])
     eager = next(c["cell_id"] for c in cells if ".eager." in c["cell_id"])
     for cmd, ok in ((["card", sdpa, "--json", "--allow-undisclosed"], {0}), (["admit", sdpa], {0, 1}),

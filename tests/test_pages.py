@@ -1,0 +1,136 @@
+"""store/pages.py reads a shard's logits leaf from its pages; Arrow is the reference it must equal."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from store import pages
+from store.verify import verify_shard
+from store.warehouse import LOGITS_LEAF, Warehouse, _writer, encode_rows, logits_matrix, row_hash, rows_table
+
+VOCAB = 4099  # odd on purpose: rows do not line up with pages or with bit-packed level groups
+
+
+def native(kind: str, rows: int, seed: int = 0) -> np.ndarray:
+    x = (np.random.default_rng(seed).standard_normal((rows, VOCAB)) * 4).astype(np.float32)  # (rows, vocab)
+    if kind == "bf16":
+        return (x.view(np.uint32) >> 16).astype(np.uint16)
+    return x.astype(np.float16) if kind == "f16" else x
+
+
+def leaves(data: bytes) -> list[pages.Leaf]:
+    pf = pq.ParquetFile(pa.BufferReader(data))
+    leaf = pages.leaf_index(pf.schema, LOGITS_LEAF)
+    f = pa.BufferReader(data)
+    return [pages.read_row_group_leaf(f, pf.metadata, pf.schema, g, leaf) for g in range(pf.num_row_groups)]
+
+
+def shard_bytes(tables: list[pa.Table]) -> bytes:
+    sink = pa.BufferOutputStream()
+    w = _writer(sink)  # the shard writer's own settings
+    for t in tables:
+        w.write_table(t)
+    w.close()
+    return sink.getvalue().to_pybytes()
+
+
+def write(tables: list[pa.Table], **options) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pq.ParquetWriter(sink, tables[0].schema, **options) as w:
+        for t in tables:
+            w.write_table(t)
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "f16"])
+def test_shard_pages_give_back_the_native_rows_exactly(kind):
+    # 70 rows of 4,099 floats span several 1 MiB pages, with rows cut across page boundaries
+    groups = [native(kind, 70, seed=1), native(kind, 3, seed=2)]
+    tables = [rows_table("run", "cell", 0, f"p{i}", list(range(len(g))), [None] * len(g), g) for i, g in enumerate(groups)]
+    got = leaves(shard_bytes(tables))  # one row group per prompt, as ShardWriter writes them
+    assert len(got) == 2 and len(got[0].pages) > 1
+    for leaf, want, t in zip(got, groups, tables):
+        rows = leaf.rows(kind)
+        assert rows.dtype == want.dtype and rows.shape == want.shape
+        assert rows.tobytes() == want.tobytes()
+        assert [row_hash(r) for r in rows] == t.column("row_hash").to_pylist()
+
+
+@pytest.mark.parametrize("options", [
+    {"compression": "none", "use_byte_stream_split": [LOGITS_LEAF]},
+    {"compression": "zstd", "use_byte_stream_split": False, "use_dictionary": False},  # PLAIN values
+    {"compression": "snappy", "use_byte_stream_split": [LOGITS_LEAF], "data_page_version": "2.0"},
+    {"compression": "zstd", "use_byte_stream_split": [LOGITS_LEAF], "data_page_version": "2.0", "data_page_size": 5000},
+], ids=["uncompressed", "plain", "v2-snappy", "v2-small-pages"])
+def test_other_writers_settings_read_the_same_as_arrow(options):
+    x = native("fp32", 9, seed=3)
+    t = rows_table("run", "cell", 0, "p", list(range(9)), [None] * 9, x)
+    data = write([t], use_dictionary=False, **{k: v for k, v in options.items() if k != "use_dictionary"})
+    (leaf,) = leaves(data)
+    arrow = logits_matrix(pq.read_table(pa.BufferReader(data)).column("logits"))
+    assert leaf.rows("fp32").tobytes() == arrow.tobytes() == x.tobytes()
+
+
+def test_what_it_does_not_handle_is_unsupported_not_misread():
+    x = native("fp32", 4)
+    t = rows_table("run", "cell", 0, "p", list(range(4)), [None] * 4, x)
+    with pytest.raises(pages.Unsupported, match="dictionary"):
+        leaves(write([t], use_dictionary=True))
+    nulls = t.set_column(t.schema.get_field_index("logits"), "logits",
+                         pa.array([list(x[0]), None, list(x[2]), list(x[3])], pa.list_(pa.float32())))
+    with pytest.raises(pages.Unsupported, match="null"):
+        leaves(write([nulls], use_dictionary=False))
+
+
+def test_damage_is_named_not_misread(tmp_path):
+    x = native("bf16", 40)
+    t = rows_table("run", "cell", 0, "p", list(range(40)), [None] * 40, x)
+    data = bytearray(encode_rows(t))
+    pf = pq.ParquetFile(pa.BufferReader(bytes(data)))
+    col = pf.metadata.row_group(0).column(pages.leaf_index(pf.schema, LOGITS_LEAF))
+    body = col.data_page_offset + col.total_compressed_size // 2
+    flipped = bytearray(data)
+    flipped[body] ^= 0x04
+    with pytest.raises(pages.Corrupt, match="page CRC mismatch"):
+        leaves(bytes(flipped))
+    # a widened bf16 with a low bit set is not bf16, whatever its hash says
+    wide = (x.astype(np.uint32) << 16).view(np.float32).copy()  # (rows, vocab)
+    wide.view(np.uint32)[5, 7] |= 1
+    lossy = t.set_column(t.schema.get_field_index("logits"), "logits",
+                         pa.ListArray.from_arrays(pa.array(np.arange(0, 41 * VOCAB, VOCAB, dtype=np.int32)),
+                                                  pa.array(wide.reshape(-1))))
+    with pytest.raises(pages.Corrupt, match="not bf16"):
+        leaves(encode_rows(lossy))[0].rows("bf16")
+
+
+def _shard(wh: Warehouse, rows: pa.Table, **options) -> str:
+    path = wh.shard_path("cell", 0)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(write([rows], **options))
+    return path
+
+
+def test_verify_checks_hashes_by_pages_and_by_arrow_alike(tmp_path):
+    """The page reader and the Arrow fallback find the same changed row (a file without page CRCs,
+    so only the row hash can tell)."""
+    wh = Warehouse(tmp_path / "wh")
+    wh.create()
+    x = native("fp32", 6)
+    t = rows_table("run", "cell", 0, "p", [0, 32, 64, 96, 128, 160], [None] * 6, x)
+    hashes = t.column("row_hash").to_pylist()
+    hashes[4] = row_hash(x[3])
+    t = t.set_column(t.schema.get_field_index("row_hash"), "row_hash", pa.array(hashes))
+    for options in ({"use_byte_stream_split": [LOGITS_LEAF], "use_dictionary": False},  # pages
+                    {"use_dictionary": True}):  # a dictionary page: Arrow
+        _shard(wh, t, compression="zstd", **options)
+        damage, rows, size = verify_shard(wh, "cell", 0, 6)
+        assert rows == 6 and size > 6 * VOCAB  # fp32 noise barely compresses
+        assert [(d.prompt_id, d.position, d.what) for d in damage] == [("p", 128, "values do not match row_hash")]
+        damage, _, _ = verify_shard(wh, "cell", 0, 7)
+        assert [d.what for d in damage][-1] == "6 rows, the cell has 7 per repeat"
