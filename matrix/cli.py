@@ -205,8 +205,12 @@ def cmd_analyze(args) -> int:
 
     ranges = [0] + sorted({int(x) for x in args.ranges.split(",") if x.strip()} - {0}) if args.ranges else None
     kw = {"ranges": tuple(ranges)} if ranges else {}
+    if args.address or args.workers != 1:
+        from matrix.analyze_ray import ray_runner
+
+        kw["run_units"] = ray_runner(args.address, args.workers, log)
     summary = analyze(args.warehouse, args.reference, centroid=args.centroid, log=log,
-                      skip_damaged=args.skip_damaged, **kw)
+                      skip_damaged=args.skip_damaged, force=args.force, **kw)
     log(f"analyzed {summary['cells']} cell(s), {summary['metric_rows']} rows in {summary['seconds']}s")
     if args.json:
         emit_json(summary)
@@ -352,6 +356,12 @@ def _add_warehouse_parsers(sub) -> None:
                    help="centroid definition (default: the spec's centroid.definition, else mean_prob)")
     a.add_argument("--skip-damaged", action="store_true",
                    help="leave out shards that fail their row hashes or do not parse (default: refuse them)")
+    a.add_argument("--force", action="store_true",
+                   help="recompute every output (default: only those whose inputs or metric kernel changed)")
+    a.add_argument("--workers", type=int, default=1,
+                   help="units computed at once as Ray tasks (default 1: in this process; 0: one per CPU)")
+    a.add_argument("--address", default=None,
+                   help="Ray cluster to spread the units over (an object-store warehouse is read from every node)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_analyze)
 

@@ -36,6 +36,12 @@ def m006_failed_cells(loc) -> None:
     """v6: cells.error_class / error / attempts (status failed), runs.cells_failed. Columns only."""
 
 
+def m007_analysis_kernel_version(loc) -> None:
+    """v7: metrics / centroid_metrics / pairwise .kernel_version; each analysis output file keeps the
+    content key of its inputs in its Parquet metadata, so `matrix analyze` redoes only what changed.
+    Columns only: files written before read as null there and are recomputed on the next analyze."""
+
+
 # target version -> migration
 MIGRATIONS = {2: m002_tokenizer_parity, 3: m003_nonfinite_and_centroid_groups, 4: m004_rows_delivery,
-              5: m005_builds_and_replicas, 6: m006_failed_cells}
+              5: m005_builds_and_replicas, 6: m006_failed_cells, 7: m007_analysis_kernel_version}

@@ -1,10 +1,10 @@
-"""Warehouse schema, version 6 (migrations from older versions: store/migrations.py).
+"""Warehouse schema, version 7 (migrations from older versions: store/migrations.py).
 
 Layout (one directory per table; readers glob ``*.parquet``; writers go
 through a hidden temp file and an atomic rename, so a killed run never leaves
 a half-written file that a reader sees)::
 
-    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 6}
+    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 7}
     runs/<run_id>.parquet               one row per `matrix run` that had work to do
     cells/<cell_id>.parquet             one row per completed cell (rewritten on resume)
     prompts/<prompt_id>.parquet         one row per tokenised prompt
@@ -24,7 +24,7 @@ for bf16 rows the two low byte streams are all zero and cost almost nothing.
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -120,6 +120,7 @@ METRICS = pa.schema([
     # v3: null for a clean row; 'stack' | 'reference' | 'both' when that side has NaN/Inf logits.
     # Such a row's metrics are null, so aggregates skip it; summaries count it.
     ("nonfinite", pa.string()),
+    ("kernel_version", pa.string()),  # v7: analysis/metrics.py KERNEL_VERSION that wrote the file
 ])
 CENTROID_METRICS = pa.schema([
     ("cell_id", pa.string()), ("prompt_id", pa.string()), ("position", pa.int32()),
@@ -129,10 +130,12 @@ CENTROID_METRICS = pa.schema([
     ("is_reference", pa.bool_()),
     ("centroid_group", pa.string()),  # v3
     ("nonfinite", pa.bool_()),  # v3: this stack's row has NaN/Inf: left out of the centroid
+    ("kernel_version", pa.string()),  # v7
 ])
 PAIRWISE = pa.schema([
     ("cell_a", pa.string()), ("cell_b", pa.string()), ("rows", pa.int64()),
     ("mean_js", F64), ("top1_agreement", F64),
+    ("kernel_version", pa.string()),  # v7
 ])
 METRICS_RANGES = pa.schema([("lo", pa.int32()), ("hi", pa.int32()), ("range", pa.string())])
 

@@ -52,31 +52,38 @@ def _first_line(e: Exception) -> str:
     return first_line(str(e), type(e).__name__)
 
 
+def native_check(kind: str, values: np.ndarray, hashes: list[str]) -> list[tuple[int, str]]:
+    """(row index, why) of each row of widened values (rows, vocab) float32 that is not exactly a
+    `kind` value or whose native bytes do not hash to its row_hash."""
+    if kind == "bf16":
+        halves = values.view(np.uint16)  # (rows, 2 * vocab): little-endian, low half first
+        lossy = halves[:, 0::2].any(-1)  # a widened bf16 has a zero low half
+        native = halves[:, 1::2]  # the bf16 bits, a strided view (no pass over the data)
+    elif kind == "f16":
+        native = values.astype(np.float16)
+        lossy = (native.astype(np.float32).view(np.uint32) != values.view(np.uint32)).any(-1)
+    else:
+        native, lossy = values, np.zeros(len(values), bool)
+    out = []
+    for i in range(len(values)):
+        if lossy[i]:
+            out.append((i, f"values are not {kind} (the low bits of a widened value are set)"))
+        elif row_hash(native[i]) != hashes[i]:  # row_hash makes the row contiguous
+            out.append((i, "values do not match row_hash"))
+    return out
+
+
 def bad_rows(rows: pa.Table, values: np.ndarray | None = None) -> list[tuple[int, str]]:
     """(row index, why) of every row whose values are not what its row_hash says. values: the
     rows' logits already decoded by the caller (logits_matrix), so they are not decoded twice."""
     if values is None:
         values = logits_matrix(rows.column("logits"))  # (rows, vocab) float32, widened from native
-    kinds = rows.column("logits_dtype").to_pylist()
+    kinds = np.array(rows.column("logits_dtype").to_pylist())
     hashes = rows.column("row_hash").to_pylist()
     out = []
     for kind in set(kinds):
-        idx = np.flatnonzero(np.array(kinds) == kind)
-        v = values[idx]
-        if kind == "bf16":
-            halves = v.view(np.uint16)  # (rows, 2 * vocab): little-endian, low half first
-            lossy = halves[:, 0::2].any(-1)  # a widened bf16 has a zero low half
-            native = halves[:, 1::2]  # the bf16 bits, a strided view (no pass over the data)
-        elif kind == "f16":
-            native = v.astype(np.float16)
-            lossy = (native.astype(np.float32).view(np.uint32) != v.view(np.uint32)).any(-1)
-        else:
-            native, lossy = v, np.zeros(len(idx), bool)
-        for j, i in enumerate(idx):
-            if lossy[j]:
-                out.append((int(i), f"values are not {kind} (the low bits of a widened value are set)"))
-            elif row_hash(native[j]) != hashes[i]:  # row_hash makes the row contiguous
-                out.append((int(i), "values do not match row_hash"))
+        idx = np.flatnonzero(kinds == kind)
+        out += [(int(idx[j]), why) for j, why in native_check(kind, values[idx], [hashes[i] for i in idx])]
     return sorted(out)
 
 

@@ -18,6 +18,7 @@ from store.location import PROBE, named_io_errors, open_location, write_whole
 from store.schema import FORMAT, LOGITS, SCHEMA_VERSION, TABLES
 
 MARKER = "WAREHOUSE.json"
+META_KEY = "logit_matrix"  # Parquet key-value metadata of analysis outputs
 # Byte-stream-split needs the leaf path of a list column; the flag alone ignores it.
 LOGITS_LEAF = "logits.list.element"
 ZSTD_LEVEL = 3
@@ -163,9 +164,25 @@ class Warehouse:
     def write_rows(self, table: str, name: str, rows: list[dict]) -> str:
         return self._write_file(table, name, pa.Table.from_pylist(rows, schema=TABLES[table]))
 
-    def write_table(self, table: str, name: str, data: pa.Table) -> str:
-        """A whole table file at once (analysis outputs), cast to the schema the store owns."""
-        return self._write_file(table, name, data.select(TABLES[table].names).cast(TABLES[table]))
+    def write_table(self, table: str, name: str, data: pa.Table, meta: dict | None = None) -> str:
+        """A whole table file at once (analysis outputs), cast to the schema the store owns; meta
+        goes into the file's key-value metadata (table_meta reads it back from the footer alone)."""
+        t = data.select(TABLES[table].names).cast(TABLES[table])
+        if meta:
+            t = t.replace_schema_metadata({META_KEY: json.dumps(meta, sort_keys=True).encode()})
+        return self._write_file(table, name, t)
+
+    def table_meta(self, table: str, name: str) -> dict | None:
+        """What write_table(meta=) stored, or None (no file, no metadata, or an unreadable footer)."""
+        key = f"{table}/{name}.parquet"
+        if not self.loc.exists(key):
+            return None
+        try:
+            kv = pq.read_metadata(self.loc.path(key), filesystem=self.loc.fs).metadata or {}
+        except (OSError, pa.ArrowException):
+            return None  # a damaged output is recomputed, never trusted
+        raw = kv.get(META_KEY.encode())
+        return json.loads(raw) if raw else None
 
     def _write_file(self, table: str, name: str, t: pa.Table) -> str:
         """Every small table file is written here: whole, zstd, with page checksums (store/verify.py)."""

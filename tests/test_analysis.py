@@ -14,7 +14,7 @@ from scipy.special import rel_entr
 from scipy.stats import spearmanr
 
 from analysis import metrics as M
-from analysis.analyze import Shard, centroid_tables
+from analysis.centroid import centroid_tables
 from store.warehouse import row_hash
 from tests.conftest import run_cli, sql, write_spec
 
@@ -125,8 +125,7 @@ def test_nan_rows_are_flagged_per_row_not_averaged():
 
 
 def _shard(cid, logits):
-    n = len(logits)
-    return Shard(cid, {("p", i): i for i in range(n)}, logits, np.full(n, -1), ["p"] * n, list(range(n)))
+    return [("p", i) for i in range(len(logits))], logits
 
 
 def test_centroid_of_one_stack_is_that_stack_and_rank_includes_the_reference():

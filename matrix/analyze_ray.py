@@ -1,0 +1,71 @@
+"""`matrix analyze --workers N | --address ADDR`: analysis units as Ray tasks.
+
+Each task opens the warehouse where it lives and hands back small tables; the driver writes
+them (analysis/analyze.py). A warehouse in a local directory is only readable on this machine,
+so its tasks are pinned to the driver's node; an object-store warehouse is read from any node.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from common.errors import UserError
+from store.verify import DamagedShard
+
+HEARTBEAT_S = 60
+
+
+def _task(where: str, task, skip_damaged: bool):
+    """Inside a Ray task: one piece of a unit, with the task's one CPU. Bad input comes back as a value,
+    so the driver raises it as the one-line error it is, not as a wrapped traceback."""
+    import torch
+
+    from analysis.analyze import run_task
+
+    torch.set_num_threads(1)
+    try:
+        return "ok", run_task(where, task, skip_damaged)
+    except DamagedShard as e:
+        return "damaged", str(e)
+    except UserError as e:
+        return "user", str(e)
+
+
+def ray_runner(address: str | None, workers: int, log: Callable[[str], None]) -> Callable:
+    """A run_units for analysis.analyze.analyze that spreads the units' pieces over Ray tasks,
+    at most `workers` at once (0: as many as the cluster has CPUs)."""
+
+    def run(where: str, units: list, skip_damaged: bool, done: Callable) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from matrix.cluster import init_ray
+        from store import Warehouse
+
+        if not units:
+            return
+        init_ray(address)
+        opts = {"num_cpus": 1, "max_retries": 2}
+        if not Warehouse(where).remote:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        task = ray.remote(**opts)(_task)
+        width = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        log(f"analyze on Ray: {len(units)} piece(s), {width} at a time"
+            + ("" if Warehouse(where).remote else " (a local warehouse: on this node only)"))
+        queue, pending = list(units), {}
+        while queue or pending:
+            while queue and len(pending) < width:
+                u = queue.pop(0)
+                pending[task.remote(where, u, skip_damaged)] = u
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=HEARTBEAT_S)
+            for ref in ready:
+                u = pending.pop(ref)
+                status, value = ray.get(ref)
+                if status == "damaged":
+                    raise DamagedShard(value)
+                if status == "user":
+                    raise UserError(value)
+                done(u, value)
+
+    return run
+

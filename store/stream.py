@@ -1,0 +1,141 @@
+"""A shard read in pieces: its small columns once (the index), then one prompt's logits a few
+rows at a time, each row checked against its row_hash as it arrives.
+
+This is how `matrix analyze` reads: memory follows the rows asked for at once, never the
+length of a prompt or of the corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from common.errors import UserError, first_line
+from store import pages
+from store.verify import DamagedShard, native_check
+from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix
+
+SEE_VERIFY = "run `matrix verify`, or `matrix analyze --skip-damaged` to leave it out"
+SMALL = ["prompt_id", "position", "next_token_id", "logits_dtype", "row_hash"]
+READ_BUFFER = 4 << 20  # bytes per read of a column chunk: a prompt's pages are never held whole
+
+
+@dataclass
+class Prompt:
+    """One prompt's rows in a shard: a run of rows of one row group (our writer: the whole group)."""
+    group: int
+    offset: int  # its first row within the row group
+    positions: np.ndarray  # (rows,) int64
+    next_ids: np.ndarray  # (rows,) int64, -1 where there is no next token
+    hashes: list[str]
+    kind: str  # native dtype of the rows
+
+
+@dataclass
+class ShardIndex:
+    path: str
+    cell_id: str
+    repeat: int
+    prompts: dict[str, Prompt]
+    digest: str  # sha256 over every (prompt, position, row_hash): what the shard holds
+    rows: int
+    vocab: int  # 0 for a shard without rows
+
+
+def _damaged(path: str, e: Exception) -> DamagedShard:
+    return DamagedShard(f"{path}: damaged ({first_line(str(e), type(e).__name__)}); {SEE_VERIFY}")
+
+
+def shard_index(wh: Warehouse, cell_id: str, repeat: int) -> ShardIndex:
+    """A shard's small columns, by prompt: no logits are read."""
+    path = wh.shard_path(cell_id, repeat)
+    try:
+        pf = pq.ParquetFile(path, filesystem=wh.loc.fs, page_checksum_verification=True)
+        leaf = pages.leaf_index(pf.schema, LOGITS_LEAF)
+        prompts, h, vocabs = {}, hashlib.sha256(), set()
+        for g in range(pf.num_row_groups):
+            md = pf.metadata.row_group(g)
+            if md.num_rows:
+                vocabs.add(md.column(leaf).num_values // md.num_rows)
+            t = pf.read_row_group(g, columns=SMALL).to_pydict()
+            ids = t["prompt_id"]
+            for a, b in _runs(ids):
+                pid = ids[a]
+                if pid in prompts or len(set(t["logits_dtype"][a:b])) > 1:
+                    raise ValueError(f"prompt {pid} is split across row groups or mixes native dtypes")
+                prompts[pid] = Prompt(g, a, np.array(t["position"][a:b], np.int64),
+                                      np.array([-1 if v is None else v for v in t["next_token_id"][a:b]], np.int64),
+                                      t["row_hash"][a:b], t["logits_dtype"][a])
+            for pid, q, rh in zip(ids, t["position"], t["row_hash"]):
+                h.update(f"{pid}\0{q}\0{rh}\n".encode())
+    except (OSError, pa.ArrowException, ValueError, pages.Unsupported) as e:
+        raise _damaged(path, e) from None
+    if len(vocabs) > 1:
+        raise UserError(f"{path}: rows of different vocabulary sizes {sorted(vocabs)} in one shard")
+    return ShardIndex(path, cell_id, repeat, prompts, h.hexdigest(), sum(len(p.positions) for p in prompts.values()),
+                      vocabs.pop() if vocabs else 0)
+
+
+def _runs(ids: list) -> list[tuple[int, int]]:
+    """[start, end) of each run of equal values."""
+    cut = [0] + [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]] + [len(ids)]
+    return [(a, b) for a, b in zip(cut, cut[1:]) if b > a]
+
+
+class Rows:
+    """One prompt of one shard, streamed forward: take(indices) returns those rows (float32,
+    widened from native) reading only as far as the largest index. Indices must not go back
+    before what an earlier take() released."""
+
+    def __init__(self, wh: Warehouse, index: ShardIndex, prompt_id: str, batch: int):
+        self.index, self.prompt = index, index.prompts[prompt_id]
+        self.pf = pq.ParquetFile(index.path, filesystem=wh.loc.fs, page_checksum_verification=True,
+                                 buffer_size=READ_BUFFER)
+        self.batch = max(1, batch)
+        self.batches = self._open()
+        self.start, self.buf = 0, np.zeros((0, 0), np.float32)  # buf holds rows start .. start + len(buf)
+
+    def _open(self):
+        return self.pf.iter_batches(batch_size=self.batch, row_groups=[self.prompt.group], columns=["logits"],
+                                    use_threads=False)
+
+    def _more(self) -> None:
+        try:
+            b = next(self.batches)
+        except StopIteration:
+            raise _damaged(self.index.path, ValueError(f"prompt row group {self.prompt.group} ended early")) from None
+        except (OSError, pa.ArrowException) as e:
+            raise _damaged(self.index.path, e) from None
+        try:
+            rows = logits_matrix(b.column(0))  # (batch, vocab) float32
+        except ValueError as e:
+            raise UserError(f"{self.index.path}: {e} in one shard") from None
+        at = self.start + len(self.buf) - self.prompt.offset  # first new row, within the prompt
+        lo, hi = max(at, 0), min(at + len(rows), len(self.prompt.hashes))  # another prompt's rows: not ours to check
+        bad = [(i + lo - at, why) for i, why in native_check(self.prompt.kind, rows[lo - at:max(hi - at, 0)],
+                                                             self.prompt.hashes[lo:hi])] if hi > lo else []
+        if bad:
+            i, why = bad[0]
+            raise DamagedShard(f"{self.index.path}: {len(bad)} row(s) damaged, first position "
+                               f"{self.prompt.positions[at + i]}: {why}; {SEE_VERIFY}")
+        self.buf = rows if not len(self.buf) else np.concatenate([self.buf, rows])
+
+    def take(self, idx: np.ndarray) -> np.ndarray:
+        """Rows idx as (len(idx), vocab) float32. Rows before min(idx) are released: taken in
+        ascending chunks (the shard's own order) every row is read once."""
+        if not len(idx):
+            return np.zeros((0, self.index.vocab), np.float32)
+        idx = idx + self.prompt.offset  # rows of the row group
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < self.start:  # positions out of order: read the prompt again from its start
+            self.batches, self.start, self.buf = self._open(), 0, np.zeros((0, 0), np.float32)
+        drop = lo - self.start
+        if drop > 0 and len(self.buf):
+            self.buf, self.start = self.buf[min(drop, len(self.buf)):], self.start + min(drop, len(self.buf))
+        while self.start + len(self.buf) <= hi:
+            self._more()
+        return self.buf[idx - self.start]  # a copy (fancy indexing): the buffer may be dropped later
