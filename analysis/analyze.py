@@ -21,6 +21,7 @@ metrics are null and it stays out of every centroid and mean; analyze says so pe
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import threading
 import time
@@ -28,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
+import pyarrow as pa
 import torch
 
 from analysis import metrics as M
@@ -87,7 +89,7 @@ def run_task(where: str, task: Task, skip_damaged: bool = False):
     a = task.args
     if task.kind == "cell":
         return cell_metrics(wh, a["cell_id"], a["repeats"], a["ref_id"], a["floor"], skip_damaged, task.prompts)
-    return group_rows(wh, a["ids"], a["centroid"], a["group"], task.prompts)
+    return group_rows(wh, a["ids"], a["centroid"], a["group"], task.prompts, a.get("pairs"))
 
 
 def run_locally(where: str, tasks: list[Task], skip_damaged: bool, done: Callable) -> None:
@@ -165,10 +167,13 @@ def plan(wh: Warehouse, done: list[dict], reference: str | None, centroid: str, 
             for i in ids:
                 for p, n in digests[i][0][1].items():
                     counts[p] = counts.get(p, 0) + n
+            pair_keys = {f"{a}|{b}": _key(pair=[a, b], digests=[digests[a][0][0], digests[b][0][0]])
+                         for a, b in itertools.combinations(sorted(ids), 2)}
             units.append(Unit("group", name, _key(ref=ref_id, centroid=centroid, group=gname,
                                                   members={i: digests[i][0][0] for i in ids}),
                               sum(counts.values()),
-                              {"ids": ids, "ref_id": ref_id, "centroid": centroid, "group": gname, "model": model},
+                              {"ids": ids, "ref_id": ref_id, "centroid": centroid, "group": gname, "model": model,
+                               "pair_keys": pair_keys},
                               _pieces(dict(sorted(counts.items())))))
     return units
 
@@ -178,6 +183,16 @@ def _reusable(wh: Warehouse, u: Unit) -> dict | None:
     tables = ("metrics",) if u.kind == "cell" else ("centroid_metrics", "pairwise")
     metas = [wh.table_meta(t, u.name) or {} for t in tables]
     return metas[0] if all(m.get("key") == u.key for m in metas) else None
+
+
+def _keep_pairs(wh: Warehouse, u: Unit, force: bool) -> None:
+    """A group whose members changed still has pairs whose two shards did not: their pairwise
+    rows are kept (args["kept"]) and only the others measured (args["pairs"]). Pairwise work
+    grows as members squared, so one new stack costs its own pairs, not all of them."""
+    old = {} if force else (wh.table_meta("pairwise", u.name) or {}).get("pairs", {})
+    keys = u.args["pair_keys"]
+    u.args["kept"] = sorted(p for p, k in keys.items() if old.get(p) == k)
+    u.args["pairs"] = [p.split("|") for p in sorted(keys) if old.get(p) != keys[p]]
 
 
 def analyze(warehouse: str, reference: str | None = None, ranges=DEFAULT_RANGES, centroid: str | None = None,
@@ -221,6 +236,8 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
     for u in units:
         kept = None if force else _reusable(wh, u)
         if kept is None:
+            if u.kind == "group":
+                _keep_pairs(wh, u, force)
             todo.append(u)
             continue
         summary["reused"]["cells" if u.kind == "cell" else "groups"] += 1
@@ -296,16 +313,19 @@ def _write(wh: Warehouse, u: Unit, result, summary: dict, log) -> None:
         summary["metric_rows"] += result.table.num_rows
         return
     cent, pair = result.tables(u.args["ref_id"], u.args["group"])
+    kept = set(u.args.get("kept", ()))
+    if kept:
+        old = pa.Table.from_pylist([r for r in wh.read_rows("pairwise", u.name) if f"{r['cell_a']}|{r['cell_b']}" in kept])
+        pair = pa.concat_tables([pair, old.select(pair.column_names).cast(pair.schema)])
+        pair = pair.sort_by([("cell_a", "ascending"), ("cell_b", "ascending")])
     wh.write_table("centroid_metrics", u.name, cent, meta)
-    wh.write_table("pairwise", u.name, pair, meta)
+    wh.write_table("pairwise", u.name, pair, {**meta, "pairs": u.args["pair_keys"]})
     log(f"[{u.args['model']}] centroid group {u.args['group']}: {len(u.args['ids'])} stack(s), {cent.num_rows} rows, "
-        f"{pair.num_rows} pair(s)")
+        f"{pair.num_rows} pair(s)" + (f" ({len(kept)} kept: neither shard changed)" if kept else ""))
     summary["groups"] += 1
 
 
 def _write_ranges(wh: Warehouse, ranges) -> None:
-    import pyarrow as pa
-
     edges = list(ranges)
     labels = [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])] + [f"{edges[-1]}+"]
     wh.write_table("metrics_ranges", "ranges", pa.table({

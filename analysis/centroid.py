@@ -29,10 +29,12 @@ CENTROID_COLS = ("cell_id", "prompt_id", "position", "n_stacks", "kld_centroid_s
 class Group:
     """Accumulates one group's centroid rows and pair sums, fed a chunk of rows at a time."""
 
-    def __init__(self, ids: list[str], how: str):
+    def __init__(self, ids: list[str], how: str, pairs: list[tuple[str, str]] | None = None):
+        """pairs: the pairs to measure (default every pair; analyze leaves out those it keeps)."""
         self.ids, self.how = sorted(ids), how
         self.cols: dict[str, list] = {k: [] for k in CENTROID_COLS}
-        self.pairs = {p: [0.0, 0, 0] for p in itertools.combinations(self.ids, 2)}  # js sum, top1 sum, rows
+        todo = itertools.combinations(self.ids, 2) if pairs is None else sorted(tuple(p) for p in pairs)
+        self.pairs = {p: [0.0, 0, 0] for p in todo}  # js sum, top1 sum, rows
         self._c, self._s, self._exact = [], [], []
 
     def add(self, keys: list[tuple[str, int]], rows: dict[str, tuple[dict, np.ndarray]]) -> None:
@@ -80,7 +82,7 @@ class Group:
     @staticmethod
     def merge(parts: list["Group"]) -> "Group":
         """Pieces of one group (each over other prompts), in prompt order."""
-        out = Group(parts[0].ids, parts[0].how)
+        out = Group(parts[0].ids, parts[0].how, list(parts[0].pairs))
         for p in parts:
             for k in CENTROID_COLS:
                 out.cols[k] += p.cols[k]
@@ -116,7 +118,7 @@ class Group:
 
 
 def group_rows(wh: Warehouse, ids: list[str], how: str, group: str | None, prompts: list[str] | None = None,
-               budget: int = BUDGET_BYTES) -> Group:
+               pairs: list[tuple[str, str]] | None = None, budget: int = BUDGET_BYTES) -> Group:
     """One group's centroid rows and pair sums over `prompts` (default all), from the members'
     repeat-0 shards; Group.merge joins pieces and .tables() makes the files."""
     idx = {c: shard_index(wh, c, 0) for c in ids}
@@ -125,7 +127,7 @@ def group_rows(wh: Warehouse, ids: list[str], how: str, group: str | None, promp
         raise UserError(f"centroid group {group}: its stacks have vocabularies {sorted(vocabs)}; "
                         f"a centroid needs one (put the stacks in different centroid groups)")
     step = chunk_rows(len(ids), vocabs.pop() if vocabs else 1, budget)
-    acc, only = Group(ids, how), None if prompts is None else set(prompts)
+    acc, only = Group(ids, how, pairs), None if prompts is None else set(prompts)
     for pid in sorted(set().union(*(i.prompts for i in idx.values()))):
         if only is not None and pid not in only:
             continue

@@ -46,10 +46,18 @@ def ray_runner(address: str | None, workers: int, log: Callable[[str], None]) ->
             return
         init_ray(address)
         opts = {"num_cpus": 1, "max_retries": 2}
+        cpus = ray.cluster_resources().get("CPU", 0)
         if not Warehouse(where).remote:
-            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            here = ray.get_runtime_context().get_node_id()
+            cpus = next((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["NodeID"] == here and n["Alive"]), 0)
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
+        if cpus < 1:  # a task would wait for a CPU forever
+            log("analyze: the Ray node that can read this warehouse has no CPU for tasks; computing in this process")
+            from analysis.analyze import run_locally
+
+            return run_locally(where, units, skip_damaged, done)
         task = ray.remote(**opts)(_task)
-        width = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        width = workers or int(cpus)
         log(f"analyze on Ray: {len(units)} piece(s), {width} at a time"
             + ("" if Warehouse(where).remote else " (a local warehouse: on this node only)"))
         queue, pending = list(units), {}

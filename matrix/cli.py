@@ -205,16 +205,36 @@ def cmd_analyze(args) -> int:
 
     ranges = [0] + sorted({int(x) for x in args.ranges.split(",") if x.strip()} - {0}) if args.ranges else None
     kw = {"ranges": tuple(ranges)} if ranges else {}
-    if args.address or args.workers != 1:
+    address = args.address or (_last_cluster(args.warehouse, log) if args.workers is None else None)
+    if address or (args.workers or 1) != 1:
         from matrix.analyze_ray import ray_runner
 
-        kw["run_units"] = ray_runner(args.address, args.workers, log)
+        kw["run_units"] = ray_runner(address, args.workers or 0, log)
     summary = analyze(args.warehouse, args.reference, centroid=args.centroid, log=log,
                       skip_damaged=args.skip_damaged, force=args.force, **kw)
     log(f"analyzed {summary['cells']} cell(s), {summary['metric_rows']} rows in {summary['seconds']}s")
     if args.json:
         emit_json(summary)
     return 0
+
+
+def _last_cluster(warehouse: str, log) -> str | None:
+    """The cluster the newest `matrix run` ran on, when it is still there: analyze runs on it by
+    default. None for a local run, or a cluster that is gone (then analyze stays in this process)."""
+    from matrix.cluster import check_reachable
+    from store import Warehouse
+
+    runs = [r for r in Warehouse(warehouse).require().read_all("runs") if r.get("started_at") and r.get("ray_address")]
+    last = max(runs, key=lambda r: r["started_at"], default=None)
+    if last is None or last["ray_address"] == "local":
+        return None
+    try:
+        check_reachable(last["ray_address"], timeout=2.0)
+    except UserError as e:
+        log(f"the last run's cluster is not reachable ({e}); analyzing in this process")
+        return None
+    log(f"the last run ran on {last['ray_address']}: analyzing there (--workers 1 keeps it in this process)")
+    return last["ray_address"]
 
 
 def cmd_report(args) -> int:
@@ -358,10 +378,11 @@ def _add_warehouse_parsers(sub) -> None:
                    help="leave out shards that fail their row hashes or do not parse (default: refuse them)")
     a.add_argument("--force", action="store_true",
                    help="recompute every output (default: only those whose inputs or metric kernel changed)")
-    a.add_argument("--workers", type=int, default=1,
-                   help="units computed at once as Ray tasks (default 1: in this process; 0: one per CPU)")
+    a.add_argument("--workers", type=int, default=None,
+                   help="pieces computed at once as Ray tasks (1: in this process; 0: one per CPU of the cluster; "
+                        "default: on the cluster the last run used if it is reachable, else 1)")
     a.add_argument("--address", default=None,
-                   help="Ray cluster to spread the units over (an object-store warehouse is read from every node)")
+                   help="Ray cluster to spread the pieces over (an object-store warehouse is read from every node)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_analyze)
 

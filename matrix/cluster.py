@@ -14,7 +14,7 @@ from common.errors import UserError
 from common.files import cache_root
 
 
-def _check_reachable(address: str, timeout: float = 5.0) -> None:
+def check_reachable(address: str, timeout: float = 5.0) -> None:
     """Fail in seconds, with the address in the message, instead of Ray's long retry loop."""
     if address == "auto":
         return  # Ray looks for a local cluster and says clearly when there is none
@@ -62,7 +62,7 @@ def init_ray(address: str | None):
     import ray
 
     if address:
-        _check_reachable(address)
+        check_reachable(address)
         try:
             ray.init(address=address, log_to_driver=False)
         except (ConnectionError, ray.exceptions.AuthenticationError) as e:

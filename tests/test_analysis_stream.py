@@ -89,10 +89,14 @@ def test_streaming_analysis_equals_the_oracle_then_redoes_only_what_changed(swep
     r0 = new / "logits" / cell / "r0.parquet"
     t = pq.read_table(r0)
     pq.write_table(t.slice(0, t.num_rows - 1), r0)
-    fourth = A.analyze(str(new), log=lambda m: None)
+    logs = []
+    fourth = A.analyze(str(new), log=logs.append)
     assert fourth["computed"] == {"cells": 1, "groups": 1}
+    assert any("6 pair(s) (3 kept: neither shard changed)" in m for m in logs), logs  # 3 pairs have the cell
+    pairs = _rows(new, "pairwise")
     forced = A.analyze(str(new), log=lambda m: None, force=True)
     assert forced["computed"] == {"cells": 4, "groups": 1}
+    assert _rows(new, "pairwise") == pairs  # the kept pairs are what a full recompute gives
 
 
 def test_two_ray_workers_give_the_same_files(swept, tmp_path):
@@ -149,3 +153,18 @@ def test_bad_input_is_one_line(swept, tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert "vocabulary" in last and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_analyze_follows_the_last_runs_cluster_only_while_it_is_there(swept, tmp_path):
+    """A run on a cluster makes analyze run there by default; a cluster that is gone leaves it here."""
+    from store import rows as R
+
+    _, src, _, _ = swept
+    wh = tmp_path / "wh"
+    shutil.copytree(src, wh)
+    Warehouse(wh).write_rows("runs", "zz-cluster-run", [R.run_row("zz-cluster-run", "done", started_at=R.now(),
+                                                                  ray_address="127.0.0.1:9")])
+    r = run_cli("analyze", "--warehouse", str(wh))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "the last run's cluster is not reachable (--address 127.0.0.1:9: cannot reach" in r.stderr, r.stderr[-2000:]
+    assert "analyze on Ray" not in r.stderr

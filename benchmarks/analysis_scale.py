@@ -1,0 +1,138 @@
+"""How `matrix analyze` scales with the warehouse: peak memory, wall time, Ray workers, increments.
+
+    python benchmarks/analysis_scale.py [--dir /tmp/analysis-scale] [--stacks 4,8,16,24] [--rows 1000]
+                                        [--vocab 151936] [--workers-at 8] [--incremental-at 16]
+
+One synthetic warehouse of max(--stacks) stacks is built (benchmarks/synthetic_warehouse.py: real
+SmolLM2 rows widened to the vocabulary, bf16); every size is a hard-linked subset of it, so the
+shards are the same bytes. Each analyze is a fresh `matrix analyze` process; its peak RSS comes
+from wait4 (the process's own high-water mark). Printed side by side:
+
+  - peak RSS and wall time per size (target: peak RSS <= 2 GB and flat in stacks and rows);
+  - --force at --workers-at stacks in-process and with 2 Ray workers (target: >= 1.7x);
+  - a second analyze after adding one stack to --incremental-at stacks, as a fraction of the
+    first (target <= 0.2).
+A Ray worker's memory is its own process's, not the driver's: the RSS column is the in-process runs'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.synthetic_warehouse import build  # noqa: E402
+from store import Warehouse  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+OUTPUTS = ("metrics", "centroid_metrics", "pairwise", "metrics_ranges")
+
+
+def cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            flags = Path("/proc/cpuinfo").read_text()
+            isa = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+            return f"{line.split(':', 1)[1].strip()} ({isa}), {os.cpu_count()} cores"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def subset(base: Path, dst: Path, n: int) -> None:
+    """dst: the first n stacks of base (the reference is stack 0), hard links, no analysis outputs."""
+    shutil.rmtree(dst, ignore_errors=True)
+    cells = sorted(Warehouse(base).read_all("cells"), key=lambda c: c["attention"])[:n]
+    keep = {c["cell_id"] for c in cells}
+    for f in base.rglob("*"):
+        rel = f.relative_to(base)
+        top = rel.parts[0]
+        if f.is_dir() or top in OUTPUTS or top == ".lock" or (top in ("cells", "logits") and _cell_of(rel) not in keep):
+            continue
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.link(f, dst / rel)
+    for t in OUTPUTS:
+        (dst / t).mkdir(parents=True, exist_ok=True)
+
+
+def add_stack(base: Path, dst: Path, k: int) -> None:
+    """Link stack k of base into dst (as a later sweep would add one cell)."""
+    cell = sorted(Warehouse(base).read_all("cells"), key=lambda c: c["attention"])[k]["cell_id"]
+    for f in [base / "cells" / f"{cell}.parquet", *(base / "logits" / cell).iterdir()]:
+        rel = f.relative_to(base)
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.link(f, dst / rel)
+
+
+def _cell_of(rel: Path) -> str:
+    return rel.parts[1] if rel.parts[0] == "logits" else rel.stem
+
+
+def analyze(wh: Path, *extra: str) -> dict:
+    """One `matrix analyze` process: wall seconds, its peak RSS in GB, and its JSON summary."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "matrix", "analyze", "--warehouse", str(wh), "--json", *extra],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=sys.stderr, text=True,
+                         env={**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")})
+    out = p.stdout.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"matrix analyze --warehouse {wh} {' '.join(extra)} failed")
+    return {"seconds": round(wall, 1), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2), "summary": json.loads(out)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/analysis-scale"))
+    ap.add_argument("--stacks", default="4,8,16,24")
+    ap.add_argument("--rows", type=int, default=1000)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--workers-at", type=int, default=8, help="stacks of the 1-vs-2-workers comparison")
+    ap.add_argument("--incremental-at", type=int, default=16, help="stacks before one is added")
+    ap.add_argument("--reference-rows", choices=("real", "synthetic"), default="real")
+    a = ap.parse_args()
+    sizes = sorted({int(s) for s in a.stacks.split(",")})
+    top = max(sizes + [a.incremental_at + 1, a.workers_at])
+    err = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    base = a.dir / f"base-{top}x{a.rows}x{a.vocab}"
+    made = build(base, top, a.rows, a.vocab, 8, (1e-4, 1e-1), os.cpu_count() or 1, a.reference_rows, log=err)
+    print(f"CPU: {cpu()}\nwarehouse: {top} stacks x {a.rows} rows x {a.vocab} vocab, bf16 ({made})")
+    rows = []
+    for n in sizes:
+        subset(base, a.dir / f"n{n}", n)
+        r = analyze(a.dir / f"n{n}")
+        rows.append({"stacks": n, **r})
+        print(f"  {n:3d} stacks: {r['seconds']:7.1f} s, peak RSS {r['peak_rss_gb']:.2f} GB, "
+              f"{r['summary']['metric_rows']} metric rows", flush=True)
+    w = a.dir / f"n{a.workers_at}"
+    if not (w / "cells").exists():
+        subset(base, w, a.workers_at)
+    one, two = analyze(w, "--force"), analyze(w, "--force", "--workers", "2")
+    print(f"  --force at {a.workers_at} stacks: in-process {one['seconds']} s, 2 Ray workers {two['seconds']} s "
+          f"(speed-up {one['seconds'] / two['seconds']:.2f}x; target >= 1.7x)", flush=True)
+    inc = a.dir / f"inc{a.incremental_at}"
+    subset(base, inc, a.incremental_at)
+    first = analyze(inc)
+    add_stack(base, inc, a.incremental_at)
+    second = analyze(inc)
+    frac = second["seconds"] / first["seconds"]
+    print(f"  one stack added to {a.incremental_at}: first analyze {first['seconds']} s, second {second['seconds']} s "
+          f"= {frac:.2f} of the first (target <= 0.2); computed {second['summary']['computed']}")
+    peak = max(r["peak_rss_gb"] for r in rows)
+    print(f"peak RSS over every size: {peak:.2f} GB (target <= 2 GB)")
+    print(json.dumps({"cpu": cpu(), "rows": a.rows, "vocab": a.vocab, "sizes": [{k: v for k, v in r.items() if k != "summary"}
+                                                                                for r in rows],
+                      "workers": {"stacks": a.workers_at, "one": one["seconds"], "two": two["seconds"]},
+                      "incremental": {"stacks": a.incremental_at, "first": first["seconds"], "second": second["seconds"],
+                                      "fraction": round(frac, 3)}}))
+
+
+if __name__ == "__main__":
+    main()
