@@ -184,8 +184,17 @@ def cmd_run(args) -> int:
 
 
 def cmd_sql(args) -> int:
-    from analysis.sql import query
+    from analysis.sql import export_views, query
 
+    if args.export_views:
+        if args.query:
+            raise UserError("matrix sql: give a query or --export-views, not both")
+        out = export_views(args.warehouse, args.export_views)
+        log(f"wrote {out['file']}: {out['tables']} table views and {out['views']} derived views; "
+            f"open it with `duckdb -init {out['file']}`")
+        return 0
+    if not args.query:
+        raise UserError("matrix sql: give a query (or --export-views FILE.sql)")
     cols, rows = query(args.warehouse, args.query)
     if args.format == "json":
         emit_json([dict(zip(cols, r)) for r in rows])
@@ -363,8 +372,10 @@ def _add_model_parsers(sub) -> None:
 
 def _add_warehouse_parsers(sub) -> None:
     q = sub.add_parser("sql", help="run a read-only DuckDB query over the warehouse views")
-    q.add_argument("query")
+    q.add_argument("query", nargs="?")
     q.add_argument("--warehouse", default="warehouse")
+    q.add_argument("--export-views", metavar="FILE.sql", default=None,
+                   help="write the views as a SQL script for any DuckDB client (duckdb -init FILE.sql) and exit")
     q.add_argument("--format", choices=["table", "csv", "json"], default="table")
     q.set_defaults(func=cmd_sql)
 

@@ -168,3 +168,36 @@ def test_analyze_follows_the_last_runs_cluster_only_while_it_is_there(swept, tmp
     assert r.returncode == 0, r.stderr[-2000:]
     assert "the last run's cluster is not reachable (--address 127.0.0.1:9: cannot reach" in r.stderr, r.stderr[-2000:]
     assert "analyze on Ray" not in r.stderr
+
+
+def test_the_views_open_in_any_duckdb_client_and_a_damaged_file_is_left_out(swept, tmp_path):
+    """`matrix sql --export-views` gives a plain DuckDB (no Python functions, no logit-matrix) the
+    same views; analysis.sql.connect() is the notebook's entry point with the row functions too."""
+    import duckdb
+
+    from analysis.sql import connect
+
+    _, src, _, _ = swept
+    wh = tmp_path / "wh"
+    shutil.copytree(src, wh)
+    A.analyze(str(wh), log=lambda m: None)
+    q = "select cell_id, rows, kld_mean, top1_agreement from summary order by cell_id"
+    want = connect(str(wh)).execute(q).fetchall()
+    assert len(want) == 4
+    views = tmp_path / "views.sql"
+    r = run_cli("sql", "--warehouse", str(wh), "--export-views", str(views))
+    assert r.returncode == 0 and "duckdb -init" in r.stderr, r.stderr[-2000:]
+    con = duckdb.connect()
+    con.execute(views.read_text())
+    assert con.execute(q).fetchall() == want
+    n = con.execute("select count(*) from logits").fetchone()[0]
+    assert n == sql(wh, "select count(*) as n from logits")[0]["n"] > 0
+    # a truncated runs file: named, left out of its view, every other view still answers
+    run_file = next((wh / "runs").glob("*.parquet"))
+    run_file.write_bytes(run_file.read_bytes()[:100])
+    r = run_cli("sql", "--warehouse", str(wh), "--export-views", str(views))
+    assert r.returncode == 0 and f"{run_file}: damaged" in r.stderr, r.stderr[-2000:]
+    con = duckdb.connect()
+    con.execute(views.read_text())
+    assert con.execute(q).fetchall() == want and con.execute("select count(*) from runs").fetchone()[0] == 0
+    assert f"-- runs: left out (damaged): {run_file}" in views.read_text()
