@@ -108,12 +108,13 @@ class Group:
         cent = pa.table({**self.cols, "centroid": [self.how] * n, "is_reference": [c == ref_id for c in self.cols["cell_id"]],
                          "centroid_group": [group] * n, "kernel_version": [M.KERNEL_VERSION] * n})
         items = sorted(self.pairs.items())
-        pair = pa.table({
-            "cell_a": [a for (a, _), _ in items], "cell_b": [b for (_, b), _ in items],
+        pair = pa.table({  # typed: a group whose every pair is kept computes none
+            "cell_a": pa.array([a for (a, _), _ in items], pa.string()),
+            "cell_b": pa.array([b for (_, b), _ in items], pa.string()),
             "rows": pa.array([acc[2] for _, acc in items], pa.int64()),
             "mean_js": pa.array([acc[0] / acc[2] if acc[2] else None for _, acc in items], pa.float64()),
             "top1_agreement": pa.array([acc[1] / acc[2] if acc[2] else None for _, acc in items], pa.float64()),
-            "kernel_version": [M.KERNEL_VERSION] * len(items)})
+            "kernel_version": pa.array([M.KERNEL_VERSION] * len(items), pa.string())})
         return cent, pair
 
 

@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--stacks", default="4,8,16,24")
     ap.add_argument("--rows", type=int, default=1000)
     ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--workers-at", type=int, default=8, help="stacks of the 1-vs-2-workers comparison")
+    ap.add_argument("--workers-at", type=int, default=8, help="stacks of the 1-vs-2-workers comparison (0: skip it)")
     ap.add_argument("--incremental-at", type=int, default=16, help="stacks before one is added")
     ap.add_argument("--reference-rows", choices=("real", "synthetic"), default="real")
     a = ap.parse_args()
@@ -107,21 +107,23 @@ def main() -> None:
     rows = []
     for n in sizes:
         subset(base, a.dir / f"n{n}", n)
-        r = analyze(a.dir / f"n{n}")
+        r = analyze(a.dir / f"n{n}", "--workers", "1")
         rows.append({"stacks": n, **r})
         print(f"  {n:3d} stacks: {r['seconds']:7.1f} s, peak RSS {r['peak_rss_gb']:.2f} GB, "
               f"{r['summary']['metric_rows']} metric rows", flush=True)
-    w = a.dir / f"n{a.workers_at}"
-    if not (w / "cells").exists():
-        subset(base, w, a.workers_at)
-    one, two = analyze(w, "--force"), analyze(w, "--force", "--workers", "2")
-    print(f"  --force at {a.workers_at} stacks: in-process {one['seconds']} s, 2 Ray workers {two['seconds']} s "
-          f"(speed-up {one['seconds'] / two['seconds']:.2f}x; target >= 1.7x)", flush=True)
+    one = two = {"seconds": None}
+    if a.workers_at:
+        w = a.dir / f"n{a.workers_at}"
+        if not (w / "cells").exists():
+            subset(base, w, a.workers_at)
+        one, two = analyze(w, "--force", "--workers", "1"), analyze(w, "--force", "--workers", "2")
+        print(f"  --force at {a.workers_at} stacks: in-process {one['seconds']} s, 2 Ray workers {two['seconds']} s "
+              f"(speed-up {one['seconds'] / two['seconds']:.2f}x; target >= 1.7x)", flush=True)
     inc = a.dir / f"inc{a.incremental_at}"
     subset(base, inc, a.incremental_at)
-    first = analyze(inc)
+    first = analyze(inc, "--workers", "1")
     add_stack(base, inc, a.incremental_at)
-    second = analyze(inc)
+    second = analyze(inc, "--workers", "1")
     frac = second["seconds"] / first["seconds"]
     print(f"  one stack added to {a.incremental_at}: first analyze {first['seconds']} s, second {second['seconds']} s "
           f"= {frac:.2f} of the first (target <= 0.2); computed {second['summary']['computed']}")

@@ -76,6 +76,7 @@ def shard_index(wh: Warehouse, cell_id: str, repeat: int) -> ShardIndex:
         raise _damaged(path, e) from None
     if len(vocabs) > 1:
         raise UserError(f"{path}: rows of different vocabulary sizes {sorted(vocabs)} in one shard")
+    h.update(f"vocab\0{sorted(vocabs)}".encode())  # a row's length is content too (a rewrite may keep stale hashes)
     return ShardIndex(path, cell_id, repeat, prompts, h.hexdigest(), sum(len(p.positions) for p in prompts.values()),
                       vocabs.pop() if vocabs else 0)
 
