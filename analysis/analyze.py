@@ -185,6 +185,19 @@ def _reusable(wh: Warehouse, u: Unit) -> dict | None:
     return metas[0] if all(m.get("key") == u.key for m in metas) else None
 
 
+def _drop_stale_groups(wh: Warehouse, units: list[Unit], log) -> None:
+    """Remove the centroid and pairwise files of groups a model no longer has (relabelled
+    groups): left in place, the views would mix them with the current ones."""
+    planned = {u.name for u in units if u.kind == "group"}
+    models = {u.args["model"] for u in units if u.kind == "group"}
+    for table in ("centroid_metrics", "pairwise"):
+        for path in wh.table_files(table):
+            name = path.rsplit("/", 1)[-1].removesuffix(".parquet")
+            if name not in planned and any(name == m or name.startswith(m + ".") for m in models):
+                wh.remove_table(table, name)
+                log(f"removed {table}/{name}.parquet: no such centroid group now")
+
+
 def _keep_pairs(wh: Warehouse, u: Unit, force: bool) -> None:
     """A group whose members changed still has pairs whose two shards did not: their pairwise
     rows are kept (args["kept"]) and only the others measured (args["pairs"]). Pairwise work
@@ -232,6 +245,7 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
                "unaligned_rows": {}, "skip_damaged": skip_damaged, "damaged": [], "reused": {"cells": 0, "groups": 0},
                "kernel_version": M.KERNEL_VERSION}
     units = plan(wh, done, reference, centroid, summary, log)
+    _drop_stale_groups(wh, units, log)
     todo = []
     for u in units:
         kept = None if force else _reusable(wh, u)

@@ -237,6 +237,13 @@ def test_centroid_groups_from_the_spec_relabel_without_recapturing(swept, tiny_m
     assert {m["centroid"] for m in sql(wh2, "select distinct centroid from centroid_metrics")} == {"mean_logprob"}
     pairs = sql(wh2, "select count(*) as n from pairwise")[0]["n"]
     assert pairs == 2  # one pair per group of two
+    # the groups taken away again: the fp32 group's files go, the model's one group has all 6 pairs
+    plain = write_spec(tmp_path / "plain.yaml", tiny_model, short_corpus)
+    assert run_cli("run", str(plain), "--warehouse", str(wh2)).returncode == 0
+    r = run_cli("analyze", "--warehouse", str(wh2))
+    assert r.returncode == 0 and "removed pairwise/tiny.fp32.parquet: no such centroid group now" in r.stderr, r.stderr
+    assert sorted(p.name for p in (wh2 / "pairwise").iterdir()) == ["tiny.parquet"]
+    assert sql(wh2, "select count(*) as n from pairwise")[0]["n"] == 6
     bad = write_spec(tmp_path / "bad.yaml", tiny_model, short_corpus, centroid={"groups": {"x y": {"dtype": "fp32"}}})
     r = run_cli("run", str(bad), "--warehouse", str(wh2))
     assert r.returncode == 2 and "centroid.groups" in r.stderr and "'x y'" in r.stderr, r.stderr
