@@ -207,3 +207,14 @@ def test_the_views_open_in_any_duckdb_client_and_a_damaged_file_is_left_out(swep
     con.execute(views.read_text())
     assert con.execute(q).fetchall() == want and con.execute("select count(*) from runs").fetchone()[0] == 0
     assert f"-- runs: left out (damaged): {run_file}" in views.read_text()
+
+
+def test_progress_line_and_heartbeat_while_nothing_finishes():
+    p = A.Progress(total=1000)
+    p.t0 -= 10  # ten seconds in
+    p.done = 250
+    assert p.line() == "250/1000 rows | 25 rows/s | ETA 30s"
+    logs = []
+    with A._heartbeat(p, lambda: "1/4 unit(s)", logs.append, every=0.2):
+        time.sleep(0.5)
+    assert logs and logs[0].startswith("heartbeat: 1/4 unit(s) done, nothing finished for 0s | 250/1000 rows"), logs
