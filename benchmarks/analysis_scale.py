@@ -74,12 +74,15 @@ def _cell_of(rel: Path) -> str:
     return rel.parts[1] if rel.parts[0] == "logits" else rel.stem
 
 
-def analyze(wh: Path, *extra: str) -> dict:
-    """One `matrix analyze` process: wall seconds, its peak RSS in GB, and its JSON summary."""
+def analyze(wh: Path, *extra: str, threads: int | None = None) -> dict:
+    """One `matrix analyze` process: wall seconds, its peak RSS in GB, and its JSON summary.
+    threads: torch's threads in that process (a Ray task always has one)."""
     t0 = time.perf_counter()
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     p = subprocess.Popen([sys.executable, "-m", "matrix", "analyze", "--warehouse", str(wh), "--json", *extra],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=sys.stderr, text=True,
-                         env={**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")})
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env)
     out = p.stdout.read()
     _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
@@ -95,10 +98,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1000)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--workers-at", type=int, default=8, help="stacks of the 1-vs-2-workers comparison (0: skip it)")
-    ap.add_argument("--incremental-at", type=int, default=16, help="stacks before one is added")
+    ap.add_argument("--incremental-at", type=int, default=16, help="stacks before one is added (0: skip it)")
     ap.add_argument("--reference-rows", choices=("real", "synthetic"), default="real")
     a = ap.parse_args()
-    sizes = sorted({int(s) for s in a.stacks.split(",")})
+    sizes = sorted({int(s) for s in a.stacks.split(",") if s.strip()})
     top = max(sizes + [a.incremental_at + 1, a.workers_at])
     err = lambda m: print(m, file=sys.stderr)  # noqa: E731
     base = a.dir / f"base-{top}x{a.rows}x{a.vocab}"
@@ -116,24 +119,29 @@ def main() -> None:
         w = a.dir / f"n{a.workers_at}"
         if not (w / "cells").exists():
             subset(base, w, a.workers_at)
-        one, two = analyze(w, "--force", "--workers", "1"), analyze(w, "--force", "--workers", "2")
-        print(f"  --force at {a.workers_at} stacks: in-process {one['seconds']} s, 2 Ray workers {two['seconds']} s "
-              f"(speed-up {one['seconds'] / two['seconds']:.2f}x; target >= 1.7x)", flush=True)
-    inc = a.dir / f"inc{a.incremental_at}"
-    subset(base, inc, a.incremental_at)
-    first = analyze(inc, "--workers", "1")
-    add_stack(base, inc, a.incremental_at)
-    second = analyze(inc, "--workers", "1")
-    frac = second["seconds"] / first["seconds"]
-    print(f"  one stack added to {a.incremental_at}: first analyze {first['seconds']} s, second {second['seconds']} s "
-          f"= {frac:.2f} of the first (target <= 0.2); computed {second['summary']['computed']}")
-    peak = max(r["peak_rss_gb"] for r in rows)
-    print(f"peak RSS over every size: {peak:.2f} GB (target <= 2 GB)")
+        one = analyze(w, "--force", "--workers", "1", threads=1)  # one core, as one Ray worker has
+        two = analyze(w, "--force", "--workers", "2")
+        print(f"  --force at {a.workers_at} stacks: one core in-process {one['seconds']} s, 2 Ray workers "
+              f"{two['seconds']} s (speed-up {one['seconds'] / two['seconds']:.2f}x; target >= 1.7x; the Ray run "
+              f"includes starting Ray and each worker's kernel load)", flush=True)
+    first = second = {"seconds": None}
+    frac = None
+    if a.incremental_at:
+        inc = a.dir / f"inc{a.incremental_at}"
+        subset(base, inc, a.incremental_at)
+        first = analyze(inc, "--workers", "1")
+        add_stack(base, inc, a.incremental_at)
+        second = analyze(inc, "--workers", "1")
+        frac = second["seconds"] / first["seconds"]
+        print(f"  one stack added to {a.incremental_at}: first analyze {first['seconds']} s, second {second['seconds']} "
+              f"s = {frac:.2f} of the first (target <= 0.2); computed {second['summary']['computed']}")
+    if rows:
+        print(f"peak RSS over every size: {max(r['peak_rss_gb'] for r in rows):.2f} GB (target <= 2 GB)")
     print(json.dumps({"cpu": cpu(), "rows": a.rows, "vocab": a.vocab, "sizes": [{k: v for k, v in r.items() if k != "summary"}
                                                                                 for r in rows],
                       "workers": {"stacks": a.workers_at, "one": one["seconds"], "two": two["seconds"]},
                       "incremental": {"stacks": a.incremental_at, "first": first["seconds"], "second": second["seconds"],
-                                      "fraction": round(frac, 3)}}))
+                                      "fraction": frac and round(frac, 3)}}))
 
 
 if __name__ == "__main__":
