@@ -89,10 +89,13 @@ def test_sweep_analysis_and_sql_on_s3(s3, tiny_model, short_corpus, swept, tmp_p
     again = run_cli("run", str(spec), "--warehouse", uri)
     logs.append(again.stdout + again.stderr)
     assert again.returncode == 0 and "nothing to do" in again.stderr
-    for cmd in (["analyze"], ["status"], ["report", "--out", str(tmp_path / "report")]):
+    # analyze as Ray tasks that read the bucket themselves (not pinned to the driver's node)
+    for cmd in (["analyze", "--workers", "2"], ["status"], ["report", "--out", str(tmp_path / "report")]):
         out = run_cli(*cmd, "--warehouse", uri)
         logs.append(out.stdout + out.stderr)
         assert out.returncode == 0, (cmd, out.stderr[-2000:])
+        if cmd[0] == "analyze":
+            assert "2 at a time\n" in out.stderr and "a local warehouse" not in out.stderr, out.stderr[-2000:]
     assert len(sql(uri, "select * from summary")) == 2
     v = run_cli("verify", "--warehouse", uri, "--json")  # pages read by ranged GETs on the bucket
     logs.append(v.stdout + v.stderr)
