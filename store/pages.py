@@ -303,3 +303,82 @@ def read_row_group_leaf(f, metadata, schema, group: int, leaf: int) -> Leaf:
         raise Unsupported("a nested list")
     return read_leaf(column_chunk(f, metadata, group, leaf), c.compression,
                      col.max_repetition_level == 1, col.max_definition_level, c.num_values)
+
+
+HEADER_WINDOW = 256  # bytes read for a page header; a logits page header is ~30 (no statistics)
+
+
+class LeafStream:
+    """Row group `group`'s float leaf read a page at a time from an open Arrow file: take(n)
+    gives the next n rows in the native dtype. It holds one page plus what is left of the last
+    one, so memory follows n, never the row group. Raises Unsupported at once for a column it
+    does not handle (read it through Arrow), Corrupt for a bad page."""
+
+    def __init__(self, f, metadata, schema, group: int, leaf: int, kind: str):
+        c, col = metadata.row_group(group).column(leaf), schema.column(leaf)
+        rows = metadata.row_group(group).num_rows
+        if c.physical_type != "FLOAT":
+            raise Unsupported(f"physical type {c.physical_type}")
+        if col.max_repetition_level != 1 or c.has_dictionary_page or not rows or c.num_values % rows:
+            raise Unsupported("not one full-vocabulary list per row")
+        self.f, self.kind, self.codec = f, kind, codec(c.compression)
+        self.max_def, self.vocab = col.max_definition_level, c.num_values // rows
+        self.pos, self.end = c.data_page_offset, c.data_page_offset + c.total_compressed_size
+        self.seen = 0  # values read from pages so far
+        self.left: list[np.ndarray] = []  # (4, k) byte streams read but not yet taken
+
+    def _header(self) -> tuple[dict, int]:
+        size = HEADER_WINDOW
+        while True:
+            buf = _bytes(self.f.read_at(min(size, self.end - self.pos), self.pos))
+            try:
+                t = _Thrift(buf)
+                hdr = t.struct()
+                if t.pos > len(buf):  # a field ran past the window
+                    raise IndexError
+                return hdr, self.pos + t.pos
+            except (IndexError, struct.error, ValueError):
+                if size >= self.end - self.pos or size > 1 << 20:
+                    raise Corrupt("a page header runs past its column chunk") from None
+                size *= 16
+
+    def _page(self) -> None:
+        while self.pos < self.end:
+            hdr, at = self._header()
+            kind, size = hdr.get(1), hdr.get(3)
+            if size is None or at + size > self.end:
+                raise Corrupt("a page runs past its column chunk")
+            body = _bytes(self.f.read_at(size, at))
+            self.pos = at + size
+            if 4 in hdr and zlib.crc32(body) != hdr[4] & 0xFFFFFFFF:
+                raise Corrupt("page CRC mismatch")
+            if kind == DICTIONARY_PAGE:
+                raise Unsupported("a dictionary page")
+            if kind not in (DATA_PAGE, DATA_PAGE_V2):
+                continue  # an index page carries no values
+            starts, s = _page_values(kind, hdr, body, self.codec, True, self.max_def)
+            first = -(-self.seen // self.vocab) * self.vocab  # the first row start at or after seen
+            want = np.arange(first, self.seen + s.shape[1], self.vocab)
+            if len(starts) != len(want) or (self.seen + starts != want).any():
+                raise Corrupt("rows of different lengths")
+            self.seen += s.shape[1]
+            self.left.append(s)
+            return
+        raise Corrupt("the column chunk ended before its rows did")
+
+    def take(self, n: int) -> np.ndarray:
+        """The next n rows, (n, vocab) native (bf16: uint16 bits)."""
+        need = n * self.vocab
+        while sum(s.shape[1] for s in self.left) < need:
+            self._page()
+        out, got = [], 0
+        while got < need:
+            s = self.left[0]
+            k = min(s.shape[1], need - got)
+            out.append(s[:, :k])
+            got += k
+            if k == s.shape[1]:
+                self.left.pop(0)
+            else:
+                self.left[0] = s[:, k:]
+        return Leaf(out, np.arange(n) * self.vocab, need).rows(self.kind)

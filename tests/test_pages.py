@@ -134,3 +134,24 @@ def test_verify_checks_hashes_by_pages_and_by_arrow_alike(tmp_path):
         assert [(d.prompt_id, d.position, d.what) for d in damage] == [("p", 128, "values do not match row_hash")]
         damage, _, _ = verify_shard(wh, "cell", 0, 7)
         assert [d.what for d in damage][-1] == "6 rows, the cell has 7 per repeat"
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "f16"])
+def test_a_leaf_streamed_a_few_rows_at_a_time_is_the_native_rows(kind):
+    """LeafStream (what matrix analyze reads through) holds a page at a time: rows cut across
+    pages come back whole, in any batch sizes; a flipped byte is Corrupt."""
+    want = native(kind, 70, seed=3)
+    data = shard_bytes([rows_table("run", "cell", 0, "p", list(range(70)), [None] * 70, want)])
+    pf = pq.ParquetFile(pa.BufferReader(data))
+    leaf = pages.leaf_index(pf.schema, LOGITS_LEAF)
+    s = pages.LeafStream(pa.BufferReader(data), pf.metadata, pf.schema, 0, leaf, kind)
+    parts = [s.take(n) for n in (1, 3, 29, 37)]
+    assert all(p.dtype == want.dtype for p in parts)
+    assert np.concatenate(parts).tobytes() == want.tobytes()
+    assert len(s.left) == 0 and s.pos == s.end  # every page read once, nothing left over
+    bad = bytearray(data)
+    at = pf.metadata.row_group(0).column(leaf).data_page_offset + 200_000  # inside a page body
+    bad[at] ^= 0x40
+    s = pages.LeafStream(pa.BufferReader(bytes(bad)), pf.metadata, pf.schema, 0, leaf, kind)
+    with pytest.raises(pages.Corrupt, match="CRC"):
+        s.take(70)
