@@ -133,8 +133,9 @@ def main() -> None:
         add_stack(base, inc, a.incremental_at)
         second = analyze(inc, "--workers", "1")
         frac = second["seconds"] / first["seconds"]
-        print(f"  one stack added to {a.incremental_at}: first analyze {first['seconds']} s, second {second['seconds']} "
-              f"s = {frac:.2f} of the first (target <= 0.2); computed {second['summary']['computed']}")
+        print(f"  one stack added to {a.incremental_at}: first analyze {first['seconds']} s (peak RSS "
+              f"{first['peak_rss_gb']:.2f} GB), second {second['seconds']} s = {frac:.2f} of the first (target <= 0.2); "
+              f"computed {second['summary']['computed']}", flush=True)
     if rows:
         print(f"peak RSS over every size: {max(r['peak_rss_gb'] for r in rows):.2f} GB (target <= 2 GB)")
     print(json.dumps({"cpu": cpu(), "rows": a.rows, "vocab": a.vocab, "sizes": [{k: v for k, v in r.items() if k != "summary"}
