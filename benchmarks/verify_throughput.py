@@ -94,7 +94,7 @@ def floor(path: str, natives: list[np.ndarray]) -> None:
     with pa.memory_map(path) as f:
         for g in range(pf.num_row_groups):
             c = pages.codec(pf.metadata.row_group(g).column(leaf).compression)
-            for _, hdr, body in pages.data_pages(pages.column_chunk(f, pf.metadata, g, leaf)):
+            for _, hdr, body in pages.chunk_pages(pages.column_chunk(f, pf.metadata, g, leaf)):
                 c.decompress(body, decompressed_size=hdr[2], memory_pool=pages.POOL)
     for native in natives:
         for row in native:
