@@ -114,7 +114,8 @@ def repeat_metrics(wh: Warehouse, ref: ShardIndex, stk: ShardIndex, floor: float
         if len(si) < len(sp.positions):
             unaligned += len(sp.positions) - len(si)
             if first is None:
-                first = (pid, int(next(q for i, q in enumerate(sp.positions) if i not in set(si.tolist()))))
+                have = set(si.tolist())
+                first = (pid, int(next(q for i, q in enumerate(sp.positions) if i not in have)))
         if not len(si):
             continue
         a, b = Rows(wh, ref, pid, step), Rows(wh, stk, pid, step)
