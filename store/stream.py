@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from common.errors import UserError, first_line
 from store import pages
 from store.verify import DamagedShard, native_check
-from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, row_hash, widen
+from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, widen
 
 SEE_VERIFY = "run `matrix verify`, or `matrix analyze --skip-damaged` to leave it out"
 SMALL = ["prompt_id", "position", "next_token_id", "logits_dtype", "row_hash"]
@@ -44,6 +44,8 @@ class ShardIndex:
     digest: str  # sha256 over every (prompt, position, row_hash): what the shard holds
     rows: int
     vocab: int  # 0 for a shard without rows
+    metadata: pq.FileMetaData  # the footer, read once for every reader of the shard
+    leaf: int  # the logits leaf column
 
 
 def _damaged(path: str, e: Exception) -> DamagedShard:
@@ -78,7 +80,7 @@ def shard_index(wh: Warehouse, cell_id: str, repeat: int) -> ShardIndex:
         raise UserError(f"{path}: rows of different vocabulary sizes {sorted(vocabs)} in one shard")
     h.update(f"vocab\0{sorted(vocabs)}".encode())  # a row's length is content too (a rewrite may keep stale hashes)
     return ShardIndex(path, cell_id, repeat, prompts, h.hexdigest(), sum(len(p.positions) for p in prompts.values()),
-                      vocabs.pop() if vocabs else 0)
+                      vocabs.pop() if vocabs else 0, pf.metadata, leaf)
 
 
 def _runs(ids: list) -> list[tuple[int, int]]:
@@ -94,8 +96,8 @@ class Rows:
 
     def __init__(self, wh: Warehouse, index: ShardIndex, prompt_id: str, batch: int):
         self.index, self.prompt = index, index.prompts[prompt_id]
-        self.pf = pq.ParquetFile(index.path, filesystem=wh.loc.fs, page_checksum_verification=True,
-                                 buffer_size=READ_BUFFER)
+        self.pf = pq.ParquetFile(index.path, filesystem=wh.loc.fs, metadata=index.metadata,
+                                 page_checksum_verification=True, buffer_size=READ_BUFFER)
         self.fs = wh.loc.fs
         self.batch = max(1, batch)
         self.group_rows = self.pf.metadata.row_group(self.prompt.group).num_rows
@@ -110,8 +112,7 @@ class Rows:
             if self.prompt.offset or len(self.prompt.positions) != self.group_rows:
                 raise pages.Unsupported("a row group shared by several prompts (one native dtype is assumed)")
             f = self.fs.open_input_file(self.index.path) if self.fs else pa.memory_map(self.index.path)
-            leaf = pages.leaf_index(self.pf.schema, LOGITS_LEAF)
-            self.stream = pages.LeafStream(f, self.pf.metadata, self.pf.schema, self.prompt.group, leaf,
+            self.stream = pages.LeafStream(f, self.pf.metadata, self.pf.schema, self.prompt.group, self.index.leaf,
                                            self.prompt.kind)
         except pages.Unsupported:
             self.batches = self.pf.iter_batches(batch_size=self.batch, row_groups=[self.prompt.group],
@@ -120,8 +121,8 @@ class Rows:
             raise _damaged(self.index.path, e) from None
         self.read = 0  # rows of the row group read so far
 
-    def _next_rows(self) -> tuple[np.ndarray, list[tuple[int, str]] | None]:
-        """The next batch as (float32 rows, None), or from pages (rows, the hash check already done)."""
+    def _next_rows(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """The next batch as float32 rows, and the native rows when they came from pages."""
         if self.read >= self.group_rows:
             raise _damaged(self.index.path, ValueError(f"prompt row group {self.prompt.group} ended early"))
         if self.stream is None:
@@ -141,21 +142,16 @@ class Rows:
             native = self.stream.take(n)  # (n, vocab) native
         except pages.Corrupt as e:
             raise _damaged(self.index.path, e) from None
-        at = self.read - self.prompt.offset
         self.read += n
-        bad = [(i, "values do not match row_hash") for i in range(n)
-               if 0 <= at + i < len(self.prompt.hashes) and row_hash(native[i]) != self.prompt.hashes[at + i]]
-        return widen(native), bad
+        return widen(native), native
 
     def _more(self) -> None:
-        rows, checked = self._next_rows()
+        rows, native = self._next_rows()
         at = self.start + len(self.buf) - self.prompt.offset  # first new row, within the prompt
         lo, hi = max(at, 0), min(at + len(rows), len(self.prompt.hashes))  # another prompt's rows: not ours to check
-        if checked is not None:
-            bad = checked
-        else:
-            bad = [(i + lo - at, why) for i, why in native_check(self.prompt.kind, rows[lo - at:max(hi - at, 0)],
-                                                                 self.prompt.hashes[lo:hi])] if hi > lo else []
+        mine = slice(lo - at, max(hi - at, 0))
+        bad = [(i + lo - at, why) for i, why in native_check(self.prompt.kind, rows[mine], self.prompt.hashes[lo:hi],
+                                                             None if native is None else native[mine])] if hi > lo else []
         if bad:
             i, why = bad[0]
             raise DamagedShard(f"{self.index.path}: {len(bad)} row(s) damaged, first position "
