@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 # the dev VMs, so the build targets plain AVX2. On a GPU box: LLAMA_CMAKE_ARGS="-DGGML_CUDA=on"
 # (and `pip install --no-cache-dir`, since pip's wheel cache does not key on CMAKE_ARGS).
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-EXTRAS ?= hf,llamacpp,mlx,s3,test
+EXTRAS ?= hf,llamacpp,mlx,s3,gcs,test
 # Ray auth: `matrix run` gives its local cluster a token of yours (matrix/cluster.py); the tests use `disabled`.
 
 .PHONY: venv demo test bench clean-warehouse

@@ -51,13 +51,30 @@ def read_yaml_file(path, what: str):
         raise UserError(f"{p}: malformed YAML: {str(e).splitlines()[0]}") from None
 
 
-SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECURITY_TOKEN")
+SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECURITY_TOKEN",
+              "CLOUDSDK_AUTH_ACCESS_TOKEN", "GOOGLE_OAUTH_ACCESS_TOKEN")
+# the secret fields of a Google credentials file (service account, authorized user, external account)
+SECRET_FIELDS = ("private_key", "private_key_id", "client_secret", "refresh_token", "access_token")
+
+
+def _secrets() -> list[str]:
+    out = [os.environ.get(name, "") for name in SECRET_ENV]
+    adc = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if adc:
+        import json
+
+        try:
+            with open(adc, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            doc = {}  # Google's client reports an unreadable file itself; nothing of ours to hide
+        if isinstance(doc, dict):
+            out += [str(doc.get(k, "")) for k in SECRET_FIELDS]
+    return [v for v in out if len(v) >= 4]
 
 
 def redact(text: str) -> str:
     """text with every credential this process holds replaced by ***."""
-    for name in SECRET_ENV:
-        value = os.environ.get(name)
-        if value and len(value) >= 4:
-            text = text.replace(value, "***")
+    for value in _secrets():
+        text = text.replace(value, "***")
     return text

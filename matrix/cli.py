@@ -429,8 +429,10 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         # An error raised inside a Ray actor arrives wrapped; report the original.
+        from common.errors import redact
+
         cause = getattr(e, "cause", None) or e
-        print(f"matrix: error: {str(cause).splitlines()[0]}", file=sys.stderr)
+        print(redact(f"matrix: error: {(str(cause).splitlines() or [type(cause).__name__])[0]}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("matrix: interrupted; run the same command again to resume", file=sys.stderr)
@@ -438,14 +440,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # an operational failure: one line, exit 1; --debug shows where
         if debug:
             raise
-        from common.errors import first_line
+        from common.errors import first_line, redact
         from matrix.failures import StorageError, storage_error, storage_line
 
         full = storage_error(e)
         cause = getattr(e, "cause", None) or e
         line = storage_line(full, "") if full is not None else \
             str(e) if isinstance(e, StorageError) else f"{type(cause).__name__}: {first_line(str(cause))}"
-        print(f"matrix: error: {line} (--debug for the traceback)", file=sys.stderr)
+        print(redact(f"matrix: error: {line} (--debug for the traceback)"), file=sys.stderr)
         return 1
 
 

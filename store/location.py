@@ -1,11 +1,12 @@
-"""Where a warehouse lives: a local directory, or an object-store prefix (`s3://bucket/prefix`).
+"""Where a warehouse lives: a local directory, or an object-store prefix (`s3://bucket/prefix`,
+`gs://bucket/prefix`).
 
 Both offer the warehouse the same few operations on keys ("cells/x.parquet"), with the same
 guarantee: a file is visible only when complete. Locally: a temp file, fsync, rename. On S3:
 one object written whole (a single PUT, or boto3's multipart upload, aborted on failure), so
-there is no partial object and no temp leftover. Credentials come from the store's own chain
-(environment, ~/.aws, instance role): a URI that carries any is refused, and no message of
-ours prints them (common.errors.redact).
+there is no partial object and no temp leftover (GCS likewise: store/gcs.py). Credentials come
+from the store's own chain (environment, ~/.aws or application-default credentials, instance
+role): a URI that carries any is refused, and no message of ours prints them (common.errors.redact).
 """
 
 from __future__ import annotations
@@ -19,32 +20,38 @@ from typing import TYPE_CHECKING, Callable
 from common.errors import UserError
 
 if TYPE_CHECKING:
-    from store.s3 import S3Dir
+    from store.objdir import ObjectDir
 
 TMP_PREFIX = ".tmp-"
 PROBE = ".probe"  # a run's nonce: which nodes reach the warehouse themselves (Warehouse.reaches)
 
 
-def open_location(where: str | os.PathLike) -> "LocalDir | S3Dir":
+STORES = {"s3": ("store.s3", "S3Dir", "the AWS environment or config (AWS_PROFILE, AWS_ENDPOINT_URL, ...)"),
+          "gs": ("store.gcs", "GcsDir", "Google's application-default credentials (GOOGLE_APPLICATION_CREDENTIALS, "
+                 "gcloud auth application-default login)")}
+
+
+def open_location(where: str | os.PathLike) -> "LocalDir | ObjectDir":
     where = str(where)
     if "://" not in where:
         return LocalDir(Path(where))
     scheme, rest = where.split("://", 1)
     if scheme == "file":
         return LocalDir(Path(rest))
-    if scheme != "s3":
+    if scheme not in STORES:
         raise UserError(f"--warehouse {scheme}://...: the scheme {scheme!r} is not supported "
-                        "(a directory, file://DIR or s3://BUCKET/PREFIX)")
+                        "(a directory, file://DIR, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX)")
+    module, cls, chain = STORES[scheme]
     bucket, _, prefix = rest.partition("/")
     if "@" in bucket or ":" in bucket or "?" in rest:
         # never echo it: the URI may hold a key
-        raise UserError("--warehouse s3://...: credentials or options in the URI are refused; give them "
-                        "through the AWS environment or config (AWS_PROFILE, AWS_ENDPOINT_URL, ...)")
+        raise UserError(f"--warehouse {scheme}://...: credentials or options in the URI are refused; give them "
+                        f"through {chain}")
     if not bucket:
         raise UserError(f"--warehouse {where}: no bucket named")
-    from store.s3 import S3Dir
+    import importlib
 
-    return S3Dir(bucket, prefix.strip("/"))
+    return getattr(importlib.import_module(module), cls)(bucket, prefix.strip("/"))
 
 
 def fsync_replace(tmp: Path, final: Path) -> None:

@@ -1,8 +1,8 @@
 """A warehouse on S3 or any S3-compatible server (MinIO, Ceph, moto, R2 ...).
 
 Writes go through boto3: a whole object per file (put_object, or upload_file's multipart upload,
-which boto3 aborts on failure), and the writer lease through conditional PUTs (If-None-Match to
-take it, If-Match to renew or take over a stale one). Reads go through pyarrow's S3 filesystem,
+which boto3 aborts on failure), and the writer lease (store/objdir.py) through conditional PUTs
+(If-None-Match to take it, If-Match to renew or take over a stale one). Reads go through pyarrow's S3 filesystem,
 so Parquet footers and column chunks are fetched by range and DuckDB reads Arrow datasets.
 Both take credentials, region and endpoint (AWS_ENDPOINT_URL) from the standard AWS chain.
 """
@@ -10,23 +10,13 @@ Both take credentials, region and endpoint (AWS_ENDPOINT_URL) from the standard 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
-import socket
-import tempfile
-import threading
-import time
-from pathlib import Path
 
 from common.errors import UserError, redact
-
-LEASE = ".lease.json"
-LEASE_S = float(os.environ.get("LOGIT_MATRIX_LEASE_S", "120"))  # a holder renews every third of it
+from store.objdir import LEASE, ObjectDir, Taken
 
 
-class S3Dir:
-    remote = True
+class S3Dir(ObjectDir):
 
     def __init__(self, bucket: str, prefix: str):
         self.bucket, self.prefix = bucket, prefix
@@ -109,9 +99,6 @@ class S3Dir:
         with self._errors(f"cannot write {key}"):
             self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
-    def stage(self, key: str) -> "S3Stage":
-        return S3Stage(self, key)
-
     def list(self, prefix: str, suffix: str = ".parquet") -> list[str]:
         out, base = [], self._key("")
         with self._errors(f"cannot list {prefix}"):
@@ -130,96 +117,38 @@ class S3Dir:
             self.client.copy({"Bucket": self.bucket, "Key": self._key(key)}, self.bucket, self._key(to))
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
-    def mkdirs(self, prefix: str) -> None:
-        """Object stores have no directories."""
-
-    def sweep_tmp(self) -> list[str]:
-        return []  # nothing is ever staged in the bucket
-
-    @contextlib.contextmanager
-    def lock(self, holder: str):
-        lease = Lease(self, holder)
-        lease.take()
-        try:
-            yield
-        except BaseException:
-            lease.release()
-            raise
-        lease.release()
-        if lease.error is not None:  # the work finished, but another writer may have overlapped it
-            raise UserError(redact(f"{self}: the writer lease could not be renewed during the run "
-                                   f"({type(lease.error).__name__}: {str(lease.error).splitlines()[0]})"))
-
-
-class Lease:
-    """One writer at a time on an object store: an object taken with a conditional create, with a
-    holder and an expiry, renewed while held, and taken over only once it has gone stale."""
-
-    def __init__(self, where: S3Dir, holder: str):
-        self.where, self.key = where, where._key(LEASE)
-        self.holder = f"{holder} on {socket.gethostname()}"
-        self.etag = None
-        self.error: Exception | None = None  # a renewal that failed
-        self.stop = threading.Event()
-        self.thread = None
-
-    def _put(self, **cond) -> str:
-        body = json.dumps({"holder": self.holder, "expires_at": time.time() + LEASE_S}).encode()
-        return self.where.client.put_object(Bucket=self.where.bucket, Key=self.key, Body=body, **cond)["ETag"]
-
-    def take(self) -> None:
+    # -- the lease primitives (store/objdir.py): the object's ETag is its version -----------
+    def _conditional(self, **kw) -> str:
         from botocore.exceptions import ClientError
 
-        with self.where._errors("cannot take the writer lease"):
-            try:
-                self.etag = self._put(IfNoneMatch="*")
-            except ClientError as e:
-                if e.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "ConditionalRequestConflict"):
-                    raise
-                self._take_over()
-        self.thread = threading.Thread(target=self._renew, daemon=True, name="warehouse-lease")
-        self.thread.start()
-
-    def _take_over(self) -> None:
-        r = self.where.client.get_object(Bucket=self.where.bucket, Key=self.key)
-        held = json.loads(r["Body"].read())
-        if held.get("expires_at", 0) > time.time():
-            raise UserError(f"{self.where}: another matrix run is writing to this warehouse "
-                            f"({held.get('holder', 'unknown')}, lease valid for "
-                            f"{held['expires_at'] - time.time():.0f}s more)")
-        self.etag = self._put(IfMatch=r["ETag"])  # fails if someone else took it over first
-
-    def _renew(self) -> None:
-        while not self.stop.wait(LEASE_S / 3):
-            try:
-                self.etag = self._put(IfMatch=self.etag)
-            except Exception as e:  # kept for the holder to report (lock()), not printed from a thread
-                self.error = e
-                return
-
-    def release(self) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join()
-        head = self.where.client.head_object(Bucket=self.where.bucket, Key=self.key)
-        if head["ETag"] == self.etag:  # still ours
-            self.where.client.delete_object(Bucket=self.where.bucket, Key=self.key)
-
-
-class S3Stage:
-    """A local temp file to write the whole file to; commit() uploads it as one object."""
-
-    def __init__(self, where: S3Dir, key: str):
-        self.where, self.key = where, key
-        self.dir = Path(tempfile.mkdtemp(prefix="logit-matrix-"))
-        self.tmp = self.dir / Path(key).name
-
-    def commit(self) -> None:
         try:
-            with self.where._errors(f"cannot upload {self.key}"):
-                self.where.client.upload_file(str(self.tmp), self.where.bucket, self.where._key(self.key))
-        finally:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            return self.client.put_object(Bucket=self.bucket, Key=self._key(LEASE), **kw)["ETag"]
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+                raise Taken() from None
+            raise
 
-    def abort(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+    def lease_create(self, body: bytes) -> str:
+        return self._conditional(Body=body, IfNoneMatch="*")
+
+    def lease_get(self) -> tuple[bytes, str]:
+        from botocore.exceptions import ClientError
+
+        try:
+            r = self.client.get_object(Bucket=self.bucket, Key=self._key(LEASE))
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                raise FileNotFoundError(LEASE) from None
+            raise
+        return r["Body"].read(), r["ETag"]
+
+    def lease_replace(self, body: bytes, token: str) -> str:
+        return self._conditional(Body=body, IfMatch=token)
+
+    def lease_delete(self, token: str) -> None:
+        if self.client.head_object(Bucket=self.bucket, Key=self._key(LEASE))["ETag"] != token:
+            raise Taken()
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(LEASE))
+
+    def upload(self, path: str, key: str) -> None:
+        self.client.upload_file(path, self.bucket, self._key(key))  # multipart above 8 MiB, aborted on failure

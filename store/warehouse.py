@@ -135,7 +135,7 @@ class Warehouse:
 
     def lock(self):
         """Exclusive writer lock: two runs on one warehouse would capture the same cells twice.
-        A directory: flock; an object store: a lease object (store/s3.py)."""
+        A directory: flock; an object store: a lease object (store/objdir.py)."""
         return self.loc.lock(f"pid {os.getpid()} on {os.uname().nodename}")
 
     def write_probe(self, nonce: str) -> None:
