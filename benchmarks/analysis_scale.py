@@ -9,7 +9,9 @@ shards are the same bytes. Each analyze is a fresh `matrix analyze` process; its
 from wait4 (the process's own high-water mark). Printed side by side:
 
   - peak RSS and wall time per size (target: peak RSS <= 2 GB and flat in stacks and rows);
-  - --force at --workers-at stacks in-process and with 2 Ray workers (target: >= 1.7x);
+  - --force at --workers-at stacks with 1 and with 2 Ray workers on one running cluster (target:
+    >= 1.7x), and beside them one core in-process without Ray and 2 workers on a cluster analyze
+    starts itself (Ray's start and each worker's kernel load included);
   - a second analyze after adding one stack to --incremental-at stacks, as a fraction of the
     first (target <= 0.2).
 A Ray worker's memory is its own process's, not the driver's: the RSS column is the in-process runs'.
@@ -18,10 +20,13 @@ A Ray worker's memory is its own process's, not the driver's: the RSS column is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -91,6 +96,32 @@ def analyze(wh: Path, *extra: str, threads: int | None = None) -> dict:
     return {"seconds": round(wall, 1), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2), "summary": json.loads(out)}
 
 
+@contextlib.contextmanager
+def ray_head(tmp: Path):
+    """A one-node Ray cluster with this machine's CPUs, on loopback only (so without auth)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ray = str(Path(sys.executable).with_name("ray"))
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # nothing listens beyond 127.0.0.1
+    tmp.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([ray, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+                             f"--num-cpus={os.cpu_count() or 1}", "--include-dashboard=false", "--disable-usage-stats"],
+                            env=env, start_new_session=True, stdout=open(tmp / "ray-head.log", "w"),
+                            stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while subprocess.run([ray, "status", f"--address={address}"], env=env, capture_output=True).returncode:
+            if proc.poll() is not None or time.time() > deadline:
+                raise SystemExit(f"ray start --head did not come up (see {tmp / 'ray-head.log'})")
+            time.sleep(1)
+        yield address
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=Path("/tmp/analysis-scale"))
@@ -114,16 +145,21 @@ def main() -> None:
         rows.append({"stacks": n, **r})
         print(f"  {n:3d} stacks: {r['seconds']:7.1f} s, peak RSS {r['peak_rss_gb']:.2f} GB, "
               f"{r['summary']['metric_rows']} metric rows", flush=True)
-    one = two = {"seconds": None}
+    one = two = core = local = {"seconds": None}
     if a.workers_at:
         w = a.dir / f"n{a.workers_at}"
         if not (w / "cells").exists():
             subset(base, w, a.workers_at)
-        one = analyze(w, "--force", "--workers", "1", threads=1)  # one core, as one Ray worker has
-        two = analyze(w, "--force", "--workers", "2")
-        print(f"  --force at {a.workers_at} stacks: one core in-process {one['seconds']} s, 2 Ray workers "
-              f"{two['seconds']} s (speed-up {one['seconds'] / two['seconds']:.2f}x; target >= 1.7x; the Ray run "
-              f"includes starting Ray and each worker's kernel load)", flush=True)
+        core = analyze(w, "--force", "--workers", "1", threads=1)  # one core in this process, no Ray
+        local = analyze(w, "--force", "--workers", "2")  # a Ray cluster of its own, started and stopped
+        with ray_head(a.dir) as address:  # one running cluster: 1 worker against 2, the same fixed costs
+            one = analyze(w, "--force", "--address", address, "--workers", "1")
+            two = analyze(w, "--force", "--address", address, "--workers", "2")
+        print(f"  --force at {a.workers_at} stacks on a running Ray cluster: 1 worker {one['seconds']} s, 2 workers "
+              f"{two['seconds']} s (speed-up {one['seconds'] / two['seconds']:.2f}x; target >= 1.7x); one core in "
+              f"this process without Ray {core['seconds']} s, 2 workers on a cluster analyze starts itself "
+              f"{local['seconds']} s ({core['seconds'] / local['seconds']:.2f}x: Ray's start and each worker's "
+              f"kernel load included)", flush=True)
     first = second = {"seconds": None}
     frac = None
     if a.incremental_at:
@@ -140,7 +176,8 @@ def main() -> None:
         print(f"peak RSS over every size: {max(r['peak_rss_gb'] for r in rows):.2f} GB (target <= 2 GB)")
     print(json.dumps({"cpu": cpu(), "rows": a.rows, "vocab": a.vocab, "sizes": [{k: v for k, v in r.items() if k != "summary"}
                                                                                 for r in rows],
-                      "workers": {"stacks": a.workers_at, "one": one["seconds"], "two": two["seconds"]},
+                      "workers": {"stacks": a.workers_at, "one": one["seconds"], "two": two["seconds"],
+                                  "one_core_in_process": core["seconds"], "two_own_cluster": local["seconds"]},
                       "incremental": {"stacks": a.incremental_at, "first": first["seconds"], "second": second["seconds"],
                                       "fraction": frac and round(frac, 3)}}))
 

@@ -60,7 +60,7 @@ def ray_runner(address: str | None, workers: int, log: Callable[[str], None]) ->
         width = workers or int(cpus)
         log(f"analyze on Ray: {len(units)} piece(s), {width} at a time"
             + ("" if Warehouse(where).remote else " (a local warehouse: on this node only)"))
-        queue, pending = list(units), {}
+        queue, pending = sorted(units, key=lambda t: -t.work), {}  # largest first: no long piece left for last
         while queue or pending:
             while queue and len(pending) < width:
                 u = queue.pop(0)
