@@ -70,9 +70,11 @@ class GcsDir(ObjectDir):
         try:
             yield
         except api.NotFound as e:
-            if missing is not None and self._bucket.exists():  # the object is missing, not the bucket
+            if not self._bucket.exists():
+                raise UserError(redact(f"{self}: {what}: bucket {self.bucket!r} not found ({_message(e)})")) from None
+            if missing is not None:  # the object is missing, not the bucket: as a local read says it
                 raise FileNotFoundError(missing) from None
-            raise UserError(redact(f"{self}: {what}: bucket {self.bucket!r} not found ({_message(e)})")) from None
+            raise UserError(redact(f"{self}: {what}: not found ({_message(e)})")) from None
         except (api.GoogleAPIError, auth.GoogleAuthError) as e:
             raise UserError(redact(f"{self}: {what}: {type(e).__name__}: {_message(e)}")) from None
         except OSError as e:  # the endpoint does not answer (requests' ConnectionError is one)
