@@ -23,8 +23,10 @@ EMULATOR = "STORAGE_EMULATOR_HOST"
 
 
 class GcsDir(ObjectDir):
+    scheme = "gs"
+
     def __init__(self, bucket: str, prefix: str):
-        self.bucket, self.prefix = bucket, prefix
+        super().__init__(bucket, prefix)
         try:
             from google.cloud import storage
         except ImportError:
@@ -32,30 +34,15 @@ class GcsDir(ObjectDir):
         with self._errors("no credentials"):
             self.client = storage.Client()
         self._bucket = self.client.bucket(bucket)
-        self._fs = None
 
-    def __str__(self) -> str:
-        return f"gs://{self.bucket}/{self.prefix}" if self.prefix else f"gs://{self.bucket}"
+    def _filesystem(self):
+        from pyarrow import fs
 
-    @property
-    def fs(self):
-        if self._fs is None:
-            from pyarrow import fs
-
-            emulator = os.environ.get(EMULATOR)
-            if emulator:
-                scheme, _, host = emulator.partition("://") if "://" in emulator else ("http", "", emulator)
-                self._fs = fs.GcsFileSystem(anonymous=True, scheme=scheme, endpoint_override=host.rstrip("/"))
-            else:
-                self._fs = fs.GcsFileSystem()  # the default credential chain
-        return self._fs
-
-    def _key(self, key: str) -> str:
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def path(self, key: str) -> str:
-        """The path pyarrow's filesystem knows the object by."""
-        return f"{self.bucket}/{self._key(key)}"
+        emulator = os.environ.get(EMULATOR)
+        if emulator:
+            scheme, _, host = emulator.partition("://") if "://" in emulator else ("http", "", emulator)
+            return fs.GcsFileSystem(anonymous=True, scheme=scheme, endpoint_override=host.rstrip("/"))
+        return fs.GcsFileSystem()  # the default credential chain
 
     def _blob(self, key: str):
         return self._bucket.blob(self._key(key))
@@ -70,7 +57,11 @@ class GcsDir(ObjectDir):
         try:
             yield
         except api.NotFound as e:
-            if not self._bucket.exists():
+            try:
+                bucket_there = self._bucket.exists()
+            except (api.GoogleAPIError, auth.GoogleAuthError, OSError):
+                bucket_there = True  # cannot tell: say what the request said, not a guess
+            if not bucket_there:
                 raise UserError(redact(f"{self}: {what}: bucket {self.bucket!r} not found ({_message(e)})")) from None
             if missing is not None:  # the object is missing, not the bucket: as a local read says it
                 raise FileNotFoundError(missing) from None

@@ -30,11 +30,33 @@ class Taken(Exception):
 
 
 class ObjectDir:
-    """Base of an object-store location. Subclasses give: lease_create(body) -> token,
-    lease_get() -> (body, token), lease_replace(body, token) -> token, lease_delete(token),
-    upload(local_path, key), and the plain key operations of store/location.py."""
+    """Base of an object-store location. Subclasses give: _filesystem() (pyarrow's),
+    lease_create(body) -> token, lease_get() -> (body, token), lease_replace(body, token) -> token,
+    lease_delete(token), upload(local_path, key), and the plain key operations of store/location.py."""
 
     remote = True
+    scheme = ""  # s3, gs: what the location's URI starts with
+
+    def __init__(self, bucket: str, prefix: str):
+        self.bucket, self.prefix = bucket, prefix
+        self._fs = None
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.bucket}/{self.prefix}" if self.prefix else f"{self.scheme}://{self.bucket}"
+
+    @property
+    def fs(self):
+        """pyarrow's filesystem for the store, made on first use (reads go through it)."""
+        if self._fs is None:
+            self._fs = self._filesystem()
+        return self._fs
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def path(self, key: str) -> str:
+        """The path pyarrow's filesystem knows the object by."""
+        return f"{self.bucket}/{self._key(key)}"
 
     def stage(self, key: str) -> "ObjectStage":
         return ObjectStage(self, key)

@@ -17,43 +17,30 @@ from store.objdir import LEASE, ObjectDir, Taken
 
 
 class S3Dir(ObjectDir):
+    scheme = "s3"
 
     def __init__(self, bucket: str, prefix: str):
-        self.bucket, self.prefix = bucket, prefix
+        super().__init__(bucket, prefix)
         try:
             import boto3
         except ImportError:
             raise UserError("s3:// warehouses need boto3: pip install 'logit-matrix[s3]'") from None
         self.client = boto3.client("s3")
-        self._fs = None
 
-    def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+    def _filesystem(self):
+        from pyarrow import fs
 
-    @property
-    def fs(self):
-        if self._fs is None:
-            from pyarrow import fs
-
-            kw = {}
-            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or self.client.meta.region_name
-            if region:
-                kw["region"] = region
-            # boto3 resolved the endpoint from the AWS chain (AWS_ENDPOINT_URL, config); pyarrow's
-            # constructor does not read it, so an S3-compatible server is named to it explicitly
-            endpoint = self.client.meta.endpoint_url
-            if endpoint and not endpoint.split("://")[-1].endswith("amazonaws.com"):
-                scheme, _, host = endpoint.partition("://")
-                kw.update(endpoint_override=host.rstrip("/"), scheme=scheme)
-            self._fs = fs.S3FileSystem(**kw)
-        return self._fs
-
-    def _key(self, key: str) -> str:
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def path(self, key: str) -> str:
-        """The path pyarrow's filesystem knows the object by."""
-        return f"{self.bucket}/{self._key(key)}"
+        kw = {}
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or self.client.meta.region_name
+        if region:
+            kw["region"] = region
+        # boto3 resolved the endpoint from the AWS chain (AWS_ENDPOINT_URL, config); pyarrow's
+        # constructor does not read it, so an S3-compatible server is named to it explicitly
+        endpoint = self.client.meta.endpoint_url
+        if endpoint and not endpoint.split("://")[-1].endswith("amazonaws.com"):
+            scheme, _, host = endpoint.partition("://")
+            kw.update(endpoint_override=host.rstrip("/"), scheme=scheme)
+        return fs.S3FileSystem(**kw)
 
     def _fail(self, what: str, e: Exception) -> UserError:
         """One line for an unreachable bucket, missing credentials, a refused request."""
