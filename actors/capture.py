@@ -8,20 +8,21 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from backends.base import Backend, sampled_positions
+from backends.base import Backend
+from common.positions import Positions
 
 
-def fed_ids(ids: list[int], stride: int, max_tokens: int | None) -> tuple[list[int], list[int]]:
-    """The ids a stack is fed and the positions kept: every stride-th and the last; with
-    max_tokens only the prefix those positions need."""
-    positions = sampled_positions(len(ids), stride)
+def fed_ids(ids: list[int], keep: Positions | int, max_tokens: int | None) -> tuple[list[int], list[int]]:
+    """The ids a stack is fed and the positions kept (keep: the spec's positions, or a plain
+    stride); only the prefix the last kept position needs is fed. ([], []) when none is kept."""
+    keep = Positions.every(keep) if isinstance(keep, int) else keep
+    positions = keep.of(len(ids))
     if max_tokens is not None:
         positions = [p for p in positions if p < max_tokens]
-        ids = ids[:positions[-1] + 1]
-    return ids, positions
+    return (ids[:positions[-1] + 1], positions) if positions else ([], [])
 
 
-def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]], stride: int,
+def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]], keep: Positions | int,
                   max_tokens: int | None = None) -> dict[str, Any]:
     """Every prompt's rows into writer (a ShardWriter, or a RemoteShard on a node that cannot
     see the warehouse), committed at the end; returns a small manifest (no arrays).
@@ -33,9 +34,13 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
     try:
         dtype = None
         for prompt_id, ids in prompts:
-            ids, positions = fed_ids(ids, stride, max_tokens)
-            # Row p holds the prediction for ids[p + 1]; the last row has no next token.
+            fed, positions = fed_ids(ids, keep, max_tokens)
+            if not positions:  # the window misses this prompt: no rows, no forward
+                continue
+            # Row p holds the prediction for ids[p + 1] of the whole prompt (a window or a prefix
+            # feeds less); only the prompt's last row has no next token.
             next_ids = [ids[p + 1] if p + 1 < len(ids) else None for p in positions]
+            ids = fed
             tf = time.perf_counter()
             native = backend.forward(ids, positions)  # (rows, vocab), native dtype
             forward_s += time.perf_counter() - tf

@@ -20,6 +20,7 @@ import ray
 from actors.capture import capture_shard, fed_ids
 from actors.fingerprint import fingerprint
 from backends import backend_class
+from common.positions import Positions
 from common.stack import ModelCopy, StackDesc
 from store.warehouse import ShardWriter, Warehouse
 
@@ -118,7 +119,10 @@ class StackActor:
         self._loaded()
         special = self.backend.special_tokens()
         rows = []
-        for prompt_id, text, canonical in prompts:
+        checkable = [p for p in prompts if p[1] is not None]  # ids and chunk prompts have no text to re-tokenise
+        if not checkable:
+            return {"status": "not_checked", "rows": [], "special": special, "problems": []}
+        for prompt_id, text, canonical in checkable:
             ids = self.backend.tokenize(text)
             if ids is None:
                 return {"status": "not_checked", "rows": [], "special": special, "problems": []}
@@ -132,7 +136,7 @@ class StackActor:
         return {"status": "ok" if ok else "mismatch", "rows": rows, "special": special, "problems": problems}
 
     def capture(self, run_id: str, repeat: int, prompts: list[tuple[str, list[int]]],
-                stride: int) -> dict[str, Any]:
+                keep: Positions) -> dict[str, Any]:
         """One teacher-forced prefill per prompt; the shard is written here, not returned.
 
         Under tensor parallelism every rank runs the same forwards (they are collective); only
@@ -140,14 +144,16 @@ class StackActor:
         self._loaded()
         if self.rank > 0:
             for _, ids in prompts:
-                self.backend.forward(*fed_ids(ids, stride, self.stack.max_tokens))
+                fed, positions = fed_ids(ids, keep, self.stack.max_tokens)
+                if positions:
+                    self.backend.forward(fed, positions)
             return {"rows": 0, "rank": self.rank}
         from actors.depot import RemoteShard
 
         cid = self.stack.cell_id
         writer = (ShardWriter(self.delivery.warehouse, run_id, cid, repeat) if self.direct
                   else RemoteShard(self.delivery.depot, run_id, cid, repeat))
-        out = capture_shard(self.backend, writer, prompts, stride, self.stack.max_tokens)
+        out = capture_shard(self.backend, writer, prompts, keep, self.stack.max_tokens)
         return {**out, "cell_id": cid, "repeat": repeat, "rows_via": "node" if self.direct else "driver",
                 "bytes_sent": 0 if self.direct else writer.bytes}
 

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from analysis.sql import connect
+from common import positions as P
 from common.errors import UserError
 
 UNDISCLOSED = "undisclosed"
@@ -72,6 +73,11 @@ def _hardware(cell: dict) -> str | None:
         g = gpus[0]
         out += f"; {g.get('name')} x{len(gpus)}, {g.get('sm_count')} SMs, sm_{g.get('compute_capability')}"
     return out
+
+
+def _positions_rule(cell: dict) -> str:
+    """The cell's kept positions in words (an imported or pre-v8 cell has the plain stride form)."""
+    return P.from_dict(_json(cell.get("positions")) or None, cell.get("stride") or 1).describe()
 
 
 def _runtime(cell: dict) -> dict[str, Any]:
@@ -139,7 +145,7 @@ def _disclosure(cell: dict, ref: dict, s: dict, prompts: list, pos: dict) -> dic
         "context_lengths": {"min": ctx[0] if ctx else None, "median": ctx[len(ctx) // 2] if ctx else None,
                             "max": ctx[-1] if ctx else None, "fed_prefix_tokens": cell.get("max_tokens") or "whole prompts"},
         "sampled_positions": {"stride": cell.get("stride"), "count": pos["n"], "first": pos["first"],
-                              "last": pos["last"], "rule": "every stride-th position from 0, plus each prompt's last",
+                              "last": pos["last"], "rule": _positions_rule(cell),
                               "teacher_forced": True},
         "kl_direction": "KL(P_reference || P_candidate), natural log (nats); reverse KL and JS also reported",
         "vocabulary_truncation": trunc,

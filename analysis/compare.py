@@ -144,13 +144,16 @@ def repeat_metrics(wh: Warehouse, ref: ShardIndex, stk: ShardIndex, floor: float
 
 def cell_metrics(wh: Warehouse, cell_id: str, repeats: int, ref_id: str, floor: float, skip_damaged: bool,
                  prompts: list[str] | None = None, budget: int = BUDGET_BYTES) -> CellResult:
-    """metrics rows of every repeat of one cell (of `prompts`, default all) against the reference's repeat 0."""
+    """metrics rows of every repeat of one cell (of `prompts`, default all) against the reference's repeat 0
+    (the reference's own repeats 1.. give its repeat-to-repeat noise; its repeat 0 is the yardstick itself)."""
     out = CellResult()
     ref = shard_index(wh, ref_id, 0)
     only = None if prompts is None else set(prompts)
     for r in range(repeats):
+        if cell_id == ref_id and r == 0:  # the reference against itself: zeros by definition, not measured
+            continue
         try:
-            stk = ref if (cell_id == ref_id and r == 0) else shard_index(wh, cell_id, r)
+            stk = shard_index(wh, cell_id, r)
             out.tables[r], out.counts[r] = repeat_metrics(wh, ref, stk, floor, only, budget)
         except DamagedShard as e:
             if not skip_damaged:

@@ -69,6 +69,29 @@ def tokenize_with(vocab, text: str, add_special: bool = True, parse_special: boo
     return list(buf[:n])
 
 
+def gguf_tokenize(path: str, text: str) -> tuple[list[int], int | None]:
+    """A text as llama-perplexity tokenises it (common_tokenize(ctx, text, true): add_special on,
+    parse_special off), with only the GGUF's vocabulary loaded; -> (ids, the BOS it puts at the
+    start of each chunk, or None where the GGUF says the model takes no BOS)."""
+    import llama_cpp as lc
+
+    quiet_logs()
+    lc.llama_backend_init()
+    mp = lc.llama_model_default_params()
+    mp.vocab_only = True
+    model = lc.llama_model_load_from_file(str(path).encode(), mp)
+    if not model:
+        from common.errors import UserError
+
+        raise UserError(f"{path}: llama.cpp could not read this GGUF's vocabulary")
+    try:
+        vocab = lc.llama_model_get_vocab(model)
+        ids = tokenize_with(vocab, text, True, False)
+        return ids, int(lc.llama_vocab_bos(vocab)) if lc.llama_vocab_get_add_bos(vocab) else None
+    finally:
+        lc.llama_model_free(model)
+
+
 KV_TYPES = {"f16": "GGML_TYPE_F16", "f32": "GGML_TYPE_F32", "q8_0": "GGML_TYPE_Q8_0"}
 DEFAULTS = {"n_batch": 2048, "n_ubatch": 512, "kv_cache": "f16"}  # llama.cpp's own defaults
 

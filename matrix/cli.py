@@ -38,7 +38,8 @@ def cmd_cells(args) -> int:
             c.update(builds[c["cell_id"]])
     if args.json:
         emit_json({"spec": str(spec.path), "cells": cells, "skipped": spec.skipped,
-                   "stride": spec.stride, "repeats": spec.repeats, "corpus": spec.corpus})
+                   "stride": spec.stride, "positions": spec.positions.to_dict(), "repeats": spec.repeats,
+                   "corpus": spec.corpus})
     else:
         cols = ["cell_id", "reference"] + (["placement"] if placed else []) + (["build", "captured by", "a run"] if builds else [])
         print(table(cols, [[c["cell_id"], "yes" if c["reference"] else ""]
@@ -48,7 +49,8 @@ def cmd_cells(args) -> int:
         if spec.skipped:
             print(f"\nskipped ({len(spec.skipped)}):")
             print(table(["combination", "reason"], [[s["cell_id"], s["reason"]] for s in spec.skipped]))
-        print(f"\n{len(cells)} cell(s), {len(spec.skipped)} skipped; stride {spec.stride}, repeats {spec.repeats}")
+        print(f"\n{len(cells)} cell(s), {len(spec.skipped)} skipped; {spec.positions.describe()} (stride {spec.stride}), "
+              f"repeats {spec.repeats}")
     if nodes is not None:
         placement.check_placement(spec.cells, nodes, lambda msg: None)  # the same exit 2 as `matrix run`
     return 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends import backend_class
+from common.positions import Positions
 from common.stack import Cell, ModelCopy, StackDesc
 from matrix import placement
 
@@ -58,7 +59,7 @@ class Work:
 
     run_id: str
     delivery: Any  # actors.stack_actor.Delivery: the warehouse, this run's nonce, the driver's depot
-    stride: int
+    keep: Positions  # the positions each prompt keeps (the spec's stride or window)
     repeats: list[int]  # the repeats still missing for this cell
     prompts: list[tuple[str, str, list[int]]]  # (prompt_id, text, canonical ids)
     special: dict[str, Any]  # the reference tokenizer's bos / eos ids
@@ -119,11 +120,11 @@ def start(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: li
     ids = [(pid, toks) for pid, _, toks in work.prompts]
     for a in started.followers:
         for r in work.repeats:
-            started.calls[a.capture.remote(work.run_id, r, ids, work.stride)] = Call(Kind.RANK, cell.cell_id, r)
+            started.calls[a.capture.remote(work.run_id, r, ids, work.keep)] = Call(Kind.RANK, cell.cell_id, r)
     a = started.actor
     started.calls[a.parity.remote(work.prompts, work.special, work.vocab)] = Call(Kind.PARITY, cell.cell_id)
     for r in work.repeats:
-        started.calls[a.capture.remote(work.run_id, r, ids, work.stride)] = Call(Kind.CAPTURE, cell.cell_id, r)
+        started.calls[a.capture.remote(work.run_id, r, ids, work.keep)] = Call(Kind.CAPTURE, cell.cell_id, r)
     return started
 
 

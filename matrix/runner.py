@@ -99,7 +99,7 @@ def expected_rows(plan: Plan, cell: Cell) -> int:
     """Rows one repeat of this cell holds: its sampled positions over every prompt."""
     from actors.capture import fed_ids
 
-    return sum(len(fed_ids(p.token_ids, plan.spec.stride, cell.max_tokens)[1]) for p in plan.prompts[cell.model])
+    return sum(len(fed_ids(p.token_ids, plan.spec.positions, cell.max_tokens)[1]) for p in plan.prompts[cell.model])
 
 
 def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: Callable[[str], None]) -> set[int]:

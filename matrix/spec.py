@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from common import names
+from common import positions as P
 from common.errors import UserError, read_text_file
 from common.stack import Cell
 
@@ -25,7 +26,7 @@ DEFAULT_STRIDE = 32
 BOS_POLICIES = ("tokenizer", "always", "never")
 TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
             "devices", "include", "exclude", "reference", "stride", "repeats",
-            "corpus", "bos", "threads", "options", "max_tokens", "centroid", "replicas", "retries",
+            "corpus", "bos", "threads", "positions", "options", "max_tokens", "centroid", "replicas", "retries",
             "load_timeout_s", "capture_timeout_s"}
 CENTROID_DEFINITIONS = ("mean_prob", "mean_logprob")
 MODEL_KEYS = {"name", "catalog", "path", "hub", "gguf", "revision"}
@@ -77,6 +78,7 @@ class Spec:
     capture_timeout_s: float | None = None  # per repeat (None: matrix/sweep.py scales it by tokens fed)
     centroid: str = "mean_prob"  # centroid definition
     centroid_groups: list = field(default_factory=list)  # [(name, [selector, ...])], first match wins
+    positions: P.Positions = field(default_factory=P.Positions)  # which rows each prompt keeps
     raw_text: str = ""
     cells: list[Cell] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
@@ -344,6 +346,16 @@ def _parse_options(path: Path, data: dict) -> dict:
     return options
 
 
+def _parse_positions(path: Path, data: dict) -> P.Positions:
+    """`stride: N` (every N-th position and the last) or `positions:` (a window or a preset), not both."""
+    if "positions" not in data:
+        return P.Positions.every(_int(path, data, "stride", DEFAULT_STRIDE))
+    if "stride" in data:
+        raise field_error(path, "stride", "give the step inside positions (positions.stride) when positions is set",
+                          data["stride"])
+    return P.parse(data["positions"], "positions", lambda f, m, v=...: field_error(path, f, m, v))
+
+
 def parse_spec(spec_path: str | os.PathLike) -> Spec:
     """Parse and validate a spec file (matrix.cells.load_spec also expands it into cells)."""
     path = Path(spec_path)
@@ -362,8 +374,9 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
     name = data.get("name", path.stem)
     if not isinstance(name, str):
         raise field_error(path, "name", "must be a string", name)
+    positions = _parse_positions(path, data)
     return Spec(path=path, name=name, models=models, axes=axes, include=include,
-                exclude=exclude, reference=reference, stride=_int(path, data, "stride", DEFAULT_STRIDE),
+                exclude=exclude, reference=reference, stride=positions.stride, positions=positions,
                 repeats=_int(path, data, "repeats", 1), corpus=corpus, bos=bos,
                 threads=_check_threads(path, "threads", data.get("threads")), options=options,
                 max_tokens=_check_threads(path, "max_tokens", data.get("max_tokens")),

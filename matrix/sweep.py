@@ -31,6 +31,7 @@ HEARTBEAT_S = float(os.environ.get("LOGIT_MATRIX_HEARTBEAT_S", "60"))
 def _cell_fields(plan: Plan, cell: Cell) -> dict:
     """The columns every cells row of this cell has, captured or skipped."""
     return {**cell.axes(), **R.model_fields(plan.models[cell.model]), "stride": plan.spec.stride,
+            "positions": plan.spec.positions.to_json(),
             "corpus": plan.spec.corpus, "options": json.dumps(cell.opts, sort_keys=True),
             "centroid_group": cell.centroid_group, "centroid": plan.spec.centroid, "calibration": cell.calibration,
             "stack_id": ids.split_cell_id(cell.stack_id)[0], "replica": cell.replica, "build": cell.build}
@@ -120,7 +121,7 @@ class Sweep:
     def start(self, cell: Cell) -> None:
         plan = self.plan
         model, threads, repeats = plan.models[cell.model], placement.cell_threads(cell, self.nodes), plan.todo[cell.cell_id]
-        work = launch.Work(self.run_id, self.delivery, plan.spec.stride, repeats,
+        work = launch.Work(self.run_id, self.delivery, plan.spec.positions, repeats,
                            [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]],
                            plan.special[cell.model], plan.vocab[cell.model])
         started = launch.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)

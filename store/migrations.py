@@ -42,6 +42,13 @@ def m007_analysis_kernel_version(loc) -> None:
     Columns only: files written before read as null there and are recomputed on the next analyze."""
 
 
+def m008_positions_and_storage(loc) -> None:
+    """v8: cells.positions (a window of rows per prompt) and cells.storage (native, or rows rounded to
+    bf16 with their KL floor in metrics.storage_floor). Columns only: older cells read as null there,
+    which means the plain stride form and lossless native rows."""
+
+
 # target version -> migration
 MIGRATIONS = {2: m002_tokenizer_parity, 3: m003_nonfinite_and_centroid_groups, 4: m004_rows_delivery,
-              5: m005_builds_and_replicas, 6: m006_failed_cells, 7: m007_analysis_kernel_version}
+              5: m005_builds_and_replicas, 6: m006_failed_cells, 7: m007_analysis_kernel_version,
+              8: m008_positions_and_storage}

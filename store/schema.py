@@ -1,10 +1,10 @@
-"""Warehouse schema, version 7 (migrations from older versions: store/migrations.py).
+"""Warehouse schema, version 8 (migrations from older versions: store/migrations.py).
 
 Layout (one directory per table; readers glob ``*.parquet``; writers go
 through a hidden temp file and an atomic rename, so a killed run never leaves
 a half-written file that a reader sees)::
 
-    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 7}
+    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 8}
     runs/<run_id>.parquet               one row per `matrix run` that had work to do
     cells/<cell_id>.parquet             one row per completed cell (rewritten on resume)
     prompts/<prompt_id>.parquet         one row per tokenised prompt
@@ -24,7 +24,7 @@ for bf16 rows the two low byte streams are all zero and cost almost nothing.
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -79,6 +79,10 @@ CELLS = pa.schema([
     # v6: a failed cell: the original exception's class and first line; attempts: how many times
     # this run started the cell (an actor or node that died is retried; see matrix/failures.py)
     ("error_class", pa.string()), ("error", pa.string()), ("attempts", pa.int32()),
+    # v8 JSON: the rows each prompt keeps, {"from", "to", "stride", "last"} (common/positions.py)
+    ("positions", pa.string()),
+    # v8 JSON: how the rows are stored: {"store": "native"} (lossless) or {"store": "bf16", ...}
+    ("storage", pa.string()),
 ])
 
 PROMPTS = pa.schema([
