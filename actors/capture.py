@@ -8,8 +8,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+
+from analysis.floors import storage_kl
 from backends.base import Backend
 from common.positions import Positions
+from store.warehouse import round_bf16
 
 
 def fed_ids(ids: list[int], keep: Positions | int, max_tokens: int | None) -> tuple[list[int], list[int]]:
@@ -22,8 +26,44 @@ def fed_ids(ids: list[int], keep: Positions | int, max_tokens: int | None) -> tu
     return (ids[:positions[-1] + 1], positions) if positions else ([], [])
 
 
+class Storage:
+    """What a shard keeps of each row: the native values (lossless), or bf16 of the row shifted
+    by its max, with each row's KL(native || stored) measured here, where the native row still is."""
+
+    def __init__(self, store: str):
+        self.store, self.rows, self.floor_sum, self.floor_max, self.nonfinite = store, 0, 0.0, 0.0, 0
+
+    def keep(self, native: np.ndarray) -> np.ndarray:
+        if self.store == "native" or native.dtype == np.uint16:  # bf16 already: nothing to round
+            return native
+        stored = round_bf16(native)  # (rows, vocab) bf16 bits
+        kl = storage_kl(native, (stored.astype(np.uint32) << 16).view(np.float32))  # (rows,)
+        ok = np.isfinite(kl)
+        self.rows += int(ok.sum())
+        self.nonfinite += int((~ok).sum())
+        self.floor_sum += float(kl[ok].sum())
+        self.floor_max = max(self.floor_max, float(kl[ok].max(initial=0.0)))
+        return stored
+
+    def summary(self) -> dict[str, Any]:
+        return {"store": self.store, "rows_rounded": self.rows, "floor_sum": self.floor_sum,
+                "floor_max": self.floor_max, "nonfinite_rows": self.nonfinite}
+
+
+def storage_summary(parts: list[dict]) -> dict[str, Any]:
+    """The cells row's `storage` from each capture's Storage.summary(): the mean and max floor."""
+    store = parts[0]["store"] if parts else "native"
+    if store == "native":
+        return {"store": "native", "lossless": True}
+    rows = sum(p["rows_rounded"] for p in parts)
+    return {"store": store, "lossless": rows == 0, "rounding": "bf16 round-to-nearest-even of (logit - row max)",
+            "storage_floor": sum(p["floor_sum"] for p in parts) / rows if rows else 0.0,
+            "storage_floor_max": max(p["floor_max"] for p in parts), "rows_measured": rows,
+            "floor_definition": "per row KL(P_native || P_stored), float64, natural log"}
+
+
 def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]], keep: Positions | int,
-                  max_tokens: int | None = None) -> dict[str, Any]:
+                  max_tokens: int | None = None, store: str = "native") -> dict[str, Any]:
     """Every prompt's rows into writer (a ShardWriter, or a RemoteShard on a node that cannot
     see the warehouse), committed at the end; returns a small manifest (no arrays).
 
@@ -31,6 +71,7 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
     need; logits at p depend on ids[0..p] only, so those rows mean what the full run's do."""
     t0 = time.perf_counter()
     forward_s = 0.0
+    storage = Storage(store)
     try:
         dtype = None
         for prompt_id, ids in prompts:
@@ -44,11 +85,11 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
             tf = time.perf_counter()
             native = backend.forward(ids, positions)  # (rows, vocab), native dtype
             forward_s += time.perf_counter() - tf
-            writer.add(prompt_id, positions, next_ids, native)
             dtype = str(native.dtype)
+            writer.add(prompt_id, positions, next_ids, storage.keep(native))
         path = writer.commit()
     except BaseException:
         writer.abort()
         raise
     return {"path": str(path), "rows": writer.rows, "seconds": time.perf_counter() - t0,
-            "forward_seconds": forward_s, "array_dtype": dtype}
+            "forward_seconds": forward_s, "array_dtype": dtype, "storage": storage.summary()}

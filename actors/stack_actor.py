@@ -136,7 +136,7 @@ class StackActor:
         return {"status": "ok" if ok else "mismatch", "rows": rows, "special": special, "problems": problems}
 
     def capture(self, run_id: str, repeat: int, prompts: list[tuple[str, list[int]]],
-                keep: Positions) -> dict[str, Any]:
+                keep: Positions, store: str = "native") -> dict[str, Any]:
         """One teacher-forced prefill per prompt; the shard is written here, not returned.
 
         Under tensor parallelism every rank runs the same forwards (they are collective); only
@@ -153,7 +153,7 @@ class StackActor:
         cid = self.stack.cell_id
         writer = (ShardWriter(self.delivery.warehouse, run_id, cid, repeat) if self.direct
                   else RemoteShard(self.delivery.depot, run_id, cid, repeat))
-        out = capture_shard(self.backend, writer, prompts, keep, self.stack.max_tokens)
+        out = capture_shard(self.backend, writer, prompts, keep, self.stack.max_tokens, store)
         return {**out, "cell_id": cid, "repeat": repeat, "rows_via": "node" if self.direct else "driver",
                 "bytes_sent": 0 if self.direct else writer.bytes}
 

@@ -81,9 +81,10 @@ class Task:
 
 
 def _floor(cell: dict) -> float:
-    """KL between what the engine produced and what the warehouse holds: 0 for captured cells
-    (stored exactly); an imported lossy file records its own estimate."""
-    return float(json.loads(cell.get("settings") or "{}").get("storage_floor") or 0.0)
+    """KL between what the engine produced and what the warehouse holds: 0 for cells stored
+    exactly; a bf16-stored cell and an imported lossy file record their own mean per row."""
+    stored = json.loads(cell.get("storage") or "{}").get("storage_floor")  # `store: bf16` (v8)
+    return float(stored or json.loads(cell.get("settings") or "{}").get("storage_floor") or 0.0)
 
 
 def _key(**parts) -> str:

@@ -128,7 +128,17 @@ VIEWS = {
                NOT (m.cell_id = m.reference_cell_id) AND avg(m.kld) <= 3 * greatest(
                    avg(m.storage_floor), coalesce(any_value(f.reference_repeat_kld), 0)) AS below_resolution
         FROM m JOIN cells c ON c.cell_id = m.cell_id LEFT JOIN floor f ON f.reference_cell_id = m.reference_cell_id
-        GROUP BY c.model, m.cell_id, c.engine, c.dtype, c.attention, m.reference_cell_id""",
+        GROUP BY c.model, m.cell_id, c.engine, c.dtype, c.attention, m.reference_cell_id
+        UNION ALL BY NAME  -- the reference itself: its repeat 0 is the yardstick (zero by definition, not measured)
+        SELECT c.model, c.cell_id, c.engine, c.dtype, c.attention, c.cell_id AS reference_cell_id,
+               true AS is_reference, c.rows_per_repeat AS rows, 0.0 AS kld_mean, 0.0 AS kld_stderr,
+               0.0 AS kld_median, 0.0 AS kld_p90, 0.0 AS kld_p99, 0.0 AS kld_p999, 0.0 AS kld_max,
+               0.0 AS kld_reverse_mean, 0.0 AS js_mean, 1.0 AS top1_agreement, NULL::DOUBLE AS storage_floor,
+               0 AS nonfinite_rows, coalesce(f.reference_repeat_kld, 0) AS reference_repeat_kld,
+               c.bit_reproducible, false AS below_resolution
+        FROM cells c LEFT JOIN floor f ON f.reference_cell_id = c.cell_id
+        WHERE c.cell_id IN (SELECT DISTINCT reference_cell_id FROM metrics)
+          AND c.cell_id NOT IN (SELECT cell_id FROM m)""",
     "summary_by_range": """
         SELECT m.cell_id, r.range, r.lo, p.category, count(*) AS rows, count(m.nonfinite) AS nonfinite_rows,
                avg(m.kld) AS kld_mean, stddev_samp(m.kld) / sqrt(count(*)) AS kld_stderr,

@@ -96,6 +96,8 @@ def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: i
            "bos": spec.bos, "corpus": corpus_fp}
     if opts:  # only when set, so cells without options keep their ids
         key["options"] = opts
+    if spec.store != "native":  # lossy storage is another row content
+        key["store"] = spec.store
     if not spec.positions.is_plain:  # only then, so cells captured at a plain stride keep their ids
         key["positions"] = spec.positions.to_dict()
     if combo.get("max_tokens", spec.max_tokens):

@@ -64,6 +64,7 @@ class Work:
     prompts: list[tuple[str, str, list[int]]]  # (prompt_id, text, canonical ids)
     special: dict[str, Any]  # the reference tokenizer's bos / eos ids
     vocab: int  # the reference's vocabulary size
+    store: str = "native"  # how rows are stored: native | bf16 (matrix/spec.py STORES)
 
 
 def _ranks(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, delivery) -> Started:
@@ -120,11 +121,11 @@ def start(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: li
     ids = [(pid, toks) for pid, _, toks in work.prompts]
     for a in started.followers:
         for r in work.repeats:
-            started.calls[a.capture.remote(work.run_id, r, ids, work.keep)] = Call(Kind.RANK, cell.cell_id, r)
+            started.calls[a.capture.remote(work.run_id, r, ids, work.keep, work.store)] = Call(Kind.RANK, cell.cell_id, r)
     a = started.actor
     started.calls[a.parity.remote(work.prompts, work.special, work.vocab)] = Call(Kind.PARITY, cell.cell_id)
     for r in work.repeats:
-        started.calls[a.capture.remote(work.run_id, r, ids, work.keep)] = Call(Kind.CAPTURE, cell.cell_id, r)
+        started.calls[a.capture.remote(work.run_id, r, ids, work.keep, work.store)] = Call(Kind.CAPTURE, cell.cell_id, r)
     return started
 
 

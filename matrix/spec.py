@@ -24,9 +24,12 @@ from common.stack import Cell
 
 DEFAULT_STRIDE = 32
 BOS_POLICIES = ("tokenizer", "always", "never")
+# How rows are stored: native (lossless, the default) or bf16 (row max subtracted, rounded to bf16;
+# each row's KL floor is measured as it is written: analysis/floors.py storage_kl)
+STORES = ("native", "bf16")
 TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
             "devices", "include", "exclude", "reference", "stride", "repeats",
-            "corpus", "bos", "threads", "positions", "options", "max_tokens", "centroid", "replicas", "retries",
+            "corpus", "bos", "threads", "positions", "store", "options", "max_tokens", "centroid", "replicas", "retries",
             "load_timeout_s", "capture_timeout_s"}
 CENTROID_DEFINITIONS = ("mean_prob", "mean_logprob")
 MODEL_KEYS = {"name", "catalog", "path", "hub", "gguf", "revision"}
@@ -79,6 +82,7 @@ class Spec:
     centroid: str = "mean_prob"  # centroid definition
     centroid_groups: list = field(default_factory=list)  # [(name, [selector, ...])], first match wins
     positions: P.Positions = field(default_factory=P.Positions)  # which rows each prompt keeps
+    store: str = "native"
     raw_text: str = ""
     cells: list[Cell] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
@@ -370,13 +374,16 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
     if bos not in BOS_POLICIES:
         raise field_error(path, "bos", f"expected one of {', '.join(BOS_POLICIES)}", bos)
     options = _parse_options(path, data)
+    store = data.get("store", "native")
+    if store not in STORES:
+        raise field_error(path, "store", f"expected one of {', '.join(STORES)}", store)
     centroid, groups = _parse_centroid(path, data.get("centroid"), models)
     name = data.get("name", path.stem)
     if not isinstance(name, str):
         raise field_error(path, "name", "must be a string", name)
     positions = _parse_positions(path, data)
     return Spec(path=path, name=name, models=models, axes=axes, include=include,
-                exclude=exclude, reference=reference, stride=positions.stride, positions=positions,
+                exclude=exclude, reference=reference, stride=positions.stride, positions=positions, store=store,
                 repeats=_int(path, data, "repeats", 1), corpus=corpus, bos=bos,
                 threads=_check_threads(path, "threads", data.get("threads")), options=options,
                 max_tokens=_check_threads(path, "max_tokens", data.get("max_tokens")),

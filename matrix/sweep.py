@@ -16,6 +16,7 @@ from typing import Callable
 from backends.base import SkipCell
 from common import ids
 from common.stack import Cell
+from actors.capture import storage_summary
 from matrix import launch, placement
 from matrix.cells import model_copy, stack_desc
 from matrix.failures import Failure, StorageError, classify, storage_error, storage_line
@@ -63,6 +64,7 @@ class Live:
     loaded: dict | None = None
     parity: dict | None = None
     capture_s: float = 0.0
+    storage: list = field(default_factory=list)  # each capture's storage summary (actors/capture.py)
     # What rank 0's actor is doing now (its calls run in order) and since when; "placing" has no
     # time limit (it waits for a node), the others have the spec's.
     phase: str = "placing"
@@ -99,6 +101,7 @@ def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse, attempts: int =
         fingerprint=json.dumps(loaded.get("fingerprint"), sort_keys=True, default=str),
         versions=json.dumps(loaded["versions"], sort_keys=True), host=loaded["host"], node_id=loaded["node_id"],
         rows_via=loaded["rows_via"], model_via=loaded["model_via"], load_seconds=loaded["load_seconds"],
+        storage=json.dumps(storage_summary(live.storage), sort_keys=True),
         capture_seconds=live.capture_s, build_libraries=json.dumps(loaded["build_libraries"], sort_keys=True),
         attempts=attempts)
 
@@ -123,7 +126,7 @@ class Sweep:
         model, threads, repeats = plan.models[cell.model], placement.cell_threads(cell, self.nodes), plan.todo[cell.cell_id]
         work = launch.Work(self.run_id, self.delivery, plan.spec.positions, repeats,
                            [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]],
-                           plan.special[cell.model], plan.vocab[cell.model])
+                           plan.special[cell.model], plan.vocab[cell.model], plan.spec.store)
         started = launch.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
         self.live[cell.cell_id] = Live(cell, started, threads, len(repeats), repeats=sorted(repeats),
                                        capture_limit_s=self.capture_limit(cell))
@@ -251,6 +254,7 @@ class Sweep:
             self.units_done += 1
             self.rows += result["rows"]
             live.capture_s += result["seconds"]
+            live.storage.append(result["storage"])
             live.left -= 1
             self.via[result["rows_via"]] += 1
             self.via["bytes_to_driver"] += result["bytes_sent"]

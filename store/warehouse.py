@@ -39,6 +39,20 @@ def widen(arr: np.ndarray) -> np.ndarray:
     return arr.astype(np.float32, copy=False)
 
 
+def round_bf16(native: np.ndarray) -> np.ndarray:
+    """(rows, vocab) fp32/f16 logits -> bf16 bits of (row - row max), rounded to nearest even.
+    Shifting first keeps the large logits' exponent small: rounding unshifted rows costs a KL
+    floor of ~4e-4 on SmolLM2, shifted ~1e-5. Softmax does not see the shift."""
+    x = native.astype(np.float32)  # (rows, vocab)
+    m = np.max(x, -1, keepdims=True)
+    x = x - np.where(np.isfinite(m), m, np.float32(0))
+    bits = x.view(np.uint32)
+    nan = np.isnan(x)
+    out = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    out[nan] = 0x7FC0  # a NaN stays a (quiet) NaN
+    return out
+
+
 def narrow_bf16(values: np.ndarray) -> np.ndarray:
     """float32 that came from bf16 -> the original uint16 bits; refuses lossy input."""
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)

@@ -148,10 +148,12 @@ def test_analyze_and_report_end_to_end(swept, tmp_path):
     r = run_cli("analyze", "--warehouse", str(wh), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
-    total = sql(wh, "select sum(repeats * rows_per_repeat) as n from cells")[0]["n"]
+    # every repeat of every cell, except the reference's repeat 0: it is the yardstick, not measured against itself
+    total = sql(wh, "select sum((repeats - is_reference::int) * rows_per_repeat) as n from cells")[0]["n"]
     assert out["metric_rows"] == total == sql(wh, "select count(*) as n from metrics")[0]["n"]
-    ref = sql(wh, "select max(kld) as k, min(top1_match::int) as t from metrics where cell_id = reference_cell_id")[0]
-    assert ref == {"k": 0.0, "t": 1}  # the reference against itself, both repeats: exact zeros
+    ref = sql(wh, "select max(kld) as k, min(top1_match::int) as t, min(repeat) as r from metrics "
+                  "where cell_id = reference_cell_id")[0]
+    assert ref == {"k": 0.0, "t": 1, "r": 1}  # the reference's repeat 1 against its repeat 0: exact zeros
     summary = {s["dtype"] + "." + s["attention"]: s for s in sql(wh, "select * from summary")}
     assert summary["bf16.eager"]["is_reference"] and not summary["fp32.eager"]["below_resolution"]
     assert 0 < summary["fp32.eager"]["kld_mean"] < 0.05 and summary["fp32.eager"]["top1_agreement"] > 0.9

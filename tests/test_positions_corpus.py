@@ -171,3 +171,55 @@ def test_a_window_over_an_ids_corpus_captures_exactly_those_rows(tmp_path, tiny_
     assert r.returncode == 0, r.stderr[-3000:]
     n = sql(wh, "select count(*) as n, count(distinct position) as q from metrics")[0]
     assert n["n"] == sum(len(keep.of(len(p["token_ids"]))) for p in prompts.values())
+
+
+def test_round_bf16_matches_torch_and_its_floor_matches_the_metric_kernel():
+    import torch
+
+    from analysis.floors import storage_kl
+    from analysis.metrics import row_metrics
+    from store.warehouse import round_bf16, widen
+
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((5, 4099)) * 4 + 20).astype(np.float32)  # (rows, vocab), logits far from 0
+    x[3, 7] = -np.inf  # a masked token survives the shift
+    bits = round_bf16(x)
+    shifted = x - x.max(-1, keepdims=True)
+    assert np.array_equal(bits, torch.from_numpy(shifted).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    stored = widen(bits)
+    assert stored[3, 7] == -np.inf and (stored.max(-1) == 0).all()
+    floor = storage_kl(x, stored)
+    kernel = row_metrics(x, stored)["kld"]  # the analysis kernel: an independent float64 implementation
+    fin = np.isfinite(x).all(-1)  # the kernel flags a row with -inf as not finite; the floor still counts it
+    assert np.allclose(floor[fin], kernel[fin], rtol=1e-9, atol=1e-18) and (floor > 0).all()
+    unshifted = storage_kl(x, widen(torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)))
+    assert unshifted.mean() > 10 * floor.mean()  # why the row max is subtracted first
+    nan = x.copy()
+    nan[1, 0] = np.nan
+    assert np.isnan(storage_kl(nan, widen(round_bf16(nan)))[1]) and np.isnan(widen(round_bf16(nan))[1, 0])
+
+
+def test_store_bf16_records_each_rows_floor_and_analysis_carries_it(tmp_path, tiny_model, short_corpus):
+    spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager", "sdpa"],
+                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=2, store="bf16")
+    wh = tmp_path / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh))
+    assert r.returncode == 0, r.stderr[-3000:]
+    cells = sql(wh, "select cell_id, logits_dtype, storage, bit_reproducible, rows_per_repeat, repeats from cells")
+    assert len(cells) == 2 and {c["logits_dtype"] for c in cells} == {"bf16"}
+    floors = {}
+    for c in cells:
+        st = json.loads(c["storage"])
+        assert st["store"] == "bf16" and not st["lossless"] and c["bit_reproducible"]
+        assert st["rows_measured"] == c["rows_per_repeat"] * c["repeats"]
+        assert 1e-7 < st["storage_floor"] < 1e-4 and st["storage_floor"] <= st["storage_floor_max"]
+        floors[c["cell_id"]] = st["storage_floor"]
+    top = sql(wh, "select max(list_max(logits)) as m, min(list_max(logits)) as n from logits")[0]
+    assert top == {"m": 0.0, "n": 0.0}  # every stored row is shifted by its max
+    r = run_cli("analyze", "--warehouse", str(wh))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = sql(wh, "select cell_id, min(storage_floor) as lo, max(storage_floor) as hi from metrics group by all")
+    ref = sql(wh, "select cell_id from cells where is_reference")[0]["cell_id"]
+    assert len(got) == 2 and all(g["lo"] == g["hi"] for g in got)
+    for g in got:  # each comparison's floor: the reference's own plus the stack's own
+        assert abs(g["lo"] - (floors[ref] + floors[g["cell_id"]])) < 1e-18, (got, floors)
