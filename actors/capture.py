@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from analysis.floors import storage_kl
+from analysis.floors import bf16_floor
 from backends.base import Backend
 from common.positions import Positions
-from store.warehouse import round_bf16
+from store.warehouse import shift_by_max, to_bf16, widen
 
 
 def fed_ids(ids: list[int], keep: Positions | int, max_tokens: int | None) -> tuple[list[int], list[int]]:
@@ -26,6 +26,9 @@ def fed_ids(ids: list[int], keep: Positions | int, max_tokens: int | None) -> tu
     return (ids[:positions[-1] + 1], positions) if positions else ([], [])
 
 
+BLOCK = 32  # rows per rounding pass: (32, 262144) float32 temporaries are 32 MB
+
+
 class Storage:
     """What a shard keeps of each row: the native values (lossless), or bf16 of the row shifted
     by its max, with each row's KL(native || stored) measured here, where the native row still is."""
@@ -36,8 +39,12 @@ class Storage:
     def keep(self, native: np.ndarray) -> np.ndarray:
         if self.store == "native" or native.dtype == np.uint16:  # bf16 already: nothing to round
             return native
-        stored = round_bf16(native)  # (rows, vocab) bf16 bits
-        kl = storage_kl(native, (stored.astype(np.uint32) << 16).view(np.float32))  # (rows,)
+        stored = np.empty(native.shape, np.uint16)  # (rows, vocab) bf16 bits
+        kl = np.empty(native.shape[0])  # (rows,)
+        for i in range(0, native.shape[0], BLOCK):  # blocks: temporaries below malloc's mmap threshold
+            z = shift_by_max(native[i:i + BLOCK])  # (block, vocab) float32
+            stored[i:i + BLOCK] = to_bf16(z)
+            kl[i:i + BLOCK] = bf16_floor(z, widen(stored[i:i + BLOCK]))
         ok = np.isfinite(kl)
         self.rows += int(ok.sum())
         self.nonfinite += int((~ok).sum())

@@ -167,7 +167,7 @@ def plan(wh: Warehouse, done: list[dict], reference: str | None, centroid: str, 
                               {"cell_id": cid, "repeats": c["repeats"], "ref_id": ref_id, "floor": floor},
                               _pieces({p: n * len(d) for p, n in counts.items()})))
         groups: dict[str, list[str]] = {}
-        for c in group:
+        for c in group if centroid != "none" else ():  # none: only the reference metrics were asked for
             if not c.get("replica") and 0 in digests[c["cell_id"]]:  # another host's copy would weigh a stack twice
                 groups.setdefault(c.get("centroid_group") or model, []).append(c["cell_id"])
         for gname, ids in sorted(groups.items()):

@@ -9,6 +9,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def cpu() -> str:
+    """The CPU every printed figure is for: model, widest vector ISA (what bf16 speed hangs on), cores."""
+    import platform
+
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            isa = "AMX" if "amx_tile" in text else "AVX-512" if "avx512f" in text else "AVX2" if "avx2" in text else "?"
+            return f"{line.split(':', 1)[1].strip()} ({isa}), {os.cpu_count()} cores"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
 def model_and_prompts(model: str = "smollm2-135m"):
     import transformers
 

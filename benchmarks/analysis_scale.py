@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -34,20 +33,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._common import cpu  # noqa: E402
 from benchmarks.synthetic_warehouse import build  # noqa: E402
 from store import Warehouse  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 OUTPUTS = ("metrics", "centroid_metrics", "pairwise", "metrics_ranges")
-
-
-def cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            flags = Path("/proc/cpuinfo").read_text()
-            isa = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
-            return f"{line.split(':', 1)[1].strip()} ({isa}), {os.cpu_count()} cores"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 def subset(base: Path, dst: Path, n: int) -> None:

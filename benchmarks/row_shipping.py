@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import ray
-from _common import model_and_prompts
+from _common import cpu, model_and_prompts
 
 TARGET_RATIO = 1.15
 VOCAB = 49152  # SmolLM2's vocabulary
@@ -74,11 +74,6 @@ class Streamer:
         fake = [(f"p{i}", list(range((rows - 1) * 8 + 1))) for i in range(prompts)]  # stride 8: `rows` rows
         m = capture_shard(SyntheticBackend(seed), writer, fake, 8)
         return {"rows": m["rows"], "bytes": writer.bytes}
-
-
-def cpu_line() -> str:
-    names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
-    return f"CPU: {names[0] if names else 'unknown'}, {os.cpu_count()} cores"
 
 
 def proc_kib(pid: int | str, key: str) -> int:
@@ -220,7 +215,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16, help="synthetic rows per prompt")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    print(cpu_line(), flush=True)
+    print(f"CPU: {cpu()}", flush=True)
     t0 = time.perf_counter()
     # logical CPUs: room for the 4 streamers even on a 2-core box (they take turns on the cores)
     ray.init(address="local", num_cpus=max(STREAMERS, os.cpu_count() or 1), include_dashboard=False,

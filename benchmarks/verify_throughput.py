@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -29,16 +28,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from _common import load_backend, model_and_prompts
+from _common import cpu, load_backend, model_and_prompts
 
 TARGET_MB_S = 200.0
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def capture(stride: int) -> list[tuple[str, list[int], np.ndarray]]:
@@ -113,7 +105,7 @@ def main() -> None:
     rows = capture(args.stride)
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
-    print(f"CPU: {cpu_name()}; one core (Arrow: 1 thread); {sum(len(p) for _, p, _ in rows)} rows per shard, "
+    print(f"CPU: {cpu()}; one core (Arrow: 1 thread); {sum(len(p) for _, p, _ in rows)} rows per shard, "
           f"vocab {rows[0][2].shape[1]}")
     print(f"{'dtype':6} {'files MiB':>9} {'verify MB/s':>12} {'decode MB/s':>12} {'floor MB/s':>11} "
           f"{'sha256 MB/s':>12} {'verify/decode':>13} {'verify/floor':>12} {'target':>8}")

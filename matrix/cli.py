@@ -385,8 +385,9 @@ def _add_warehouse_parsers(sub) -> None:
     a.add_argument("--warehouse", default="warehouse")
     a.add_argument("--reference", default=None, help="cell_id to compare against (default: each model's reference)")
     a.add_argument("--ranges", default=None, help="position bucket edges, e.g. 512,2048,8192")
-    a.add_argument("--centroid", choices=["mean_prob", "mean_logprob"], default=None,
-                   help="centroid definition (default: the spec's centroid.definition, else mean_prob)")
+    a.add_argument("--centroid", choices=["mean_prob", "mean_logprob", "none"], default=None,
+                   help="centroid definition (default: the spec's centroid.definition, else mean_prob; "
+                        "none: no centroid or pairwise tables)")
     a.add_argument("--skip-damaged", action="store_true",
                    help="leave out shards that fail their row hashes or do not parse (default: refuse them)")
     a.add_argument("--force", action="store_true",

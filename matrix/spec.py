@@ -31,7 +31,8 @@ TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "
             "devices", "include", "exclude", "reference", "stride", "repeats",
             "corpus", "bos", "threads", "positions", "store", "options", "max_tokens", "centroid", "replicas", "retries",
             "load_timeout_s", "capture_timeout_s"}
-CENTROID_DEFINITIONS = ("mean_prob", "mean_logprob")
+# none: no centroid and no pairwise tables (a job that asks only for KL against the reference)
+CENTROID_DEFINITIONS = ("mean_prob", "mean_logprob", "none")
 MODEL_KEYS = {"name", "catalog", "path", "hub", "gguf", "revision"}
 # Engine options that change the arithmetic. Defaults go under top-level `options:`;
 # include entries may set them per cell. A backend lists the ones it takes.

@@ -223,3 +223,19 @@ def test_store_bf16_records_each_rows_floor_and_analysis_carries_it(tmp_path, ti
     assert len(got) == 2 and all(g["lo"] == g["hi"] for g in got)
     for g in got:  # each comparison's floor: the reference's own plus the stack's own
         assert abs(g["lo"] - (floors[ref] + floors[g["cell_id"]])) < 1e-18, (got, floors)
+
+
+def test_the_fast_bf16_floor_agrees_with_the_float64_one_on_real_rows(reference_model):
+    """bf16_floor (float32 elementwise, what the actor runs) against storage_kl (float64) on real SmolLM2 rows."""
+    from analysis.floors import bf16_floor, storage_kl
+    from backends.hf_backend import HFBackend
+    from common.stack import StackDesc
+    from store.warehouse import round_bf16, shift_by_max, to_bf16, widen
+
+    be = HFBackend(StackDesc("hf", "fp32", "sdpa"), reference_model.hf_dir, 2)
+    be.load()
+    ids = list(range(1000, 1100))
+    x = be.forward(ids, list(range(0, 100, 3)))  # (34, 49152) float32
+    z = shift_by_max(x)
+    fast, exact = bf16_floor(z, widen(to_bf16(z))), storage_kl(x, widen(round_bf16(x)))
+    assert np.allclose(fast, exact, rtol=1e-4, atol=0) and 1e-7 < exact.mean() < 1e-4, (fast[:4], exact[:4])

@@ -1,0 +1,182 @@
+"""logit-matrix against llama-perplexity on llama-perplexity's own job: KL(F16 || Q4_K_M) over its
+scored half of each 512-token chunk of one text, the same two GGUFs, side by side in one run.
+
+    llama-perplexity  -m F16 -f TEXT -c 512 --kl-divergence-base BASE     (the base pass)
+                      -m Q4_K_M -c 512 --kl-divergence-base BASE --kl-divergence
+    logit-matrix      matrix run (llamacpp f16 + q4_k_m, positions: llama_perplexity, store: bf16,
+                      the text cut by `chunks: 512` with llama.cpp's tokenizer) + matrix analyze
+
+llama-perplexity is built from the vendor/llama.cpp of the installed llama-cpp-python's sdist
+(CMake, -DGGML_NATIVE=OFF, like the Makefile's llama-cpp-python build), once, into the cache.
+
+    .venv/bin/python benchmarks/vs_llama_perplexity.py [--text FILE] [--threads 2] [--llama-perplexity BIN]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"  # 35 KB of license text: ~9k SmolLM2 tokens, 17 chunks
+
+
+def build_llama_perplexity(log) -> Path:
+    import llama_cpp
+
+    from common.files import cache_root, pip_download
+
+    version = llama_cpp.__version__
+    root = cache_root() / "tools" / f"llama.cpp-{version}"
+    binary = root / "build" / "bin" / "llama-perplexity"
+    if binary.is_file():
+        return binary
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
+        sdist = pip_download(f"llama-cpp-python=={version}", Path(tmp), extra=("--no-binary", "llama-cpp-python"),
+                             pattern="*.tar.gz")
+        src = Path(tmp) / "src"
+        with tarfile.open(sdist) as tf:
+            for m in tf.getmembers():
+                parts = m.name.split("/vendor/llama.cpp/", 1)
+                if len(parts) == 2 and (m.isfile() or m.isdir()):
+                    m.name = parts[1]
+                    tf.extract(m, src, filter="data")
+        os.replace(src, root)
+    log(f"building llama-perplexity from llama-cpp-python {version}'s vendor/llama.cpp (~12-35 min on 2 cores)")
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    subprocess.run(["cmake", "-S", str(root), "-B", str(root / "build"), *gen, "-DGGML_NATIVE=OFF",
+                    "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                    "-DCMAKE_BUILD_TYPE=Release"], check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(root / "build"), "--target", "llama-perplexity",
+                    "-j", str(os.cpu_count() or 2)], check=True, capture_output=True)
+    return binary
+
+
+def timed(cmd: list[str], env: dict | None = None, log_to: Path | None = None) -> tuple[float, float, str]:
+    """-> (wall seconds, peak RSS in GB of the process and its waited-for children, output)."""
+    out = open(log_to, "w") if log_to else subprocess.PIPE
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    text = Path(log_to).read_text() if log_to else p.stdout.read()
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed (exit {p.returncode}):\n{text[-3000:]}")
+    return wall, usage.ru_maxrss / 1e6, text  # ru_maxrss: KiB on Linux
+
+
+def ggufs(threads: int) -> tuple[dict, dict, object]:
+    from backends.gguf_build import build_for
+    from matrix.models import fetch
+    from matrix.spec import ModelRef
+
+    m = fetch(ModelRef("smollm2-135m", "catalog", "smollm2-135m"), log=lambda s: print(s, file=sys.stderr))
+    return build_for("f16", m.hf_dir, m.weights_sha256, threads), build_for("q4_k_m", m.hf_dir, m.weights_sha256,
+                                                                             threads), m
+
+
+def run_llama(binary: Path, f16: str, q4: str, text: str, d: Path, threads: int) -> dict:
+    base = d / "base.kld"
+    common = ["-c", "512", "-t", str(threads), "--kl-divergence-base", str(base)]
+    env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}  # a shared-library build keeps its .so beside it
+    w1, m1, _ = timed([str(binary), "-m", f16, "-f", text, *common], env, d / "lp-base.log")
+    w2, m2, out = timed([str(binary), "-m", q4, *common, "--kl-divergence"], env, d / "lp-kld.log")
+    hit = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)\s+±\s+([0-9.eE+-]+)", out)
+    if not hit:
+        raise SystemExit(f"llama-perplexity printed no 'Mean KLD' line:\n{out[-2000:]}")
+    return {"kl": float(hit[1]), "se": float(hit[2]), "wall": w1 + w2, "walls": (w1, w2), "peak_gb": max(m1, m2),
+            "disk": base.stat().st_size, "base": base}
+
+
+def run_matrix(f16: dict, text: str, d: Path, threads: int) -> dict:
+    corpus = d / "corpus.yaml"
+    corpus.write_text(json.dumps({"name": "vs-llama-perplexity", "prompts": [
+        {"id": "text", "category": "long_context", "source": text, "file": str(Path(text).resolve()),
+         "chunks": 512, "vocab": f16["path"]}]}))
+    spec = d / "spec.yaml"
+    spec.write_text(json.dumps({
+        "name": "vs-llama-perplexity", "models": ["smollm2-135m"], "engines": ["llamacpp"],
+        "dtypes": ["f16", "q4_k_m"], "attention": ["default"], "threads": threads, "repeats": 1,
+        "reference": {"engine": "llamacpp", "dtype": "f16", "attention": "default"},
+        "positions": "llama_perplexity", "store": "bf16", "corpus": str(corpus),
+        "centroid": {"definition": "none"}}))  # the job asks for KL against the reference only
+    wh = d / "wh"
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    matrix = [sys.executable, "-m", "matrix"]
+    w1, m1, _ = timed([*matrix, "run", str(spec), "--warehouse", str(wh)], env, d / "run.log")
+    w2, m2, _ = timed([*matrix, "analyze", "--warehouse", str(wh), "--workers", "1"], env, d / "analyze.log")
+    import duckdb
+
+    from analysis.sql import connect
+
+    con = connect(str(wh))
+    row = con.execute("select s.kld_mean, s.kld_stderr, s.rows, s.storage_floor from summary s "
+                      "where s.dtype = 'q4_k_m'").fetchone()
+    ref = con.execute("select cell_id, storage from cells where is_reference").fetchone()
+    names = con.execute("select name, token_ids from prompts").fetchall()
+    ids = [t for _, t in sorted(names, key=lambda r: int(r[0].rsplit("-c", 1)[1]))]  # chunk order
+    con.close()
+    assert isinstance(con, duckdb.DuckDBPyConnection)
+    shard = sum(f.stat().st_size for f in (wh / "logits" / ref[0]).glob("*.parquet"))
+    return {"kl": row[0], "se": row[1], "rows": row[2], "floor": row[3], "ref_floor": json.loads(ref[1])["storage_floor"],
+            "wall": w1 + w2, "walls": (w1, w2), "peak_gb_analyze": m2, "peak_gb_run_driver": m1, "disk": shard,
+            "ids": ids}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--text", default=DEFAULT_TEXT)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--llama-perplexity", help="a built binary (default: build it from the sdist once)")
+    ap.add_argument("--keep", help="keep the work directory here")
+    args = ap.parse_args()
+    from benchmarks._common import cpu
+
+    binary = Path(args.llama_perplexity) if args.llama_perplexity else build_llama_perplexity(print)
+    f16, q4, _ = ggufs(args.threads)
+    d = Path(args.keep or tempfile.mkdtemp(prefix="vs-lp-"))
+    d.mkdir(parents=True, exist_ok=True)
+    lp = run_llama(binary, f16["path"], q4["path"], args.text, d, args.threads)
+    lm = run_matrix(f16, args.text, d, args.threads)
+    from store import llamacpp_kld as K
+
+    base = K.read(lp["base"])
+    same = [list(map(int, t)) for t in base["tokens"]] == [list(t) for t in lm["ids"]]
+    print(f"\nCPU: {cpu()}; {args.threads} threads each; text {args.text}: "
+          f"{base['n_chunk']} chunks of 512, {lm['rows']} scored rows; chunk ids identical to llama-perplexity's: "
+          f"{'yes' if same else 'NO'}")
+    rows = [
+        ("KL(F16 || Q4_K_M) mean ± s.e.", f"{lp['kl']:.6f} ± {lp['se']:.6f}", f"{lm['kl']:.6f} ± {lm['se']:.6f}",
+         f"diff {abs(lp['kl'] - lm['kl']) / max(lp['se'], lm['se']):.2f} s.e."),
+        ("wall time (s)", f"{lp['wall']:.1f} ({lp['walls'][0]:.1f} + {lp['walls'][1]:.1f})",
+         f"{lm['wall']:.1f} ({lm['walls'][0]:.1f} run + {lm['walls'][1]:.1f} analyze)", f"{lm['wall'] / lp['wall']:.2f}x"),
+        ("disk, reference rows (MB)", f"{lp['disk'] / 1e6:.1f} (uint16 base file)",
+         f"{lm['disk'] / 1e6:.1f} (bf16 shard, floor {lm['ref_floor']:.1e})", f"{lm['disk'] / lp['disk']:.2f}x"),
+        ("peak memory (GB)", f"{lp['peak_gb']:.2f}", f"{lm['peak_gb_analyze']:.2f} analyze "
+         f"({lm['peak_gb_run_driver']:.2f} run driver)", f"{lm['peak_gb_analyze'] / lp['peak_gb']:.2f}x"),
+    ]
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    print(f"{'':{w[0]}}  {'llama-perplexity':{w[1]}}  {'logit-matrix':{w[2]}}  ratio")
+    for r in rows:
+        print(f"{r[0]:{w[0]}}  {r[1]:{w[1]}}  {r[2]:{w[2]}}  {r[3]}")
+    print("targets: KL within 1 s.e.; wall <= 1.0x; disk <= 0.65x (bf16, floor printed); analyze peak <= 2 GB")
+    if not args.keep:
+        shutil.rmtree(d, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
