@@ -83,7 +83,8 @@ def _positions_rule(cell: dict) -> str:
 def _runtime(cell: dict) -> dict[str, Any]:
     s = _json(cell.get("settings"))
     build = {k: s[k] for k in ("system_info", "cpu_capability", "mkldnn", "gguf_tensor_types", "kv_cache",
-                               "n_batch", "n_ubatch", "torch_dtype", "deterministic_algorithms") if k in s}
+                               "n_batch", "n_ubatch", "torch_dtype", "deterministic_algorithms", "activations",
+                               "quantized_matmul") if s.get(k) is not None}
     return {
         "cell_id": cell["cell_id"], "engine": cell["engine"],
         "libraries": _json(cell.get("versions")) or None,

@@ -5,6 +5,13 @@ only the last position), then the sampled rows are taken:
 
     logits = model(ids[None])   # (1, T, vocab), in the activations' dtype
     rows   = logits[0, positions]  # (rows, vocab); row p predicts t(p+1)
+
+A quantised model's activations are bf16 (its scales, biases and norms are). mlx's CPU quantised
+matmul (`_qmm_t`, mlx/backend/cpu/quantized.cpp; Linux has no Accelerate path) sums in the
+activation dtype: in bf16 its relative error is ~3e-2 against the same product summed in fp32,
+so a q8 stack measures that kernel more than its quantisation (KL 0.1 where llama.cpp Q8_0 gives
+3e-3). `activations: fp32` keeps the quantised weights and casts everything else to fp32; every
+quantised cell records what the kernel does on its device (settings.quantized_matmul).
 """
 
 from __future__ import annotations
@@ -24,6 +31,22 @@ from common.errors import OracleError, UserError
 MLX_DTYPES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "f16": ("float16", None),
               "q8_g64": ("bfloat16", 8), "q4_g64": ("bfloat16", 4)}
 GROUP_SIZE = 64
+QMM_TOLERANCE = 1e-2  # above this, the quantised matmul is not summing in fp32 (fp32 gives 0, bf16 ~3e-2)
+
+
+def qmm_probe(mx, dtype, bits: int) -> dict[str, Any]:
+    """What the device's quantised matmul does with `dtype` activations: its relative error against
+    the same quantised weights dequantised and multiplied in fp32 (K = 576, SmolLM2's width)."""
+    rng = np.random.default_rng(0)
+    w = mx.array(rng.standard_normal((256, 576)).astype(np.float32) * 0.05)
+    x = mx.array(rng.standard_normal((4, 576)).astype(np.float32)).astype(dtype)
+    wq, s, b = mx.quantize(w, group_size=GROUP_SIZE, bits=bits)
+    s, b = s.astype(dtype), b.astype(dtype)
+    got = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=GROUP_SIZE, bits=bits).astype(mx.float32)
+    want = x.astype(mx.float32) @ mx.dequantize(wq, s, b, group_size=GROUP_SIZE, bits=bits).astype(mx.float32).T
+    err = float(mx.max(mx.abs(got - want)) / mx.max(mx.abs(want)))
+    return {"activation_dtype": str(dtype).split(".")[-1], "device": str(mx.default_device()), "rel_err": err,
+            "sums_in": "float32" if err <= QMM_TOLERANCE else "the activation dtype"}
 
 
 def fix_rope_theta(config_path: Path) -> float | None:
@@ -71,6 +94,7 @@ class MLXBackend(Backend):
     attention = frozenset({"default"})
     libraries = ("mlx", "mlx-metal", "mlx-cpu", "mlx-lm")  # mlx-metal on a Mac, mlx-cpu on Linux
     devices = frozenset({"cpu", "apple-m1", "apple-m2", "apple-m3", "apple-m4", "mps"})
+    options = frozenset({"activations"})
 
     def load(self) -> None:
         import mlx.core as mx
@@ -81,6 +105,9 @@ class MLXBackend(Backend):
             mx.set_default_device(mx.cpu)
         self.artifact = convert(self.model_dir, self.stack.weights_sha256, self.stack.dtype)
         self.model, self.tokenizer = load(self.artifact["path"])
+        self.activations = self.stack.opts.get("activations", "native")
+        if self.activations == "fp32":  # floating parameters only: the packed quantised weights stay as they are
+            self.model.set_dtype(mx.float32)
         self._check_rope()
         cfg = json.loads((Path(self.artifact["path"]) / "config.json").read_text())
         self._vocab = int(cfg["vocab_size"])
@@ -106,8 +133,17 @@ class MLXBackend(Backend):
             "q_bits": MLX_DTYPES[self.stack.dtype][1], "q_group_size": GROUP_SIZE,
             "device": str(mx.default_device()), "rope_theta": getattr(self.model.args, "rope_theta", None),
             "threads": self.threads, "machine": platform.machine(), "artifact": self.artifact,
+            "activations": self.activations, "quantized_matmul": self._qmm(),
             "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "numpy": np.__version__},
         }
+
+    def _qmm(self) -> dict[str, Any] | None:
+        bits = MLX_DTYPES[self.stack.dtype][1]
+        if bits is None:
+            return None
+        mx = self._mx
+        dtype = mx.float32 if self.activations == "fp32" else getattr(mx, MLX_DTYPES[self.stack.dtype][0])
+        return qmm_probe(mx, dtype, bits)
 
     def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
         mx = self._mx

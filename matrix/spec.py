@@ -37,7 +37,8 @@ MODEL_KEYS = {"name", "catalog", "path", "hub", "gguf", "revision"}
 # Engine options that change the arithmetic. Defaults go under top-level `options:`;
 # include entries may set them per cell. A backend lists the ones it takes.
 OPTION_KEYS = {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": int,
-               "trt_backend": ("pytorch", "tensorrt"), "vllm_executor": ("mp", "ray")}
+               "trt_backend": ("pytorch", "tensorrt"), "vllm_executor": ("mp", "ray"),
+               "activations": ("native", "fp32")}
 # Non-axis keys an include entry may add to a cell.
 # `calibration` describes the artefact (e.g. "imatrix from wiki.train, 512 chunks") for model
 # cards; like the centroid group it is not part of the cell id.

@@ -182,3 +182,42 @@ def test_mlx_unsupported_architecture_is_a_clear_error(tiny_model, tmp_path):
     (odd / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="mlx_lm cannot convert this model"):
         convert(str(odd), None, "fp32")
+
+
+def test_mlx_quantized_matmul_sums_bf16_activations_in_bf16_here():
+    """The kernel behind MLX's quantised KL on Linux, reproduced with mx.quantized_matmul itself.
+    If a future mlx sums in fp32, this test fails and says so: then `activations: fp32` is no longer
+    needed on this device and configs/gates.yaml's MLX note should go."""
+    import mlx.core as mx
+
+    from backends.mlx_backend import QMM_TOLERANCE, qmm_probe
+
+    mx.set_default_device(mx.cpu)
+    for bits in (8, 4):
+        fp32 = qmm_probe(mx, mx.float32, bits)
+        assert fp32["rel_err"] < 1e-6 and fp32["sums_in"] == "float32", fp32
+        bf16 = qmm_probe(mx, mx.bfloat16, bits)
+        assert bf16["rel_err"] > QMM_TOLERANCE, (
+            f"mlx {mx.__version__} now sums bf16 activations in fp32 on {mx.default_device()} "
+            f"(rel err {bf16['rel_err']:.1e}): its quantised stacks measure the quantisation again")
+        assert bf16["sums_in"] == "the activation dtype"
+
+
+def test_mlx_fp32_activations_measure_the_quantisation_not_the_kernel(reference_model, prompts, hf_fp32):
+    from backends.mlx_backend import MLXBackend
+
+    short, sidx = _prefix_rows(prompts, 33, which={3})  # the code prompt, positions 0, 8, 16, 24, 32
+    ref = hf_fp32[sidx]
+    kls, settings = {}, {}
+    for act in ("native", "fp32"):
+        be = MLXBackend(StackDesc("mlx", "q8_g64", "default", options=(("activations", act),),
+                                  weights_sha256=reference_model.weights_sha256), reference_model.hf_dir, 2)
+        be.load()
+        rows = be.forward(*short[0])
+        from store.warehouse import widen
+
+        kls[act], settings[act] = kl_rows(ref, widen(rows)), be.settings()
+    assert settings["fp32"]["activations"] == "fp32" and settings["fp32"]["quantized_matmul"]["sums_in"] == "float32"
+    assert settings["native"]["quantized_matmul"]["sums_in"] == "the activation dtype"
+    # llama.cpp's Q8_0 is ~3e-3 from the reference; MLX q8 with bf16 activations ~0.1 (the kernel)
+    assert kls["fp32"] < 0.01 < kls["native"] and kls["native"] > 5 * kls["fp32"], kls

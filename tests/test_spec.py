@@ -28,8 +28,10 @@ def test_smoke_spec_covers_hf_llamacpp_mlx_with_bf16_eager_reference():
         ("hf", "fp32", "eager"), ("hf", "fp32", "sdpa"), ("hf", "bf16", "eager"), ("hf", "bf16", "sdpa"),
         ("llamacpp", "f16", "default"), ("llamacpp", "q8_0", "default"), ("llamacpp", "q4_k_m", "default"),
         ("llamacpp", "q4_1", "default"), ("mlx", "bf16", "default"), ("mlx", "q8_g64", "default"),
-        ("mlx", "q4_g64", "default")]
-    assert {c.max_tokens for c in spec.cells if c.engine != "mlx"} == {None}
+        ("mlx", "q4_g64", "default"), ("mlx", "q8_g64", "default"), ("mlx", "q4_g64", "default")]
+    assert [c.opts.get("activations") for c in spec.cells if c.engine == "mlx"] == [None, None, None, "fp32", "fp32"]
+    assert {c.max_tokens for c in spec.cells if c.engine != "mlx"} == {1024}  # the demo reads 1,024-token prefixes
+    assert {c.max_tokens for c in load_spec(REPO / "configs" / "long.yaml").cells} == {None}
     assert spec.repeats == 2 and spec.stride == 32
     ref = spec.reference_cells["smollm2-135m"]
     assert ref.startswith("smollm2-135m.hf.bf16.eager.tp1.cpu-")
