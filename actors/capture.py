@@ -36,13 +36,14 @@ class Storage:
     def __init__(self, store: str):
         self.store, self.rows, self.floor_sum, self.floor_max, self.nonfinite = store, 0, 0.0, 0.0, 0
 
-    def keep(self, native: np.ndarray) -> np.ndarray:
+    def keep(self, native: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """-> (the rows to store, what was subtracted from each, or None)."""
         if self.store == "native" or native.dtype == np.uint16:  # bf16 already: nothing to round
-            return native
+            return native, None
         stored = np.empty(native.shape, np.uint16)  # (rows, vocab) bf16 bits
-        kl = np.empty(native.shape[0])  # (rows,)
+        kl, shift = np.empty(native.shape[0]), np.empty(native.shape[0], np.float32)  # (rows,)
         for i in range(0, native.shape[0], BLOCK):  # blocks: temporaries below malloc's mmap threshold
-            z = shift_by_max(native[i:i + BLOCK])  # (block, vocab) float32
+            z, shift[i:i + BLOCK] = shift_by_max(native[i:i + BLOCK])  # (block, vocab) float32, (block,)
             stored[i:i + BLOCK] = to_bf16(z)
             kl[i:i + BLOCK] = bf16_floor(z, widen(stored[i:i + BLOCK]))
         ok = np.isfinite(kl)
@@ -50,7 +51,7 @@ class Storage:
         self.nonfinite += int((~ok).sum())
         self.floor_sum += float(kl[ok].sum())
         self.floor_max = max(self.floor_max, float(kl[ok].max(initial=0.0)))
-        return stored
+        return stored, shift
 
     def summary(self) -> dict[str, Any]:
         return {"store": self.store, "rows_rounded": self.rows, "floor_sum": self.floor_sum,
@@ -93,7 +94,7 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
             native = backend.forward(ids, positions)  # (rows, vocab), native dtype
             forward_s += time.perf_counter() - tf
             dtype = str(native.dtype)
-            writer.add(prompt_id, positions, next_ids, storage.keep(native))
+            writer.add(prompt_id, positions, next_ids, *storage.keep(native))
         path = writer.commit()
     except BaseException:
         writer.abort()

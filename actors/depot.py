@@ -95,7 +95,7 @@ class RemoteShard:
         ray.get(depot.begin.remote(run_id, cell_id, repeat))
 
     def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
-            native: np.ndarray) -> None:
+            native: np.ndarray, shift: np.ndarray | None = None) -> None:
         """native: (rows, vocab). Sent in chunks of at most MESSAGE_BYTES of values, so this node
         encodes the next chunk while the depot writes the last (two cores at work, not one), and
         a long prompt never has to fit in one message."""
@@ -104,7 +104,8 @@ class RemoteShard:
         for lo in range(0, native.shape[0], step):
             hi = lo + step
             data = encode_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions[lo:hi],
-                                          next_ids[lo:hi], native[lo:hi]))
+                                          next_ids[lo:hi], native[lo:hi],
+                                          None if shift is None else shift[lo:hi]))
             self._settle()  # back-pressure: the previous chunk is written before this one goes
             self.pending = self.depot.add.remote(self.cell_id, self.repeat, data)
             self.bytes += len(data)

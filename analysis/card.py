@@ -110,6 +110,9 @@ def _query(warehouse: str, cell_id: str) -> tuple[dict, dict, dict, list, list, 
         if not summ:
             raise UserError(f"card: cell {cell_id} has no metrics yet; run `matrix analyze --warehouse {warehouse}`")
         s = summ[0]
+        if s["is_reference"]:
+            raise UserError(f"card: cell {cell_id} is the reference its model's stacks are measured against; "
+                            "a card measures a candidate against it")
         ref = cells[s["reference_cell_id"]]
         ranges = _rows(con, """SELECT range, lo, rows, kld_mean, kld_stderr, kld_p99, kld_max, top1_agreement
                                FROM summary_by_range WHERE cell_id = ? AND category IS NULL ORDER BY lo""", [cell_id])

@@ -94,5 +94,8 @@ def measured_from_warehouse(con, cell_id: str) -> tuple[dict, int, str]:
     cols = [d[0] for d in rel.description]
     row = dict(zip(cols, rel.fetchone()))
     if not row["rows"]:
+        if con.execute("SELECT count(*) FROM metrics WHERE reference_cell_id = ?", [cell_id]).fetchone()[0]:
+            raise UserError(f"admit: cell {cell_id} is the reference its model's stacks are measured against: "
+                            "there is nothing to gate it against (admit a candidate)")
         raise UserError(f"admit: cell {cell_id} has no metrics; run `matrix analyze` first")
     return row, int(row["nonfinite"]), row["ref"]

@@ -23,7 +23,7 @@ from common import ids
 from common.errors import UserError
 from common.stack import Cell
 from store import Warehouse, fixture_file
-from store.warehouse import logits_matrix, widen
+from store.warehouse import logits_matrix, unshift, widen
 
 PROMPT_KEYS = ("prompt_id", "name", "category", "text", "token_ids", "ids_sha256", "bos_policy", "bos_added",
                "tokenizer_sha256")
@@ -55,7 +55,8 @@ def export_fixture(warehouse: str, cell_id: str, out: str, k: int = 64, log: Cal
     if Path(out).suffix not in fixture_file.SUFFIXES:
         raise UserError(f"fixture export: --out {out}: name it .json (human-readable) or .parquet (dense)")
     t = wh.read_shard(cell_id, 0)
-    logits = logits_matrix(t.column("logits"))  # (rows, vocab) float32
+    shift = t.column("shift") if "shift" in t.column_names else None  # pre-v8 shards have none
+    logits = unshift(logits_matrix(t.column("logits")), shift)  # (rows, vocab) float32, the raw logits
     k = min(k, logits.shape[1])
     top, top_vals, lse = topk_rows(logits, k)
     pids = t.column("prompt_id").to_pylist()

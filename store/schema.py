@@ -99,6 +99,9 @@ LOGITS = pa.schema([
     ("repeat", pa.int32()), ("logits_dtype", pa.string()),
     ("logits", pa.list_(pa.float32())),  # (vocab,) native values, exactly widened
     ("row_hash", pa.string()),
+    # v8: what was subtracted from the row before it was stored (`store: bf16` stores bf16 of
+    # logits - row max); null: stored as the engine produced it. Raw logits = logits + shift.
+    ("shift", pa.float32()),
 ])
 
 TOKENIZER_PARITY = pa.schema([

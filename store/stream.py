@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from common.errors import UserError, first_line
 from store import pages
 from store.verify import DamagedShard, native_check
-from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, widen
+from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, unshift, widen
 
 SEE_VERIFY = "run `matrix verify`, or `matrix analyze --skip-damaged` to leave it out"
 SMALL = ["prompt_id", "position", "next_token_id", "logits_dtype", "row_hash"]
@@ -33,6 +33,7 @@ class Prompt:
     next_ids: np.ndarray  # (rows,) int64, -1 where there is no next token
     hashes: list[str]
     kind: str  # native dtype of the rows
+    shift: np.ndarray | None = None  # (rows,) float32 subtracted before storing (`store: bf16`), else None
 
 
 @dataclass
@@ -63,7 +64,7 @@ def shard_index(wh: Warehouse, cell_id: str, repeat: int) -> ShardIndex:
             md = pf.metadata.row_group(g)
             if md.num_rows:
                 vocabs.add(md.column(leaf).num_values // md.num_rows)
-            t = pf.read_row_group(g, columns=SMALL).to_pydict()
+            t = pf.read_row_group(g, columns=SMALL + (["shift"] if "shift" in pf.schema_arrow.names else [])).to_pydict()
             ids = t["prompt_id"]
             for a, b in _runs(ids):
                 pid = ids[a]
@@ -71,7 +72,7 @@ def shard_index(wh: Warehouse, cell_id: str, repeat: int) -> ShardIndex:
                     raise ValueError(f"prompt {pid} is split across row groups or mixes native dtypes")
                 prompts[pid] = Prompt(g, a, np.array(t["position"][a:b], np.int64),
                                       np.array([-1 if v is None else v for v in t["next_token_id"][a:b]], np.int64),
-                                      t["row_hash"][a:b], t["logits_dtype"][a])
+                                      t["row_hash"][a:b], t["logits_dtype"][a], _shift(t.get("shift"), a, b))
             for pid, q, rh in zip(ids, t["position"], t["row_hash"]):
                 h.update(f"{pid}\0{q}\0{rh}\n".encode())
     except (OSError, pa.ArrowException, ValueError, pages.Unsupported) as e:
@@ -81,6 +82,13 @@ def shard_index(wh: Warehouse, cell_id: str, repeat: int) -> ShardIndex:
     h.update(f"vocab\0{sorted(vocabs)}".encode())  # a row's length is content too (a rewrite may keep stale hashes)
     return ShardIndex(path, cell_id, repeat, prompts, h.hexdigest(), sum(len(p.positions) for p in prompts.values()),
                       vocabs.pop() if vocabs else 0, pf.metadata, leaf)
+
+
+def _shift(col: list | None, a: int, b: int) -> np.ndarray | None:
+    """A prompt's row shifts, or None where the rows were stored as produced (null, or a pre-v8 shard)."""
+    if col is None or all(v is None for v in col[a:b]):
+        return None
+    return np.array([v or 0.0 for v in col[a:b]], np.float32)
 
 
 def _runs(ids: list) -> list[tuple[int, int]]:
@@ -173,4 +181,7 @@ class Rows:
             self.buf, self.start = self.buf[min(drop, len(self.buf)):], self.start + min(drop, len(self.buf))
         while self.start + len(self.buf) <= hi:
             self._more()
-        return self.buf[idx - self.start]  # a copy (fancy indexing): the buffer may be dropped later
+        rows = self.buf[idx - self.start]  # a copy (fancy indexing): the buffer may be dropped later
+        if self.prompt.shift is None:
+            return rows
+        return unshift(rows, self.prompt.shift[idx - self.prompt.offset])  # the raw logits back

@@ -41,13 +41,14 @@ def widen(arr: np.ndarray) -> np.ndarray:
     return arr.astype(np.float32, copy=False)
 
 
-def shift_by_max(native: np.ndarray) -> np.ndarray:
-    """(rows, vocab) logits -> float32 logits minus their row max (softmax does not see the shift;
-    a row whose max is not finite is left as it is)."""
+def shift_by_max(native: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, vocab) logits -> (float32 logits minus their row max, the (rows,) max subtracted).
+    Softmax does not see the shift; a row whose max is not finite is left as it is (shift 0)."""
     x = native.astype(np.float32)  # (rows, vocab), a copy: shifted in place below
-    m = np.max(x, -1, keepdims=True)
-    x -= np.where(np.isfinite(m), m, np.float32(0))
-    return x
+    m = np.max(x, -1)
+    m = np.where(np.isfinite(m), m, np.float32(0)).astype(np.float32)
+    x -= m[:, None]
+    return x, m
 
 
 def to_bf16(x: np.ndarray) -> np.ndarray:
@@ -69,7 +70,7 @@ def round_bf16(native: np.ndarray) -> np.ndarray:
     """(rows, vocab) fp32/f16 logits -> bf16 bits of (row - row max). Shifting first keeps the
     large logits' exponent small: rounding unshifted rows costs a KL floor of ~4e-4 on SmolLM2,
     shifted ~1e-5."""
-    return to_bf16(shift_by_max(native))
+    return to_bf16(shift_by_max(native)[0])
 
 
 def narrow_bf16(values: np.ndarray) -> np.ndarray:
@@ -78,6 +79,17 @@ def narrow_bf16(values: np.ndarray) -> np.ndarray:
     if np.any(bits & 0xFFFF):
         raise ValueError("values are not bf16: low mantissa bits are set")
     return (bits >> 16).astype(np.uint16)
+
+
+def unshift(values: np.ndarray, shift) -> np.ndarray:
+    """(rows, vocab) stored values + each row's shift (an Arrow column or an array; null or None:
+    0) -> the raw logits, for what is not shift-invariant (cosine, norms, max |Δ|, logit values)."""
+    if shift is None:
+        return values
+    if isinstance(shift, (pa.Array, pa.ChunkedArray)):
+        shift = shift.fill_null(0).to_numpy(zero_copy_only=False)
+    s = np.asarray(shift, np.float32)  # (rows,)
+    return values + s[:, None] if s.any() else values
 
 
 def logits_matrix(col) -> np.ndarray:
@@ -274,8 +286,9 @@ def row_hashes(rows: pa.Table) -> dict[tuple[str, int], str]:
 
 
 def rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, positions: list[int],
-               next_ids: Iterable[int | None], native: np.ndarray) -> pa.Table:
-    """One prompt's rows as a LOGITS table. native: (rows, vocab) as returned by a backend."""
+               next_ids: Iterable[int | None], native: np.ndarray, shift: np.ndarray | None = None) -> pa.Table:
+    """One prompt's rows as a LOGITS table. native: (rows, vocab) as returned by a backend, or as
+    stored (`store: bf16`) with shift (rows,) what was subtracted from each row."""
     n, vocab = native.shape
     assert n == len(positions), (n, len(positions))
     dtype = native_dtype_of(native)
@@ -290,6 +303,7 @@ def rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, positions
         "logits_dtype": pa.array([dtype] * n),
         "logits": pa.ListArray.from_arrays(offsets, values),
         "row_hash": pa.array(hashes),
+        "shift": pa.array(shift if shift is not None else np.full(n, None), pa.float32()),
     }, schema=LOGITS)
 
 
@@ -351,9 +365,10 @@ class ShardWriter:
             self._writer = _writer(self.stage.tmp)
 
     def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
-            native: np.ndarray) -> None:
-        """native: (rows, vocab) as returned by a backend."""
-        self.add_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native))
+            native: np.ndarray, shift: np.ndarray | None = None) -> None:
+        """native: (rows, vocab) as returned by a backend (or as stored, with each row's shift)."""
+        self.add_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native,
+                                 shift))
 
     def add_rows(self, rows: pa.Table) -> None:
         with named_io_errors(self.path):

@@ -143,8 +143,10 @@ def test_admit_rejects_a_4bit_stack_under_8bit_gates_and_cards_disclose_quant_re
     out = json.loads(r.stdout)
     assert not out["pass"] and out["class"] == "8bit"
     assert any(g["gate"] == "mean_kld" and not g["pass"] for g in out["gates"])
-    r = run_cli("admit", cells[("hf", "fp32")], "--warehouse", str(wh), "--json")
-    assert r.returncode == 0 and json.loads(r.stdout)["pass"]
+    r = run_cli("admit", cells[("llamacpp", "fp32")], "--warehouse", str(wh), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["pass"], r.stdout + r.stderr
+    r = run_cli("admit", cells[("hf", "fp32")], "--warehouse", str(wh), "--json")  # the reference: nothing to gate
+    assert r.returncode == 2 and "is the reference" in r.stderr, r.stderr
     r = run_cli("card", cells[("llamacpp", "q8_0")], "--warehouse", str(wh), "--format", "json")
     assert r.returncode == 0, r.stderr
     card = json.loads(r.stdout)

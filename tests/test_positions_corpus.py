@@ -214,8 +214,23 @@ def test_store_bf16_records_each_rows_floor_and_analysis_carries_it(tmp_path, ti
         assert st["rows_measured"] == c["rows_per_repeat"] * c["repeats"]
         assert 1e-7 < st["storage_floor"] < 1e-4 and st["storage_floor"] <= st["storage_floor_max"]
         floors[c["cell_id"]] = st["storage_floor"]
-    top = sql(wh, "select max(list_max(logits)) as m, min(list_max(logits)) as n from logits")[0]
-    assert top == {"m": 0.0, "n": 0.0}  # every stored row is shifted by its max
+    top = sql(wh, "select max(list_max(logits)) as m, min(list_max(logits)) as n, min(abs(shift)) as s from logits")[0]
+    assert top["m"] == top["n"] == 0.0 and top["s"] > 0  # every stored row is shifted by its max, which is kept
+    # the raw logits come back as logits + shift, within half a bf16 step of the engine's own
+    from backends.hf_backend import HFBackend
+    from common.stack import StackDesc
+    from store.stream import Rows, shard_index
+    from store.warehouse import Warehouse
+
+    eager = next(c["cell_id"] for c in cells if ".eager." in c["cell_id"])
+    p = sql(wh, "select prompt_id, token_ids from prompts order by n_tokens desc limit 1")[0]
+    idx = shard_index(Warehouse(wh), eager, 0)
+    got = Rows(Warehouse(wh), idx, p["prompt_id"], 64).take(np.arange(len(idx.prompts[p["prompt_id"]].positions)))
+    be = HFBackend(StackDesc("hf", "fp32", "eager"), str(tiny_model), 1)
+    be.load()
+    want = be.forward(p["token_ids"], idx.prompts[p["prompt_id"]].positions.tolist())  # (rows, vocab)
+    step = np.abs(want - want.max(-1, keepdims=True)) * 2.0 ** -8 + 1e-4  # bf16: 8 significant bits
+    assert got.shape == want.shape and (np.abs(got - want) <= step).all()
     r = run_cli("analyze", "--warehouse", str(wh))
     assert r.returncode == 0, r.stderr[-3000:]
     got = sql(wh, "select cell_id, min(storage_floor) as lo, max(storage_floor) as hi from metrics group by all")
@@ -236,6 +251,6 @@ def test_the_fast_bf16_floor_agrees_with_the_float64_one_on_real_rows(reference_
     be.load()
     ids = list(range(1000, 1100))
     x = be.forward(ids, list(range(0, 100, 3)))  # (34, 49152) float32
-    z = shift_by_max(x)
+    z, _ = shift_by_max(x)
     fast, exact = bf16_floor(z, widen(to_bf16(z))), storage_kl(x, widen(round_bf16(x)))
     assert np.allclose(fast, exact, rtol=1e-4, atol=0) and 1e-7 < exact.mean() < 1e-4, (fast[:4], exact[:4])

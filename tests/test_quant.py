@@ -77,12 +77,16 @@ def test_card_refuses_an_unknown_field_unless_allowed(analyzed, tmp_path):
 
 def test_admit_passes_the_reference_and_fails_tight_gates(analyzed, tmp_path):
     wh, cells = analyzed
-    r = run_cli("admit", cells["bf16.eager"], "--warehouse", str(wh), "--json")
+    r = run_cli("admit", cells["bf16.eager"], "--warehouse", str(wh), "--json")  # the reference is the yardstick
+    assert r.returncode == 2 and "is the reference its model's stacks are measured against" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = run_cli("admit", cells["fp32.sdpa"], "--warehouse", str(wh), "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout)
     assert out["pass"] and out["class"] == "fp16" and {g["gate"] for g in out["gates"]} >= {
         "finite", "mean_kld", "p99_kld", "max_kld", "top1_agreement", "cosine_min", "norm_ratio_tol"}
-    assert all(g["measured"] in (0, 0.0, 1.0) for g in out["gates"])  # itself: exact zeros / ones
+    kl = sql(wh, f"select avg(kld) as k from metrics where cell_id = '{cells['fp32.sdpa']}' and repeat = 0")[0]["k"]
+    assert next(g for g in out["gates"] if g["gate"] == "mean_kld")["measured"] == pytest.approx(kl, rel=1e-12) > 0
     tight = tmp_path / "tight.yaml"
     tight.write_text("classes:\n  fp16: {mean_kld: 1.0e-9, max_kld: 1.0e-6, cosine_min: 0.5}\n")
     r = run_cli("admit", cells["bf16.sdpa"], "--warehouse", str(wh), "--gates", str(tight))
