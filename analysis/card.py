@@ -163,7 +163,8 @@ def _disclosure(cell: dict, ref: dict, s: dict, prompts: list, pos: dict) -> dic
 
 
 NUMBERS = ("kld_mean", "kld_stderr", "kld_median", "kld_p99", "kld_max", "kld_reverse_mean", "js_mean",
-           "top1_agreement", "rows", "nonfinite_rows", "below_resolution")
+           "top1_agreement", "nmse_mean", "max_abs_diff", "spearman_mean", "rows", "nonfinite_rows",
+           "below_resolution")
 
 
 def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False) -> dict:
@@ -214,6 +215,8 @@ def markdown(card: dict) -> str:
            f"| median / p99 / max KLD | {n['kld_median']:.4g} / {n['kld_p99']:.4g} / {n['kld_max']:.4g} |",
            f"| mean reverse KLD / mean JS | {n['kld_reverse_mean']:.4g} / {n['js_mean']:.4g} |",
            f"| top-1 agreement | {n['top1_agreement']:.4f} |",
+           f"| raw logits: mean NMSE / max abs diff / mean Spearman (top-10) | {_g(n['nmse_mean'])} / "
+           f"{_g(n['max_abs_diff'])} / {_g(n['spearman_mean'])} |",
            f"| rows (NaN/Inf excluded) | {n['rows']} ({n['nonfinite_rows']}) |",
            f"| below measurement resolution | {_g(n['below_resolution'])} |", "",
            "| output range | rows | mean KLD ± s.e. | p99 | max | top-1 |", "|---|---|---|---|---|---|"]

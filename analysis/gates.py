@@ -17,15 +17,24 @@ from typing import Any
 
 from common.errors import UserError, read_yaml_file
 
-# gate -> (metric it reads, comparison, description)
+# gate -> (metric it reads, comparison, description, the per-row SQL that ranks rows worst first)
 GATES = {
-    "mean_kld": ("kld_mean", "<=", "mean KL(P_ref || P_stack) over sampled rows"),
-    "p99_kld": ("kld_p99", "<=", "99th percentile of per-row KL"),
-    "max_kld": ("kld_max", "<=", "largest single-row KL (an isolated spike rejects)"),
-    "top1_agreement": ("top1_agreement", ">=", "share of rows whose argmax matches the reference"),
-    "cosine_min": ("cosine_min", ">=", "smallest per-row cosine of raw logits"),
-    "norm_ratio_tol": ("norm_ratio_dev", "<=", "largest |‖stack‖/‖ref‖ − 1| over rows (what cosine misses)"),
-    "mean_js": ("js_mean", "<=", "mean Jensen-Shannon divergence"),
+    "mean_kld": ("kld_mean", "<=", "mean KL(P_ref || P_stack) over sampled rows", "kld"),
+    "p99_kld": ("kld_p99", "<=", "99th percentile of per-row KL", "kld"),
+    "max_kld": ("kld_max", "<=", "largest single-row KL (an isolated spike rejects)", "kld"),
+    "top1_agreement": ("top1_agreement", ">=", "share of rows whose argmax matches the reference",
+                       "CASE WHEN top1_match THEN 0 ELSE 1 + kld END"),
+    "cosine_min": ("cosine_min", ">=", "smallest per-row cosine of raw logits", "-cosine"),
+    "norm_ratio_tol": ("norm_ratio_dev", "<=", "largest |‖stack‖/‖ref‖ − 1| over rows (what cosine misses)",
+                       "abs(norm_ratio - 1)"),
+    "mean_js": ("js_mean", "<=", "mean Jensen-Shannon divergence", "js"),
+    # seed 000: softmax hides a shift or a scale of the raw logits; these see it
+    "max_abs_diff": ("max_abs_diff_max", "<=", "largest |Δlogit| of any row (raw logits)", "max_abs_diff"),
+    "mean_nmse": ("nmse_mean", "<=", "mean NMSE of raw logits", "nmse"),
+    "max_nmse": ("nmse_max", "<=", "largest per-row NMSE of raw logits", "nmse"),
+    "spearman_mean": ("spearman_mean", ">=", "mean Spearman rank correlation over the reference's top-10",
+                      "-spearman_top10"),
+    "spearman_min": ("spearman_min", ">=", "smallest per-row Spearman over the reference's top-10", "-spearman_top10"),
 }
 DEFAULT_CLASSES = {  # a cell dtype -> its quant class, unless the gates file says otherwise
     "fp32": "fp16", "bf16": "fp16", "f16": "fp16", "f32": "fp16", "fp16": "fp16",
@@ -75,7 +84,7 @@ def evaluate(measured: dict[str, float | None], thresholds: dict[str, float], no
     out = [{"gate": "finite", "comparison": "==", "threshold": 0, "measured": nonfinite, "pass": nonfinite == 0,
             "meaning": "rows with NaN/Inf logits (any rejects)"}]
     for g, thr in thresholds.items():
-        key, cmp, meaning = GATES[g]
+        key, cmp, meaning, _ = GATES[g]
         v = measured.get(key)
         ok = v is not None and (v <= thr if cmp == "<=" else v >= thr)
         out.append({"gate": g, "comparison": cmp, "threshold": thr, "measured": v, "pass": bool(ok),
@@ -89,6 +98,8 @@ def measured_from_warehouse(con, cell_id: str) -> tuple[dict, int, str]:
         SELECT avg(kld) AS kld_mean, quantile_cont(kld, 0.99) AS kld_p99, max(kld) AS kld_max,
                avg(top1_match::INT) AS top1_agreement, min(cosine) AS cosine_min,
                max(abs(norm_ratio - 1)) AS norm_ratio_dev, avg(js) AS js_mean,
+               max(max_abs_diff) AS max_abs_diff_max, avg(nmse) AS nmse_mean, max(nmse) AS nmse_max,
+               avg(spearman_top10) AS spearman_mean, min(spearman_top10) AS spearman_min,
                count(nonfinite) AS nonfinite, count(*) AS rows, any_value(reference_cell_id) AS ref
         FROM metrics WHERE cell_id = ? AND repeat = 0""", [cell_id])
     cols = [d[0] for d in rel.description]
@@ -99,3 +110,29 @@ def measured_from_warehouse(con, cell_id: str) -> tuple[dict, int, str]:
                             "there is nothing to gate it against (admit a candidate)")
         raise UserError(f"admit: cell {cell_id} has no metrics; run `matrix analyze` first")
     return row, int(row["nonfinite"]), row["ref"]
+
+
+def parity_gate(parity: str | None, allowed: bool) -> dict:
+    """A stack whose own tokenizer disagrees with the canonical ids was fed ids it would not make
+    itself (seed 004: tokenizer/BOS parity before arithmetic): that rejects unless allowed."""
+    bad = parity == "mismatch"
+    return {"gate": "tokenizer_parity", "comparison": "==", "threshold": "ok", "measured": parity or "not_checked",
+            "pass": not bad or allowed, "allowed": bad and allowed,
+            "meaning": "the engine's own tokenizer gives the canonical ids" + (" (mismatch allowed)" if bad and allowed
+                                                                               else "")}
+
+
+def worst_rows(con, cell_id: str, rows: list[dict]) -> None:
+    """For each failed gate, the (prompt, position) that weighs most against it (rows[i]["worst"])."""
+    for r in rows:
+        if r["pass"] or r["gate"] not in GATES:
+            if r["gate"] == "finite" and not r["pass"]:
+                hit = con.execute("SELECT prompt_id, position, nonfinite FROM metrics WHERE cell_id = ? AND repeat = 0 "
+                                  "AND nonfinite IS NOT NULL ORDER BY prompt_id, position LIMIT 1", [cell_id]).fetchone()
+                r["worst"] = {"prompt_id": hit[0], "position": hit[1], "value": hit[2]} if hit else None
+            continue
+        order = GATES[r["gate"]][3]
+        hit = con.execute(f"SELECT prompt_id, position, {order} AS v FROM metrics WHERE cell_id = ? AND repeat = 0 "
+                          f"AND nonfinite IS NULL ORDER BY v DESC NULLS LAST, prompt_id, position LIMIT 1",
+                          [cell_id]).fetchone()
+        r["worst"] = {"prompt_id": hit[0], "position": hit[1], "value": hit[2]} if hit else None

@@ -117,11 +117,13 @@ VIEWS = {
                   WHERE cell_id = reference_cell_id AND repeat > 0 GROUP BY ALL)
         SELECT c.model, m.cell_id, c.engine, c.dtype, c.attention, m.reference_cell_id,
                m.cell_id = m.reference_cell_id AS is_reference, count(*) AS rows,
-               avg(m.kld) AS kld_mean, stddev_samp(m.kld) / sqrt(count(*)) AS kld_stderr,
+               -- the standard error counts the rows that have a KL: a flagged (NaN/Inf) row has none
+               avg(m.kld) AS kld_mean, stddev_samp(m.kld) / sqrt(count(m.kld)) AS kld_stderr,
                median(m.kld) AS kld_median, quantile_cont(m.kld, 0.9) AS kld_p90,
                quantile_cont(m.kld, 0.99) AS kld_p99, quantile_cont(m.kld, 0.999) AS kld_p999,
                max(m.kld) AS kld_max, avg(m.kld_reverse) AS kld_reverse_mean, avg(m.js) AS js_mean,
                avg(m.top1_match::INT) AS top1_agreement, avg(m.storage_floor) AS storage_floor,
+               avg(m.nmse) AS nmse_mean, max(m.max_abs_diff) AS max_abs_diff, avg(m.spearman_top10) AS spearman_mean,
                count(m.nonfinite) AS nonfinite_rows,  -- flagged rows: null metrics, left out of every mean
                coalesce(any_value(f.reference_repeat_kld), 0) AS reference_repeat_kld,
                any_value(c.bit_reproducible) AS bit_reproducible,
@@ -134,6 +136,7 @@ VIEWS = {
                true AS is_reference, c.rows_per_repeat AS rows, 0.0 AS kld_mean, 0.0 AS kld_stderr,
                0.0 AS kld_median, 0.0 AS kld_p90, 0.0 AS kld_p99, 0.0 AS kld_p999, 0.0 AS kld_max,
                0.0 AS kld_reverse_mean, 0.0 AS js_mean, 1.0 AS top1_agreement, NULL::DOUBLE AS storage_floor,
+               0.0 AS nmse_mean, 0.0 AS max_abs_diff, 1.0 AS spearman_mean,
                0 AS nonfinite_rows, coalesce(f.reference_repeat_kld, 0) AS reference_repeat_kld,
                c.bit_reproducible, false AS below_resolution
         FROM cells c LEFT JOIN floor f ON f.reference_cell_id = c.cell_id
@@ -141,7 +144,7 @@ VIEWS = {
           AND c.cell_id NOT IN (SELECT cell_id FROM m)""",
     "summary_by_range": """
         SELECT m.cell_id, r.range, r.lo, p.category, count(*) AS rows, count(m.nonfinite) AS nonfinite_rows,
-               avg(m.kld) AS kld_mean, stddev_samp(m.kld) / sqrt(count(*)) AS kld_stderr,
+               avg(m.kld) AS kld_mean, stddev_samp(m.kld) / sqrt(count(m.kld)) AS kld_stderr,
                median(m.kld) AS kld_median, quantile_cont(m.kld, 0.9) AS kld_p90,
                quantile_cont(m.kld, 0.99) AS kld_p99, quantile_cont(m.kld, 0.999) AS kld_p999,
                max(m.kld) AS kld_max, avg(m.js) AS js_mean, avg(m.top1_match::INT) AS top1_agreement

@@ -30,26 +30,32 @@ def print_gates(rows: list[dict], title: str, upper: bool = False) -> None:
 
 
 def cmd_admit(args) -> int:
-    from analysis.gates import evaluate, load_gates, measured_from_warehouse, pick_class
+    from analysis.gates import evaluate, load_gates, measured_from_warehouse, parity_gate, pick_class, worst_rows
     from analysis.sql import connect
 
     gates = load_gates(args.gates)
     con = connect(args.warehouse)
     try:
-        cell = con.execute("SELECT dtype, status FROM cells WHERE cell_id = ?", [args.cell]).fetchone()
+        cell = con.execute("SELECT dtype, status, tokenizer_parity FROM cells WHERE cell_id = ?", [args.cell]).fetchone()
         if cell is None:
             raise UserError(f"admit: no cell {args.cell} in {args.warehouse}")
         measured, nonfinite, ref = measured_from_warehouse(con, args.cell)
+        cls = pick_class(gates, cell[0], args.quant_class)
+        rows = evaluate(measured, gates["classes"][cls], nonfinite)
+        rows.insert(1, parity_gate(cell[2], args.allow_tokenizer_mismatch))
+        worst_rows(con, args.cell, rows)
     finally:
         con.close()
-    cls = pick_class(gates, cell[0], args.quant_class)
-    rows = evaluate(measured, gates["classes"][cls], nonfinite)
     ok = all(r["pass"] for r in rows)
     if args.json:
         emit_json({"cell_id": args.cell, "reference_cell_id": ref, "class": cls, "gates_file": gates["path"],
                    "rows": measured["rows"], "pass": ok, "gates": rows})
     else:
         print_gates(rows, f"{args.cell} vs {ref}: class {cls} ({gates['path']}), {measured['rows']} rows")
+        for r in rows:
+            if not r["pass"] and r.get("worst"):
+                w = r["worst"]
+                print(f"  {r['gate']}: worst row prompt {w['prompt_id']} position {w['position']} ({fmt_number(w['value'])})")
         print(f"\n{'ADMITTED' if ok else 'REJECTED'}: {sum(r['pass'] for r in rows)}/{len(rows)} gates pass")
     return 0 if ok else 1
 
@@ -115,6 +121,8 @@ def add_parsers(sub) -> None:
     a.add_argument("--gates", default=str(GATES))
     a.add_argument("--class", dest="quant_class", default=None, help="quant class (default: from the cell's dtype)")
     a.add_argument("--warehouse", default="warehouse")
+    a.add_argument("--allow-tokenizer-mismatch", action="store_true",
+                   help="admit a stack whose own tokenizer disagrees with the canonical ids (the gate says so)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_admit)
 
