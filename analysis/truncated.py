@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 NOTE = ("KL over the top-k plus one tail bucket: a lower bound of the full KL; upper_bound adds the "
-        "largest the tail can contribute (every tail p <= the k-th probability). cosine and norm "
-        "ratio are over the top-k logits only.")
+        "largest the tail can contribute (every tail p <= the k-th probability). cosine, norm ratio, max |diff| "
+        "and NMSE are over the top-k logits only; Spearman over the reference's top-10.")
 
 
 def topk_rows(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -34,7 +34,8 @@ def truncated_metrics(topk_ids: np.ndarray, topk_logits: np.ndarray, lse: np.nda
                       stack: np.ndarray) -> dict[str, np.ndarray]:
     """Fixture rows (top-k ids (rows, k), their logits, full-row logsumexp) vs a stack's full logits
     (rows, vocab). Returns per-row coarse KL (a lower bound), its upper bound, JS of the coarse
-    distributions, top-1 match, and cosine / norm ratio / max |diff| over the top-k logits."""
+    distributions, top-1 match, cosine / norm ratio / max |diff| / NMSE over the top-k logits, and
+    Spearman over the reference's top-10 (as the full-row kernel)."""
     s = stack.astype(np.float64)  # (rows, vocab)
     m = s.max(-1, keepdims=True)
     lq = s - (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))  # (rows, vocab) stack log-probs
@@ -63,7 +64,24 @@ def truncated_metrics(topk_ids: np.ndarray, topk_logits: np.ndarray, lse: np.nda
         "cosine_topk": (rv * sv).sum(-1) / np.linalg.norm(rv, axis=-1) / np.linalg.norm(sv, axis=-1),
         "norm_ratio_topk": np.linalg.norm(sv, axis=-1) / np.linalg.norm(rv, axis=-1),
         "max_abs_diff_topk": np.abs(sv - rv).max(-1),
+        "nmse_topk": ((sv - rv) ** 2).sum(-1) / (rv ** 2).sum(-1),
+        "spearman_top10": _spearman(rv[:, :10], sv[:, :10]),  # the kernel's: over the reference's top-10
     }
+
+
+def _ranks(v: np.ndarray) -> np.ndarray:
+    """Average ranks (ties share their mean rank) along the last axis of (rows, k)."""
+    less = (v[:, None, :] < v[:, :, None]).sum(-1)
+    eq = (v[:, None, :] == v[:, :, None]).sum(-1)
+    return less + (eq + 1) / 2.0
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    ra, rb = _ranks(a), _ranks(b)
+    ra, rb = ra - ra.mean(-1, keepdims=True), rb - rb.mean(-1, keepdims=True)
+    den = np.sqrt((ra * ra).sum(-1) * (rb * rb).sum(-1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, (ra * rb).sum(-1) / den, np.nan)
 
 
 def gate_values(m: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
@@ -72,7 +90,11 @@ def gate_values(m: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, f
     measured = {"kld_mean": float(m["kld"].mean()), "kld_p99": float(np.quantile(m["kld"], 0.99)),
                 "kld_max": float(m["kld"].max()), "top1_agreement": float(m["top1_match"].mean()),
                 "cosine_min": float(m["cosine_topk"].min()),
-                "norm_ratio_dev": float(np.abs(m["norm_ratio_topk"] - 1).max()), "js_mean": float(m["js"].mean())}
+                "norm_ratio_dev": float(np.abs(m["norm_ratio_topk"] - 1).max()), "js_mean": float(m["js"].mean()),
+                # over the reference's top-k logits only (the fixture holds no more)
+                "max_abs_diff_max": float(m["max_abs_diff_topk"].max()), "nmse_mean": float(m["nmse_topk"].mean()),
+                "nmse_max": float(m["nmse_topk"].max()), "spearman_mean": float(np.nanmean(m["spearman_top10"])),
+                "spearman_min": float(np.nanmin(m["spearman_top10"]))}
     upper = {"mean_kld": float(m["kld_upper"].mean()), "p99_kld": float(np.quantile(m["kld_upper"], 0.99)),
              "max_kld": float(m["kld_upper"].max())}
     tail = {"tail_mass_mean": float(m["tail_mass"].mean()), "tail_mass_max": float(m["tail_mass"].max())}

@@ -86,7 +86,7 @@ def test_admit_passes_the_reference_and_fails_tight_gates(analyzed, tmp_path):
     assert out["pass"] and out["class"] == "fp16" and {g["gate"] for g in out["gates"]} >= {
         "finite", "mean_kld", "p99_kld", "max_kld", "top1_agreement", "cosine_min", "norm_ratio_tol"}
     kl = sql(wh, f"select avg(kld) as k from metrics where cell_id = '{cells['fp32.sdpa']}' and repeat = 0")[0]["k"]
-    assert next(g for g in out["gates"] if g["gate"] == "mean_kld")["measured"] == pytest.approx(kl, rel=1e-12) > 0
+    assert kl > 0 and next(g for g in out["gates"] if g["gate"] == "mean_kld")["measured"] == pytest.approx(kl, rel=1e-12)
     tight = tmp_path / "tight.yaml"
     tight.write_text("classes:\n  fp16: {mean_kld: 1.0e-9, max_kld: 1.0e-6, cosine_min: 0.5}\n")
     r = run_cli("admit", cells["bf16.sdpa"], "--warehouse", str(wh), "--gates", str(tight))
@@ -197,3 +197,61 @@ def test_fixture_from_hf_bf16_passes_the_same_stack_and_fails_sdpa_under_tight_g
     r = run_cli("fixture", "check", str(fx), "--engine", "hf", "--model", str(tiny_model), "--dtype", "bf16",
                 "--attention", "sdpa", "--gates", str(tight))
     assert r.returncode == 1 and "REJECTED" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def _rewrite(path, column: str, edit) -> None:
+    import pyarrow as pa
+
+    t = pq.read_table(path)
+    vals = edit(t[column].to_pylist())
+    pq.write_table(t.set_column(t.schema.get_field_index(column), column, pa.array(vals, t.schema.field(column).type)),
+                   path)
+
+
+def test_admit_fails_on_a_nan_row_a_parity_mismatch_and_raw_logit_gates_naming_the_worst_row(analyzed, tmp_path):
+    from store.warehouse import row_hash
+
+    src, cells = analyzed
+    wh = tmp_path / "wh"
+    shutil.copytree(src, wh)
+    sdpa, fp32 = cells["bf16.sdpa"], cells["fp32.sdpa"]
+    shard = wh / "logits" / sdpa / "r0.parquet"
+    t = pq.read_table(shard)
+    first = (t["prompt_id"][5].as_py(), t["position"][5].as_py())
+
+    def nan_row(rows):
+        rows[5][7] = float("nan")
+        return rows
+    _rewrite(shard, "logits", nan_row)
+    t = pq.read_table(shard)  # as if the engine returned the NaN: its hash is of those values (bf16 bits)
+    bits = (np.array(t["logits"][5].as_py(), np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    _rewrite(shard, "row_hash", lambda h: h[:5] + [row_hash(bits)] + h[6:])
+    _rewrite(wh / "cells" / f"{fp32}.parquet", "tokenizer_parity", lambda v: ["mismatch"] * len(v))
+    r = run_cli("analyze", "--warehouse", str(wh))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_cli("admit", sdpa, "--warehouse", str(wh), "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    finite = next(g for g in json.loads(r.stdout)["gates"] if g["gate"] == "finite")
+    assert not finite["pass"] and finite["measured"] == 1
+    assert (finite["worst"]["prompt_id"], finite["worst"]["position"]) == first
+    r = run_cli("admit", fp32, "--warehouse", str(wh), "--json")
+    assert r.returncode == 1 and not next(g for g in json.loads(r.stdout)["gates"] if g["gate"] == "tokenizer_parity")[
+        "pass"], r.stdout
+    r = run_cli("admit", fp32, "--warehouse", str(wh), "--json", "--allow-tokenizer-mismatch")
+    assert r.returncode == 0, r.stdout
+    assert next(g for g in json.loads(r.stdout)["gates"] if g["gate"] == "tokenizer_parity")["allowed"]
+    tight = tmp_path / "tight.yaml"
+    tight.write_text("classes:\n  fp16: {max_abs_diff: 1.0e-9, spearman_min: 0.999999, mean_nmse: 1.0}\n")
+    r = run_cli("admit", fp32, "--warehouse", str(wh), "--gates", str(tight), "--allow-tokenizer-mismatch")
+    assert r.returncode == 1 and "max_abs_diff: worst row prompt" in r.stdout, r.stdout
+    worst = sql(wh, f"select prompt_id, position from metrics where cell_id = '{fp32}' and repeat = 0 "
+                    "order by max_abs_diff desc limit 1")[0]
+    assert f"max_abs_diff: worst row prompt {worst['prompt_id']} position {worst['position']} " in r.stdout
+    gates = {g["gate"]: g for g in json.loads(run_cli("admit", fp32, "--warehouse", str(wh), "--gates", str(tight),
+                                                      "--json", "--allow-tokenizer-mismatch").stdout)["gates"]}
+    assert not gates["max_abs_diff"]["pass"] and gates["mean_nmse"]["pass"]
+    s = sql(wh, f"select nmse_mean, max_abs_diff, spearman_mean, rows, nonfinite_rows, kld_stderr from summary "
+                f"where cell_id = '{sdpa}'")[0]
+    se = sql(wh, f"select stddev_samp(kld) / sqrt(count(kld)) as se from metrics where cell_id = '{sdpa}' and repeat = 0")
+    assert s["nonfinite_rows"] == 1 and s["kld_stderr"] == pytest.approx(se[0]["se"], rel=1e-12)  # finite rows only
+    assert 0 < s["nmse_mean"] < 1 and s["max_abs_diff"] > 0 and 0.5 < s["spearman_mean"] <= 1
