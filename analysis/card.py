@@ -61,12 +61,13 @@ def _driver(cell: dict) -> str | None:
     return None
 
 
-def _hardware(cell: dict) -> str | None:
+def hardware(cell: dict) -> str | None:
+    """One line: CPU model, cores, wide-vector flags; the GPUs when the cell ran on one."""
     fp = _json(cell.get("fingerprint"))
     if not fp:
         return None
     cpu = fp.get("cpu") or {}
-    flags = [f for f, on in (cpu.get("flags") or {}).items() if on and f.startswith(("avx512", "amx", "sve", "sme"))]
+    flags = sorted(f for f, on in (cpu.get("flags") or {}).items() if on and f.startswith(("avx512", "amx", "sve", "sme")))
     out = f"{cpu.get('model')} ({cpu.get('logical_cores')} cores{', ' + ' '.join(flags) if flags else ''})"
     gpus = (fp.get("nvidia") or {}).get("gpus") or []
     if cell["device"] != "cpu" and gpus:
@@ -89,7 +90,7 @@ def _runtime(cell: dict) -> dict[str, Any]:
         "cell_id": cell["cell_id"], "engine": cell["engine"],
         "libraries": _json(cell.get("versions")) or None,
         "build": build or None,
-        "device": cell["device"], "hardware": _hardware(cell), "driver": _driver(cell), "host": cell.get("host"),
+        "device": cell["device"], "hardware": hardware(cell), "driver": _driver(cell), "host": cell.get("host"),
         "threads": cell.get("threads"), "dtype": cell["dtype"], "attention": cell["attention"], "tp": cell["tp"],
         "artifact_sha256": cell.get("artifact_sha256") or ("none: the checkpoint itself" if cell["engine"] == "hf"
                                                            else None),

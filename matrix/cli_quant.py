@@ -77,6 +77,12 @@ def cmd_fixture(args) -> int:
     res = check_fixture(args.fixture, args.engine, args.model, args.dtype, args.attention, args.threads, log=log)
     measured, upper, tail = gate_values(res["metrics"])
     rows = evaluate(measured, gates["classes"][cls], res["nonfinite"])
+    weights = next((d for d in res["differences"] if d["what"] == "weights_sha256"), None)
+    rows.insert(1, {"gate": "same_weights", "comparison": "==", "threshold": "the fixture's",
+                    "measured": f"other weights: {weights['stack']} (fixture: {weights['fixture']})" if weights
+                    else "same", "pass": weights is None or args.allow_other_weights,
+                    "meaning": "the stack is built from the weights the fixture was made from"
+                               + (" (other weights allowed)" if weights and args.allow_other_weights else "")})
     for r in rows:
         r["upper_bound"] = upper.get(r["gate"])
     ok = all(r["pass"] for r in rows)
@@ -84,8 +90,11 @@ def cmd_fixture(args) -> int:
     trunc = {"k": k, "vocab_size": res["header"]["vocab_size"], **tail, "note": NOTE}
     if args.json:
         emit_json({"fixture": args.fixture, "engine": args.engine, "model": args.model, "dtype": args.dtype,
-                   "class": cls, "rows": res["rows"], "pass": ok, "truncation": trunc, "gates": rows})
+                   "class": cls, "rows": res["rows"], "pass": ok, "truncation": trunc, "gates": rows,
+                   "differences": res["differences"], "header_checked": res["header"]["header_checked"]})
         return 0 if ok else 1
+    for d in res["differences"]:
+        print(f"differs from the fixture's producer: {d['what']}: fixture {d['fixture']}, this stack {d['stack']}")
     print_gates(rows, f"{args.engine} {args.dtype} {args.attention} vs fixture {args.fixture} "
                       f"(from {res['header']['produced_by']['cell_id']}): class {cls}, {res['rows']} rows", upper=True)
     print(f"\ntop-{k} of {trunc['vocab_size']}: reference tail mass mean {trunc['tail_mass_mean']:.3g}, "
@@ -143,6 +152,8 @@ def add_parsers(sub) -> None:
     fc.add_argument("--threads", type=int, default=2)
     fc.add_argument("--gates", default=str(GATES))
     fc.add_argument("--class", dest="quant_class", default=None)
+    fc.add_argument("--allow-other-weights", action="store_true",
+                    help="check a stack built from other weights than the fixture's (the gate row says so)")
     fc.add_argument("--json", action="store_true")
     fx.set_defaults(func=cmd_fixture)
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from analysis.card import hardware
 from analysis.truncated import topk_rows, truncated_metrics
 from common import ids
 from common.errors import UserError
@@ -28,7 +29,7 @@ from store.warehouse import logits_matrix, unshift, widen
 PROMPT_KEYS = ("prompt_id", "name", "category", "text", "token_ids", "ids_sha256", "bos_policy", "bos_added",
                "tokenizer_sha256")
 PRODUCER_KEYS = ("cell_id", "engine", "dtype", "attention", "tp", "device", "threads", "logits_dtype",
-                 "bit_reproducible")
+                 "bit_reproducible", "artifact_sha256", "build", "host")
 
 
 def _header(cell: dict, k: int, vocab: int, prompts: list[dict]) -> dict:
@@ -39,7 +40,8 @@ def _header(cell: dict, k: int, vocab: int, prompts: list[dict]) -> dict:
         "model": {"name": cell["model"], "identity": cell.get("model_identity"),
                   "weights_sha256": cell.get("weights_sha256"), "source_sha256": cell.get("source_sha256")},
         "produced_by": {key: cell.get(key) for key in PRODUCER_KEYS}
-        | {"settings": json.loads(cell.get("settings") or "{}"), "versions": json.loads(cell.get("versions") or "{}")},
+        | {"settings": json.loads(cell.get("settings") or "{}"), "versions": json.loads(cell.get("versions") or "{}"),
+           "hardware": hardware(cell)},
         "stride": cell.get("stride"),
         "prompts": [{key: p.get(key) for key in PROMPT_KEYS} for p in prompts],
     }
@@ -104,6 +106,17 @@ def _run_stack(backend, header: dict, rows: dict[str, list], vocab: int) -> np.n
     return stack
 
 
+def differences(header: dict, engine: str, dtype: str, attention: str, weights: str | None, artifact: str | None,
+                build: str | None, hw: str | None) -> list[dict]:
+    """What differs between the fixture's producing stack and the stack under check."""
+    made = header.get("produced_by") or {}
+    pairs = [("weights_sha256", (header.get("model") or {}).get("weights_sha256"), weights),
+             ("artifact_sha256", made.get("artifact_sha256"), artifact), ("engine", made.get("engine"), engine),
+             ("dtype", made.get("dtype"), dtype), ("attention", made.get("attention"), attention),
+             ("build", made.get("build"), build), ("hardware", made.get("hardware"), hw)]
+    return [{"what": w, "fixture": a, "stack": b} for w, a, b in pairs if a != b]
+
+
 def check_fixture(path: str, engine: str, model: str, dtype: str, attention: str, threads: int,
                   log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run a stack (in this process) on the fixture's prompts and measure it against the fixture."""
@@ -136,7 +149,14 @@ def check_fixture(path: str, engine: str, model: str, dtype: str, attention: str
         settings = backend.settings()
     finally:
         backend.close()
+    from actors.fingerprint import fingerprint
+    from common.builds import engine_build
+
+    art = settings.get("artifact") or {}
+    here = hardware({"fingerprint": json.dumps(fingerprint(), default=str), "device": "cpu"})
+    diff = differences(header, engine, dtype, attention, resolved.weights_sha256, art.get("sha256"),
+                       engine_build(cls.libraries)["build"], here)
     m = truncated_metrics(np.asarray(rows["topk_ids"], dtype=np.int64), np.asarray(rows["topk_logits"]),
                           np.asarray(rows["logsumexp"]), stack)
     return {"header": header, "metrics": m, "rows": len(stack), "nonfinite": int((~np.isfinite(stack).all(-1)).sum()),
-            "settings": settings}
+            "settings": settings, "differences": diff}

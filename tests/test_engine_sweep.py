@@ -188,10 +188,16 @@ def test_fixture_export_and_check(engines_analyzed, tiny_model, tmp_path):
     (tmp_path / "damaged.json").write_text(json.dumps(bad))
     other = dict(body, prompts=[dict(body["prompts"][0], token_ids=[5] + body["prompts"][0]["token_ids"][1:])]
                  + body["prompts"][1:])
-    (tmp_path / "ids.json").write_text(json.dumps(other))
-    (tmp_path / "vocab.json").write_text(json.dumps(dict(body, vocab_size=1000)))
+    from store.fixture_file import header_checksum
+
+    def sealed(b: dict) -> dict:  # a consistent fixture, made for another model: its header checksum is right
+        head = {k: v for k, v in b.items() if k != "rows"}
+        return dict(b, header_sha256=header_checksum(head))
+    (tmp_path / "ids.json").write_text(json.dumps(sealed(other)))
+    (tmp_path / "vocab.json").write_text(json.dumps(sealed(dict(body, vocab_size=1000))))
+    (tmp_path / "edited.json").write_text(json.dumps(dict(body, vocab_size=1000)))  # edited, not re-sealed
     for name, needle in [("damaged.json", "fails its checksum"), ("ids.json", "token ids do not match"),
-                         ("vocab.json", "vocabulary 1000 but model")]:
+                         ("vocab.json", "vocabulary 1000 but model"), ("edited.json", "header_sha256: the header")]:
         r = run_cli("fixture", "check", str(tmp_path / name), "--engine", "hf", "--model", str(tiny_model),
                     "--dtype", "fp32", "--attention", "eager")
         assert r.returncode == 2 and needle in r.stderr, (name, r.stderr[-1500:])

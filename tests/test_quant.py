@@ -192,6 +192,27 @@ def test_fixture_from_hf_bf16_passes_the_same_stack_and_fails_sdpa_under_tight_g
     assert out["pass"] and out["rows"] == sql(wh, f"select rows_per_repeat from cells where cell_id = "
                                                   f"'{cells['bf16.eager']}'")[0]["rows_per_repeat"]
     assert next(g for g in out["gates"] if g["gate"] == "top1_agreement")["measured"] == 1.0
+    assert out["header_checked"] and out["differences"] == []  # the same stack: weights, build, hardware
+    # a stack of other weights (one layer fewer): refused naming both hashes, unless allowed
+    from matrix.models import cut_layers
+
+    other = cut_layers(tiny_model, tmp_path / "one-layer", 1)
+    r = run_cli("fixture", "check", str(fx), "--engine", "hf", "--model", str(other), "--dtype", "bf16",
+                "--attention", "eager")
+    fixture_weights = json.loads(fx.read_text())["model"]["weights_sha256"]
+    assert r.returncode == 1 and "same_weights" in r.stdout and "FAIL" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert f"weights_sha256: fixture {fixture_weights}, this stack " in r.stdout
+    r = run_cli("fixture", "check", str(fx), "--engine", "hf", "--model", str(other), "--dtype", "bf16",
+                "--attention", "eager", "--allow-other-weights", "--json")
+    gate = next(g for g in json.loads(r.stdout)["gates"] if g["gate"] == "same_weights")
+    assert gate["pass"] and fixture_weights in gate["measured"], gate
+    # an edited header (one prompt id changed) is refused before any model loads
+    body = json.loads(fx.read_text())
+    body["prompts"][0]["token_ids"][1] += 1
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(body))
+    r = run_cli("fixture", "check", str(edited), "--engine", "hf", "--model", str(tiny_model), "--dtype", "bf16")
+    assert r.returncode == 2 and "header_sha256: the header" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     tight = tmp_path / "tight.yaml"
     tight.write_text("classes:\n  fp16: {mean_kld: 1.0e-9}\n")
     r = run_cli("fixture", "check", str(fx), "--engine", "hf", "--model", str(tiny_model), "--dtype", "bf16",
