@@ -43,10 +43,12 @@ test: $(STAMP) vllm-env
 
 bench: $(STAMP)
 	$(PY) benchmarks/storage_bytes.py
+	$(PY) benchmarks/encoding_speed.py
 	$(PY) benchmarks/capture_overhead.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/analysis_throughput.py --warehouse warehouse
 	$(PY) benchmarks/verify_throughput.py
 	$(PY) benchmarks/analysis_scale.py --rows 250   # its defaults (4-24 stacks x 1,000 rows) take about 25 min on 2 cores
+	$(PY) benchmarks/vs_llama_perplexity.py   # the first run builds llama-perplexity from the sdist (12-35 min)
 
 clean-warehouse:
 	rm -rf warehouse
