@@ -64,17 +64,16 @@ def build_llama_perplexity(log) -> Path:
     return binary
 
 
-def timed(cmd: list[str], env: dict | None = None, log_to: Path | None = None) -> tuple[float, float, str]:
-    """-> (wall seconds, peak RSS in GB of the process and its waited-for children, output)."""
-    out = open(log_to, "w") if log_to else subprocess.PIPE
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
-    _, status, usage = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t0
-    p.returncode = os.waitstatus_to_exitcode(status)
-    text = Path(log_to).read_text() if log_to else p.stdout.read()
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:3])} ... failed (exit {p.returncode}):\n{text[-3000:]}")
+def timed(cmd: list[str], env: dict, log_to: Path) -> tuple[float, float, str]:
+    """-> (wall seconds, peak RSS in GB of the process and its waited-for children, its output)."""
+    with open(log_to, "w") as out:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(p.pid, 0)  # the child's own rusage, not every child's so far
+        wall = time.perf_counter() - t0
+    code, text = os.waitstatus_to_exitcode(status), Path(log_to).read_text()
+    if code != 0:
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed (exit {code}):\n{text[-3000:]}")
     return wall, usage.ru_maxrss / 1e6, text  # ru_maxrss: KiB on Linux
 
 
@@ -119,8 +118,6 @@ def run_matrix(f16: dict, text: str, d: Path, threads: int) -> dict:
     matrix = [sys.executable, "-m", "matrix"]
     w1, m1, _ = timed([*matrix, "run", str(spec), "--warehouse", str(wh)], env, d / "run.log")
     w2, m2, _ = timed([*matrix, "analyze", "--warehouse", str(wh), "--workers", "1"], env, d / "analyze.log")
-    import duckdb
-
     from analysis.sql import connect
 
     con = connect(str(wh))
@@ -130,7 +127,6 @@ def run_matrix(f16: dict, text: str, d: Path, threads: int) -> dict:
     names = con.execute("select name, token_ids from prompts").fetchall()
     ids = [t for _, t in sorted(names, key=lambda r: int(r[0].rsplit("-c", 1)[1]))]  # chunk order
     con.close()
-    assert isinstance(con, duckdb.DuckDBPyConnection)
     shard = sum(f.stat().st_size for f in (wh / "logits" / ref[0]).glob("*.parquet"))
     return {"kl": row[0], "se": row[1], "rows": row[2], "floor": row[3], "ref_floor": json.loads(ref[1])["storage_floor"],
             "wall": w1 + w2, "walls": (w1, w2), "peak_gb_analyze": m2, "peak_gb_run_driver": m1, "disk": shard,
