@@ -2,7 +2,7 @@
 
 Captured cells are stored exactly (floor 0) unless the spec says `store: bf16`: then each row is
 shifted by its max and rounded to bf16, and its KL(native || stored) is measured as it is written
-(storage_kl). A llama.cpp `--kl-divergence-base` file rounds each
+(bf16_floor). A llama.cpp `--kl-divergence-base` file rounds each
 log-prob to a uint16 step and clamps 16 nats below the top (store/llamacpp_kld.py).
 """
 
@@ -20,14 +20,7 @@ def kld_base_floor(scale: np.ndarray, min_log_prob: np.ndarray, n_clamped: np.nd
     return scale ** 2 / 24 + np.minimum(dropped, 1.0)
 
 
-ROWS = 64  # rows per float64 pass: (64, 262144) float64 temporaries stay ~130 MB
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    m = np.max(x, -1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    z = x - m
-    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+ROWS = 64  # rows per pass: (64, 262144) float32 temporaries stay ~64 MB
 
 
 def bf16_floor(z: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -49,18 +42,3 @@ def bf16_floor(z: np.ndarray, s: np.ndarray) -> np.ndarray:
         out[i:i + ROWS] = np.where(np.isfinite(kl) & ~broken, np.maximum(kl, 0.0), np.nan)
     return out
 
-
-def storage_kl(native: np.ndarray, stored: np.ndarray) -> np.ndarray:
-    """(rows, vocab) engine logits and what the warehouse keeps of them -> (rows,) KL(P_native ||
-    P_stored) in float64, the floor that storing costs each row (NaN where a row is not finite)."""
-    out = np.empty(native.shape[0])
-    for i in range(0, native.shape[0], ROWS):
-        a = _log_softmax(native[i:i + ROWS].astype(np.float64))  # (rows, vocab)
-        b = _log_softmax(stored[i:i + ROWS].astype(np.float64))
-        p = np.exp(a)
-        with np.errstate(invalid="ignore"):
-            kl = np.where(p > 0, p * (a - b), 0.0).sum(-1)  # a masked (-inf) token weighs nothing
-        x = native[i:i + ROWS]
-        broken = np.isnan(x).any(-1) | np.isposinf(x).any(-1)  # a NaN/+Inf row has no distribution
-        out[i:i + ROWS] = np.where(np.isfinite(kl) & ~broken, np.maximum(kl, 0.0), np.nan)
-    return out

@@ -125,14 +125,15 @@ def parity_gate(parity: str | None, allowed: bool) -> dict:
 def worst_rows(con, cell_id: str, rows: list[dict]) -> None:
     """For each failed gate, the (prompt, position) that weighs most against it (rows[i]["worst"])."""
     for r in rows:
-        if r["pass"] or r["gate"] not in GATES:
-            if r["gate"] == "finite" and not r["pass"]:
-                hit = con.execute("SELECT prompt_id, position, nonfinite FROM metrics WHERE cell_id = ? AND repeat = 0 "
-                                  "AND nonfinite IS NOT NULL ORDER BY prompt_id, position LIMIT 1", [cell_id]).fetchone()
-                r["worst"] = {"prompt_id": hit[0], "position": hit[1], "value": hit[2]} if hit else None
+        if r["pass"]:
             continue
-        order = GATES[r["gate"]][3]
-        hit = con.execute(f"SELECT prompt_id, position, {order} AS v FROM metrics WHERE cell_id = ? AND repeat = 0 "
-                          f"AND nonfinite IS NULL ORDER BY v DESC NULLS LAST, prompt_id, position LIMIT 1",
+        if r["gate"] == "finite":  # the first flagged row, and which side; a bare 0 would be ORDER BY's column 0
+            where, value, rank = "nonfinite IS NOT NULL", "nonfinite", "1 + 0 * position"
+        elif r["gate"] in GATES:
+            where, value, rank = "nonfinite IS NULL", GATES[r["gate"]][3], GATES[r["gate"]][3]
+        else:  # tokenizer parity: not a property of a row
+            continue
+        hit = con.execute(f"SELECT prompt_id, position, {value} FROM metrics WHERE cell_id = ? AND repeat = 0 "
+                          f"AND {where} ORDER BY {rank} DESC NULLS LAST, prompt_id, position LIMIT 1",
                           [cell_id]).fetchone()
         r["worst"] = {"prompt_id": hit[0], "position": hit[1], "value": hit[2]} if hit else None

@@ -135,6 +135,15 @@ def _ranks(v: torch.Tensor) -> torch.Tensor:
     return less.double() + (eq.double() + 1) / 2.0
 
 
+def spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(rows, k) float64 values of the same k ids on two sides -> (rows,) Spearman rank correlation
+    (NaN where one side's k values are all equal)."""
+    ra, rb = _ranks(a), _ranks(b)
+    ra, rb = ra - ra.mean(-1, keepdim=True), rb - rb.mean(-1, keepdim=True)
+    den = ((ra * ra).sum(-1) * (rb * rb).sum(-1)).sqrt()
+    return torch.where(den > 0, (ra * rb).sum(-1) / den.clamp_min(1e-300), torch.full_like(den, float("nan")))
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
     return (a[:, :k, None] == b[:, None, :k]).any(-1).sum(-1).double() / k
 
@@ -149,12 +158,7 @@ def _chunk(ref: torch.Tensor, stk: torch.Tensor, nxt: torch.Tensor) -> dict[str,
         (t[:n] for t in _run_kernel(ref, stk))
     ref, stk = ref[:n], stk[:n]
     tr, ts = _topk(ref, bmax_r), _topk(stk, bmax_s)  # (rows, K) ids, descending
-    a = torch.gather(ref, 1, tr).double()
-    b = torch.gather(stk, 1, tr).double()
-    ra, rb = _ranks(a), _ranks(b)
-    ra, rb = ra - ra.mean(-1, keepdim=True), rb - rb.mean(-1, keepdim=True)
-    den = ((ra * ra).sum(-1) * (rb * rb).sum(-1)).sqrt()
-    spear = torch.where(den > 0, (ra * rb).sum(-1) / den.clamp_min(1e-300), torch.full_like(den, float("nan")))
+    spear = spearman(torch.gather(ref, 1, tr).double(), torch.gather(stk, 1, tr).double())
     has = nxt >= 0
     nid = torch.where(has, nxt, 0)[:, None]
     p_next = torch.exp(torch.gather(ref, 1, nid)[:, 0].double() - lser)

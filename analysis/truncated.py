@@ -14,6 +14,9 @@ apply to the lower end (a stack failing it certainly fails); the upper end is pr
 from __future__ import annotations
 
 import numpy as np
+import torch
+
+from analysis import metrics as M
 
 NOTE = ("KL over the top-k plus one tail bucket: a lower bound of the full KL; upper_bound adds the "
         "largest the tail can contribute (every tail p <= the k-th probability). cosine, norm ratio, max |diff| "
@@ -65,23 +68,9 @@ def truncated_metrics(topk_ids: np.ndarray, topk_logits: np.ndarray, lse: np.nda
         "norm_ratio_topk": np.linalg.norm(sv, axis=-1) / np.linalg.norm(rv, axis=-1),
         "max_abs_diff_topk": np.abs(sv - rv).max(-1),
         "nmse_topk": ((sv - rv) ** 2).sum(-1) / (rv ** 2).sum(-1),
-        "spearman_top10": _spearman(rv[:, :10], sv[:, :10]),  # the kernel's: over the reference's top-10
+        # the kernel's own Spearman, over the reference's top-10
+        "spearman_top10": M.spearman(torch.from_numpy(rv[:, :10]), torch.from_numpy(sv[:, :10])).numpy(),
     }
-
-
-def _ranks(v: np.ndarray) -> np.ndarray:
-    """Average ranks (ties share their mean rank) along the last axis of (rows, k)."""
-    less = (v[:, None, :] < v[:, :, None]).sum(-1)
-    eq = (v[:, None, :] == v[:, :, None]).sum(-1)
-    return less + (eq + 1) / 2.0
-
-
-def _spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    ra, rb = _ranks(a), _ranks(b)
-    ra, rb = ra - ra.mean(-1, keepdims=True), rb - rb.mean(-1, keepdims=True)
-    den = np.sqrt((ra * ra).sum(-1) * (rb * rb).sum(-1))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(den > 0, (ra * rb).sum(-1) / den, np.nan)
 
 
 def gate_values(m: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:

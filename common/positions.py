@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-PRESETS = {"llama_perplexity": {"from": "half", "to": -2, "stride": 1}}
 KEYS = ("from", "to", "stride", "last")
 
 
@@ -61,13 +60,18 @@ class Positions:
         return f"positions {lo} to {hi} (inclusive, n = prompt length) every {self.stride}{tail}"
 
 
+# perplexity.cpp's `first = n_ctx/2` .. n_ctx - 2: the rows its KL is over (store/llamacpp_kld.py too)
+LLAMA_PERPLEXITY = Positions(stride=1, start="half", stop=-2, last=False)
+PRESETS = {"llama_perplexity": LLAMA_PERPLEXITY}
+
+
 def parse(raw, fld: str, err) -> Positions:
     """A spec's `positions:` value (a preset name or a mapping); err(field, message, value) -> exception."""
     if isinstance(raw, str):
         if raw not in PRESETS:
             raise err(fld, f"unknown preset; expected one of {', '.join(PRESETS)} or a mapping of {', '.join(KEYS)}",
                       raw)
-        raw = PRESETS[raw]
+        return PRESETS[raw]
     if not isinstance(raw, dict) or not raw:
         raise err(fld, f"must be a preset name or a mapping of {', '.join(KEYS)}", raw)
     for k in raw:

@@ -219,8 +219,7 @@ def _sequences(e: Entry, tokenizer, bos_policy: str, model: str, where: str):
                                 f"(0..{n_vocab - 1})")
         if e.ids_kind == "kld-base":  # llama-perplexity put BOS in each chunk's place where the model takes it
             bos = _chunk_bos(tokenizer, bos_policy)
-            return [(f"{e.id}-{sub}", None, ids if bos is None else [bos] + ids[1:], bos is not None)
-                    for sub, ids in e.ids]
+            return [(f"{e.id}-{sub}", None, chunk_ids(ids, len(ids), bos)[0], bos is not None) for sub, ids in e.ids]
         if e.chunks is None:
             return [(f"{e.id}-{sub}" if sub else e.id, None, ids, False) for sub, ids in e.ids]
         return [(f"{e.id}-c{c}", None, ch, False) for c, ch in enumerate(chunk_ids(e.ids[0][1], e.chunks, None))]

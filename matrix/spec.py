@@ -25,7 +25,7 @@ from common.stack import Cell
 DEFAULT_STRIDE = 32
 BOS_POLICIES = ("tokenizer", "always", "never")
 # How rows are stored: native (lossless, the default) or bf16 (row max subtracted, rounded to bf16;
-# each row's KL floor is measured as it is written: analysis/floors.py storage_kl)
+# each row's KL floor is measured as it is written: analysis/floors.py bf16_floor)
 STORES = ("native", "bf16")
 TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
             "devices", "include", "exclude", "reference", "stride", "repeats",

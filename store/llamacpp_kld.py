@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common.positions import LLAMA_PERPLEXITY
+
 MAGIC = b"_logits_"
 CLAMP_NATS = 16.0
 
@@ -33,8 +35,9 @@ def row_width(n_vocab: int) -> int:
     return 2 * ((n_vocab + 1) // 2) + 4
 
 
-def scored_positions(n_ctx: int) -> range:
-    return range(n_ctx // 2, n_ctx - 1)
+def scored_positions(n_ctx: int) -> list[int]:
+    """Row j of a chunk predicts token j + 1; perplexity.cpp scores j = n_ctx/2 .. n_ctx - 2."""
+    return LLAMA_PERPLEXITY.of(n_ctx)
 
 
 def encode_rows(logits: np.ndarray) -> np.ndarray:
