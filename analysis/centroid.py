@@ -35,7 +35,6 @@ class Group:
         self.cols: dict[str, list] = {k: [] for k in CENTROID_COLS}
         todo = itertools.combinations(self.ids, 2) if pairs is None else sorted(tuple(p) for p in pairs)
         self.pairs = {p: [0.0, 0, 0] for p in todo}  # js sum, top1 sum, rows
-        self._c, self._s, self._exact = [], [], []
 
     def add(self, keys: list[tuple[str, int]], rows: dict[str, tuple[dict, np.ndarray]]) -> None:
         """keys: the chunk's (prompt, position)s in order; rows[cell] = ({key: i}, (n, vocab) float32)."""
@@ -45,39 +44,27 @@ class Group:
             fin = [c for c in present if finite[c][rows[c][0][key]]]
             for c in present:
                 if c not in fin:  # a flagged row: recorded, measured against nothing
-                    self._flush()
                     for k, v in zip(CENTROID_COLS, (c, key[0], key[1], len(fin), None, None, None, True)):
                         self.cols[k].append(v)
             if fin:
                 self._centroid(key, fin, np.stack([rows[c][1][rows[c][0][key]] for c in fin]))  # (stacks, vocab)
-        self._flush()
         self._pairs(keys, rows, finite)
 
     def _centroid(self, key, fin: list[str], rows: np.ndarray) -> None:
-        lps = torch.log_softmax(torch.from_numpy(rows).double(), -1)  # (stacks, vocab)
+        x = rows.astype(np.float64)  # (stacks, vocab); exact widening, ~10x faster than torch's .double()
+        lps = torch.log_softmax(torch.from_numpy(x), -1)  # (stacks, vocab)
         if self.how == "mean_logprob":
             lc = torch.log_softmax(lps.mean(0), -1)
         else:
             lc = torch.logsumexp(lps, 0) - np.log(len(fin))  # log of the mean probability
-        self._c.append(np.repeat(lc.numpy()[None], len(fin), 0))
-        self._s.append(rows.astype(np.float64))
-        self._exact.append(np.full(len(fin), bool((rows == rows[:1]).all())))  # the centroid is that stack
+        # one kernel call per position: the centroid row repeated beside each member's row, no batch to copy
+        m = M.row_metrics(np.broadcast_to(lc.numpy(), x.shape), x)
+        exact = bool((rows == rows[:1]).all())  # the centroid is that stack
         for k, v in zip(CENTROID_COLS[:4], (fin, [key[0]] * len(fin), [key[1]] * len(fin), [len(fin)] * len(fin))):
             self.cols[k] += v
-        self.cols["nonfinite"] += [False] * len(fin)
-        if sum(len(x) for x in self._c) >= 64:
-            self._flush()
-
-    def _flush(self) -> None:
-        if not self._c:
-            return
-        m = M.row_metrics(np.concatenate(self._c), np.concatenate(self._s))
-        exact = np.concatenate(self._exact)
         for src, dst in (("kld", "kld_centroid_stack"), ("kld_reverse", "kld_stack_centroid"), ("js", "js_centroid")):
-            v = m[src]
-            v[exact] = 0.0
-            self.cols[dst] += v.tolist()
-        self._c, self._s, self._exact = [], [], []
+            self.cols[dst] += [0.0] * len(fin) if exact else m[src].tolist()
+        self.cols["nonfinite"] += [False] * len(fin)
 
     @staticmethod
     def merge(parts: list["Group"]) -> "Group":
