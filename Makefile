@@ -36,6 +36,8 @@ demo: $(STAMP)
 	$(VENV)/bin/matrix sql "select c.engine, c.dtype, c.attention, c.status, c.max_tokens, c.repeats, c.rows_per_repeat, c.bit_reproducible, c.tokenizer_parity, count(l.position) as rows from cells c left join logits l using (cell_id) group by all order by c.engine, c.dtype, c.attention" --warehouse warehouse
 	$(VENV)/bin/matrix analyze --warehouse warehouse
 	$(VENV)/bin/matrix report --warehouse warehouse
+	@# the shipped Q4_1 file, measured as a published candidate: its card names the file and its hash
+	$(VENV)/bin/matrix card "$$($(VENV)/bin/matrix sql "select cell_id from cells where artifact_sha256 is not null and status = 'done' order by finished_at desc limit 1" --warehouse warehouse --format csv | tail -1)" --warehouse warehouse
 
 # The suite includes real vLLM-on-CPU runs, so it builds the vLLM environment too (~3 min once).
 test: $(STAMP) vllm-env

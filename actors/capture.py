@@ -71,12 +71,13 @@ def storage_summary(parts: list[dict]) -> dict[str, Any]:
 
 
 def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]], keep: Positions | int,
-                  max_tokens: int | None = None, store: str = "native") -> dict[str, Any]:
+                  max_tokens: int | None = None, store: str = "native", observe=None) -> dict[str, Any]:
     """Every prompt's rows into writer (a ShardWriter, or a RemoteShard on a node that cannot
     see the warehouse), committed at the end; returns a small manifest (no arrays).
 
     max_tokens: keep only the sampled positions below it and feed just the prefix they
-    need; logits at p depend on ids[0..p] only, so those rows mean what the full run's do."""
+    need; logits at p depend on ids[0..p] only, so those rows mean what the full run's do.
+    observe(prompt_id, positions, stored, shift): called with each prompt's rows as written."""
     t0 = time.perf_counter()
     forward_s = 0.0
     storage = Storage(store)
@@ -94,7 +95,10 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
             native = backend.forward(ids, positions)  # (rows, vocab), native dtype
             forward_s += time.perf_counter() - tf
             dtype = str(native.dtype)
-            writer.add(prompt_id, positions, next_ids, *storage.keep(native))
+            stored, shift = storage.keep(native)
+            writer.add(prompt_id, positions, next_ids, stored, shift)
+            if observe is not None:
+                observe(prompt_id, positions, stored, shift)
         path = writer.commit()
     except BaseException:
         writer.abort()

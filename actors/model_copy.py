@@ -73,3 +73,18 @@ def source_gguf(model: ModelCopy, depot) -> str | None:
         if not dest.is_dir():
             _receive(depot, model.source_gguf, dest)
     return str(dest / own.name)
+
+
+def artifact_file(path: str | None, sha256: str | None, depot) -> str | None:
+    """A candidate's published file on this node: the driver's path when this node has it (the
+    backend checks its hash where it reads it), else a copy sent through the depot, kept by hash."""
+    if not path:
+        return None
+    own = Path(path)
+    if own.is_file():
+        return str(own)
+    dest = cache_root() / "shipped" / f"artifact-{sha256}"
+    with locked(dest.parent):
+        if not dest.is_dir():
+            _receive(depot, path, dest)
+    return str(dest / own.name)

@@ -81,7 +81,7 @@ class StackActor:
 
     def _load(self, dist: dict[str, Any] | None, rendezvous: tuple[str, int] | None,
               node_gpus: tuple[list[str], ...]) -> dict[str, Any]:
-        from actors.model_copy import model_dir, source_gguf
+        from actors.model_copy import artifact_file, model_dir, source_gguf
         from common.builds import describe, engine_build
 
         t0 = time.perf_counter()
@@ -95,7 +95,9 @@ class StackActor:
                     "own_gpus": self.gpu_ids(), "node_gpus": [list(g) for g in node_gpus]}
         node = f"{socket.gethostname()} ({ray.get_runtime_context().get_node_id()[:12]})"
         local_dir, model_via = model_dir(self.model, self.delivery.depot, node)
-        stack = dataclasses.replace(self.stack, source_gguf=source_gguf(self.model, self.delivery.depot))
+        stack = dataclasses.replace(self.stack, source_gguf=source_gguf(self.model, self.delivery.depot),
+                                    artifact=artifact_file(self.stack.artifact, self.stack.artifact_sha256,
+                                                           self.delivery.depot))
         self.backend = self.cls(stack, local_dir, self.threads)
         self.backend.dist = dist
         self.rank = dist["rank"] if dist else 0
@@ -136,11 +138,13 @@ class StackActor:
         return {"status": "ok" if ok else "mismatch", "rows": rows, "special": special, "problems": problems}
 
     def capture(self, run_id: str, repeat: int, prompts: list[tuple[str, list[int]]],
-                keep: Positions, store: str = "native") -> dict[str, Any]:
+                keep: Positions, store: str = "native", metrics_ref: str | None = None) -> dict[str, Any]:
         """One teacher-forced prefill per prompt; the shard is written here, not returned.
 
         Under tensor parallelism every rank runs the same forwards (they are collective); only
-        rank 0 writes rows."""
+        rank 0 writes rows. metrics_ref: the reference cell whose repeat 0 this node reads from the
+        warehouse, to measure each prompt's rows against as they come out (the metrics rows,
+        small, come back in the manifest)."""
         self._loaded()
         if self.rank > 0:
             for _, ids in prompts:
@@ -153,9 +157,19 @@ class StackActor:
         cid = self.stack.cell_id
         writer = (ShardWriter(self.delivery.warehouse, run_id, cid, repeat) if self.direct
                   else RemoteShard(self.delivery.depot, run_id, cid, repeat))
-        out = capture_shard(self.backend, writer, prompts, keep, self.stack.max_tokens, store)
+        metrics = self._metrics(metrics_ref, repeat)
+        out = capture_shard(self.backend, writer, prompts, keep, self.stack.max_tokens, store,
+                            None if metrics is None else metrics.observe)
         return {**out, "cell_id": cid, "repeat": repeat, "rows_via": "node" if self.direct else "driver",
-                "bytes_sent": 0 if self.direct else writer.bytes}
+                "bytes_sent": 0 if self.direct else writer.bytes,
+                "metrics": None if metrics is None else metrics.outcome()}
+
+    def _metrics(self, ref_id: str | None, repeat: int):
+        from actors.inline_metrics import InlineMetrics
+
+        if ref_id is None or (ref_id == self.stack.cell_id and repeat == 0):  # the yardstick itself
+            return None
+        return InlineMetrics(self.delivery.warehouse if self.direct else None, ref_id, self.stack.cell_id, repeat)
 
     def close(self) -> None:
         if self.backend is not None:

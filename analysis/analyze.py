@@ -34,7 +34,7 @@ import torch
 
 from analysis import metrics as M
 from analysis.centroid import Group, group_rows
-from analysis.compare import CellResult, cell_metrics
+from analysis.compare import CellResult, cell_metrics, with_floor
 from common.errors import UserError
 from store import Warehouse
 from store.stream import shard_index
@@ -89,6 +89,33 @@ def _floor(cell: dict) -> float:
 
 def _key(**parts) -> str:
     return hashlib.sha256(json.dumps({"kernel": M.KERNEL_VERSION, **parts}, sort_keys=True).encode()).hexdigest()
+
+
+def cell_key(ref_id: str, ref_digest: str, floor: float, shards: dict[int, str]) -> str:
+    """A cell unit's content key: what its metrics file was computed from."""
+    return _key(ref=ref_id, ref_digest=ref_digest, floor=floor, shards=shards)
+
+
+def store_inline(wh: Warehouse, cell: dict, ref: dict, measured: dict[int, dict], log) -> bool:
+    """Write the metrics a cell's actor measured while capturing (`reference_metrics: in_actor`)
+    as analyze would, under the key analyze computes: a later analyze finds the unit done. False
+    (nothing written) unless every repeat the unit covers was measured against this reference."""
+    cid, ref_id = cell["cell_id"], ref["cell_id"]
+    want = [r for r in range(cell["repeats"]) if not (cid == ref_id and r == 0)]
+    if not want or any(measured.get(r, {}).get("reference") != ref_id or "table" not in measured[r] for r in want):
+        return False
+    floor = _floor(ref) + _floor(cell)
+    shards = {r: shard_index(wh, cid, r).digest for r in range(cell["repeats"])}
+    result = CellResult()
+    for r in want:
+        result.tables[r], result.counts[r] = with_floor(measured[r]["table"], floor), measured[r]["counts"]
+    u = Unit("cell", cid, cell_key(ref_id, shard_index(wh, ref_id, 0).digest, floor, shards), 0,
+             {"cell_id": cid, "ref_id": ref_id})
+    summary = {"damaged": [], "nonfinite_rows": 0, "unaligned_rows": {}, "cells": 0, "metric_rows": 0}
+    _write(wh, u, result, summary, log, computed_in="actor")
+    if not wh.table_files("metrics_ranges"):
+        _write_ranges(wh, DEFAULT_RANGES)
+    return True
 
 
 def run_task(where: str, task: Task, skip_damaged: bool = False):
@@ -161,8 +188,7 @@ def plan(wh: Warehouse, done: list[dict], reference: str | None, centroid: str, 
         for c in group:
             cid, floor, d = c["cell_id"], ref_floor + _floor(c), digests[c["cell_id"]]
             counts = next(iter(d.values()))[1] if d else {}
-            units.append(Unit("cell", cid, _key(ref=ref_id, ref_digest=ref_digest, floor=floor,
-                                                shards={r: v[0] for r, v in d.items()}),
+            units.append(Unit("cell", cid, cell_key(ref_id, ref_digest, floor, {r: v[0] for r, v in d.items()}),
                               sum(sum(v[1].values()) for v in d.values()),
                               {"cell_id": cid, "repeats": c["repeats"], "ref_id": ref_id, "floor": floor},
                               _pieces({p: n * len(d) for p, n in counts.items()})))
@@ -320,8 +346,8 @@ def _heartbeat(progress: Progress, what: Callable[[], str], log, every: float = 
         t.join()
 
 
-def _write(wh: Warehouse, u: Unit, result, summary: dict, log) -> None:
-    meta = {"key": u.key, "kernel_version": M.KERNEL_VERSION}
+def _write(wh: Warehouse, u: Unit, result, summary: dict, log, computed_in: str = "analyze") -> None:
+    meta = {"key": u.key, "kernel_version": M.KERNEL_VERSION, "computed_in": computed_in}
     if u.kind == "cell":
         if result.damaged:  # left-out rows: computed again (and reported again) next time
             meta.pop("key")

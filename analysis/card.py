@@ -46,7 +46,25 @@ def calibration(cell: dict) -> str | None:
                 if recipe.get("q_bits") else "none: float conversion of the reference weights")
     if tool is None and cell["engine"] == "hf":
         return f"none: the reference checkpoint's weights at {cell['dtype']}"
+    if tool == "published artifact":  # what the file's own header says llama-quantize used
+        im = recipe.get("imatrix")
+        if im:
+            return "importance matrix, per the file's header: " + ", ".join(f"{k} {v}" for k, v in sorted(im.items()))
+        return ("no importance matrix recorded in the file's header (llama-quantize writes quantize.imatrix.* "
+                "when it uses one); declare `calibration:` on the candidate if the publisher says otherwise")
     return None  # e.g. a file used as shipped: only its publisher knows
+
+
+def artifact(cell: dict) -> dict:
+    """What the candidate ran: a published file (its hash and where it came from), or what built it."""
+    recipe = _json(cell.get("artifact_recipe"))
+    if recipe.get("tool") == "published artifact":
+        return {"kind": "published artifact", "file": recipe.get("file"), "sha256": cell.get("artifact_sha256"),
+                "source": recipe.get("source"), "declared_quant": recipe.get("declared_quant"),
+                **({"label": recipe["label"]} if recipe.get("label") else {})}
+    if not recipe:  # HF, vLLM, TensorRT-LLM: the engine loads the reference checkpoint itself
+        return {"kind": f"the reference checkpoint itself, loaded by {cell['engine']} at {cell['dtype']}"}
+    return {"kind": f"built by logit-matrix ({recipe.get('tool')})", "sha256": cell.get("artifact_sha256")}
 
 
 def _driver(cell: dict) -> str | None:
@@ -146,6 +164,7 @@ def _disclosure(cell: dict, ref: dict, s: dict, prompts: list, pos: dict) -> dic
         "evaluation_text": {"corpus": cell.get("corpus"), "prompts": len(prompts), "categories": cats,
                             "token_ids_sha256": ids_hash, "bos_policy": cell.get("bos_policy"),
                             "tokenizer_parity": cell.get("tokenizer_parity")},
+        "candidate_artifact": artifact(cell),
         "calibration_data": calibration(cell),
         "context_lengths": {"min": ctx[0] if ctx else None, "median": ctx[len(ctx) // 2] if ctx else None,
                             "max": ctx[-1] if ctx else None, "fed_prefix_tokens": cell.get("max_tokens") or "whole prompts"},

@@ -85,61 +85,89 @@ def _nullable(v: np.ndarray, bad: np.ndarray) -> pa.Array:
     return pa.array(v, mask=bad | np.isnan(v))
 
 
-def _aligned(ref: ShardIndex, stk: ShardIndex, pid: str) -> tuple[np.ndarray, np.ndarray]:
-    """(reference rows, stack rows) of prompt pid at the positions both have, in stack order."""
+def _aligned(ref: ShardIndex, positions: np.ndarray, pid: str) -> tuple[np.ndarray, np.ndarray]:
+    """(reference rows, stack rows) of prompt pid at the positions both have, in stack order
+    (positions: the stack's positions of that prompt)."""
     rp = ref.prompts.get(pid)
     if rp is None:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     at = {int(q): i for i, q in enumerate(rp.positions)}
-    si = np.array([i for i, q in enumerate(stk.prompts[pid].positions) if int(q) in at], np.int64)
-    ri = np.array([at[int(stk.prompts[pid].positions[i])] for i in si], np.int64)
+    si = np.array([i for i, q in enumerate(positions) if int(q) in at], np.int64)
+    ri = np.array([at[int(positions[i])] for i in si], np.int64)
     return ri, si
+
+
+class RepeatMetrics:
+    """One stack repeat against the reference's repeat 0, fed one prompt at a time: from the
+    stack's shard (`matrix analyze`), or from the rows just captured (in the capturing actor,
+    `reference_metrics: in_actor`). Both feed the same float32 rows, so the numbers are the same."""
+
+    def __init__(self, wh: Warehouse, ref: ShardIndex, cell_id: str, repeat: int, vocab: int,
+                 budget: int = BUDGET_BYTES):
+        if vocab and ref.vocab and vocab != ref.vocab:
+            raise UserError(f"cell {cell_id} has vocabulary {vocab}, reference {ref.cell_id} has "
+                            f"{ref.vocab}: they cannot be compared row for row")
+        self.wh, self.ref, self.cell_id, self.repeat = wh, ref, cell_id, repeat
+        self.step = chunk_rows(2, vocab or 1, budget)
+        self.cols: dict[str, list] = {k: [] for k in ("prompt_id", "position", "metrics")}
+        self.unaligned, self.total, self.first = 0, 0, None
+
+    def add(self, pid: str, positions: np.ndarray, take) -> None:
+        """positions: (rows,) the stack's positions of prompt pid, in order; take(idx) -> those
+        rows of the stack as (len(idx), vocab) float32 raw logits, asked in ascending chunks."""
+        self.total += len(positions)
+        ri, si = _aligned(self.ref, positions, pid)
+        if len(si) < len(positions):
+            self.unaligned += len(positions) - len(si)
+            if self.first is None:
+                have = set(si.tolist())
+                self.first = (pid, int(next(q for i, q in enumerate(positions) if i not in have)))
+        if not len(si):
+            return
+        a, step, nxt = Rows(self.wh, self.ref, pid, self.step), self.step, self.ref.prompts[pid].next_ids
+        for s in range(0, len(si), step):
+            m = M.row_metrics(a.take(ri[s:s + step]), take(si[s:s + step]), nxt[ri[s:s + step]])
+            self.cols["metrics"].append(m)
+            self.cols["prompt_id"] += [pid] * len(m["kld"])
+            self.cols["position"] += np.asarray(positions)[si[s:s + step]].tolist()
+
+    def result(self, floor: float) -> tuple[pa.Table, list]:
+        """(metrics rows, counts as in CellResult)."""
+        n, ms = len(self.cols["prompt_id"]), self.cols["metrics"]
+        merged = {k: np.concatenate([m[k] for m in ms]) for k in ms[0]} if ms else {}
+        nonfinite = merged.pop("nonfinite", np.array([], dtype=object))
+        bad = np.array([v is not None for v in nonfinite], dtype=bool)
+        table = pa.table({
+            "cell_id": [self.cell_id] * n, "reference_cell_id": [self.ref.cell_id] * n,
+            "prompt_id": self.cols["prompt_id"], "position": pa.array(self.cols["position"], pa.int32()),
+            "repeat": pa.array([self.repeat] * n, pa.int32()),
+            **{k: _nullable(v, bad) for k, v in merged.items()},
+            "storage_floor": pa.array(np.full(n, floor)),
+            "nonfinite": pa.array(list(nonfinite), pa.string()),
+            "kernel_version": [M.KERNEL_VERSION] * n,
+        })
+        at = np.flatnonzero(bad)
+        first_bad = f"{(self.cols['prompt_id'][at[0]], int(self.cols['position'][at[0]]))}" if len(at) else None
+        return table, [self.unaligned, self.total, int(bad.sum()), None if self.first is None else f"{self.first}",
+                       first_bad]
+
+
+def with_floor(table: pa.Table, floor: float) -> pa.Table:
+    """The table with its storage_floor column set (an actor measures rows before the cell's
+    floor, a mean over all its captures, is known)."""
+    i = table.column_names.index("storage_floor")
+    return table.set_column(i, "storage_floor", pa.array(np.full(table.num_rows, floor)))
 
 
 def repeat_metrics(wh: Warehouse, ref: ShardIndex, stk: ShardIndex, floor: float, prompts: list[str] | None = None,
                    budget: int = BUDGET_BYTES) -> tuple[pa.Table, list]:
     """Metrics of every row of one stack shard (of `prompts`, default all) that the reference's
     repeat 0 also has. Returns (rows, counts as in CellResult)."""
-    if stk.vocab and ref.vocab and stk.vocab != ref.vocab:
-        raise UserError(f"cell {stk.cell_id} has vocabulary {stk.vocab}, reference {ref.cell_id} has "
-                        f"{ref.vocab}: they cannot be compared row for row")
-    step = chunk_rows(2, stk.vocab or 1, budget)
-    cols: dict[str, list] = {k: [] for k in ("prompt_id", "position", "metrics")}
-    unaligned, total, first = 0, 0, None
+    acc = RepeatMetrics(wh, ref, stk.cell_id, stk.repeat, stk.vocab, budget)
     for pid, sp in stk.prompts.items():  # row-group order: the shard's own order
-        if prompts is not None and pid not in prompts:
-            continue
-        total += len(sp.positions)
-        ri, si = _aligned(ref, stk, pid)
-        if len(si) < len(sp.positions):
-            unaligned += len(sp.positions) - len(si)
-            if first is None:
-                have = set(si.tolist())
-                first = (pid, int(next(q for i, q in enumerate(sp.positions) if i not in have)))
-        if not len(si):
-            continue
-        a, b = Rows(wh, ref, pid, step), Rows(wh, stk, pid, step)
-        for s in range(0, len(si), step):
-            m = M.row_metrics(a.take(ri[s:s + step]), b.take(si[s:s + step]), ref.prompts[pid].next_ids[ri[s:s + step]])
-            cols["metrics"].append(m)
-            cols["prompt_id"] += [pid] * len(m["kld"])
-            cols["position"] += sp.positions[si[s:s + step]].tolist()
-    n = len(cols["prompt_id"])
-    ms = cols["metrics"]
-    merged = {k: np.concatenate([m[k] for m in ms]) for k in ms[0]} if ms else {}
-    nonfinite = merged.pop("nonfinite", np.array([], dtype=object))
-    bad = np.array([v is not None for v in nonfinite], dtype=bool)
-    table = pa.table({
-        "cell_id": [stk.cell_id] * n, "reference_cell_id": [ref.cell_id] * n, "prompt_id": cols["prompt_id"],
-        "position": pa.array(cols["position"], pa.int32()), "repeat": pa.array([stk.repeat] * n, pa.int32()),
-        **{k: _nullable(v, bad) for k, v in merged.items()},
-        "storage_floor": pa.array(np.full(n, floor)),
-        "nonfinite": pa.array(list(nonfinite), pa.string()),
-        "kernel_version": [M.KERNEL_VERSION] * n,
-    })
-    at = np.flatnonzero(bad)
-    first_bad = f"{(cols['prompt_id'][at[0]], int(cols['position'][at[0]]))}" if len(at) else None
-    return table, [unaligned, total, int(bad.sum()), None if first is None else f"{first}", first_bad]
+        if prompts is None or pid in prompts:
+            acc.add(pid, sp.positions, Rows(wh, stk, pid, acc.step).take)
+    return acc.result(floor)
 
 
 def cell_metrics(wh: Warehouse, cell_id: str, repeats: int, ref_id: str, floor: float, skip_damaged: bool,

@@ -51,6 +51,8 @@ class Backend:
     # The installed distributions whose build changes the rows (common/builds.py): their
     # versions and file hashes name the cell's build, part of what decides "already captured".
     libraries: ClassVar[tuple[str, ...]] = ()
+    # Published files it runs as they are (`candidates:`): e.g. "gguf"
+    runs_files: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, stack: StackDesc, model_dir: str, threads: int):
         self.stack = stack
@@ -73,7 +75,10 @@ class Backend:
 
     @classmethod
     def unsupported(cls, cell) -> str | None:
-        if cell.dtype not in cls.dtypes:
+        if getattr(cell, "artifact", None):  # a published file: the engine runs what it declares
+            if "gguf" not in cls.runs_files:
+                return f"engine {cls.engine} does not run a given GGUF file"
+        elif cell.dtype not in cls.dtypes:
             return f"engine {cls.engine} does not run dtype {cell.dtype} (runs: {', '.join(sorted(cls.dtypes))})"
         if cell.attention not in cls.attention:
             return (f"engine {cls.engine} has no attention '{cell.attention}' "

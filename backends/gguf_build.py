@@ -121,6 +121,19 @@ def tensor_types(path: str) -> dict[str, int]:
     return dict(sorted(Counter(t.tensor_type.name for t in GGUFReader(path).tensors).items()))
 
 
+def published(path: str, sha256: str | None, source: str | None = None) -> dict[str, Any]:
+    """A candidate's file, run as it is: its hash checked here, where it is read (the driver adds
+    what its header declares to the recipe: matrix/candidates.py header_facts)."""
+    from common.files import sha256_file
+
+    check_gguf(path)
+    got = sha256_file(Path(path))
+    if sha256 and got != sha256:
+        raise RuntimeError(f"{path}: sha256 {got}, but the driver recorded {sha256} for this candidate")
+    return {"path": path, "sha256": got,
+            "recipe": {"tool": "published artifact", "source": source or path, "file": Path(path).name}}
+
+
 def build_for(dtype: str, hf_dir: str, weights_sha256: str | None, threads: int,
               original: str | None = None, original_quant: str | None = None) -> dict[str, Any]:
     """The GGUF for a cell dtype. A catalog model's own file serves its own quant type."""

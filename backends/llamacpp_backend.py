@@ -104,6 +104,7 @@ class LlamaCppBackend(Backend):
                          "apple-m1", "apple-m2", "apple-m3", "apple-m4", "mps"})
     options = frozenset({"kv_cache", "n_batch", "n_ubatch"})
     libraries = ("llama_cpp_python", "gguf")  # gguf-py writes the converted and quantised files
+    runs_files = frozenset({"gguf"})
 
     def load(self) -> None:
         import llama_cpp
@@ -113,9 +114,12 @@ class LlamaCppBackend(Backend):
         self._lc = lc = llama_cpp
         opts = {**DEFAULTS, **(self.stack.opts)}
         self.n_batch, self.n_ubatch, self.kv_cache = opts["n_batch"], opts["n_ubatch"], opts["kv_cache"]
-        self.artifact = gguf_build.build_for(
-            self.stack.dtype, self.model_dir, self.stack.weights_sha256, self.threads,
-            original=self.stack.source_gguf, original_quant=self.stack.source_quant)
+        st = self.stack
+        if st.artifact:  # a candidate: the published file as it is
+            self.artifact = gguf_build.published(st.artifact, st.artifact_sha256, st.artifact_source)
+        else:
+            self.artifact = gguf_build.build_for(st.dtype, self.model_dir, st.weights_sha256, self.threads,
+                                                 original=st.source_gguf, original_quant=st.source_quant)
         quiet_logs()
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()

@@ -4,12 +4,17 @@ scored half of each 512-token chunk of one text, the same two GGUFs, side by sid
     llama-perplexity  -m F16 -f TEXT -c 512 --kl-divergence-base BASE     (the base pass)
                       -m Q4_K_M -c 512 --kl-divergence-base BASE --kl-divergence
     logit-matrix      matrix run (llamacpp f16 + q4_k_m, positions: llama_perplexity, store: bf16,
-                      the text cut by `chunks: 512` with llama.cpp's tokenizer) + matrix analyze
+                      the text cut by `chunks: 512` with llama.cpp's tokenizer) [+ matrix analyze]
 
 llama-perplexity is built from the vendor/llama.cpp of the installed llama-cpp-python's sdist
 (CMake, -DGGML_NATIVE=OFF, like the Makefile's llama-cpp-python build), once, into the cache.
 
     .venv/bin/python benchmarks/vs_llama_perplexity.py [--text FILE] [--threads 2] [--llama-perplexity BIN]
+                                                       [--modes analyze,in_actor]
+
+logit-matrix runs the job both ways in the same run: its two cells side by side then `matrix
+analyze`, and `reference_metrics: in_actor` (the reference, then Q4_K_M measured against the
+stored reference rows as it captures, as llama-perplexity's second pass does).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -100,7 +106,38 @@ def run_llama(binary: Path, f16: str, q4: str, text: str, d: Path, threads: int)
             "disk": base.stat().st_size, "base": base}
 
 
-def run_matrix(f16: dict, text: str, d: Path, threads: int) -> dict:
+class ActorPeak:
+    """The largest peak RSS (VmHWM) of any Ray actor process while the run goes: the actors are
+    raylet's children, not the driver's, so wait4 does not see them."""
+
+    def __init__(self, every: float = 0.25):
+        self.every, self.peak_kb, self.stop = every, 0, threading.Event()
+
+    def _poll(self) -> None:
+        while not self.stop.wait(self.every):
+            for proc in Path("/proc").iterdir():
+                try:
+                    if proc.name.isdigit() and b"StackActor" in (proc / "cmdline").read_bytes():
+                        hwm = re.search(r"VmHWM:\s+(\d+) kB", (proc / "status").read_text())
+                        self.peak_kb = max(self.peak_kb, int(hwm.group(1)) if hwm else 0)
+                except OSError:  # the process ended between listing and reading
+                    continue
+
+    @property
+    def peak_gb(self) -> float:
+        return self.peak_kb * 1024 / 1e9
+
+    def __enter__(self):
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def run_matrix(f16: dict, text: str, d: Path, threads: int, via_analyze: bool) -> dict:
     corpus = d / "corpus.yaml"
     corpus.write_text(json.dumps({"name": "vs-llama-perplexity", "prompts": [
         {"id": "text", "category": "long_context", "source": text, "file": str(Path(text).resolve()),
@@ -108,16 +145,21 @@ def run_matrix(f16: dict, text: str, d: Path, threads: int) -> dict:
     spec = d / "spec.yaml"
     spec.write_text(json.dumps({
         "name": "vs-llama-perplexity", "models": ["smollm2-135m"], "engines": ["llamacpp"],
-        # both cells side by side, each on half the cores: one's load overlaps the other's capture
-        "dtypes": ["f16", "q4_k_m"], "attention": ["default"], "threads": max(1, threads // 2), "repeats": 1,
+        "dtypes": ["f16", "q4_k_m"], "attention": ["default"], "repeats": 1,
         "reference": {"engine": "llamacpp", "dtype": "f16", "attention": "default"},
         "positions": "llama_perplexity", "store": "bf16", "corpus": str(corpus),
-        "centroid": {"definition": "none"}}))  # the job asks for KL against the reference only
+        "centroid": {"definition": "none"},  # the job asks for KL against the reference only
+        # in_actor: the reference first on every core, then Q4_K_M measured against its stored rows
+        # as it captures (llama-perplexity's order); analyze: both side by side, then `matrix analyze`
+        **({"threads": max(1, threads // 2)} if via_analyze else {"threads": threads, "reference_metrics": "in_actor"})}))
     wh = d / "wh"
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     matrix = [sys.executable, "-m", "matrix"]
-    w1, m1, _ = timed([*matrix, "run", str(spec), "--warehouse", str(wh)], env, d / "run.log")
-    w2, m2, _ = timed([*matrix, "analyze", "--warehouse", str(wh), "--workers", "1"], env, d / "analyze.log")
+    with ActorPeak() as actors:
+        w1, m1, _ = timed([*matrix, "run", str(spec), "--warehouse", str(wh)], env, d / "run.log")
+    w2, m2 = 0.0, 0.0
+    if via_analyze:
+        w2, m2, _ = timed([*matrix, "analyze", "--warehouse", str(wh), "--workers", "1"], env, d / "analyze.log")
     from analysis.sql import connect
 
     con = connect(str(wh))
@@ -129,8 +171,14 @@ def run_matrix(f16: dict, text: str, d: Path, threads: int) -> dict:
     con.close()
     shard = sum(f.stat().st_size for f in (wh / "logits" / ref[0]).glob("*.parquet"))
     return {"kl": row[0], "se": row[1], "rows": row[2], "floor": row[3], "ref_floor": json.loads(ref[1])["storage_floor"],
-            "wall": w1 + w2, "walls": (w1, w2), "peak_gb_analyze": m2, "peak_gb_run_driver": m1, "disk": shard,
+            "wall": w1 + w2, "walls": (w1, w2), "peak_gb_run_driver": m1, "peak_gb_actor": actors.peak_gb,
+            "peak_gb": m2 if via_analyze else actors.peak_gb, "peak_what": "analyze" if via_analyze else "actor",
+            "disk": shard,
             "ids": ids}
+
+
+MODES = {"analyze": "2 cells side by side, {half} thread(s) each, then matrix analyze",
+         "in_actor": "reference_metrics: in_actor: the cells one after the other, {all} threads each"}
 
 
 def main() -> int:
@@ -139,38 +187,48 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--llama-perplexity", help="a built binary (default: build it from the sdist once)")
     ap.add_argument("--keep", help="keep the work directory here")
+    ap.add_argument("--modes", default="analyze,in_actor", help=f"logit-matrix's ways, comma-separated: {', '.join(MODES)}")
     args = ap.parse_args()
     from benchmarks._common import cpu
 
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        raise SystemExit(f"--modes: expected some of {', '.join(MODES)} (got {args.modes!r})")
     binary = Path(args.llama_perplexity) if args.llama_perplexity else build_llama_perplexity(print)
     f16, q4, _ = ggufs(args.threads)
     d = Path(args.keep or tempfile.mkdtemp(prefix="vs-lp-"))
     d.mkdir(parents=True, exist_ok=True)
     lp = run_llama(binary, f16["path"], q4["path"], args.text, d, args.threads)
-    lm = run_matrix(f16, args.text, d, args.threads)
+    lms = {}
+    for m in modes:
+        (d / m).mkdir(exist_ok=True)
+        lms[m] = run_matrix(f16, args.text, d / m, args.threads, m == "analyze")
     from store import llamacpp_kld as K
 
     base = K.read(lp["base"])
-    same = [list(map(int, t)) for t in base["tokens"]] == [list(t) for t in lm["ids"]]
-    print(f"\nCPU: {cpu()}; llama-perplexity {args.threads} threads, logit-matrix's 2 cells side by side with "
-          f"{max(1, args.threads // 2)} each; text {args.text}: "
-          f"{base['n_chunk']} chunks of 512, {lm['rows']} scored rows; chunk ids identical to llama-perplexity's: "
+    same = all([list(map(int, t)) for t in base["tokens"]] == [list(t) for t in lm["ids"]] for lm in lms.values())
+    print(f"\nCPU: {cpu()}; llama-perplexity {args.threads} threads; text {args.text}: {base['n_chunk']} chunks of 512, "
+          f"{next(iter(lms.values()))['rows']} scored rows; chunk ids identical to llama-perplexity's: "
           f"{'yes' if same else 'NO'}")
-    rows = [
-        ("KL(F16 || Q4_K_M) mean ± s.e.", f"{lp['kl']:.6f} ± {lp['se']:.6f}", f"{lm['kl']:.6f} ± {lm['se']:.6f}",
-         f"diff {abs(lp['kl'] - lm['kl']) / max(lp['se'], lm['se']):.2f} s.e."),
-        ("wall time (s)", f"{lp['wall']:.1f} ({lp['walls'][0]:.1f} + {lp['walls'][1]:.1f})",
-         f"{lm['wall']:.1f} ({lm['walls'][0]:.1f} run + {lm['walls'][1]:.1f} analyze)", f"{lm['wall'] / lp['wall']:.2f}x"),
-        ("disk, reference rows (MB)", f"{lp['disk'] / 1e6:.1f} (uint16 base file)",
-         f"{lm['disk'] / 1e6:.1f} (bf16 shard, floor {lm['ref_floor']:.1e})", f"{lm['disk'] / lp['disk']:.2f}x"),
-        ("peak memory (GB)", f"{lp['peak_gb']:.2f}", f"{lm['peak_gb_analyze']:.2f} analyze "
-         f"({lm['peak_gb_run_driver']:.2f} run driver)", f"{lm['peak_gb_analyze'] / lp['peak_gb']:.2f}x"),
-    ]
-    w = [max(len(r[i]) for r in rows) for i in range(4)]
-    print(f"{'':{w[0]}}  {'llama-perplexity':{w[1]}}  {'logit-matrix':{w[2]}}  ratio")
+    for m in modes:
+        print(f"  logit-matrix ({m}): {MODES[m].format(half=max(1, args.threads // 2), all=args.threads)}")
+    rows = [("", "llama-perplexity", *[f"logit-matrix ({m})" for m in modes])]
+    rows.append(("KL(F16 || Q4_K_M) mean ± s.e.", f"{lp['kl']:.6f} ± {lp['se']:.6f}",
+                 *[f"{lm['kl']:.6f} ± {lm['se']:.6f} ({abs(lp['kl'] - lm['kl']) / max(lp['se'], lm['se']):.2f} s.e.)"
+                   for lm in lms.values()]))
+    rows.append(("wall time (s)", f"{lp['wall']:.1f} ({lp['walls'][0]:.1f} + {lp['walls'][1]:.1f})",
+                 *[f"{lm['wall']:.1f} = {lm['wall'] / lp['wall']:.2f}x" + (f" ({lm['walls'][0]:.1f} run + "
+                   f"{lm['walls'][1]:.1f} analyze)" if m == "analyze" else " (run)") for m, lm in lms.items()]))
+    rows.append(("disk, reference rows (MB)", f"{lp['disk'] / 1e6:.1f} (uint16 base file)",
+                 *[f"{lm['disk'] / 1e6:.1f} = {lm['disk'] / lp['disk']:.2f}x (bf16, floor {lm['ref_floor']:.1e})"
+                   for lm in lms.values()]))
+    rows.append(("peak memory (GB)", f"{lp['peak_gb']:.2f}",
+                 *[f"{lm['peak_gb']:.2f} {lm['peak_what']} = {lm['peak_gb'] / lp['peak_gb']:.2f}x (driver "
+                   f"{lm['peak_gb_run_driver']:.2f}, actor {lm['peak_gb_actor']:.2f})" for lm in lms.values()]))
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print(f"{r[0]:{w[0]}}  {r[1]:{w[1]}}  {r[2]:{w[2]}}  {r[3]}")
-    print("targets: KL within 1 s.e.; wall <= 1.0x; disk <= 0.65x (bf16, floor printed); analyze peak <= 2 GB")
+        print("  ".join(f"{c:{w[i]}}" for i, c in enumerate(r)).rstrip())
+    print("targets: KL within 1 s.e.; wall <= 1.0x; disk <= 0.65x (bf16, floor printed); analysis peak <= 2 GB")
     if not args.keep:
         shutil.rmtree(d, ignore_errors=True)
     return 0

@@ -36,6 +36,11 @@ class Cell:
     stack_id: str = ""
     build: str | None = None
     pin: tuple[str, ...] = ()  # Ray node ids the cell may run on (empty: any that fits)
+    # `candidates:` a published file measured as it is, against the model's reference: its path on
+    # the driver and its sha256 (the cell id hashes it), and the spec's label for it
+    artifact: str | None = None
+    artifact_sha256: str | None = None
+    label: str | None = None
 
     @property
     def opts(self) -> dict[str, Any]:
@@ -64,6 +69,9 @@ class StackDesc:
     source_gguf: str | None = None  # the GGUF the reference weights were dequantised from, if any
     source_quant: str | None = None  # its quant type: a cell of that dtype runs the file itself
     build: str | None = None  # the engine build the driver bound the cell to (common/builds.py)
+    artifact: str | None = None  # a published file to run as it is (`candidates:`), on this node
+    artifact_sha256: str | None = None
+    artifact_source: str | None = None  # where it came from: the driver's path, or the model's source
 
     @property
     def opts(self) -> dict[str, Any]:

@@ -26,7 +26,17 @@ def stack_desc(cell: Cell, model) -> StackDesc:
     return StackDesc(engine=cell.engine, dtype=cell.dtype, attention=cell.attention, device=cell.device,
                      tp=cell.tp, model=cell.model, cell_id=cell.cell_id, options=cell.options,
                      max_tokens=cell.max_tokens, weights_sha256=model.weights_sha256,
-                     source_gguf=model.gguf_path, source_quant=model.gguf_quant, build=cell.build)
+                     source_gguf=model.gguf_path, source_quant=model.gguf_quant, build=cell.build,
+                     **_artifact(cell, model))
+
+
+def _artifact(cell: Cell, model) -> dict:
+    """A candidate's file for its backend (`gguf: source`: the file the model came from)."""
+    if cell.artifact is None:
+        return {}
+    if cell.artifact == "source":
+        return {"artifact": model.gguf_path, "artifact_sha256": model.source_sha256, "artifact_source": model.source}
+    return {"artifact": cell.artifact, "artifact_sha256": cell.artifact_sha256, "artifact_source": cell.artifact}
 
 
 def model_copy(model) -> ModelCopy:
@@ -89,9 +99,11 @@ def cell_options(spec: Spec, combo: dict) -> tuple[dict, list[str]]:
     return dict(sorted(opts.items())), foreign
 
 
-def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: int = 0) -> str:
-    """Stable id: readable coordinates plus a hash of everything that changes the rows."""
-    key = {**{k: combo[k] for k in names.CELL_AXES}, "model": spec.models[combo["model"]].identity,
+def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: int = 0,
+                 extra: dict | None = None) -> str:
+    """Stable id: readable coordinates plus a hash of everything that changes the rows (extra:
+    what else does, e.g. a candidate's file)."""
+    key = {**(extra or {}), **{k: combo[k] for k in names.CELL_AXES}, "model": spec.models[combo["model"]].identity,
            "threads": combo.get("threads", spec.threads), "stride": spec.stride,
            "bos": spec.bos, "corpus": corpus_fp}
     if opts:  # only when set, so cells without options keep their ids
@@ -103,6 +115,19 @@ def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: i
     if combo.get("max_tokens", spec.max_tokens):
         key["max_tokens"] = combo.get("max_tokens", spec.max_tokens)
     return ids.cell_id(combo, key, replica)
+
+
+def _add_candidates(spec: Spec, corpus_fp: str, seen: set) -> None:
+    from backends import unsupported_reason
+    from matrix import candidates
+
+    for cell in candidates.cells(spec, corpus_fp, make_cell_id, cell_options):
+        reason = unsupported_reason(cell)
+        if reason:
+            spec.skipped.append({**cell.axes(), "cell_id": cell.cell_id, "reason": reason})
+        elif cell.cell_id not in seen:
+            seen.add(cell.cell_id)
+            spec.cells.append(cell)
 
 
 def expand(spec: Spec) -> None:
@@ -138,6 +163,7 @@ def expand(spec: Spec) -> None:
         for i in range(1, combo.get("replicas", spec.replicas)):  # the same stack on other nodes
             rid = make_cell_id(spec, combo, opts, corpus_fp, i)
             spec.cells.append(dataclasses.replace(cell, cell_id=rid, stack_id=rid, replica=i))
+    _add_candidates(spec, corpus_fp, seen)
     if not spec.cells:
         raise UserError(f"{spec.path}: no runnable cell: "
                         + "; ".join(f"{s['cell_id']}: {s['reason']}" for s in spec.skipped[:3]))

@@ -22,7 +22,9 @@ def cmd_cells(args) -> int:
 
     spec = load_spec(args.spec)
     cells = [{**c.axes(), "threads": c.threads, "options": c.opts, "max_tokens": c.max_tokens, "cell_id": c.cell_id,
-              "replica": c.replica, "reference": c.cell_id in spec.reference_cells.values()} for c in spec.cells]
+              "replica": c.replica, "reference": c.cell_id in spec.reference_cells.values(),
+              "candidate": None if c.artifact is None else {"file": c.artifact, "sha256": c.artifact_sha256,
+                                                            "label": c.label}} for c in spec.cells]
     nodes, answers = _known_nodes(args.address, args.cluster_config, spec if args.warehouse else None)
     placed = None
     if nodes is not None:
@@ -41,8 +43,9 @@ def cmd_cells(args) -> int:
                    "stride": spec.stride, "positions": spec.positions.to_dict(), "repeats": spec.repeats,
                    "corpus": spec.corpus})
     else:
-        cols = ["cell_id", "reference"] + (["placement"] if placed else []) + (["build", "captured by", "a run"] if builds else [])
-        print(table(cols, [[c["cell_id"], "yes" if c["reference"] else ""]
+        cols = ["cell_id", "role"] + (["placement"] if placed else []) + (["build", "captured by", "a run"] if builds else [])
+        print(table(cols, [[c["cell_id"], "yes" if c["reference"] else
+                            f"candidate: {c['candidate']['label']}" if c["candidate"] else ""]
                            + ([placed[c["cell_id"]].brief()] if placed else [])
                            + ([c["build"] or "?", ", ".join(b["build"] or "unrecorded" for b in c["captured"]) or "-",
                                c["action"]] if builds else []) for c in cells]))

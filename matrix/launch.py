@@ -65,6 +65,7 @@ class Work:
     special: dict[str, Any]  # the reference tokenizer's bos / eos ids
     vocab: int  # the reference's vocabulary size
     store: str = "native"  # how rows are stored: native | bf16 (matrix/spec.py STORES)
+    metrics_ref: str | None = None  # reference_metrics: in_actor: the reference cell whose repeat 0 is stored
 
 
 def _ranks(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, delivery) -> Started:
@@ -125,7 +126,7 @@ def start(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: li
     a = started.actor
     started.calls[a.parity.remote(work.prompts, work.special, work.vocab)] = Call(Kind.PARITY, cell.cell_id)
     for r in work.repeats:
-        started.calls[a.capture.remote(work.run_id, r, ids, work.keep, work.store)] = Call(Kind.CAPTURE, cell.cell_id, r)
+        started.calls[a.capture.remote(work.run_id, r, ids, work.keep, work.store, work.metrics_ref)] = Call(Kind.CAPTURE, cell.cell_id, r)
     return started
 
 

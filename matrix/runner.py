@@ -20,7 +20,7 @@ from common import ids
 from common.errors import UserError, first_line
 from common.files import sha256_file
 from common.stack import Cell
-from matrix import __version__, failures, launch, placement
+from matrix import __version__, candidates, failures, launch, placement
 from matrix.corpus import tokenize
 from matrix.models import fetch
 from matrix.plan import Plan
@@ -60,6 +60,9 @@ def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
         tok_file = os.path.join(m.hf_dir, "tokenizer.json")
         tok_sha = sha256_file(tok_file) if os.path.isfile(tok_file) else None
         prompts[name] = tokenize(spec.corpus, name, tok, spec.bos, tok_sha)
+        for cell in spec.cells:  # a published file of another model is refused before anything runs
+            if cell.artifact and cell.model == name:
+                candidates.check(candidates.resolve(cell, m), config, tok, vocab[name])
     return Plan(spec, models, prompts, special=special, vocab=vocab)
 
 
@@ -254,7 +257,9 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
     try:
         for cell in todo:
             sweep.start(cell)
-        log(f"{len(todo)} cell(s) to run, {sweep.units_total} capture(s); {len(plan.complete)} already complete")
+        waiting = sum(len(v) for v in sweep.waiting.values())
+        log(f"{len(todo)} cell(s) to run, {sweep.units_total} capture(s); {len(plan.complete)} already complete"
+            + (f"; {waiting} start once their reference is done (reference_metrics: in_actor)" if waiting else ""))
         sweep.loop(cluster_config)
         status = "done"
     except KeyboardInterrupt:
@@ -286,6 +291,7 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
     return {"run_id": run["run_id"], "cells_total": len(plan.cells), "cells_done": sweep.cells_done,
             "cells_run": len(todo), "rows_written": sweep.rows, "seconds": round(elapsed, 2),
             "rows_per_second": round(sweep.rows / max(elapsed, 1e-9), 2), "rows_delivery": sweep.via,
+            "metrics_in_actor": sweep.inline_written,
             "skipped": spec.skipped, "left_out": plan.left_out, "reused": plan.reused,
             "failed": {cid: f.line() for cid, f in sweep.failed.items()},
             "bad_input": next((f.message for f in sweep.failed.values() if f.bad_input), None)}

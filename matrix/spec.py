@@ -27,9 +27,13 @@ BOS_POLICIES = ("tokenizer", "always", "never")
 # How rows are stored: native (lossless, the default) or bf16 (row max subtracted, rounded to bf16;
 # each row's KL floor is measured as it is written: analysis/floors.py bf16_floor)
 STORES = ("native", "bf16")
+# Where each stack's metrics against its reference are computed: by `matrix analyze` (the default),
+# or in the capturing actor as the rows come out, against the reference's rows already in the
+# warehouse (a model's reference then runs before its other cells); analyze reuses them
+REFERENCE_METRICS = ("analyze", "in_actor")
 TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
             "devices", "include", "exclude", "reference", "stride", "repeats",
-            "corpus", "bos", "threads", "positions", "store", "options", "max_tokens", "centroid", "replicas", "retries",
+            "corpus", "bos", "threads", "positions", "store", "reference_metrics", "candidates", "options", "max_tokens", "centroid", "replicas", "retries",
             "load_timeout_s", "capture_timeout_s"}
 # none: no centroid and no pairwise tables (a job that asks only for KL against the reference)
 CENTROID_DEFINITIONS = ("mean_prob", "mean_logprob", "none")
@@ -85,6 +89,8 @@ class Spec:
     centroid_groups: list = field(default_factory=list)  # [(name, [selector, ...])], first match wins
     positions: P.Positions = field(default_factory=P.Positions)  # which rows each prompt keeps
     store: str = "native"
+    reference_metrics: str = "analyze"  # REFERENCE_METRICS
+    candidates: list[dict] = field(default_factory=list)  # published files measured as they are
     raw_text: str = ""
     cells: list[Cell] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
@@ -352,6 +358,52 @@ def _parse_options(path: Path, data: dict) -> dict:
     return options
 
 
+CANDIDATE_KEYS = ("model", "engine", "gguf", "name", "device", "threads", "calibration")
+
+
+def _parse_candidates(path: Path, data: dict, models: dict) -> list[dict]:
+    """`candidates:` published files, each run as it is and measured against its model's
+    reference: {model, gguf: FILE | source, [engine: llamacpp], [name], [device], [threads]}.
+    `gguf: source` is the file the model's reference weights were dequantised from."""
+    raw = data.get("candidates") or []
+    if not isinstance(raw, list):
+        raise field_error(path, "candidates", "must be a list of mappings", raw)
+    out = []
+    for i, e in enumerate(raw):
+        fld = f"candidates[{i}]"
+        if not isinstance(e, dict):
+            raise field_error(path, fld, "must be a mapping with model and gguf", e)
+        for k in e:
+            if k not in CANDIDATE_KEYS:
+                raise field_error(path, f"{fld}.{k}", f"unknown key; expected one of {', '.join(CANDIDATE_KEYS)}")
+        if e.get("model") not in models:
+            raise field_error(path, f"{fld}.model", f"expected one of the spec's models ({', '.join(models)})",
+                              e.get("model"))
+        if e.get("engine", "llamacpp") != "llamacpp":
+            raise field_error(path, f"{fld}.engine", "a gguf candidate runs on engine llamacpp", e.get("engine"))
+        gguf = e.get("gguf")
+        if not isinstance(gguf, str) or not gguf:
+            raise field_error(path, f"{fld}.gguf", "must be a path to a GGUF file, or 'source'", gguf)
+        if gguf != "source":
+            gguf = str((path.parent / os.path.expanduser(gguf)).resolve())
+            if not os.path.isfile(gguf):
+                raise field_error(path, f"{fld}.gguf", "no such file", e["gguf"])
+        elif models[e["model"]].kind not in ("catalog", "gguf"):
+            raise field_error(path, f"{fld}.gguf", f"model {e['model']} was not made from a GGUF file", gguf)
+        name = e.get("name")
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise field_error(path, f"{fld}.name", "must be a non-empty string", name)
+        cal = e.get("calibration")
+        if cal is not None and (not isinstance(cal, str) or not cal.strip()):
+            raise field_error(path, f"{fld}.calibration", "must be a non-empty string describing the calibration data",
+                              cal)
+        out.append({"model": e["model"], "engine": "llamacpp", "gguf": gguf, "name": name, "calibration": cal,
+                    "device": _check_axis_value(path, f"{fld}.device", "device", e["device"], models)
+                    if "device" in e else None,
+                    "threads": _check_threads(path, f"{fld}.threads", e.get("threads"))})
+    return out
+
+
 def _parse_positions(path: Path, data: dict) -> P.Positions:
     """`stride: N` (every N-th position and the last) or `positions:` (a window or a preset), not both."""
     if "positions" not in data:
@@ -379,6 +431,9 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
     store = data.get("store", "native")
     if store not in STORES:
         raise field_error(path, "store", f"expected one of {', '.join(STORES)}", store)
+    where = data.get("reference_metrics", "analyze")
+    if where not in REFERENCE_METRICS:
+        raise field_error(path, "reference_metrics", f"expected one of {', '.join(REFERENCE_METRICS)}", where)
     centroid, groups = _parse_centroid(path, data.get("centroid"), models)
     name = data.get("name", path.stem)
     if not isinstance(name, str):
@@ -386,6 +441,7 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
     positions = _parse_positions(path, data)
     return Spec(path=path, name=name, models=models, axes=axes, include=include,
                 exclude=exclude, reference=reference, stride=positions.stride, positions=positions, store=store,
+                reference_metrics=where, candidates=_parse_candidates(path, data, models),
                 repeats=_int(path, data, "repeats", 1), corpus=corpus, bos=bos,
                 threads=_check_threads(path, "threads", data.get("threads")), options=options,
                 max_tokens=_check_threads(path, "max_tokens", data.get("max_tokens")),

@@ -71,6 +71,7 @@ class Live:
     since: float = field(default_factory=time.perf_counter)
     repeats: list[int] = field(default_factory=list)  # captures not back yet, in queue order
     capture_limit_s: float = 0.0  # capture_timeout_s, or its default for this cell's tokens
+    inline: dict = field(default_factory=dict)  # repeat -> metrics its actor measured (reference_metrics: in_actor)
 
 
 # Without capture_timeout_s: this long per token fed in one repeat, at least CAPTURE_FLOOR_S. Two
@@ -95,7 +96,7 @@ def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse, attempts: int =
         reference_cell_id=ref, vocab_size=plan.vocab[cell.model], engine_vocab_size=loaded["vocab_size"],
         logits_dtype=first.column("logits_dtype")[0].as_py(),
         artifact=art.get("path"), artifact_sha256=art.get("sha256"),
-        artifact_recipe=json.dumps(art.get("recipe"), sort_keys=True) if art else None,
+        artifact_recipe=json.dumps({**art["recipe"], **_candidate_facts(plan, cell)}, sort_keys=True) if art else None,
         tokenizer_parity=live.parity["status"] if live.parity else "not_checked", max_tokens=cell.max_tokens,
         settings=json.dumps(loaded["settings"], sort_keys=True),
         fingerprint=json.dumps(loaded.get("fingerprint"), sort_keys=True, default=str),
@@ -104,6 +105,15 @@ def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse, attempts: int =
         storage=json.dumps(storage_summary(live.storage), sort_keys=True),
         capture_seconds=live.capture_s, build_libraries=json.dumps(loaded["build_libraries"], sort_keys=True),
         attempts=attempts)
+
+
+def _candidate_facts(plan: Plan, cell: Cell) -> dict:
+    """A published file's label and what its header declares (quant type, importance matrix)."""
+    if not cell.artifact:
+        return {}
+    from matrix.candidates import header_facts
+
+    return {**header_facts(cell, plan.models[cell.model]), **({"label": cell.label} if cell.label else {})}
 
 
 class Sweep:
@@ -120,13 +130,36 @@ class Sweep:
         self.cells_total, self.cells_done = len(plan.cells), len(plan.complete)
         self.units_total = self.units_done = self.rows = 0
         self.t0 = time.perf_counter()
+        self.finished: set[str] = set(plan.complete)  # cells whose shards are all in the warehouse
+        self.waiting: dict[str, list[Cell]] = {}  # model -> cells started once its reference is done
+        self.inline_written = 0
 
     def start(self, cell: Cell) -> None:
+        """Start a cell; under `reference_metrics: in_actor` a model's other cells wait for its
+        reference's shards (they measure their rows against them as they capture)."""
+        plan, ref = self.plan, self.plan.reference_cells.get(cell.model)
+        if plan.spec.reference_metrics != "in_actor" or ref is None:
+            return self._start(cell, None)
+        if ref != cell.cell_id and ref in self.live:  # the reference first (execute starts it first)
+            self.waiting.setdefault(cell.model, []).append(cell)
+            self.units_total += len(plan.todo[cell.cell_id])  # counted now, so progress shows the whole run
+            return None
+        return self._start(cell, ref if ref == cell.cell_id or ref in self.finished else None)
+
+    def release(self, model: str) -> None:
+        """The model's reference is done, failed or skipped: its waiting cells start now (measuring
+        in the actor only against a reference that is done)."""
+        ref = self.plan.reference_cells.get(model)
+        for cell in self.waiting.pop(model, []):
+            self.units_total -= len(self.plan.todo[cell.cell_id])  # _start counts them again
+            self._start(cell, ref if ref in self.finished else None)
+
+    def _start(self, cell: Cell, metrics_ref: str | None) -> None:
         plan = self.plan
         model, threads, repeats = plan.models[cell.model], placement.cell_threads(cell, self.nodes), plan.todo[cell.cell_id]
         work = launch.Work(self.run_id, self.delivery, plan.spec.positions, repeats,
                            [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]],
-                           plan.special[cell.model], plan.vocab[cell.model], plan.spec.store)
+                           plan.special[cell.model], plan.vocab[cell.model], plan.spec.store, metrics_ref)
         started = launch.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
         self.live[cell.cell_id] = Live(cell, started, threads, len(repeats), repeats=sorted(repeats),
                                        capture_limit_s=self.capture_limit(cell))
@@ -151,6 +184,11 @@ class Sweep:
         self.wh.write_rows("cells", cid, [skipped_row(self.plan, live.cell, self.run_id, reason)])
         self.cells_done += 1
         self.progress()
+        self._reference_over(live.cell)
+
+    def _reference_over(self, cell: Cell) -> None:
+        if self.plan.reference_cells.get(cell.model) == cell.cell_id:
+            self.release(cell.model)
 
     def progress(self) -> None:
         """The runs row follows the sweep, so an interrupted run still shows what it did."""
@@ -188,6 +226,7 @@ class Sweep:
         self.wh.write_rows("cells", cid, [failed_row(self.plan, live, self.run_id, failure, attempt)])
         self.log(f"[cells {self.cells_done}/{self.cells_total}] {cid} FAILED after {attempt} attempt(s): {failure.line()}")
         self.progress()
+        self._reference_over(live.cell)
 
     def capture_limit(self, cell: Cell) -> float:
         """Seconds one repeat may take (worked out once, when the cell starts)."""
@@ -255,12 +294,16 @@ class Sweep:
             self.rows += result["rows"]
             live.capture_s += result["seconds"]
             live.storage.append(result["storage"])
+            if result.get("metrics") is not None:
+                live.inline[call.repeat] = result["metrics"]
             live.left -= 1
             self.via[result["rows_via"]] += 1
             self.via["bytes_to_driver"] += result["bytes_sent"]
             rate = self.rows / max(time.perf_counter() - self.t0, 1e-9)
             self.log(f"[cells {self.cells_done}/{self.cells_total} | captures {self.units_done}/{self.units_total}] "
-                     f"{call.cell_id} r{call.repeat}: {result['rows']} rows in {result['seconds']:.1f}s "
+                     f"{call.cell_id} r{call.repeat}: {result['rows']} rows in {result['seconds']:.1f}s"
+                     + (f" (measured against the reference in {m['seconds']:.1f}s of it)"
+                        if (m := result.get("metrics")) and "seconds" in m else "") + " "
                      f"| rows {self.rows} | {rate:.1f} rows/s")
         if live.left == 0 and live.loaded is not None and live.parity is not None:
             self._finish(call.cell_id)
@@ -279,18 +322,44 @@ class Sweep:
         import ray
 
         live = self.live[cid]
-        self.wh.write_rows("cells", cid, [done_row(self.plan, live, self.run_id, self.wh, self.attempts.get(cid, 1))])
+        row = done_row(self.plan, live, self.run_id, self.wh, self.attempts.get(cid, 1))
+        self.wh.write_rows("cells", cid, [row])
         ray.get([a.close.remote() for a in live.started.actors])
         self.drop(cid)
         self.cells_done += 1
+        self.finished.add(cid)
         self.log(f"[cells {self.cells_done}/{self.cells_total}] {cid} done")
+        self._store_inline(row, live)
         self.progress()
+        self._reference_over(live.cell)
+
+    def _store_inline(self, row: dict, live: Live) -> None:
+        """The metrics the cell's actor measured, written as `matrix analyze` would write them."""
+        if not live.inline:
+            return
+        errors = sorted({f"{m['error']}" for m in live.inline.values() if "error" in m})
+        if errors:
+            self.log(f"{row['cell_id']}: metrics not measured in the actor ({errors[0]}); `matrix analyze` measures them")
+            return
+        from analysis.analyze import store_inline
+
+        ref_id = next(iter(live.inline.values()))["reference"]
+        ref = row if ref_id == row["cell_id"] else \
+            next(r for r in self.wh.read_rows("cells", ref_id) if r["status"] == "done")
+        if store_inline(self.wh, row, ref, live.inline, self.log):
+            self.inline_written += 1
+        else:
+            self.log(f"{row['cell_id']}: some repeats were captured in an earlier run; `matrix analyze` measures them")
 
     def loop(self, cluster_config: str | Path | None) -> None:
         import ray
 
         last_event = last_beat = time.perf_counter()
-        while self.pending:
+        while self.pending or self.waiting:
+            if not self.pending:  # cannot happen (a reference's end releases its cells); never strand them
+                for model in list(self.waiting):
+                    self.release(model)
+                continue
             quiet = time.perf_counter() - max(last_event, last_beat)
             wait = max(0.05, min(HEARTBEAT_S - quiet, self.next_deadline()))
             ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=wait)

@@ -14,7 +14,7 @@ from store import llamacpp_kld as K
 from store.warehouse import logits_matrix
 from tests.conftest import run_cli, sql, write_spec
 
-DISCLOSURE = {"reference_checkpoint", "reference_runtime", "candidate_runtime", "evaluation_text",
+DISCLOSURE = {"reference_checkpoint", "reference_runtime", "candidate_runtime", "candidate_artifact", "evaluation_text",
               "calibration_data", "context_lengths", "sampled_positions", "kl_direction",
               "vocabulary_truncation", "aggregation", "storage_floor", "bit_reproducible"}
 

@@ -27,8 +27,10 @@ def test_smoke_spec_covers_hf_llamacpp_mlx_with_bf16_eager_reference():
     assert [(c.engine, c.dtype, c.attention) for c in spec.cells] == [
         ("hf", "fp32", "eager"), ("hf", "fp32", "sdpa"), ("hf", "bf16", "eager"), ("hf", "bf16", "sdpa"),
         ("llamacpp", "f16", "default"), ("llamacpp", "q8_0", "default"), ("llamacpp", "q4_k_m", "default"),
-        ("llamacpp", "q4_1", "default"), ("mlx", "bf16", "default"), ("mlx", "q8_g64", "default"),
-        ("mlx", "q4_g64", "default"), ("mlx", "q8_g64", "default"), ("mlx", "q4_g64", "default")]
+        ("mlx", "bf16", "default"), ("mlx", "q8_g64", "default"),
+        ("mlx", "q4_g64", "default"), ("mlx", "q8_g64", "default"), ("mlx", "q4_g64", "default"),
+        ("llamacpp", "q4_1", "default")]  # the shipped file, a candidate
+    assert [c.artifact for c in spec.cells if c.artifact] == ["source"]
     assert [c.opts.get("activations") for c in spec.cells if c.engine == "mlx"] == [None, None, None, "fp32", "fp32"]
     assert {c.max_tokens for c in spec.cells if c.engine != "mlx"} == {1024}  # the demo reads 1,024-token prefixes
     assert {c.max_tokens for c in load_spec(REPO / "configs" / "long.yaml").cells} == {None}

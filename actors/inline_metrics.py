@@ -1,0 +1,63 @@
+"""`reference_metrics: in_actor`: a stack's metrics against its reference, measured in the
+capturing actor as each prompt's rows come out, against the reference's repeat 0 read from the
+warehouse, as llama-perplexity's --kl-divergence pass does. No shard is read back for it.
+
+The rows measured are the rows stored (bf16-rounded where `store: bf16`, with their shift added
+back), widened as `matrix analyze` widens them, through the same per-prompt code
+(analysis/compare.py RepeatMetrics): the numbers are analyze's. A problem here (a node that
+cannot read the warehouse, a damaged reference) is reported in the manifest and leaves the
+capture alone; `matrix analyze` then computes the metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from common.errors import first_line
+from store.warehouse import Warehouse, unshift, widen
+
+
+class InlineMetrics:
+    def __init__(self, warehouse: str | None, ref_id: str, cell_id: str, repeat: int):
+        self.ref_id, self.cell_id, self.repeat = ref_id, cell_id, repeat
+        self.acc, self.error, self.wh, self.ref, self.seconds = None, None, None, None, 0.0
+        if warehouse is None:
+            self.error = "this node cannot read the warehouse (its rows go through the driver)"
+            return
+        from store.stream import shard_index
+
+        try:
+            self.wh = Warehouse(warehouse)
+            self.ref = shard_index(self.wh, ref_id, 0)
+        except Exception as e:  # noqa: BLE001 - reported in the manifest; analyze measures the cell instead
+            self.error = f"reference {ref_id} repeat 0: {first_line(str(e), type(e).__name__)}"
+
+    def observe(self, prompt_id: str, positions: list[int], stored: np.ndarray, shift: np.ndarray | None) -> None:
+        if self.error is not None:
+            return
+        from analysis.compare import RepeatMetrics
+
+        t0 = time.perf_counter()
+        try:
+            if self.acc is None:
+                self.acc = RepeatMetrics(self.wh, self.ref, self.cell_id, self.repeat, stored.shape[1])
+            rows = widen(stored)  # (rows, vocab) float32, as a shard reader widens them
+            rows = unshift(rows, shift) if shift is not None else rows  # the raw logits back
+            self.acc.add(prompt_id, np.asarray(positions, np.int64), lambda idx: rows[idx])
+        except Exception as e:  # noqa: BLE001 - the capture goes on; analyze measures the cell instead
+            self.error, self.acc = first_line(str(e), type(e).__name__), None
+        self.seconds += time.perf_counter() - t0
+
+    def outcome(self) -> dict[str, Any]:
+        """{"table", "counts"} (storage_floor still 0: the driver sets the cell's), or {"error"}."""
+        if self.error is not None:
+            return {"error": self.error, "reference": self.ref_id}
+        if self.acc is None:  # no prompt had rows
+            from analysis.compare import RepeatMetrics
+
+            self.acc = RepeatMetrics(self.wh, self.ref, self.cell_id, self.repeat, 0)
+        table, counts = self.acc.result(0.0)
+        return {"table": table, "counts": counts, "reference": self.ref_id, "seconds": self.seconds}

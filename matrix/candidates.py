@@ -1,0 +1,105 @@
+"""`candidates:` published files measured as they are against their model's reference.
+
+A quant author's question is how far the file about to be uploaded is from the original. A
+candidate is a cell of its model (same reference, same centroid group) whose engine runs the
+given GGUF instead of building one. Its dtype is the quant type the file declares; its cell id
+hashes the file's sha256, so another file is another cell. Before any capture the file's
+architecture, sizes, vocabulary and special tokens are checked against the reference model
+(`check`): a file of another model is one line naming what differs, exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from common.errors import UserError
+from common.files import sha256_file
+from common.stack import Cell
+from store.gguf_meta import GgufInfo, read_info
+
+# HF model_type -> the architecture name llama.cpp's converter writes, where they differ
+GGUF_ARCH = {"mistral": "llama"}
+
+
+def _source(spec, model: str) -> tuple[str | None, str]:
+    """(the model's source GGUF on this machine if known yet, its declared quant type)."""
+    from matrix.models import CATALOG
+
+    ref = spec.models[model]
+    if ref.kind == "gguf":
+        return ref.location, read_info(ref.location).declared
+    return None, CATALOG[ref.location].source_quant  # fetched later; the catalog pins the file
+
+
+def cells(spec, corpus_fp: str, make_cell_id, cell_options) -> list[Cell]:
+    """The spec's candidates as cells (matrix/cells.py expand adds them to the sweep)."""
+    out = []
+    for i, c in enumerate(spec.candidates):
+        if c["gguf"] == "source":
+            path, declared = _source(spec, c["model"])
+            sha, pin = None, {"source": spec.models[c["model"]].identity}
+        else:
+            path, declared = c["gguf"], read_info(c["gguf"]).declared
+            sha = sha256_file(Path(path))
+            pin = {"sha256": sha}
+        device = c["device"] or (spec.axes["device"][0] if len(spec.axes["device"]) == 1 else "cpu")
+        combo = {"model": c["model"], "engine": "llamacpp", "dtype": declared, "attention": "default", "tp": 1,
+                 "device": device}
+        if c["threads"]:
+            combo["threads"] = c["threads"]
+        opts, _ = cell_options(spec, combo)
+        cid = make_cell_id(spec, combo, opts, corpus_fp, extra={"candidate": pin})
+        group = next((g for g, sels in spec.centroid_groups
+                      if any(all(combo.get(k) == v for k, v in sel.items()) for sel in sels)), None)
+        out.append(Cell(**{k: combo[k] for k in ("model", "engine", "dtype", "attention", "tp", "device")},
+                        threads=combo.get("threads", spec.threads), cell_id=cid, stack_id=cid,
+                        max_tokens=spec.max_tokens, options=tuple(opts.items()), centroid_group=group,
+                        calibration=c["calibration"],
+                        artifact=path or "source", artifact_sha256=sha,
+                        label=c["name"] or (Path(path).name if path else f"{c['model']}'s source GGUF")))
+    return out
+
+
+def resolve(cell: Cell, model) -> Cell:
+    """A `gguf: source` candidate once its model is fetched: the file and its hash."""
+    if cell.artifact != "source":
+        return cell
+    return dataclasses.replace(cell, artifact=model.gguf_path, artifact_sha256=model.source_sha256)
+
+
+def header_facts(cell: Cell, model) -> dict:
+    """What the candidate's file declares, for its cells row's recipe."""
+    info = read_info(resolve(cell, model).artifact)
+    return {"declared_quant": info.declared, "gguf_name": info.name, "imatrix": info.imatrix or None}
+
+
+def differences(info: GgufInfo, config, tok, vocab: int) -> list[str]:
+    """What the file has that the reference model has not (empty: the same model)."""
+    out = []
+    want_arch = GGUF_ARCH.get(config.model_type, config.model_type)
+    if info.architecture != want_arch:
+        out.append(f"architecture {info.architecture} (reference: {config.model_type})")
+    for what, got, want in (("layers", info.block_count, getattr(config, "num_hidden_layers", None)),
+                            ("hidden size", info.embedding_length, getattr(config, "hidden_size", None)),
+                            ("attention heads", info.head_count, getattr(config, "num_attention_heads", None))):
+        if got is not None and want is not None and int(got) != int(want):
+            out.append(f"{what} {got} (reference: {want})")
+    if len(info.tokens) != vocab:
+        out.append(f"vocabulary of {len(info.tokens)} tokens (reference: {vocab})")
+    else:
+        ref_tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
+        first = next((i for i, (a, b) in enumerate(zip(info.tokens, ref_tokens)) if a != b), None)
+        if first is not None:
+            out.append(f"tokenizer: token {first} is {info.tokens[first]!r} (reference: {ref_tokens[first]!r})")
+    for what, got, want in (("BOS", info.bos, tok.bos_token_id), ("EOS", info.eos, tok.eos_token_id)):
+        if got is not None and want is not None and int(got) != int(want):
+            out.append(f"{what} id {got} (reference: {want})")
+    return out
+
+
+def check(cell: Cell, config, tok, vocab: int) -> None:
+    """Refuse a candidate that is not a file of its reference model, before anything runs."""
+    diff = differences(read_info(cell.artifact), config, tok, vocab)
+    if diff:
+        raise UserError(f"candidate {cell.artifact}: not a file of model {cell.model}: " + "; ".join(diff))
