@@ -39,6 +39,8 @@ def calibration(cell: dict) -> str | None:
     if tool == "llama_model_quantize":
         return ("none: llama.cpp round-to-nearest quantisation, no importance matrix"
                 if recipe.get("imatrix") is None else f"importance matrix {recipe['imatrix']}")
+    if tool in ("torchao", "optimum-quanto"):
+        return f"none: {tool} {recipe.get('weights')} weight-only round-to-nearest at load, {recipe.get('config')}"
     if tool == "convert_hf_to_gguf.py":
         return "none: float conversion of the reference weights"
     if tool == "mlx_lm.convert":
@@ -64,7 +66,10 @@ def artifact(cell: dict) -> dict:
                 **({"label": recipe["label"]} if recipe.get("label") else {})}
     if not recipe:  # HF, vLLM, TensorRT-LLM: the engine loads the reference checkpoint itself
         return {"kind": f"the reference checkpoint itself, loaded by {cell['engine']} at {cell['dtype']}"}
-    return {"kind": f"built by logit-matrix ({recipe.get('tool')})", "sha256": cell.get("artifact_sha256")}
+    in_memory = cell.get("artifact") is None  # torchao / quanto: quantised at load, no file
+    return {"kind": f"built by logit-matrix ({recipe.get('tool')})",
+            "sha256": cell.get("artifact_sha256") or ("none: quantised in memory at load from the reference weights"
+                                                      if in_memory else None)}
 
 
 def _driver(cell: dict) -> str | None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from backends import hf_quant
 from backends.base import Backend
 from common.errors import OracleError
 
@@ -31,17 +32,20 @@ def shared_devices(own: list[str], group: list[list[str]]) -> tuple[str, int]:
 
 class HFBackend(Backend):
     engine = "hf"
-    dtypes = frozenset(TORCH_DTYPES)
+    dtypes = frozenset(TORCH_DTYPES) | frozenset(hf_quant.DTYPES)
     attention = frozenset({"eager", "sdpa", "flash_attention_2"})
     devices = frozenset({"cpu"}) | GPU_DEVICES
     max_tp = 8  # tensor parallel through torch.distributed: gloo on CPU, NCCL on GPU
     libraries = ("torch", "transformers", "accelerate", "safetensors")
+    options = frozenset({"quantizer"})  # int8 / int4 only: which library quantises (backends/hf_quant.py)
 
     @classmethod
     def unsupported(cls, cell) -> str | None:
         reason = super().unsupported(cell)
         if reason is None and cell.attention == "flash_attention_2" and cell.device == "cpu":
             reason = "attention flash_attention_2 needs a CUDA device"
+        if reason is None and cell.dtype in hf_quant.DTYPES:
+            reason = hf_quant.unsupported(cell.dtype, cell.opts, cell.device)
         return reason
 
     def load(self) -> None:
@@ -52,12 +56,16 @@ class HFBackend(Backend):
         transformers.utils.logging.disable_progress_bar()  # one stack loads in seconds; bars only clutter logs
         torch.set_num_threads(self.threads)
         self.torch_device = "cpu" if self.stack.device == "cpu" else "cuda"
-        dtype = getattr(torch, TORCH_DTYPES[self.stack.dtype])
+        quant, self.recipe = {}, None
+        if self.stack.dtype in hf_quant.DTYPES:  # quantised at load; activations stay fp32
+            qcfg, self.recipe = hf_quant.config(self.stack.dtype, self.stack.opts)
+            quant = {"quantization_config": qcfg}
+        dtype = getattr(torch, TORCH_DTYPES.get(self.stack.dtype, "float32"))
         tp_kw = self._init_tp(torch, transformers) if self.dist else {}
         # Load with dtype= (not .to()): .to(bf16) would also cast the rotary inv_freq buffer.
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=dtype, attn_implementation=self.stack.attention,
-            output_loading_info=True, **tp_kw)
+            output_loading_info=True, **tp_kw, **quant)
         problems = []
         for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
             keys = sorted(str(k) for k in info.get(kind) or ())
@@ -69,7 +77,8 @@ class HFBackend(Backend):
         if problems:
             raise OracleError(f"{self.model_dir}: refusing to run, weights not loaded from the checkpoint: "
                               + "; ".join(problems))
-        verify_against_checkpoint(model, self.model_dir)
+        if not quant:  # quantised weights cannot equal the checkpoint's; the loading report above stands
+            verify_against_checkpoint(model, self.model_dir)
         self.model = (model if self.dist else model.to(self.torch_device)).eval()
         self._vocab = int(model.config.vocab_size)
 
@@ -129,14 +138,19 @@ class HFBackend(Backend):
             "machine": platform.machine(),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "accelerate": accelerate.__version__, "safetensors": safetensors.__version__,
-                         "numpy": np.__version__},
+                         "numpy": np.__version__, **({self.recipe["tool"]: self.recipe["version"]} if self.recipe else {})},
+            **({"quantizer": self.recipe["tool"], "artifact": {"path": None, "sha256": None, "recipe": self.recipe}}
+               if self.recipe else {}),
         }
 
     def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
         torch = self._torch
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.torch_device)  # (1, T)
         keep = torch.tensor(positions, dtype=torch.long, device=self.torch_device)  # (rows,)
-        with torch.inference_mode():
+        # optimum-quanto 0.2.7's int4 weights unpack with in-place ops that inference_mode forbids
+        # ("Cannot set version_counter for inference tensor"): no_grad is the same arithmetic
+        grad_off = torch.no_grad if (self.recipe or {}).get("tool") == "optimum-quanto" else torch.inference_mode
+        with grad_off():
             # logits_to_keep: the LM head runs only on the sampled rows of the one prefill.
             out = self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
         logits = out.logits[0].detach().to("cpu")  # (rows, vocab), native dtype

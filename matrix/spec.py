@@ -42,7 +42,7 @@ MODEL_KEYS = {"name", "catalog", "path", "hub", "gguf", "revision"}
 # include entries may set them per cell. A backend lists the ones it takes.
 OPTION_KEYS = {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": int,
                "trt_backend": ("pytorch", "tensorrt"), "vllm_executor": ("mp", "ray"),
-               "activations": ("native", "fp32")}
+               "activations": ("native", "fp32"), "quantizer": ("torchao", "quanto")}
 # Non-axis keys an include entry may add to a cell.
 # `calibration` describes the artefact (e.g. "imatrix from wiki.train, 512 chunks") for model
 # cards; like the centroid group it is not part of the cell id.

@@ -11,6 +11,6 @@ out=constraints/cpu.txt
   echo "# $VENV on $(uname -m), Python $($VENV/bin/python -c 'import platform; print(platform.python_version())'))."
   echo "# torch is pinned by TORCH_SPEC in the Makefile, not here. CONSTRAINTS= make venv installs unpinned."
   "$VENV/bin/python" -m pip freeze --exclude-editable --disable-pip-version-check \
-    | grep -v -i -E '^(torch|triton|nvidia-(cu|cudnn|nccl|nvjitlink|nvtx|cusparselt|cufile))' | LC_ALL=C sort -f
+    | grep -v -i -E '^(torch==|triton==|nvidia-(cu|cudnn|nccl|nvjitlink|nvtx|cusparselt|cufile))' | LC_ALL=C sort -f
 } > "$out"
 echo "wrote $out ($(grep -vc '^#' "$out") packages)"
