@@ -64,3 +64,20 @@ def test_reference_metrics_takes_only_its_values(tmp_path, tiny_model, short_cor
     assert r.stderr.strip() == (f"matrix: error: {spec}: reference_metrics: expected one of analyze, in_actor "
                                 "(got 'inline')"), r.stderr
     assert not (tmp_path / "wh").exists()
+
+
+def test_a_skipped_reference_releases_the_cells_waiting_for_it(tmp_path, tiny_model, short_corpus):
+    # Q2_K: the 2-layer cut's shapes let llama.cpp store no tensor as Q2_K, so the reference is
+    # skipped at load; its model's other cells must still run (measured later, by analyze)
+    spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager", "sdpa"],
+                      reference={"engine": "llamacpp", "dtype": "q2_k", "attention": "default"}, repeats=1,
+                      include=[{"engine": "llamacpp", "dtype": "q2_k", "attention": "default"}],
+                      reference_metrics="in_actor")
+    wh = tmp_path / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "start once their reference is done" in r.stderr
+    assert json.loads(r.stdout)["metrics_in_actor"] == 0
+    cells = {(c["engine"], c["attention"]): c["status"] for c in sql(wh, "select engine, attention, status from cells")}
+    assert cells == {("llamacpp", "default"): "skipped", ("hf", "eager"): "done", ("hf", "sdpa"): "done"}
+    assert not (wh / "metrics").exists() or not list((wh / "metrics").glob("*.parquet"))
