@@ -61,6 +61,16 @@ def model_dir(model: ModelCopy, depot, node: str) -> tuple[str, str]:
     return str(dest), "shipped"
 
 
+def _shipped_file(path: str, dest_name: str, depot) -> str:
+    """One driver file, received once through the depot into this node's cache (dest_name
+    carries its hash), for every later cell."""
+    dest = cache_root() / "shipped" / dest_name
+    with locked(dest.parent):
+        if not dest.is_dir():
+            _receive(depot, path, dest)
+    return str(dest / Path(path).name)
+
+
 def source_gguf(model: ModelCopy, depot) -> str | None:
     """The GGUF the weights came from (a llama.cpp cell of its quant type runs it as it is)."""
     if not model.source_gguf:
@@ -68,11 +78,7 @@ def source_gguf(model: ModelCopy, depot) -> str | None:
     own = Path(model.source_gguf)
     if own.is_file() and sha256_file(own) == model.source_sha256:
         return str(own)
-    dest = cache_root() / "shipped" / f"gguf-{model.source_sha256}"
-    with locked(dest.parent):
-        if not dest.is_dir():
-            _receive(depot, model.source_gguf, dest)
-    return str(dest / own.name)
+    return _shipped_file(model.source_gguf, f"gguf-{model.source_sha256}", depot)
 
 
 def artifact_file(path: str | None, sha256: str | None, depot) -> str | None:
@@ -80,11 +86,6 @@ def artifact_file(path: str | None, sha256: str | None, depot) -> str | None:
     backend checks its hash where it reads it), else a copy sent through the depot, kept by hash."""
     if not path:
         return None
-    own = Path(path)
-    if own.is_file():
-        return str(own)
-    dest = cache_root() / "shipped" / f"artifact-{sha256}"
-    with locked(dest.parent):
-        if not dest.is_dir():
-            _receive(depot, path, dest)
-    return str(dest / own.name)
+    if Path(path).is_file():
+        return path
+    return _shipped_file(path, f"artifact-{sha256}", depot)

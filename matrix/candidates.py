@@ -61,11 +61,18 @@ def cells(spec, corpus_fp: str, make_cell_id, cell_options) -> list[Cell]:
     return out
 
 
+def file_of(cell: Cell, model) -> tuple[str, str | None, str]:
+    """(path, sha256, where it came from) of a candidate's file; `gguf: source` is resolved once
+    its model is fetched (model: matrix.models.ResolvedModel)."""
+    if cell.artifact == "source":
+        return model.gguf_path, model.source_sha256, model.source
+    return cell.artifact, cell.artifact_sha256, cell.artifact
+
+
 def resolve(cell: Cell, model) -> Cell:
-    """A `gguf: source` candidate once its model is fetched: the file and its hash."""
-    if cell.artifact != "source":
-        return cell
-    return dataclasses.replace(cell, artifact=model.gguf_path, artifact_sha256=model.source_sha256)
+    """The candidate with its file and hash known."""
+    path, sha, _ = file_of(cell, model)
+    return dataclasses.replace(cell, artifact=path, artifact_sha256=sha)
 
 
 def header_facts(cell: Cell, model) -> dict:

@@ -34,9 +34,9 @@ def _artifact(cell: Cell, model) -> dict:
     """A candidate's file for its backend (`gguf: source`: the file the model came from)."""
     if cell.artifact is None:
         return {}
-    if cell.artifact == "source":
-        return {"artifact": model.gguf_path, "artifact_sha256": model.source_sha256, "artifact_source": model.source}
-    return {"artifact": cell.artifact, "artifact_sha256": cell.artifact_sha256, "artifact_source": cell.artifact}
+    from matrix.candidates import file_of
+
+    return dict(zip(("artifact", "artifact_sha256", "artifact_source"), file_of(cell, model)))
 
 
 def model_copy(model) -> ModelCopy:

@@ -26,7 +26,6 @@ class GgufInfo:
     bos: int | None
     eos: int | None
     declared: str  # the quant type the file declares (general.file_type), in the spec's dtype names
-    tensor_types: dict[str, int] = field(default_factory=dict)  # ggml type -> tensors stored so
     imatrix: dict[str, Any] = field(default_factory=dict)  # quantize.imatrix.* keys, when llama-quantize wrote them
 
 
@@ -60,15 +59,12 @@ def read_info(path: str | Path) -> GgufInfo:
     if not arch:
         raise UserError(f"{path}: GGUF header has no {gguf.Keys.General.ARCHITECTURE}")
     llm = lambda k: _value(reader, k.format(arch=arch))  # noqa: E731
-    types: dict[str, int] = {}
-    for t in reader.tensors:
-        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
     return GgufInfo(
         path=str(path), architecture=arch, name=_value(reader, gguf.Keys.General.NAME),
         block_count=llm(gguf.Keys.LLM.BLOCK_COUNT), embedding_length=llm(gguf.Keys.LLM.EMBEDDING_LENGTH),
         head_count=llm(gguf.Keys.Attention.HEAD_COUNT),
         tokens=tuple(_value(reader, gguf.Keys.Tokenizer.LIST) or ()),
         bos=_value(reader, gguf.Keys.Tokenizer.BOS_ID), eos=_value(reader, gguf.Keys.Tokenizer.EOS_ID),
-        declared=declared_quant(_value(reader, gguf.Keys.General.FILE_TYPE)), tensor_types=dict(sorted(types.items())),
+        declared=declared_quant(_value(reader, gguf.Keys.General.FILE_TYPE)),
         imatrix={k.removeprefix("quantize.imatrix."): f.contents() for k, f in reader.fields.items()
                  if k.startswith("quantize.imatrix.")})
