@@ -37,8 +37,12 @@ def calibration(cell: dict) -> str | None:
     recipe = _json(cell.get("artifact_recipe"))
     tool = recipe.get("tool")
     if tool == "llama_model_quantize":
-        return ("none: llama.cpp round-to-nearest quantisation, no importance matrix"
-                if recipe.get("imatrix") is None else f"importance matrix {recipe['imatrix']}")
+        im = recipe.get("imatrix")
+        if im is None:
+            return "none: llama.cpp round-to-nearest quantisation, no importance matrix"
+        return (f"importance matrix (sha256 {im['sha256']}) from calibration text {im['calibration']} "
+                f"(sha256 {im['calibration_sha256']}, {im['tokens']} tokens, {im['chunks']} chunks of "
+                f"{im['ctx']} = {im['tokens_used']} tokens used), {im['tool']} {im['llama_cpp_python']}")
     if tool in ("torchao", "optimum-quanto"):
         return f"none: {tool} {recipe.get('weights')} weight-only round-to-nearest at load, {recipe.get('config')}"
     if tool == "convert_hf_to_gguf.py":

@@ -93,20 +93,27 @@ def convert(hf_dir: str, weights_sha256: str | None, outtype: str) -> dict[str, 
     return ensure("gguf", f"model-{outtype}.gguf", recipe, build)
 
 
-def quantize(f32: dict[str, Any], dtype: str, threads: int) -> dict[str, Any]:
-    """F32 GGUF -> a quant type, by llama.cpp's own quantiser (llama_model_quantize)."""
+def quantize(f32: dict[str, Any], dtype: str, threads: int, imatrix: dict[str, Any] | None = None) -> dict[str, Any]:
+    """F32 GGUF -> a quant type, by llama.cpp's own quantiser (llama_model_quantize), weighted by an
+    importance matrix (an artifact of backends/gguf_imatrix.py) when one is given."""
     import ctypes
 
     import llama_cpp
 
     ftype_name = QUANT_TYPES[dtype]
     recipe = {"tool": "llama_model_quantize", "llama_cpp_python": llama_cpp.__version__,
-              "source_sha256": f32["sha256"], "ftype": ftype_name, "imatrix": None}
+              "source_sha256": f32["sha256"], "ftype": ftype_name,
+              "imatrix": None if imatrix is None else {"sha256": imatrix["sha256"], **imatrix["recipe"]}}
 
     def build(tmp: Path) -> None:
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, ftype_name)
         params.nthread = threads  # threads split rows; the result does not depend on them
+        if imatrix is not None:  # as llama-quantize --imatrix does, header keys included
+            from backends.gguf_imatrix import quantize_inputs
+
+            arr, kv, _keep = quantize_inputs(imatrix["path"], imatrix["recipe"]["calibration"])
+            params.imatrix, params.kv_overrides = arr, kv
         rc = llama_cpp.llama_model_quantize(f32["path"].encode(), str(tmp).encode(), ctypes.byref(params))
         if rc != 0 or not tmp.is_file():
             raise UserError(f"llama.cpp could not quantise {f32['path']} to {dtype} (return code {rc})")
@@ -135,9 +142,11 @@ def published(path: str, sha256: str | None, source: str | None = None) -> dict[
 
 
 def build_for(dtype: str, hf_dir: str, weights_sha256: str | None, threads: int,
-              original: str | None = None, original_quant: str | None = None) -> dict[str, Any]:
-    """The GGUF for a cell dtype. A catalog model's own file serves its own quant type."""
-    if original and original_quant == dtype:
+              original: str | None = None, original_quant: str | None = None,
+              imatrix: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The GGUF for a cell dtype. A catalog model's own file serves its own quant type (unless an
+    imatrix is asked for: then llama.cpp quantises the reference with it)."""
+    if original and original_quant == dtype and imatrix is None:
         from common.files import sha256_file
 
         check_gguf(original)
@@ -146,7 +155,14 @@ def build_for(dtype: str, hf_dir: str, weights_sha256: str | None, threads: int,
     if dtype in FLOAT_TYPES:
         return convert(hf_dir, weights_sha256, FLOAT_TYPES[dtype])
     if dtype in QUANT_TYPES:
-        art = quantize(convert(hf_dir, weights_sha256, "f32"), dtype, threads)
+        f32 = convert(hf_dir, weights_sha256, "f32")
+        weights = None
+        if imatrix is not None:
+            from backends.gguf_imatrix import collect
+
+            weights = collect(f32, imatrix["text"], imatrix["corpus"], imatrix["sha256"], imatrix["chunks"],
+                              imatrix["ctx"], threads)
+        art = quantize(f32, dtype, threads, weights)
         types = tensor_types(art["path"])
         if PRIMARY_TYPE[dtype] not in types:
             raise SkipCell(f"the tensor shapes do not allow {dtype}: llama.cpp stored no tensor as "

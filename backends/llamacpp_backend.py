@@ -102,9 +102,15 @@ class LlamaCppBackend(Backend):
     attention = frozenset({"default", "flash_attn", "eager"})  # eager = flash attention off
     devices = frozenset({"cpu", "cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm",
                          "apple-m1", "apple-m2", "apple-m3", "apple-m4", "mps"})
-    options = frozenset({"kv_cache", "n_batch", "n_ubatch"})
+    options = frozenset({"kv_cache", "n_batch", "n_ubatch", "imatrix"})
     libraries = ("llama_cpp_python", "gguf")  # gguf-py writes the converted and quantised files
     runs_files = frozenset({"gguf"})
+
+    @classmethod
+    def unsupported(cls, cell) -> str | None:
+        if "imatrix" in cell.opts and (cell.dtype not in QUANT_TYPES or getattr(cell, "artifact", None)):
+            return f"an imatrix weights llama.cpp's quantiser, and this cell quantises nothing ({cell.dtype})"
+        return super().unsupported(cell)
 
     def load(self) -> None:
         import llama_cpp
@@ -119,7 +125,8 @@ class LlamaCppBackend(Backend):
             self.artifact = gguf_build.published(st.artifact, st.artifact_sha256, st.artifact_source)
         else:
             self.artifact = gguf_build.build_for(st.dtype, self.model_dir, st.weights_sha256, self.threads,
-                                                 original=st.source_gguf, original_quant=st.source_quant)
+                                                 original=st.source_gguf, original_quant=st.source_quant,
+                                                 imatrix=self._imatrix())
         quiet_logs()
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
@@ -134,6 +141,17 @@ class LlamaCppBackend(Backend):
         self.vocab = lc.llama_model_get_vocab(self.model)
         self._n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.tensor_types = gguf_build.tensor_types(self.artifact["path"])
+
+    def _imatrix(self) -> dict[str, Any] | None:
+        im = self.stack.opts.get("imatrix")
+        if not im:
+            return None
+        import hashlib
+
+        text = self.stack.calibration_text
+        if text is None or hashlib.sha256(text.encode()).hexdigest() != im["sha256"]:
+            raise RuntimeError(f"the calibration text for {im['corpus']} did not arrive intact (want sha256 {im['sha256']})")
+        return {**im, "text": text}
 
     def vocab_size(self) -> int:
         return self._n_vocab

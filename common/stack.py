@@ -72,6 +72,8 @@ class StackDesc:
     artifact: str | None = None  # a published file to run as it is (`candidates:`), on this node
     artifact_sha256: str | None = None
     artifact_source: str | None = None  # where it came from: the driver's path, or the model's source
+    # `imatrix:` the calibration text itself (a node may not have the driver's file; text is small)
+    calibration_text: str | None = None
 
     @property
     def opts(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import os
 from common import ids, names
 from common.errors import UserError
 from common.stack import Cell, ModelCopy, StackDesc
-from matrix.spec import OPTION_KEYS, Spec, field_error, parse_spec
+from matrix.spec import OPTION_KEYS, Spec, field_error, option_identity, parse_spec
 
 
 def load_spec(spec_path: str | os.PathLike) -> Spec:
@@ -27,7 +27,20 @@ def stack_desc(cell: Cell, model) -> StackDesc:
                      tp=cell.tp, model=cell.model, cell_id=cell.cell_id, options=cell.options,
                      max_tokens=cell.max_tokens, weights_sha256=model.weights_sha256,
                      source_gguf=model.gguf_path, source_quant=model.gguf_quant, build=cell.build,
-                     **_artifact(cell, model))
+                     calibration_text=_calibration_text(cell), **_artifact(cell, model))
+
+
+def _calibration_text(cell: Cell) -> str | None:
+    """An imatrix cell's calibration text, read on the driver and checked against the hash its id holds."""
+    im = cell.opts.get("imatrix")
+    if not im:
+        return None
+    from common.files import sha256_file
+
+    if sha256_file(im["path"]) != im["sha256"]:
+        raise UserError(f"{im['path']}: the calibration text changed since the spec was read (sha256 {im['sha256']})")
+    with open(im["path"], encoding="utf-8") as f:
+        return f.read()
 
 
 def _artifact(cell: Cell, model) -> dict:
@@ -107,7 +120,7 @@ def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: i
            "threads": combo.get("threads", spec.threads), "stride": spec.stride,
            "bos": spec.bos, "corpus": corpus_fp}
     if opts:  # only when set, so cells without options keep their ids
-        key["options"] = opts
+        key["options"] = option_identity(opts)
     if spec.store != "native":  # lossy storage is another row content
         key["store"] = spec.store
     if not spec.positions.is_plain:  # only then, so cells captured at a plain stride keep their ids

@@ -30,6 +30,9 @@ from store.token_ids import read_ids_file
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 BUILTIN = CONFIGS / "corpus" / "builtin.yaml"
+# `imatrix: {corpus: builtin}`: a calibration text written for logit-matrix (CC0) that shares no
+# passage with the evaluation corpus (matrix/calibration.py checks it like any other text)
+BUILTIN_CALIBRATION = CONFIGS / "corpus" / "calibration.txt"
 ENTRY_KEYS = {"id", "category", "source", "text", "file", "chat", "ids", "ids_file", "chunks", "vocab"}
 BODIES = ("text", "file", "chat", "ids", "ids_file")
 CATEGORIES = ("cold_start", "long_context", "chat_tool_call", "reasoning", "code", "other")

@@ -20,7 +20,7 @@ from common import ids
 from common.errors import UserError, first_line
 from common.files import sha256_file
 from common.stack import Cell
-from matrix import __version__, candidates, failures, launch, placement
+from matrix import __version__, calibration, candidates, failures, launch, placement
 from matrix.corpus import tokenize
 from matrix.models import fetch
 from matrix.plan import Plan
@@ -63,6 +63,7 @@ def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
         for cell in spec.cells:  # a published file of another model is refused before anything runs
             if cell.artifact and cell.model == name:
                 candidates.check(candidates.resolve(cell, m), config, tok, vocab[name])
+        calibration.check(spec, [c for c in spec.cells if c.model == name], prompts[name], tok)
     return Plan(spec, models, prompts, special=special, vocab=vocab)
 
 
