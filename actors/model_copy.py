@@ -84,8 +84,10 @@ def source_gguf(model: ModelCopy, depot) -> str | None:
 def artifact_file(path: str | None, sha256: str | None, depot) -> str | None:
     """A candidate's published file on this node: the driver's path when this node has it (the
     backend checks its hash where it reads it), else a copy sent through the depot, kept by hash."""
-    if not path:
-        return None
-    if Path(path).is_file():
+    if not path or path.startswith("hub:"):  # a hub id: the node loads it from the hub itself
         return path
-    return _shipped_file(path, f"artifact-{sha256}", depot)
+    if Path(path).is_file() or Path(path).is_dir():
+        return path
+    shipped = _shipped_file(path, f"artifact-{sha256}", depot)
+    # a checkpoint directory arrives as the directory itself, a file inside one named by its hash
+    return str(Path(shipped).parent) if (Path(shipped).parent / "config.json").is_file() else shipped

@@ -52,6 +52,11 @@ def calibration(cell: dict) -> str | None:
                 if recipe.get("q_bits") else "none: float conversion of the reference weights")
     if tool is None and cell["engine"] == "hf":
         return f"none: the reference checkpoint's weights at {cell['dtype']}"
+    if tool == "published artifact" and recipe.get("kind") == "hf checkpoint":
+        q = recipe.get("quantization_config")
+        return (f"per the checkpoint's config: quantization_config {q}" if q else
+                "none recorded: the checkpoint's config has no quantization_config; declare `calibration:` on the "
+                "candidate if the publisher says otherwise")
     if tool == "published artifact":  # what the file's own header says llama-quantize used
         im = recipe.get("imatrix")
         if im:
@@ -64,6 +69,12 @@ def calibration(cell: dict) -> str | None:
 def artifact(cell: dict) -> dict:
     """What the candidate ran: a published file (its hash and where it came from), or what built it."""
     recipe = _json(cell.get("artifact_recipe"))
+    if recipe.get("tool") == "published artifact" and recipe.get("kind") == "hf checkpoint":
+        return {"kind": "published artifact (HF checkpoint)", "source": recipe.get("source"),
+                "sha256": cell.get("artifact_sha256") or "none: loaded from the hub by id and revision",
+                "hash_of": "the safetensors files (name + sha256, in name order)", "dtype": cell["dtype"],
+                "config_dtype": recipe.get("config_dtype"), "quantization_config": recipe.get("quantization_config") or "none",
+                **({"label": recipe["label"]} if recipe.get("label") else {})}
     if recipe.get("tool") == "published artifact":
         return {"kind": "published artifact", "file": recipe.get("file"), "sha256": cell.get("artifact_sha256"),
                 "source": recipe.get("source"), "declared_quant": recipe.get("declared_quant"),

@@ -76,8 +76,8 @@ class Backend:
     @classmethod
     def unsupported(cls, cell) -> str | None:
         if getattr(cell, "artifact", None):  # a published file: the engine runs what it declares
-            if "gguf" not in cls.runs_files:
-                return f"engine {cls.engine} does not run a given GGUF file"
+            if not cls.runs_files:
+                return f"engine {cls.engine} does not run a given artifact"
         elif cell.dtype not in cls.dtypes:
             return f"engine {cls.engine} does not run dtype {cell.dtype} (runs: {', '.join(sorted(cls.dtypes))})"
         if cell.attention not in cls.attention:

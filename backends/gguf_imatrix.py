@@ -194,7 +194,7 @@ def collect(gguf: dict[str, Any], text: str, label: str, text_sha256: str, chunk
     artifact in llama.cpp's GGUF imatrix format; its recipe says what it was computed on."""
     import llama_cpp as lc
 
-    from backends.llamacpp_backend import quiet_logs, tokenize_with
+    from backends.llama_binding import quiet_logs, tokenize_with
 
     recipe = {"tool": COLLECTOR, "llama_cpp_python": lc.__version__, "source_sha256": gguf["sha256"],
               "calibration": label, "calibration_sha256": text_sha256, "chunks_asked": chunks, "ctx": ctx}

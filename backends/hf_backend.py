@@ -38,6 +38,26 @@ class HFBackend(Backend):
     max_tp = 8  # tensor parallel through torch.distributed: gloo on CPU, NCCL on GPU
     libraries = ("torch", "transformers", "accelerate", "safetensors")
     options = frozenset({"quantizer"})  # int8 / int4 only: which library quantises (backends/hf_quant.py)
+    runs_files = frozenset({"hf"})  # a candidate checkpoint (a directory or a hub id), run as it is
+
+    def _candidate(self) -> dict[str, Any]:
+        """A candidate checkpoint replaces the reference weights: this node's copy, its hash checked
+        here where it is read (a hub id is loaded from the hub). -> from_pretrained's revision kwarg."""
+        st = self.stack
+        recipe = {"tool": "published artifact", "kind": "hf checkpoint", "source": st.artifact_source or st.artifact}
+        if st.artifact.startswith("hub:"):
+            repo, _, rev = st.artifact.removeprefix("hub:").rpartition("@")
+            self.model_dir = repo
+            self.artifact = {"path": st.artifact, "sha256": None, "recipe": recipe}
+            return {"revision": rev}
+        from common.files import weights_digest_cached
+
+        got = weights_digest_cached(Path(st.artifact))
+        if st.artifact_sha256 and got != st.artifact_sha256:
+            raise RuntimeError(f"{st.artifact}: weights sha256 {got}, but the driver recorded {st.artifact_sha256}")
+        self.model_dir = st.artifact
+        self.artifact = {"path": st.artifact, "sha256": got, "recipe": recipe}
+        return {}
 
     @classmethod
     def unsupported(cls, cell) -> str | None:
@@ -56,6 +76,9 @@ class HFBackend(Backend):
         transformers.utils.logging.disable_progress_bar()  # one stack loads in seconds; bars only clutter logs
         torch.set_num_threads(self.threads)
         self.torch_device = "cpu" if self.stack.device == "cpu" else "cuda"
+        self.artifact, self._src = None, {}
+        if self.stack.artifact:
+            self._src = self._candidate()
         quant, self.recipe = {}, None
         if self.stack.dtype in hf_quant.DTYPES:  # quantised at load; activations stay fp32
             qcfg, self.recipe = hf_quant.config(self.stack.dtype, self.stack.opts)
@@ -65,7 +88,7 @@ class HFBackend(Backend):
         # Load with dtype= (not .to()): .to(bf16) would also cast the rotary inv_freq buffer.
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=dtype, attn_implementation=self.stack.attention,
-            output_loading_info=True, **tp_kw, **quant)
+            output_loading_info=True, **tp_kw, **quant, **self._src)
         problems = []
         for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
             keys = sorted(str(k) for k in info.get(kind) or ())
@@ -92,7 +115,7 @@ class HFBackend(Backend):
         from backends.base import SkipCell
 
         d = self.dist
-        cfg = transformers.AutoConfig.from_pretrained(self.model_dir)
+        cfg = transformers.AutoConfig.from_pretrained(self.model_dir, **self._src)
         heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
         if heads % d["world_size"] or kv % d["world_size"]:
             raise SkipCell(f"tp {d['world_size']} does not divide the model's {heads} attention / {kv} KV heads")
@@ -141,6 +164,7 @@ class HFBackend(Backend):
                          "numpy": np.__version__, **({self.recipe["tool"]: self.recipe["version"]} if self.recipe else {})},
             **({"quantizer": self.recipe["tool"], "artifact": {"path": None, "sha256": None, "recipe": self.recipe}}
                if self.recipe else {}),
+            **({"artifact": self.artifact} if self.artifact else {}),
         }
 
     def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
@@ -162,7 +186,7 @@ class HFBackend(Backend):
         if getattr(self, "_tokenizer", None) is None:
             import transformers
 
-            self._tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
+            self._tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir, **self._src)
         return self._tokenizer
 
     def tokenize(self, text: str) -> list[int]:

@@ -23,10 +23,8 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -39,35 +37,9 @@ DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"  # 35 KB of license text: ~9k 
 
 
 def build_llama_perplexity(log) -> Path:
-    import llama_cpp
+    from benchmarks.llama_tools import build_tool
 
-    from common.files import cache_root, pip_download
-
-    version = llama_cpp.__version__
-    root = cache_root() / "tools" / f"llama.cpp-{version}"
-    binary = root / "build" / "bin" / "llama-perplexity"
-    if binary.is_file():
-        return binary
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
-        sdist = pip_download(f"llama-cpp-python=={version}", Path(tmp), extra=("--no-binary", "llama-cpp-python"),
-                             pattern="*.tar.gz")
-        src = Path(tmp) / "src"
-        with tarfile.open(sdist) as tf:
-            for m in tf.getmembers():
-                parts = m.name.split("/vendor/llama.cpp/", 1)
-                if len(parts) == 2 and (m.isfile() or m.isdir()):
-                    m.name = parts[1]
-                    tf.extract(m, src, filter="data")
-        os.replace(src, root)
-    log(f"building llama-perplexity from llama-cpp-python {version}'s vendor/llama.cpp (~12-35 min on 2 cores)")
-    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    subprocess.run(["cmake", "-S", str(root), "-B", str(root / "build"), *gen, "-DGGML_NATIVE=OFF",
-                    "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-                    "-DCMAKE_BUILD_TYPE=Release"], check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(root / "build"), "--target", "llama-perplexity",
-                    "-j", str(os.cpu_count() or 2)], check=True, capture_output=True)
-    return binary
+    return build_tool("llama-perplexity", log)
 
 
 def timed(cmd: list[str], env: dict, log_to: Path) -> tuple[float, float, str]:

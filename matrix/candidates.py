@@ -1,4 +1,5 @@
-"""`candidates:` published files measured as they are against their model's reference.
+"""`candidates:` published artifacts measured as they are against their model's reference: GGUF
+files (run by llama.cpp) and HF checkpoints, a local directory or a hub id (run by transformers).
 
 A quant author's question is how far the file about to be uploaded is from the original. A
 candidate is a cell of its model (same reference, same centroid group) whose engine runs the
@@ -32,19 +33,47 @@ def _source(spec, model: str) -> tuple[str | None, str]:
     return None, CATALOG[ref.location].source_quant  # fetched later; the catalog pins the file
 
 
+HF_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def _what(spec, c: dict) -> tuple[str | None, str | None, dict, str, str]:
+    """(path on the driver, sha256, what the cell id pins, dtype, attention) of one candidate."""
+    kind = c["kind"]
+    if kind == "gguf" and c["gguf"] == "source":
+        path, declared = _source(spec, c["model"])
+        return path, None, {"source": spec.models[c["model"]].identity}, declared, "default"
+    if kind == "gguf":
+        sha = sha256_file(Path(c["gguf"]))
+        return c["gguf"], sha, {"sha256": sha}, read_info(c["gguf"]).declared, "default"
+    if kind == "path":
+        from common.files import weights_digest_cached
+
+        sha = weights_digest_cached(Path(c["path"]))
+        if not any(Path(c["path"]).glob("*.safetensors")):
+            raise UserError(f"candidate {c['path']}: no *.safetensors files in this checkpoint directory")
+        return c["path"], sha, {"weights_sha256": sha}, c.get("dtype") or _config_dtype(c["path"]), \
+            c.get("attention", "eager")
+    if not c.get("dtype"):
+        raise UserError(f"{spec.path}: candidates: hub candidate {c['hub']}: give its dtype (its config is read "
+                        "only when the run starts)")
+    hub = f"hub:{c['hub']}@{c['revision'] or 'main'}"
+    return hub, None, {"hub": hub}, c["dtype"], c.get("attention", "eager")
+
+
+def _config_dtype(d: str) -> str:
+    import json
+
+    cfg = json.loads((Path(d) / "config.json").read_text())
+    return HF_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), "fp32")
+
+
 def cells(spec, corpus_fp: str, make_cell_id, cell_options) -> list[Cell]:
     """The spec's candidates as cells (matrix/cells.py expand adds them to the sweep)."""
     out = []
-    for i, c in enumerate(spec.candidates):
-        if c["gguf"] == "source":
-            path, declared = _source(spec, c["model"])
-            sha, pin = None, {"source": spec.models[c["model"]].identity}
-        else:
-            path, declared = c["gguf"], read_info(c["gguf"]).declared
-            sha = sha256_file(Path(path))
-            pin = {"sha256": sha}
+    for c in spec.candidates:
+        path, sha, pin, dtype, attention = _what(spec, c)
         device = c["device"] or (spec.axes["device"][0] if len(spec.axes["device"]) == 1 else "cpu")
-        combo = {"model": c["model"], "engine": "llamacpp", "dtype": declared, "attention": "default", "tp": 1,
+        combo = {"model": c["model"], "engine": c["engine"], "dtype": dtype, "attention": attention, "tp": 1,
                  "device": device}
         if c["threads"]:
             combo["threads"] = c["threads"]
@@ -75,10 +104,59 @@ def resolve(cell: Cell, model) -> Cell:
     return dataclasses.replace(cell, artifact=path, artifact_sha256=sha)
 
 
+def hub_ref(artifact: str) -> tuple[str, str]:
+    """'hub:org/name@rev' -> (org/name, rev)."""
+    repo, _, rev = artifact.removeprefix("hub:").rpartition("@")
+    return repo, rev
+
+
+def _hf_load(artifact: str):
+    """(config, tokenizer) of an HF candidate, local or on the hub."""
+    import transformers
+
+    where, kw = artifact, {}
+    if artifact.startswith("hub:"):
+        where, rev = hub_ref(artifact)
+        kw = {"revision": rev}
+    try:
+        return (transformers.AutoConfig.from_pretrained(where, **kw),
+                transformers.AutoTokenizer.from_pretrained(where, **kw))
+    except OSError as e:
+        raise UserError(f"candidate {artifact}: cannot read its config and tokenizer: {str(e).splitlines()[0]}") from None
+
+
 def header_facts(cell: Cell, model) -> dict:
     """What the candidate's file declares, for its cells row's recipe."""
+    if cell.engine == "hf":
+        config, _ = _hf_load(resolve(cell, model).artifact)
+        q = getattr(config, "quantization_config", None)
+        return {"kind": "hf checkpoint", "model_type": config.model_type,
+                "config_dtype": str(getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)),
+                "quantization_config": q if isinstance(q, dict) else (q.to_dict() if q is not None else None)}
     info = read_info(resolve(cell, model).artifact)
     return {"declared_quant": info.declared, "gguf_name": info.name, "imatrix": info.imatrix or None}
+
+
+def hf_differences(cand_config, cand_tok, config, tok) -> list[str]:
+    """What an HF candidate has that the reference model has not (empty: the same model)."""
+    out = []
+    if cand_config.model_type != config.model_type:
+        out.append(f"architecture {cand_config.model_type} (reference: {config.model_type})")
+    for what, attr in (("layers", "num_hidden_layers"), ("hidden size", "hidden_size"),
+                       ("attention heads", "num_attention_heads"), ("vocab_size", "vocab_size")):
+        got, want = getattr(cand_config, attr, None), getattr(config, attr, None)
+        if got is not None and want is not None and int(got) != int(want):
+            out.append(f"{what} {got} (reference: {want})")
+    if len(cand_tok) != len(tok):
+        out.append(f"tokenizer of {len(cand_tok)} tokens (reference: {len(tok)})")
+    elif cand_tok.get_vocab() != tok.get_vocab():
+        inv = {i: t for t, i in tok.get_vocab().items()}
+        first = min(i for t, i in cand_tok.get_vocab().items() if inv.get(i) != t)
+        out.append(f"tokenizer: token {first} is {cand_tok.convert_ids_to_tokens(first)!r} (reference: {inv.get(first)!r})")
+    for what, got, want in (("BOS", cand_tok.bos_token_id, tok.bos_token_id), ("EOS", cand_tok.eos_token_id, tok.eos_token_id)):
+        if got != want:
+            out.append(f"{what} id {got} (reference: {want})")
+    return out
 
 
 def differences(info: GgufInfo, config, tok, vocab: int) -> list[str]:
@@ -107,6 +185,9 @@ def differences(info: GgufInfo, config, tok, vocab: int) -> list[str]:
 
 def check(cell: Cell, config, tok, vocab: int) -> None:
     """Refuse a candidate that is not a file of its reference model, before anything runs."""
-    diff = differences(read_info(cell.artifact), config, tok, vocab)
+    if cell.engine == "hf":
+        diff = hf_differences(*_hf_load(cell.artifact), config, tok)
+    else:
+        diff = differences(read_info(cell.artifact), config, tok, vocab)
     if diff:
         raise UserError(f"candidate {cell.artifact}: not a file of model {cell.model}: " + "; ".join(diff))

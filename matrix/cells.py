@@ -185,7 +185,8 @@ def expand(spec: Spec) -> None:
             sel = {"model": model, **spec.reference}
             if sel["model"] != model:
                 continue
-            hits = [c for c in spec.cells if c.replica == 0 and all(getattr(c, k) == v for k, v in sel.items())]
+            hits = [c for c in spec.cells if c.replica == 0 and c.artifact is None  # a candidate is never the reference
+                    and all(getattr(c, k) == v for k, v in sel.items())]
             skipped = [s for s in spec.skipped if all(s[k] == v for k, v in sel.items())]
             if not hits and skipped:
                 raise field_error(spec.path, "reference", f"the reference stack cannot run: {skipped[0]['reason']}",

@@ -16,6 +16,15 @@ from matrix.corpus import CONFIGS
 DEFAULT_SPEC = CONFIGS / "smoke.yaml"
 
 
+def _brief(opts: dict) -> str:
+    """Options in one cell of a table: an imatrix by its text and chunks."""
+    def one(k, v):
+        if k == "imatrix":
+            return f"imatrix={v['corpus']}" + (f" x{v['chunks']}" if v.get("chunks") else "")
+        return f"{k}={v}"
+    return " ".join(one(k, v) for k, v in opts.items())
+
+
 def cmd_cells(args) -> int:
     from matrix.cells import load_spec
     from matrix.cli_builds import build_columns
@@ -43,9 +52,10 @@ def cmd_cells(args) -> int:
                    "stride": spec.stride, "positions": spec.positions.to_dict(), "repeats": spec.repeats,
                    "corpus": spec.corpus})
     else:
-        cols = ["cell_id", "role"] + (["placement"] if placed else []) + (["build", "captured by", "a run"] if builds else [])
-        print(table(cols, [[c["cell_id"], "yes" if c["reference"] else
-                            f"candidate: {c['candidate']['label']}" if c["candidate"] else ""]
+        cols = ["cell_id", "role", "options"] + (["placement"] if placed else []) \
+            + (["build", "captured by", "a run"] if builds else [])
+        print(table(cols, [[c["cell_id"], "reference" if c["reference"] else
+                            f"candidate: {c['candidate']['label']}" if c["candidate"] else "", _brief(c["options"])]
                            + ([placed[c["cell_id"]].brief()] if placed else [])
                            + ([c["build"] or "?", ", ".join(b["build"] or "unrecorded" for b in c["captured"]) or "-",
                                c["action"]] if builds else []) for c in cells]))

@@ -410,12 +410,46 @@ def _parse_options(path: Path, data: dict) -> dict:
     return options
 
 
-CANDIDATE_KEYS = ("model", "engine", "gguf", "name", "device", "threads", "calibration")
+CANDIDATE_KEYS = ("model", "engine", "gguf", "path", "hub", "revision", "dtype", "attention", "name", "device",
+                  "threads", "calibration")
+# what a candidate is given as -> the engine that runs it as it is
+CANDIDATE_KINDS = {"gguf": "llamacpp", "path": "hf", "hub": "hf"}
+
+
+def _candidate_file(path: Path, fld: str, e: dict, models: dict) -> tuple[str, str]:
+    """(kind, location) of a candidate: gguf FILE | source, path DIR (an HF checkpoint), hub org/name."""
+    given = [k for k in CANDIDATE_KINDS if k in e]
+    if len(given) != 1:
+        raise field_error(path, fld, "give exactly one of gguf (a GGUF file), path (an HF checkpoint directory) "
+                                     "or hub (an HF hub id)", e)
+    kind = given[0]
+    loc = e[kind]
+    if not isinstance(loc, str) or not loc:
+        raise field_error(path, f"{fld}.{kind}", "must be a non-empty string", loc)
+    if e.get("engine", CANDIDATE_KINDS[kind]) != CANDIDATE_KINDS[kind]:
+        raise field_error(path, f"{fld}.engine", f"a {kind} candidate runs on engine {CANDIDATE_KINDS[kind]}",
+                          e.get("engine"))
+    if "revision" in e and kind != "hub":
+        raise field_error(path, f"{fld}.revision", "only a hub candidate has a revision", e["revision"])
+    if kind == "gguf" and loc == "source":
+        if models[e["model"]].kind not in ("catalog", "gguf"):
+            raise field_error(path, f"{fld}.gguf", f"model {e['model']} was not made from a GGUF file", loc)
+    elif kind in ("gguf", "path"):
+        full = str((path.parent / os.path.expanduser(loc)).resolve())
+        ok = os.path.isfile(full) if kind == "gguf" else os.path.isfile(os.path.join(full, "config.json"))
+        if not ok:
+            raise field_error(path, f"{fld}.{kind}", "no such file" if kind == "gguf"
+                              else "not an HF checkpoint directory (no config.json)", loc)
+        loc = full
+    elif not re.fullmatch(r"[\w.-]+/[\w.-]+", loc):
+        raise field_error(path, f"{fld}.hub", "must be an HF hub id like org/name", loc)
+    return kind, loc
 
 
 def _parse_candidates(path: Path, data: dict, models: dict) -> list[dict]:
-    """`candidates:` published files, each run as it is and measured against its model's
-    reference: {model, gguf: FILE | source, [engine: llamacpp], [name], [device], [threads]}.
+    """`candidates:` published artifacts, each run as it is and measured against its model's
+    reference: {model, gguf: FILE | source} (llama.cpp), or {model, path: DIR | hub: ID [revision],
+    [dtype], [attention]} (HF), each with optional name, calibration, device, threads.
     `gguf: source` is the file the model's reference weights were dequantised from."""
     raw = data.get("candidates") or []
     if not isinstance(raw, list):
@@ -424,35 +458,29 @@ def _parse_candidates(path: Path, data: dict, models: dict) -> list[dict]:
     for i, e in enumerate(raw):
         fld = f"candidates[{i}]"
         if not isinstance(e, dict):
-            raise field_error(path, fld, "must be a mapping with model and gguf", e)
+            raise field_error(path, fld, "must be a mapping with model and one of gguf, path, hub", e)
         for k in e:
             if k not in CANDIDATE_KEYS:
                 raise field_error(path, f"{fld}.{k}", f"unknown key; expected one of {', '.join(CANDIDATE_KEYS)}")
         if e.get("model") not in models:
             raise field_error(path, f"{fld}.model", f"expected one of the spec's models ({', '.join(models)})",
                               e.get("model"))
-        if e.get("engine", "llamacpp") != "llamacpp":
-            raise field_error(path, f"{fld}.engine", "a gguf candidate runs on engine llamacpp", e.get("engine"))
-        gguf = e.get("gguf")
-        if not isinstance(gguf, str) or not gguf:
-            raise field_error(path, f"{fld}.gguf", "must be a path to a GGUF file, or 'source'", gguf)
-        if gguf != "source":
-            gguf = str((path.parent / os.path.expanduser(gguf)).resolve())
-            if not os.path.isfile(gguf):
-                raise field_error(path, f"{fld}.gguf", "no such file", e["gguf"])
-        elif models[e["model"]].kind not in ("catalog", "gguf"):
-            raise field_error(path, f"{fld}.gguf", f"model {e['model']} was not made from a GGUF file", gguf)
-        name = e.get("name")
-        if name is not None and (not isinstance(name, str) or not name.strip()):
-            raise field_error(path, f"{fld}.name", "must be a non-empty string", name)
-        cal = e.get("calibration")
-        if cal is not None and (not isinstance(cal, str) or not cal.strip()):
-            raise field_error(path, f"{fld}.calibration", "must be a non-empty string describing the calibration data",
-                              cal)
-        out.append({"model": e["model"], "engine": "llamacpp", "gguf": gguf, "name": name, "calibration": cal,
+        kind, loc = _candidate_file(path, fld, e, models)
+        for k in ("name", "calibration", "revision"):
+            v = e.get(k)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise field_error(path, f"{fld}.{k}", "must be a non-empty string", v)
+        extra = {}
+        for k in ("dtype", "attention"):
+            if k in e:
+                if kind == "gguf":
+                    raise field_error(path, f"{fld}.{k}", "a GGUF candidate runs what its file declares", e[k])
+                extra[k] = _check_axis_value(path, f"{fld}.{k}", k, e[k], models)
+        out.append({"model": e["model"], "engine": CANDIDATE_KINDS[kind], "kind": kind, kind: loc,
+                    "revision": e.get("revision"), "name": e.get("name"), "calibration": e.get("calibration"),
                     "device": _check_axis_value(path, f"{fld}.device", "device", e["device"], models)
                     if "device" in e else None,
-                    "threads": _check_threads(path, f"{fld}.threads", e.get("threads"))})
+                    "threads": _check_threads(path, f"{fld}.threads", e.get("threads")), **extra})
     return out
 
 

@@ -112,3 +112,56 @@ def test_candidate_spec_errors_name_the_field(tmp_path, short_corpus):
         spec.write_text(json.dumps({"models": ["smollm2-135m"], "corpus": str(short_corpus), "candidates": [cand]}))
         r = run_cli("cells", str(spec))
         assert r.returncode == 2 and want in r.stderr and len(r.stderr.strip().splitlines()) == 1, (cand, r.stderr)
+
+
+def _fine_tuned(src: Path, dest: Path, scale: float) -> Path:
+    """A 'published' checkpoint of the same model: the tiny model with one MLP weight scaled."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest)
+    for f in dest.glob("*.safetensors"):
+        t = load_file(str(f))
+        key = next(k for k in t if k.endswith("layers.1.mlp.down_proj.weight"))
+        t[key] = (t[key].to(torch.float32) * scale).to(t[key].dtype)
+        save_file(t, str(f), metadata={"format": "pt"})
+    return dest
+
+
+def test_an_hf_checkpoint_candidate_against_the_hf_reference(tmp_path, tiny_model, short_corpus):
+    from common.files import weights_digest
+    from matrix.models import cut_layers
+
+    mine = _fine_tuned(tiny_model, tmp_path / "my-finetune", 1.02)
+    spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=2,
+                      candidates=[{"model": "tiny", "path": str(mine), "dtype": "fp32", "name": "my fine-tune"},
+                                  {"model": "tiny", "path": str(tiny_model), "dtype": "fp32", "attention": "sdpa",
+                                   "name": "the reference's own weights"}])
+    wh = tmp_path / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert run_cli("analyze", "--warehouse", str(wh)).returncode == 0
+    rows = sql(wh, "select c.cell_id, c.engine, c.attention, c.artifact_sha256, c.artifact_recipe, c.bit_reproducible, "
+                   "s.kld_mean, s.top1_agreement from cells c join summary s using (cell_id) where c.artifact_sha256 is not null")
+    got = {json.loads(r["artifact_recipe"])["label"]: r for r in rows}
+    ft, own = got["my fine-tune"], got["the reference's own weights"]
+    assert ft["engine"] == own["engine"] == "hf" and ft["bit_reproducible"]
+    assert ft["artifact_sha256"] == weights_digest(mine) != own["artifact_sha256"] == weights_digest(tiny_model)
+    recipe = json.loads(ft["artifact_recipe"])
+    assert recipe["kind"] == "hf checkpoint" and recipe["model_type"] == "llama" and recipe["quantization_config"] is None
+    # sdpa vs eager on the same fp32 weights is ~1e-12; 2% on one down_proj is orders above it
+    assert own["kld_mean"] < 1e-8 and 100 * max(own["kld_mean"], 1e-12) < ft["kld_mean"] < 0.05, (own, ft)
+    card = _card(wh, ft["cell_id"])["disclosure"]
+    assert card["candidate_artifact"]["kind"] == "published artifact (HF checkpoint)"
+    assert card["candidate_artifact"]["sha256"] == ft["artifact_sha256"]
+    assert card["calibration_data"].startswith("none recorded: the checkpoint's config has no quantization_config")
+    # a checkpoint of another model is refused before anything runs, naming what differs
+    other = cut_layers(tiny_model, tmp_path / "one-layer", 1)
+    bad = write_spec(tmp_path / "bad.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                     reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=1,
+                     candidates=[{"model": "tiny", "path": str(other)}])
+    r = run_cli("run", str(bad), "--warehouse", str(tmp_path / "wh2"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].endswith(f"candidate {other}: not a file of model tiny: layers 1 (reference: 2)")
+    assert not (tmp_path / "wh2" / "logits").exists()

@@ -1,0 +1,61 @@
+"""llama.cpp's own command-line tools, built once into the cache from the vendor/llama.cpp of the
+installed llama-cpp-python's sdist (CMake, -DGGML_NATIVE=OFF like the Makefile's binding build),
+for the benchmarks that compare logit-matrix with them. A later tool reuses the same build tree,
+so only its own sources compile (seconds); the first one costs ~12-35 min on 2 cores."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+
+
+def source_tree() -> Path:
+    import llama_cpp
+
+    from common.files import cache_root, pip_download
+
+    version = llama_cpp.__version__
+    root = cache_root() / "tools" / f"llama.cpp-{version}"
+    if (root / "CMakeLists.txt").is_file():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
+        sdist = pip_download(f"llama-cpp-python=={version}", Path(tmp), extra=("--no-binary", "llama-cpp-python"),
+                             pattern="*.tar.gz")
+        src = Path(tmp) / "src"
+        with tarfile.open(sdist) as tf:
+            for m in tf.getmembers():
+                parts = m.name.split("/vendor/llama.cpp/", 1)
+                if len(parts) == 2 and (m.isfile() or m.isdir()):
+                    m.name = parts[1]
+                    tf.extract(m, src, filter="data")
+        os.replace(src, root)
+    return root
+
+
+def build_tool(target: str, log) -> Path:
+    """bin/<target> (llama-perplexity, llama-imatrix, llama-quantize), built if missing."""
+    root = source_tree()
+    build = root / "build"
+    binary = build / "bin" / target
+    if binary.is_file():
+        return binary
+    if not (build / "CMakeCache.txt").is_file():
+        log(f"configuring llama.cpp from {root.name} (the first tool build takes ~12-35 min on 2 cores)")
+        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        subprocess.run(["cmake", "-S", str(root), "-B", str(build), *gen, "-DGGML_NATIVE=OFF",
+                        "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                        "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release"], check=True, capture_output=True)
+    log(f"building {target}")
+    subprocess.run(["cmake", "--build", str(build), "--target", target, "-j", str(os.cpu_count() or 2)],
+                   check=True, capture_output=True)
+    return binary
+
+
+def tool_env(binary: Path) -> dict:
+    """The environment a tool runs in: its own build's shared libraries first, where it has them."""
+    return {**os.environ, "LD_LIBRARY_PATH": f"{binary.parent}{os.pathsep}{os.environ.get('LD_LIBRARY_PATH', '')}"}

@@ -1,0 +1,154 @@
+"""imatrix ladders, measured: logit-matrix's importance matrix against llama-imatrix's own, and the
+KL each quant type gains from one.
+
+1. The same F32 GGUF and calibration text through both collectors:
+       llama-imatrix -m F32 -f TEXT -o tool.gguf -c 512 -b 512 --no-ppl      (one chunk per batch)
+       backends/gguf_imatrix.collect (llama.cpp's graph through the binding's eval callback)
+   Prints how many tensors' sums are equal bit for bit, the largest relative difference, both
+   times, and whether Q4_K_M quantised with either file has the same tensor bytes.
+2. configs/imatrix.yaml: Q5_K_M, Q4_K_M, Q4_0, each round-to-nearest and with the builtin
+   calibration text's imatrix, against the HF fp32 reference; prints KL per pair.
+
+    .venv/bin/python benchmarks/vs_llama_imatrix.py [--threads 2] [--skip-ladder] [--skip-tool]
+
+llama-imatrix and llama-quantize are built from the installed llama-cpp-python's sdist once
+(benchmarks/llama_tools.py; seconds when llama-perplexity's build tree is there, else ~12-35 min).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import cpu  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+TEXT = REPO / "configs" / "corpus" / "calibration.txt"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def f32_gguf() -> dict:
+    from backends.gguf_build import convert
+    from matrix.models import fetch
+    from matrix.spec import ModelRef
+
+    m = fetch(ModelRef("smollm2-135m", "catalog", "smollm2-135m"), log=log)
+    return convert(m.hf_dir, m.weights_sha256, "f32")
+
+
+def tensor_bytes(path: str) -> str:
+    """sha256 over every tensor's name and bytes (headers differ: each names its own imatrix file)."""
+    from gguf import GGUFReader
+
+    h = hashlib.sha256()
+    for t in sorted(GGUFReader(path).tensors, key=lambda t: t.name):
+        h.update(t.name.encode() + bytes(t.data))
+    return h.hexdigest()
+
+
+def compare_with_tool(threads: int, d: Path) -> None:
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+
+    from backends import gguf_imatrix as gi
+    from benchmarks.llama_tools import build_tool, tool_env
+
+    f32 = f32_gguf()
+    imatrix_bin, quantize_bin = build_tool("llama-imatrix", log), build_tool("llama-quantize", log)
+    text = TEXT.read_text()
+    t0 = time.perf_counter()
+    tool_out = d / "tool-imatrix.gguf"
+    subprocess.run([str(imatrix_bin), "-m", f32["path"], "-f", str(TEXT), "-o", str(tool_out), "-c", "512",
+                    "-b", "512", "--no-ppl", "-t", str(threads)], check=True, capture_output=True, env=tool_env(imatrix_bin))
+    t_tool = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ours = gi.collect({**f32, "sha256": f"{f32['sha256']}-bench-{time.time()}"}, text, "builtin",
+                      hashlib.sha256(text.encode()).hexdigest(), None, 512, threads)  # a fresh key: timed, not cached
+    t_ours = time.perf_counter() - t0
+    a, b = gi.read(str(tool_out)), gi.read(ours["path"])
+    same = worst = 0
+    for k, (sa, ca) in a["entries"].items():
+        sb, cb = b["entries"][k]
+        same += bool(np.array_equal(sa, sb) and np.array_equal(ca, cb))
+        worst = max(worst, float(np.max(np.abs(sa - sb) / np.maximum(np.abs(sa), 1e-30))))
+    print(f"\nimatrix of {Path(f32['path']).name} on {TEXT.name} ({a['chunk_count']} chunks of {a['chunk_size']}):")
+    print(f"  tensors: tool {len(a['entries'])}, logit-matrix {len(b['entries'])}, names equal: "
+          f"{set(a['entries']) == set(b['entries'])}")
+    print(f"  sums and counts equal bit for bit: {same} of {len(a['entries'])}; largest relative difference {worst:.3g}")
+    print(f"  time: llama-imatrix {t_tool:.1f} s, logit-matrix {t_ours:.1f} s (load included) = {t_ours / t_tool:.2f}x")
+    q_tool, q_ours = d / "q4km-tool.gguf", d / "q4km-ours.gguf"
+    subprocess.run([str(quantize_bin), "--imatrix", str(tool_out), f32["path"], str(q_tool), "Q4_K_M", str(threads)],
+                   check=True, capture_output=True, env=tool_env(quantize_bin))
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, threads
+    arr, kv, _keep = gi.quantize_inputs(ours["path"], "builtin")
+    params.imatrix, params.kv_overrides = arr, kv
+    assert llama_cpp.llama_model_quantize(f32["path"].encode(), str(q_ours).encode(), ctypes.byref(params)) == 0
+    print(f"  Q4_K_M tensor bytes, llama-quantize --imatrix tool file vs llama_model_quantize with ours: "
+          f"{'identical' if tensor_bytes(str(q_tool)) == tensor_bytes(str(q_ours)) else 'DIFFERENT'}")
+
+
+def ladder(d: Path) -> None:
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    wh = d / "wh"
+    t0 = time.perf_counter()
+    for cmd in (["run", str(REPO / "configs" / "imatrix.yaml")], ["analyze"]):
+        r = subprocess.run([sys.executable, "-m", "matrix", *cmd, "--warehouse", str(wh)], env=env,
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"matrix {cmd[0]} failed: {r.stderr.strip().splitlines()[-1:]}")
+    wall = time.perf_counter() - t0
+    from analysis.sql import connect
+
+    con = connect(str(wh))
+    rows = con.execute("select c.dtype, c.options like '%imatrix%' as im, s.kld_mean, s.kld_stderr, s.top1_agreement, "
+                       "s.rows from cells c join summary s using (cell_id) where c.engine = 'llamacpp'").fetchall()
+    others = con.execute("select dtype, options like '%imatrix%', status, coalesce(error, skip_reason) from cells "
+                         "where engine = 'llamacpp' and status <> 'done'").fetchall()
+    con.close()
+    got = {(r[0], bool(r[1])): r[2:] for r in rows}
+    for dtype, im, status, error in others:
+        print(f"  {dtype} {'imatrix' if im else 'round-to-nearest'}: {status}: {error}")
+    print(f"\nKL(HF fp32 || llama.cpp) on the builtin corpus, first 1,024 tokens, stride 8 ({rows[0][5]} rows); "
+          f"imatrix: builtin calibration text; {wall:.0f} s for run + analyze")
+    print(f"  {'type':8} {'round-to-nearest':>22} {'imatrix':>22} {'imatrix / rtn':>14} {'top-1 rtn / imatrix':>20}")
+    for q in ("q5_k_m", "q4_k_m", "q4_0"):
+        if (q, False) not in got or (q, True) not in got:
+            continue
+        a, b = got[(q, False)], got[(q, True)]
+        print(f"  {q:8} {a[0]:>12.5f} ± {a[1]:.5f} {b[0]:>12.5f} ± {b[1]:.5f} {b[0] / a[0]:>14.3f} "
+              f"{a[2]:>10.3f} / {b[2]:.3f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--skip-tool", action="store_true", help="do not build or run llama-imatrix")
+    ap.add_argument("--skip-ladder", action="store_true", help="do not run configs/imatrix.yaml")
+    ap.add_argument("--keep", help="work under this directory (default: the system's temp directory)")
+    args = ap.parse_args()
+    print(f"CPU: {cpu()}")
+    with tempfile.TemporaryDirectory(prefix="vs-imatrix-", dir=args.keep) as tmp:
+        if not args.skip_tool:
+            compare_with_tool(args.threads, Path(tmp))
+        if not args.skip_ladder:
+            ladder(Path(tmp))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
