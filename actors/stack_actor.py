@@ -113,6 +113,14 @@ class StackActor:
             "build": built["build"], "build_libraries": built["libraries"], "pid": os.getpid(),
         }
 
+    def fixture(self, prompts: list, topk_ids, topk_logits, lse, vocab: int) -> dict[str, Any]:
+        """`matrix fixture check` on this node: the stack's rows measured against the fixture's
+        top-k rows here (actors/fixture_measure.py); only per-row metrics go back."""
+        from actors.fixture_measure import measure
+
+        self._loaded()
+        return measure(self.backend, prompts, topk_ids, topk_logits, lse, vocab)
+
     def parity(self, prompts: list[tuple[str, str, list[int]]], reference: dict[str, Any],
                ref_vocab: int) -> dict[str, Any]:
         """Encode each text with the engine's own tokenizer and compare with the canonical ids."""

@@ -60,6 +60,25 @@ def cmd_admit(args) -> int:
     return 0 if ok else 1
 
 
+def _check(args) -> dict:
+    """In this process, or, given --address or a --device other than cpu, in a cell actor placed
+    on the cluster the way `matrix run` places one (a local cluster of this machine without --address)."""
+    from matrix.fixtures import check_fixture
+
+    if not args.address and args.device == "cpu":
+        return check_fixture(args.fixture, args.engine, args.model, args.dtype, args.attention, args.threads,
+                             log=log)
+    from matrix import cluster, placement
+
+    ray = cluster.init_ray(args.address)
+    try:
+        nodes = placement.known_nodes(placement.cluster_nodes(), placement.default_cluster_config(args.address))
+        return check_fixture(args.fixture, args.engine, args.model, args.dtype, args.attention, args.threads,
+                             log=log, device=args.device, nodes=nodes)
+    finally:
+        ray.shutdown()
+
+
 def cmd_fixture(args) -> int:
     if args.action == "export":
         from matrix.fixtures import export_fixture
@@ -70,11 +89,10 @@ def cmd_fixture(args) -> int:
         return 0
     from analysis.gates import evaluate, load_gates, pick_class
     from analysis.truncated import NOTE, gate_values
-    from matrix.fixtures import check_fixture
 
     gates = load_gates(args.gates)  # a bad gates file fails before any model loads
     cls = pick_class(gates, args.dtype, args.quant_class)
-    res = check_fixture(args.fixture, args.engine, args.model, args.dtype, args.attention, args.threads, log=log)
+    res = _check(args)
     measured, upper, tail = gate_values(res["metrics"])
     rows = evaluate(measured, gates["classes"][cls], res["nonfinite"])
     weights = next((d for d in res["differences"] if d["what"] == "weights_sha256"), None)
@@ -91,8 +109,12 @@ def cmd_fixture(args) -> int:
     if args.json:
         emit_json({"fixture": args.fixture, "engine": args.engine, "model": args.model, "dtype": args.dtype,
                    "class": cls, "rows": res["rows"], "pass": ok, "truncation": trunc, "gates": rows,
-                   "differences": res["differences"], "header_checked": res["header"]["header_checked"]})
+                   "differences": res["differences"], "header_checked": res["header"]["header_checked"],
+                   "ran_on": res["ran_on"]})
         return 0 if ok else 1
+    ran = res["ran_on"]
+    print(f"ran on {ran['host']}" + (f" (Ray node {ran['node_id'][:12]}, weights {ran['model_via']})"
+                                     if ran["where"] == "ray" else " (this process)"))
     for d in res["differences"]:
         print(f"differs from the fixture's producer: {d['what']}: fixture {d['fixture']}, this stack {d['stack']}")
     print_gates(rows, f"{args.engine} {args.dtype} {args.attention} vs fixture {args.fixture} "
@@ -150,6 +172,10 @@ def add_parsers(sub) -> None:
     fc.add_argument("--dtype", default="bf16")
     fc.add_argument("--attention", default="default")
     fc.add_argument("--threads", type=int, default=2)
+    fc.add_argument("--device", default="cpu", help="run the stack on a node of this device class (h200, b200, "
+                                                    "mi300x, apple-m3, ...) through matrix run's placement")
+    fc.add_argument("--address", default=None, help="the Ray cluster to run it on (default: in this process for "
+                                                     "cpu, else a local cluster of this machine)")
     fc.add_argument("--gates", default=str(GATES))
     fc.add_argument("--class", dest="quant_class", default=None)
     fc.add_argument("--allow-other-weights", action="store_true",

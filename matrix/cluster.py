@@ -5,6 +5,7 @@ Only the CLI calls init_ray, and only the CLI shuts Ray down: library code never
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -64,7 +65,8 @@ def init_ray(address: str | None):
     if address:
         check_reachable(address)
         try:
-            ray.init(address=address, log_to_driver=False)
+            # Ray's "Connecting to existing Ray cluster" INFO lines would break the one-line error rule
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         except (ConnectionError, ray.exceptions.AuthenticationError) as e:
             hint = "" if os.environ.get("RAY_AUTH_MODE") == "token" else \
                 " (a cluster with token auth needs RAY_AUTH_MODE=token and its token: RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"

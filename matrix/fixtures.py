@@ -19,12 +19,12 @@ from typing import Any, Callable
 import numpy as np
 
 from analysis.card import hardware
-from analysis.truncated import topk_rows, truncated_metrics
+from analysis.truncated import topk_rows
 from common import ids
 from common.errors import UserError
 from common.stack import Cell
 from store import Warehouse, fixture_file
-from store.warehouse import logits_matrix, unshift, widen
+from store.warehouse import logits_matrix, unshift
 
 PROMPT_KEYS = ("prompt_id", "name", "category", "text", "token_ids", "ids_sha256", "bos_policy", "bos_added",
                "tokenizer_sha256")
@@ -94,16 +94,13 @@ def _check_prompts(path: str, header: dict, model: str, tok, vocab: int) -> None
             raise UserError(f"{path}: prompt {pr['prompt_id']} has token id {max(fixture_ids)} >= vocab {vocab}")
 
 
-def _run_stack(backend, header: dict, rows: dict[str, list], vocab: int) -> np.ndarray:
-    """The stack's logits at every fixture row: (rows, vocab) float32."""
+def _fixture_prompts(header: dict, rows: dict[str, list]) -> list[tuple[list[int], list[int], list[int]]]:
+    """(token ids, fixture row indices, positions) per prompt, in the fixture's row order."""
     by_prompt: dict[str, list[int]] = {}
     for i, pid in enumerate(rows["prompt_id"]):
         by_prompt.setdefault(pid, []).append(i)
     ids_of = {pr["prompt_id"]: pr["token_ids"] for pr in header["prompts"]}
-    stack = np.empty((len(rows["prompt_id"]), vocab), dtype=np.float32)
-    for pid, idx in by_prompt.items():
-        stack[idx] = widen(backend.forward(ids_of[pid], [rows["position"][i] for i in idx]))[:, :vocab]
-    return stack
+    return [(ids_of[pid], idx, [rows["position"][i] for i in idx]) for pid, idx in by_prompt.items()]
 
 
 def differences(header: dict, engine: str, dtype: str, attention: str, weights: str | None, artifact: str | None,
@@ -118,12 +115,13 @@ def differences(header: dict, engine: str, dtype: str, attention: str, weights: 
 
 
 def check_fixture(path: str, engine: str, model: str, dtype: str, attention: str, threads: int,
-                  log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run a stack (in this process) on the fixture's prompts and measure it against the fixture."""
+                  log: Callable[[str], None] = print, device: str = "cpu", nodes: list | None = None) -> dict[str, Any]:
+    """Run a stack on the fixture's prompts and measure it against the fixture: in this process,
+    or (nodes: the Ray cluster's, as `matrix run` sees them) in a cell actor placed on a node of
+    `device` exactly as `matrix run` places one, its weights shipped there when it lacks them."""
     import transformers
 
     from backends import backend_class
-    from matrix.cells import stack_desc
     from matrix.models import fetch
     from matrix.spec import ModelRef
 
@@ -138,25 +136,68 @@ def check_fixture(path: str, engine: str, model: str, dtype: str, attention: str
     cls = backend_class(engine)
     if cls is None:
         raise UserError(f"fixture check: --engine {engine}: no such engine installed")
-    cell = Cell(ref.name, engine, dtype, attention, 1, "cpu", threads, ids.check_cell_id(engine, dtype, attention))
+    cell = Cell(ref.name, engine, dtype, attention, 1, device, threads, ids.check_cell_id(engine, dtype, attention))
     why = cls.unsupported(cell)
     if why:
         raise UserError(f"fixture check: {why}")
+    top = (_fixture_prompts(header, rows), np.asarray(rows["topk_ids"], dtype=np.int64),
+           np.asarray(rows["topk_logits"]), np.asarray(rows["logsumexp"]), vocab)
+    run = _on_ray(cell, resolved, threads, nodes, top) if nodes is not None else _here(cell, resolved, threads, top)
+    art = run["settings"].get("artifact") or {}
+    diff = differences(header, engine, dtype, attention, resolved.weights_sha256, art.get("sha256"), run["build"],
+                       hardware({"fingerprint": json.dumps(run["fingerprint"], default=str), "device": device}))
+    return {"header": header, "metrics": run["metrics"], "rows": run["rows"], "nonfinite": run["nonfinite"],
+            "settings": run["settings"], "differences": diff, "ran_on": run["ran_on"]}
+
+
+def _here(cell: Cell, resolved, threads: int, top: tuple) -> dict[str, Any]:
+    import socket
+
+    from actors.fingerprint import fingerprint
+    from actors.fixture_measure import measure
+    from backends import backend_class
+    from common.builds import engine_build
+    from matrix.cells import stack_desc
+
+    cls = backend_class(cell.engine)
     backend = cls(stack_desc(cell, resolved), resolved.hf_dir, threads)
     backend.load()
     try:
-        stack = _run_stack(backend, header, rows, vocab)
+        out = measure(backend, *top)
         settings = backend.settings()
     finally:
         backend.close()
-    from actors.fingerprint import fingerprint
-    from common.builds import engine_build
+    return {**out, "settings": settings, "build": engine_build(cls.libraries)["build"], "fingerprint": fingerprint(),
+            "ran_on": {"where": "this process", "host": socket.gethostname()}}
 
-    art = settings.get("artifact") or {}
-    here = hardware({"fingerprint": json.dumps(fingerprint(), default=str), "device": "cpu"})
-    diff = differences(header, engine, dtype, attention, resolved.weights_sha256, art.get("sha256"),
-                       engine_build(cls.libraries)["build"], here)
-    m = truncated_metrics(np.asarray(rows["topk_ids"], dtype=np.int64), np.asarray(rows["topk_logits"]),
-                          np.asarray(rows["logsumexp"]), stack)
-    return {"header": header, "metrics": m, "rows": len(stack), "nonfinite": int((~np.isfinite(stack).all(-1)).sum()),
-            "settings": settings, "differences": diff}
+
+def _on_ray(cell: Cell, resolved, threads: int, nodes: list, top: tuple) -> dict[str, Any]:
+    import ray
+
+    from actors.depot import DriverDepot, depot_options
+    from actors.stack_actor import Delivery, StackActor
+    from backends import backend_class
+    from matrix import placement
+    from matrix.cells import model_copy, stack_desc
+
+    why = placement.problem(cell.device, 1, threads, nodes)
+    if why:
+        raise UserError(f"fixture check: --device {cell.device}: {why}")
+    # the depot serves the weights to a node without them; no rows are written anywhere
+    depot = DriverDepot.options(**depot_options(ray.get_runtime_context().get_node_id())).remote("")
+    desc = stack_desc(cell, resolved)
+    opts = placement.actor_options(cell.device, 1, threads, nodes)
+    env = backend_class(cell.engine).runtime_env(desc, threads)
+    if env:
+        opts["runtime_env"] = env
+    actor = StackActor.options(**opts).remote(desc, model_copy(resolved), threads, Delivery("", "", depot))
+    try:
+        loaded = ray.get(actor.load.remote())
+        out = ray.get(actor.fixture.remote(*top))
+    finally:
+        ray.kill(actor)
+        ray.kill(depot)
+    settings = {**loaded["settings"], **({"artifact": loaded["artifact"]} if loaded.get("artifact") else {})}
+    return {**out, "settings": settings, "build": loaded["build"], "fingerprint": loaded["fingerprint"],
+            "ran_on": {"where": "ray", "host": loaded["host"], "node_id": loaded["node_id"],
+                       "model_via": loaded["model_via"]}}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -276,3 +277,35 @@ def test_admit_fails_on_a_nan_row_a_parity_mismatch_and_raw_logit_gates_naming_t
     se = sql(wh, f"select stddev_samp(kld) / sqrt(count(kld)) as se from metrics where cell_id = '{sdpa}' and repeat = 0")
     assert s["nonfinite_rows"] == 1 and s["kld_stderr"] == pytest.approx(se[0]["se"], rel=1e-12)  # finite rows only
     assert 0 < s["nmse_mean"] < 1 and s["max_abs_diff"] > 0 and 0.5 < s["spearman_mean"] <= 1
+
+
+def test_fixture_check_runs_the_stack_on_a_ray_node_as_matrix_run_places_it(analyzed, tiny_model, tmp_path):
+    """--address: the stack runs in a cell actor on a worker node (the head has no CPU for it), and
+    measures exactly what the in-process check measures; a device no node has is exit 2."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from ray.cluster_utils import Cluster
+
+    wh, cells = analyzed
+    fx = tmp_path / "bf16.json"
+    assert run_cli("fixture", "export", cells["bf16.eager"], "--out", str(fx), "--warehouse", str(wh)).returncode == 0
+    args = ("fixture", "check", str(fx), "--engine", "hf", "--model", str(tiny_model), "--dtype", "bf16",
+            "--attention", "sdpa", "--threads", "1", "--json")
+    here = run_cli(*args)
+    assert here.returncode == 0, here.stderr[-2000:]
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        worker = c.add_node(num_cpus=1)
+        c.wait_for_nodes()
+        there = run_cli(*args, "--address", c.address)
+        assert there.returncode == 0, there.stderr[-2000:]
+        far, near = json.loads(there.stdout), json.loads(here.stdout)
+        assert far["ran_on"]["where"] == "ray" and far["ran_on"]["node_id"] == worker.node_id
+        assert near["ran_on"]["where"] == "this process"
+        assert far["rows"] == near["rows"] > 0
+        # the same arithmetic on the same machine: every gate's value equal
+        assert [(g["gate"], g["measured"]) for g in far["gates"]] == [(g["gate"], g["measured"]) for g in near["gates"]]
+        assert far["differences"] == near["differences"]
+        r = run_cli(*args[:-1], "--address", c.address, "--device", "h200")
+        assert r.returncode == 2 and "--device h200" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    finally:
+        c.shutdown()

@@ -99,19 +99,24 @@ def _hidden(tmp_path_factory) -> list[Path]:
 
 def test_sweep_on_nodes_without_the_drivers_disk(tiny_model, short_corpus, swept, tmp_path_factory):
     base = tmp_path_factory.mktemp("isolated")
+    mine = shutil.copytree(tiny_model, base / "my-checkpoint")  # a candidate checkpoint only the driver has
     spec = write_spec(base / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"],
                       reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
-                      include=[{"engine": "llamacpp", "dtype": "f16", "attention": "default"}])
+                      include=[{"engine": "llamacpp", "dtype": "f16", "attention": "default"}],
+                      candidates=[{"model": "tiny", "path": str(mine), "dtype": "fp32", "attention": "sdpa"}])
     wh = base / "wh"
     with isolated_cluster(Path(tmp_path_factory.mktemp("cluster")), _hidden(tmp_path_factory), 2) as address:
         r = run_cli("run", str(spec), "--warehouse", str(wh), "--address", address, "--json", timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
-    assert summary["cells_done"] == 3 and summary["rows_delivery"]["node"] == 0
-    assert summary["rows_delivery"]["driver"] == 6 and summary["rows_delivery"]["bytes_to_driver"] > 0
-    cells = sql(wh, "select cell_id, status, rows_via, model_via, bit_reproducible, rows_per_repeat, repeats "
-                    "from cells order by cell_id")
-    assert [c["status"] for c in cells] == ["done"] * 3
+    assert summary["cells_done"] == 4 and summary["rows_delivery"]["node"] == 0
+    assert summary["rows_delivery"]["driver"] == 8 and summary["rows_delivery"]["bytes_to_driver"] > 0
+    cells = sql(wh, "select cell_id, engine, status, rows_via, model_via, bit_reproducible, rows_per_repeat, repeats, "
+                    "artifact, artifact_sha256 from cells order by cell_id")
+    assert [c["status"] for c in cells] == ["done"] * 4
+    # the candidate's directory reached its node through the depot, checked by its weights digest
+    (cand,) = [c for c in cells if c["engine"] == "hf" and c["artifact"]]
+    assert cand["artifact"] != str(mine) and f"artifact-{cand['artifact_sha256']}" in cand["artifact"]
     assert {(c["rows_via"], c["model_via"]) for c in cells} == {("driver", "shipped")}
     assert all(c["bit_reproducible"] for c in cells)
     # every row landed exactly once, as many as the cells say
@@ -123,17 +128,17 @@ def test_sweep_on_nodes_without_the_drivers_disk(tiny_model, short_corpus, swept
     head = sql(wh, "select distinct node_id from cells")
     assert len(head) >= 1 and all(h["node_id"] for h in head)
     runs = sql(wh, "select rows_delivery from runs")
-    assert json.loads(runs[0]["rows_delivery"])["driver"] == 6
+    assert json.loads(runs[0]["rows_delivery"])["driver"] == 8
     # the HF rows sent through the driver are the bytes a local run writes itself
     _, local_wh, _, _ = swept
     q = ("select l.cell_id, l.repeat, l.prompt_id, l.position, l.row_hash from logits l join cells c using (cell_id) "
-         "where c.engine = 'hf' and c.dtype = 'fp32' order by all")
+         "where c.engine = 'hf' and c.dtype = 'fp32' and c.artifact_sha256 is null order by all")
     mine, local = sql(wh, q), sql(local_wh, q)
     assert mine and mine == local
     # analysis and the report see every cell
     a = run_cli("analyze", "--warehouse", str(wh))
     assert a.returncode == 0, a.stderr[-2000:]
-    assert len(sql(wh, "select * from summary")) == 3
+    assert len(sql(wh, "select * from summary")) == 4
     rep = run_cli("report", "--warehouse", str(wh), "--out", str(base / "report"))
     assert rep.returncode == 0, rep.stderr[-2000:]
     html = (base / "report" / "report.html").read_text()
