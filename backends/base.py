@@ -75,10 +75,10 @@ class Backend:
 
     @classmethod
     def unsupported(cls, cell) -> str | None:
-        if getattr(cell, "artifact", None):  # a published file: the engine runs what it declares
-            if not cls.runs_files:
-                return f"engine {cls.engine} does not run a given artifact"
-        elif cell.dtype not in cls.dtypes:
+        artifact = getattr(cell, "artifact", None)
+        if artifact and not cls.runs_files:
+            return f"engine {cls.engine} does not run a given artifact"
+        if (not artifact or "gguf" not in cls.runs_files) and cell.dtype not in cls.dtypes:  # a GGUF runs what it declares
             return f"engine {cls.engine} does not run dtype {cell.dtype} (runs: {', '.join(sorted(cls.dtypes))})"
         if cell.attention not in cls.attention:
             return (f"engine {cls.engine} has no attention '{cell.attention}' "
@@ -88,6 +88,28 @@ class Backend:
         if cell.tp > cls.max_tp:
             return f"engine {cls.engine} supports tp up to {cls.max_tp} in this version (asked tp={cell.tp})"
         return None
+
+    def checkpoint_candidate(self) -> dict[str, Any]:
+        """An HF checkpoint given as a candidate replaces the reference weights: this node's copy
+        of the directory, its digest checked here where it is read; a hub id is loaded from the
+        hub. Sets model_dir and artifact; -> the revision kwarg for from_pretrained / vllm.LLM."""
+        from pathlib import Path
+
+        from common.files import weights_digest_cached
+
+        st = self.stack
+        recipe = {"tool": "published artifact", "kind": "hf checkpoint", "source": st.artifact_source or st.artifact}
+        if st.artifact.startswith("hub:"):
+            repo, _, rev = st.artifact.removeprefix("hub:").rpartition("@")
+            self.model_dir = repo
+            self.artifact = {"path": st.artifact, "sha256": None, "recipe": recipe}
+            return {"revision": rev}
+        got = weights_digest_cached(Path(st.artifact))
+        if st.artifact_sha256 and got != st.artifact_sha256:
+            raise RuntimeError(f"{st.artifact}: weights sha256 {got}, but the driver recorded {st.artifact_sha256}")
+        self.model_dir = st.artifact
+        self.artifact = {"path": st.artifact, "sha256": got, "recipe": recipe}
+        return {}
 
     def load(self) -> None:
         raise NotImplementedError

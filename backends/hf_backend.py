@@ -40,25 +40,6 @@ class HFBackend(Backend):
     options = frozenset({"quantizer"})  # int8 / int4 only: which library quantises (backends/hf_quant.py)
     runs_files = frozenset({"hf"})  # a candidate checkpoint (a directory or a hub id), run as it is
 
-    def _candidate(self) -> dict[str, Any]:
-        """A candidate checkpoint replaces the reference weights: this node's copy, its hash checked
-        here where it is read (a hub id is loaded from the hub). -> from_pretrained's revision kwarg."""
-        st = self.stack
-        recipe = {"tool": "published artifact", "kind": "hf checkpoint", "source": st.artifact_source or st.artifact}
-        if st.artifact.startswith("hub:"):
-            repo, _, rev = st.artifact.removeprefix("hub:").rpartition("@")
-            self.model_dir = repo
-            self.artifact = {"path": st.artifact, "sha256": None, "recipe": recipe}
-            return {"revision": rev}
-        from common.files import weights_digest_cached
-
-        got = weights_digest_cached(Path(st.artifact))
-        if st.artifact_sha256 and got != st.artifact_sha256:
-            raise RuntimeError(f"{st.artifact}: weights sha256 {got}, but the driver recorded {st.artifact_sha256}")
-        self.model_dir = st.artifact
-        self.artifact = {"path": st.artifact, "sha256": got, "recipe": recipe}
-        return {}
-
     @classmethod
     def unsupported(cls, cell) -> str | None:
         reason = super().unsupported(cell)
@@ -78,7 +59,7 @@ class HFBackend(Backend):
         self.torch_device = "cpu" if self.stack.device == "cpu" else "cuda"
         self.artifact, self._src = None, {}
         if self.stack.artifact:
-            self._src = self._candidate()
+            self._src = self.checkpoint_candidate()
         quant, self.recipe = {}, None
         if self.stack.dtype in hf_quant.DTYPES:  # quantised at load; activations stay fp32
             qcfg, self.recipe = hf_quant.config(self.stack.dtype, self.stack.opts)

@@ -46,6 +46,15 @@ from backends.base import Backend
 from common.stack import StackDesc
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
+# fp8: vLLM quantises the reference's weights to fp8 at load (per-tensor scales, dynamic activation
+# scales), activations bf16. Needs fp8 tensor cores: compute capability 8.9+ or MI300X.
+LOAD_QUANT = {"fp8": "fp8"}
+FP8_DEVICES = frozenset({"cuda", "h100", "h200", "b200", "sm120", "mi300x"})  # cuda: any; vLLM refuses an old one
+# Formats only a pre-quantised checkpoint has: run as candidates, vLLM reading the method from the
+# checkpoint's quantization_config (nvfp4: ModelOpt's FP4, Blackwell only).
+CHECKPOINT_QUANTS = frozenset({"awq", "gptq", "nvfp4"})
+NVFP4_DEVICES = frozenset({"b200", "sm120"})
+GPU = frozenset({"cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm"})
 ATTENTION = {"default": None, "flash_attn": "FLASH_ATTN", "flashinfer": "FLASHINFER",
              "triton_attn": "TRITON_ATTN", "flex": "FLEX_ATTENTION"}
 MAX_MODEL_LEN = 8192
@@ -66,13 +75,17 @@ def executor(options: dict[str, Any] | None) -> str:
 def engine_kwargs(stack: StackDesc, model_dir: str, max_len: int, threads: int) -> dict[str, Any]:
     """Arguments for vllm.LLM, as plain data (recorded in the cell's settings)."""
     kw: dict[str, Any] = {
-        "model": model_dir, "dtype": VLLM_DTYPES[stack.dtype], "seed": 0,
+        # a checkpoint's own quantisation sets its activation dtype ("auto": its config's torch_dtype)
+        "model": model_dir, "dtype": VLLM_DTYPES.get(stack.dtype, "bfloat16" if stack.dtype in LOAD_QUANT else "auto"),
+        "seed": 0,
         "tensor_parallel_size": stack.tp,
         "enable_prefix_caching": False,  # a cached prefix would not be recomputed
         "max_model_len": max_len, "max_num_batched_tokens": max_len,  # the whole prompt in one prefill chunk
         "max_num_seqs": 1, "enforce_eager": True,
         "compilation_config": {"mode": 0},  # no torch.compile: the norm hook must see the real forward
     }
+    if stack.dtype in LOAD_QUANT and not stack.artifact:
+        kw["quantization"] = LOAD_QUANT[stack.dtype]
     if executor(stack.opts) == "ray":
         kw["distributed_executor_backend"] = "ray"  # into the group the runner made (see module doc)
     elif kw["tensor_parallel_size"] > 1:
@@ -140,13 +153,14 @@ def keep_back(environ: dict[str, str]) -> list[str]:
 
 class VLLMBackend(Backend):
     engine = "vllm"
-    dtypes = frozenset(VLLM_DTYPES)
+    dtypes = frozenset(VLLM_DTYPES) | frozenset(LOAD_QUANT) | CHECKPOINT_QUANTS
     attention = frozenset(ATTENTION)
     devices = frozenset({"cpu", "cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm"})
     max_tp = 8
     tp_workers = "engine"  # tp ranks are vLLM's own processes; runtime_env runs it under vllm_python()
     options = frozenset({"vllm_executor"})
     libraries = ("vllm", "torch")
+    runs_files = frozenset({"hf"})  # a candidate checkpoint (a directory or a hub id), quantised or not
 
     @classmethod
     def workers_in_group(cls, cell) -> bool:
@@ -154,8 +168,23 @@ class VLLMBackend(Backend):
         return executor(cell.opts) == "ray"
 
     @classmethod
+    def quant_problem(cls, cell) -> str | None:
+        """Why this dtype cannot run on this cell's device (or without a checkpoint), or None."""
+        if cell.dtype in CHECKPOINT_QUANTS and not getattr(cell, "artifact", None):
+            return (f"dtype {cell.dtype} is the format of a pre-quantised checkpoint: give one as a candidate "
+                    f"({{model: ..., engine: vllm, path: DIR | hub: ID, dtype: {cell.dtype}}})")
+        if cell.dtype == "fp8" and cell.device not in FP8_DEVICES:
+            return (f"vLLM's fp8 needs fp8 tensor cores (compute capability 8.9+: {', '.join(sorted(FP8_DEVICES))}); "
+                    f"device {cell.device} has none")
+        if cell.dtype == "nvfp4" and cell.device not in NVFP4_DEVICES:
+            return f"nvfp4 needs a Blackwell GPU ({', '.join(sorted(NVFP4_DEVICES))}); device {cell.device} is not one"
+        if cell.dtype in CHECKPOINT_QUANTS and cell.device not in GPU:
+            return f"vLLM runs {cell.dtype} checkpoints with CUDA / ROCm kernels only in this project; device {cell.device}"
+        return None
+
+    @classmethod
     def unsupported(cls, cell) -> str | None:
-        reason = super().unsupported(cell)
+        reason = super().unsupported(cell) or cls.quant_problem(cell)
         if reason is None and executor(cell.opts) == "ray" and cell.device == "cpu":
             reason = ("vllm_executor ray needs a GPU: vLLM's CPU platform has no Ray device key "
                       "(use vllm_executor mp)")
@@ -176,7 +205,9 @@ class VLLMBackend(Backend):
         from vllm import LLM
 
         torch.set_num_threads(self.threads)
-        self._kw = engine_kwargs(self.stack, self.model_dir, MAX_MODEL_LEN, self.threads)
+        self.artifact = None
+        revision = self.checkpoint_candidate() if self.stack.artifact else {}
+        self._kw = {**engine_kwargs(self.stack, self.model_dir, MAX_MODEL_LEN, self.threads), **revision}
         self._held_back = keep_back(dict(os.environ)) if executor(self.stack.opts) == "ray" else []
         self._llm = LLM(**self._kw)
         self._llm.apply_model(install_norm_hook)
@@ -214,7 +245,12 @@ class VLLMBackend(Backend):
                 "logits_path": "forward hook on model.model.norm + model.compute_logits (no prompt_logprobs dicts)",
                 "executor": executor(self.stack.opts), "env_held_back_from_workers": self._held_back,
                 "prefix_caching": False, "chunked_prefill": "one chunk (max_num_batched_tokens = max_model_len)",
-                "threads": self.threads, "versions": self._versions}
+                "threads": self.threads, "versions": self._versions,
+                "quantization": self._quantization(), **({"artifact": self.artifact} if self.artifact else {})}
+
+    def _quantization(self) -> str | None:
+        """What vLLM quantised with: its method name, from the model config it built."""
+        return getattr(self._llm.llm_engine.model_config, "quantization", None)
 
     def close(self) -> None:
         self._llm = None

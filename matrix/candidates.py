@@ -60,10 +60,22 @@ def _what(spec, c: dict) -> tuple[str | None, str | None, dict, str, str]:
     return hub, None, {"hub": hub}, c["dtype"], c.get("attention", "eager")
 
 
+# quantization_config.quant_method -> the spec's dtype name (a checkpoint quantised that way)
+CHECKPOINT_QUANT = {"awq": "awq", "gptq": "gptq", "fp8": "fp8"}
+
+
 def _config_dtype(d: str) -> str:
+    """What a checkpoint directory holds: its quantisation format where its config declares one
+    (ModelOpt's NVFP4 is nvfp4), else its torch_dtype."""
     import json
 
     cfg = json.loads((Path(d) / "config.json").read_text())
+    q = cfg.get("quantization_config") or {}
+    method = str(q.get("quant_method", "")).lower()
+    if method == "modelopt" and "FP4" in str(q.get("quant_algo", "")).upper():
+        return "nvfp4"
+    if method in CHECKPOINT_QUANT:
+        return CHECKPOINT_QUANT[method]
     return HF_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), "fp32")
 
 

@@ -413,7 +413,8 @@ def _parse_options(path: Path, data: dict) -> dict:
 CANDIDATE_KEYS = ("model", "engine", "gguf", "path", "hub", "revision", "dtype", "attention", "name", "device",
                   "threads", "calibration")
 # what a candidate is given as -> the engine that runs it as it is
-CANDIDATE_KINDS = {"gguf": "llamacpp", "path": "hf", "hub": "hf"}
+CANDIDATE_KINDS = {"gguf": "llamacpp", "path": "hf", "hub": "hf"}  # (the default engine)
+CANDIDATE_ENGINES = {"gguf": ("llamacpp",), "path": ("hf", "vllm"), "hub": ("hf", "vllm")}
 
 
 def _candidate_file(path: Path, fld: str, e: dict, models: dict) -> tuple[str, str]:
@@ -426,9 +427,9 @@ def _candidate_file(path: Path, fld: str, e: dict, models: dict) -> tuple[str, s
     loc = e[kind]
     if not isinstance(loc, str) or not loc:
         raise field_error(path, f"{fld}.{kind}", "must be a non-empty string", loc)
-    if e.get("engine", CANDIDATE_KINDS[kind]) != CANDIDATE_KINDS[kind]:
-        raise field_error(path, f"{fld}.engine", f"a {kind} candidate runs on engine {CANDIDATE_KINDS[kind]}",
-                          e.get("engine"))
+    if e.get("engine", CANDIDATE_KINDS[kind]) not in CANDIDATE_ENGINES[kind]:
+        raise field_error(path, f"{fld}.engine", f"a {kind} candidate runs on engine "
+                          + " or ".join(CANDIDATE_ENGINES[kind]), e.get("engine"))
     if "revision" in e and kind != "hub":
         raise field_error(path, f"{fld}.revision", "only a hub candidate has a revision", e["revision"])
     if kind == "gguf" and loc == "source":
@@ -476,7 +477,7 @@ def _parse_candidates(path: Path, data: dict, models: dict) -> list[dict]:
                 if kind == "gguf":
                     raise field_error(path, f"{fld}.{k}", "a GGUF candidate runs what its file declares", e[k])
                 extra[k] = _check_axis_value(path, f"{fld}.{k}", k, e[k], models)
-        out.append({"model": e["model"], "engine": CANDIDATE_KINDS[kind], "kind": kind, kind: loc,
+        out.append({"model": e["model"], "engine": e.get("engine", CANDIDATE_KINDS[kind]), "kind": kind, kind: loc,
                     "revision": e.get("revision"), "name": e.get("name"), "calibration": e.get("calibration"),
                     "device": _check_axis_value(path, f"{fld}.device", "device", e["device"], models)
                     if "device" in e else None,

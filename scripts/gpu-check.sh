@@ -7,7 +7,7 @@
 # Runs HF eager / sdpa
 # (+ flash_attention_2 when flash-attn is importable) at fp32 and bf16 on `cuda`; when vllm is
 # importable, vLLM bf16 with its default, FLASH_ATTN, TRITON_ATTN (+ FLASHINFER when installed)
-# attention and once through its Ray executor in our placement group; TensorRT-LLM when
+# attention, once through its Ray executor in our placement group, and fp8 quantised at load; TensorRT-LLM when
 # tensorrt_llm is importable; TP=1; then analyze (+ report and two SQL summaries when duckdb is
 # importable). OUT_DIR/warehouse-tables.tar.gz holds every warehouse file but the logits shards,
 # so `matrix report` / `matrix sql` can read the results on another machine.
@@ -52,6 +52,8 @@ if has vllm; then
     extra="$extra  - {engine: vllm, dtype: bf16, attention: $a, device: cuda}"$'\n'
   done
   extra="$extra  - {engine: vllm, dtype: bf16, attention: default, device: cuda, vllm_executor: ray}"$'\n'
+  # fp8 weights quantised by vLLM at load (fp8 tensor cores: H100 / H200 / B200; older GPUs refuse it)
+  extra="$extra  - {engine: vllm, dtype: fp8, attention: default, device: cuda}"$'\n'
 fi
 if has tensorrt_llm; then
   extra="$extra  - {engine: trtllm, dtype: bf16, attention: default, device: cuda}"$'\n'

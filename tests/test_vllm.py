@@ -145,3 +145,39 @@ def test_vllm_ray_executor_in_our_group_gives_the_same_bits_as_mp_on_gpu(short_c
                    f"from logits a join logits b using (prompt_id, position, repeat) "
                    f"where a.cell_id = '{by['mp']}' and b.cell_id = '{by['ray']}'")[0]
     assert diff["n"] > 0 and diff["differ"] == 0, diff  # same kernels, same TP: the executor moves no bits
+
+
+def test_vllm_quant_dtypes_and_checkpoint_candidates_are_listed_where_they_can_run(tiny_model, short_corpus, tmp_path):
+    """fp8 is quantised at load on an fp8 GPU; awq / gptq / nvfp4 exist only as checkpoints, so they
+    run as candidates, on the GPUs with their kernels; everything else is listed as skipped with why."""
+    import shutil
+
+    awq = shutil.copytree(tiny_model, tmp_path / "tiny-awq")
+    cfg = json.loads((awq / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
+    (awq / "config.json").write_text(json.dumps(cfg))
+    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["bf16"], attention=["eager"],
+                      reference={"engine": "hf", "dtype": "bf16"},
+                      include=[{"engine": "vllm", "dtype": "fp8", "attention": "default", "device": "cpu"},
+                               {"engine": "vllm", "dtype": "fp8", "attention": "default", "device": "h200"},
+                               {"engine": "vllm", "dtype": "awq", "attention": "default", "device": "h200"}],
+                      candidates=[{"model": "tiny", "engine": "vllm", "path": str(awq), "attention": "default",
+                                   "device": "h200", "name": "awq on h200"},
+                                  {"model": "tiny", "engine": "vllm", "path": str(awq), "attention": "default",
+                                   "device": "cpu", "name": "awq on cpu"},
+                                  {"model": "tiny", "path": str(awq), "name": "awq under hf"}])
+    r = run_cli("cells", str(spec), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    why = {(s["engine"], s["dtype"], s["device"]): s["reason"] for s in out["skipped"]}
+    listed = {(c["engine"], c["dtype"], c["device"]) for c in out["cells"]}
+    if V.vllm_python() is not None:  # without vLLM's environment every vllm cell says that instead
+        assert ("vllm", "fp8", "h200") in listed and ("vllm", "awq", "h200") in listed  # the candidate
+        assert "fp8 tensor cores" in why[("vllm", "fp8", "cpu")]
+        assert "CUDA / ROCm kernels" in why[("vllm", "awq", "cpu")]
+    assert "pre-quantised checkpoint" in why[("vllm", "awq", "h200")] or V.vllm_python() is None
+    assert "engine hf does not run dtype awq" in why[("hf", "awq", "cpu")]  # the dtype comes from its config
+    kw = V.engine_kwargs(StackDesc("vllm", "fp8", "default", device="h200"), "/m", 64, 1)
+    assert kw["quantization"] == "fp8" and kw["dtype"] == "bfloat16"
+    kw = V.engine_kwargs(StackDesc("vllm", "awq", "default", device="h200", artifact="/c"), "/c", 64, 1)
+    assert "quantization" not in kw and kw["dtype"] == "auto"  # vLLM reads the method from the checkpoint
