@@ -55,21 +55,25 @@ def tools_dir() -> Path:
 
 
 def _fetch_tools(version: str, d: Path) -> None:
+    vendor_tree(version, d, ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-"))
+    if not (d / "convert_hf_to_gguf.py").is_file():
+        raise UserError(f"llama-cpp-python {version}'s sdist has no vendor/llama.cpp/convert_hf_to_gguf.py")
+
+
+def vendor_tree(version: str, d: Path, want: tuple[str, ...] | None = None) -> None:
+    """The sdist's vendor/llama.cpp (only the paths starting with `want`, if given) at d, atomically."""
     with tempfile.TemporaryDirectory(dir=d.parent) as tmp:
         # --no-binary for this package only: ":all:" would also force every build dependency
         # of pip's metadata step to build from source (minutes of needless work).
         sdist = pip_download(f"llama-cpp-python=={version}", Path(tmp),
                              extra=("--no-binary", "llama-cpp-python"), pattern="*.tar.gz")
         out = Path(tmp) / "out"
-        want = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-")
         with tarfile.open(sdist) as tf:
             for m in tf.getmembers():
                 parts = m.name.split("/vendor/llama.cpp/", 1)
-                if len(parts) == 2 and parts[1].startswith(want) and (m.isfile() or m.isdir()):
+                if len(parts) == 2 and (want is None or parts[1].startswith(want)) and (m.isfile() or m.isdir()):
                     m.name = parts[1]
                     tf.extract(m, out, filter="data")
-        if not (out / "convert_hf_to_gguf.py").is_file():
-            raise UserError(f"{sdist.name}: no vendor/llama.cpp/convert_hf_to_gguf.py inside")
         os.replace(out, d)
 
 

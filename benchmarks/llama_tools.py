@@ -8,32 +8,19 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tarfile
-import tempfile
 from pathlib import Path
 
 
 def source_tree() -> Path:
     import llama_cpp
 
-    from common.files import cache_root, pip_download
+    from backends.gguf_build import vendor_tree
+    from common.files import cache_root
 
-    version = llama_cpp.__version__
-    root = cache_root() / "tools" / f"llama.cpp-{version}"
-    if (root / "CMakeLists.txt").is_file():
-        return root
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
-        sdist = pip_download(f"llama-cpp-python=={version}", Path(tmp), extra=("--no-binary", "llama-cpp-python"),
-                             pattern="*.tar.gz")
-        src = Path(tmp) / "src"
-        with tarfile.open(sdist) as tf:
-            for m in tf.getmembers():
-                parts = m.name.split("/vendor/llama.cpp/", 1)
-                if len(parts) == 2 and (m.isfile() or m.isdir()):
-                    m.name = parts[1]
-                    tf.extract(m, src, filter="data")
-        os.replace(src, root)
+    root = cache_root() / "tools" / f"llama.cpp-{llama_cpp.__version__}"
+    if not (root / "CMakeLists.txt").is_file():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        vendor_tree(llama_cpp.__version__, root)
     return root
 
 
