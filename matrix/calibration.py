@@ -9,9 +9,60 @@ stock phrases); a text that quotes the corpus shares whole passages. Above `max_
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Any, Callable
+
 from common.errors import UserError
 
 N = 8  # long enough that unrelated English shares almost none, short enough to catch a quoted sentence
+KEYS = ("corpus", "chunks", "ctx", "max_overlap")
+MAX_OVERLAP = 0.02  # share of the evaluation corpus's token 8-grams a calibration text may contain
+
+
+def parse_option(v: Any, fld: str, base: Path, error: Callable[..., Exception]) -> dict:
+    """`imatrix: {corpus: builtin | FILE, chunks: N, ctx: 512, max_overlap: 0.02}` -> the text's label,
+    path, sha256 and the settings (the cell id hashes the text's sha256, never its path).
+    error(field, message, value): the spec's one-line error for a field."""
+    from common.files import sha256_file
+    from matrix.corpus import BUILTIN_CALIBRATION
+
+    if not isinstance(v, dict) or "corpus" not in v:
+        raise error(fld, "must be a mapping with corpus (builtin or a text file), chunks, ctx", v)
+    for k in v:
+        if k not in KEYS:
+            raise error(f"{fld}.{k}", f"unknown key; expected one of {', '.join(KEYS)}")
+    corpus = v["corpus"]
+    if corpus == "builtin":
+        text_path = BUILTIN_CALIBRATION
+    elif isinstance(corpus, str) and corpus:
+        text_path = (base / os.path.expanduser(corpus)).resolve()
+        if not text_path.is_file():
+            raise error(f"{fld}.corpus", "no such file", corpus)
+    else:
+        raise error(f"{fld}.corpus", "must be 'builtin' or a path to a text file", corpus)
+    try:
+        text_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise error(f"{fld}.corpus", "is not UTF-8 text", corpus) from None
+    out = {"corpus": "builtin" if corpus == "builtin" else text_path.name, "path": str(text_path),
+           "sha256": sha256_file(text_path), "ctx": v.get("ctx", 512), "chunks": v.get("chunks"),
+           "max_overlap": v.get("max_overlap", MAX_OVERLAP)}
+    for k in ("ctx", "chunks"):
+        if out[k] is not None and (isinstance(out[k], bool) or not isinstance(out[k], int) or out[k] < 1):
+            raise error(f"{fld}.{k}", "must be a positive integer", out[k])
+    mo = out["max_overlap"]
+    if isinstance(mo, bool) or not isinstance(mo, (int, float)) or not 0 <= mo <= 1:
+        raise error(f"{fld}.max_overlap", "must be a fraction between 0 and 1", mo)
+    return out
+
+
+def option_identity(opts: dict) -> dict:
+    """What of a cell's options changes its rows: an imatrix's text counts by hash, not by where
+    it lies or how much overlap the check allows."""
+    if "imatrix" not in opts:
+        return opts
+    return {**opts, "imatrix": {k: v for k, v in opts["imatrix"].items() if k not in ("path", "max_overlap")}}
 
 
 def grams(ids: list[int], n: int = N) -> set[tuple[int, ...]]:

@@ -11,7 +11,8 @@ import os
 from common import ids, names
 from common.errors import UserError
 from common.stack import Cell, ModelCopy, StackDesc
-from matrix.spec import OPTION_KEYS, Spec, field_error, option_identity, parse_spec
+from matrix.calibration import option_identity
+from matrix.spec import OPTION_KEYS, Spec, field_error, parse_spec
 
 
 def load_spec(spec_path: str | os.PathLike) -> Spec:

@@ -45,9 +45,7 @@ OPTION_KEYS = {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": i
                "activations": ("native", "fp32"), "quantizer": ("torchao", "quanto"),
                "imatrix": dict}
 # `imatrix:` on a llama.cpp quant cell: quantise with an importance matrix computed on a calibration
-# text (backends/gguf_imatrix.py). The text must not overlap the evaluation corpus: matrix/calibration.py.
-IMATRIX_KEYS = ("corpus", "chunks", "ctx", "max_overlap")
-IMATRIX_MAX_OVERLAP = 0.02  # share of the evaluation corpus's token 8-grams the text may contain
+# text (backends/gguf_imatrix.py); parsed and checked against the corpus in matrix/calibration.py
 # Non-axis keys an include entry may add to a cell.
 # `calibration` describes the artefact (e.g. "imatrix from wiki.train, 512 chunks") for model
 # cards; like the centroid group it is not part of the cell id.
@@ -241,55 +239,12 @@ def _parse_centroid(path: Path, raw: Any, models: dict) -> tuple[str, list]:
     return definition, groups
 
 
-def _check_imatrix(path: Path, fld: str, v: Any) -> dict:
-    """{corpus: builtin | FILE, chunks: N, ctx: 512, max_overlap: 0.02} -> the text's label, path,
-    sha256 and the settings (the cell id hashes the text's sha256, never its path)."""
-    from common.files import sha256_file
-    from matrix.corpus import BUILTIN_CALIBRATION
-
-    if not isinstance(v, dict) or "corpus" not in v:
-        raise field_error(path, fld, "must be a mapping with corpus (builtin or a text file), chunks, ctx", v)
-    for k in v:
-        if k not in IMATRIX_KEYS:
-            raise field_error(path, f"{fld}.{k}", f"unknown key; expected one of {', '.join(IMATRIX_KEYS)}")
-    corpus = v["corpus"]
-    if corpus == "builtin":
-        text_path = BUILTIN_CALIBRATION
-    elif isinstance(corpus, str) and corpus:
-        text_path = (path.parent / os.path.expanduser(corpus)).resolve()
-        if not text_path.is_file():
-            raise field_error(path, f"{fld}.corpus", "no such file", corpus)
-    else:
-        raise field_error(path, f"{fld}.corpus", "must be 'builtin' or a path to a text file", corpus)
-    try:
-        text_path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise field_error(path, f"{fld}.corpus", "is not UTF-8 text", corpus) from None
-    out = {"corpus": "builtin" if corpus == "builtin" else text_path.name, "path": str(text_path),
-           "sha256": sha256_file(text_path), "ctx": v.get("ctx", 512), "chunks": v.get("chunks"),
-           "max_overlap": v.get("max_overlap", IMATRIX_MAX_OVERLAP)}
-    for k in ("ctx", "chunks"):
-        if out[k] is not None and (isinstance(out[k], bool) or not isinstance(out[k], int) or out[k] < 1):
-            raise field_error(path, f"{fld}.{k}", "must be a positive integer", out[k])
-    mo = out["max_overlap"]
-    if isinstance(mo, bool) or not isinstance(mo, (int, float)) or not 0 <= mo <= 1:
-        raise field_error(path, f"{fld}.max_overlap", "must be a fraction between 0 and 1", mo)
-    return out
-
-
-def option_identity(opts: dict) -> dict:
-    """What of the options changes the rows: an imatrix's text counts by hash, not by where it lies
-    or how much overlap the check allows."""
-    if "imatrix" not in opts:
-        return opts
-    im = {k: v for k, v in opts["imatrix"].items() if k not in ("path", "max_overlap")}
-    return {**opts, "imatrix": im}
-
-
 def _check_option(path: Path, fld: str, key: str, v: Any) -> Any:
     kind = OPTION_KEYS[key]
-    if kind is dict:
-        return _check_imatrix(path, fld, v)
+    if kind is dict:  # imatrix: {corpus, chunks, ctx, max_overlap}
+        from matrix.calibration import parse_option
+
+        return parse_option(v, fld, path.parent, lambda f, m, val=...: field_error(path, f, m, val))
     if kind is int:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise field_error(path, fld, "must be a positive integer", v)
