@@ -25,7 +25,9 @@ REASON = "the tensor shapes do not allow q2_k"
 def local_ray():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # address "local": a new cluster of our own, never one a `ray start --head` of another test left
+    # recorded in /tmp/ray/ray_current_cluster (a bare ray.init would try to join that)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         yield ray
     finally:
