@@ -52,12 +52,12 @@ def _what(spec, c: dict) -> tuple[str | None, str | None, dict, str, str]:
         if not any(Path(c["path"]).glob("*.safetensors")):
             raise UserError(f"candidate {c['path']}: no *.safetensors files in this checkpoint directory")
         return c["path"], sha, {"weights_sha256": sha}, c.get("dtype") or _config_dtype(c["path"]), \
-            c.get("attention", "eager")
+            c.get("attention", "eager" if c["engine"] == "hf" else "default")
     if not c.get("dtype"):
         raise UserError(f"{spec.path}: candidates: hub candidate {c['hub']}: give its dtype (its config is read "
                         "only when the run starts)")
     hub = f"hub:{c['hub']}@{c['revision'] or 'main'}"
-    return hub, None, {"hub": hub}, c["dtype"], c.get("attention", "eager")
+    return hub, None, {"hub": hub}, c["dtype"], c.get("attention", "eager" if c["engine"] == "hf" else "default")
 
 
 # quantization_config.quant_method -> the spec's dtype name (a checkpoint quantised that way)
