@@ -53,6 +53,9 @@ class Backend:
     libraries: ClassVar[tuple[str, ...]] = ()
     # Published files it runs as they are (`candidates:`): e.g. "gguf"
     runs_files: ClassVar[frozenset[str]] = frozenset()
+    # Per-layer states (issue 17): the residual stream after decoder layers, and the final norm's
+    # output, at sampled positions. Engines that can give them override layer_states().
+    gives_layers: ClassVar[bool] = False
 
     def __init__(self, stack: StackDesc, model_dir: str, threads: int):
         self.stack = stack
@@ -113,6 +116,11 @@ class Backend:
 
     def load(self) -> None:
         raise NotImplementedError
+
+    def layer_states(self, token_ids: list[int], positions: list[int], layers: list[int]) -> dict[str, np.ndarray]:
+        """{"layer.N": (rows, hidden) after decoder layer N (0-based), "final_norm": (rows, hidden)}
+        at `positions`, native dtype, from one prefill of token_ids."""
+        raise SkipCell(f"engine {self.engine} cannot give per-layer states")
 
     def settings(self) -> dict[str, Any]:
         """Everything that changes the arithmetic: dtype, attention, threads, versions..."""

@@ -24,40 +24,12 @@ import numpy as np
 
 from backends.artifacts import ensure
 from backends.base import SkipCell
+from backends.llama_binding import GgmlTensor, ggml_base, tensor_f32
 from common.errors import UserError
 
 TOKENS_KEY = "logit_matrix.calibration_tokens"
 MIN_ROWS = 16  # the tool ignores smaller batches ("why are small batches ignored (<16 tokens)?")
 COLLECTOR = "llama.cpp imatrix accumulation (tools/imatrix/imatrix.cpp) via llama-cpp-python cb_eval"
-
-
-class GgmlTensor(ctypes.Structure):
-    """struct ggml_tensor (ggml/include/ggml.h of the vendored llama.cpp): read-only use."""
-
-
-GgmlTensor._fields_ = [
-    ("type", ctypes.c_int), ("buffer", ctypes.c_void_p),
-    ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4),
-    ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16), ("flags", ctypes.c_int32),
-    ("src", ctypes.POINTER(GgmlTensor) * 10),
-    ("view_src", ctypes.c_void_p), ("view_offs", ctypes.c_size_t),
-    ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64),
-    ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8),
-]
-
-
-def _ggml_base():
-    import llama_cpp
-
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-    lib.ggml_op_name.restype = ctypes.c_char_p
-    lib.ggml_op_name.argtypes = [ctypes.c_int]
-    lib.ggml_backend_buffer_is_host.restype = ctypes.c_bool
-    lib.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    lib.ggml_nbytes.restype = ctypes.c_size_t
-    lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    return lib
 
 
 def _op_ids(lib) -> dict[str, int]:
@@ -87,7 +59,7 @@ class Collector:
     """The eval callback and its sums: {weight name: [in_sum2 (n_mat, cols) float32, count]}."""
 
     def __init__(self):
-        self.lib = _ggml_base()
+        self.lib = ggml_base()
         ops = _op_ids(self.lib)
         self.mul_mat, self.mul_mat_id = ops["MUL_MAT"], ops.get("MUL_MAT_ID", -1)
         self.stats: dict[str, list] = {}
@@ -113,24 +85,12 @@ class Collector:
             return False
 
     def _collect(self, name: str, src0: GgmlTensor, src1: GgmlTensor) -> None:
-        if src1.nb[0] != 4:
-            raise RuntimeError(f"{name}: activations are not contiguous f32 rows")
         n_mat = src0.ne[2] * src0.ne[3]
-        if self.lib.ggml_backend_buffer_is_host(src1.buffer):
-            base = src1.data
-            keep = None
-        else:  # a GPU tensor: copy it to the host, as the tool does
-            keep = np.empty(self.lib.ggml_nbytes(ctypes.addressof(src1)), dtype=np.uint8)
-            self.lib.ggml_backend_tensor_get(ctypes.addressof(src1), keep.ctypes.data, 0, keep.nbytes)
-            base = keep.ctypes.data
-        ne, nb = list(src1.ne), list(src1.nb)
+        x = tensor_f32(self.lib, src1)  # (i3, i2, rows, cols)
+        ne = list(src1.ne)
         entry = self.stats.setdefault(name, [np.zeros((n_mat, ne[0]), dtype=np.float32), 0])
         if entry[0].shape != (n_mat, ne[0]):
             raise RuntimeError(f"{name}: activations of {ne[0]} columns, earlier {entry[0].shape[1]}")
-        size = (ne[3] - 1) * nb[3] + (ne[2] - 1) * nb[2] + (ne[1] - 1) * nb[1] + ne[0] * 4
-        buf = (ctypes.c_char * size).from_address(base)
-        x = np.ndarray((ne[3], ne[2], ne[1], ne[0]), dtype=np.float32, buffer=buf,
-                       strides=(nb[3], nb[2], nb[1], 4))  # (i3, i2, rows, cols)
         for i3 in range(ne[3]):
             for i2 in range(ne[2]):
                 mat = (i3 % src0.ne[3]) * src0.ne[2] + (i2 % src0.ne[2])
@@ -141,7 +101,6 @@ class Collector:
         if not np.isfinite(entry[0]).all():
             raise RuntimeError(f"non-finite activations in {name}")
         entry[1] += ne[1] * ne[2] * ne[3] // n_mat
-        del keep
 
 
 def chunks_of(ids: list[int], ctx: int, chunks: int | None, bos: int | None) -> list[list[int]]:

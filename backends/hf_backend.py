@@ -163,6 +163,36 @@ class HFBackend(Backend):
             return logits.view(torch.int16).numpy().view(np.uint16)  # raw bf16 bits
         return logits.numpy()
 
+    gives_layers = True
+
+    def layer_states(self, token_ids: list[int], positions: list[int], layers: list[int]) -> dict[str, np.ndarray]:
+        """Forward hooks on the decoder layers asked for and on the final norm (HF's own
+        output_hidden_states would give the last layer after the norm, not before it)."""
+        torch = self._torch
+        keep = torch.tensor(positions, dtype=torch.long, device=self.torch_device)  # (rows,)
+        got: dict[str, Any] = {}
+
+        def hook(name):
+            def f(_mod, _args, out):
+                h = out[0] if isinstance(out, tuple) else out  # (1, T, hidden)
+                got[name] = h[0, keep].detach().to("cpu")  # (rows, hidden), native dtype
+            return f
+
+        stack = self.model.model
+        if any(i < 0 or i >= len(stack.layers) for i in layers):
+            raise ValueError(f"layers {layers}: the model has {len(stack.layers)} (0..{len(stack.layers) - 1})")
+        handles = [stack.layers[i].register_forward_hook(hook(f"layer.{i}")) for i in layers]
+        handles.append(stack.norm.register_forward_hook(hook("final_norm")))
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.torch_device)
+        try:
+            with torch.inference_mode():
+                self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        return {k: (v.view(torch.int16).numpy().view(np.uint16) if v.dtype == torch.bfloat16 else v.numpy())
+                for k, v in got.items()}
+
     def _tok(self):
         if getattr(self, "_tokenizer", None) is None:
             import transformers

@@ -105,7 +105,21 @@ class LlamaCppBackend(Backend):
             "versions": {"llama_cpp_python": llama_cpp.__version__, "numpy": np.__version__},
         }
 
-    def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
+    gives_layers = True
+
+    def layer_states(self, token_ids: list[int], positions: list[int], layers: list[int]) -> dict[str, np.ndarray]:
+        """The graph's own l_out-N (after decoder layer N) and result_norm tensors, read through the
+        eval callback in the same prefill forward() runs (same batch and ubatch split)."""
+        from backends.llama_binding import LayerTaps
+
+        n_layer = self._lc.llama_model_n_layer(self.model)
+        if any(i < 0 or i >= n_layer for i in layers):
+            raise ValueError(f"layers {layers}: the model has {n_layer} (0..{n_layer - 1})")
+        taps = LayerTaps(layers, n_layer, positions)
+        self.forward(token_ids, positions, taps)
+        return taps.result()
+
+    def forward(self, token_ids: list[int], positions: list[int], taps=None) -> np.ndarray:
         lc = self._lc
         n = len(token_ids)
         cp = lc.llama_context_default_params()
@@ -117,6 +131,8 @@ class LlamaCppBackend(Backend):
         cp.type_k = cp.type_v = getattr(lc, KV_TYPES[self.kv_cache])
         cp.flash_attn_type = self._flash()
         cp.no_perf = True
+        if taps is not None:
+            cp.cb_eval = taps.callback
         ctx = lc.llama_init_from_model(self.model, cp)  # fresh context: nothing cached
         if not ctx:
             raise RuntimeError("llama.cpp could not create a context")
@@ -133,7 +149,11 @@ class LlamaCppBackend(Backend):
                     batch.n_seq_id[j] = 1
                     batch.seq_id[j][0] = 0
                     batch.logits[j] = (start + j) in want
+                if taps is not None:
+                    taps.at(start, n_ubatch=cp.n_ubatch, n_tokens=len(chunk))
                 rc = lc.llama_decode(ctx, batch)
+                if taps is not None and taps.error is not None:
+                    raise taps.error
                 if rc != 0:
                     raise RuntimeError(f"llama_decode returned {rc} at positions {start}..{start + len(chunk) - 1}")
                 for j in range(len(chunk)):
