@@ -7,6 +7,8 @@ checked against a model before any engine loads it.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,17 @@ def declared_quant(file_type: int | None) -> str:
 
 
 def read_info(path: str | Path) -> GgufInfo:
+    """The header's facts; a file read again unchanged (same size and mtime) is not parsed again:
+    the driver asks for a candidate's header at expand, at the check and for its cells row."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise UserError(f"{path}: not a readable GGUF file ({e})") from None
+    return _read_info(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_info(path: str, _size: int, _mtime_ns: int) -> GgufInfo:
     import gguf
 
     try:
