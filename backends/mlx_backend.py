@@ -145,6 +145,37 @@ class MLXBackend(Backend):
         dtype = mx.float32 if self.activations == "fp32" else getattr(mx, MLX_DTYPES[self.stack.dtype][0])
         return qmm_probe(mx, dtype, bits)
 
+    gives_layers = True
+
+    def layer_states(self, token_ids: list[int], positions: list[int], layers: list[int]) -> dict[str, np.ndarray]:
+        """The model's own forward with its decoder layers and final norm wrapped in taps (mlx-lm
+        models run model.model.layers in order, then model.model.norm)."""
+        mx = self._mx
+        inner = getattr(self.model, "model", None)
+        if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "norm"):
+            from backends.base import SkipCell
+
+            raise SkipCell(f"mlx-lm's {type(self.model).__module__} has no model.layers / model.norm to tap")
+        if any(i < 0 or i >= len(inner.layers) for i in layers):
+            raise ValueError(f"layers {layers}: the model has {len(inner.layers)} (0..{len(inner.layers) - 1})")
+        got: dict[str, Any] = {}
+        saved_layers, saved_norm = list(inner.layers), inner.norm
+        for i in layers:
+            inner.layers[i] = _Tap(saved_layers[i], got, f"layer.{i}")
+        inner.norm = _Tap(saved_norm, got, "final_norm")
+        try:
+            self.model(mx.array([token_ids]))
+        finally:
+            inner.layers[:] = saved_layers
+            inner.norm = saved_norm
+        keep = mx.array(positions)
+        out = {}
+        for name, h in got.items():
+            rows = h[0, keep]  # (rows, hidden)
+            mx.eval(rows)
+            out[name] = np.array(rows.view(mx.uint16)) if rows.dtype == mx.bfloat16 else np.array(rows)
+        return out
+
     def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
         mx = self._mx
         logits = self.model(mx.array([token_ids]))  # (1, T, vocab)
@@ -164,3 +195,18 @@ class MLXBackend(Backend):
         t = self.tokenizer
         return {"bos": t.bos_token_id, "eos": t.eos_token_id,
                 "add_bos": bool(getattr(t._tokenizer, "add_bos_token", False))}
+
+
+class _Tap:
+    """A module stand-in that runs the module and keeps its output (attributes read through)."""
+
+    def __init__(self, inner, sink: dict, name: str):
+        self.inner, self.sink, self.name = inner, sink, name
+
+    def __getattr__(self, k):
+        return getattr(self.inner, k)
+
+    def __call__(self, *args, **kw):
+        out = self.inner(*args, **kw)
+        self.sink[self.name] = out[0] if isinstance(out, tuple) else out  # (1, T, hidden)
+        return out

@@ -74,3 +74,21 @@ def test_a_layer_past_the_models_depth_is_refused_and_mlx_says_it_cannot(tiny_mo
     assert not NoLayers.gives_layers and HFBackend.gives_layers
     with pytest.raises(SkipCell, match="cannot give per-layer states"):
         NoLayers(StackDesc("nolayers", "fp32", "default"), str(tiny_model), 1).layer_states(IDS[:4], [0], [0])
+
+
+def test_mlx_layer_states_match_hf_fp32(tiny_model):
+    pytest.importorskip("mlx_lm")
+    from backends.hf_backend import HFBackend
+    from backends.mlx_backend import MLXBackend
+
+    ids, pos = IDS[:100], [0, 50, 99]  # MLX's Linux CPU path is slow: a short prompt
+    ref = _load(HFBackend, "fp32", "eager", tiny_model).layer_states(ids, pos, [0, 1])
+    mb = _load(MLXBackend, "fp32", "default", tiny_model)
+    before = mb.forward(ids, pos)
+    got = mb.layer_states(ids, pos, [0, 1])
+    assert set(got) == set(ref) and all(v.shape == (3, 576) for v in got.values())
+    for k in ref:  # measured here: 1 - 5e-13, max |diff| 1e-4
+        assert _cos(ref[k], got[k]).min() > 0.999999, k
+    assert np.array_equal(mb.forward(ids, pos), before)  # the taps are gone again
+    with pytest.raises(ValueError, match="the model has 2"):
+        mb.layer_states(ids, pos, [5])
