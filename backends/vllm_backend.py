@@ -119,6 +119,42 @@ def prefill_logits(model, n_tokens: int, positions: list[int]):
     return model.compute_logits(prefill[0][keep]).detach().cpu()
 
 
+def install_layer_taps(model, layers: list[int]) -> None:
+    """Runs in every vLLM worker: keep the residual stream after each listed decoder layer. vLLM's
+    decoder layers return (hidden, residual) and fuse the add into the next norm, so the stream is
+    their sum, the same add HF does at the end of its layer."""
+    model._logit_matrix_layers = {}
+
+    def hook(name):
+        def f(_mod, _args, out):
+            h = out[0] + out[1] if isinstance(out, tuple) and len(out) > 1 and out[1] is not None else \
+                (out[0] if isinstance(out, tuple) else out)
+            model._logit_matrix_layers.setdefault(name, []).append(h.detach())
+        return f
+
+    model._logit_matrix_taps = [model.model.layers[i].register_forward_hook(hook(f"layer.{i}")) for i in layers]
+
+
+def take_layer_states(model, n_tokens: int, positions: list[int]):
+    """Runs in every vLLM worker: the taps' prefill rows at `positions` (and the final norm's, from
+    install_norm_hook), {name: (rows, hidden)} on the CPU; the taps are removed."""
+    import torch
+
+    for h in model._logit_matrix_taps:
+        h.remove()
+    got, model._logit_matrix_layers = model._logit_matrix_layers, {}
+    got["final_norm"], model._logit_matrix_states = model._logit_matrix_states, []
+    keep = None
+    out = {}
+    for name, states in got.items():
+        prefill = [h for h in states if h.shape[0] == n_tokens]
+        if len(prefill) != 1:
+            raise RuntimeError(f"{name}: expected one prefill of {n_tokens} tokens, saw {[tuple(h.shape) for h in states]}")
+        keep = keep if keep is not None else torch.tensor(positions, dtype=torch.long, device=prefill[0].device)
+        out[name] = prefill[0][keep].detach().cpu()
+    return out
+
+
 def worker_env(stack: StackDesc, threads: int) -> dict[str, str]:
     """The environment the cell's actor (and through it vLLM's workers) gets: an explicit list."""
     # In-process engine core: the hook and the captured states live in this actor's process;
@@ -232,6 +268,26 @@ class VLLMBackend(Backend):
         if rows.dtype == torch.bfloat16:
             return rows.contiguous().view(torch.int16).numpy().view(np.uint16)  # raw bf16 bits
         return rows.numpy()
+
+    gives_layers = True
+
+    def layer_states(self, token_ids: list[int], positions: list[int], layers: list[int]) -> dict[str, np.ndarray]:
+        import functools
+
+        import torch
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        n_layers = self._llm.llm_engine.model_config.hf_config.num_hidden_layers
+        if any(i < 0 or i >= n_layers for i in layers):
+            raise ValueError(f"layers {layers}: the model has {n_layers} (0..{n_layers - 1})")
+        self._llm.apply_model(functools.partial(install_layer_taps, layers=list(layers)))
+        self._llm.generate(TokensPrompt(prompt_token_ids=token_ids), SamplingParams(max_tokens=1, temperature=0.0),
+                           use_tqdm=False)
+        got = self._llm.apply_model(functools.partial(take_layer_states, n_tokens=len(token_ids),
+                                                      positions=list(positions)))[0]
+        return {k: (v.contiguous().view(torch.int16).numpy().view(np.uint16) if v.dtype == torch.bfloat16
+                    else v.float().numpy() if v.dtype != torch.float32 else v.numpy()) for k, v in got.items()}
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._llm.get_tokenizer().encode(text))  # vLLM's default: special tokens added
