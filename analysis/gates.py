@@ -51,8 +51,8 @@ def load_gates(path: str) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("classes"), dict) or not data["classes"]:
         raise UserError(f"{p}: classes: a mapping of quant class -> gates is required")
     for k in data:
-        if k not in ("classes", "dtypes"):
-            raise UserError(f"{p}: {k}: unknown key; expected classes, dtypes")
+        if k not in ("classes", "dtypes", "layers"):
+            raise UserError(f"{p}: {k}: unknown key; expected classes, dtypes, layers")
     for cls, gates in data["classes"].items():
         if not isinstance(gates, dict) or not gates:
             raise UserError(f"{p}: classes.{cls}: must be a mapping of gate -> threshold (got {gates!r})")
@@ -67,7 +67,21 @@ def load_gates(path: str) -> dict[str, Any]:
     for d, cls in dtypes.items():
         if cls not in data["classes"]:
             raise UserError(f"{p}: dtypes.{d}: unknown class {cls!r}; classes are {', '.join(data['classes'])}")
-    return {"path": str(p), "classes": data["classes"], "dtypes": {**DEFAULT_CLASSES, **dtypes}}
+    return {"path": str(p), "classes": data["classes"], "dtypes": {**DEFAULT_CLASSES, **dtypes},
+            "layers": _layer_gates(p, data.get("layers") or {})}
+
+
+def _layer_gates(p: Path, raw: Any) -> dict[str, dict[str, float]]:
+    """`layers:` class -> {cosine_min, norm_ratio_tol} (analysis/layer_metrics.py verdict)."""
+    if not isinstance(raw, dict):
+        raise UserError(f"{p}: layers: must be a mapping of quant class -> cosine_min, norm_ratio_tol (got {raw!r})")
+    for cls, g in raw.items():
+        if not isinstance(g, dict) or set(g) != {"cosine_min", "norm_ratio_tol"}:
+            raise UserError(f"{p}: layers.{cls}: must have exactly cosine_min and norm_ratio_tol (got {g!r})")
+        for k, v in g.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise UserError(f"{p}: layers.{cls}.{k}: threshold must be a number (got {v!r})")
+    return raw
 
 
 def pick_class(gates: dict, dtype: str, asked: str | None) -> str:

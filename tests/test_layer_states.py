@@ -92,3 +92,27 @@ def test_mlx_layer_states_match_hf_fp32(tiny_model):
     assert np.array_equal(mb.forward(ids, pos), before)  # the taps are gone again
     with pytest.raises(ValueError, match="the model has 2"):
         mb.layer_states(ids, pos, [5])
+
+
+def test_a_rescaled_stack_passes_cosine_and_fails_the_norm_ratio(tiny_model):
+    """Seed 003's two gates: every activation x 1.05 keeps every cosine at 1 (scale-invariant), and
+    only the norm ratio sees it; a real quant passes both at seed 003's thresholds."""
+    from analysis.layer_metrics import row_metrics, summarize, verdict
+    from backends.hf_backend import HFBackend
+    from backends.llamacpp_backend import LlamaCppBackend
+
+    ref = _load(HFBackend, "fp32", "eager", tiny_model).layer_states(IDS, POS, [0, 1])
+    keys = [("p", p) for p in POS]
+    scaled = summarize({k: row_metrics(v, v * 1.05) for k, v in ref.items()}, keys)
+    assert [r["layer"] for r in scaled] == ["layer.0", "layer.1", "final_norm"]
+    assert all(r["cosine_min"] > 1 - 1e-12 and abs(r["norm_ratio_dev_max"] - 0.05) < 1e-6 for r in scaled)  # float32 x 1.05
+    from analysis.gates import load_gates
+    from tests.conftest import REPO
+
+    gates = load_gates(str(REPO / "configs" / "gates.yaml"))["layers"]
+    v = verdict(scaled, **gates["fp16"])
+    assert not v["pass"] and v["first_failing_layer"] == "layer.0" and v["failed"] == ["norm_ratio_tol"]
+    q8 = _load(LlamaCppBackend, "q8_0", "default", tiny_model).layer_states(IDS, POS, [0, 1])
+    real = summarize({k: row_metrics(ref[k], q8[k]) for k in ref}, keys)
+    assert verdict(real, **gates["8bit"])["pass"] and not verdict(scaled, **gates["8bit"])["pass"], real
+    assert all(0 < r["rel_l2_max"] < 0.05 and r["cosine_worst_at"] in keys for r in real), real
