@@ -33,14 +33,16 @@ COLLECTOR = "llama.cpp imatrix accumulation (tools/imatrix/imatrix.cpp) via llam
 
 
 def _op_ids(lib) -> dict[str, int]:
-    """Op names -> enum values, read from the library (the enum moves between versions)."""
+    """MUL_MAT's and MUL_MAT_ID's enum values, read from the library (the enum moves between
+    versions). Both sit early in the enum; the scan stops there, since ggml_op_name past
+    GGML_OP_COUNT would read beyond its table."""
     out = {}
-    for i in range(256):
+    for i in range(128):
         name = lib.ggml_op_name(i)
         if name is None:
             break
         out[name.decode()] = i
-        if name == b"COUNT":
+        if "MUL_MAT" in out and "MUL_MAT_ID" in out:
             break
     if "MUL_MAT" not in out:
         raise RuntimeError("libggml-base names no MUL_MAT op: this ggml is not the one the collector was written for")
