@@ -137,9 +137,17 @@ def _hf_load(artifact: str):
         raise UserError(f"candidate {artifact}: cannot read its config and tokenizer: {str(e).splitlines()[0]}") from None
 
 
+def _is_checkpoint(cell: Cell) -> bool:
+    """An HF checkpoint (a directory or a hub id), not a GGUF file: what the cell's engine runs
+    as given (Backend.runs_files) decides, so an HF checkpoint under vLLM is read as one too."""
+    from backends import backend_class
+
+    return "hf" in backend_class(cell.engine).runs_files
+
+
 def header_facts(cell: Cell, model) -> dict:
     """What the candidate's file declares, for its cells row's recipe."""
-    if cell.engine == "hf":
+    if _is_checkpoint(cell):
         config, _ = _hf_load(resolve(cell, model).artifact)
         q = getattr(config, "quantization_config", None)
         return {"kind": "hf checkpoint", "model_type": config.model_type,
@@ -197,7 +205,7 @@ def differences(info: GgufInfo, config, tok, vocab: int) -> list[str]:
 
 def check(cell: Cell, config, tok, vocab: int) -> None:
     """Refuse a candidate that is not a file of its reference model, before anything runs."""
-    if cell.engine == "hf":
+    if _is_checkpoint(cell):
         diff = hf_differences(*_hf_load(cell.artifact), config, tok)
     else:
         diff = differences(read_info(cell.artifact), config, tok, vocab)

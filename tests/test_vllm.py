@@ -177,6 +177,17 @@ def test_vllm_quant_dtypes_and_checkpoint_candidates_are_listed_where_they_can_r
         assert "CUDA / ROCm kernels" in why[("vllm", "awq", "cpu")]
     assert "pre-quantised checkpoint" in why[("vllm", "awq", "h200")] or V.vllm_python() is None
     assert "engine hf does not run dtype awq" in why[("hf", "awq", "cpu")]  # the dtype comes from its config
+    # before a run, the checkpoint a vLLM candidate names is checked and described as an HF checkpoint
+    import transformers
+
+    from common.stack import Cell
+    from matrix import candidates
+
+    cell = Cell("tiny", "vllm", "awq", "default", 1, "h200", 1, "c", artifact=str(awq))
+    config, tok = transformers.AutoConfig.from_pretrained(tiny_model), transformers.AutoTokenizer.from_pretrained(tiny_model)
+    candidates.check(cell, config, tok, config.vocab_size)  # the same model: no refusal
+    facts = candidates.header_facts(cell, None)
+    assert facts["kind"] == "hf checkpoint" and facts["quantization_config"]["quant_method"] == "awq", facts
     kw = V.engine_kwargs(StackDesc("vllm", "fp8", "default", device="h200"), "/m", 64, 1)
     assert kw["quantization"] == "fp8" and kw["dtype"] == "bfloat16"
     kw = V.engine_kwargs(StackDesc("vllm", "awq", "default", device="h200", artifact="/c"), "/c", 64, 1)
