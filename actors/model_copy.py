@@ -62,13 +62,15 @@ def model_dir(model: ModelCopy, depot, node: str) -> tuple[str, str]:
 
 
 def _shipped_file(path: str, dest_name: str, depot) -> str:
-    """One driver file, received once through the depot into this node's cache (dest_name
-    carries its hash), for every later cell."""
+    """One driver file or directory, received once through the depot into this node's cache
+    (dest_name carries its hash), for every later cell. A file lands as dest/<its name> (the
+    depot's manifest keys it by name), a directory's files land in dest itself."""
     dest = cache_root() / "shipped" / dest_name
     with locked(dest.parent):
         if not dest.is_dir():
             _receive(depot, path, dest)
-    return str(dest / Path(path).name)
+    own = dest / Path(path).name
+    return str(own) if own.is_file() else str(dest)
 
 
 def source_gguf(model: ModelCopy, depot) -> str | None:
@@ -88,6 +90,4 @@ def artifact_file(path: str | None, sha256: str | None, depot) -> str | None:
         return path
     if Path(path).is_file() or Path(path).is_dir():
         return path
-    shipped = _shipped_file(path, f"artifact-{sha256}", depot)
-    # a checkpoint directory arrives as the directory itself, a file inside one named by its hash
-    return str(Path(shipped).parent) if (Path(shipped).parent / "config.json").is_file() else shipped
+    return _shipped_file(path, f"artifact-{sha256}", depot)

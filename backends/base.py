@@ -35,6 +35,10 @@ class SkipCell(Exception):
     The run records it as skipped with the message as the reason and goes on."""
 
 
+# Device classes that are GPUs (CUDA or ROCm), for the backends that run on them.
+GPU_DEVICES = frozenset({"cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm"})
+
+
 class Backend:
     # Capability flags: checked by `matrix cells` without importing the engine.
     engine: ClassVar[str] = ""
@@ -103,7 +107,9 @@ class Backend:
         st = self.stack
         recipe = {"tool": "published artifact", "kind": "hf checkpoint", "source": st.artifact_source or st.artifact}
         if st.artifact.startswith("hub:"):
-            repo, _, rev = st.artifact.removeprefix("hub:").rpartition("@")
+            from common.ids import split_hub_artifact
+
+            repo, rev = split_hub_artifact(st.artifact)
             self.model_dir = repo
             self.artifact = {"path": st.artifact, "sha256": None, "recipe": recipe}
             return {"revision": rev}
@@ -121,6 +127,12 @@ class Backend:
         """{"layer.N": (rows, hidden) after decoder layer N (0-based), "final_norm": (rows, hidden)}
         at `positions`, native dtype, from one prefill of token_ids."""
         raise SkipCell(f"engine {self.engine} cannot give per-layer states")
+
+
+def check_layers(layers: list[int], n_layers: int) -> None:
+    """The layer indices a layer_states() call asks for exist in a model of n_layers."""
+    if any(i < 0 or i >= n_layers for i in layers):
+        raise ValueError(f"layers {layers}: the model has {n_layers} (0..{n_layers - 1})")
 
     def settings(self) -> dict[str, Any]:
         """Everything that changes the arithmetic: dtype, attention, threads, versions..."""

@@ -13,10 +13,9 @@ from typing import Any
 import numpy as np
 
 from backends import hf_quant
-from backends.base import Backend
+from backends.base import GPU_DEVICES, Backend, check_layers
 from common.errors import OracleError
 
-GPU_DEVICES = frozenset({"cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm"})
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
 
@@ -179,8 +178,7 @@ class HFBackend(Backend):
             return f
 
         stack = self.model.model
-        if any(i < 0 or i >= len(stack.layers) for i in layers):
-            raise ValueError(f"layers {layers}: the model has {len(stack.layers)} (0..{len(stack.layers) - 1})")
+        check_layers(layers, len(stack.layers))
         handles = [stack.layers[i].register_forward_hook(hook(f"layer.{i}")) for i in layers]
         handles.append(stack.norm.register_forward_hook(hook("final_norm")))
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.torch_device)

@@ -14,7 +14,6 @@ _LOG_CB = None  # keep the ctypes callback alive for the life of the process
 def quiet_logs() -> None:
     """llama.cpp prints every tensor and graph node at load; keep only errors (to stderr)."""
     global _LOG_CB
-    import ctypes
     import sys
 
     import llama_cpp
@@ -28,7 +27,7 @@ def quiet_logs() -> None:
         llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
 
 
-def load_vocab(path: str):
+def load_vocab(path: str, failed: str = "could not load this GGUF"):
     """A vocab-only llama.cpp model (e.g. models/ggml-vocab-*.gguf): (model, vocab)."""
     import llama_cpp as lc
 
@@ -36,11 +35,11 @@ def load_vocab(path: str):
     lc.llama_backend_init()
     mp = lc.llama_model_default_params()
     mp.vocab_only = True
-    model = lc.llama_model_load_from_file(path.encode(), mp)
+    model = lc.llama_model_load_from_file(str(path).encode(), mp)
     if not model:
         from common.errors import UserError
 
-        raise UserError(f"{path}: llama.cpp could not load this GGUF")
+        raise UserError(f"{path}: llama.cpp {failed}")
     return model, lc.llama_model_get_vocab(model)
 
 
@@ -63,17 +62,8 @@ def gguf_tokenize(path: str, text: str) -> tuple[list[int], int | None]:
     start of each chunk, or None where the GGUF says the model takes no BOS)."""
     import llama_cpp as lc
 
-    quiet_logs()
-    lc.llama_backend_init()
-    mp = lc.llama_model_default_params()
-    mp.vocab_only = True
-    model = lc.llama_model_load_from_file(str(path).encode(), mp)
-    if not model:
-        from common.errors import UserError
-
-        raise UserError(f"{path}: llama.cpp could not read this GGUF's vocabulary")
+    model, vocab = load_vocab(path, "could not read this GGUF's vocabulary")
     try:
-        vocab = lc.llama_model_get_vocab(model)
         ids = tokenize_with(vocab, text, True, False)
         return ids, int(lc.llama_vocab_bos(vocab)) if lc.llama_vocab_get_add_bos(vocab) else None
     finally:
@@ -142,6 +132,7 @@ class LayerTaps:
         self.want["result_norm"] = "final_norm"
         self.outputs_only = {f"l_out-{n_layer - 1}", "result_norm"}
         self.positions = positions
+        self._wanted = set(positions)
         self.rows: dict[str, dict[int, np.ndarray]] = {v: {} for v in self.want.values()}
         self.error: BaseException | None = None
         self._ub: list[tuple[int, int]] = []  # (first token, tokens) of each ubatch of the next decode
@@ -180,9 +171,8 @@ class LayerTaps:
             pos = list(range(first, first + n))
         if len(pos) != x.shape[0]:
             raise RuntimeError(f"{name}: {x.shape[0]} rows where {len(pos)} were expected")
-        want = set(self.positions)
         for j, p in enumerate(pos):
-            if p in want:
+            if p in self._wanted:
                 self.rows[self.want[name]][p] = x[j].copy()
 
     def result(self) -> dict[str, np.ndarray]:

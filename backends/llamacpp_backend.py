@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend
+from backends.base import Backend, check_layers
 from backends.gguf_build import FLOAT_TYPES, QUANT_TYPES
 from backends.llama_binding import gguf_tokenize, load_vocab, quiet_logs, tokenize_with  # noqa: F401 (re-exported)
 
@@ -113,8 +113,7 @@ class LlamaCppBackend(Backend):
         from backends.llama_binding import LayerTaps
 
         n_layer = self._lc.llama_model_n_layer(self.model)
-        if any(i < 0 or i >= n_layer for i in layers):
-            raise ValueError(f"layers {layers}: the model has {n_layer} (0..{n_layer - 1})")
+        check_layers(layers, n_layer)
         taps = LayerTaps(layers, n_layer, positions)
         self.forward(token_ids, positions, taps)
         return taps.result()

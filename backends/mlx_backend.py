@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend
+from backends.base import Backend, check_layers
 from common.errors import OracleError, UserError
 
 # dtype -> (weights dtype for mlx_lm.convert, quantisation bits or None). Group size 64, affine.
@@ -156,8 +156,7 @@ class MLXBackend(Backend):
             from backends.base import SkipCell
 
             raise SkipCell(f"mlx-lm's {type(self.model).__module__} has no model.layers / model.norm to tap")
-        if any(i < 0 or i >= len(inner.layers) for i in layers):
-            raise ValueError(f"layers {layers}: the model has {len(inner.layers)} (0..{len(inner.layers) - 1})")
+        check_layers(layers, len(inner.layers))
         got: dict[str, Any] = {}
         saved_layers, saved_norm = list(inner.layers), inner.norm
         for i in layers:

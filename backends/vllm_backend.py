@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend
+from backends.base import GPU_DEVICES, Backend, check_layers
 from common.stack import StackDesc
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -54,7 +54,6 @@ FP8_DEVICES = frozenset({"cuda", "h100", "h200", "b200", "sm120", "mi300x"})  # 
 # checkpoint's quantization_config (nvfp4: ModelOpt's FP4, Blackwell only).
 CHECKPOINT_QUANTS = frozenset({"awq", "gptq", "nvfp4"})
 NVFP4_DEVICES = frozenset({"b200", "sm120"})
-GPU = frozenset({"cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm"})
 ATTENTION = {"default": None, "flash_attn": "FLASH_ATTN", "flashinfer": "FLASHINFER",
              "triton_attn": "TRITON_ATTN", "flex": "FLEX_ATTENTION"}
 MAX_MODEL_LEN = 8192
@@ -191,7 +190,7 @@ class VLLMBackend(Backend):
     engine = "vllm"
     dtypes = frozenset(VLLM_DTYPES) | frozenset(LOAD_QUANT) | CHECKPOINT_QUANTS
     attention = frozenset(ATTENTION)
-    devices = frozenset({"cpu", "cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm"})
+    devices = frozenset({"cpu"}) | GPU_DEVICES
     max_tp = 8
     tp_workers = "engine"  # tp ranks are vLLM's own processes; runtime_env runs it under vllm_python()
     options = frozenset({"vllm_executor"})
@@ -214,7 +213,7 @@ class VLLMBackend(Backend):
                     f"device {cell.device} has none")
         if cell.dtype == "nvfp4" and cell.device not in NVFP4_DEVICES:
             return f"nvfp4 needs a Blackwell GPU ({', '.join(sorted(NVFP4_DEVICES))}); device {cell.device} is not one"
-        if cell.dtype in CHECKPOINT_QUANTS and cell.device not in GPU:
+        if cell.dtype in CHECKPOINT_QUANTS and cell.device not in GPU_DEVICES:
             return f"vLLM runs {cell.dtype} checkpoints with CUDA / ROCm kernels only in this project; device {cell.device}"
         return None
 
@@ -279,8 +278,7 @@ class VLLMBackend(Backend):
         from vllm.inputs import TokensPrompt
 
         n_layers = self._llm.llm_engine.model_config.hf_config.num_hidden_layers
-        if any(i < 0 or i >= n_layers for i in layers):
-            raise ValueError(f"layers {layers}: the model has {n_layers} (0..{n_layers - 1})")
+        check_layers(layers, n_layers)
         self._llm.apply_model(functools.partial(install_layer_taps, layers=list(layers)))
         self._llm.generate(TokensPrompt(prompt_token_ids=token_ids), SamplingParams(max_tokens=1, temperature=0.0),
                            use_tqdm=False)

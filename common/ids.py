@@ -66,3 +66,14 @@ def prompt_id(name: str, ids_sha256: str) -> str:
 def probe_nonce() -> str:
     """What a run writes into its warehouse so a node can tell whether it sees that directory."""
     return secrets.token_hex(16)
+
+
+def hub_artifact(repo: str, revision: str | None) -> str:
+    """A hub checkpoint named as a candidate's artifact: 'hub:org/name@rev'."""
+    return f"hub:{repo}@{revision or 'main'}"
+
+
+def split_hub_artifact(artifact: str) -> tuple[str, str]:
+    """'hub:org/name@rev' -> (org/name, rev)."""
+    repo, _, rev = artifact.removeprefix("hub:").rpartition("@")
+    return repo, rev
