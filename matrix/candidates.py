@@ -12,8 +12,10 @@ architecture, sizes, vocabulary and special tokens are checked against the refer
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
+from common import ids
 from common.errors import UserError
 from common.files import sha256_file
 from common.stack import Cell
@@ -33,7 +35,6 @@ def _source(spec, model: str) -> tuple[str | None, str]:
     return None, CATALOG[ref.location].source_quant  # fetched later; the catalog pins the file
 
 
-HF_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def _what(spec, c: dict) -> tuple[str | None, str | None, dict, str, str]:
@@ -45,19 +46,19 @@ def _what(spec, c: dict) -> tuple[str | None, str | None, dict, str, str]:
     if kind == "gguf":
         sha = sha256_file(Path(c["gguf"]))
         return c["gguf"], sha, {"sha256": sha}, read_info(c["gguf"]).declared, "default"
+    attention = c.get("attention", "eager" if c["engine"] == "hf" else "default")  # an HF checkpoint
     if kind == "path":
         from common.files import weights_digest_cached
 
         sha = weights_digest_cached(Path(c["path"]))
         if not any(Path(c["path"]).glob("*.safetensors")):
             raise UserError(f"candidate {c['path']}: no *.safetensors files in this checkpoint directory")
-        return c["path"], sha, {"weights_sha256": sha}, c.get("dtype") or _config_dtype(c["path"]), \
-            c.get("attention", "eager" if c["engine"] == "hf" else "default")
+        return c["path"], sha, {"weights_sha256": sha}, c.get("dtype") or _config_dtype(c["path"]), attention
     if not c.get("dtype"):
         raise UserError(f"{spec.path}: candidates: hub candidate {c['hub']}: give its dtype (its config is read "
                         "only when the run starts)")
-    hub = f"hub:{c['hub']}@{c['revision'] or 'main'}"
-    return hub, None, {"hub": hub}, c["dtype"], c.get("attention", "eager" if c["engine"] == "hf" else "default")
+    hub = ids.hub_artifact(c["hub"], c["revision"])
+    return hub, None, {"hub": hub}, c["dtype"], attention
 
 
 # quantization_config.quant_method -> the spec's dtype name (a checkpoint quantised that way)
@@ -76,7 +77,10 @@ def _config_dtype(d: str) -> str:
         return "nvfp4"
     if method in CHECKPOINT_QUANT:
         return CHECKPOINT_QUANT[method]
-    return HF_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), "fp32")
+    from backends.hf_backend import TORCH_DTYPES
+
+    by_torch = {v: k for k, v in TORCH_DTYPES.items()}  # "bfloat16" -> "bf16"
+    return by_torch.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), "fp32")
 
 
 def cells(spec, corpus_fp: str, make_cell_id, cell_options) -> list[Cell]:
@@ -116,19 +120,15 @@ def resolve(cell: Cell, model) -> Cell:
     return dataclasses.replace(cell, artifact=path, artifact_sha256=sha)
 
 
-def hub_ref(artifact: str) -> tuple[str, str]:
-    """'hub:org/name@rev' -> (org/name, rev)."""
-    repo, _, rev = artifact.removeprefix("hub:").rpartition("@")
-    return repo, rev
-
-
+@functools.lru_cache(maxsize=16)
 def _hf_load(artifact: str):
-    """(config, tokenizer) of an HF candidate, local or on the hub."""
+    """(config, tokenizer) of an HF candidate, local or on the hub; read once per driver run (the
+    check and the cells row both ask, and the directory is pinned by its digest at expand)."""
     import transformers
 
     where, kw = artifact, {}
     if artifact.startswith("hub:"):
-        where, rev = hub_ref(artifact)
+        where, rev = ids.split_hub_artifact(artifact)
         kw = {"revision": rev}
     try:
         return (transformers.AutoConfig.from_pretrained(where, **kw),
