@@ -128,12 +128,6 @@ class Backend:
         at `positions`, native dtype, from one prefill of token_ids."""
         raise SkipCell(f"engine {self.engine} cannot give per-layer states")
 
-
-def check_layers(layers: list[int], n_layers: int) -> None:
-    """The layer indices a layer_states() call asks for exist in a model of n_layers."""
-    if any(i < 0 or i >= n_layers for i in layers):
-        raise ValueError(f"layers {layers}: the model has {n_layers} (0..{n_layers - 1})")
-
     def settings(self) -> dict[str, Any]:
         """Everything that changes the arithmetic: dtype, attention, threads, versions..."""
         raise NotImplementedError
@@ -159,3 +153,9 @@ def check_layers(layers: list[int], n_layers: int) -> None:
 
     def close(self) -> None:
         pass
+
+
+def check_layers(layers: list[int], n_layers: int) -> None:
+    """The layer indices a layer_states() call asks for exist in a model of n_layers."""
+    if any(i < 0 or i >= n_layers for i in layers):
+        raise ValueError(f"layers {layers}: the model has {n_layers} (0..{n_layers - 1})")
