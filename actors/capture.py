@@ -71,9 +71,14 @@ def storage_summary(parts: list[dict]) -> dict[str, Any]:
 
 
 def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]], keep: Positions | int,
-                  max_tokens: int | None = None, store: str = "native", observe=None) -> dict[str, Any]:
+                  max_tokens: int | None = None, store: str = "native", observe=None,
+                  layers_writer=None) -> dict[str, Any]:
     """Every prompt's rows into writer (a ShardWriter, or a RemoteShard on a node that cannot
     see the warehouse), committed at the end; returns a small manifest (no arrays).
+
+    layers_writer: the same kind of writer for the layer_states table; each prompt's hidden states
+    at the same positions (backend.stack.layers and the final norm) go there, from a prefill of
+    their own. It commits first: a logits shard then never exists without its layer shard.
 
     max_tokens: keep only the sampled positions below it and feed just the prefix they
     need; logits at p depend on ids[0..p] only, so those rows mean what the full run's do.
@@ -81,6 +86,10 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
     t0 = time.perf_counter()
     forward_s = 0.0
     storage = Storage(store)
+    layers = list(backend.stack.layers) if layers_writer is not None else []
+    depth = backend.n_layers() if layers else 0
+    sources = backend.state_sources(layers) if layers else {}
+    layer_s = 0.0
     try:
         dtype = None
         for prompt_id, ids in prompts:
@@ -99,9 +108,22 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
             writer.add(prompt_id, positions, next_ids, stored, shift)
             if observe is not None:
                 observe(prompt_id, positions, stored, shift)
+            if layers:
+                tl = time.perf_counter()
+                layers_writer.add_layers(prompt_id, positions, backend.layer_states(ids, positions, layers),
+                                         depth, sources)
+                layer_s += time.perf_counter() - tl
+        if layers:
+            layers_writer.commit()
         path = writer.commit()
     except BaseException:
         writer.abort()
+        if layers:
+            layers_writer.abort()
         raise
-    return {"path": str(path), "rows": writer.rows, "seconds": time.perf_counter() - t0,
-            "forward_seconds": forward_s, "array_dtype": dtype, "storage": storage.summary()}
+    out = {"path": str(path), "rows": writer.rows, "seconds": time.perf_counter() - t0,
+           "forward_seconds": forward_s, "array_dtype": dtype, "storage": storage.summary()}
+    if layers:
+        out["layers"] = {"rows": layers_writer.rows, "seconds": layer_s, "depth": depth, "layers": layers,
+                         "sources": sources}
+    return out

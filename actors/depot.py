@@ -36,27 +36,28 @@ class DriverDepot:
         self.received = 0  # encoded bytes written for other nodes
 
     # -- shards of nodes that cannot see the warehouse ---------------------------------
-    def begin(self, run_id: str, cell_id: str, repeat: int) -> None:
+    # table: "logits", or "layer_states" for a `layers:` cell's second shard
+    def begin(self, run_id: str, cell_id: str, repeat: int, table: str = "logits") -> None:
         with self.lock:
-            stale = self.open.pop((cell_id, repeat), None)  # a capture whose actor died midway
-            self.open[(cell_id, repeat)] = ShardWriter(self.warehouse, run_id, cell_id, repeat)
+            stale = self.open.pop((table, cell_id, repeat), None)  # a capture whose actor died midway
+            self.open[(table, cell_id, repeat)] = ShardWriter(self.warehouse, run_id, cell_id, repeat, table)
         if stale is not None:
             stale.abort()
 
-    def add(self, cell_id: str, repeat: int, data: bytes) -> int:
-        rows = self.open[(cell_id, repeat)].add_encoded(data)
+    def add(self, cell_id: str, repeat: int, data: bytes, table: str = "logits") -> int:
+        rows = self.open[(table, cell_id, repeat)].add_encoded(data)
         with self.lock:
             self.received += len(data)
         return rows
 
-    def commit(self, cell_id: str, repeat: int) -> str:
+    def commit(self, cell_id: str, repeat: int, table: str = "logits") -> str:
         with self.lock:
-            writer = self.open.pop((cell_id, repeat))
+            writer = self.open.pop((table, cell_id, repeat))
         return str(writer.commit())
 
-    def abort(self, cell_id: str, repeat: int) -> None:
+    def abort(self, cell_id: str, repeat: int, table: str = "logits") -> None:
         with self.lock:
-            writer = self.open.pop((cell_id, repeat), None)
+            writer = self.open.pop((table, cell_id, repeat), None)
         if writer is not None:
             writer.abort()
 
@@ -87,12 +88,12 @@ class DriverDepot:
 class RemoteShard:
     """ShardWriter's interface, for a node that cannot see the warehouse: rows go to the depot."""
 
-    def __init__(self, depot, run_id: str, cell_id: str, repeat: int):
-        self.depot, self.run_id, self.cell_id, self.repeat = depot, run_id, cell_id, repeat
+    def __init__(self, depot, run_id: str, cell_id: str, repeat: int, table: str = "logits"):
+        self.depot, self.run_id, self.cell_id, self.repeat, self.table = depot, run_id, cell_id, repeat, table
         self.rows = 0
         self.bytes = 0
         self.pending = None
-        ray.get(depot.begin.remote(run_id, cell_id, repeat))
+        ray.get(depot.begin.remote(run_id, cell_id, repeat, table))
 
     def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
             native: np.ndarray, shift: np.ndarray | None = None) -> None:
@@ -106,10 +107,24 @@ class RemoteShard:
             data = encode_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions[lo:hi],
                                           next_ids[lo:hi], native[lo:hi],
                                           None if shift is None else shift[lo:hi]))
-            self._settle()  # back-pressure: the previous chunk is written before this one goes
-            self.pending = self.depot.add.remote(self.cell_id, self.repeat, data)
-            self.bytes += len(data)
+            self._send(data)
         self.rows += native.shape[0]
+
+    def add_layers(self, prompt_id: str, positions: list[int], states: dict[str, np.ndarray], depth: int,
+                   sources: dict[str, str]) -> None:
+        """A layer_states shard's prompt, in chunks of at most MESSAGE_BYTES like add()."""
+        from store.layer_states import layer_rows_table
+
+        rows = layer_rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, states, depth, sources)
+        step = max(1, MESSAGE_BYTES // max(1, rows.nbytes // max(1, rows.num_rows)))
+        for lo in range(0, rows.num_rows, step):
+            self._send(encode_rows(rows.slice(lo, step), self.table))
+        self.rows += rows.num_rows
+
+    def _send(self, data: bytes) -> None:
+        self._settle()  # back-pressure: the previous chunk is written before this one goes
+        self.pending = self.depot.add.remote(self.cell_id, self.repeat, data, self.table)
+        self.bytes += len(data)
 
     def _settle(self) -> None:
         if self.pending is not None:
@@ -118,12 +133,12 @@ class RemoteShard:
 
     def commit(self) -> str:
         self._settle()
-        return ray.get(self.depot.commit.remote(self.cell_id, self.repeat))
+        return ray.get(self.depot.commit.remote(self.cell_id, self.repeat, self.table))
 
     def abort(self) -> None:
         # The capture is already failing with its own exception; the depot drops the temp file
         # (or the next run sweeps it). Nothing waits on this call.
-        self.depot.abort.remote(self.cell_id, self.repeat)
+        self.depot.abort.remote(self.cell_id, self.repeat, self.table)
 
 
 def fetch_file(depot, path: str, rel: str, size: int, sha256: str, dest: Path) -> None:

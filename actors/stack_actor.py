@@ -159,18 +159,27 @@ class StackActor:
                 fed, positions = fed_ids(ids, keep, self.stack.max_tokens)
                 if positions:
                     self.backend.forward(fed, positions)
+                    if self.stack.layers:  # collective too: every rank joins rank 0's layer prefill
+                        self.backend.layer_states(fed, positions, list(self.stack.layers))
             return {"rows": 0, "rank": self.rank}
-        from actors.depot import RemoteShard
-
         cid = self.stack.cell_id
-        writer = (ShardWriter(self.delivery.warehouse, run_id, cid, repeat) if self.direct
-                  else RemoteShard(self.delivery.depot, run_id, cid, repeat))
+        writer, layers_writer = (self._writer(run_id, repeat, t) for t in ("logits", "layer_states"))
         metrics = self._metrics(metrics_ref, repeat)
         out = capture_shard(self.backend, writer, prompts, keep, self.stack.max_tokens, store,
-                            None if metrics is None else metrics.observe)
+                            None if metrics is None else metrics.observe, layers_writer)
         return {**out, "cell_id": cid, "repeat": repeat, "rows_via": "node" if self.direct else "driver",
-                "bytes_sent": 0 if self.direct else writer.bytes,
+                "bytes_sent": 0 if self.direct else writer.bytes + (layers_writer.bytes if layers_writer else 0),
                 "metrics": None if metrics is None else metrics.outcome()}
+
+    def _writer(self, run_id: str, repeat: int, table: str):
+        """Where a shard of this capture goes; None for layer_states when the cell asks for no layers."""
+        from actors.depot import RemoteShard
+
+        if table == "layer_states" and not self.stack.layers:
+            return None
+        cid = self.stack.cell_id
+        return (ShardWriter(self.delivery.warehouse, run_id, cid, repeat, table) if self.direct
+                else RemoteShard(self.delivery.depot, run_id, cid, repeat, table))
 
     def _metrics(self, ref_id: str | None, repeat: int):
         from actors.inline_metrics import InlineMetrics

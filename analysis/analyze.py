@@ -320,6 +320,10 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
     with _heartbeat(progress, lambda: f"{finished[0]}/{len(todo)} unit(s)", log):
         run_units(wh.where, tasks, skip_damaged, record)
     _write_ranges(wh, ranges)
+    if any(c.get("layers") for c in done):
+        from analysis.layer_analysis import analyze_layers
+
+        summary["layers"] = analyze_layers(wh, done, reference, force, log)
     summary["computed"] = {"cells": sum(u.kind == "cell" for u in todo), "groups": sum(u.kind == "group" for u in todo)}
     summary["seconds"] = round(time.perf_counter() - progress.t0, 2)
     return summary

@@ -70,7 +70,7 @@ def export_views(warehouse: str, out: str) -> dict:
             if damaged.get(table):
                 paths = "[" + ", ".join(_lit(f) for f in ok) + "]"
             else:
-                glob = f"{table}/*/*.parquet" if table == "logits" else f"{table}/*.parquet"
+                glob = f"{table}/*/*.parquet" if table in ("logits", "layer_states") else f"{table}/*.parquet"
                 paths = _lit(f"{wh.where.rstrip('/')}/{glob}" if wh.remote else wh.loc.path(glob))
             src = f"SELECT * FROM ({empty}) UNION ALL BY NAME SELECT * FROM read_parquet({paths}, union_by_name = true)"
         lines.append(f"CREATE OR REPLACE VIEW {table} AS SELECT {', '.join(c[0] for c in cols)} FROM ({src});")
@@ -171,6 +171,20 @@ VIEWS = {
                             ORDER BY avg(m.kld_centroid_stack)) AS rank_closest
         FROM centroid_metrics m JOIN cells c USING (cell_id)
         GROUP BY c.model, coalesce(m.centroid_group, c.model), m.cell_id""",
+    # Per-layer agreement (issue 17): one row per (cell, layer) of repeat 0, shallowest first, with
+    # the row where each of seed 003's two gates is worst; `matrix layers CELL --gates` gives the verdict.
+    "layer_summary": """
+        SELECT c.model, m.cell_id, c.engine, c.dtype, m.reference_cell_id, m.layer, m.layer_index,
+               count(*) AS rows, min(m.cosine) AS cosine_min, avg(m.cosine) AS cosine_mean,
+               arg_min(m.prompt_id || '@' || m.position, m.cosine) AS cosine_worst_at,
+               min(m.norm_ratio) AS norm_ratio_min, max(m.norm_ratio) AS norm_ratio_max,
+               max(abs(m.norm_ratio - 1)) AS norm_ratio_dev_max,
+               arg_max(m.prompt_id || '@' || m.position, abs(m.norm_ratio - 1)) AS norm_ratio_worst_at,
+               avg(m.rel_l2) AS rel_l2_mean, max(m.rel_l2) AS rel_l2_max, max(m.max_abs_diff) AS max_abs_diff,
+               avg(m.allclose::INT) AS allclose_share
+        FROM layer_metrics m JOIN cells c USING (cell_id)
+        WHERE m.repeat = 0
+        GROUP BY ALL""",
     # Byte identity of one stack across hosts (replicas) and engine builds: every pair of its
     # captured cells, compared row by row on the row hashes of repeat 0 (no logits are read).
     "stack_identity": """

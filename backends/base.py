@@ -60,6 +60,8 @@ class Backend:
     # Per-layer states (issue 17): the residual stream after decoder layers, and the final norm's
     # output, at sampled positions. Engines that can give them override layer_states().
     gives_layers: ClassVar[bool] = False
+    # The engine's own name of each state (recorded per row): "{i}" is the layer index
+    layer_sources: ClassVar[dict[str, str]] = {}
 
     def __init__(self, stack: StackDesc, model_dir: str, threads: int):
         self.stack = stack
@@ -94,6 +96,8 @@ class Backend:
             return f"engine {cls.engine} does not run on device {cell.device} (runs on: {', '.join(sorted(cls.devices))})"
         if cell.tp > cls.max_tp:
             return f"engine {cls.engine} supports tp up to {cls.max_tp} in this version (asked tp={cell.tp})"
+        if getattr(cell, "layers", None) and not cls.gives_layers:
+            return f"engine {cls.engine} cannot give per-layer states (the cell asks for layers)"
         return None
 
     def checkpoint_candidate(self) -> dict[str, Any]:
@@ -127,6 +131,16 @@ class Backend:
         """{"layer.N": (rows, hidden) after decoder layer N (0-based), "final_norm": (rows, hidden)}
         at `positions`, native dtype, from one prefill of token_ids."""
         raise SkipCell(f"engine {self.engine} cannot give per-layer states")
+
+    def n_layers(self) -> int:
+        """The model's decoder layers, as the engine runs it (a layers: cell's final norm comes after)."""
+        raise SkipCell(f"engine {self.engine} cannot give per-layer states")
+
+    def state_sources(self, layers: list[int]) -> dict[str, str]:
+        """{state name: the engine's name for that tensor} for layer_states(layers)."""
+        src = self.layer_sources
+        return {**{f"layer.{i}": src.get("layer", "layer {i}").format(i=i) for i in layers},
+                "final_norm": src.get("final_norm", "final norm")}
 
     def settings(self) -> dict[str, Any]:
         """Everything that changes the arithmetic: dtype, attention, threads, versions..."""

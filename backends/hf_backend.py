@@ -163,6 +163,10 @@ class HFBackend(Backend):
         return logits.numpy()
 
     gives_layers = True
+    layer_sources = {"layer": "model.layers.{i} output (forward hook)", "final_norm": "model.norm output (forward hook)"}
+
+    def n_layers(self) -> int:
+        return len(self.model.model.layers)
 
     def layer_states(self, token_ids: list[int], positions: list[int], layers: list[int]) -> dict[str, np.ndarray]:
         """Forward hooks on the decoder layers asked for and on the final norm (HF's own

@@ -106,6 +106,10 @@ class LlamaCppBackend(Backend):
         }
 
     gives_layers = True
+    layer_sources = {"layer": "l_out-{i}", "final_norm": "result_norm"}  # the graph's tensor names
+
+    def n_layers(self) -> int:
+        return int(self._lc.llama_model_n_layer(self.model))
 
     def layer_states(self, token_ids: list[int], positions: list[int], layers: list[int]) -> dict[str, np.ndarray]:
         """The graph's own l_out-N (after decoder layer N) and result_norm tensors, read through the

@@ -146,6 +146,10 @@ class MLXBackend(Backend):
         return qmm_probe(mx, dtype, bits)
 
     gives_layers = True
+    layer_sources = {"layer": "model.layers[{i}] output (tap)", "final_norm": "model.norm output (tap)"}
+
+    def n_layers(self) -> int:
+        return len(self.model.model.layers)
 
     def layer_states(self, token_ids: list[int], positions: list[int], layers: list[int]) -> dict[str, np.ndarray]:
         """The model's own forward with its decoder layers and final norm wrapped in taps (mlx-lm

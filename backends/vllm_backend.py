@@ -269,6 +269,11 @@ class VLLMBackend(Backend):
         return rows.numpy()
 
     gives_layers = True
+    # vLLM's decoder layers return (hidden, residual) with the add deferred: the state is their sum
+    layer_sources = {"layer": "model.layers.{i} hidden + residual (forward hook)", "final_norm": "model.norm output (forward hook)"}
+
+    def n_layers(self) -> int:
+        return int(self._llm.llm_engine.model_config.hf_config.num_hidden_layers)
 
     def layer_states(self, token_ids: list[int], positions: list[int], layers: list[int]) -> dict[str, np.ndarray]:
         import functools

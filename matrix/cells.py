@@ -27,6 +27,7 @@ def stack_desc(cell: Cell, model) -> StackDesc:
     return StackDesc(engine=cell.engine, dtype=cell.dtype, attention=cell.attention, device=cell.device,
                      tp=cell.tp, model=cell.model, cell_id=cell.cell_id, options=cell.options,
                      max_tokens=cell.max_tokens, weights_sha256=model.weights_sha256,
+                     layers=cell.layers if isinstance(cell.layers, tuple) else (),
                      source_gguf=model.gguf_path, source_quant=model.gguf_quant, build=cell.build,
                      calibration_text=_calibration_text(cell), **_artifact(cell, model))
 
@@ -128,7 +129,13 @@ def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: i
         key["positions"] = spec.positions.to_dict()
     if combo.get("max_tokens", spec.max_tokens):
         key["max_tokens"] = combo.get("max_tokens", spec.max_tokens)
+    if _layers(spec, combo) is not None:  # the cell records more: another capture
+        key["layers"] = _layers(spec, combo)
     return ids.cell_id(combo, key, replica)
+
+
+def _layers(spec: Spec, combo: dict):
+    return combo["layers"] if "layers" in combo else spec.layers
 
 
 def _add_candidates(spec: Spec, corpus_fp: str, seen: set) -> None:
@@ -159,7 +166,7 @@ def expand(spec: Spec) -> None:
                       if any(all(combo[k] == v for k, v in sel.items()) for sel in sels)), None)
         cell = Cell(**{k: combo[k] for k in names.CELL_AXES},
                     threads=combo.get("threads", spec.threads), cell_id=cid, stack_id=cid,
-                    max_tokens=combo.get("max_tokens", spec.max_tokens),
+                    max_tokens=combo.get("max_tokens", spec.max_tokens), layers=_layers(spec, combo),
                     options=tuple(opts.items()), centroid_group=group, calibration=combo.get("calibration"))
         reason = unsupported_reason(cell)
         if "_include" in combo and "attention" in spec.include[combo["_include"]]:
@@ -199,3 +206,25 @@ def expand(spec: Spec) -> None:
                 spec.reference_cells[model] = hits[0].cell_id
         if not spec.reference_cells:
             raise field_error(spec.path, "reference", "matches no cell of the sweep", spec.reference)
+        _reference_layers(spec, corpus_fp)
+
+
+def _reference_layers(spec: Spec, corpus_fp: str) -> None:
+    """A model's reference records every layer any of its cells asks for, so each has its yardstick;
+    the reference's id then says so (it is another capture than the plain reference's)."""
+    from matrix.spec import union_layers
+
+    for model, ref_id in list(spec.reference_cells.items()):
+        want = None
+        for c in spec.cells:
+            if c.model == model:
+                want = union_layers(want, c.layers)
+        ref = next(c for c in spec.cells if c.cell_id == ref_id)
+        if want == ref.layers:
+            continue
+        combo = {**ref.axes(), "threads": ref.threads, "max_tokens": ref.max_tokens, "layers": want}
+        for i, c in enumerate(spec.cells):  # the reference stack and its replicas
+            if ids.split_cell_id(c.stack_id)[0] == ref.stack_id:
+                cid = make_cell_id(spec, combo, ref.opts, corpus_fp, c.replica)
+                spec.cells[i] = dataclasses.replace(c, cell_id=cid, stack_id=cid, layers=want)
+        spec.reference_cells[model] = make_cell_id(spec, combo, ref.opts, corpus_fp)

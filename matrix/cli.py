@@ -237,6 +237,10 @@ def cmd_analyze(args) -> int:
     summary = analyze(args.warehouse, args.reference, centroid=args.centroid, log=log,
                       skip_damaged=args.skip_damaged, force=args.force, **kw)
     log(f"analyzed {summary['cells']} cell(s), {summary['metric_rows']} rows in {summary['seconds']}s")
+    if summary.get("layers"):
+        la = summary["layers"]
+        log(f"layer metrics: {la['cells']} cell(s), {la['rows']} layer rows ({la['reused']} up to date); "
+            "`matrix layers CELL` for the table and the first failing layer")
     if args.json:
         emit_json(summary)
     return 0
@@ -321,7 +325,7 @@ def cmd_status(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from matrix import cli_quant
+    from matrix import cli_layers, cli_quant
 
     p = argparse.ArgumentParser(prog="matrix", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -329,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_parsers(sub)
     _add_warehouse_parsers(sub)
     cli_quant.add_parsers(sub)
+    cli_layers.add_parser(sub)
     return p
 
 

@@ -64,7 +64,26 @@ def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
             if cell.artifact and cell.model == name:
                 candidates.check(candidates.resolve(cell, m), config, tok, vocab[name])
         calibration.check(spec, [c for c in spec.cells if c.model == name], prompts[name], tok)
+        resolve_layers(spec, name, _depth(config))
     return Plan(spec, models, prompts, special=special, vocab=vocab)
+
+
+def _depth(config) -> int:
+    cfg = getattr(config, "text_config", None) or config  # multimodal configs keep the LM's depth inside
+    return int(getattr(cfg, "num_hidden_layers", 0) or 0)
+
+
+def resolve_layers(spec: Spec, model: str, depth: int) -> None:
+    """`layers:` of the model's cells as indices: "all" becomes 0..depth-1, and an index past the
+    depth is exit 2 before anything runs (the cell would fail on its node otherwise)."""
+    for i, c in enumerate(spec.cells):
+        if c.model != model or c.layers is None:
+            continue
+        if c.layers == "all":
+            spec.cells[i] = dataclasses.replace(c, layers=tuple(range(depth)))
+        elif max(c.layers) >= depth:
+            raise UserError(f"{spec.path}: layers: layer {max(c.layers)} of cell {c.cell_id}: model {model} has "
+                            f"{depth} decoder layers (0..{depth - 1})")
 
 
 @dataclass(frozen=True)
@@ -123,6 +142,8 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
                 why = None if n == want else f"{n} rows, the cell has {want} per repeat"
             except Exception as e:  # a truncated or overwritten file: Parquet says why
                 why = "unreadable: " + first_line(str(e), type(e).__name__)
+        if why is None and cell.layers:
+            why = _layer_shard_problem(wh, cell, r, want)
         if why is None:
             done.add(r)
         elif resume.recapture_damaged:
@@ -132,6 +153,19 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
             raise UserError(f"{wh.shard_path(cell.cell_id, r)}: damaged ({why}); run `matrix verify`, or "
                             "`matrix run --recapture-damaged` to move it aside and capture it again")
     return done
+
+
+def _layer_shard_problem(wh: Warehouse, cell: Cell, repeat: int, want: int) -> str | None:
+    """A layers: cell's repeat is complete only with its layer_states shard (each layer and the
+    final norm at every sampled row)."""
+    rows = want * (len(cell.layers) + 1)
+    try:
+        n = wh.shard_rows(cell.cell_id, repeat, "layer_states")
+    except FileNotFoundError:
+        return "its layer_states shard is missing"
+    except Exception as e:
+        return "layer_states shard unreadable: " + first_line(str(e), type(e).__name__)
+    return None if n == rows else f"layer_states: {n} rows, the cell has {rows} per repeat"
 
 
 def find_todo(plan: Plan, wh: Warehouse, resume: Resume = Resume(), log: Callable[[str], None] = lambda m: None,

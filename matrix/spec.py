@@ -33,7 +33,7 @@ STORES = ("native", "bf16")
 REFERENCE_METRICS = ("analyze", "in_actor")
 TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
             "devices", "include", "exclude", "reference", "stride", "repeats",
-            "corpus", "bos", "threads", "positions", "store", "reference_metrics", "candidates", "options", "max_tokens", "centroid", "replicas", "retries",
+            "corpus", "bos", "threads", "positions", "store", "reference_metrics", "candidates", "options", "max_tokens", "layers", "centroid", "replicas", "retries",
             "load_timeout_s", "capture_timeout_s"}
 # none: no centroid and no pairwise tables (a job that asks only for KL against the reference)
 CENTROID_DEFINITIONS = ("mean_prob", "mean_logprob", "none")
@@ -50,7 +50,10 @@ OPTION_KEYS = {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": i
 # `calibration` describes the artefact (e.g. "imatrix from wiki.train, 512 chunks") for model
 # cards; like the centroid group it is not part of the cell id.
 # `replicas: N` runs the same stack on N distinct nodes of its device class (cross-host identity).
-CELL_EXTRA_KEYS = {"threads", "max_tokens", "calibration", "replicas"} | set(OPTION_KEYS)
+# `layers: [0, 1] | first-N | all`: the cell also records the residual stream after those decoder
+# layers and the final norm's output (a `layer_states` shard); resolved against the model's depth at
+# prepare (matrix/runner.py), where an index past it is exit 2
+CELL_EXTRA_KEYS = {"threads", "max_tokens", "layers", "calibration", "replicas"} | set(OPTION_KEYS)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class Spec:
     threads: int | None
     options: dict = field(default_factory=dict)
     max_tokens: int | None = None
+    layers: tuple | str | None = None  # parse_layers: None, "all" or sorted layer indices
     replicas: int = 1  # default copies of each stack, each on its own node
     retries: int = 2  # a cell whose actor or node died is started again up to this many times
     load_timeout_s: float = 3600.0  # from the actor's start: weights shipped, artifacts built, engine loaded
@@ -196,6 +200,8 @@ def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool)
             out[k] = _check_axis_value(path, f"{fld}.{k}", k, v, models)
         elif extra_ok and k in ("threads", "max_tokens"):
             out[k] = _check_threads(path, f"{fld}.{k}", v)
+        elif extra_ok and k == "layers":
+            out[k] = parse_layers(path, f"{fld}.{k}", v)
         elif extra_ok and k == "replicas":
             out[k] = _int(path, entry, k, 1, fld=f"{fld}.{k}")
         elif extra_ok and k == "calibration":
@@ -251,6 +257,29 @@ def _check_option(path: Path, fld: str, key: str, v: Any) -> Any:
     elif v not in kind:
         raise field_error(path, fld, f"expected one of {', '.join(kind)}", v)
     return v
+
+
+def parse_layers(path: Path, fld: str, v: Any) -> tuple | str | None:
+    """`layers:` [i, ...] | first-N | all  ->  sorted indices, or "all" (the depth is known at prepare)."""
+    if v is None:
+        return None
+    if v == "all":
+        return "all"
+    if isinstance(v, str):
+        m = re.fullmatch(r"first-([0-9]+)", v)
+        if not m or int(m.group(1)) < 1:
+            raise field_error(path, fld, "expected a list of layer indices, first-N or all", v)
+        return tuple(range(int(m.group(1))))
+    if not isinstance(v, list) or not v or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in v):
+        raise field_error(path, fld, "expected a non-empty list of layer indices (0-based), first-N or all", v)
+    return tuple(sorted(set(v)))
+
+
+def union_layers(a: tuple | str | None, b: tuple | str | None) -> tuple | str | None:
+    """What a reference records so that every cell of its model has its layers to compare with."""
+    if a is None or b is None:
+        return a if b is None else b
+    return "all" if "all" in (a, b) else tuple(sorted(set(a) | set(b)))
 
 
 def _check_threads(path: Path, fld: str, v: Any) -> int | None:
@@ -481,6 +510,7 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
                 repeats=_int(path, data, "repeats", 1), corpus=corpus, bos=bos,
                 threads=_check_threads(path, "threads", data.get("threads")), options=options,
                 max_tokens=_check_threads(path, "max_tokens", data.get("max_tokens")),
+                layers=parse_layers(path, "layers", data.get("layers")),
                 replicas=_int(path, data, "replicas", 1), retries=_retries(path, data),
                 load_timeout_s=_seconds(path, data, "load_timeout_s", 3600.0),
                 capture_timeout_s=_seconds(path, data, "capture_timeout_s", None), centroid=centroid, centroid_groups=groups, raw_text=text)

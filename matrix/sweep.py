@@ -72,6 +72,7 @@ class Live:
     repeats: list[int] = field(default_factory=list)  # captures not back yet, in queue order
     capture_limit_s: float = 0.0  # capture_timeout_s, or its default for this cell's tokens
     inline: dict = field(default_factory=dict)  # repeat -> metrics its actor measured (reference_metrics: in_actor)
+    layers: dict | None = None  # a layers: cell's capture manifest part (actors/capture.py)
 
 
 # Without capture_timeout_s: this long per token fed in one repeat, at least CAPTURE_FLOOR_S. Two
@@ -102,9 +103,18 @@ def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse, attempts: int =
         fingerprint=json.dumps(loaded.get("fingerprint"), sort_keys=True, default=str),
         versions=json.dumps(loaded["versions"], sort_keys=True), host=loaded["host"], node_id=loaded["node_id"],
         rows_via=loaded["rows_via"], model_via=loaded["model_via"], load_seconds=loaded["load_seconds"],
-        storage=json.dumps(storage_summary(live.storage), sort_keys=True),
+        storage=json.dumps(storage_summary(live.storage), sort_keys=True), layers=_layers_field(live),
         capture_seconds=live.capture_s, build_libraries=json.dumps(loaded["build_libraries"], sort_keys=True),
         attempts=attempts)
+
+
+def _layers_field(live: Live) -> str | None:
+    """cells.layers: what a layers: cell recorded: indices, depth, the engine's tensor names, rows."""
+    got = live.layers
+    if not got:
+        return None
+    return json.dumps({"layers": got["layers"], "depth": got["depth"], "rows_per_repeat": got["rows"],
+                       "sources": got.get("sources")}, sort_keys=True)
 
 
 def _candidate_facts(plan: Plan, cell: Cell) -> dict:
@@ -294,6 +304,8 @@ class Sweep:
             self.rows += result["rows"]
             live.capture_s += result["seconds"]
             live.storage.append(result["storage"])
+            if result.get("layers"):
+                live.layers = result["layers"]
             if result.get("metrics") is not None:
                 live.inline[call.repeat] = result["metrics"]
             live.left -= 1

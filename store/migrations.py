@@ -48,7 +48,14 @@ def m008_positions_and_storage(loc) -> None:
     which means the plain stride form and lossless native rows."""
 
 
+def m009_layer_states(loc) -> None:
+    """v9: tables layer_states (a `layers:` cell's hidden states) and layer_metrics (analyze);
+    cells.layers (what such a cell recorded; null for every older cell)."""
+    loc.mkdirs("layer_states")
+    loc.mkdirs("layer_metrics")
+
+
 # target version -> migration
 MIGRATIONS = {2: m002_tokenizer_parity, 3: m003_nonfinite_and_centroid_groups, 4: m004_rows_delivery,
               5: m005_builds_and_replicas, 6: m006_failed_cells, 7: m007_analysis_kernel_version,
-              8: m008_positions_and_storage}
+              8: m008_positions_and_storage, 9: m009_layer_states}

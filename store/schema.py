@@ -1,4 +1,4 @@
-"""Warehouse schema, version 8 (migrations from older versions: store/migrations.py).
+"""Warehouse schema, version 9 (migrations from older versions: store/migrations.py).
 
 Layout (one directory per table; readers glob ``*.parquet``; writers go
 through a hidden temp file and an atomic rename, so a killed run never leaves
@@ -14,6 +14,8 @@ a half-written file that a reader sees)::
     pairwise/<model>[.<group>].parquet  `matrix analyze`: every pair of stacks in a centroid group
     metrics_ranges/ranges.parquet       position buckets for the summary views
     logits/<cell_id>/r<repeat>.parquet  one shard per (cell, repeat), one row group per prompt
+    layer_states/<cell_id>/r<repeat>.parquet  v9: a `layers:` cell's hidden states, shard for shard with logits
+    layer_metrics/<cell_id>.parquet     v9 `matrix analyze`: each layer row vs the reference's same layer
 
 ``logits.logits`` holds the engine's native values widened exactly to float32
 (bf16 and f16 are subsets of fp32), so SQL sees real numbers for every stack;
@@ -24,7 +26,7 @@ for bf16 rows the two low byte streams are all zero and cost almost nothing.
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -83,6 +85,8 @@ CELLS = pa.schema([
     ("positions", pa.string()),
     # v8 JSON: how the rows are stored: {"store": "native"} (lossless) or {"store": "bf16", ...}
     ("storage", pa.string()),
+    # v9 JSON: a `layers:` cell's hidden states: {"layers": [i, ...], "depth", "rows_per_repeat", "sources"}
+    ("layers", pa.string()),
 ])
 
 PROMPTS = pa.schema([
@@ -146,6 +150,28 @@ PAIRWISE = pa.schema([
 ])
 METRICS_RANGES = pa.schema([("lo", pa.int32()), ("hi", pa.int32()), ("range", pa.string())])
 
+# v9: the residual stream after decoder layer `layer_index` (0-based) at a sampled position, as the
+# engine holds it (native dtype, widened exactly to float32 like logits); the final norm's output is
+# layer "final_norm" with layer_index = the model's depth. `source`: the engine's own name for the
+# tensor (llama.cpp l_out-N, an HF module path, ...). One row group per prompt: layer-major.
+LAYER_STATES = pa.schema([
+    ("run_id", pa.string()), ("cell_id", pa.string()), ("prompt_id", pa.string()),
+    ("position", pa.int32()), ("repeat", pa.int32()),
+    ("layer", pa.string()), ("layer_index", pa.int32()), ("source", pa.string()),
+    ("dtype", pa.string()), ("values", pa.list_(pa.float32())),  # (hidden,)
+    ("row_hash", pa.string()),  # sha256 of the native bytes, as logits.row_hash
+])
+# v9 `matrix analyze`: a layer row against the reference's same (prompt, position, layer), repeat 0;
+# seed 003's cosine and norm ratio gate it (`matrix layers`), the others are reported
+LAYER_METRICS = pa.schema([
+    ("cell_id", pa.string()), ("reference_cell_id", pa.string()), ("prompt_id", pa.string()),
+    ("position", pa.int32()), ("repeat", pa.int32()), ("layer", pa.string()), ("layer_index", pa.int32()),
+    ("cosine", F64), ("norm_ratio", F64),  # ||stack|| / ||ref||
+    ("rel_l2", F64), ("max_abs_diff", F64), ("allclose", pa.bool_()),  # atol = rtol = 2e-2, reported only
+    ("kernel_version", pa.string()),
+])
+
 TABLES = {"runs": RUNS, "cells": CELLS, "prompts": PROMPTS, "logits": LOGITS,
           "tokenizer_parity": TOKENIZER_PARITY, "metrics": METRICS, "centroid_metrics": CENTROID_METRICS,
-          "pairwise": PAIRWISE, "metrics_ranges": METRICS_RANGES}
+          "pairwise": PAIRWISE, "metrics_ranges": METRICS_RANGES,
+          "layer_states": LAYER_STATES, "layer_metrics": LAYER_METRICS}

@@ -252,29 +252,31 @@ class Warehouse:
         return self.loc.exists(f"{table}/{name}.parquet")
 
     # -- logits shards --------------------------------------------------------------
+    # table: "logits", or "layer_states" (a `layers:` cell's second shard of each repeat)
     @staticmethod
-    def shard_key(cell_id: str, repeat: int) -> str:
-        return f"logits/{cell_id}/r{repeat}.parquet"
+    def shard_key(cell_id: str, repeat: int, table: str = "logits") -> str:
+        return f"{table}/{cell_id}/r{repeat}.parquet"
 
-    def shard_path(self, cell_id: str, repeat: int) -> str:
-        return self.loc.path(self.shard_key(cell_id, repeat))
+    def shard_path(self, cell_id: str, repeat: int, table: str = "logits") -> str:
+        return self.loc.path(self.shard_key(cell_id, repeat, table))
 
-    def completed_repeats(self, cell_id: str) -> set[int]:
-        return {int(Path(k).stem[1:]) for k in self.loc.list(f"logits/{cell_id}/") if Path(k).name.startswith("r")}
+    def completed_repeats(self, cell_id: str, table: str = "logits") -> set[int]:
+        return {int(Path(k).stem[1:]) for k in self.loc.list(f"{table}/{cell_id}/") if Path(k).name.startswith("r")}
 
-    def read_shard(self, cell_id: str, repeat: int, columns: list[str] | None = None) -> pa.Table:
+    def read_shard(self, cell_id: str, repeat: int, columns: list[str] | None = None,
+                   table: str = "logits") -> pa.Table:
         """One (cell, repeat) shard, or just the named columns (every reader of a shard comes here)."""
-        return pq.read_table(self.shard_path(cell_id, repeat), columns=columns, filesystem=self.loc.fs,
+        return pq.read_table(self.shard_path(cell_id, repeat, table), columns=columns, filesystem=self.loc.fs,
                              page_checksum_verification=True)
 
-    def move_aside(self, cell_id: str, repeat: int, aside: str) -> str:
+    def move_aside(self, cell_id: str, repeat: int, aside: str, table: str = "logits") -> str:
         """Move a damaged shard to <aside>/logits/... (kept for inspection; readers no longer see it)."""
-        key = self.shard_key(cell_id, repeat)
+        key = self.shard_key(cell_id, repeat, table)
         self.loc.move(key, f"{aside}/{key}")
         return self.loc.path(f"{aside}/{key}")
 
-    def shard_rows(self, cell_id: str, repeat: int) -> int:
-        return pq.read_metadata(self.shard_path(cell_id, repeat), filesystem=self.loc.fs).num_rows
+    def shard_rows(self, cell_id: str, repeat: int, table: str = "logits") -> int:
+        return pq.read_metadata(self.shard_path(cell_id, repeat, table), filesystem=self.loc.fs).num_rows
 
     def shard_hashes(self, cell_id: str, repeat: int) -> dict[tuple[str, int], str]:
         return row_hashes(self.read_shard(cell_id, repeat, ["prompt_id", "position", "row_hash"]))
@@ -307,7 +309,11 @@ def rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, positions
     }, schema=LOGITS)
 
 
-def _writer(where) -> pq.ParquetWriter:
+def _writer(where, table: str = "logits") -> pq.ParquetWriter:
+    if table == "layer_states":
+        from store.layer_states import layer_writer
+
+        return layer_writer(where)
     return pq.ParquetWriter(
         where, LOGITS, compression="zstd", compression_level=ZSTD_LEVEL,
         use_dictionary=["run_id", "cell_id", "prompt_id", "logits_dtype"],
@@ -315,11 +321,11 @@ def _writer(where) -> pq.ParquetWriter:
         write_page_checksum=True)  # a flipped byte fails its page's CRC on read (store/verify.py)
 
 
-def encode_rows(rows: pa.Table) -> bytes:
+def encode_rows(rows: pa.Table, table: str = "logits") -> bytes:
     """One row group as the bytes of a small Parquet file, encoded as a shard encodes it
     (what a node that cannot reach the warehouse sends to the driver)."""
     sink = pa.BufferOutputStream()
-    w = _writer(sink)
+    w = _writer(sink, table)
     w.write_table(rows)
     w.close()
     return sink.getvalue().to_pybytes()
@@ -335,16 +341,21 @@ def native_rows(rows: pa.Table) -> np.ndarray:
     return narrow_bf16(values) if kind == "bf16" else values.astype(np.float16) if kind == "f16" else values
 
 
-def decode_rows(data: bytes, run_id: str, cell_id: str, repeat: int) -> pa.Table:
+def decode_rows(data: bytes, run_id: str, cell_id: str, repeat: int, table: str = "logits") -> pa.Table:
     """encode_rows' bytes back to a table, refused unless every row is this shard's and every
     row_hash matches its values (the bytes crossed a network)."""
     rows = pq.read_table(pa.BufferReader(data))
-    if rows.schema != LOGITS:
-        raise ValueError(f"rows for {cell_id} r{repeat}: not the logits schema")
+    if rows.schema != TABLES[table]:
+        raise ValueError(f"rows for {cell_id} r{repeat}: not the {table} schema")
     for col, want in (("run_id", run_id), ("cell_id", cell_id), ("repeat", repeat)):
         got = set(rows.column(col).to_pylist())
         if got - {want}:
             raise ValueError(f"rows for {cell_id} r{repeat}: {col} {sorted(got - {want})[0]!r}, expected {want!r}")
+    if table == "layer_states":
+        from store.layer_states import check_rows
+
+        check_rows(rows, f"rows for {cell_id} r{repeat}")
+        return rows
     native = native_rows(rows)
     for i, h in enumerate(rows.column("row_hash").to_pylist()):
         if row_hash(native[i]) != h:
@@ -355,20 +366,29 @@ def decode_rows(data: bytes, run_id: str, cell_id: str, repeat: int) -> pa.Table
 class ShardWriter:
     """Streams one (cell, repeat) shard, a row group per prompt; visible only after commit()."""
 
-    def __init__(self, warehouse: str | os.PathLike, run_id: str, cell_id: str, repeat: int):
+    def __init__(self, warehouse: str | os.PathLike, run_id: str, cell_id: str, repeat: int, table: str = "logits"):
         loc = open_location(warehouse)
-        self.stage = loc.stage(Warehouse.shard_key(cell_id, repeat))
-        self.path = loc.path(Warehouse.shard_key(cell_id, repeat))  # named by a write that fails
+        self.table = table
+        self.stage = loc.stage(Warehouse.shard_key(cell_id, repeat, table))
+        self.path = loc.path(Warehouse.shard_key(cell_id, repeat, table))  # named by a write that fails
         self.run_id, self.cell_id, self.repeat = run_id, cell_id, repeat
         self.rows = 0
         with named_io_errors(self.path):
-            self._writer = _writer(self.stage.tmp)
+            self._writer = _writer(self.stage.tmp, table)
 
     def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
             native: np.ndarray, shift: np.ndarray | None = None) -> None:
         """native: (rows, vocab) as returned by a backend (or as stored, with each row's shift)."""
         self.add_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native,
                                  shift))
+
+    def add_layers(self, prompt_id: str, positions: list[int], states: dict[str, np.ndarray], depth: int,
+                   sources: dict[str, str]) -> None:
+        """A layer_states shard: one prompt's {state: (rows, hidden)} (store/layer_states.py)."""
+        from store.layer_states import layer_rows_table
+
+        self.add_rows(layer_rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, states,
+                                       depth, sources))
 
     def add_rows(self, rows: pa.Table) -> None:
         with named_io_errors(self.path):
@@ -377,14 +397,14 @@ class ShardWriter:
 
     def add_encoded(self, data: bytes) -> int:
         """A row group another node encoded (encode_rows); checked before it is written."""
-        self.add_rows(decode_rows(data, self.run_id, self.cell_id, self.repeat))
+        self.add_rows(decode_rows(data, self.run_id, self.cell_id, self.repeat, self.table))
         return self.rows
 
     def commit(self) -> str:
         with named_io_errors(self.path):
             self._writer.close()
             self.stage.commit()
-        return Warehouse.shard_key(self.cell_id, self.repeat)
+        return Warehouse.shard_key(self.cell_id, self.repeat, self.table)
 
     def abort(self) -> None:
         try:
