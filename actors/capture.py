@@ -72,13 +72,15 @@ def storage_summary(parts: list[dict]) -> dict[str, Any]:
 
 def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]], keep: Positions | int,
                   max_tokens: int | None = None, store: str = "native", observe=None,
-                  layers_writer=None) -> dict[str, Any]:
+                  layers_writer=None, decode_writer=None) -> dict[str, Any]:
     """Every prompt's rows into writer (a ShardWriter, or a RemoteShard on a node that cannot
     see the warehouse), committed at the end; returns a small manifest (no arrays).
 
     layers_writer: the same kind of writer for the layer_states table; each prompt's hidden states
-    at the same positions (backend.stack.layers and the final norm) go there, from a prefill of
-    their own. It commits first: a logits shard then never exists without its layer shard.
+    at the same positions (backend.stack.layers and the final norm) go there, from the same
+    forward (Extras). It commits first: a logits shard then never exists without its layer shard.
+    decode_writer: a `decode:` cell's d<repeat> file (rows written as they are, lossless): at each
+    position the cell decodes, the decode row and the prefill row of the capture's own forward.
 
     max_tokens: keep only the sampled positions below it and feed just the prefix they
     need; logits at p depend on ids[0..p] only, so those rows mean what the full run's do.
@@ -86,10 +88,7 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
     t0 = time.perf_counter()
     forward_s = 0.0
     storage = Storage(store)
-    layers = list(backend.stack.layers) if layers_writer is not None else []
-    depth = backend.n_layers() if layers else 0
-    sources = backend.state_sources(layers) if layers else {}
-    layer_s = 0.0
+    extras = Extras(backend, layers_writer, decode_writer)
     try:
         dtype = None
         for prompt_id, ids in prompts:
@@ -99,31 +98,90 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
             # Row p holds the prediction for ids[p + 1] of the whole prompt (a window or a prefix
             # feeds less); only the prompt's last row has no next token.
             next_ids = [ids[p + 1] if p + 1 < len(ids) else None for p in positions]
-            ids = fed
             tf = time.perf_counter()
-            native = backend.forward(ids, positions)  # (rows, vocab), native dtype
+            native = extras.forward(prompt_id, ids, fed, positions)  # (rows, vocab), native dtype
             forward_s += time.perf_counter() - tf
             dtype = str(native.dtype)
             stored, shift = storage.keep(native)
             writer.add(prompt_id, positions, next_ids, stored, shift)
             if observe is not None:
                 observe(prompt_id, positions, stored, shift)
-            if layers:
-                tl = time.perf_counter()
-                layers_writer.add_layers(prompt_id, positions, backend.layer_states(ids, positions, layers),
-                                         depth, sources)
-                layer_s += time.perf_counter() - tl
-        if layers:
-            layers_writer.commit()
+        extras.commit()
         path = writer.commit()
     except BaseException:
         writer.abort()
-        if layers:
-            layers_writer.abort()
+        extras.abort()
         raise
-    out = {"path": str(path), "rows": writer.rows, "seconds": time.perf_counter() - t0,
-           "forward_seconds": forward_s, "array_dtype": dtype, "storage": storage.summary()}
-    if layers:
-        out["layers"] = {"rows": layers_writer.rows, "seconds": layer_s, "depth": depth, "layers": layers,
-                         "sources": sources}
-    return out
+    return {"path": str(path), "rows": writer.rows, "seconds": time.perf_counter() - t0,
+            "forward_seconds": forward_s, "array_dtype": dtype, "storage": storage.summary(), **extras.summary()}
+
+
+class Extras:
+    """What a cell records beside its rows (issue 17): `layers:` hidden states and `decode:` rows.
+
+    The prompt's one forward also keeps the rows at every decoded position and, through the
+    engine's taps, the hidden states at the sampled ones (forward_and_layers: the same arithmetic
+    as the rows). Then, from each decode start, the engine decodes one teacher-forced token at a
+    time from its KV cache; the decode rows and the prefill rows they match go to the d file."""
+
+    def __init__(self, backend: Backend, layers_writer, decode_writer):
+        self.backend, self.lw, self.dw = backend, layers_writer, decode_writer
+        self.layers = list(backend.stack.layers) if layers_writer is not None else []
+        self.depth = backend.n_layers() if self.layers else 0
+        self.sources = backend.state_sources(self.layers) if self.layers else {}
+        self.decode = backend.stack.decode if decode_writer is not None else None
+        self.rows, self.seconds, self.identical, self.max_abs = 0, 0.0, 0, 0.0
+
+    def forward(self, prompt_id: str, whole: list[int], fed: list[int], positions: list[int]) -> np.ndarray:
+        if not self.layers and not self.decode:
+            return self.backend.forward(fed, positions)
+        points = [(a, s) for a in self.decode[1] for s in range(1, self.decode[0] + 1)] if self.decode else []
+        want = sorted({a + s for a, s in points} | set(positions))  # (start, step): start-major
+        if want[-1] >= len(fed):
+            fed = whole[:want[-1] + 1]
+        if self.layers:
+            rows, states = self.backend.forward_and_layers(fed, want, self.layers)  # (rows, vocab), {state: (rows, hidden)}
+        else:
+            rows, states = self.backend.forward(fed, want), None
+        at = {p: i for i, p in enumerate(want)}
+        keep = [at[p] for p in positions]
+        if states is not None:
+            self.lw.add_layers(prompt_id, positions, {k: v[keep] for k, v in states.items()}, self.depth, self.sources)
+        if points:
+            self._decode(prompt_id, whole, points, rows[[at[a + s] for a, s in points]])
+        return rows[keep]
+
+    def _decode(self, prompt_id: str, whole: list[int], points: list, prefill: np.ndarray) -> None:
+        steps, starts = self.decode
+        t0 = time.perf_counter()
+        decoded = np.concatenate([self.backend.decode(whole, a, steps) for a in starts])  # (points, vocab)
+        self.seconds += time.perf_counter() - t0
+        q = [a + s for a, s in points]
+        nxt = [whole[p + 1] if p + 1 < len(whole) else None for p in q]
+        self.dw.add(prompt_id, q + q, nxt + nxt, np.concatenate([prefill, decoded.astype(prefill.dtype)]),
+                    None, ["prefill"] * len(q) + ["decode"] * len(q), [s for _, s in points] * 2)
+        self.rows += 2 * len(q)
+        n = len(q)
+        same = (prefill.view(np.uint8).reshape(n, -1) == decoded.view(np.uint8).reshape(n, -1)).all(-1)
+        self.identical += int(same.sum())
+        self.max_abs = max(self.max_abs, float(np.abs(widen(prefill) - widen(decoded)).max(initial=0.0)))
+
+    def commit(self) -> None:  # before the logits shard: a logits shard never exists without these
+        for w in (self.lw if self.layers else None, self.dw if self.decode else None):
+            if w is not None:
+                w.commit()
+
+    def abort(self) -> None:
+        for w in (self.lw if self.layers else None, self.dw if self.decode else None):
+            if w is not None:
+                w.abort()
+
+    def summary(self) -> dict[str, Any]:
+        out = {}
+        if self.layers:
+            out["layers"] = {"rows": self.lw.rows, "depth": self.depth, "layers": self.layers, "sources": self.sources}
+        if self.decode:
+            out["decode"] = {"steps": self.decode[0], "at": list(self.decode[1]), "rows": self.rows,
+                             "seconds": self.seconds, "identical_rows": self.identical,
+                             "max_abs_diff_vs_prefill": self.max_abs}
+        return out

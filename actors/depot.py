@@ -96,7 +96,8 @@ class RemoteShard:
         ray.get(depot.begin.remote(run_id, cell_id, repeat, table))
 
     def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
-            native: np.ndarray, shift: np.ndarray | None = None) -> None:
+            native: np.ndarray, shift: np.ndarray | None = None, path: list[str] | None = None,
+            step: list[int] | None = None) -> None:
         """native: (rows, vocab). Sent in chunks of at most MESSAGE_BYTES of values, so this node
         encodes the next chunk while the depot writes the last (two cores at work, not one), and
         a long prompt never has to fit in one message."""
@@ -106,7 +107,9 @@ class RemoteShard:
             hi = lo + step
             data = encode_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions[lo:hi],
                                           next_ids[lo:hi], native[lo:hi],
-                                          None if shift is None else shift[lo:hi]))
+                                          None if shift is None else shift[lo:hi],
+                                          None if path is None else path[lo:hi],
+                                          None if step is None else step[lo:hi]))
             self._send(data)
         self.rows += native.shape[0]
 

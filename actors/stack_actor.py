@@ -163,19 +163,20 @@ class StackActor:
                         self.backend.layer_states(fed, positions, list(self.stack.layers))
             return {"rows": 0, "rank": self.rank}
         cid = self.stack.cell_id
-        writer, layers_writer = (self._writer(run_id, repeat, t) for t in ("logits", "layer_states"))
+        writer, layers_writer, decode_writer = (self._writer(run_id, repeat, t) for t in ("logits", "layer_states",
+                                                                                        "decode"))
         metrics = self._metrics(metrics_ref, repeat)
         out = capture_shard(self.backend, writer, prompts, keep, self.stack.max_tokens, store,
-                            None if metrics is None else metrics.observe, layers_writer)
+                            None if metrics is None else metrics.observe, layers_writer, decode_writer)
         return {**out, "cell_id": cid, "repeat": repeat, "rows_via": "node" if self.direct else "driver",
-                "bytes_sent": 0 if self.direct else writer.bytes + (layers_writer.bytes if layers_writer else 0),
+                "bytes_sent": 0 if self.direct else sum(w.bytes for w in (writer, layers_writer, decode_writer) if w),
                 "metrics": None if metrics is None else metrics.outcome()}
 
     def _writer(self, run_id: str, repeat: int, table: str):
         """Where a shard of this capture goes; None for layer_states when the cell asks for no layers."""
         from actors.depot import RemoteShard
 
-        if table == "layer_states" and not self.stack.layers:
+        if (table == "layer_states" and not self.stack.layers) or (table == "decode" and not self.stack.decode):
             return None
         cid = self.stack.cell_id
         return (ShardWriter(self.delivery.warehouse, run_id, cid, repeat, table) if self.direct

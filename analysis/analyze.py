@@ -320,13 +320,24 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
     with _heartbeat(progress, lambda: f"{finished[0]}/{len(todo)} unit(s)", log):
         run_units(wh.where, tasks, skip_damaged, record)
     _write_ranges(wh, ranges)
-    if any(c.get("layers") for c in done):
-        from analysis.layer_analysis import analyze_layers
-
-        summary["layers"] = analyze_layers(wh, done, reference, force, log)
+    summary.update(_depth_tables(wh, done, reference, force, log))
     summary["computed"] = {"cells": sum(u.kind == "cell" for u in todo), "groups": sum(u.kind == "group" for u in todo)}
     summary["seconds"] = round(time.perf_counter() - progress.t0, 2)
     return summary
+
+
+def _depth_tables(wh: Warehouse, done: list[dict], reference, force: bool, log) -> dict:
+    """layer_metrics and decode_metrics (issue 17), for the cells that recorded layers or decode rows."""
+    out = {}
+    if any(c.get("layers") for c in done):
+        from analysis.layer_analysis import analyze_layers
+
+        out["layers"] = analyze_layers(wh, done, reference, force, log)
+    if any(c.get("decode") for c in done):
+        from analysis.decode_analysis import analyze_decode
+
+        out["decode"] = analyze_decode(wh, done, force, log)
+    return out
 
 
 @contextmanager

@@ -219,7 +219,43 @@ def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False) ->
                         "where it is declarable (`calibration:` in an include entry), or pass --allow-undisclosed")
     _fill(disclosure)
     return {"cell_id": cell_id, "reference_cell_id": ref["cell_id"], "model": cell["model"],
-            "numbers": numbers, "ranges": ranges, "disclosure": disclosure, "undisclosed": missing}
+            "numbers": numbers, "ranges": ranges, "disclosure": disclosure, "undisclosed": missing,
+            "layers": _layers(warehouse, cell), "decode": _decode(warehouse, cell)}
+
+
+def _decode(warehouse: str, cell: dict) -> dict | None:
+    """A decode: cell's decode rows against its prefill rows and the reference (null without)."""
+    if not cell.get("decode"):
+        return None
+    con = connect(warehouse)
+    try:
+        rows = {r["path"]: r for r in _rows(con, "SELECT * FROM summary_by_path WHERE cell_id = ?", [cell["cell_id"]])}
+    finally:
+        con.close()
+    rec, d, p = _json(cell["decode"]), rows.get("decode") or {}, rows.get("prefill") or {}
+    return {"steps": rec.get("steps"), "at": rec.get("at"), "rows": d.get("rows"),
+            "method": "teacher-forced from the KV cache of a prefill up to each start, batch 1, n_tokens = 1",
+            "kld_decode_mean": d.get("kld_mean"), "kld_prefill_mean": p.get("kld_mean"),
+            "top1_agreement_decode": d.get("top1_agreement"),
+            "kld_prefill_vs_decode_mean": d.get("kld_vs_prefill_mean"),
+            "max_abs_diff_vs_prefill": d.get("max_abs_diff_vs_prefill"),
+            "bit_identical_share": d.get("identical_share")}
+
+
+def _layers(warehouse: str, cell: dict) -> dict | None:
+    """A layers: cell's per-layer agreement with its reference (null for a cell without layers)."""
+    if not cell.get("layers"):
+        return None
+    con = connect(warehouse)
+    try:
+        rows = _rows(con, """SELECT layer, layer_index, rows, cosine_min, cosine_mean, norm_ratio_dev_max, rel_l2_max
+                             FROM layer_summary WHERE cell_id = ? ORDER BY layer_index""", [cell["cell_id"]])
+    finally:
+        con.close()
+    recorded = _json(cell["layers"])
+    return {"recorded": recorded.get("layers"), "depth": recorded.get("depth"), "sources": recorded.get("sources"),
+            "comparison": "each state vs the reference's same (prompt, position, layer), repeat 0; float64",
+            "by_layer": rows}
 
 
 def _unknown(d: Any, prefix: str = "") -> list[str]:
@@ -270,6 +306,21 @@ def markdown(card: dict) -> str:
                 out.append(f"| {k}.{kk} | {_g(vv).replace('|', '/')} |")
         else:
             out.append(f"| {k} | {_g(v).replace('|', '/')} |")
+    if card.get("layers"):
+        lay = card["layers"]
+        out += ["", f"Per-layer agreement with the reference (layers {lay['recorded']} of {lay['depth']}, "
+                    "and the final norm's output):", "",
+                "| state | rows | cosine min | cosine mean | max abs(norm ratio - 1) | max rel L2 |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {r['layer']} | {r['rows']} | {r['cosine_min']:.6f} | {r['cosine_mean']:.6f} | "
+                f"{r['norm_ratio_dev_max']:.3g} | {r['rel_l2_max']:.3g} |" for r in lay["by_layer"]]
+    if card.get("decode") and card["decode"]["rows"]:
+        d = card["decode"]
+        out += ["", f"Decode path ({d['steps']} steps from positions {d['at']}, {d['rows']} rows; {d['method']}):", "",
+                "| path | mean KLD vs reference |", "|---|---|",
+                f"| prefill | {_g(d['kld_prefill_mean'])} |", f"| decode | {_g(d['kld_decode_mean'])} |", "",
+                f"Decode vs the same cell's prefill: mean KL {_g(d['kld_prefill_vs_decode_mean'])}, max abs diff "
+                f"{_g(d['max_abs_diff_vs_prefill'])}, bit-identical rows {_g(d['bit_identical_share'])}."]
     if card["undisclosed"]:
         out += ["", f"Undisclosed: {', '.join(card['undisclosed'])}."]
     return "\n".join(out) + "\n"

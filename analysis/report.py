@@ -10,11 +10,10 @@ import json
 import math
 from pathlib import Path
 
+from analysis.report_layers import PALETTE, decode_section, layers_section
 from analysis.sql import connect
 from common.output import table
 
-PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-           "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173"]
 
 
 def gather(warehouse: str) -> dict:
@@ -35,9 +34,13 @@ def gather(warehouse: str) -> dict:
         pairs = rows("SELECT cell_a, cell_b, mean_js, top1_agreement FROM pairwise")
         ranges = rows("""SELECT cell_id, range, lo, rows, kld_mean, kld_p99, top1_agreement FROM summary_by_range
                          WHERE category IS NULL ORDER BY cell_id, lo""")
+        layers = rows("""SELECT cell_id, layer, layer_index, rows, cosine_min, cosine_mean, norm_ratio_dev_max
+                         FROM layer_summary ORDER BY cell_id, layer_index""")
+        paths = rows("""SELECT cell_id, path, rows, kld_mean, kld_vs_prefill_mean, max_abs_diff_vs_prefill,
+                                identical_share FROM summary_by_path ORDER BY cell_id, path""")
     finally:
         con.close()
-    return {"cells": cells, "curves": curves, "pairs": pairs, "ranges": ranges}
+    return {"cells": cells, "curves": curves, "pairs": pairs, "ranges": ranges, "layers": layers, "paths": paths}
 
 
 def _fmt(v, digits=4):
@@ -155,6 +158,8 @@ the centroid is the normalised mean of the stacks' probabilities at each row.</p
 <h2>Top-1 agreement with the reference</h2>{svg_bars([(c["cell_id"], c["top1_agreement"]) for c in cells], "top1")}
 <h2>Distance to the centroid (KL(centroid &#8214; stack))</h2>
 {svg_bars([(c["cell_id"], c["kld_centroid_stack"]) for c in cells], "centroid")}
+{layers_section(data.get("layers") or [])}
+{decode_section(data.get("paths") or [])}
 <script type="application/json" id="data">{html.escape(json.dumps(data, default=str))}</script>
 </body></html>"""
     path = out_dir / "report.html"

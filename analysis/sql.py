@@ -185,6 +185,21 @@ VIEWS = {
         FROM layer_metrics m JOIN cells c USING (cell_id)
         WHERE m.repeat = 0
         GROUP BY ALL""",
+    # The decode path (issue 17): per cell and path, the rows at the positions a `decode:` cell
+    # decoded. 'prefill': the cell's own prefill rows there vs the reference's; 'decode': its decode
+    # rows vs the reference's prefill rows, with prefill/decode consistency (the same cell's two rows).
+    "summary_by_path": """
+        SELECT c.model, d.cell_id, c.engine, c.dtype, d.reference_cell_id, p.path, count(*) AS rows,
+               CASE p.path WHEN 'decode' THEN avg(d.kld) ELSE avg(d.kld_prefill) END AS kld_mean,
+               CASE p.path WHEN 'decode' THEN max(d.kld) ELSE max(d.kld_prefill) END AS kld_max,
+               CASE p.path WHEN 'decode' THEN avg(d.top1_match::INT) END AS top1_agreement,
+               CASE p.path WHEN 'decode' THEN avg(d.kld_vs_prefill) END AS kld_vs_prefill_mean,
+               CASE p.path WHEN 'decode' THEN max(d.max_abs_diff_vs_prefill) END AS max_abs_diff_vs_prefill,
+               CASE p.path WHEN 'decode' THEN avg(d.identical_to_prefill::INT) END AS identical_share,
+               CASE p.path WHEN 'decode' THEN avg(d.top1_match_prefill::INT) END AS top1_agreement_prefill
+        FROM decode_metrics d JOIN cells c USING (cell_id) CROSS JOIN (VALUES ('prefill'), ('decode')) p(path)
+        WHERE d.repeat = 0
+        GROUP BY c.model, d.cell_id, c.engine, c.dtype, d.reference_cell_id, p.path""",
     # Byte identity of one stack across hosts (replicas) and engine builds: every pair of its
     # captured cells, compared row by row on the row hashes of repeat 0 (no logits are read).
     "stack_identity": """
@@ -192,7 +207,7 @@ VIEWS = {
                                                                      '\\.r[0-9]+$', '')) AS stack_id,
                           coalesce(replica, 0) AS replica, build, host, node_id
                    FROM cells WHERE status = 'done'),
-        h AS (SELECT cell_id, prompt_id, position, row_hash FROM logits WHERE repeat = 0)
+        h AS (SELECT cell_id, prompt_id, position, row_hash FROM logits WHERE repeat = 0 AND path IS NULL)
         SELECT a.stack_id, a.cell_id AS cell_a, b.cell_id AS cell_b, a.host AS host_a, b.host AS host_b,
                a.node_id AS node_a, b.node_id AS node_b, a.build AS build_a, b.build AS build_b,
                a.replica AS replica_a, b.replica AS replica_b, count(*) AS rows,

@@ -98,6 +98,10 @@ class Backend:
             return f"engine {cls.engine} supports tp up to {cls.max_tp} in this version (asked tp={cell.tp})"
         if getattr(cell, "layers", None) and not cls.gives_layers:
             return f"engine {cls.engine} cannot give per-layer states (the cell asks for layers)"
+        if getattr(cell, "decode", None) and not cls.gives_decode:
+            return f"engine {cls.engine} cannot run the decode path here (the cell asks for decode rows)"
+        if getattr(cell, "decode", None) and cell.tp > 1:  # the other ranks would have to join each step
+            return "decode rows are recorded at tp 1 only in this version"
         return None
 
     def checkpoint_candidate(self) -> dict[str, Any]:
@@ -131,6 +135,21 @@ class Backend:
         """{"layer.N": (rows, hidden) after decoder layer N (0-based), "final_norm": (rows, hidden)}
         at `positions`, native dtype, from one prefill of token_ids."""
         raise SkipCell(f"engine {self.engine} cannot give per-layer states")
+
+    # The decode path (issue 17 item 3, seed 000's KV-cache batch mismatch): from a cached prefill,
+    # teacher-forced one token at a time (batch 1, n_tokens = 1). Engines that can override decode().
+    gives_decode: ClassVar[bool] = False
+
+    def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
+        """Prefill token_ids[:at + 1] into a fresh KV cache, then feed token_ids[at + s] alone for
+        s = 1..steps: (steps, vocab) logits, row s - 1 at position at + s, native dtype as forward()."""
+        raise SkipCell(f"engine {self.engine} cannot run the decode path")
+
+    def forward_and_layers(self, token_ids: list[int], positions: list[int],
+                           layers: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """forward() and layer_states() of one prefill; engines whose taps do not change the
+        arithmetic give both from one forward (this default runs two)."""
+        return self.forward(token_ids, positions), self.layer_states(token_ids, positions, layers)
 
     def n_layers(self) -> int:
         """The model's decoder layers, as the engine runs it (a layers: cell's final norm comes after)."""

@@ -162,6 +162,26 @@ class HFBackend(Backend):
             return logits.view(torch.int16).numpy().view(np.uint16)  # raw bf16 bits
         return logits.numpy()
 
+    gives_decode = True
+
+    def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
+        """transformers' own KV cache (DynamicCache): the prefill, then one token per call."""
+        torch = self._torch
+        dev = self.torch_device
+        rows = []
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([token_ids[:at + 1]], device=dev), use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            for s in range(1, steps + 1):
+                out = self.model(input_ids=torch.tensor([[token_ids[at + s]]], device=dev), past_key_values=cache,
+                                 use_cache=True)
+                cache = out.past_key_values
+                rows.append(out.logits[0, -1].detach().to("cpu"))  # (vocab,), native dtype
+        logits = torch.stack(rows)  # (steps, vocab)
+        if logits.dtype == torch.bfloat16:
+            return logits.view(torch.int16).numpy().view(np.uint16)
+        return logits.numpy()
+
     gives_layers = True
     layer_sources = {"layer": "model.layers.{i} output (forward hook)", "final_norm": "model.norm output (forward hook)"}
 
@@ -169,8 +189,13 @@ class HFBackend(Backend):
         return len(self.model.model.layers)
 
     def layer_states(self, token_ids: list[int], positions: list[int], layers: list[int]) -> dict[str, np.ndarray]:
-        """Forward hooks on the decoder layers asked for and on the final norm (HF's own
-        output_hidden_states would give the last layer after the norm, not before it)."""
+        return self.forward_and_layers(token_ids, positions, layers)[1]
+
+    def forward_and_layers(self, token_ids: list[int], positions: list[int],
+                           layers: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """forward() with forward hooks on the decoder layers asked for and on the final norm (HF's
+        own output_hidden_states would give the last layer after the norm, not before it); the
+        hooks only copy rows out, so the logits are forward()'s."""
         torch = self._torch
         keep = torch.tensor(positions, dtype=torch.long, device=self.torch_device)  # (rows,)
         got: dict[str, Any] = {}
@@ -185,15 +210,13 @@ class HFBackend(Backend):
         check_layers(layers, len(stack.layers))
         handles = [stack.layers[i].register_forward_hook(hook(f"layer.{i}")) for i in layers]
         handles.append(stack.norm.register_forward_hook(hook("final_norm")))
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.torch_device)
         try:
-            with torch.inference_mode():
-                self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
+            logits = self.forward(token_ids, positions)
         finally:
             for h in handles:
                 h.remove()
-        return {k: (v.view(torch.int16).numpy().view(np.uint16) if v.dtype == torch.bfloat16 else v.numpy())
-                for k, v in got.items()}
+        return logits, {k: (v.view(torch.int16).numpy().view(np.uint16) if v.dtype == torch.bfloat16 else v.numpy())
+                        for k, v in got.items()}
 
     def _tok(self):
         if getattr(self, "_tokenizer", None) is None:

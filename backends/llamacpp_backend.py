@@ -114,20 +114,25 @@ class LlamaCppBackend(Backend):
     def layer_states(self, token_ids: list[int], positions: list[int], layers: list[int]) -> dict[str, np.ndarray]:
         """The graph's own l_out-N (after decoder layer N) and result_norm tensors, read through the
         eval callback in the same prefill forward() runs (same batch and ubatch split)."""
+        return self.forward_and_layers(token_ids, positions, layers)[1]
+
+    def forward_and_layers(self, token_ids: list[int], positions: list[int],
+                           layers: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """One prefill: reading the taps leaves the logits bit for bit (tests/test_layer_states.py)."""
         from backends.llama_binding import LayerTaps
 
         n_layer = self._lc.llama_model_n_layer(self.model)
         check_layers(layers, n_layer)
         taps = LayerTaps(layers, n_layer, positions)
-        self.forward(token_ids, positions, taps)
-        return taps.result()
+        logits = self.forward(token_ids, positions, taps)
+        return logits, taps.result()
 
-    def forward(self, token_ids: list[int], positions: list[int], taps=None) -> np.ndarray:
+    def _context(self, n_ctx: int, taps=None):
+        """A fresh context (nothing cached) for n_ctx tokens, with its params."""
         lc = self._lc
-        n = len(token_ids)
         cp = lc.llama_context_default_params()
-        cp.n_ctx = n
-        cp.n_batch = min(self.n_batch, max(n, 1))
+        cp.n_ctx = n_ctx
+        cp.n_batch = min(self.n_batch, max(n_ctx, 1))
         cp.n_ubatch = min(self.n_ubatch, cp.n_batch)
         cp.n_seq_max = 1
         cp.n_threads = cp.n_threads_batch = self.threads
@@ -136,36 +141,65 @@ class LlamaCppBackend(Backend):
         cp.no_perf = True
         if taps is not None:
             cp.cb_eval = taps.callback
-        ctx = lc.llama_init_from_model(self.model, cp)  # fresh context: nothing cached
+        ctx = lc.llama_init_from_model(self.model, cp)
         if not ctx:
             raise RuntimeError("llama.cpp could not create a context")
+        return ctx, cp
+
+    def _feed(self, ctx, batch, n_batch: int, tokens: list[int], first: int, want: dict[int, int],
+              out: np.ndarray | None, taps=None, n_ubatch: int = 0) -> None:
+        """Decode tokens at positions first.. in batches of n_batch; the logits of each position in
+        want go to out[want[position]]."""
+        lc = self._lc
+        for start in range(0, len(tokens), n_batch):
+            chunk = tokens[start:start + n_batch]
+            batch.n_tokens = len(chunk)
+            for j, tok in enumerate(chunk):
+                batch.token[j] = tok
+                batch.pos[j] = first + start + j
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = 0
+                batch.logits[j] = (first + start + j) in want
+            if taps is not None:
+                taps.at(start, n_ubatch=n_ubatch, n_tokens=len(chunk))
+            rc = lc.llama_decode(ctx, batch)
+            if taps is not None and taps.error is not None:
+                raise taps.error
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc} at positions {first + start}.."
+                                   f"{first + start + len(chunk) - 1}")
+            for j in range(len(chunk)):
+                if (first + start + j) in want:
+                    ptr = lc.llama_get_logits_ith(ctx, j)
+                    out[want[first + start + j]] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    def forward(self, token_ids: list[int], positions: list[int], taps=None) -> np.ndarray:
+        ctx, cp = self._context(len(token_ids), taps)
         want = {p: i for i, p in enumerate(positions)}
         out = np.empty((len(positions), self._n_vocab), dtype=np.float32)  # (rows, vocab)
-        batch = lc.llama_batch_init(cp.n_batch, 0, 1)
+        batch = self._lc.llama_batch_init(cp.n_batch, 0, 1)
         try:
-            for start in range(0, n, cp.n_batch):
-                chunk = token_ids[start:start + cp.n_batch]
-                batch.n_tokens = len(chunk)
-                for j, tok in enumerate(chunk):
-                    batch.token[j] = tok
-                    batch.pos[j] = start + j
-                    batch.n_seq_id[j] = 1
-                    batch.seq_id[j][0] = 0
-                    batch.logits[j] = (start + j) in want
-                if taps is not None:
-                    taps.at(start, n_ubatch=cp.n_ubatch, n_tokens=len(chunk))
-                rc = lc.llama_decode(ctx, batch)
-                if taps is not None and taps.error is not None:
-                    raise taps.error
-                if rc != 0:
-                    raise RuntimeError(f"llama_decode returned {rc} at positions {start}..{start + len(chunk) - 1}")
-                for j in range(len(chunk)):
-                    if (start + j) in want:
-                        ptr = lc.llama_get_logits_ith(ctx, j)
-                        out[want[start + j]] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+            self._feed(ctx, batch, cp.n_batch, token_ids, 0, want, out, taps, cp.n_ubatch)
         finally:
-            lc.llama_batch_free(batch)
-            lc.llama_free(ctx)
+            self._lc.llama_batch_free(batch)
+            self._lc.llama_free(ctx)
+        return out
+
+    gives_decode = True
+
+    def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
+        """The prefill into the context's KV cache, then one llama_decode of one token per step
+        (n_tokens = 1: the kernels a server's decode runs)."""
+        ctx, cp = self._context(at + steps + 1)
+        out = np.empty((steps, self._n_vocab), dtype=np.float32)  # (steps, vocab)
+        batch = self._lc.llama_batch_init(cp.n_batch, 0, 1)
+        try:
+            self._feed(ctx, batch, cp.n_batch, token_ids[:at + 1], 0, {}, None)
+            for s in range(1, steps + 1):
+                self._feed(ctx, batch, 1, [token_ids[at + s]], at + s, {at + s: s - 1}, out)
+        finally:
+            self._lc.llama_batch_free(batch)
+            self._lc.llama_free(ctx)
         return out
 
     def tokenize(self, text: str) -> list[int]:

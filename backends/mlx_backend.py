@@ -179,11 +179,31 @@ class MLXBackend(Backend):
             out[name] = np.array(rows.view(mx.uint16)) if rows.dtype == mx.bfloat16 else np.array(rows)
         return out
 
+    gives_decode = True
+
+    def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
+        """mlx-lm's own prompt cache (the cache generate() uses), one token per call after the prefill."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        mx = self._mx
+        cache = make_prompt_cache(self.model)
+        mx.eval(self.model(mx.array([token_ids[:at + 1]]), cache=cache))
+        rows = []
+        for s in range(1, steps + 1):
+            logits = self.model(mx.array([[token_ids[at + s]]]), cache=cache)  # (1, 1, vocab)
+            mx.eval(logits)
+            rows.append(logits[0, -1])
+        return self._native(mx.stack(rows))  # (steps, vocab)
+
     def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
         mx = self._mx
         logits = self.model(mx.array([token_ids]))  # (1, T, vocab)
         rows = logits[0, mx.array(positions)]  # (rows, vocab)
         mx.eval(rows)
+        return self._native(rows)
+
+    def _native(self, rows) -> np.ndarray:
+        mx = self._mx
         if rows.dtype == mx.bfloat16:
             return np.array(rows.view(mx.uint16))  # raw bf16 bits
         if rows.dtype == mx.float16:

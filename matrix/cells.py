@@ -27,7 +27,7 @@ def stack_desc(cell: Cell, model) -> StackDesc:
     return StackDesc(engine=cell.engine, dtype=cell.dtype, attention=cell.attention, device=cell.device,
                      tp=cell.tp, model=cell.model, cell_id=cell.cell_id, options=cell.options,
                      max_tokens=cell.max_tokens, weights_sha256=model.weights_sha256,
-                     layers=cell.layers if isinstance(cell.layers, tuple) else (),
+                     layers=cell.layers if isinstance(cell.layers, tuple) else (), decode=cell.decode,
                      source_gguf=model.gguf_path, source_quant=model.gguf_quant, build=cell.build,
                      calibration_text=_calibration_text(cell), **_artifact(cell, model))
 
@@ -131,11 +131,17 @@ def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: i
         key["max_tokens"] = combo.get("max_tokens", spec.max_tokens)
     if _layers(spec, combo) is not None:  # the cell records more: another capture
         key["layers"] = _layers(spec, combo)
+    if _decode(spec, combo) is not None:
+        key["decode"] = _decode(spec, combo)
     return ids.cell_id(combo, key, replica)
 
 
 def _layers(spec: Spec, combo: dict):
     return combo["layers"] if "layers" in combo else spec.layers
+
+
+def _decode(spec: Spec, combo: dict):
+    return combo["decode"] if "decode" in combo else spec.decode
 
 
 def _add_candidates(spec: Spec, corpus_fp: str, seen: set) -> None:
@@ -167,6 +173,7 @@ def expand(spec: Spec) -> None:
         cell = Cell(**{k: combo[k] for k in names.CELL_AXES},
                     threads=combo.get("threads", spec.threads), cell_id=cid, stack_id=cid,
                     max_tokens=combo.get("max_tokens", spec.max_tokens), layers=_layers(spec, combo),
+                    decode=_decode(spec, combo),
                     options=tuple(opts.items()), centroid_group=group, calibration=combo.get("calibration"))
         reason = unsupported_reason(cell)
         if "_include" in combo and "attention" in spec.include[combo["_include"]]:
@@ -210,21 +217,25 @@ def expand(spec: Spec) -> None:
 
 
 def _reference_layers(spec: Spec, corpus_fp: str) -> None:
-    """A model's reference records every layer any of its cells asks for, so each has its yardstick;
+    """A model's reference records every layer (and decode row) any of its cells asks for, so each has its yardstick;
     the reference's id then says so (it is another capture than the plain reference's)."""
-    from matrix.spec import union_layers
+    from backends import backend_class
+    from matrix.spec import union_decode, union_layers
 
     for model, ref_id in list(spec.reference_cells.items()):
-        want = None
+        want, dec = None, None
         for c in spec.cells:
             if c.model == model:
-                want = union_layers(want, c.layers)
+                want, dec = union_layers(want, c.layers), union_decode(dec, c.decode)
         ref = next(c for c in spec.cells if c.cell_id == ref_id)
-        if want == ref.layers:
+        cls = backend_class(ref.engine)  # a reference engine without them: analysis says so per cell
+        want = want if getattr(cls, "gives_layers", False) else ref.layers
+        dec = dec if getattr(cls, "gives_decode", False) else ref.decode
+        if (want, dec) == (ref.layers, ref.decode):
             continue
-        combo = {**ref.axes(), "threads": ref.threads, "max_tokens": ref.max_tokens, "layers": want}
+        combo = {**ref.axes(), "threads": ref.threads, "max_tokens": ref.max_tokens, "layers": want, "decode": dec}
         for i, c in enumerate(spec.cells):  # the reference stack and its replicas
             if ids.split_cell_id(c.stack_id)[0] == ref.stack_id:
                 cid = make_cell_id(spec, combo, ref.opts, corpus_fp, c.replica)
-                spec.cells[i] = dataclasses.replace(c, cell_id=cid, stack_id=cid, layers=want)
+                spec.cells[i] = dataclasses.replace(c, cell_id=cid, stack_id=cid, layers=want, decode=dec)
         spec.reference_cells[model] = make_cell_id(spec, combo, ref.opts, corpus_fp)

@@ -22,6 +22,7 @@ class Plan:
     complete: list[str] = field(default_factory=list)
     special: dict[str, dict] = field(default_factory=dict)  # model -> reference bos/eos ids
     vocab: dict[str, int] = field(default_factory=dict)  # model -> reference vocab size (logits per row)
+    hidden: dict[str, int] = field(default_factory=dict)  # model -> hidden size (values per layer row)
     # Set by bind(): the spec's cells bound to an engine build (cell_id = stack@build)
     cells: list[Cell] = field(default_factory=list)
     reference_cells: dict[str, str] = field(default_factory=dict)  # model -> bound cell id

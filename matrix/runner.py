@@ -47,7 +47,7 @@ def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
     """Resolve models, tokenise once per model, and work out what is left to do."""
     import transformers
 
-    models, prompts, special, vocab = {}, {}, {}, {}
+    models, prompts, special, vocab, hidden = {}, {}, {}, {}, {}
     for name, ref in spec.models.items():
         models[name] = m = fetch(ref, log=log)
         tok = transformers.AutoTokenizer.from_pretrained(m.hf_dir)
@@ -65,7 +65,9 @@ def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
                 candidates.check(candidates.resolve(cell, m), config, tok, vocab[name])
         calibration.check(spec, [c for c in spec.cells if c.model == name], prompts[name], tok)
         resolve_layers(spec, name, _depth(config))
-    return Plan(spec, models, prompts, special=special, vocab=vocab)
+        check_decode(spec, name, prompts[name])
+        hidden[name] = int(getattr(getattr(config, "text_config", None) or config, "hidden_size", 0) or 0)
+    return Plan(spec, models, prompts, special=special, vocab=vocab, hidden=hidden)
 
 
 def _depth(config) -> int:
@@ -84,6 +86,19 @@ def resolve_layers(spec: Spec, model: str, depth: int) -> None:
         elif max(c.layers) >= depth:
             raise UserError(f"{spec.path}: layers: layer {max(c.layers)} of cell {c.cell_id}: model {model} has "
                             f"{depth} decoder layers (0..{depth - 1})")
+
+
+def check_decode(spec: Spec, model: str, prompts: list) -> None:
+    """Every decode row exists: from each start, `steps` more tokens before the prompt ends."""
+    for c in spec.cells:
+        if c.model != model or c.decode is None:
+            continue
+        steps, at = c.decode
+        short = min(prompts, key=lambda p: len(p.token_ids))
+        if at[-1] + steps >= len(short.token_ids):
+            raise UserError(f"{spec.path}: decode: position {at[-1]} + {steps} steps of cell {c.cell_id} passes the "
+                            f"end of prompt {short.name} ({len(short.token_ids)} tokens: positions "
+                            f"0..{len(short.token_ids) - 1})")
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,21 @@ def expected_rows(plan: Plan, cell: Cell) -> int:
     return sum(len(fed_ids(p.token_ids, plan.spec.positions, cell.max_tokens)[1]) for p in plan.prompts[cell.model])
 
 
+def layer_bytes(plan: Plan, cell: Cell) -> dict | None:
+    """What a layers: cell's states will take: rows x (layers + final norm) x hidden, at the
+    engine's native width (llama.cpp's graph and fp32 stacks: 4 B, bf16/f16 activations: 2 B;
+    zstd barely shrinks hidden states: 3.9-4.1 B/value measured for fp32 ones)."""
+    if not cell.layers:
+        return None
+    rows = expected_rows(plan, cell) * plan.spec.repeats
+    states = len(cell.layers) + 1
+    width = 4 if cell.engine == "llamacpp" or cell.dtype in ("fp32", "f32") \
+        or cell.opts.get("activations") == "fp32" else 2
+    values = rows * states * plan.hidden.get(cell.model, 0)
+    return {"layers": list(cell.layers), "rows": rows, "states_per_row": states,
+            "hidden": plan.hidden.get(cell.model, 0), "bytes_estimate": values * width}
+
+
 def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: Callable[[str], None]) -> set[int]:
     """The repeats whose shard is complete: it parses, with the cell's row count (a file that only
     exists is not done). With recapture_damaged every row is checked against its hash too, and a
@@ -144,6 +174,9 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
                 why = "unreadable: " + first_line(str(e), type(e).__name__)
         if why is None and cell.layers:
             why = _layer_shard_problem(wh, cell, r, want)
+        if why is None and cell.decode:
+            why = _decode_shard_problem(wh, cell, r, 2 * len(cell.decode[1]) * cell.decode[0]
+                                        * len(plan.prompts[cell.model]))
         if why is None:
             done.add(r)
         elif resume.recapture_damaged:
@@ -158,14 +191,23 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
 def _layer_shard_problem(wh: Warehouse, cell: Cell, repeat: int, want: int) -> str | None:
     """A layers: cell's repeat is complete only with its layer_states shard (each layer and the
     final norm at every sampled row)."""
-    rows = want * (len(cell.layers) + 1)
+    return _side_shard_problem(wh, cell, repeat, "layer_states", want * (len(cell.layers) + 1))
+
+
+def _decode_shard_problem(wh: Warehouse, cell: Cell, repeat: int, rows: int) -> str | None:
+    """A decode: cell's repeat is complete only with its decode file (a decode and a prefill row
+    per start, step and prompt)."""
+    return _side_shard_problem(wh, cell, repeat, "decode", rows)
+
+
+def _side_shard_problem(wh: Warehouse, cell: Cell, repeat: int, table: str, rows: int) -> str | None:
     try:
-        n = wh.shard_rows(cell.cell_id, repeat, "layer_states")
+        n = wh.shard_rows(cell.cell_id, repeat, table)
     except FileNotFoundError:
-        return "its layer_states shard is missing"
+        return f"its {table} shard is missing"
     except Exception as e:
-        return "layer_states shard unreadable: " + first_line(str(e), type(e).__name__)
-    return None if n == rows else f"layer_states: {n} rows, the cell has {rows} per repeat"
+        return f"{table} shard unreadable: " + first_line(str(e), type(e).__name__)
+    return None if n == rows else f"{table}: {n} rows, the cell has {rows} per repeat"
 
 
 def find_todo(plan: Plan, wh: Warehouse, resume: Resume = Resume(), log: Callable[[str], None] = lambda m: None,

@@ -33,7 +33,7 @@ STORES = ("native", "bf16")
 REFERENCE_METRICS = ("analyze", "in_actor")
 TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
             "devices", "include", "exclude", "reference", "stride", "repeats",
-            "corpus", "bos", "threads", "positions", "store", "reference_metrics", "candidates", "options", "max_tokens", "layers", "centroid", "replicas", "retries",
+            "corpus", "bos", "threads", "positions", "store", "reference_metrics", "candidates", "options", "max_tokens", "layers", "decode", "centroid", "replicas", "retries",
             "load_timeout_s", "capture_timeout_s"}
 # none: no centroid and no pairwise tables (a job that asks only for KL against the reference)
 CENTROID_DEFINITIONS = ("mean_prob", "mean_logprob", "none")
@@ -53,7 +53,10 @@ OPTION_KEYS = {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": i
 # `layers: [0, 1] | first-N | all`: the cell also records the residual stream after those decoder
 # layers and the final norm's output (a `layer_states` shard); resolved against the model's depth at
 # prepare (matrix/runner.py), where an index past it is exit 2
-CELL_EXTRA_KEYS = {"threads", "max_tokens", "layers", "calibration", "replicas"} | set(OPTION_KEYS)
+# `decode: {steps: K, at: [p, ...]}`: from each position p the engine continues from its KV cache one
+# token at a time (teacher-forced, batch 1, n_tokens = 1) for K steps; those rows go beside the capture
+# (logits path 'decode'); checked against every prompt's length at prepare
+CELL_EXTRA_KEYS = {"threads", "max_tokens", "layers", "decode", "calibration", "replicas"} | set(OPTION_KEYS)
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class Spec:
     options: dict = field(default_factory=dict)
     max_tokens: int | None = None
     layers: tuple | str | None = None  # parse_layers: None, "all" or sorted layer indices
+    decode: tuple | None = None  # parse_decode: (steps, (at, ...)) or None
     replicas: int = 1  # default copies of each stack, each on its own node
     retries: int = 2  # a cell whose actor or node died is started again up to this many times
     load_timeout_s: float = 3600.0  # from the actor's start: weights shipped, artifacts built, engine loaded
@@ -202,6 +206,8 @@ def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool)
             out[k] = _check_threads(path, f"{fld}.{k}", v)
         elif extra_ok and k == "layers":
             out[k] = parse_layers(path, f"{fld}.{k}", v)
+        elif extra_ok and k == "decode":
+            out[k] = parse_decode(path, f"{fld}.{k}", v)
         elif extra_ok and k == "replicas":
             out[k] = _int(path, entry, k, 1, fld=f"{fld}.{k}")
         elif extra_ok and k == "calibration":
@@ -273,6 +279,27 @@ def parse_layers(path: Path, fld: str, v: Any) -> tuple | str | None:
     if not isinstance(v, list) or not v or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in v):
         raise field_error(path, fld, "expected a non-empty list of layer indices (0-based), first-N or all", v)
     return tuple(sorted(set(v)))
+
+
+def parse_decode(path: Path, fld: str, v: Any) -> tuple | None:
+    """`decode: {steps: K, at: [p, ...]}` -> (K, sorted positions)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or set(v) != {"steps", "at"}:
+        raise field_error(path, fld, "must be a mapping with exactly steps and at", v)
+    steps, at = v["steps"], v["at"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise field_error(path, f"{fld}.steps", "must be a positive integer", steps)
+    if not isinstance(at, list) or not at or any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in at):
+        raise field_error(path, f"{fld}.at", "must be a non-empty list of positions (0-based)", at)
+    return steps, tuple(sorted(set(at)))
+
+
+def union_decode(a: tuple | None, b: tuple | None) -> tuple | None:
+    """A reference covers every decode row of its model's cells: the most steps from every start."""
+    if a is None or b is None:
+        return a if b is None else b
+    return max(a[0], b[0]), tuple(sorted(set(a[1]) | set(b[1])))
 
 
 def union_layers(a: tuple | str | None, b: tuple | str | None) -> tuple | str | None:
@@ -511,6 +538,7 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
                 threads=_check_threads(path, "threads", data.get("threads")), options=options,
                 max_tokens=_check_threads(path, "max_tokens", data.get("max_tokens")),
                 layers=parse_layers(path, "layers", data.get("layers")),
+                decode=parse_decode(path, "decode", data.get("decode")),
                 replicas=_int(path, data, "replicas", 1), retries=_retries(path, data),
                 load_timeout_s=_seconds(path, data, "load_timeout_s", 3600.0),
                 capture_timeout_s=_seconds(path, data, "capture_timeout_s", None), centroid=centroid, centroid_groups=groups, raw_text=text)

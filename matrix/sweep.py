@@ -73,6 +73,7 @@ class Live:
     capture_limit_s: float = 0.0  # capture_timeout_s, or its default for this cell's tokens
     inline: dict = field(default_factory=dict)  # repeat -> metrics its actor measured (reference_metrics: in_actor)
     layers: dict | None = None  # a layers: cell's capture manifest part (actors/capture.py)
+    decode: list = field(default_factory=list)  # a decode: cell's capture manifest parts, one per repeat
 
 
 # Without capture_timeout_s: this long per token fed in one repeat, at least CAPTURE_FLOOR_S. Two
@@ -104,6 +105,7 @@ def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse, attempts: int =
         versions=json.dumps(loaded["versions"], sort_keys=True), host=loaded["host"], node_id=loaded["node_id"],
         rows_via=loaded["rows_via"], model_via=loaded["model_via"], load_seconds=loaded["load_seconds"],
         storage=json.dumps(storage_summary(live.storage), sort_keys=True), layers=_layers_field(live),
+        decode=_decode_field(live),
         capture_seconds=live.capture_s, build_libraries=json.dumps(loaded["build_libraries"], sort_keys=True),
         attempts=attempts)
 
@@ -115,6 +117,17 @@ def _layers_field(live: Live) -> str | None:
         return None
     return json.dumps({"layers": got["layers"], "depth": got["depth"], "rows_per_repeat": got["rows"],
                        "sources": got.get("sources")}, sort_keys=True)
+
+
+def _decode_field(live: Live) -> str | None:
+    """cells.decode: steps, starts, rows per repeat, and how far decode rows were from the prefill's."""
+    if not live.decode:
+        return None
+    d = live.decode
+    return json.dumps({"steps": d[0]["steps"], "at": d[0]["at"], "rows_per_repeat": d[0]["rows"],
+                       "identical_rows": sum(x["identical_rows"] for x in d), "rows": sum(x["rows"] for x in d) // 2,
+                       "max_abs_diff_vs_prefill": max(x["max_abs_diff_vs_prefill"] for x in d),
+                       "decode_seconds": sum(x["seconds"] for x in d)}, sort_keys=True)
 
 
 def _candidate_facts(plan: Plan, cell: Cell) -> dict:
@@ -306,6 +319,8 @@ class Sweep:
             live.storage.append(result["storage"])
             if result.get("layers"):
                 live.layers = result["layers"]
+            if result.get("decode"):
+                live.decode.append(result["decode"])
             if result.get("metrics") is not None:
                 live.inline[call.repeat] = result["metrics"]
             live.left -= 1

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from store.schema import LAYER_STATES
-from store.warehouse import ZSTD_LEVEL, logits_matrix, narrow_bf16, native_dtype_of, row_hash, widen
+from store.values import ZSTD_LEVEL, logits_matrix, narrow_bf16, native_dtype_of, row_hash, widen
 
 VALUES_LEAF = "values.list.element"  # byte-stream-split needs the leaf path
 

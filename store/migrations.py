@@ -49,10 +49,12 @@ def m008_positions_and_storage(loc) -> None:
 
 
 def m009_layer_states(loc) -> None:
-    """v9: tables layer_states (a `layers:` cell's hidden states) and layer_metrics (analyze);
-    cells.layers (what such a cell recorded; null for every older cell)."""
+    """v9: tables layer_states (a `layers:` cell's hidden states), layer_metrics and decode_metrics
+    (analyze); cells.layers / cells.decode and logits.path / logits.step (a `decode:` cell's rows).
+    Columns read as null in older files: no layers, no decode rows, every logits row a capture's."""
     loc.mkdirs("layer_states")
     loc.mkdirs("layer_metrics")
+    loc.mkdirs("decode_metrics")
 
 
 # target version -> migration

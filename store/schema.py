@@ -14,6 +14,7 @@ a half-written file that a reader sees)::
     pairwise/<model>[.<group>].parquet  `matrix analyze`: every pair of stacks in a centroid group
     metrics_ranges/ranges.parquet       position buckets for the summary views
     logits/<cell_id>/r<repeat>.parquet  one shard per (cell, repeat), one row group per prompt
+    logits/<cell_id>/d<repeat>.parquet  v9: a `decode:` cell's decode rows and the prefill rows they match
     layer_states/<cell_id>/r<repeat>.parquet  v9: a `layers:` cell's hidden states, shard for shard with logits
     layer_metrics/<cell_id>.parquet     v9 `matrix analyze`: each layer row vs the reference's same layer
 
@@ -87,6 +88,8 @@ CELLS = pa.schema([
     ("storage", pa.string()),
     # v9 JSON: a `layers:` cell's hidden states: {"layers": [i, ...], "depth", "rows_per_repeat", "sources"}
     ("layers", pa.string()),
+    # v9 JSON: a `decode:` cell's decode rows: {"steps", "at": [...], "rows_per_repeat"}
+    ("decode", pa.string()),
 ])
 
 PROMPTS = pa.schema([
@@ -106,6 +109,11 @@ LOGITS = pa.schema([
     # v8: what was subtracted from the row before it was stored (`store: bf16` stores bf16 of
     # logits - row max); null: stored as the engine produced it. Raw logits = logits + shift.
     ("shift", pa.float32()),
+    # v9: null for a capture's rows (logits/<cell>/r<repeat>.parquet). A `decode:` cell's d<repeat>.parquet
+    # holds, at each position it decoded, path 'decode' (the row of decode step `step`, fed one token at a
+    # time from the KV cache of the prefill up to position - step) and path 'prefill' (the same position
+    # from the capture's own prefill), so the two compare within the file.
+    ("path", pa.string()), ("step", pa.int32()),
 ])
 
 TOKENIZER_PARITY = pa.schema([
@@ -171,7 +179,19 @@ LAYER_METRICS = pa.schema([
     ("kernel_version", pa.string()),
 ])
 
+# v9 `matrix analyze`: each decode row of a `decode:` cell against the same position's prefill row of
+# the same cell (prefill/decode consistency) and against the reference's prefill row
+DECODE_METRICS = pa.schema([
+    ("cell_id", pa.string()), ("reference_cell_id", pa.string()), ("prompt_id", pa.string()),
+    ("position", pa.int32()), ("step", pa.int32()), ("repeat", pa.int32()),
+    ("kld_vs_prefill", F64), ("max_abs_diff_vs_prefill", F64), ("top1_match_prefill", pa.bool_()),
+    ("identical_to_prefill", pa.bool_()),  # the decode row's bytes equal the prefill row's
+    ("kld", F64), ("top1_match", pa.bool_()),  # decode row vs the reference's prefill row: KL(P_ref || P_decode)
+    ("kld_prefill", F64),  # this cell's prefill row vs the same reference row, for the side-by-side
+    ("kernel_version", pa.string()),
+])
+
 TABLES = {"runs": RUNS, "cells": CELLS, "prompts": PROMPTS, "logits": LOGITS,
           "tokenizer_parity": TOKENIZER_PARITY, "metrics": METRICS, "centroid_metrics": CENTROID_METRICS,
           "pairwise": PAIRWISE, "metrics_ranges": METRICS_RANGES,
-          "layer_states": LAYER_STATES, "layer_metrics": LAYER_METRICS}
+          "layer_states": LAYER_STATES, "layer_metrics": LAYER_METRICS, "decode_metrics": DECODE_METRICS}

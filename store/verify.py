@@ -149,13 +149,16 @@ def _check_group(pf, f, g: int, leaf: int, t: pa.Table, path: str, cell_id: str 
 
 
 def verify_table_files(wh: Warehouse, tables: Iterable[str]) -> list[Damage]:
+    return [d for table in tables for d in verify_files(wh, wh.table_files(table))]
+
+
+def verify_files(wh: Warehouse, paths: list[str]) -> list[Damage]:
     out = []
-    for table in tables:
-        for path in wh.table_files(table):
-            try:
-                pq.read_table(path, filesystem=wh.loc.fs, page_checksum_verification=True)
-            except Exception as e:
-                out.append(Damage(path, f"unreadable: {_first_line(e)}"))
+    for path in paths:
+        try:
+            pq.read_table(path, filesystem=wh.loc.fs, page_checksum_verification=True)
+        except Exception as e:
+            out.append(Damage(path, f"unreadable: {_first_line(e)}"))
     return out
 
 
@@ -176,6 +179,9 @@ def verify(wh: Warehouse, cells: list[str] | None = None, log: Callable[[str], N
     shards = {}  # (cell, repeat) -> expected rows or None
     for key in wh.loc.list("logits/"):
         cid, name = key.split("/")[1], key.split("/")[-1]
+        if not name.startswith("r"):  # a decode cell's d<repeat> file: read whole, pages checked
+            damage += [d for d in verify_files(wh, [wh.loc.path(key)])]
+            continue
         shards[(cid, int(name[1:].split(".")[0]))] = expected.get(cid, (0, None))[1]
     def wanted(cid: str) -> bool:
         return not cells or any(cid == c or cid.startswith(c) for c in cells)

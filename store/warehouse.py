@@ -3,7 +3,6 @@ when complete: locally temp file + fsync + rename, on S3 one whole object."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -16,97 +15,15 @@ import pyarrow.parquet as pq
 from common.errors import UserError
 from store.location import PROBE, named_io_errors, open_location, write_whole
 from store.schema import FORMAT, LOGITS, SCHEMA_VERSION, TABLES
+from store.values import (ZSTD_LEVEL, logits_matrix, narrow_bf16, native_dtype_of, round_bf16,  # noqa: F401
+                          row_hash, shift_by_max, to_bf16, unshift, widen)
 
 MARKER = "WAREHOUSE.json"
 META_KEY = "logit_matrix"  # Parquet key-value metadata of analysis outputs
 # Byte-stream-split needs the leaf path of a list column; the flag alone ignores it.
 LOGITS_LEAF = "logits.list.element"
-ZSTD_LEVEL = 3
-
-
-def native_dtype_of(arr: np.ndarray) -> str:
-    """Backends return bf16 as raw uint16 bits, f16 as float16, fp32 as float32."""
-    kinds = {np.dtype(np.uint16): "bf16", np.dtype(np.float16): "f16", np.dtype(np.float32): "fp32"}
-    if arr.dtype not in kinds:
-        raise TypeError(f"unsupported native logits dtype {arr.dtype}")
-    return kinds[arr.dtype]
-
-
-def widen(arr: np.ndarray) -> np.ndarray:
-    """Native logits -> float32, exactly (bf16 bits go into the high half)."""
-    if arr.dtype == np.uint16:
-        wide = arr.astype(np.uint32)
-        wide <<= 16  # in place: one buffer, not two
-        return wide.view(np.float32)
-    return arr.astype(np.float32, copy=False)
-
-
-def shift_by_max(native: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, vocab) logits -> (float32 logits minus their row max, the (rows,) max subtracted).
-    Softmax does not see the shift; a row whose max is not finite is left as it is (shift 0)."""
-    x = native.astype(np.float32)  # (rows, vocab), a copy: shifted in place below
-    m = np.max(x, -1)
-    m = np.where(np.isfinite(m), m, np.float32(0)).astype(np.float32)
-    x -= m[:, None]
-    return x, m
-
-
-def to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bits, rounded to nearest even (as torch's .to(bfloat16))."""
-    bits = x.view(np.uint32)
-    r = np.right_shift(bits, 16)  # in place from here: 4x faster than the expression form
-    np.bitwise_and(r, 1, out=r)
-    r += 0x7FFF
-    r += bits  # wraps only for NaN payloads, fixed below
-    r >>= 16
-    out = r.astype(np.uint16)
-    nan = np.isnan(x)
-    if nan.any():
-        out[nan] = 0x7FC0  # a NaN stays a (quiet) NaN
-    return out
-
-
-def round_bf16(native: np.ndarray) -> np.ndarray:
-    """(rows, vocab) fp32/f16 logits -> bf16 bits of (row - row max). Shifting first keeps the
-    large logits' exponent small: rounding unshifted rows costs a KL floor of ~4e-4 on SmolLM2,
-    shifted ~1e-5."""
-    return to_bf16(shift_by_max(native)[0])
-
-
-def narrow_bf16(values: np.ndarray) -> np.ndarray:
-    """float32 that came from bf16 -> the original uint16 bits; refuses lossy input."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    if np.any(bits & 0xFFFF):
-        raise ValueError("values are not bf16: low mantissa bits are set")
-    return (bits >> 16).astype(np.uint16)
-
-
-def unshift(values: np.ndarray, shift) -> np.ndarray:
-    """(rows, vocab) stored values + each row's shift (an Arrow column or an array; null or None:
-    0) -> the raw logits, for what is not shift-invariant (cosine, norms, max |Δ|, logit values)."""
-    if shift is None:
-        return values
-    if isinstance(shift, (pa.Array, pa.ChunkedArray)):
-        shift = shift.fill_null(0).to_numpy(zero_copy_only=False)
-    s = np.asarray(shift, np.float32)  # (rows,)
-    return values + s[:, None] if s.any() else values
-
-
-def logits_matrix(col) -> np.ndarray:
-    """A logits list<float32> column (array or chunked) -> (rows, vocab) float32; rows must share a length."""
-    arr = col.combine_chunks() if hasattr(col, "combine_chunks") else col
-    lengths = np.diff(arr.offsets.to_numpy())
-    if len(lengths) and (lengths != lengths[0]).any():
-        raise ValueError("rows of different vocabulary sizes")
-    vocab = int(lengths[0]) if len(lengths) else 0
-    start = arr.offsets[0].as_py() if len(arr) else 0
-    vals = arr.values.to_numpy(zero_copy_only=False)[start:start + vocab * len(arr)]
-    return vals.astype(np.float32, copy=False).reshape(len(arr), vocab)
-
-
-def row_hash(row: np.ndarray) -> str:
-    """sha256 of a row's native bytes (hashed in place: a copy would cost as much as the hash)."""
-    return hashlib.sha256(np.ascontiguousarray(row).data).hexdigest()
+# A shard kind -> (table directory, file letter): logits/<cell>/r0.parquet, logits/<cell>/d0.parquet, ...
+SHARD_FILES = {"logits": ("logits", "r"), "decode": ("logits", "d"), "layer_states": ("layer_states", "r")}
 
 
 class Warehouse:
@@ -252,16 +169,19 @@ class Warehouse:
         return self.loc.exists(f"{table}/{name}.parquet")
 
     # -- logits shards --------------------------------------------------------------
-    # table: "logits", or "layer_states" (a `layers:` cell's second shard of each repeat)
+    # table: "logits", "layer_states" (a `layers:` cell's second shard of each repeat) or "decode"
+    # (a `decode:` cell's decode rows: logits rows in their own file, SHARD_FILES)
     @staticmethod
     def shard_key(cell_id: str, repeat: int, table: str = "logits") -> str:
-        return f"{table}/{cell_id}/r{repeat}.parquet"
+        where, letter = SHARD_FILES[table]
+        return f"{where}/{cell_id}/{letter}{repeat}.parquet"
 
     def shard_path(self, cell_id: str, repeat: int, table: str = "logits") -> str:
         return self.loc.path(self.shard_key(cell_id, repeat, table))
 
     def completed_repeats(self, cell_id: str, table: str = "logits") -> set[int]:
-        return {int(Path(k).stem[1:]) for k in self.loc.list(f"{table}/{cell_id}/") if Path(k).name.startswith("r")}
+        where, letter = SHARD_FILES[table]
+        return {int(Path(k).stem[1:]) for k in self.loc.list(f"{where}/{cell_id}/") if Path(k).name.startswith(letter)}
 
     def read_shard(self, cell_id: str, repeat: int, columns: list[str] | None = None,
                    table: str = "logits") -> pa.Table:
@@ -288,9 +208,11 @@ def row_hashes(rows: pa.Table) -> dict[tuple[str, int], str]:
 
 
 def rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, positions: list[int],
-               next_ids: Iterable[int | None], native: np.ndarray, shift: np.ndarray | None = None) -> pa.Table:
+               next_ids: Iterable[int | None], native: np.ndarray, shift: np.ndarray | None = None,
+               path: list[str] | None = None, step: list[int] | None = None) -> pa.Table:
     """One prompt's rows as a LOGITS table. native: (rows, vocab) as returned by a backend, or as
-    stored (`store: bf16`) with shift (rows,) what was subtracted from each row."""
+    stored (`store: bf16`) with shift (rows,) what was subtracted from each row; path / step per
+    row for a decode file (null for a capture's rows)."""
     n, vocab = native.shape
     assert n == len(positions), (n, len(positions))
     dtype = native_dtype_of(native)
@@ -306,6 +228,8 @@ def rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, positions
         "logits": pa.ListArray.from_arrays(offsets, values),
         "row_hash": pa.array(hashes),
         "shift": pa.array(shift if shift is not None else np.full(n, None), pa.float32()),
+        "path": pa.array(path if path is not None else [None] * n, pa.string()),
+        "step": pa.array(step if step is not None else [None] * n, pa.int32()),
     }, schema=LOGITS)
 
 
@@ -345,7 +269,7 @@ def decode_rows(data: bytes, run_id: str, cell_id: str, repeat: int, table: str 
     """encode_rows' bytes back to a table, refused unless every row is this shard's and every
     row_hash matches its values (the bytes crossed a network)."""
     rows = pq.read_table(pa.BufferReader(data))
-    if rows.schema != TABLES[table]:
+    if rows.schema != TABLES[SHARD_FILES[table][0]]:
         raise ValueError(f"rows for {cell_id} r{repeat}: not the {table} schema")
     for col, want in (("run_id", run_id), ("cell_id", cell_id), ("repeat", repeat)):
         got = set(rows.column(col).to_pylist())
@@ -377,10 +301,11 @@ class ShardWriter:
             self._writer = _writer(self.stage.tmp, table)
 
     def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
-            native: np.ndarray, shift: np.ndarray | None = None) -> None:
+            native: np.ndarray, shift: np.ndarray | None = None, path: list[str] | None = None,
+            step: list[int] | None = None) -> None:
         """native: (rows, vocab) as returned by a backend (or as stored, with each row's shift)."""
         self.add_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native,
-                                 shift))
+                                 shift, path, step))
 
     def add_layers(self, prompt_id: str, positions: list[int], states: dict[str, np.ndarray], depth: int,
                    sources: dict[str, str]) -> None:

@@ -102,7 +102,7 @@ def test_sweep_on_nodes_without_the_drivers_disk(tiny_model, short_corpus, swept
     mine = shutil.copytree(tiny_model, base / "my-checkpoint")  # a candidate checkpoint only the driver has
     spec = write_spec(base / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"],
                       reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
-                      include=[{"engine": "llamacpp", "dtype": "f16", "attention": "default"}],
+                      include=[{"engine": "llamacpp", "dtype": "f16", "attention": "default", "layers": [1]}],
                       candidates=[{"model": "tiny", "path": str(mine), "dtype": "fp32", "attention": "sdpa"}])
     wh = base / "wh"
     with isolated_cluster(Path(tmp_path_factory.mktemp("cluster")), _hidden(tmp_path_factory), 2) as address:
@@ -135,10 +135,18 @@ def test_sweep_on_nodes_without_the_drivers_disk(tiny_model, short_corpus, swept
          "where c.engine = 'hf' and c.dtype = 'fp32' and c.artifact_sha256 is null order by all")
     mine, local = sql(wh, q), sql(local_wh, q)
     assert mine and mine == local
+    # the layer states of the llama.cpp cell (and of its reference, which records the layers its
+    # model's cells ask for) came through the depot too: layer 1 and the final norm at every row
+    states = sql(wh, "select c.engine, count(*) as n, count(distinct s.layer) as layers, any_value(c.rows_per_repeat) "
+                     "* any_value(c.repeats) as rows from layer_states s join cells c using (cell_id) group by all")
+    assert sorted((s["engine"], s["layers"], s["n"] == 2 * s["rows"]) for s in states) == \
+        [("hf", 2, True), ("llamacpp", 2, True)]
     # analysis and the report see every cell
     a = run_cli("analyze", "--warehouse", str(wh))
     assert a.returncode == 0, a.stderr[-2000:]
     assert len(sql(wh, "select * from summary")) == 4
+    lay = sql(wh, "select layer, cosine_min from layer_summary order by layer_index")
+    assert [x["layer"] for x in lay] == ["layer.1", "final_norm"] and all(x["cosine_min"] > 0.9999 for x in lay)
     rep = run_cli("report", "--warehouse", str(wh), "--out", str(base / "report"))
     assert rep.returncode == 0, rep.stderr[-2000:]
     html = (base / "report" / "report.html").read_text()

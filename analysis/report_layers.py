@@ -1,0 +1,104 @@
+"""The report's issue-17 plots. Per layer: 1 - cosine and |norm ratio - 1| by layer, one line per
+stack, against the reference's same layer (the layer_summary view); log scale, because the stacks
+of a quant ladder sit orders of magnitude apart and the gates are thresholds on these very numbers.
+Prefill vs decode: each decode cell's KL to the reference on its prefill rows and on its decode rows
+at the same positions (summary_by_path), with how far its two paths are from each other."""
+
+from __future__ import annotations
+
+import html
+import math
+
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173"]
+
+
+def svg_layer_panel(rows: list[dict], key: str, ident: str, label: str, w=760, h=280) -> str:
+    series: dict[str, list] = {}
+    names: dict[int, str] = {}
+    for r in rows:
+        v = r[key]
+        if v is not None and v > 0:
+            series.setdefault(r["cell_id"], []).append((r["layer_index"], v))
+            names[r["layer_index"]] = r["layer"]
+    if not series:
+        return f"<p>No per-layer rows for {html.escape(label)}.</p>"
+    xs = sorted(names)
+    ys = [math.log10(v) for s in series.values() for _, v in s]
+    y0, y1 = math.floor(min(ys)), math.ceil(max(ys))
+    y1 = y1 if y1 > y0 else y0 + 1
+    px = lambda x: 60 + xs.index(x) / max(len(xs) - 1, 1) * (w - 90)  # noqa: E731
+    py = lambda y: h - 40 - (y - y0) / (y1 - y0) * (h - 60)  # noqa: E731
+    out = [f'<svg class="plot" id="{ident}" width="{w}" height="{h + 20 * len(series)}" '
+           f'xmlns="http://www.w3.org/2000/svg"><text x="5" y="12" font-size="12">{html.escape(label)}</text>']
+    for e in range(y0, y1 + 1):
+        out.append(f'<line x1="60" x2="{w - 20}" y1="{py(e):.1f}" y2="{py(e):.1f}" stroke="#eee"/>'
+                   f'<text x="5" y="{py(e) + 4:.1f}" font-size="11">1e{e}</text>')
+    for x in xs:
+        out.append(f'<text x="{px(x) - 18:.1f}" y="{h - 22}" font-size="10">{html.escape(names[x])}</text>')
+    for i, (cid, pts) in enumerate(sorted(series.items())):
+        col = PALETTE[i % len(PALETTE)]
+        pts = sorted(pts)
+        path = " ".join(f"{px(x):.1f},{py(math.log10(v)):.1f}" for x, v in pts)
+        out.append(f'<polyline fill="none" stroke="{col}" stroke-width="1.5" points="{path}"/>')
+        out += [f'<circle cx="{px(x):.1f}" cy="{py(math.log10(v)):.1f}" r="2.5" fill="{col}"/>' for x, v in pts]
+        out.append(f'<text x="65" y="{h + 15 + 20 * i}" font-size="12" fill="{col}">{html.escape(cid)}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def layers_section(rows: list[dict]) -> str:
+    """The HTML of the per-layer section, or "" when no cell recorded layer states."""
+    if not rows:
+        return ""
+    for r in rows:
+        r["cosine_deficit"] = None if r["cosine_mean"] is None else 1.0 - r["cosine_mean"]
+    return ("<h2>Where divergence starts: per-layer agreement with the reference</h2>"
+            "<p>Each stack's residual stream after each decoder layer (and the final norm's output) against the "
+            "reference's same rows: 1 &#8722; mean cosine, and the largest |&#8214;stack&#8214; / &#8214;ref&#8214; "
+            "&#8722; 1| (seed 003's two gates; <code>matrix layers CELL</code> gives the verdict).</p>"
+            + svg_layer_panel(rows, "cosine_deficit", "layers-cosine", "1 - cosine (mean over rows)")
+            + svg_layer_panel(rows, "norm_ratio_dev_max", "layers-norm-ratio", "|norm ratio - 1| (max over rows)"))
+
+
+def svg_paths(rows: list[dict], w=760) -> str:
+    """Two bars per stack, log scale: KL(ref || stack) on the prefill path and on the decode path."""
+    by: dict[str, dict[str, float]] = {}
+    for r in rows:
+        by.setdefault(r["cell_id"], {})[r["path"]] = r["kld_mean"]
+    vals = [v for d in by.values() for v in d.values() if v and v > 0]
+    if not vals:
+        return "<p>No decode rows with a reference to compare.</p>"
+    lo, hi = math.floor(math.log10(min(vals))), math.ceil(math.log10(max(vals)))
+    hi = hi if hi > lo else lo + 1
+    bx = lambda v: (w - 420) * (math.log10(v) - lo + 0.05) / (hi - lo + 0.05)  # noqa: E731
+    h = 44 * len(by) + 30
+    out = [f'<svg class="plot" id="prefill-decode" width="{w}" height="{h}" xmlns="http://www.w3.org/2000/svg">',
+           f'<text x="330" y="{h - 5}" font-size="11">KL(ref || stack), log10 from 1e{lo} to 1e{hi}</text>']
+    for i, (cid, d) in enumerate(sorted(by.items())):
+        out.append(f'<text x="0" y="{44 * i + 24}" font-size="12">{html.escape(cid)}</text>')
+        for j, path in enumerate(("prefill", "decode")):
+            v = d.get(path)
+            if v is None or v <= 0:
+                continue
+            y = 44 * i + 4 + 19 * j
+            out.append(f'<rect x="330" y="{y}" width="{bx(v):.1f}" height="15" fill="{PALETTE[j]}"/>'
+                       f'<text x="{335 + bx(v):.1f}" y="{y + 12}" font-size="11">{path} {v:.3g}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def decode_section(rows: list[dict]) -> str:
+    """The HTML of the prefill-vs-decode section, or "" when no cell recorded decode rows."""
+    if not rows:
+        return ""
+    dec = [r for r in rows if r["path"] == "decode"]
+    body = "".join(
+        f"<tr><td>{html.escape(r['cell_id'])}</td><td>{r['rows']}</td><td>{r['kld_vs_prefill_mean']:.3g}</td>"
+        f"<td>{r['max_abs_diff_vs_prefill']:.3g}</td><td>{r['identical_share']:.0%}</td></tr>" for r in dec)
+    return ("<h2>Prefill against decode</h2><p>At each decoded position: the stack's row from its one prefill, "
+            "and its row from the KV cache, fed one teacher-forced token at a time (batch 1, n_tokens = 1; "
+            "seed 000's KV-cache batch mismatch). Both against the reference's prefill row there.</p>"
+            + svg_paths(rows)
+            + "<table id=\"decode\"><tr><th>cell</th><th>decode rows</th><th>KL(prefill || decode) mean</th>"
+              "<th>max |decode - prefill|</th><th>bit-identical</th></tr>" + body + "</table>")

@@ -1,0 +1,174 @@
+"""Per-layer validation end to end (issue 17, items 1-2): a sweep whose cells ask for `layers:` on
+the real 2-layer SmolLM2 cut, the layer_states shards in the warehouse, `matrix analyze`'s
+layer_metrics, and `matrix layers` with its verdict and exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tests.conftest import run_cli, sql, write_spec
+
+pytest.importorskip("llama_cpp")
+
+LADDER = ["f16", "q8_0", "q4_0"]
+
+
+@pytest.fixture(scope="module")
+def layered(tiny_model, short_corpus, tmp_path_factory):
+    d = tmp_path_factory.mktemp("layered")
+    spec = write_spec(d / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32", "bf16"], attention=["eager"],
+                      reference={"engine": "hf", "dtype": "fp32"}, repeats=1,
+                      include=[{"engine": "hf", "dtype": "bf16", "attention": "eager", "layers": "first-1"}]
+                      + [{"engine": "llamacpp", "dtype": q, "attention": "default", "layers": "all"} for q in LADDER])
+    wh = d / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = run_cli("analyze", "--warehouse", str(wh), "--json")
+    assert a.returncode == 0, a.stderr[-3000:]
+    return spec, wh, json.loads(a.stdout)
+
+
+def _cells(wh):
+    return {(c["engine"], c["dtype"]): c for c in sql(wh, "select * from cells")}
+
+
+def test_layer_states_are_recorded_for_what_each_cell_asks(layered):
+    _, wh, _ = layered
+    cells = _cells(wh)
+    ref = cells[("hf", "fp32")]
+    assert json.loads(ref["layers"])["layers"] == [0, 1]  # the union of its model's cells: first-1 and all
+    assert json.loads(cells[("hf", "bf16")]["layers"])["layers"] == [0]
+    lc = json.loads(cells[("llamacpp", "q8_0")]["layers"])
+    assert lc["layers"] == [0, 1] and lc["depth"] == 2 and lc["sources"]["layer.1"] == "l_out-1"
+    got = sql(wh, "select cell_id, layer, layer_index, any_value(dtype) as dtype, count(*) as n, "
+                  "min(len(values)) as w from layer_states group by all")
+    by = {(g["cell_id"], g["layer"]): g for g in got}
+    for c in cells.values():
+        want = json.loads(c["layers"])["layers"]
+        names = {f"layer.{i}" for i in want} | {"final_norm"}
+        assert {k[1] for k in by if k[0] == c["cell_id"]} == names
+        for name in names:
+            g = by[(c["cell_id"], name)]
+            assert g["n"] == c["rows_per_repeat"] and g["w"] == 576  # every sampled row, hidden size wide
+            assert g["layer_index"] == (2 if name == "final_norm" else int(name[6:]))
+    assert by[(cells[("hf", "bf16")]["cell_id"], "layer.0")]["dtype"] == "bf16"  # native dtype kept
+
+
+def test_matrix_cells_prints_the_bytes_the_layer_states_take(layered):
+    spec, wh, _ = layered
+    r = run_cli("cells", str(spec), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    est = {(c["engine"], c["dtype"]): c["layer_states"] for c in json.loads(r.stdout)["cells"]}
+    cells = _cells(wh)
+    for key, c in cells.items():
+        e = est[key]
+        width = 2 if key == ("hf", "bf16") else 4  # the states' native width
+        assert e["rows"] == c["rows_per_repeat"] and e["hidden"] == 576
+        assert e["bytes_estimate"] == e["rows"] * e["states_per_row"] * 576 * width
+        n = sql(wh, f"select count(*) as n from layer_states where cell_id = '{c['cell_id']}'")[0]["n"]
+        assert n == e["rows"] * e["states_per_row"]
+    r = run_cli("cells", str(spec))
+    assert "layer states:" in r.stdout and "3 x 576 x" in r.stdout
+
+
+def test_per_layer_cosine_falls_down_the_quant_ladder(layered):
+    _, wh, summary = layered
+    assert summary["layers"]["cells"] == 4 and summary["layers"]["rows"] > 0
+    rows = sql(wh, "select dtype, engine, layer, cosine_mean, norm_ratio_dev_max from layer_summary")
+    cos = {(r["engine"], r["dtype"], r["layer"]): r["cosine_mean"] for r in rows}
+    for layer in ("layer.0", "layer.1", "final_norm"):
+        ladder = [cos[("llamacpp", q, layer)] for q in LADDER]
+        assert ladder == sorted(ladder, reverse=True) and ladder[0] > ladder[-1], (layer, ladder)
+    for q in LADDER:  # drift accumulates: the first layer agrees at least as well as the last
+        assert cos[("llamacpp", q, "layer.0")] >= cos[("llamacpp", q, "layer.1")], q
+
+
+def _layers(wh, cell_id, *extra):
+    r = run_cli("layers", cell_id, "--warehouse", str(wh), "--json", *extra)
+    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr
+
+
+def test_matrix_layers_verdict_and_exit_codes(layered, tmp_path):
+    _, wh, _ = layered
+    cells = _cells(wh)
+    rc, out, _ = _layers(wh, cells[("llamacpp", "f16")]["cell_id"])
+    assert rc == 0 and out["pass"] and out["class"] == "fp16" and out["first_failing_layer"] is None
+    assert [r["layer"] for r in out["layers"]] == ["layer.0", "layer.1", "final_norm"]
+    assert out["layers"][0]["cosine_min"] > 0.99999
+    # a gate set tighter than q4_0's measured agreement: the first layer that fails is named, exit 1
+    q4 = cells[("llamacpp", "q4_0")]["cell_id"]
+    rc, out, _ = _layers(wh, q4)
+    worst = min(r["cosine_min"] for r in out["layers"])
+    from matrix.cli_quant import GATES
+
+    g = yaml.safe_load(GATES.read_text())
+    g["layers"]["4bit"] = {"cosine_min": worst + (1 - worst) / 2, "norm_ratio_tol": 1.0}
+    strict = tmp_path / "gates.yaml"
+    strict.write_text(yaml.safe_dump(g))
+    rc, out, _ = _layers(wh, q4, "--gates", str(strict))
+    first = next(r["layer"] for r in out["layers"] if r["cosine_min"] < g["layers"]["4bit"]["cosine_min"])
+    assert rc == 1 and not out["pass"] and out["first_failing_layer"] == first and out["failed"] == ["cosine_min"]
+    # errors: a cell without layer metrics (the reference), an unknown cell
+    rc, _, err = _layers(wh, cells[("hf", "fp32")]["cell_id"])
+    assert rc == 2 and "no layer metrics" in err
+    rc, _, err = _layers(wh, "no-such-cell")
+    assert rc == 2 and "no cell no-such-cell" in err
+
+
+def test_a_second_analyze_reuses_the_layer_metrics(layered):
+    _, wh, _ = layered
+    a = run_cli("analyze", "--warehouse", str(wh), "--json")
+    assert a.returncode == 0, a.stderr[-2000:]
+    la = json.loads(a.stdout)["layers"]
+    assert la["reused"] == la["cells"] == 4
+
+
+def test_bad_layers_are_refused_before_anything_runs(tiny_model, short_corpus, tmp_path):
+    spec = write_spec(tmp_path / "a.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                      reference={"engine": "hf", "dtype": "fp32"}, layers="first-x")
+    r = run_cli("cells", str(spec))
+    assert r.returncode == 2 and "layers: expected a list of layer indices, first-N or all (got 'first-x')" in r.stderr
+    spec = write_spec(tmp_path / "b.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                      reference={"engine": "hf", "dtype": "fp32"},
+                      include=[{"engine": "hf", "dtype": "fp32", "attention": "eager", "layers": [0, 5]}])
+    r = run_cli("run", str(spec), "--warehouse", str(tmp_path / "wh"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert "b.yaml: layers: layer 5 of cell" in line and "has 2 decoder layers (0..1)" in line
+    assert not list((tmp_path / "wh").rglob("*.parquet"))  # nothing captured
+
+
+def test_card_and_report_show_the_layers(layered, tmp_path):
+    import shutil
+    import subprocess
+
+    _, wh, _ = layered
+    q8 = _cells(wh)[("llamacpp", "q8_0")]["cell_id"]
+    r = run_cli("card", q8, "--warehouse", str(wh), "--json", "--allow-undisclosed")
+    assert r.returncode == 0, r.stderr[-2000:]
+    lay = json.loads(r.stdout)["layers"]
+    assert lay["recorded"] == [0, 1] and lay["depth"] == 2
+    assert [x["layer"] for x in lay["by_layer"]] == ["layer.0", "layer.1", "final_norm"]
+    md = run_cli("card", q8, "--warehouse", str(wh), "--allow-undisclosed").stdout
+    assert "| layer.1 |" in md and "Per-layer agreement" in md
+    r = run_cli("report", "--warehouse", str(wh), "--out", str(tmp_path / "rep"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    page = (tmp_path / "rep" / "report.html").read_text()
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:  # .ci/run installs it; the page itself is still checked
+        dom, console = page, []
+    else:
+        from tests.test_report_browser import FLAGS
+
+        out = subprocess.run([chromium, *FLAGS, f"--user-data-dir={tmp_path / 'u'}", "--dump-dom",
+                              (tmp_path / "rep" / "report.html").as_uri()], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        dom, console = out.stdout, [ln for ln in out.stderr.splitlines() if "CONSOLE" in ln]
+    assert not console, console
+    for ident in ("layers-cosine", "layers-norm-ratio"):
+        start = dom.index(f'id="{ident}"')
+        plot = dom[start:dom.index("</svg>", start)]
+        assert plot.count("<polyline") == 4 and plot.count("<circle") == 2 + 3 * 3  # bf16: layer 0 + norm; the ladder: 3 states
