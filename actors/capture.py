@@ -80,7 +80,7 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
     at the same positions (backend.stack.layers and the final norm) go there, from the same
     forward (Extras). It commits first: a logits shard then never exists without its layer shard.
     decode_writer: a `decode:` cell's d<repeat> file (rows written as they are, lossless): at each
-    position the cell decodes, the decode row and the prefill row of the capture's own forward.
+    position the cell decodes, the decode row and the prefill row there (Extras).
 
     max_tokens: keep only the sampled positions below it and feed just the prefix they
     need; logits at p depend on ids[0..p] only, so those rows mean what the full run's do.
@@ -119,10 +119,10 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
 class Extras:
     """What a cell records beside its rows (issue 17): `layers:` hidden states and `decode:` rows.
 
-    The prompt's one forward also keeps the rows at every decoded position and, through the
-    engine's taps, the hidden states at the sampled ones (forward_and_layers: the same arithmetic
-    as the rows). Then, from each decode start, the engine decodes one teacher-forced token at a
-    time from its KV cache; the decode rows and the prefill rows they match go to the d file."""
+    The hidden states come out of the prompt's own forward through the engine's taps
+    (forward_and_layers: the same arithmetic as the rows). For decode, a prefill up to the last
+    decoded position gives the prefill rows there; then, from each start, the engine decodes one
+    teacher-forced token at a time from its KV cache; both rows of each position go to the d file."""
 
     def __init__(self, backend: Backend, layers_writer, decode_writer):
         self.backend, self.lw, self.dw = backend, layers_writer, decode_writer
@@ -133,26 +133,25 @@ class Extras:
         self.rows, self.seconds, self.identical, self.max_abs = 0, 0.0, 0, 0.0
 
     def forward(self, prompt_id: str, whole: list[int], fed: list[int], positions: list[int]) -> np.ndarray:
-        if not self.layers and not self.decode:
-            return self.backend.forward(fed, positions)
-        points = [(a, s) for a in self.decode[1] for s in range(1, self.decode[0] + 1)] if self.decode else []
-        want = sorted({a + s for a, s in points} | set(positions))  # (start, step): start-major
-        if want[-1] >= len(fed):
-            fed = whole[:want[-1] + 1]
-        if self.layers:
-            rows, states = self.backend.forward_and_layers(fed, want, self.layers)  # (rows, vocab), {state: (rows, hidden)}
+        if self.layers:  # (rows, vocab), {state: (rows, hidden)}: one forward, the taps only copy
+            rows, states = self.backend.forward_and_layers(fed, positions, self.layers)
+            self.lw.add_layers(prompt_id, positions, states, self.depth, self.sources)
         else:
-            rows, states = self.backend.forward(fed, want), None
-        at = {p: i for i, p in enumerate(want)}
-        keep = [at[p] for p in positions]
-        if states is not None:
-            self.lw.add_layers(prompt_id, positions, {k: v[keep] for k, v in states.items()}, self.depth, self.sources)
-        if points:
-            self._decode(prompt_id, whole, points, rows[[at[a + s] for a, s in points]])
-        return rows[keep]
+            rows = self.backend.forward(fed, positions)
+        starts = [a for a in self.decode[1] if a + self.decode[0] < len(whole)] if self.decode else []
+        if starts:  # the starts this prompt holds (matrix/runner.check_decode: every start fits some prompt)
+            points = [(a, s) for a in starts for s in range(1, self.decode[0] + 1)]  # start-major
+            want = sorted({a + s for a, s in points})
+            # A prefill of its own up to the last decoded position: which rows a forward keeps changes
+            # the LM head's matmul shape, and so its rounding (HF fp32 measured), so the capture's
+            # rows stay exactly those of the same stack without decode.
+            pre = self.backend.forward(whole[:want[-1] + 1], want)  # (len(want), vocab)
+            at = {p: i for i, p in enumerate(want)}
+            self._decode(prompt_id, whole, starts, points, pre[[at[a + s] for a, s in points]])
+        return rows
 
-    def _decode(self, prompt_id: str, whole: list[int], points: list, prefill: np.ndarray) -> None:
-        steps, starts = self.decode
+    def _decode(self, prompt_id: str, whole: list[int], starts: list[int], points: list, prefill: np.ndarray) -> None:
+        steps = self.decode[0]
         t0 = time.perf_counter()
         decoded = np.concatenate([self.backend.decode(whole, a, steps) for a in starts])  # (points, vocab)
         self.seconds += time.perf_counter() - t0

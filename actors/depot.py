@@ -102,9 +102,9 @@ class RemoteShard:
         encodes the next chunk while the depot writes the last (two cores at work, not one), and
         a long prompt never has to fit in one message."""
         next_ids = list(next_ids)
-        step = max(1, MESSAGE_BYTES // max(1, native.shape[1] * native.itemsize))
-        for lo in range(0, native.shape[0], step):
-            hi = lo + step
+        per = max(1, MESSAGE_BYTES // max(1, native.shape[1] * native.itemsize))  # rows per message
+        for lo in range(0, native.shape[0], per):
+            hi = lo + per
             data = encode_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions[lo:hi],
                                           next_ids[lo:hi], native[lo:hi],
                                           None if shift is None else shift[lo:hi],
@@ -119,9 +119,9 @@ class RemoteShard:
         from store.layer_states import layer_rows_table
 
         rows = layer_rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, states, depth, sources)
-        step = max(1, MESSAGE_BYTES // max(1, rows.nbytes // max(1, rows.num_rows)))
-        for lo in range(0, rows.num_rows, step):
-            self._send(encode_rows(rows.slice(lo, step), self.table))
+        per = max(1, MESSAGE_BYTES // max(1, rows.nbytes // max(1, rows.num_rows)))  # rows per message
+        for lo in range(0, rows.num_rows, per):
+            self._send(encode_rows(rows.slice(lo, per), self.table))
         self.rows += rows.num_rows
 
     def _send(self, data: bytes) -> None:

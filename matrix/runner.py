@@ -89,16 +89,23 @@ def resolve_layers(spec: Spec, model: str, depth: int) -> None:
 
 
 def check_decode(spec: Spec, model: str, prompts: list) -> None:
-    """Every decode row exists: from each start, `steps` more tokens before the prompt ends."""
+    """Every decode start fits some prompt: `steps` more tokens before its end. A start a shorter
+    prompt cannot hold is left out for that prompt (decode_rows counts what is kept)."""
     for c in spec.cells:
         if c.model != model or c.decode is None:
             continue
         steps, at = c.decode
-        short = min(prompts, key=lambda p: len(p.token_ids))
-        if at[-1] + steps >= len(short.token_ids):
+        longest = max(prompts, key=lambda p: len(p.token_ids))
+        if at[-1] + steps >= len(longest.token_ids):
             raise UserError(f"{spec.path}: decode: position {at[-1]} + {steps} steps of cell {c.cell_id} passes the "
-                            f"end of prompt {short.name} ({len(short.token_ids)} tokens: positions "
-                            f"0..{len(short.token_ids) - 1})")
+                            f"end of every prompt (the longest, {longest.name}, has {len(longest.token_ids)} tokens: "
+                            f"positions 0..{len(longest.token_ids) - 1})")
+
+
+def decode_rows(plan: Plan, cell: Cell) -> int:
+    """Rows of one repeat's decode file: a decode and a prefill row per step of each start that fits."""
+    steps, at = cell.decode
+    return 2 * steps * sum(sum(a + steps < len(p.token_ids) for a in at) for p in plan.prompts[cell.model])
 
 
 @dataclass(frozen=True)
@@ -143,7 +150,7 @@ def expected_rows(plan: Plan, cell: Cell) -> int:
 def layer_bytes(plan: Plan, cell: Cell) -> dict | None:
     """What a layers: cell's states will take: rows x (layers + final norm) x hidden, at the
     engine's native width (llama.cpp's graph and fp32 stacks: 4 B, bf16/f16 activations: 2 B;
-    zstd barely shrinks hidden states: 3.9-4.1 B/value measured for fp32 ones)."""
+    zstd barely shrinks hidden states: 3.5 B/value on disk for fp32 ones, 1.5 for bf16)."""
     if not cell.layers:
         return None
     rows = expected_rows(plan, cell) * plan.spec.repeats
@@ -175,8 +182,7 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
         if why is None and cell.layers:
             why = _layer_shard_problem(wh, cell, r, want)
         if why is None and cell.decode:
-            why = _decode_shard_problem(wh, cell, r, 2 * len(cell.decode[1]) * cell.decode[0]
-                                        * len(plan.prompts[cell.model]))
+            why = _decode_shard_problem(wh, cell, r, decode_rows(plan, cell))
         if why is None:
             done.add(r)
         elif resume.recapture_damaged:

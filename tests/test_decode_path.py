@@ -17,7 +17,7 @@ from tests.conftest import run_cli, sql, write_spec
 pytest.importorskip("llama_cpp")
 
 IDS = [(i * 7919) % 49000 + 100 for i in range(200)]
-DECODE = {"steps": 4, "at": [2, 6]}  # the short corpus's shortest prompt has more than 11 tokens
+DECODE = {"steps": 4, "at": [2, 60]}  # start 60: only the two prompts longer than 64 tokens hold it
 
 
 def _engine(cls, dtype, attention, model_dir):
@@ -66,17 +66,19 @@ def decoded(tiny_model, short_corpus, tmp_path_factory):
 
 def test_decode_rows_are_in_the_warehouse_as_logits_path_decode(decoded):
     wh, _ = decoded
-    n_prompts = sql(wh, "select count(*) as n from prompts")[0]["n"]
+    lengths = [p["n_tokens"] for p in sql(wh, "select n_tokens from prompts")]
+    starts = sum(a + 4 < n for n in lengths for a in DECODE["at"])  # a short prompt skips start 60
+    assert starts == 6 and len(lengths) == 4
     rows = sql(wh, "select c.engine, c.dtype, l.path, count(*) as n, min(l.step) as lo, max(l.step) as hi, "
-                   "bool_and(l.position - l.step in (2, 6)) as starts from logits l join cells c using (cell_id) "
+                   "bool_and(l.position - l.step in (2, 60)) as starts from logits l join cells c using (cell_id) "
                    "where l.path is not null group by all")
     by = {(r["engine"], r["dtype"], r["path"]): r for r in rows}
     for key in (("hf", "fp32"), ("llamacpp", "f16"), ("llamacpp", "q8_0")):
         for path in ("prefill", "decode"):
             r = by[(*key, path)]
-            assert r["n"] == n_prompts * 2 * 4 and (r["lo"], r["hi"]) == (1, 4) and r["starts"], r
+            assert r["n"] == starts * 4 and (r["lo"], r["hi"]) == (1, 4) and r["starts"], r
     cells = {(c["engine"], c["dtype"]): json.loads(c["decode"]) for c in sql(wh, "select * from cells")}
-    assert cells[("hf", "fp32")]["steps"] == 4 and cells[("hf", "fp32")]["at"] == [2, 6]
+    assert cells[("hf", "fp32")]["steps"] == 4 and cells[("hf", "fp32")]["at"] == [2, 60]
     # the capture's own rows are untouched: every row of r0 has path null
     assert sql(wh, "select count(*) as n from logits where path is null and step is not null")[0]["n"] == 0
 
@@ -106,7 +108,7 @@ def test_decode_past_the_prompt_is_refused(tiny_model, short_corpus, tmp_path):
     r = run_cli("run", str(spec), "--warehouse", str(tmp_path / "wh"))
     assert r.returncode == 2, r.stderr[-2000:]
     line = r.stderr.strip().splitlines()[-1]
-    assert "d.yaml: decode: position 2 + 400 steps of cell" in line and "passes the end of prompt" in line
+    assert "d.yaml: decode: position 2 + 400 steps of cell" in line and "passes the end of every prompt" in line
     assert not list((tmp_path / "wh").rglob("*.parquet"))
     bad = write_spec(tmp_path / "e.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
                      reference={"engine": "hf", "dtype": "fp32"}, decode={"steps": 0, "at": [2]})
@@ -123,7 +125,7 @@ def test_card_and_report_show_the_decode_path(decoded, tmp_path):
     r = run_cli("card", q8, "--warehouse", str(wh), "--json", "--allow-undisclosed")
     assert r.returncode == 0, r.stderr[-2000:]
     dec = json.loads(r.stdout)["decode"]
-    assert dec["steps"] == 4 and dec["at"] == [2, 6] and dec["rows"] > 0 and dec["max_abs_diff_vs_prefill"] > 0
+    assert dec["steps"] == 4 and dec["at"] == [2, 60] and dec["rows"] > 0 and dec["max_abs_diff_vs_prefill"] > 0
     r = run_cli("report", "--warehouse", str(wh), "--out", str(tmp_path / "rep"))
     assert r.returncode == 0, r.stderr[-2000:]
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")

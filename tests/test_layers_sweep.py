@@ -82,8 +82,11 @@ def test_per_layer_cosine_falls_down_the_quant_ladder(layered):
     for layer in ("layer.0", "layer.1", "final_norm"):
         ladder = [cos[("llamacpp", q, layer)] for q in LADDER]
         assert ladder == sorted(ladder, reverse=True) and ladder[0] > ladder[-1], (layer, ladder)
-    for q in LADDER:  # drift accumulates: the first layer agrees at least as well as the last
-        assert cos[("llamacpp", q, "layer.0")] >= cos[("llamacpp", q, "layer.1")], q
+    # drift accumulates: the first layer agrees at least as well as the last state (the final norm's
+    # output). Between the two decoder layers of this cut it need not: the residual stream grows,
+    # so Q8_0's relative error at layer 1 measured 1.1e-2 against 1.1e-2 at layer 0 (cosine 0.999940 vs 0.999936)
+    for q in LADDER:
+        assert cos[("llamacpp", q, "layer.0")] >= cos[("llamacpp", q, "final_norm")], q
 
 
 def _layers(wh, cell_id, *extra):

@@ -102,7 +102,8 @@ def test_sweep_on_nodes_without_the_drivers_disk(tiny_model, short_corpus, swept
     mine = shutil.copytree(tiny_model, base / "my-checkpoint")  # a candidate checkpoint only the driver has
     spec = write_spec(base / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"],
                       reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
-                      include=[{"engine": "llamacpp", "dtype": "f16", "attention": "default", "layers": [1]}],
+                      include=[{"engine": "llamacpp", "dtype": "f16", "attention": "default", "layers": [1],
+                                "decode": {"steps": 2, "at": [3]}}],
                       candidates=[{"model": "tiny", "path": str(mine), "dtype": "fp32", "attention": "sdpa"}])
     wh = base / "wh"
     with isolated_cluster(Path(tmp_path_factory.mktemp("cluster")), _hidden(tmp_path_factory), 2) as address:
@@ -120,9 +121,10 @@ def test_sweep_on_nodes_without_the_drivers_disk(tiny_model, short_corpus, swept
     assert {(c["rows_via"], c["model_via"]) for c in cells} == {("driver", "shipped")}
     assert all(c["bit_reproducible"] for c in cells)
     # every row landed exactly once, as many as the cells say
-    dup = sql(wh, "select cell_id, repeat, prompt_id, position from logits group by all having count(*) <> 1")
+    dup = sql(wh, "select cell_id, repeat, prompt_id, position, path, step from logits group by all "
+                  "having count(*) <> 1")
     assert dup == []
-    n = sql(wh, "select count(*) as n from logits")[0]["n"]
+    n = sql(wh, "select count(*) as n from logits where path is null")[0]["n"]
     assert n == sum(c["rows_per_repeat"] * c["repeats"] for c in cells) > 0
     # no node of the driver's wrote a cell, and the driver's disk holds every shard
     head = sql(wh, "select distinct node_id from cells")
@@ -131,8 +133,10 @@ def test_sweep_on_nodes_without_the_drivers_disk(tiny_model, short_corpus, swept
     assert json.loads(runs[0]["rows_delivery"])["driver"] == 8
     # the HF rows sent through the driver are the bytes a local run writes itself
     _, local_wh, _, _ = swept
-    q = ("select l.cell_id, l.repeat, l.prompt_id, l.position, l.row_hash from logits l join cells c using (cell_id) "
-         "where c.engine = 'hf' and c.dtype = 'fp32' and c.artifact_sha256 is null order by all")
+    # (by attention, not cell id: this run's reference also records layers and decode rows, which
+    # gives it another id and leaves its rows' bytes as they are)
+    q = ("select c.attention, l.repeat, l.prompt_id, l.position, l.row_hash from logits l join cells c using (cell_id) "
+         "where c.engine = 'hf' and c.dtype = 'fp32' and c.artifact_sha256 is null and l.path is null order by all")
     mine, local = sql(wh, q), sql(local_wh, q)
     assert mine and mine == local
     # the layer states of the llama.cpp cell (and of its reference, which records the layers its
@@ -141,6 +145,11 @@ def test_sweep_on_nodes_without_the_drivers_disk(tiny_model, short_corpus, swept
                      "* any_value(c.repeats) as rows from layer_states s join cells c using (cell_id) group by all")
     assert sorted((s["engine"], s["layers"], s["n"] == 2 * s["rows"]) for s in states) == \
         [("hf", 2, True), ("llamacpp", 2, True)]
+    # and so did the decode files (a decode and a prefill row per prompt, step and repeat)
+    dec = sql(wh, "select c.engine, l.path, count(*) as n, any_value(c.n_prompts) * any_value(c.repeats) * 2 as want "
+                  "from logits l join cells c using (cell_id) where l.path is not null group by all")
+    assert sorted((d["engine"], d["path"], d["n"] == d["want"]) for d in dec) == \
+        [("hf", "decode", True), ("hf", "prefill", True), ("llamacpp", "decode", True), ("llamacpp", "prefill", True)]
     # analysis and the report see every cell
     a = run_cli("analyze", "--warehouse", str(wh))
     assert a.returncode == 0, a.stderr[-2000:]
