@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from store.schema import LAYER_STATES
-from store.values import ZSTD_LEVEL, logits_matrix, narrow_bf16, native_dtype_of, row_hash, widen
+from store.values import ZSTD_LEVEL, logits_matrix, native_dtype_of, native_values, row_hash, widen
 
 VALUES_LEAF = "values.list.element"  # byte-stream-split needs the leaf path
 
@@ -56,12 +56,7 @@ def layer_writer(where) -> pq.ParquetWriter:
 
 def native_states(rows: pa.Table) -> np.ndarray:
     """A LAYER_STATES table's values back in their native dtype: (rows, hidden)."""
-    kinds = set(rows.column("dtype").to_pylist())
-    if len(kinds) > 1:
-        raise ValueError(f"layer states of several dtypes: {sorted(kinds)}")
-    values = logits_matrix(rows.column("values"))  # (rows, hidden) float32
-    kind = kinds.pop() if kinds else "fp32"
-    return narrow_bf16(values) if kind == "bf16" else values.astype(np.float16) if kind == "f16" else values
+    return native_values(rows, "values", "dtype")
 
 
 def check_rows(rows: pa.Table, what: str) -> None:

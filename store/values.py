@@ -94,3 +94,14 @@ def logits_matrix(col) -> np.ndarray:
 def row_hash(row: np.ndarray) -> str:
     """sha256 of a row's native bytes (hashed in place: a copy would cost as much as the hash)."""
     return hashlib.sha256(np.ascontiguousarray(row).data).hexdigest()
+
+
+def native_values(rows: pa.Table, values: str, dtype: str) -> np.ndarray:
+    """A table's list<float32> column back in the native dtype its dtype column names, exactly:
+    (rows, width). Every row must share one native dtype."""
+    kinds = set(rows.column(dtype).to_pylist())
+    if len(kinds) > 1:
+        raise ValueError(f"rows of several native dtypes: {sorted(kinds)}")
+    wide = logits_matrix(rows.column(values))  # (rows, width) float32
+    kind = kinds.pop() if kinds else "fp32"
+    return narrow_bf16(wide) if kind == "bf16" else wide.astype(np.float16) if kind == "f16" else wide

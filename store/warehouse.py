@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 from common.errors import UserError
 from store.location import PROBE, named_io_errors, open_location, write_whole
 from store.schema import FORMAT, LOGITS, SCHEMA_VERSION, TABLES
-from store.values import (ZSTD_LEVEL, logits_matrix, narrow_bf16, native_dtype_of, round_bf16,  # noqa: F401
-                          row_hash, shift_by_max, to_bf16, unshift, widen)
+from store.values import (ZSTD_LEVEL, logits_matrix, narrow_bf16, native_dtype_of, native_values,  # noqa: F401
+                          round_bf16, row_hash, shift_by_max, to_bf16, unshift, widen)
 
 MARKER = "WAREHOUSE.json"
 META_KEY = "logit_matrix"  # Parquet key-value metadata of analysis outputs
@@ -257,12 +257,7 @@ def encode_rows(rows: pa.Table, table: str = "logits") -> bytes:
 
 def native_rows(rows: pa.Table) -> np.ndarray:
     """A LOGITS table's rows back in their native dtype, exactly: (rows, vocab)."""
-    dtypes = set(rows.column("logits_dtype").to_pylist())
-    if len(dtypes) > 1:
-        raise ValueError(f"rows of several native dtypes: {sorted(dtypes)}")
-    values = logits_matrix(rows.column("logits"))  # (rows, vocab) float32
-    kind = dtypes.pop() if dtypes else "fp32"
-    return narrow_bf16(values) if kind == "bf16" else values.astype(np.float16) if kind == "f16" else values
+    return native_values(rows, "logits", "logits_dtype")
 
 
 def decode_rows(data: bytes, run_id: str, cell_id: str, repeat: int, table: str = "logits") -> pa.Table:

@@ -117,9 +117,6 @@ def test_decode_past_the_prompt_is_refused(tiny_model, short_corpus, tmp_path):
 
 
 def test_card_and_report_show_the_decode_path(decoded, tmp_path):
-    import shutil
-    import subprocess
-
     wh, _ = decoded
     q8 = sql(wh, "select cell_id from cells where dtype = 'q8_0'")[0]["cell_id"]
     r = run_cli("card", q8, "--warehouse", str(wh), "--json", "--allow-undisclosed")
@@ -128,17 +125,9 @@ def test_card_and_report_show_the_decode_path(decoded, tmp_path):
     assert dec["steps"] == 4 and dec["at"] == [2, 60] and dec["rows"] > 0 and dec["max_abs_diff_vs_prefill"] > 0
     r = run_cli("report", "--warehouse", str(wh), "--out", str(tmp_path / "rep"))
     assert r.returncode == 0, r.stderr[-2000:]
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    page = (tmp_path / "rep" / "report.html").read_text()
-    if chromium is None:  # .ci/run installs it; the page itself is still checked
-        dom, console = page, []
-    else:
-        from tests.test_report_browser import FLAGS
+    from tests.test_report_browser import rendered
 
-        out = subprocess.run([chromium, *FLAGS, f"--user-data-dir={tmp_path / 'u'}", "--dump-dom",
-                              (tmp_path / "rep" / "report.html").as_uri()], capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        dom, console = out.stdout, [ln for ln in out.stderr.splitlines() if "CONSOLE" in ln]
+    dom, console = rendered(tmp_path / "rep" / "report.html", tmp_path / "u")
     assert not console, console
     start = dom.index('id="prefill-decode"')
     plot = dom[start:dom.index("</svg>", start)]

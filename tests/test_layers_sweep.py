@@ -145,9 +145,6 @@ def test_bad_layers_are_refused_before_anything_runs(tiny_model, short_corpus, t
 
 
 def test_card_and_report_show_the_layers(layered, tmp_path):
-    import shutil
-    import subprocess
-
     _, wh, _ = layered
     q8 = _cells(wh)[("llamacpp", "q8_0")]["cell_id"]
     r = run_cli("card", q8, "--warehouse", str(wh), "--json", "--allow-undisclosed")
@@ -159,17 +156,9 @@ def test_card_and_report_show_the_layers(layered, tmp_path):
     assert "| layer.1 |" in md and "Per-layer agreement" in md
     r = run_cli("report", "--warehouse", str(wh), "--out", str(tmp_path / "rep"))
     assert r.returncode == 0, r.stderr[-2000:]
-    page = (tmp_path / "rep" / "report.html").read_text()
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:  # .ci/run installs it; the page itself is still checked
-        dom, console = page, []
-    else:
-        from tests.test_report_browser import FLAGS
+    from tests.test_report_browser import rendered
 
-        out = subprocess.run([chromium, *FLAGS, f"--user-data-dir={tmp_path / 'u'}", "--dump-dom",
-                              (tmp_path / "rep" / "report.html").as_uri()], capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        dom, console = out.stdout, [ln for ln in out.stderr.splitlines() if "CONSOLE" in ln]
+    dom, console = rendered(tmp_path / "rep" / "report.html", tmp_path / "u")
     assert not console, console
     for ident in ("layers-cosine", "layers-norm-ratio"):
         start = dom.index(f'id="{ident}"')

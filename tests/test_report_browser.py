@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,17 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--enable-logging=stderr", "--v=0"]
+
+
+def rendered(page: Path, profile: Path) -> tuple[str, list[str]]:
+    """(the DOM Chromium renders from a report page, its console lines); without Chromium
+    (.ci/run installs it) the page as written and no console."""
+    if CHROMIUM is None:
+        return page.read_text(), []
+    out = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--dump-dom", page.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout, [ln for ln in out.stderr.splitlines() if "CONSOLE" in ln]
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (.ci/run installs it)")
