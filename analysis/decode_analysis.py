@@ -21,16 +21,21 @@ from store.warehouse import logits_matrix
 DECODE_KERNEL = f"decode-1+metrics-{M.KERNEL_VERSION}"
 
 
+def _digest(wh: Warehouse, cell_id: str, repeat: int) -> str:
+    """A decode file's content key part, from its row hashes alone (no logits read)."""
+    hashes = wh.read_shard(cell_id, repeat, ["row_hash"], "decode").column("row_hash").to_pylist()
+    return hashlib.sha256("".join(hashes).encode()).hexdigest()
+
+
 def _read(wh: Warehouse, cell_id: str, repeat: int) -> dict[str, Any]:
-    """{"prefill" | "decode": {(prompt, position, step): row index}, "values": (rows, vocab) float32, ...}."""
+    """{"prefill" | "decode": {(prompt, position, step): row index}, "values": (rows, vocab) float32, "hash"}."""
     t = wh.read_shard(cell_id, repeat, ["prompt_id", "position", "step", "path", "row_hash", "logits"], "decode")
     d = t.select(["prompt_id", "position", "step", "path", "row_hash"]).to_pydict()
     out: dict[str, Any] = {"prefill": {}, "decode": {}, "hash": d["row_hash"],
                            "values": logits_matrix(t.column("logits"))}  # (rows, vocab) float32, exact
     for i, (p, q, s, path) in enumerate(zip(d["prompt_id"], d["position"], d["step"], d["path"])):
         out[path][(p, q, s)] = i
-    digest = hashlib.sha256("".join(d["row_hash"]).encode()).hexdigest()
-    return out | {"digest": digest}
+    return out
 
 
 def _kl(ref: np.ndarray, stk: np.ndarray) -> dict[str, np.ndarray]:
@@ -74,16 +79,14 @@ def analyze_decode(wh: Warehouse, done: list[dict], force: bool, log: Callable[[
             continue
         ref_id = cell.get("reference_cell_id")
         has_ref = bool(ref_id and (by_id.get(ref_id) or {}).get("decode"))
-        ref = _read(wh, ref_id, 0) if has_ref else None
         if not has_ref:
             out["no_reference_rows"].append(cell["cell_id"])
             log(f"decode: {cell['cell_id']}: its reference {ref_id} recorded no decode file; "
                 "decode rows are compared with this cell's own prefill only")
         repeats = sorted(wh.completed_repeats(cell["cell_id"], "decode"))
-        mine = {r: _read(wh, cell["cell_id"], r) for r in repeats}
         key = hashlib.sha256(json.dumps({"kernel": DECODE_KERNEL, "ref": ref_id if has_ref else None,
-                                         "ref_digest": ref["digest"] if ref else None,
-                                         "shards": {r: m["digest"] for r, m in mine.items()}},
+                                         "ref_digest": _digest(wh, ref_id, 0) if has_ref else None,
+                                         "shards": {r: _digest(wh, cell["cell_id"], r) for r in repeats}},
                                         sort_keys=True).encode()).hexdigest()
         meta = wh.table_meta("decode_metrics", cell["cell_id"]) or {}
         out["cells"] += 1
@@ -91,8 +94,9 @@ def analyze_decode(wh: Warehouse, done: list[dict], force: bool, log: Callable[[
             out["reused"] += 1
             out["rows"] += meta.get("rows", 0)
             continue
-        table = pa.concat_tables([compare(cell["cell_id"], ref_id if has_ref else None, r, m, ref)
-                                  for r, m in mine.items()])
+        ref = _read(wh, ref_id, 0) if has_ref else None  # the logits only where something is computed
+        table = pa.concat_tables([compare(cell["cell_id"], ref_id if has_ref else None, r, _read(wh, cell["cell_id"], r),
+                                          ref) for r in repeats])
         wh.write_table("decode_metrics", cell["cell_id"], table,
                        {"key": key, "kernel_version": DECODE_KERNEL, "rows": table.num_rows})
         out["rows"] += table.num_rows

@@ -48,11 +48,10 @@ def _prompt_rows(pf: pq.ParquetFile, groups: list[int], prompt: str) -> pa.Table
         set(t.column("prompt_id").to_pylist()) != {prompt} else t
 
 
-def compare(wh: Warehouse, cell: dict, ref_id: str, repeat: int, ref: tuple) -> tuple[pa.Table, int]:
-    """One repeat of a cell against the reference's repeat 0 (ref: (ParquetFile, groups)).
+def compare(cell: dict, ref_id: str, repeat: int, mine: tuple, ref: tuple) -> tuple[pa.Table, int]:
+    """One repeat of a cell against the reference's repeat 0 (mine, ref: (ParquetFile, groups)).
     Returns (LAYER_METRICS rows, rows the reference has no row for)."""
-    pf = _open(wh, cell["cell_id"], repeat)
-    groups, _ = _groups(pf)
+    pf, groups = mine
     ref_pf, ref_groups = ref
     parts, unaligned = [], 0
     for prompt, gs in groups.items():
@@ -108,10 +107,11 @@ def analyze_layers(wh: Warehouse, done: list[dict], reference: str | None, force
 def _one(wh: Warehouse, cell: dict, ref_id: str, force: bool, out: dict, log) -> None:
     ref_pf = _open(wh, ref_id, 0)
     ref_groups, ref_digest = _groups(ref_pf)
-    repeats = sorted(wh.completed_repeats(cell["cell_id"], "layer_states"))
-    digests = {r: _groups(_open(wh, cell["cell_id"], r))[1] for r in repeats}
+    shards = {r: _open(wh, cell["cell_id"], r) for r in sorted(wh.completed_repeats(cell["cell_id"], "layer_states"))}
+    indexed = {r: (pf, *_groups(pf)) for r, pf in shards.items()}  # repeat -> (file, groups, digest)
     key = hashlib.sha256(json.dumps({"kernel": LAYER_KERNEL, "ref": ref_id, "ref_digest": ref_digest,
-                                     "shards": digests}, sort_keys=True).encode()).hexdigest()
+                                     "shards": {r: x[2] for r, x in indexed.items()}},
+                                    sort_keys=True).encode()).hexdigest()
     meta = wh.table_meta("layer_metrics", cell["cell_id"]) or {}
     if not force and meta.get("key") == key:
         out["reused"] += 1
@@ -119,8 +119,8 @@ def _one(wh: Warehouse, cell: dict, ref_id: str, force: bool, out: dict, log) ->
         out["rows"] += meta.get("rows", 0)
         return
     tables, unaligned = [], 0
-    for r in repeats:
-        t, u = compare(wh, cell, ref_id, r, (ref_pf, ref_groups))
+    for r, (pf, groups, _) in indexed.items():
+        t, u = compare(cell, ref_id, r, (pf, groups), (ref_pf, ref_groups))
         tables.append(t)
         unaligned += u
     table = pa.concat_tables(tables)
