@@ -38,7 +38,7 @@ demo: $(STAMP)
 	$(VENV)/bin/matrix report --warehouse warehouse
 	@# where divergence starts: Q4_K_M's first 4 layers against the reference's (exit 1 is a verdict, not an error)
 	$(VENV)/bin/matrix layers "$$($(VENV)/bin/matrix sql "select cell_id from cells where layers is not null and dtype = 'q4_k_m' order by finished_at desc limit 1" --warehouse warehouse --format csv | tail -1)" --warehouse warehouse || [ $$? -eq 1 ]
-	$(VENV)/bin/matrix sql "select cell_id, path, rows, kld_mean, kld_vs_prefill_mean, max_abs_diff_vs_prefill, identical_share from summary_by_path order by cell_id, path" --warehouse warehouse
+	$(VENV)/bin/matrix sql "select cell_id, rows_of, path, rows, kld_mean, kld_vs_prefill_mean, max_abs_diff_vs_prefill, identical_share from summary_by_path order by cell_id, rows_of, path" --warehouse warehouse
 	@# the shipped Q4_1 file, measured as a published candidate: its card names the file and its hash
 	$(VENV)/bin/matrix card "$$($(VENV)/bin/matrix sql "select cell_id from cells where artifact_sha256 is not null and status = 'done' order by finished_at desc limit 1" --warehouse warehouse --format csv | tail -1)" --warehouse warehouse
 

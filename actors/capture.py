@@ -79,8 +79,9 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
     layers_writer: the same kind of writer for the layer_states table; each prompt's hidden states
     at the same positions (backend.stack.layers and the final norm) go there, from the same
     forward (Extras). It commits first: a logits shard then never exists without its layer shard.
-    decode_writer: a `decode:` cell's d<repeat> file (rows written as they are, lossless): at each
-    position the cell decodes, the decode row and the prefill row there (Extras).
+    decode_writer: a `decode:` or `prefix_cache:` cell's d<repeat> file (rows written as they are,
+    lossless): at each position the cell decodes, the decode row and the prefill row there; at each
+    position a warm prefix cache recomputed, that row and the capture's own (Extras).
 
     max_tokens: keep only the sampled positions below it and feed just the prefix they
     need; logits at p depend on ids[0..p] only, so those rows mean what the full run's do.
@@ -130,7 +131,9 @@ class Extras:
         self.depth = backend.n_layers() if self.layers else 0
         self.sources = backend.state_sources(self.layers) if self.layers else {}
         self.decode = backend.stack.decode if decode_writer is not None else None
+        self.prefix = bool(backend.stack.prefix_cache) and decode_writer is not None
         self.rows, self.seconds, self.identical, self.max_abs = 0, 0.0, 0, 0.0
+        self.cached = {"rows": 0, "hits": {}, "identical_rows": 0, "max_abs_diff_vs_prefill": 0.0, "seconds": 0.0}
 
     def forward(self, prompt_id: str, whole: list[int], fed: list[int], positions: list[int]) -> np.ndarray:
         if self.layers:  # (rows, vocab), {state: (rows, hidden)}: one forward, the taps only copy
@@ -138,6 +141,8 @@ class Extras:
             self.lw.add_layers(prompt_id, positions, states, self.depth, self.sources)
         else:
             rows = self.backend.forward(fed, positions)
+        if self.prefix:
+            self._prefix_cached(prompt_id, whole, fed, positions, rows)
         starts = [a for a in self.decode[1] if a + self.decode[0] < len(whole)] if self.decode else []
         if starts:  # the starts this prompt holds (matrix/runner.check_decode: every start fits some prompt)
             points = [(a, s) for a in starts for s in range(1, self.decode[0] + 1)]  # start-major
@@ -149,6 +154,26 @@ class Extras:
             at = {p: i for i, p in enumerate(want)}
             self._decode(prompt_id, whole, starts, points, pre[[at[a + s] for a, s in points]])
         return rows
+
+    def _prefix_cached(self, prompt_id: str, whole: list[int], fed: list[int], positions: list[int],
+                       fresh: np.ndarray) -> None:
+        """The same fed ids again with the engine's prefix cache warm; each recomputed row beside the
+        capture's fresh row at its position (path 'prefix_cached' / 'prefill', step 0)."""
+        t0 = time.perf_counter()
+        hit, cached = self.backend.prefix_cached(fed, positions)  # (rows >= hit, vocab)
+        self.cached["seconds"] += time.perf_counter() - t0
+        idx = [i for i, p in enumerate(positions) if p >= hit]
+        q = [positions[i] for i in idx]
+        nxt = [whole[p + 1] if p + 1 < len(whole) else None for p in q]
+        pre = fresh[idx]  # (rows, vocab)
+        self.dw.add(prompt_id, q + q, nxt + nxt, np.concatenate([pre, cached.astype(pre.dtype)]), None,
+                    ["prefill"] * len(q) + ["prefix_cached"] * len(q), [0] * (2 * len(q)))
+        n, c = len(q), self.cached
+        c["rows"] += 2 * n
+        c["hits"][prompt_id] = int(hit)
+        c["identical_rows"] += int((pre.view(np.uint8).reshape(n, -1) == cached.view(np.uint8).reshape(n, -1)).all(-1).sum())
+        c["max_abs_diff_vs_prefill"] = max(c["max_abs_diff_vs_prefill"],
+                                           float(np.abs(widen(pre) - widen(cached)).max(initial=0.0)))
 
     def _decode(self, prompt_id: str, whole: list[int], starts: list[int], points: list, prefill: np.ndarray) -> None:
         steps = self.decode[0]
@@ -166,12 +191,12 @@ class Extras:
         self.max_abs = max(self.max_abs, float(np.abs(widen(prefill) - widen(decoded)).max(initial=0.0)))
 
     def commit(self) -> None:  # before the logits shard: a logits shard never exists without these
-        for w in (self.lw if self.layers else None, self.dw if self.decode else None):
+        for w in (self.lw if self.layers else None, self.dw if self.decode or self.prefix else None):
             if w is not None:
                 w.commit()
 
     def abort(self) -> None:
-        for w in (self.lw if self.layers else None, self.dw if self.decode else None):
+        for w in (self.lw if self.layers else None, self.dw if self.decode or self.prefix else None):
             if w is not None:
                 w.abort()
 
@@ -183,4 +208,6 @@ class Extras:
             out["decode"] = {"steps": self.decode[0], "at": list(self.decode[1]), "rows": self.rows,
                              "seconds": self.seconds, "identical_rows": self.identical,
                              "max_abs_diff_vs_prefill": self.max_abs}
+        if self.prefix:
+            out["prefix_cache"] = dict(self.cached)
         return out

@@ -176,7 +176,7 @@ class StackActor:
         """Where a shard of this capture goes; None for layer_states when the cell asks for no layers."""
         from actors.depot import RemoteShard
 
-        if (table == "layer_states" and not self.stack.layers) or (table == "decode" and not self.stack.decode):
+        if (table == "layer_states" and not self.stack.layers) or (table == "decode" and not (self.stack.decode or self.stack.prefix_cache)):
             return None
         cid = self.stack.cell_id
         return (ShardWriter(self.delivery.warehouse, run_id, cid, repeat, table) if self.direct

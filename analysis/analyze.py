@@ -333,7 +333,7 @@ def _depth_tables(wh: Warehouse, done: list[dict], reference, force: bool, log) 
         from analysis.layer_analysis import analyze_layers
 
         out["layers"] = analyze_layers(wh, done, reference, force, log)
-    if any(c.get("decode") for c in done):
+    if any(c.get("decode") or c.get("prefix_cache") for c in done):
         from analysis.decode_analysis import analyze_decode
 
         out["decode"] = analyze_decode(wh, done, force, log)

@@ -220,7 +220,8 @@ def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False) ->
     _fill(disclosure)
     return {"cell_id": cell_id, "reference_cell_id": ref["cell_id"], "model": cell["model"],
             "numbers": numbers, "ranges": ranges, "disclosure": disclosure, "undisclosed": missing,
-            "layers": _layers(warehouse, cell), "decode": _decode(warehouse, cell)}
+            "layers": _layers(warehouse, cell), "decode": _decode(warehouse, cell),
+            "prefix_cache": _prefix(warehouse, cell)}
 
 
 def _decode(warehouse: str, cell: dict) -> dict | None:
@@ -229,7 +230,8 @@ def _decode(warehouse: str, cell: dict) -> dict | None:
         return None
     con = connect(warehouse)
     try:
-        rows = {r["path"]: r for r in _rows(con, "SELECT * FROM summary_by_path WHERE cell_id = ?", [cell["cell_id"]])}
+        rows = {r["path"]: r for r in _rows(con, "SELECT * FROM summary_by_path WHERE cell_id = ? AND rows_of = 'decode'",
+                                            [cell["cell_id"]])}
     finally:
         con.close()
     rec, d, p = _json(cell["decode"]), rows.get("decode") or {}, rows.get("prefill") or {}
@@ -240,6 +242,24 @@ def _decode(warehouse: str, cell: dict) -> dict | None:
             "kld_prefill_vs_decode_mean": d.get("kld_vs_prefill_mean"),
             "max_abs_diff_vs_prefill": d.get("max_abs_diff_vs_prefill"),
             "bit_identical_share": d.get("identical_share")}
+
+
+def _prefix(warehouse: str, cell: dict) -> dict | None:
+    """A prefix_cache: cell's rows recomputed from a warm cache against its fresh prefill (null without)."""
+    if not cell.get("prefix_cache"):
+        return None
+    con = connect(warehouse)
+    try:
+        r = (_rows(con, "SELECT * FROM summary_by_path WHERE cell_id = ? AND path = 'prefix_cached'",
+                   [cell["cell_id"]]) or [{}])[0]
+    finally:
+        con.close()
+    rec = _json(cell["prefix_cache"])
+    return {"rows": r.get("rows"), "cached_tokens_mean": r.get("cached_tokens_mean"),
+            "method": "the same prompt evaluated again with the engine's prefix cache warm from the first",
+            "kld_prefill_vs_cached_mean": r.get("kld_vs_prefill_mean"),
+            "max_abs_diff_vs_prefill": r.get("max_abs_diff_vs_prefill"), "bit_identical_share": r.get("identical_share"),
+            "kld_cached_mean": r.get("kld_mean"), "recorded_max_abs_diff": rec.get("max_abs_diff_vs_prefill")}
 
 
 def _layers(warehouse: str, cell: dict) -> dict | None:
@@ -321,6 +341,13 @@ def markdown(card: dict) -> str:
                 f"| prefill | {_g(d['kld_prefill_mean'])} |", f"| decode | {_g(d['kld_decode_mean'])} |", "",
                 f"Decode vs the same cell's prefill: mean KL {_g(d['kld_prefill_vs_decode_mean'])}, max abs diff "
                 f"{_g(d['max_abs_diff_vs_prefill'])}, bit-identical rows {_g(d['bit_identical_share'])}."]
+    if card.get("prefix_cache") and card["prefix_cache"]["rows"]:
+        pc = card["prefix_cache"]
+        out += ["", f"Prefix cache ({pc['method']}; {pc['rows']} recomputed rows, "
+                    f"{_g(pc['cached_tokens_mean'])} tokens from the cache on average): against the fresh prefill "
+                    f"mean KL {_g(pc['kld_prefill_vs_cached_mean'])}, max abs diff {_g(pc['max_abs_diff_vs_prefill'])}, "
+                    f"bit-identical rows {_g(pc['bit_identical_share'])}; against the reference mean KLD "
+                    f"{_g(pc['kld_cached_mean'])}."]
     if card["undisclosed"]:
         out += ["", f"Undisclosed: {', '.join(card['undisclosed'])}."]
     return "\n".join(out) + "\n"

@@ -1,9 +1,12 @@
-"""`matrix analyze`'s decode part (issue 17 item 3; seed 000's KV-cache batch mismatch): each decode
-row of a `decode:` cell against the same position's prefill row of the same cell (prefill/decode
-consistency) and against the reference's prefill row there, into `decode_metrics/<cell_id>.parquet`.
+"""`matrix analyze`'s decode part (issue 17 item 3; seed 000's KV-cache batch mismatch): every row of a
+cell's decode file that left the plain prefill path ('decode': fed one token at a time from the KV
+cache; 'prefix_cached': recomputed with a warm prefix cache) against the same position's prefill row
+of the same cell, and against the reference's prefill row there, into `decode_metrics/<cell_id>.parquet`.
 
-A decode file is small (starts x steps x prompts rows), so it is read whole; the file is rewritten
-only when its inputs changed (content key in its metadata, as the other analysis outputs)."""
+A decode file is small (starts x steps x prompts rows, or a few rows per prompt), so it is read whole;
+the reference's rows come from its own decode file where it has one, else from its capture's shard
+(a prefix-cached row sits at a sampled position). The output is rewritten only when its inputs changed
+(content key in its metadata, as the other analysis outputs)."""
 
 from __future__ import annotations
 
@@ -16,9 +19,11 @@ import pyarrow as pa
 
 from analysis import metrics as M
 from store import Warehouse
+from store.stream import Rows, shard_index
 from store.warehouse import logits_matrix
 
-DECODE_KERNEL = f"decode-1+metrics-{M.KERNEL_VERSION}"
+DECODE_KERNEL = f"decode-2+metrics-{M.KERNEL_VERSION}"
+PATHS = ("decode", "prefix_cached")  # the paths compared with the prefill row of the same key
 
 
 def _digest(wh: Warehouse, cell_id: str, repeat: int) -> str:
@@ -28,75 +33,100 @@ def _digest(wh: Warehouse, cell_id: str, repeat: int) -> str:
 
 
 def _read(wh: Warehouse, cell_id: str, repeat: int) -> dict[str, Any]:
-    """{"prefill" | "decode": {(prompt, position, step): row index}, "values": (rows, vocab) float32, "hash"}."""
+    """{path: {(prompt, position, step): row index}, "values": (rows, vocab) float32, "hash"}."""
     t = wh.read_shard(cell_id, repeat, ["prompt_id", "position", "step", "path", "row_hash", "logits"], "decode")
     d = t.select(["prompt_id", "position", "step", "path", "row_hash"]).to_pydict()
-    out: dict[str, Any] = {"prefill": {}, "decode": {}, "hash": d["row_hash"],
+    out: dict[str, Any] = {"prefill": {}, **{p: {} for p in PATHS}, "hash": d["row_hash"],
                            "values": logits_matrix(t.column("logits"))}  # (rows, vocab) float32, exact
     for i, (p, q, s, path) in enumerate(zip(d["prompt_id"], d["position"], d["step"], d["path"])):
         out[path][(p, q, s)] = i
     return out
 
 
-def _kl(ref: np.ndarray, stk: np.ndarray) -> dict[str, np.ndarray]:
-    return M.row_metrics(ref, stk)
+class Reference:
+    """The reference's prefill row at (prompt, position): from its decode file, else its capture's shard."""
+
+    def __init__(self, wh: Warehouse, ref_id: str | None, has_file: bool):
+        self.wh, self.ref_id = wh, ref_id
+        self.file = _read(wh, ref_id, 0) if has_file else None
+        self.at = {(p, q): i for (p, q, _), i in self.file["prefill"].items()} if self.file else {}
+        self.index = shard_index(wh, ref_id, 0) if ref_id else None
+
+    def rows(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], np.ndarray]:
+        out = {k: self.file["values"][self.at[k]] for k in keys if k in self.at}
+        rest = sorted({k for k in keys if k not in out and self.index and k[0] in self.index.prompts})
+        for prompt in sorted({p for p, _ in rest}):
+            pr = self.index.prompts[prompt]
+            where = {int(q): i for i, q in enumerate(pr.positions)}
+            want = [(q, where[q]) for p, q in rest if p == prompt and q in where]
+            if want:
+                got = Rows(self.wh, self.index, prompt, len(want)).take(np.array([i for _, i in want]))  # (n, vocab)
+                out.update({(prompt, q): got[j] for j, (q, _) in enumerate(want)})
+        return out
 
 
-def compare(cell_id: str, ref_id: str | None, repeat: int, mine: dict, ref: dict | None) -> pa.Table:
-    keys = sorted(mine["decode"])
-    dec = np.array([mine["decode"][k] for k in keys], np.int64)
-    pre = np.array([mine["prefill"][k] for k in keys], np.int64)
+def compare(cell_id: str, repeat: int, mine: dict, ref: Reference | None, hits: dict[str, int]) -> pa.Table:
+    keys = [(path, k) for path in PATHS for k in sorted(mine[path])]
+    other = np.array([mine[path][k] for path, k in keys], np.int64)
+    pre = np.array([mine["prefill"][k] for _, k in keys], np.int64)
     v = mine["values"]
-    own = _kl(v[pre], v[dec])  # KL(P_prefill || P_decode), same cell
+    own = M.row_metrics(v[pre], v[other])  # KL(P_prefill || P_other), same cell
     n = len(keys)
     kld, kld_pre, top1 = [None] * n, [None] * n, [None] * n  # null where the reference has no row
-    if ref is not None:
-        # the reference's prefill row at the same (prompt, position), whatever its decode steps were
-        at = {(p, q): i for (p, q, _), i in ref["prefill"].items()}
-        hit = [(j, at[(k[0], k[1])]) for j, k in enumerate(keys) if (k[0], k[1]) in at]
-        if hit:
-            j, r = np.array([h[0] for h in hit]), np.array([h[1] for h in hit])
-            vs_dec, vs_pre = _kl(ref["values"][r], v[dec[j]]), _kl(ref["values"][r], v[pre[j]])
-            for x, jj in enumerate(j):
-                kld[jj], kld_pre[jj], top1[jj] = (float(vs_dec["kld"][x]), float(vs_pre["kld"][x]),
-                                                  bool(vs_dec["top1_match"][x]))
-    same = [mine["hash"][a] == mine["hash"][b] for a, b in zip(dec, pre)]
+    got = ref.rows([(k[0], k[1]) for _, k in keys]) if ref is not None else {}
+    hit = [j for j, (_, k) in enumerate(keys) if (k[0], k[1]) in got]
+    if hit:
+        r = np.stack([got[(keys[j][1][0], keys[j][1][1])] for j in hit])  # (hits, vocab)
+        j = np.array(hit)
+        vs_other, vs_pre = M.row_metrics(r, v[other[j]]), M.row_metrics(r, v[pre[j]])
+        for x, jj in enumerate(hit):
+            kld[jj], kld_pre[jj], top1[jj] = (float(vs_other["kld"][x]), float(vs_pre["kld"][x]),
+                                              bool(vs_other["top1_match"][x]))
+    same = [mine["hash"][a] == mine["hash"][b] for a, b in zip(other, pre)]
     return pa.table({
-        "cell_id": [cell_id] * n, "reference_cell_id": [ref_id] * n, "prompt_id": [k[0] for k in keys],
-        "position": pa.array([k[1] for k in keys], pa.int32()), "step": pa.array([k[2] for k in keys], pa.int32()),
-        "repeat": pa.array([repeat] * n, pa.int32()),
+        "cell_id": [cell_id] * n, "reference_cell_id": [ref.ref_id if ref else None] * n,
+        "prompt_id": [k[0] for _, k in keys], "position": pa.array([k[1] for _, k in keys], pa.int32()),
+        "step": pa.array([k[2] for _, k in keys], pa.int32()), "repeat": pa.array([repeat] * n, pa.int32()),
+        "path": [p for p, _ in keys],
+        "cached_tokens": pa.array([hits.get(k[0]) if p == "prefix_cached" else None for p, k in keys], pa.int32()),
         "kld_vs_prefill": pa.array(own["kld"], pa.float64()), "max_abs_diff_vs_prefill": pa.array(own["max_abs_diff"], pa.float64()),
         "top1_match_prefill": pa.array(own["top1_match"], pa.bool_()), "identical_to_prefill": pa.array(same, pa.bool_()),
         "kld": pa.array(kld, pa.float64()), "top1_match": pa.array(top1, pa.bool_()),
         "kld_prefill": pa.array(kld_pre, pa.float64()), "kernel_version": [DECODE_KERNEL] * n})
 
 
+def _key(wh: Warehouse, cell: dict, ref_id: str | None, ref_file: bool, repeats: list[int]) -> str:
+    """Content key: this cell's decode files, the reference's decode file and capture shard."""
+    parts = {"kernel": DECODE_KERNEL, "ref": ref_id, "ref_digest": _digest(wh, ref_id, 0) if ref_file else None,
+             "ref_shard": shard_index(wh, ref_id, 0).digest if ref_id and cell.get("prefix_cache") else None,
+             "shards": {r: _digest(wh, cell["cell_id"], r) for r in repeats}}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
 def analyze_decode(wh: Warehouse, done: list[dict], force: bool, log: Callable[[str], None]) -> dict[str, Any]:
     by_id = {c["cell_id"]: c for c in done}
     out = {"cells": 0, "reused": 0, "rows": 0, "no_reference_rows": []}
     for cell in done:
-        if not cell.get("decode"):
+        if not (cell.get("decode") or cell.get("prefix_cache")):
             continue
-        ref_id = cell.get("reference_cell_id")
-        has_ref = bool(ref_id and (by_id.get(ref_id) or {}).get("decode"))
-        if not has_ref:
+        ref_id = cell.get("reference_cell_id") if cell.get("reference_cell_id") in by_id else None
+        ref_file = bool(ref_id and by_id[ref_id].get("decode"))
+        if cell.get("decode") and not ref_file:
             out["no_reference_rows"].append(cell["cell_id"])
             log(f"decode: {cell['cell_id']}: its reference {ref_id} recorded no decode file; "
                 "decode rows are compared with this cell's own prefill only")
         repeats = sorted(wh.completed_repeats(cell["cell_id"], "decode"))
-        key = hashlib.sha256(json.dumps({"kernel": DECODE_KERNEL, "ref": ref_id if has_ref else None,
-                                         "ref_digest": _digest(wh, ref_id, 0) if has_ref else None,
-                                         "shards": {r: _digest(wh, cell["cell_id"], r) for r in repeats}},
-                                        sort_keys=True).encode()).hexdigest()
+        key = _key(wh, cell, ref_id, ref_file, repeats)
         meta = wh.table_meta("decode_metrics", cell["cell_id"]) or {}
         out["cells"] += 1
         if not force and meta.get("key") == key:
             out["reused"] += 1
             out["rows"] += meta.get("rows", 0)
             continue
-        ref = _read(wh, ref_id, 0) if has_ref else None  # the logits only where something is computed
-        table = pa.concat_tables([compare(cell["cell_id"], ref_id if has_ref else None, r, _read(wh, cell["cell_id"], r),
-                                          ref) for r in repeats])
+        ref = Reference(wh, ref_id, ref_file) if ref_id else None  # the logits only where something is computed
+        hits = json.loads(cell["prefix_cache"])["hits"] if cell.get("prefix_cache") else {}
+        table = pa.concat_tables([compare(cell["cell_id"], r, _read(wh, cell["cell_id"], r), ref, hits)
+                                  for r in repeats])
         wh.write_table("decode_metrics", cell["cell_id"], table,
                        {"key": key, "kernel_version": DECODE_KERNEL, "rows": table.num_rows})
         out["rows"] += table.num_rows

@@ -36,8 +36,8 @@ def gather(warehouse: str) -> dict:
                          WHERE category IS NULL ORDER BY cell_id, lo""")
         layers = rows("""SELECT cell_id, layer, layer_index, rows, cosine_min, cosine_mean, norm_ratio_dev_max
                          FROM layer_summary ORDER BY cell_id, layer_index""")
-        paths = rows("""SELECT cell_id, path, rows, kld_mean, kld_vs_prefill_mean, max_abs_diff_vs_prefill,
-                                identical_share FROM summary_by_path ORDER BY cell_id, path""")
+        paths = rows("""SELECT cell_id, rows_of, path, rows, kld_mean, cached_tokens_mean, kld_vs_prefill_mean, max_abs_diff_vs_prefill,
+                                identical_share FROM summary_by_path ORDER BY cell_id, rows_of, path""")
     finally:
         con.close()
     return {"cells": cells, "curves": curves, "pairs": pairs, "ranges": ranges, "layers": layers, "paths": paths}

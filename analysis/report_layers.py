@@ -89,9 +89,11 @@ def svg_paths(rows: list[dict], w=760) -> str:
 
 
 def decode_section(rows: list[dict]) -> str:
-    """The HTML of the prefill-vs-decode section, or "" when no cell recorded decode rows."""
+    """The HTML of the prefill-vs-decode section (and the prefix-cache table), or "" without such rows."""
+    cached = [r for r in rows if r["path"] == "prefix_cached"]
+    rows = [r for r in rows if r["rows_of"] == "decode"]
     if not rows:
-        return ""
+        return prefix_section(cached)
     dec = [r for r in rows if r["path"] == "decode"]
     body = "".join(
         f"<tr><td>{html.escape(r['cell_id'])}</td><td>{r['rows']}</td><td>{r['kld_vs_prefill_mean']:.3g}</td>"
@@ -101,4 +103,21 @@ def decode_section(rows: list[dict]) -> str:
             "seed 000's KV-cache batch mismatch). Both against the reference's prefill row there.</p>"
             + svg_paths(rows)
             + "<table id=\"decode\"><tr><th>cell</th><th>decode rows</th><th>KL(prefill || decode) mean</th>"
-              "<th>max |decode - prefill|</th><th>bit-identical</th></tr>" + body + "</table>")
+              "<th>max |decode - prefill|</th><th>bit-identical</th></tr>" + body + "</table>"
+            + prefix_section(cached))
+
+
+def prefix_section(cached: list[dict]) -> str:
+    """A `prefix_cache: check` cell's recomputed rows against its fresh prefill rows."""
+    if not cached:
+        return ""
+    body = "".join(
+        f"<tr><td>{html.escape(r['cell_id'])}</td><td>{r['rows']}</td><td>{r['cached_tokens_mean']:.1f}</td>"
+        f"<td>{r['kld_vs_prefill_mean']:.3g}</td><td>{r['max_abs_diff_vs_prefill']:.3g}</td>"
+        f"<td>{r['identical_share']:.0%}</td></tr>" for r in cached)
+    return ("<h2>Prefix cache against a fresh prefill</h2><p>Each prompt evaluated a second time with the "
+            "engine's prefix cache warm from the first; the rows it recomputed against the fresh prefill's "
+            "(seed 000: a cached prefix may not equal a fresh prefill).</p>"
+            "<table id=\"prefix-cache\"><tr><th>cell</th><th>rows</th><th>tokens from the cache (mean)</th>"
+            "<th>KL(prefill || cached) mean</th><th>max |cached - prefill|</th><th>bit-identical</th></tr>"
+            + body + "</table>")

@@ -185,21 +185,25 @@ VIEWS = {
         FROM layer_metrics m JOIN cells c USING (cell_id)
         WHERE m.repeat = 0
         GROUP BY ALL""",
-    # The decode path (issue 17): per cell and path, the rows at the positions a `decode:` cell
-    # decoded. 'prefill': the cell's own prefill rows there vs the reference's; 'decode': its decode
-    # rows vs the reference's prefill rows, with prefill/decode consistency (the same cell's two rows).
+    # Off the plain prefill (issue 17): per cell, the rows at the positions a `decode:` cell decoded or
+    # a `prefix_cache:` cell recomputed from a warm cache (rows_of). path 'prefill': the cell's own
+    # prefill rows there vs the reference's; path = rows_of: those rows vs the reference's prefill
+    # rows, with their consistency with the same cell's prefill row (kld / max |diff| / identical).
     "summary_by_path": """
-        SELECT c.model, d.cell_id, c.engine, c.dtype, d.reference_cell_id, p.path, count(*) AS rows,
-               CASE p.path WHEN 'decode' THEN avg(d.kld) ELSE avg(d.kld_prefill) END AS kld_mean,
-               CASE p.path WHEN 'decode' THEN max(d.kld) ELSE max(d.kld_prefill) END AS kld_max,
-               CASE p.path WHEN 'decode' THEN avg(d.top1_match::INT) END AS top1_agreement,
-               CASE p.path WHEN 'decode' THEN avg(d.kld_vs_prefill) END AS kld_vs_prefill_mean,
-               CASE p.path WHEN 'decode' THEN max(d.max_abs_diff_vs_prefill) END AS max_abs_diff_vs_prefill,
-               CASE p.path WHEN 'decode' THEN avg(d.identical_to_prefill::INT) END AS identical_share,
-               CASE p.path WHEN 'decode' THEN avg(d.top1_match_prefill::INT) END AS top1_agreement_prefill
-        FROM decode_metrics d JOIN cells c USING (cell_id) CROSS JOIN (VALUES ('prefill'), ('decode')) p(path)
-        WHERE d.repeat = 0
-        GROUP BY c.model, d.cell_id, c.engine, c.dtype, d.reference_cell_id, p.path""",
+        WITH d AS (SELECT *, coalesce(path, 'decode') AS rows_of FROM decode_metrics WHERE repeat = 0)
+        SELECT c.model, d.cell_id, c.engine, c.dtype, d.reference_cell_id, d.rows_of, d.path, count(*) AS rows,
+               CASE WHEN d.path = 'prefill' THEN avg(d.kld_prefill) ELSE avg(d.kld) END AS kld_mean,
+               CASE WHEN d.path = 'prefill' THEN max(d.kld_prefill) ELSE max(d.kld) END AS kld_max,
+               CASE WHEN d.path <> 'prefill' THEN avg(d.top1_match::INT) END AS top1_agreement,
+               CASE WHEN d.path <> 'prefill' THEN avg(d.kld_vs_prefill) END AS kld_vs_prefill_mean,
+               CASE WHEN d.path <> 'prefill' THEN max(d.max_abs_diff_vs_prefill) END AS max_abs_diff_vs_prefill,
+               CASE WHEN d.path <> 'prefill' THEN avg(d.identical_to_prefill::INT) END AS identical_share,
+               CASE WHEN d.path <> 'prefill' THEN avg(d.top1_match_prefill::INT) END AS top1_agreement_prefill,
+               CASE WHEN d.path <> 'prefill' THEN avg(d.cached_tokens) END AS cached_tokens_mean
+        FROM (SELECT d.* EXCLUDE (path), CASE WHEN q.own THEN 'prefill' ELSE d.rows_of END AS path
+              FROM d CROSS JOIN (VALUES (true), (false)) q(own)) d
+             JOIN cells c USING (cell_id)
+        GROUP BY c.model, d.cell_id, c.engine, c.dtype, d.reference_cell_id, d.rows_of, d.path""",
     # Byte identity of one stack across hosts (replicas) and engine builds: every pair of its
     # captured cells, compared row by row on the row hashes of repeat 0 (no logits are read).
     "stack_identity": """

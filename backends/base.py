@@ -102,6 +102,10 @@ class Backend:
             return f"engine {cls.engine} cannot run the decode path here (the cell asks for decode rows)"
         if getattr(cell, "decode", None) and cell.tp > 1:  # the other ranks would have to join each step
             return "decode rows are recorded at tp 1 only in this version"
+        if getattr(cell, "prefix_cache", False) and not cls.gives_prefix_cache:
+            return f"engine {cls.engine} has no prefix cache to check here (the cell asks for prefix_cache: check)"
+        if getattr(cell, "prefix_cache", False) and cell.tp > 1:
+            return "prefix_cache: check runs at tp 1 only in this version"
         return None
 
     def checkpoint_candidate(self) -> dict[str, Any]:
@@ -144,6 +148,16 @@ class Backend:
         """Prefill token_ids[:at + 1] into a fresh KV cache, then feed token_ids[at + s] alone for
         s = 1..steps: (steps, vocab) logits, row s - 1 at position at + s, native dtype as forward()."""
         raise SkipCell(f"engine {self.engine} cannot run the decode path")
+
+    # `prefix_cache: check` (issue 17, seed 000): the same prompt a second time with the engine's
+    # prefix cache warm from the first; the engine's own rule decides what it serves from the cache.
+    gives_prefix_cache: ClassVar[bool] = False
+
+    def prefix_cached(self, token_ids: list[int], positions: list[int]) -> tuple[int, np.ndarray]:
+        """Evaluate token_ids with the prefix cache on, then the same ids again: -> (hit: the leading
+        tokens the second evaluation took from the cache, (rows, vocab) of its rows at the positions
+        >= hit, native dtype as forward())."""
+        raise SkipCell(f"engine {self.engine} has no prefix cache to check")
 
     def forward_and_layers(self, token_ids: list[int], positions: list[int],
                            layers: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:

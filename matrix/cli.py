@@ -27,13 +27,15 @@ def _brief(opts: dict) -> str:
 
 def cmd_cells(args) -> int:
     from matrix.cells import load_spec
+    from matrix.cli_layers import human, layer_brief, layer_sizes, off_prefill
     from matrix.cli_builds import build_columns
 
     spec = load_spec(args.spec)
-    sizes = _layer_sizes(spec)
+    sizes = layer_sizes(spec)
     cells = [{**c.axes(), "threads": c.threads, "options": c.opts, "max_tokens": c.max_tokens, "cell_id": c.cell_id,
               "layer_states": sizes.get(c.cell_id),
               "decode": None if c.decode is None else {"steps": c.decode[0], "at": list(c.decode[1])},
+              "prefix_cache": "check" if c.prefix_cache else None,
               "replica": c.replica, "reference": c.cell_id in spec.reference_cells.values(),
               "candidate": None if c.artifact is None else {"file": c.artifact, "sha256": c.artifact_sha256,
                                                             "label": c.label}} for c in spec.cells]
@@ -55,14 +57,13 @@ def cmd_cells(args) -> int:
                    "stride": spec.stride, "positions": spec.positions.to_dict(), "repeats": spec.repeats,
                    "corpus": spec.corpus})
     else:
-        decoding = any(c["decode"] for c in cells)
-        cols = ["cell_id", "role", "options"] + (["layer states"] if sizes else []) + (["decode"] if decoding else []) \
+        decoding = any(c["decode"] or c["prefix_cache"] for c in cells)
+        cols = ["cell_id", "role", "options"] + (["layer states"] if sizes else []) + (["off prefill"] if decoding else []) \
             + (["placement"] if placed else []) + (["build", "captured by", "a run"] if builds else [])
         print(table(cols, [[c["cell_id"], "reference" if c["reference"] else
                             f"candidate: {c['candidate']['label']}" if c["candidate"] else "", _brief(c["options"])]
-                           + ([_layer_brief(c["layer_states"])] if sizes else [])
-                           + ([f"{c['decode']['steps']} steps from {c['decode']['at']}" if c["decode"] else "-"]
-                              if decoding else [])
+                           + ([layer_brief(c["layer_states"])] if sizes else [])
+                           + ([off_prefill(c)] if decoding else [])
                            + ([placed[c["cell_id"]].brief()] if placed else [])
                            + ([c["build"] or "?", ", ".join(b["build"] or "unrecorded" for b in c["captured"]) or "-",
                                c["action"]] if builds else []) for c in cells]))
@@ -73,36 +74,11 @@ def cmd_cells(args) -> int:
               f"repeats {spec.repeats}")
         if sizes:
             total = sum(v["bytes_estimate"] for v in sizes.values())
-            print(f"layer states: {_human(total)} over {len(sizes)} cell(s) (states x hidden x rows at the "
+            print(f"layer states: {human(total)} over {len(sizes)} cell(s) (states x hidden x rows at the "
                   "engine's native width; hidden states barely compress)")
     if nodes is not None:
         placement.check_placement(spec.cells, nodes, lambda msg: None)  # the same exit 2 as `matrix run`
     return 0
-
-
-def _layer_sizes(spec) -> dict[str, dict]:
-    """cell id -> the bytes its layer states will take (matrix.runner.layer_bytes); resolving the
-    models and tokenising the corpus only when a cell asks for layers (a bad index: exit 2 here too)."""
-    if not any(c.layers for c in spec.cells):
-        return {}
-    from matrix.runner import layer_bytes, prepare
-
-    plan = prepare(spec, None, lambda m: None)
-    return {c.cell_id: layer_bytes(plan, c) for c in spec.cells if c.layers}
-
-
-def _layer_brief(size: dict | None) -> str:
-    if not size:
-        return "-"
-    return f"{size['states_per_row']} x {size['hidden']} x {size['rows']} rows ~ {_human(size['bytes_estimate'])}"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def _known_nodes(address: str | None, cluster_config: str | None, probe_spec=None) -> tuple[list | None, dict | None]:
@@ -279,7 +255,7 @@ def cmd_analyze(args) -> int:
             "`matrix layers CELL` for the table and the first failing layer")
     if summary.get("decode"):
         dc = summary["decode"]
-        log(f"decode metrics: {dc['cells']} cell(s), {dc['rows']} decode rows ({dc['reused']} up to date); "
+        log(f"decode metrics: {dc['cells']} cell(s), {dc['rows']} decode / prefix-cached rows ({dc['reused']} up to date); "
             "the summary_by_path view compares them with the prefill")
     if args.json:
         emit_json(summary)

@@ -54,3 +54,36 @@ def add_parser(sub) -> None:
     p.add_argument("--class", dest="quant_class", default=None, help="quant class (default: from the cell's dtype)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_layers)
+
+
+# What `matrix cells` prints of a cell's extras (layer states, rows off the plain prefill).
+def off_prefill(c: dict) -> str:
+    """What a cell records beside its prefill rows: decode steps, a prefix-cache check."""
+    parts = ([f"decode {c['decode']['steps']} steps from {c['decode']['at']}"] if c["decode"] else []) \
+        + (["prefix cache check"] if c["prefix_cache"] else [])
+    return "; ".join(parts) or "-"
+
+
+def layer_sizes(spec) -> dict[str, dict]:
+    """cell id -> the bytes its layer states will take (matrix.runner.layer_bytes); resolving the
+    models and tokenising the corpus only when a cell asks for layers (a bad index: exit 2 here too)."""
+    if not any(c.layers for c in spec.cells):
+        return {}
+    from matrix.runner import layer_bytes, prepare
+
+    plan = prepare(spec, None, lambda m: None)
+    return {c.cell_id: layer_bytes(plan, c) for c in spec.cells if c.layers}
+
+
+def layer_brief(size: dict | None) -> str:
+    if not size:
+        return "-"
+    return f"{size['states_per_row']} x {size['hidden']} x {size['rows']} rows ~ {human(size['bytes_estimate'])}"
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -102,10 +102,20 @@ def check_decode(spec: Spec, model: str, prompts: list) -> None:
                             f"positions 0..{len(longest.token_ids) - 1})")
 
 
-def decode_rows(plan: Plan, cell: Cell) -> int:
-    """Rows of one repeat's decode file: a decode and a prefill row per step of each start that fits."""
-    steps, at = cell.decode
-    return 2 * steps * sum(sum(a + steps < len(p.token_ids) for a in at) for p in plan.prompts[cell.model])
+def decode_rows(plan: Plan, cell: Cell) -> tuple[int, bool]:
+    """Rows of one repeat's decode file, and whether that count is exact: a decode and a prefill row
+    per step of each start that fits; a `prefix_cache:` cell adds a cached and a prefill row per row
+    the engine recomputed (at least the last of each prompt: how many is the engine's rule)."""
+    from actors.capture import fed_ids
+
+    rows = 0
+    if cell.decode:
+        steps, at = cell.decode
+        rows = 2 * steps * sum(sum(a + steps < len(p.token_ids) for a in at) for p in plan.prompts[cell.model])
+    if cell.prefix_cache:
+        fed = [fed_ids(p.token_ids, plan.spec.positions, cell.max_tokens)[1] for p in plan.prompts[cell.model]]
+        return rows + 2 * sum(1 for f in fed if f), False
+    return rows, True
 
 
 @dataclass(frozen=True)
@@ -181,8 +191,8 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
                 why = "unreadable: " + first_line(str(e), type(e).__name__)
         if why is None and cell.layers:
             why = _layer_shard_problem(wh, cell, r, want)
-        if why is None and cell.decode:
-            why = _decode_shard_problem(wh, cell, r, decode_rows(plan, cell))
+        if why is None and (cell.decode or cell.prefix_cache):
+            why = _decode_shard_problem(wh, cell, r, *decode_rows(plan, cell))
         if why is None:
             done.add(r)
         elif resume.recapture_damaged:
@@ -200,20 +210,22 @@ def _layer_shard_problem(wh: Warehouse, cell: Cell, repeat: int, want: int) -> s
     return _side_shard_problem(wh, cell, repeat, "layer_states", want * (len(cell.layers) + 1))
 
 
-def _decode_shard_problem(wh: Warehouse, cell: Cell, repeat: int, rows: int) -> str | None:
-    """A decode: cell's repeat is complete only with its decode file (a decode and a prefill row
-    per start, step and prompt)."""
-    return _side_shard_problem(wh, cell, repeat, "decode", rows)
+def _decode_shard_problem(wh: Warehouse, cell: Cell, repeat: int, rows: int, exact: bool) -> str | None:
+    """A decode: (or prefix_cache:) cell's repeat is complete only with its decode file (decode_rows)."""
+    return _side_shard_problem(wh, cell, repeat, "decode", rows, exact)
 
 
-def _side_shard_problem(wh: Warehouse, cell: Cell, repeat: int, table: str, rows: int) -> str | None:
+def _side_shard_problem(wh: Warehouse, cell: Cell, repeat: int, table: str, rows: int,
+                        exact: bool = True) -> str | None:
     try:
         n = wh.shard_rows(cell.cell_id, repeat, table)
     except FileNotFoundError:
         return f"its {table} shard is missing"
     except Exception as e:
         return f"{table} shard unreadable: " + first_line(str(e), type(e).__name__)
-    return None if n == rows else f"{table}: {n} rows, the cell has {rows} per repeat"
+    if n == rows or (not exact and n >= rows):
+        return None
+    return f"{table}: {n} rows, the cell has {'' if exact else 'at least '}{rows} per repeat"
 
 
 def find_todo(plan: Plan, wh: Warehouse, resume: Resume = Resume(), log: Callable[[str], None] = lambda m: None,

@@ -33,7 +33,7 @@ STORES = ("native", "bf16")
 REFERENCE_METRICS = ("analyze", "in_actor")
 TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
             "devices", "include", "exclude", "reference", "stride", "repeats",
-            "corpus", "bos", "threads", "positions", "store", "reference_metrics", "candidates", "options", "max_tokens", "layers", "decode", "centroid", "replicas", "retries",
+            "corpus", "bos", "threads", "positions", "store", "reference_metrics", "candidates", "options", "max_tokens", "layers", "decode", "prefix_cache", "centroid", "replicas", "retries",
             "load_timeout_s", "capture_timeout_s"}
 # none: no centroid and no pairwise tables (a job that asks only for KL against the reference)
 CENTROID_DEFINITIONS = ("mean_prob", "mean_logprob", "none")
@@ -56,7 +56,10 @@ OPTION_KEYS = {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": i
 # `decode: {steps: K, at: [p, ...]}`: from each position p the engine continues from its KV cache one
 # token at a time (teacher-forced, batch 1, n_tokens = 1) for K steps; those rows go beside the capture
 # (logits path 'decode'); checked against every prompt's length at prepare
-CELL_EXTRA_KEYS = {"threads", "max_tokens", "layers", "decode", "calibration", "replicas"} | set(OPTION_KEYS)
+# `prefix_cache: check`: each prompt is evaluated a second time with the engine's prefix cache warm
+# from the first, by the engine's own reuse rule; the rows it recomputes go beside the capture
+# (logits path 'prefix_cached'), to be compared with the fresh prefill's (seed 000)
+CELL_EXTRA_KEYS = {"threads", "max_tokens", "layers", "decode", "prefix_cache", "calibration", "replicas"} | set(OPTION_KEYS)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class Spec:
     max_tokens: int | None = None
     layers: tuple | str | None = None  # parse_layers: None, "all" or sorted layer indices
     decode: tuple | None = None  # parse_decode: (steps, (at, ...)) or None
+    prefix_cache: bool = False  # parse_prefix_cache
     replicas: int = 1  # default copies of each stack, each on its own node
     retries: int = 2  # a cell whose actor or node died is started again up to this many times
     load_timeout_s: float = 3600.0  # from the actor's start: weights shipped, artifacts built, engine loaded
@@ -208,6 +212,8 @@ def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool)
             out[k] = parse_layers(path, f"{fld}.{k}", v)
         elif extra_ok and k == "decode":
             out[k] = parse_decode(path, f"{fld}.{k}", v)
+        elif extra_ok and k == "prefix_cache":
+            out[k] = parse_prefix_cache(path, f"{fld}.{k}", v)
         elif extra_ok and k == "replicas":
             out[k] = _int(path, entry, k, 1, fld=f"{fld}.{k}")
         elif extra_ok and k == "calibration":
@@ -293,6 +299,15 @@ def parse_decode(path: Path, fld: str, v: Any) -> tuple | None:
     if not isinstance(at, list) or not at or any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in at):
         raise field_error(path, f"{fld}.at", "must be a non-empty list of positions (0-based)", at)
     return steps, tuple(sorted(set(at)))
+
+
+def parse_prefix_cache(path: Path, fld: str, v: Any) -> bool:
+    """`prefix_cache: check` -> True; absent, off or false -> False."""
+    if v is None or v is False or v == "off":
+        return False
+    if v == "check":
+        return True
+    raise field_error(path, fld, "must be check or off", v)
 
 
 def union_decode(a: tuple | None, b: tuple | None) -> tuple | None:
@@ -539,6 +554,7 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
                 max_tokens=_check_threads(path, "max_tokens", data.get("max_tokens")),
                 layers=parse_layers(path, "layers", data.get("layers")),
                 decode=parse_decode(path, "decode", data.get("decode")),
+                prefix_cache=parse_prefix_cache(path, "prefix_cache", data.get("prefix_cache")),
                 replicas=_int(path, data, "replicas", 1), retries=_retries(path, data),
                 load_timeout_s=_seconds(path, data, "load_timeout_s", 3600.0),
                 capture_timeout_s=_seconds(path, data, "capture_timeout_s", None), centroid=centroid, centroid_groups=groups, raw_text=text)

@@ -74,6 +74,7 @@ class Live:
     inline: dict = field(default_factory=dict)  # repeat -> metrics its actor measured (reference_metrics: in_actor)
     layers: dict | None = None  # a layers: cell's capture manifest part (actors/capture.py)
     decode: list = field(default_factory=list)  # a decode: cell's capture manifest parts, one per repeat
+    prefix: list = field(default_factory=list)  # a prefix_cache: cell's, one per repeat
 
 
 # Without capture_timeout_s: this long per token fed in one repeat, at least CAPTURE_FLOOR_S. Two
@@ -105,7 +106,7 @@ def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse, attempts: int =
         versions=json.dumps(loaded["versions"], sort_keys=True), host=loaded["host"], node_id=loaded["node_id"],
         rows_via=loaded["rows_via"], model_via=loaded["model_via"], load_seconds=loaded["load_seconds"],
         storage=json.dumps(storage_summary(live.storage), sort_keys=True), layers=_layers_field(live),
-        decode=_decode_field(live),
+        decode=_decode_field(live), prefix_cache=_prefix_field(live),
         capture_seconds=live.capture_s, build_libraries=json.dumps(loaded["build_libraries"], sort_keys=True),
         attempts=attempts)
 
@@ -128,6 +129,17 @@ def _decode_field(live: Live) -> str | None:
                        "identical_rows": sum(x["identical_rows"] for x in d), "rows": sum(x["rows"] for x in d) // 2,
                        "max_abs_diff_vs_prefill": max(x["max_abs_diff_vs_prefill"] for x in d),
                        "decode_seconds": sum(x["seconds"] for x in d)}, sort_keys=True)
+
+
+def _prefix_field(live: Live) -> str | None:
+    """cells.prefix_cache: per prompt the tokens the warm cache served, and how far its rows were."""
+    if not live.prefix:
+        return None
+    d = live.prefix
+    return json.dumps({"rows_per_repeat": d[0]["rows"], "hits": d[0]["hits"],
+                       "identical_rows": sum(x["identical_rows"] for x in d), "rows": sum(x["rows"] for x in d) // 2,
+                       "max_abs_diff_vs_prefill": max(x["max_abs_diff_vs_prefill"] for x in d),
+                       "seconds": sum(x["seconds"] for x in d)}, sort_keys=True)
 
 
 def _candidate_facts(plan: Plan, cell: Cell) -> dict:
@@ -321,6 +333,8 @@ class Sweep:
                 live.layers = result["layers"]
             if result.get("decode"):
                 live.decode.append(result["decode"])
+            if result.get("prefix_cache"):
+                live.prefix.append(result["prefix_cache"])
             if result.get("metrics") is not None:
                 live.inline[call.repeat] = result["metrics"]
             live.left -= 1

@@ -57,7 +57,13 @@ def m009_layer_states(loc) -> None:
     loc.mkdirs("decode_metrics")
 
 
+def m010_prefix_cache(loc) -> None:
+    """v10: cells.prefix_cache, decode_metrics.path / cached_tokens (`prefix_cache: check` rows, path
+    'prefix_cached' in a cell's d<repeat> file). Columns only: older files read as null there."""
+
+
 # target version -> migration
 MIGRATIONS = {2: m002_tokenizer_parity, 3: m003_nonfinite_and_centroid_groups, 4: m004_rows_delivery,
               5: m005_builds_and_replicas, 6: m006_failed_cells, 7: m007_analysis_kernel_version,
-              8: m008_positions_and_storage, 9: m009_layer_states}
+              8: m008_positions_and_storage, 9: m009_layer_states,
+              10: m010_prefix_cache}

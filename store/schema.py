@@ -15,6 +15,7 @@ a half-written file that a reader sees)::
     metrics_ranges/ranges.parquet       position buckets for the summary views
     logits/<cell_id>/r<repeat>.parquet  one shard per (cell, repeat), one row group per prompt
     logits/<cell_id>/d<repeat>.parquet  v9: a `decode:` cell's decode rows and the prefill rows they match
+                                        (v10: and a `prefix_cache:` cell's cached-prefix rows)
     layer_states/<cell_id>/r<repeat>.parquet  v9: a `layers:` cell's hidden states, shard for shard with logits
     layer_metrics/<cell_id>.parquet     v9 `matrix analyze`: each layer row vs the reference's same layer
 
@@ -27,7 +28,7 @@ for bf16 rows the two low byte streams are all zero and cost almost nothing.
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -90,6 +91,9 @@ CELLS = pa.schema([
     ("layers", pa.string()),
     # v9 JSON: a `decode:` cell's decode rows: {"steps", "at": [...], "rows_per_repeat"}
     ("decode", pa.string()),
+    # v10 JSON: a `prefix_cache: check` cell's second evaluations: {"rows_per_repeat", "hits": {prompt:
+    # tokens the cache served}, "identical_rows", "max_abs_diff_vs_prefill"}
+    ("prefix_cache", pa.string()),
 ])
 
 PROMPTS = pa.schema([
@@ -112,7 +116,9 @@ LOGITS = pa.schema([
     # v9: null for a capture's rows (logits/<cell>/r<repeat>.parquet). A `decode:` cell's d<repeat>.parquet
     # holds, at each position it decoded, path 'decode' (the row of decode step `step`, fed one token at a
     # time from the KV cache of the prefill up to position - step) and path 'prefill' (the same position
-    # from the capture's own prefill), so the two compare within the file.
+    # from the capture's own prefill), so the two compare within the file. v10: a `prefix_cache:` cell's
+    # adds, at step 0, path 'prefix_cached' (the row recomputed with the engine's prefix cache warm from
+    # the same prompt) and path 'prefill' (the capture's own row there).
     ("path", pa.string()), ("step", pa.int32()),
 ])
 
@@ -184,6 +190,9 @@ LAYER_METRICS = pa.schema([
 DECODE_METRICS = pa.schema([
     ("cell_id", pa.string()), ("reference_cell_id", pa.string()), ("prompt_id", pa.string()),
     ("position", pa.int32()), ("step", pa.int32()), ("repeat", pa.int32()),
+    # v10: 'decode' or 'prefix_cached' (null in v9 files: 'decode'); the leading tokens a prefix cache
+    # served for a 'prefix_cached' row
+    ("path", pa.string()), ("cached_tokens", pa.int32()),
     ("kld_vs_prefill", F64), ("max_abs_diff_vs_prefill", F64), ("top1_match_prefill", pa.bool_()),
     ("identical_to_prefill", pa.bool_()),  # the decode row's bytes equal the prefill row's
     ("kld", F64), ("top1_match", pa.bool_()),  # decode row vs the reference's prefill row: KL(P_ref || P_decode)

@@ -6,6 +6,7 @@ the writers add). `matrix verify` reports; `matrix analyze` and `matrix run` ref
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
@@ -98,9 +99,13 @@ def check_rows(rows: pa.Table, path: str, cell_id: str | None, repeat: int | Non
     return [Damage(path, why, cell_id, repeat, prompts[i], positions[i]) for i, why in bad_rows(rows, values)]
 
 
-def verify_shard(wh: Warehouse, cell_id: str, repeat: int, expected_rows: int | None) -> tuple[list[Damage], int, int]:
-    """(damage, rows checked, file bytes) of one shard, row group by row group (bounded memory)."""
-    path = wh.shard_path(cell_id, repeat)
+def verify_shard(wh: Warehouse, cell_id: str, repeat: int, expected_rows: int | None,
+                 table: str = "logits") -> tuple[list[Damage], int, int]:
+    """(damage, rows checked, file bytes) of one shard (a logits shard, or a cell's decode file: the
+    same schema), row group by row group (bounded memory)."""
+    if table == "layer_states":
+        return verify_layer_shard(wh, cell_id, repeat)
+    path = wh.shard_path(cell_id, repeat, table)
     try:
         pf = pq.ParquetFile(path, filesystem=wh.loc.fs, page_checksum_verification=True)
         leaf = pages.leaf_index(pf.schema, LOGITS_LEAF)
@@ -119,6 +124,31 @@ def verify_shard(wh: Warehouse, cell_id: str, repeat: int, expected_rows: int | 
             rows += t.num_rows
     if expected_rows is not None and pf.metadata.num_rows != expected_rows:
         damage.append(Damage(path, f"{pf.metadata.num_rows} rows, the cell has {expected_rows} per repeat", cell_id, repeat))
+    return damage, rows, _size(wh, path)
+
+
+def verify_layer_shard(wh: Warehouse, cell_id: str, repeat: int) -> tuple[list[Damage], int, int]:
+    """A layers: cell's hidden states: every row's values against its row_hash, a row group at a time."""
+    from store.layer_states import native_states
+
+    path = wh.shard_path(cell_id, repeat, "layer_states")
+    try:
+        pf = pq.ParquetFile(path, filesystem=wh.loc.fs, page_checksum_verification=True)
+    except Exception as e:
+        return [Damage(path, f"unreadable: {_first_line(e)}", cell_id, repeat)], 0, 0
+    damage, rows = [], 0
+    for g in range(pf.num_row_groups):
+        try:
+            t = pf.read_row_group(g)
+            native = native_states(t)  # (rows, hidden) native dtype
+        except Exception as e:
+            damage.append(Damage(path, f"row group {g} unreadable: {_first_line(e)}", cell_id, repeat))
+            continue
+        d = t.select(["prompt_id", "position", "layer", "row_hash"]).to_pydict()
+        damage += [Damage(path, f"layer {d['layer'][i]}: values do not match row_hash", cell_id, repeat,
+                          d["prompt_id"][i], d["position"][i])
+                   for i in range(t.num_rows) if row_hash(native[i]) != d["row_hash"][i]]
+        rows += t.num_rows
     return damage, rows, _size(wh, path)
 
 
@@ -162,42 +192,54 @@ def verify_files(wh: Warehouse, paths: list[str]) -> list[Damage]:
     return out
 
 
+SHARD_TABLES = ("logits", "layer_states")  # files of rows with their row hashes: checked row by row
+
+
+def _shards(wh: Warehouse) -> set[tuple[str, int, str]]:
+    """(cell, repeat, table) of every shard file: logits r<n> / d<n> (decode), layer_states r<n>."""
+    out = set()
+    for prefix in SHARD_TABLES:
+        for key in wh.loc.list(f"{prefix}/"):
+            cid, name = key.split("/")[1], key.split("/")[-1]
+            m = re.fullmatch(r"([rd])(\d+)\.parquet", name)
+            if m is None or (m[1] == "d" and prefix != "logits"):  # not a file this version writes
+                continue
+            out.add((cid, int(m[2]), "decode" if m[1] == "d" else prefix))
+    return out
+
+
 def verify(wh: Warehouse, cells: list[str] | None = None, log: Callable[[str], None] = lambda m: None) -> dict:
     """Every table file and every shard (of `cells`, a list of cell ids or stack-id prefixes, when
     given). Returns the report; nothing is written."""
     from store.schema import TABLES
 
     t0 = time.perf_counter()
-    damage = verify_table_files(wh, [t for t in TABLES if t != "logits"])
+    damage = verify_table_files(wh, [t for t in TABLES if t not in SHARD_TABLES])
     bad_tables = {d.path for d in damage}
-    expected = {}
+    expected = {}  # cell -> (repeats, rows per repeat, the shard tables it must have)
     for path in wh.table_files("cells"):
         if path not in bad_tables:
             for c in pq.read_table(path, filesystem=wh.loc.fs).to_pylist():
                 if c["status"] == "done":
-                    expected[c["cell_id"]] = (c["repeats"], c["rows_per_repeat"])
-    shards = {}  # (cell, repeat) -> expected rows or None
-    for key in wh.loc.list("logits/"):
-        cid, name = key.split("/")[1], key.split("/")[-1]
-        if not name.startswith("r"):  # a decode cell's d<repeat> file: read whole, pages checked
-            damage += [d for d in verify_files(wh, [wh.loc.path(key)])]
-            continue
-        shards[(cid, int(name[1:].split(".")[0]))] = expected.get(cid, (0, None))[1]
+                    side = ("logits",) + (("layer_states",) if c.get("layers") else ()) \
+                        + (("decode",) if c.get("decode") or c.get("prefix_cache") else ())
+                    expected[c["cell_id"]] = (c["repeats"], c["rows_per_repeat"], side)
+    shards = _shards(wh)  # (cell, repeat, table) present
     def wanted(cid: str) -> bool:
         return not cells or any(cid == c or cid.startswith(c) for c in cells)
 
-    for cid, (repeats, _) in expected.items():
-        damage += [Damage(wh.shard_path(cid, r), "missing: the cell is done but has no such shard", cid, r)
-                   for r in range(repeats) if (cid, r) not in shards and wanted(cid)]
-    shards = {k: v for k, v in shards.items() if wanted(k[0])}
+    for cid, (repeats, _, side) in expected.items():
+        damage += [Damage(wh.shard_path(cid, r, t), "missing: the cell is done but has no such shard", cid, r)
+                   for t in side for r in range(repeats) if (cid, r, t) not in shards and wanted(cid)]
+    todo = sorted(k for k in shards if wanted(k[0]))
     rows = size = 0
-    for i, ((cid, r), want) in enumerate(sorted(shards.items()), 1):
-        d, n, b = verify_shard(wh, cid, r, want)
+    for i, (cid, r, t) in enumerate(todo, 1):  # the row count is checked for a capture's shard only
+        d, n, b = verify_shard(wh, cid, r, expected.get(cid, (0, None))[1] if t == "logits" else None, t)
         damage, rows, size = damage + d, rows + n, size + b
         el = time.perf_counter() - t0
-        log(f"[shards {i}/{len(shards)}] {cid} r{r}: {n} rows{', DAMAGED' if d else ''} | "
-            f"{size / 2**20:.0f} MiB in {el:.1f}s ({size / 2**20 / max(el, 1e-9):.0f} MiB/s)")
+        log(f"[shards {i}/{len(todo)}] {cid} {'' if t == 'logits' else t + ' '}r{r}: {n} rows"
+            f"{', DAMAGED' if d else ''} | {size / 2**20:.0f} MiB in {el:.1f}s ({size / 2**20 / max(el, 1e-9):.0f} MiB/s)")
     el = time.perf_counter() - t0
-    return {"warehouse": wh.where, "shards": len(shards), "rows": rows, "bytes": size, "seconds": round(el, 2),
+    return {"warehouse": wh.where, "shards": len(todo), "rows": rows, "bytes": size, "seconds": round(el, 2),
             "mib_per_s": round(size / 2**20 / max(el, 1e-9), 1), "damage": [d.to_dict() for d in damage],
             "damaged_files": sorted({d.path for d in damage})}

@@ -164,3 +164,32 @@ def test_card_and_report_show_the_layers(layered, tmp_path):
         start = dom.index(f'id="{ident}"')
         plot = dom[start:dom.index("</svg>", start)]
         assert plot.count("<polyline") == 4 and plot.count("<circle") == 2 + 3 * 3  # bf16: layer 0 + norm; the ladder: 3 states
+
+
+def test_verify_checks_layer_states_row_by_row(layered, tmp_path):
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _, wh, _ = layered
+    copy = tmp_path / "wh"
+    shutil.copytree(wh, copy)
+    r = run_cli("verify", "--warehouse", str(copy), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    layered_cells = [c["cell_id"] for c in sql(copy, "select cell_id, layers from cells") if c["layers"]]
+    n = len(sql(copy, "select cell_id from cells"))
+    assert json.loads(r.stdout)["shards"] == n + len(layered_cells)
+    cid = layered_cells[0]
+    path = copy / "layer_states" / cid / "r0.parquet"
+    t = pq.read_table(path)
+    vals = t.column("values").to_pylist()
+    vals[3][0] += 1.0  # one value of one state, its row_hash kept
+    pq.write_table(t.set_column(t.schema.get_field_index("values"), "values",
+                                pa.array(vals, t.schema.field("values").type)), path)
+    r = run_cli("verify", "--warehouse", str(copy), "--json")
+    assert r.returncode == 1, r.stderr[-2000:]
+    rep = json.loads(r.stdout)
+    assert rep["damaged_files"] == [str(path)] and len(rep["damage"]) == 1
+    d = rep["damage"][0]
+    assert d["what"].endswith("values do not match row_hash") and d["cell_id"] == cid, d

@@ -42,6 +42,7 @@ def test_smoke_spec_covers_hf_llamacpp_mlx_with_bf16_eager_reference():
     q4, q8 = (next(c for c in spec.cells if c.dtype == d and not c.artifact) for d in ("q4_k_m", "q8_0"))
     assert q4.layers == (0, 1, 2, 3) and q8.decode == (8, (6, 128))
     assert by[ref].layers == (0, 1, 2, 3) and by[ref].decode == (8, (6, 128))
+    assert q8.prefix_cache and not by[ref].prefix_cache  # HF has no prefix cache: nothing to record there
     assert [c.layers for c in spec.cells].count(None) == len(spec.cells) - 2
 
 
