@@ -145,6 +145,7 @@ class HFBackend(Backend):
             **({"quantizer": self.recipe["tool"], "artifact": {"path": None, "sha256": None, "recipe": self.recipe}}
                if self.recipe else {}),
             **({"artifact": self.artifact} if self.artifact else {}),
+            "model_facts": model_facts(self.model),
         }
 
     def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
@@ -276,3 +277,18 @@ def verify_against_checkpoint(model, model_dir: str) -> None:
         if bad:
             parts.append(f"differ from the checkpoint: {', '.join(bad[:8])}")
         raise OracleError(f"{model_dir}: refusing to run, " + "; ".join(parts))
+
+
+def model_facts(model) -> dict[str, Any]:
+    """What of the architecture changes the arithmetic between engines, as this model runs it:
+    tied embeddings, the embedding scale in the dtype it is applied in (Gemma multiplies by
+    sqrt(hidden)), the attention window and which layers use it, logit soft-capping."""
+    cfg = getattr(model.config, "text_config", None) or model.config
+    emb = model.get_input_embeddings()
+    scale = getattr(emb, "embed_scale", None)
+    types = list(getattr(cfg, "layer_types", None) or [])
+    return {"model_type": cfg.model_type, "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+            "embed_scale": None if scale is None else float(scale.to(emb.weight.dtype)),
+            "sliding_window": getattr(cfg, "sliding_window", None),
+            "layer_types": {t: types.count(t) for t in dict.fromkeys(types)} or None,
+            "final_logit_softcapping": getattr(cfg, "final_logit_softcapping", None)}

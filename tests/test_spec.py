@@ -22,6 +22,21 @@ BASE = {"models": ["smollm2-135m"], "engines": ["hf"], "dtypes": ["fp32", "bf16"
         "attention": ["eager", "sdpa"]}
 
 
+def test_two_models_spec_gives_each_model_its_own_reference_and_every_engine():
+    spec = load_spec(REPO / "configs" / "two-models.yaml")
+    assert set(spec.reference_cells) == {"smollm2-135m", "gemma3-270m"}
+    for model, ref in spec.reference_cells.items():
+        assert ref.startswith(f"{model}.hf.fp32.eager")
+        engines = {c.engine for c in spec.cells if c.model == model}
+        from backends.vllm_backend import vllm_python
+
+        want = {"hf", "llamacpp", "mlx"} | ({"vllm"} if vllm_python() else set())  # else skipped, with the way out
+        assert engines == want, (model, engines)
+    # each model's published file runs as its own stack (the catalog's source quant)
+    assert {(c.model, c.dtype) for c in spec.cells if c.engine == "llamacpp"} >= {
+        ("smollm2-135m", "q4_1"), ("gemma3-270m", "q4_k_m")}
+
+
 def test_smoke_spec_covers_hf_llamacpp_mlx_with_bf16_eager_reference():
     spec = load_spec(REPO / "configs" / "smoke.yaml")
     assert [(c.engine, c.dtype, c.attention) for c in spec.cells] == [
