@@ -29,10 +29,10 @@ import torch  # noqa: E402
 TARGET = 500.0
 
 
-def real_rows(warehouse: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+def real_rows(warehouse: str, n: int, cells: str = "") -> tuple[np.ndarray, np.ndarray]:
     from store.warehouse import logits_matrix
 
-    files = sorted(Path(warehouse, "logits").glob("*/r0.parquet"))
+    files = sorted(Path(warehouse, "logits").glob(f"{cells}*/r0.parquet"))  # cells: one model's, by id prefix
     if len(files) < 2:
         sys.exit(f"{warehouse}: needs at least two captured cells (run `make demo` first)")
     big = [f for f in files if pq.read_metadata(f).num_rows >= n] or files
@@ -56,13 +56,16 @@ def main() -> None:
     ap.add_argument("--warehouse", default="warehouse")
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--cells", default="", help="cell id prefix: one model's cells (e.g. gemma3-270m, 262,144 vocab)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from analysis import metrics as M
 
-    a, b = real_rows(args.warehouse, args.rows)
+    a, b = real_rows(args.warehouse, args.rows, args.cells)
     rng = np.random.default_rng(0)
-    print(f"torch {torch.__version__}, 1 thread, {len(a)} real row pairs; kernel: {M.kernel_mode()}")
+    from _common import cpu
+
+    print(f"{cpu()}; torch {torch.__version__}, 1 thread, {len(a)} real row pairs; kernel: {M.kernel_mode()}")
     for vocab in (a.shape[1], 151936):
         if vocab != a.shape[1]:
             cols = rng.integers(0, a.shape[1], vocab)  # resample real columns to the larger vocab

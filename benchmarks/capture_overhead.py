@@ -13,7 +13,7 @@ import statistics
 import tempfile
 import time
 
-from _common import load_backend, model_and_prompts
+from _common import cpu, load_backend, model_and_prompts
 
 TARGET = 1.10
 
@@ -24,12 +24,16 @@ def main() -> None:
     ap.add_argument("--attention", default="sdpa")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--stride", type=int, default=32)
+    ap.add_argument("--model", default="smollm2-135m", help="a catalog model (gemma3-270m: a 262,144-token vocabulary)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="feed only each prompt's first N tokens")
     args = ap.parse_args()
     from actors.capture import capture_shard
     from backends.base import sampled_positions
     from store.warehouse import ShardWriter
 
-    resolved, prompts = model_and_prompts()
+    resolved, prompts = model_and_prompts(args.model)
+    prompts = [(pid, ids[:args.max_tokens]) for pid, ids in prompts]
+    print(f"{args.model} on {cpu()}")
     be = load_backend(resolved.hf_dir, args.dtype, args.attention)
     plan = [(ids, sampled_positions(len(ids), args.stride)) for _, ids in prompts]
     be.forward(*plan[0])  # warm-up: first-call allocations are not what we measure

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from _common import load_backend, model_and_prompts
+from _common import cpu, load_backend, model_and_prompts
 
 TARGET_BF16 = 1.3
 
@@ -43,12 +43,16 @@ def alt_layout(path: Path, rows: list[np.ndarray], dtype, bss: bool) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stride", type=int, default=32)
+    ap.add_argument("--model", default="smollm2-135m", help="a catalog model (gemma3-270m: a 262,144-token vocabulary)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="feed only each prompt's first N tokens")
     args = ap.parse_args()
     from actors.capture import capture_shard
     from backends.base import sampled_positions
     from store.warehouse import ShardWriter
 
-    resolved, prompts = model_and_prompts()
+    resolved, prompts = model_and_prompts(args.model)
+    prompts = [(pid, ids[:args.max_tokens]) for pid, ids in prompts]
+    print(f"{args.model} on {cpu()}")
     print(f"corpus: built-in, {len(prompts)} prompts, {sum(len(i) for _, i in prompts)} tokens, "
           f"stride {args.stride}")
     print(f"{'stack':<10} {'layout':<52} {'bytes':>12} {'B/logit':>8}")

@@ -153,7 +153,9 @@ def cmd_models(args) -> int:
         emit_json(resolved.to_dict())
     else:
         print(f"{resolved.name}: {resolved.hf_dir}\n  source {resolved.source}\n"
-              f"  source sha256 {resolved.source_sha256}\n  weights sha256 {resolved.weights_sha256}")
+              f"  source sha256 {resolved.source_sha256}\n  weights sha256 {resolved.weights_sha256}"
+              + (f"\n  license {resolved.license}" if resolved.license else "")
+              + "".join(f"\n  notice {n}" for n in resolved.notices))
     return 0
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from backends.llamacpp_backend import gguf_tokenize
 from common.errors import UserError, read_text_file, read_yaml_file
@@ -251,7 +252,7 @@ def _chunk_bos(tokenizer, bos_policy: str) -> int | None:
 
 
 def tokenize(corpus: str, model: str, tokenizer, bos_policy: str,
-             tokenizer_sha256: str | None = None) -> list[Prompt]:
+             tokenizer_sha256: str | None = None, log: Callable[[str], None] = lambda m: None) -> list[Prompt]:
     """Render and tokenise every entry once (ids entries are taken as they are).
 
     bos_policy: ``tokenizer`` (whatever the tokenizer adds by default),
@@ -262,6 +263,10 @@ def tokenize(corpus: str, model: str, tokenizer, bos_policy: str,
     bos = tokenizer.bos_token_id
     prompts = []
     for e in entries:
+        if e.chat is not None and not getattr(tokenizer, "chat_template", None):
+            # a base model (Gemma 3 270M's GGUF carries no template): its chats have no rendering
+            log(f"{model}: prompt {e.id} is a chat and the tokenizer has no chat template: left out for this model")
+            continue
         for pname, text, ids, added in _sequences(e, tokenizer, bos_policy, model, str(corpus_path(corpus))):
             if not ids:
                 raise UserError(f"{model}: prompt {pname} tokenises to no tokens")
@@ -272,4 +277,6 @@ def tokenize(corpus: str, model: str, tokenizer, bos_policy: str,
                 bos_policy=bos_policy if e.ids is None or e.ids_kind == "kld-base" else "ids",
                 bos_added=bool(added), starts_with_bos=bos is not None and ids[0] == bos,
                 tokenizer_sha256=tokenizer_sha256 if e.ids is None and e.vocab is None else None))
+    if not prompts:
+        raise UserError(f"{model}: no prompt of corpus {name} can be rendered for this model")
     return prompts

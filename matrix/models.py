@@ -74,7 +74,8 @@ class ResolvedModel:
     weights_sha256: str | None
     gguf_path: str | None = None  # the GGUF the reference weights came from, if any
     gguf_quant: str | None = None  # its quant type, when known (a stack of its own)
-    license: str | None = None  # a catalog model's license (its notices lie beside the source file)
+    license: str | None = None  # a catalog model's license
+    notices: tuple = ()  # its license terms and notices, beside the source file
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -195,8 +196,11 @@ def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
         if not gguf.is_file():
             fetch_catalog_gguf(entry, gguf, log)
         got = _from_gguf(gguf, ref.name, ref.identity, _source(entry), root, log, entry.source_quant)
+        if entry.sha256 and got.source_sha256 != entry.sha256:  # the cached copy changed since it was checked
+            raise UserError(f"{gguf}: sha256 {got.source_sha256}, expected {entry.sha256}; delete it to fetch it again")
         _check_entry(entry, Path(got.hf_dir))
-        return dataclasses.replace(got, license=entry.license)
+        return dataclasses.replace(got, license=entry.license,
+                                   notices=tuple(str(gguf.parent / Path(n).name) for n in entry.notices))
     if ref.kind == "gguf":
         check_gguf(ref.location)
         return _from_gguf(Path(ref.location), ref.name, ref.identity, f"gguf:{ref.location}", root, log)

@@ -59,7 +59,7 @@ def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
         special[name] = {"bos": tok.bos_token_id, "eos": tok.eos_token_id}
         tok_file = os.path.join(m.hf_dir, "tokenizer.json")
         tok_sha = sha256_file(tok_file) if os.path.isfile(tok_file) else None
-        prompts[name] = tokenize(spec.corpus, name, tok, spec.bos, tok_sha)
+        prompts[name] = tokenize(spec.corpus, name, tok, spec.bos, tok_sha, log)
         for cell in spec.cells:  # a published file of another model is refused before anything runs
             if cell.artifact and cell.model == name:
                 candidates.check(candidates.resolve(cell, m), config, tok, vocab[name])

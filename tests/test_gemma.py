@@ -52,10 +52,10 @@ def gemma_corpus(tmp_path_factory) -> Path:
     return d / "corpus.yaml"
 
 
-def _spec(path: Path, models: list[dict], corpus: Path, **over) -> Path:
-    include = [{"model": m["name"], "engine": "llamacpp", "dtype": q, "attention": "default"}
-               for m in models for q in ("f16", "q8_0")]
-    return write_spec(path, Path("."), corpus, models=models, dtypes=["fp32"], attention=["eager", "sdpa"],
+def _spec(path: Path, models: list[dict], corpus: Path, attention=("eager", "sdpa"), **over) -> Path:
+    """HF fp32 (eager: the reference; sdpa) and llama.cpp F16 of each model."""
+    include = [{"model": m["name"], "engine": "llamacpp", "dtype": "f16", "attention": "default"} for m in models]
+    return write_spec(path, Path("."), corpus, models=models, dtypes=["fp32"], attention=list(attention),
                       reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, stride=STRIDE, repeats=1,
                       include=include, **over)
 
@@ -80,7 +80,7 @@ def _cells(wh) -> dict:
 def test_each_stack_is_compared_with_its_own_models_reference_only(two_models):
     wh = two_models
     cells = _cells(wh)
-    assert len(cells) == 8 and all(c["status"] == "done" for c in cells.values())
+    assert len(cells) == 6 and all(c["status"] == "done" for c in cells.values())
     refs = {c["model"]: c["cell_id"] for c in cells.values() if c["is_reference"]}
     assert set(refs) == {"smollm2", "gemma"}
     assert all(c["reference_cell_id"] == refs[c["model"]] for c in cells.values())
@@ -90,7 +90,7 @@ def test_each_stack_is_compared_with_its_own_models_reference_only(two_models):
     assert mixed[0]["n"] == 0
     groups = sql(wh, """select m.centroid_group, count(distinct c.model) as models, count(distinct m.cell_id) as cells
                         from centroid_metrics m join cells c using (cell_id) group by all""")
-    assert len(groups) == 2 and all(g["models"] == 1 and g["cells"] == 4 for g in groups), groups
+    assert len(groups) == 2 and all(g["models"] == 1 and g["cells"] == 3 for g in groups), groups
     pairs = sql(wh, """select count(*) as n from pairwise p join cells a on a.cell_id = p.cell_a
                        join cells b on b.cell_id = p.cell_b where a.model <> b.model""")
     assert pairs[0]["n"] == 0
@@ -104,9 +104,8 @@ def test_gemma_llamacpp_f16_agrees_with_hf_fp32(two_models):
                                               from metrics m join cells c using (cell_id)
                                               where c.model = 'gemma' and c.engine = 'llamacpp' and m.repeat = 0
                                               group by all""")}
-    # measured here (AMD EPYC, 2 cores): F16 1.1e-5 mean KL, top-1 100%; Q8_0 ~1e-3
-    assert got["f16"]["top1"] >= 0.99 and got["f16"]["kld"] < 1e-4, got
-    assert got["q8_0"]["kld"] > got["f16"]["kld"], got
+    # measured here (AMD EPYC, 2 cores): see the README's model table
+    assert got["f16"]["top1"] >= 0.99 and got["f16"]["kld"] < 1e-4 and got["f16"]["rows"] >= 12, got
 
 
 def test_the_sliding_window_is_measured_on_both_sides_of_512(two_models):
@@ -130,11 +129,15 @@ def test_the_sliding_window_is_measured_on_both_sides_of_512(two_models):
 
 def test_parity_rows_for_both_models(two_models):
     wh = two_models
-    rows = sql(wh, """select c.model, t.engine, count(*) as n, bool_and(t.match) as all_match,
+    rows = sql(wh, """select c.model, t.engine, count(distinct t.prompt_id) as n, bool_and(t.match) as all_match,
                              bool_and(t.n_engine > 0) as any_ids
                       from tokenizer_parity t join cells c using (cell_id) group by all""")
     by = {(r["model"], r["engine"]): r for r in rows}
-    assert {m for m, _ in by} == {"smollm2", "gemma"} and all(r["n"] >= 4 for r in by.values())
+    assert {m for m, _ in by} == {"smollm2", "gemma"}
+    # the base Gemma's GGUF has no chat template: the chat prompt is left out for it alone
+    names = {m: {p["name"] for p in sql(wh, f"select name from prompts where model = '{m}'")} for m in ("smollm2", "gemma")}
+    assert names["smollm2"] == {"cold", "prose", "chat", "code"} and names["gemma"] == {"cold", "prose", "code"}
+    assert all(r["n"] == len(names[m]) for (m, _), r in by.items())
     bos = {p["model"]: (p["starts_with_bos"], p["bos_added"]) for p in sql(wh, "select * from prompts")}
     assert bos["gemma"] == (True, True) and bos["smollm2"] == (False, False)  # `bos: tokenizer`, per model
     # llama.cpp's own tokenizer adds Gemma's BOS by default too (its GGUF says add_bos)
@@ -147,8 +150,14 @@ def test_without_bos_gemmas_stacks_agree_with_each_other_and_all_drift(two_model
     from store import Warehouse
     from store.warehouse import logits_matrix
 
+    import yaml
+
     spec = _spec(tmp_path / "nobos.yaml", [{"path": str(gemma_tiny), "name": "gemma"}], gemma_corpus,
-                 bos="never", attention=["eager"])
+                 attention=("eager",), bos="never")
+    body = yaml.safe_load(spec.read_text())
+    del body["stride"]  # rows one position earlier: without BOS, row p is the BOS run's row p + 1
+    body["positions"] = {"from": STRIDE - 1, "stride": STRIDE}
+    spec.write_text(yaml.safe_dump(body, sort_keys=False))
     wh = tmp_path / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -164,7 +173,7 @@ def test_without_bos_gemmas_stacks_agree_with_each_other_and_all_drift(two_model
 
     (with_keys, with_v), (without_keys, without_v) = rows(two_models, True), rows(wh, False)
     # the same text position: row p without BOS predicts what row p + 1 with BOS predicts
-    at = {(k["next_token_id"], k["position"] + 1): i for i, k in enumerate(with_keys)}
+    at = {(k["next_token_id"], k["position"]): i for i, k in enumerate(with_keys)}
     pairs = [(at[(k["next_token_id"], k["position"] + 1)], j) for j, k in enumerate(without_keys)
              if (k["next_token_id"], k["position"] + 1) in at]
     from analysis import metrics as M
