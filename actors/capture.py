@@ -117,6 +117,13 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
             "forward_seconds": forward_s, "array_dtype": dtype, "storage": storage.summary(), **extras.summary()}
 
 
+def agreement(a: np.ndarray, b: np.ndarray) -> tuple[int, float]:
+    """Two (rows, vocab) arrays of the same native dtype: (rows byte-identical, max |a - b|)."""
+    n = len(a)
+    same = (a.view(np.uint8).reshape(n, -1) == b.view(np.uint8).reshape(n, -1)).all(-1)
+    return int(same.sum()), float(np.abs(widen(a) - widen(b)).max(initial=0.0))
+
+
 class Extras:
     """What a cell records beside its rows (issue 17): `layers:` hidden states and `decode:` rows.
 
@@ -168,12 +175,12 @@ class Extras:
         pre = fresh[idx]  # (rows, vocab)
         self.dw.add(prompt_id, q + q, nxt + nxt, np.concatenate([pre, cached.astype(pre.dtype)]), None,
                     ["prefill"] * len(q) + ["prefix_cached"] * len(q), [0] * (2 * len(q)))
-        n, c = len(q), self.cached
-        c["rows"] += 2 * n
+        c = self.cached
+        same, diff = agreement(pre, cached)
+        c["rows"] += 2 * len(q)
         c["hits"][prompt_id] = int(hit)
-        c["identical_rows"] += int((pre.view(np.uint8).reshape(n, -1) == cached.view(np.uint8).reshape(n, -1)).all(-1).sum())
-        c["max_abs_diff_vs_prefill"] = max(c["max_abs_diff_vs_prefill"],
-                                           float(np.abs(widen(pre) - widen(cached)).max(initial=0.0)))
+        c["identical_rows"] += same
+        c["max_abs_diff_vs_prefill"] = max(c["max_abs_diff_vs_prefill"], diff)
 
     def _decode(self, prompt_id: str, whole: list[int], starts: list[int], points: list, prefill: np.ndarray) -> None:
         steps = self.decode[0]
@@ -185,10 +192,9 @@ class Extras:
         self.dw.add(prompt_id, q + q, nxt + nxt, np.concatenate([prefill, decoded.astype(prefill.dtype)]),
                     None, ["prefill"] * len(q) + ["decode"] * len(q), [s for _, s in points] * 2)
         self.rows += 2 * len(q)
-        n = len(q)
-        same = (prefill.view(np.uint8).reshape(n, -1) == decoded.view(np.uint8).reshape(n, -1)).all(-1)
-        self.identical += int(same.sum())
-        self.max_abs = max(self.max_abs, float(np.abs(widen(prefill) - widen(decoded)).max(initial=0.0)))
+        same, diff = agreement(prefill, decoded)
+        self.identical += same
+        self.max_abs = max(self.max_abs, diff)
 
     def commit(self) -> None:  # before the logits shard: a logits shard never exists without these
         for w in (self.lw if self.layers else None, self.dw if self.decode or self.prefix else None):

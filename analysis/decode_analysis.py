@@ -10,6 +10,7 @@ the reference's rows come from its own decode file where it has one, else from i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from typing import Any, Callable
@@ -44,17 +45,31 @@ def _read(wh: Warehouse, cell_id: str, repeat: int) -> dict[str, Any]:
 
 
 class Reference:
-    """The reference's prefill row at (prompt, position): from its decode file, else its capture's shard."""
+    """The reference's prefill row at (prompt, position): from its decode file, else its capture's shard.
+    One per reference, shared by its cells; each part is read the first time it is needed."""
 
-    def __init__(self, wh: Warehouse, ref_id: str | None, has_file: bool):
-        self.wh, self.ref_id = wh, ref_id
-        self.file = _read(wh, ref_id, 0) if has_file else None
-        self.at = {(p, q): i for (p, q, _), i in self.file["prefill"].items()} if self.file else {}
-        self.index = shard_index(wh, ref_id, 0) if ref_id else None
+    def __init__(self, wh: Warehouse, ref_id: str, has_file: bool):
+        self.wh, self.ref_id, self.has_file = wh, ref_id, has_file
+
+    @functools.cached_property
+    def digest(self) -> str | None:  # of its decode file (row hashes only)
+        return _digest(self.wh, self.ref_id, 0) if self.has_file else None
+
+    @functools.cached_property
+    def index(self):  # its capture shard's small columns
+        return shard_index(self.wh, self.ref_id, 0)
+
+    @functools.cached_property
+    def file(self) -> dict | None:  # its decode file, logits included
+        return _read(self.wh, self.ref_id, 0) if self.has_file else None
+
+    @functools.cached_property
+    def at(self) -> dict[tuple[str, int], int]:
+        return {(p, q): i for (p, q, _), i in self.file["prefill"].items()} if self.file else {}
 
     def rows(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], np.ndarray]:
         out = {k: self.file["values"][self.at[k]] for k in keys if k in self.at}
-        rest = sorted({k for k in keys if k not in out and self.index and k[0] in self.index.prompts})
+        rest = sorted({k for k in keys if k not in out and k[0] in self.index.prompts})
         for prompt in sorted({p for p, _ in rest}):
             pr = self.index.prompts[prompt]
             where = {int(q): i for i, q in enumerate(pr.positions)}
@@ -95,10 +110,10 @@ def compare(cell_id: str, repeat: int, mine: dict, ref: Reference | None, hits: 
         "kld_prefill": pa.array(kld_pre, pa.float64()), "kernel_version": [DECODE_KERNEL] * n})
 
 
-def _key(wh: Warehouse, cell: dict, ref_id: str | None, ref_file: bool, repeats: list[int]) -> str:
+def _key(wh: Warehouse, cell: dict, ref: Reference | None, repeats: list[int]) -> str:
     """Content key: this cell's decode files, the reference's decode file and capture shard."""
-    parts = {"kernel": DECODE_KERNEL, "ref": ref_id, "ref_digest": _digest(wh, ref_id, 0) if ref_file else None,
-             "ref_shard": shard_index(wh, ref_id, 0).digest if ref_id and cell.get("prefix_cache") else None,
+    parts = {"kernel": DECODE_KERNEL, "ref": ref and ref.ref_id, "ref_digest": ref and ref.digest,
+             "ref_shard": ref.index.digest if ref and cell.get("prefix_cache") else None,
              "shards": {r: _digest(wh, cell["cell_id"], r) for r in repeats}}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
@@ -106,6 +121,7 @@ def _key(wh: Warehouse, cell: dict, ref_id: str | None, ref_file: bool, repeats:
 def analyze_decode(wh: Warehouse, done: list[dict], force: bool, log: Callable[[str], None]) -> dict[str, Any]:
     by_id = {c["cell_id"]: c for c in done}
     out = {"cells": 0, "reused": 0, "rows": 0, "no_reference_rows": []}
+    refs: dict[str, Reference] = {}
     for cell in done:
         if not (cell.get("decode") or cell.get("prefix_cache")):
             continue
@@ -116,14 +132,14 @@ def analyze_decode(wh: Warehouse, done: list[dict], force: bool, log: Callable[[
             log(f"decode: {cell['cell_id']}: its reference {ref_id} recorded no decode file; "
                 "decode rows are compared with this cell's own prefill only")
         repeats = sorted(wh.completed_repeats(cell["cell_id"], "decode"))
-        key = _key(wh, cell, ref_id, ref_file, repeats)
+        ref = refs.setdefault(ref_id, Reference(wh, ref_id, ref_file)) if ref_id else None
+        key = _key(wh, cell, ref, repeats)
         meta = wh.table_meta("decode_metrics", cell["cell_id"]) or {}
         out["cells"] += 1
         if not force and meta.get("key") == key:
             out["reused"] += 1
             out["rows"] += meta.get("rows", 0)
             continue
-        ref = Reference(wh, ref_id, ref_file) if ref_id else None  # the logits only where something is computed
         hits = json.loads(cell["prefix_cache"])["hits"] if cell.get("prefix_cache") else {}
         table = pa.concat_tables([compare(cell["cell_id"], r, _read(wh, cell["cell_id"], r), ref, hits)
                                   for r in repeats])

