@@ -43,8 +43,12 @@ demo: $(STAMP)
 	$(VENV)/bin/matrix card "$$($(VENV)/bin/matrix sql "select cell_id from cells where artifact_sha256 is not null and status = 'done' order by finished_at desc limit 1" --warehouse warehouse --format csv | tail -1)" --warehouse warehouse
 
 # The suite includes real vLLM-on-CPU runs, so it builds the vLLM environment too (~3 min once).
+# Two workers, a test file each at a time (its module fixtures stay in one process): about half
+# of a serial run's wall time is Ray and process start-up and disk waits, which the other worker fills.
+# A worker that needs a model another is fetching waits for it (matrix/models.py locks the fetch).
+TEST_WORKERS ?= 2
 test: $(STAMP) vllm-env
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/storage_bytes.py

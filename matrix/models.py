@@ -8,6 +8,8 @@ such a directory and cached under ``$LOGIT_MATRIX_CACHE`` (default
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -185,6 +187,18 @@ def _from_gguf(gguf: Path, name: str, identity: str, source: str, root: Path,
                          str(gguf), quant)
 
 
+@contextlib.contextmanager
+def _dir_locked(d: Path):
+    """flock on the directory itself: no lock file, so a failed fetch leaves no file behind."""
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
     """Resolve a spec's ModelRef to loadable reference weights, downloading if needed."""
     root = cache_root()
@@ -193,9 +207,11 @@ def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
 
         entry = CATALOG[ref.location]
         gguf = root / "sources" / entry.name / entry.file_name
-        if not gguf.is_file():
-            fetch_catalog_gguf(entry, gguf, log)
-        got = _from_gguf(gguf, ref.name, ref.identity, _source(entry), root, log, entry.source_quant)
+        # two runs (or test workers) on a fresh cache: one downloads and dequantises, the other waits
+        with _dir_locked(gguf.parent):
+            if not gguf.is_file():
+                fetch_catalog_gguf(entry, gguf, log)
+            got = _from_gguf(gguf, ref.name, ref.identity, _source(entry), root, log, entry.source_quant)
         if entry.sha256 and got.source_sha256 != entry.sha256:  # the cached copy changed since it was checked
             raise UserError(f"{gguf}: sha256 {got.source_sha256}, expected {entry.sha256}; delete it to fetch it again")
         _check_entry(entry, Path(got.hf_dir))
