@@ -46,9 +46,11 @@ demo: $(STAMP)
 # Two workers, a test file each at a time (its module fixtures stay in one process): about half
 # of a serial run's wall time is Ray and process start-up and disk waits, which the other worker fills.
 # A worker that needs a model another is fetching waits for it (matrix/models.py locks the fetch).
+# Tests marked `serial` (they stop every Ray process of the machine) run afterwards, alone.
 TEST_WORKERS ?= 2
 test: $(STAMP) vllm-env
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests
+	$(PY) -m pytest -q -m serial tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/storage_bytes.py

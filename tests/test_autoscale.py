@@ -42,6 +42,11 @@ def _port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+# `ray stop --force` below ends every Ray process of the machine, so this file runs alone, after the
+# parallel part of `make test` (its `-m serial` pass): never beside another test's cluster.
+pytestmark = pytest.mark.serial
+
+
 @pytest.fixture()
 def autoscaling_head(tmp_path):
     # The fake provider's nodes join the head at the default port, so the head must own 6379;
