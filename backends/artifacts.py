@@ -26,8 +26,10 @@ def artifact_dir(kind: str, recipe: dict[str, Any]) -> Path:
 
 @contextlib.contextmanager
 def locked(d: Path):
+    """An exclusive flock on the directory itself: no lock file, so a build or fetch that fails
+    leaves no file behind."""
     d.mkdir(parents=True, exist_ok=True)
-    fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(d, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # wait: the other builder finishes, then we reuse its file
         yield

