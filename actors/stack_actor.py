@@ -46,6 +46,7 @@ class StackActor:
         self.direct = False  # whether this node writes shards into the warehouse itself
         self.rank = 0
         self._load_outcome: Exception | bool = False  # False: not loaded; True: loaded; else load's error
+        self.warmup = None  # actors.inline_metrics.Warmup, when this cell measures its rows in the actor
 
     def _loaded(self) -> None:
         """Ray runs an actor's queued calls even after an earlier one raised. Every call after a
@@ -66,6 +67,13 @@ class StackActor:
     def gpu_ids(self) -> list[str]:
         """The GPUs Ray assigned this actor (physical ids on its node)."""
         return [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+
+    def warm_metrics(self, vocab: int) -> None:
+        """Start loading the metric kernel for `reference_metrics: in_actor` (queued before load,
+        so the two overlap); returns at once."""
+        from actors.inline_metrics import Warmup
+
+        self.warmup = Warmup(vocab)
 
     def load(self, dist: dict[str, Any] | None = None, rendezvous: tuple[str, int] | None = None,
              *node_gpus: list[str]) -> dict[str, Any]:
@@ -187,7 +195,8 @@ class StackActor:
 
         if ref_id is None or (ref_id == self.stack.cell_id and repeat == 0):  # the yardstick itself
             return None
-        return InlineMetrics(self.delivery.warehouse if self.direct else None, ref_id, self.stack.cell_id, repeat)
+        return InlineMetrics(self.delivery.warehouse if self.direct else None, ref_id, self.stack.cell_id, repeat,
+                             self.warmup)
 
     def close(self) -> None:
         if self.backend is not None:

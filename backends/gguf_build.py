@@ -127,9 +127,11 @@ def quantize(f32: dict[str, Any], dtype: str, threads: int, imatrix: dict[str, A
 
 def tensor_types(path: str) -> dict[str, int]:
     """ggml type name -> number of tensors, as actually stored in the file."""
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
 
-    return dict(sorted(Counter(t.tensor_type.name for t in GGUFReader(path).tensors).items()))
+    from store.gguf_meta import tensor_table
+
+    return dict(sorted(Counter(GGMLQuantizationType(t).name for _, t in tensor_table(path)).items()))
 
 
 def published(path: str, sha256: str | None, source: str | None = None) -> dict[str, Any]:

@@ -90,7 +90,10 @@ def _ranks(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: l
     return started
 
 
-def _one_actor(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, delivery) -> Started:
+def _one_actor(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, delivery,
+               warm: int | None = None) -> Started:
+    """warm: the vocabulary of a cell that measures its rows in the actor (its kernel loads beside
+    the model)."""
     from actors.stack_actor import StackActor
 
     cls = backend_class(cell.engine)
@@ -111,6 +114,8 @@ def _one_actor(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, node
         opts["runtime_env"] = env
     actor = StackActor.options(**opts).remote(desc, model, threads, delivery)
     ready = actor.__ray_ready__.remote()  # first in its queue: returns once the actor is placed and started
+    if warm:  # returns at once (a thread); its failure comes back with the first measurement
+        actor.warm_metrics.remote(warm)
     return Started(actor, group=pg, calls={ready: Call(Kind.READY, cell.cell_id),
                                            actor.load.remote(): Call(Kind.LOAD, cell.cell_id)})
 
@@ -118,7 +123,9 @@ def _one_actor(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, node
 def start(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, work: Work) -> Started:
     """Start the cell's actors and queue load, parity and every missing capture."""
     ranks = cell.tp > 1 and backend_class(cell.engine).tp_workers == "ranks"
-    started = (_ranks if ranks else _one_actor)(cell, desc, model, threads, nodes, work.delivery)
+    measures = work.metrics_ref is not None and work.metrics_ref != cell.cell_id
+    started = _ranks(cell, desc, model, threads, nodes, work.delivery) if ranks else \
+        _one_actor(cell, desc, model, threads, nodes, work.delivery, work.vocab if measures else None)
     ids = [(pid, toks) for pid, _, toks in work.prompts]
     for a in started.followers:
         for r in work.repeats:
