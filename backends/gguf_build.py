@@ -131,6 +131,7 @@ def tensor_types(path: str) -> dict[str, int]:
 
     return dict(sorted(Counter(GGMLQuantizationType(t).name for _, t in tensor_table(path)).items()))
 
+
 # GGUF value types (gguf-py's GGUFValueType) -> fixed size in bytes; 8 = string, 9 = array
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
@@ -179,7 +180,6 @@ def tensor_table(path: str | Path) -> list[tuple[str, int]]:
             out.append((name, ttype))
             at += 4 + 8  # the type, then the data offset
         return out
-
 
 
 def published(path: str, sha256: str | None, source: str | None = None) -> dict[str, Any]:

@@ -81,4 +81,3 @@ def _read_info(path: str, _size: int, _mtime_ns: int) -> GgufInfo:
         declared=declared_quant(_value(reader, gguf.Keys.General.FILE_TYPE)),
         imatrix={k.removeprefix("quantize.imatrix."): f.contents() for k, f in reader.fields.items()
                  if k.startswith("quantize.imatrix.")})
-
