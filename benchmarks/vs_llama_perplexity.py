@@ -150,6 +150,29 @@ def run_matrix(f16: dict, text: str, d: Path, threads: int, via_analyze: bool) -
             "ids": ids}
 
 
+def forwards_alone(model, artifacts: dict[str, dict], ids: list[list[int]], threads: int) -> dict[str, float]:
+    """The floor under any tool that runs these forwards: each GGUF's prefill of every chunk through
+    logit-matrix's own backend, in this process (no Ray, no rounding, no writes, no comparison)."""
+    from actors.capture import fed_ids
+    from backends.llamacpp_backend import LlamaCppBackend
+    from common.positions import parse
+    from common.stack import StackDesc
+
+    keep, out = parse("llama_perplexity", "positions", print), {}
+    for dtype, art in artifacts.items():
+        be = LlamaCppBackend(StackDesc("llamacpp", dtype, "default", weights_sha256=model.weights_sha256),
+                             model.hf_dir, threads)
+        be.load()
+        if be.artifact["path"] != art["path"]:  # the cells' own file, or the figure means nothing
+            raise SystemExit(f"forwards alone: {dtype} loaded {be.artifact['path']}, not {art['path']}")
+        t0 = time.perf_counter()
+        for chunk in ids:
+            be.forward(*fed_ids(chunk, keep, None))  # what a cell feeds and keeps
+        out[dtype] = time.perf_counter() - t0
+        be.close()
+    return out
+
+
 MODES = {"analyze": "2 cells side by side, {half} thread(s) each, then matrix analyze",
          "in_actor": "reference_metrics: in_actor: the cells one after the other, {all} threads each"}
 
@@ -168,7 +191,7 @@ def main() -> int:
     if not modes or set(modes) - set(MODES):
         raise SystemExit(f"--modes: expected some of {', '.join(MODES)} (got {args.modes!r})")
     binary = Path(args.llama_perplexity) if args.llama_perplexity else build_llama_perplexity(print)
-    f16, q4, _ = ggufs(args.threads)
+    f16, q4, model = ggufs(args.threads)
     d = Path(args.keep or tempfile.mkdtemp(prefix="vs-lp-"))
     d.mkdir(parents=True, exist_ok=True)
     lp = run_llama(binary, f16["path"], q4["path"], args.text, d, args.threads)
@@ -179,6 +202,8 @@ def main() -> int:
     from store import llamacpp_kld as K
 
     base = K.read(lp["base"])
+    alone = forwards_alone(model, {"f16": f16, "q4_k_m": q4}, [list(map(int, t)) for t in base["tokens"]],
+                           args.threads)
     same = all([list(map(int, t)) for t in base["tokens"]] == [list(t) for t in lm["ids"]] for lm in lms.values())
     print(f"\nCPU: {cpu()}; llama-perplexity {args.threads} threads; text {args.text}: {base['n_chunk']} chunks of 512, "
           f"{next(iter(lms.values()))['rows']} scored rows; chunk ids identical to llama-perplexity's: "
@@ -198,6 +223,8 @@ def main() -> int:
     rows.append(("peak memory (GB)", f"{lp['peak_gb']:.2f}",
                  *[f"{lm['peak_gb']:.2f} {lm['peak_what']} = {lm['peak_gb'] / lp['peak_gb']:.2f}x (driver "
                    f"{lm['peak_gb_run_driver']:.2f}, actor {lm['peak_gb_actor']:.2f})" for lm in lms.values()]))
+    rows.append(("the forwards alone (s)", "", *[f"{sum(alone.values()):.1f} = {sum(alone.values()) / lp['wall']:.2f}x "
+                 f"(F16 {alone['f16']:.1f} + Q4_K_M {alone['q4_k_m']:.1f}; in-process, {args.threads} threads)"] * len(lms)))
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(f"{c:{w[i]}}" for i, c in enumerate(r)).rstrip())
