@@ -66,6 +66,25 @@ def add_stack(base: Path, dst: Path, k: int) -> None:
         os.link(f, dst / rel)
 
 
+def group_floor(wh: Path, k: int, sample: int = 2) -> tuple[float, int]:
+    """The floor under the increment: the group's own work after stack k joined it (every member's
+    rows read, the centroid with today's float64 arithmetic, the new member's pairs), in this
+    process on its default threads like `--workers 1`, timed over the first `sample` prompts and
+    scaled to all of them. No imports, planning or writes. -> (seconds, positions)."""
+    from analysis.centroid import group_rows
+    from store.stream import shard_index
+
+    w = Warehouse(wh)
+    ids = [c["cell_id"] for c in sorted(w.read_all("cells"), key=lambda c: c["attention"])[:k + 1]]
+    idx = shard_index(w, ids[0], 0)
+    counts = {p: len(v.positions) for p, v in idx.prompts.items()}
+    some, pairs = list(counts)[:sample], [sorted([ids[k], o]) for o in ids[:k]]
+    group_rows(w, ids, "mean_prob", "floor", some[:1], pairs[:1])  # the kernel's first call is not the floor
+    t0 = time.perf_counter()
+    group_rows(w, ids, "mean_prob", "floor", some, pairs)
+    return (time.perf_counter() - t0) * sum(counts.values()) / sum(counts[p] for p in some), sum(counts.values())
+
+
 def _cell_of(rel: Path) -> str:
     return rel.parts[1] if rel.parts[0] == "logits" else rel.stem
 
@@ -163,6 +182,11 @@ def main() -> None:
         print(f"  one stack added to {a.incremental_at}: first analyze {first['seconds']} s (peak RSS "
               f"{first['peak_rss_gb']:.2f} GB), second {second['seconds']} s = {frac:.2f} of the first (target <= 0.2); "
               f"computed {second['summary']['computed']}", flush=True)
+        floor, positions = group_floor(inc, a.incremental_at)
+        print(f"  beside it, the group's own work alone (its {a.incremental_at + 1} members' rows read, today's float64 "
+              f"centroid, the {a.incremental_at} new pairs; in this process, sampled): {floor:.1f} s for {positions} "
+              f"positions = {floor / first['seconds']:.2f} of the first analyze: the floor under the increment "
+              f"while the centroid's numbers stay today's", flush=True)
     if rows:
         print(f"peak RSS over every size: {max(r['peak_rss_gb'] for r in rows):.2f} GB (target <= 2 GB)")
     print(json.dumps({"cpu": cpu(), "rows": a.rows, "vocab": a.vocab, "sizes": [{k: v for k, v in r.items() if k != "summary"}
