@@ -47,7 +47,7 @@ def test_smoke_spec_covers_hf_llamacpp_mlx_with_bf16_eager_reference():
         ("llamacpp", "q4_1", "default")]  # the shipped file, a candidate
     assert [c.artifact for c in spec.cells if c.artifact] == ["source"]
     assert [c.opts.get("activations") for c in spec.cells if c.engine == "mlx"] == [None, None, None, "fp32", "fp32"]
-    assert {c.max_tokens for c in spec.cells if c.engine != "mlx"} == {1024}  # the demo reads 1,024-token prefixes
+    assert {c.max_tokens for c in spec.cells if c.engine != "mlx"} == {768}  # the demo reads 768-token prefixes
     assert {c.max_tokens for c in load_spec(REPO / "configs" / "long.yaml").cells} == {None}
     assert spec.repeats == 2 and spec.stride == 32
     ref = spec.reference_cells["smollm2-135m"]
