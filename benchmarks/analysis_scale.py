@@ -85,6 +85,25 @@ def group_floor(wh: Path, k: int, sample: int = 2) -> tuple[float, int]:
     return (time.perf_counter() - t0) * sum(counts.values()) / sum(counts[p] for p in some), sum(counts.values())
 
 
+def incremental(base: Path, where: Path, k: int) -> tuple[dict, dict, float]:
+    """A second analyze after one stack joins k analysed ones, and beside it its floor (group_floor)."""
+    inc = where / f"inc{k}"
+    subset(base, inc, k)
+    first = analyze(inc, "--workers", "1")
+    add_stack(base, inc, k)
+    second = analyze(inc, "--workers", "1")
+    frac = second["seconds"] / first["seconds"]
+    print(f"  one stack added to {k}: first analyze {first['seconds']} s (peak RSS {first['peak_rss_gb']:.2f} GB), "
+          f"second {second['seconds']} s = {frac:.2f} of the first (target <= 0.2); computed "
+          f"{second['summary']['computed']}", flush=True)
+    floor, positions = group_floor(inc, k)
+    print(f"  beside it, the group's own work alone (its {k + 1} members' rows read, today's float64 centroid, the "
+          f"{k} new pairs; in this process, sampled): {floor:.1f} s for {positions} positions = "
+          f"{floor / first['seconds']:.2f} of the first analyze: the floor under the increment while the centroid's "
+          f"numbers stay today's", flush=True)
+    return first, second, frac
+
+
 def _cell_of(rel: Path) -> str:
     return rel.parts[1] if rel.parts[0] == "logits" else rel.stem
 
@@ -173,20 +192,7 @@ def main() -> None:
     first = second = {"seconds": None}
     frac = None
     if a.incremental_at:
-        inc = a.dir / f"inc{a.incremental_at}"
-        subset(base, inc, a.incremental_at)
-        first = analyze(inc, "--workers", "1")
-        add_stack(base, inc, a.incremental_at)
-        second = analyze(inc, "--workers", "1")
-        frac = second["seconds"] / first["seconds"]
-        print(f"  one stack added to {a.incremental_at}: first analyze {first['seconds']} s (peak RSS "
-              f"{first['peak_rss_gb']:.2f} GB), second {second['seconds']} s = {frac:.2f} of the first (target <= 0.2); "
-              f"computed {second['summary']['computed']}", flush=True)
-        floor, positions = group_floor(inc, a.incremental_at)
-        print(f"  beside it, the group's own work alone (its {a.incremental_at + 1} members' rows read, today's float64 "
-              f"centroid, the {a.incremental_at} new pairs; in this process, sampled): {floor:.1f} s for {positions} "
-              f"positions = {floor / first['seconds']:.2f} of the first analyze: the floor under the increment "
-              f"while the centroid's numbers stay today's", flush=True)
+        first, second, frac = incremental(base, a.dir, a.incremental_at)
     if rows:
         print(f"peak RSS over every size: {max(r['peak_rss_gb'] for r in rows):.2f} GB (target <= 2 GB)")
     print(json.dumps({"cpu": cpu(), "rows": a.rows, "vocab": a.vocab, "sizes": [{k: v for k, v in r.items() if k != "summary"}
