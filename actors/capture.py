@@ -6,7 +6,6 @@ Kept free of Ray so the actor, the tests and the benchmarks run the same code.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -71,43 +70,6 @@ def storage_summary(parts: list[dict]) -> dict[str, Any]:
             "floor_definition": "per row KL(P_native || P_stored), float64, natural log"}
 
 
-OVERLAP_BYTES = 1 << 29  # a prompt's rows up to this size are kept while the next forward runs
-
-
-class Overlap:
-    """A prompt's rows rounded, written and measured on one worker thread while the next prompt's
-    forward runs: a GPU forward leaves the CPU idle, and on 2 CPU cores a llama.cpp cell measuring
-    its rows in the actor took 25.6 s instead of 29.6 s (benchmarks/vs_llama_perplexity.py's job).
-    One prompt in flight, in prompt order, so at most two prompts' rows are in memory; rows over
-    OVERLAP_BYTES are kept on the spot. A failure there surfaces at the next hand-over."""
-
-    def __init__(self, fn):
-        self.fn, self.pending = fn, None
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="capture-keep")
-
-    def submit(self, prompt_id: str, positions: list[int], next_ids: list, native: np.ndarray) -> None:
-        self.drain()
-        if native.nbytes > OVERLAP_BYTES:
-            self.fn(prompt_id, positions, next_ids, native)
-        else:
-            self.pending = self.pool.submit(self.fn, prompt_id, positions, next_ids, native)
-
-    def drain(self) -> None:
-        """Wait for the prompt in flight; its exception is raised here."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.result()
-
-    def settle(self, error: BaseException) -> None:
-        """After a failure elsewhere: wait the prompt in flight out; its own failure goes on error's notes."""
-        pending, self.pending = self.pending, None
-        if pending is not None and (other := pending.exception()) is not None:
-            error.add_note(f"the rows of the prompt before failed too: {type(other).__name__}: {other}")
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-
-
 def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]], keep: Positions | int,
                   max_tokens: int | None = None, store: str = "native", observe=None,
                   layers_writer=None, decode_writer=None) -> dict[str, Any]:
@@ -123,20 +85,11 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
 
     max_tokens: keep only the sampled positions below it and feed just the prefix they
     need; logits at p depend on ids[0..p] only, so those rows mean what the full run's do.
-    observe(prompt_id, positions, stored, shift): called with each prompt's rows as written (on
-    Overlap's thread, in prompt order, while the next prompt's forward runs)."""
+    observe(prompt_id, positions, stored, shift): called with each prompt's rows as written."""
     t0 = time.perf_counter()
     forward_s = 0.0
     storage = Storage(store)
     extras = Extras(backend, layers_writer, decode_writer)
-
-    def keep_rows(prompt_id: str, positions: list[int], next_ids: list, native: np.ndarray) -> None:
-        stored, shift = storage.keep(native)
-        writer.add(prompt_id, positions, next_ids, stored, shift)
-        if observe is not None:
-            observe(prompt_id, positions, stored, shift)
-
-    stage = Overlap(keep_rows)
     try:
         dtype = None
         for prompt_id, ids in prompts:
@@ -150,17 +103,16 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
             native = extras.forward(prompt_id, ids, fed, positions)  # (rows, vocab), native dtype
             forward_s += time.perf_counter() - tf
             dtype = str(native.dtype)
-            stage.submit(prompt_id, positions, next_ids, native)
-        stage.drain()
+            stored, shift = storage.keep(native)
+            writer.add(prompt_id, positions, next_ids, stored, shift)
+            if observe is not None:
+                observe(prompt_id, positions, stored, shift)
         extras.commit()
         path = writer.commit()
-    except BaseException as e:
-        stage.settle(e)  # the writer is never aborted under a write still in flight
+    except BaseException:
         writer.abort()
         extras.abort()
         raise
-    finally:
-        stage.close()
     return {"path": str(path), "rows": writer.rows, "seconds": time.perf_counter() - t0,
             "forward_seconds": forward_s, "array_dtype": dtype, "storage": storage.summary(), **extras.summary()}
 
