@@ -202,9 +202,9 @@ def main() -> int:
     from store import llamacpp_kld as K
 
     base = K.read(lp["base"])
-    alone = forwards_alone(model, {"f16": f16, "q4_k_m": q4}, [list(map(int, t)) for t in base["tokens"]],
-                           args.threads)
-    same = all([list(map(int, t)) for t in base["tokens"]] == [list(t) for t in lm["ids"]] for lm in lms.values())
+    chunks = [list(map(int, t)) for t in base["tokens"]]  # llama-perplexity's own chunk ids
+    alone = forwards_alone(model, {"f16": f16, "q4_k_m": q4}, chunks, args.threads)
+    same = all(chunks == [list(t) for t in lm["ids"]] for lm in lms.values())
     print(f"\nCPU: {cpu()}; llama-perplexity {args.threads} threads; text {args.text}: {base['n_chunk']} chunks of 512, "
           f"{next(iter(lms.values()))['rows']} scored rows; chunk ids identical to llama-perplexity's: "
           f"{'yes' if same else 'NO'}")
