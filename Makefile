@@ -9,14 +9,14 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 # llama-cpp-python has no wheel for this box and builds from source (~10 min on 2 cores;
 # pip caches the wheel). -march=native segfaulted in the AMX path on quantised models on
-# the dev VMs, so the build targets plain AVX2. On a GPU box: LLAMA_CMAKE_ARGS="-DGGML_CUDA=on"
+# Intel Xeon CPUs with AMX, so the build targets plain AVX2. On a GPU box: LLAMA_CMAKE_ARGS="-DGGML_CUDA=on"
 # (and `pip install --no-cache-dir`, since pip's wheel cache does not key on CMAKE_ARGS).
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 EXTRAS ?= hf,llamacpp,mlx,s3,gcs,test
 # Every other package at the version tested (scripts/lock.sh writes it; torch stays TORCH_SPEC's).
 # A GPU box that brings its own stack: CONSTRAINTS= make venv.
 CONSTRAINTS ?= constraints/cpu.txt
-# Ray auth: `matrix run` gives its local cluster a token of yours (matrix/cluster.py); the tests use `disabled`.
+# Ray auth: `matrix run` gives its local cluster a token of yours (matrix/run/cluster.py); the tests use `disabled`.
 
 .PHONY: venv demo test bench clean-warehouse lock
 
@@ -45,7 +45,7 @@ demo: $(STAMP)
 # The suite includes real vLLM-on-CPU runs, so it builds the vLLM environment too (~3 min once).
 # Two workers, a test file each at a time (its module fixtures stay in one process): about half
 # of a serial run's wall time is Ray and process start-up and disk waits, which the other worker fills.
-# A worker that needs a model another is fetching waits for it (matrix/models.py locks the fetch).
+# A worker that needs a model another is fetching waits for it (matrix/spec/models.py locks the fetch).
 # Tests marked `serial` (they stop every Ray process of the machine) run afterwards, alone.
 TEST_WORKERS ?= 2
 test: $(STAMP) vllm-env

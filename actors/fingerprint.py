@@ -1,6 +1,7 @@
 """Environment fingerprint of the node a cell ran on: what can change the arithmetic.
 
-FlashAttention picks its split count from the SM count (004_8a541a91d0de6ac9.txt), so the same weights give
+FlashAttention picks its split count from the SM count (num_splits_heuristic in
+Dao-AILab/flash-attention csrc/flash_attn/flash_api.cpp), so the same weights give
 different logits per GPU model; CPU kernels differ by ISA (AVX2 / AVX-512 / AMX). Every probe
 degrades to a recorded reason ("no NVIDIA GPU", "amdsmi not installed") and never raises.
 """

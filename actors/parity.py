@@ -2,7 +2,7 @@
 
 Capture always feeds the canonical ids; this gate tells whether a user running
 the engine on its own (text in) would have fed the same ids. Two separate
-error sources (004_8a541a91d0de6ac9.txt): tokenisation/BOS changes the *input*; kernels change
+error sources: tokenisation/BOS changes the *input*; kernels change
 the *logits* for identical input. A BOS slip shifts every logit and can pass
 for quantisation error, so it is named, not just counted.
 """

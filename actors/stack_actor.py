@@ -17,7 +17,8 @@ from typing import Any
 
 import ray
 
-from actors.capture import capture_shard, fed_ids
+import extras
+from actors.capture import capture_shard
 from actors.fingerprint import fingerprint
 from backends import backend_class
 from common.positions import Positions
@@ -38,6 +39,7 @@ class Delivery:
 @ray.remote
 class StackActor:
     def __init__(self, stack: StackDesc, model: ModelCopy, threads: int, delivery: Delivery):
+        extras.adopt(stack.extra_targets)  # extras registered in the driver only (not built in)
         self.cls = backend_class(stack.engine)
         if self.cls is None:
             raise RuntimeError(f"no backend for engine {stack.engine!r} on node {socket.gethostname()}")
@@ -112,6 +114,8 @@ class StackActor:
         self.direct = Warehouse.reaches(self.delivery.warehouse, self.delivery.nonce)
         self.backend.load()
         settings = self.backend.settings()
+        for x, v in extras.of(self.stack):  # what an extra's hook records of the engine's rule
+            settings.update(x.settings(self.backend, v))
         return {
             "settings": settings, "versions": settings.pop("versions", {}),
             "artifact": settings.pop("artifact", None),
@@ -163,29 +167,28 @@ class StackActor:
         small, come back in the manifest)."""
         self._loaded()
         if self.rank > 0:
+            side = [x.capturer(self.backend, v, None) for x, v in extras.of(self.stack)]
             for _, ids in prompts:
-                fed, positions = fed_ids(ids, keep, self.stack.max_tokens)
+                fed, positions = keep.fed(ids, self.stack.max_tokens)
                 if positions:
                     self.backend.forward(fed, positions)
-                    if self.stack.layers:  # collective too: every rank joins rank 0's layer prefill
-                        self.backend.layer_states(fed, positions, list(self.stack.layers))
+                    for c in side:  # collective too: every rank joins what rank 0 runs
+                        c.other_rank(fed, positions)
             return {"rows": 0, "rank": self.rank}
         cid = self.stack.cell_id
-        writer, layers_writer, decode_writer = (self._writer(run_id, repeat, t) for t in ("logits", "layer_states",
-                                                                                        "decode"))
+        writer = self._writer(run_id, repeat, "logits")
+        side = {t: self._writer(run_id, repeat, t) for t in dict.fromkeys(x.table for x, _ in extras.of(self.stack))}
         metrics = self._metrics(metrics_ref, repeat)
         out = capture_shard(self.backend, writer, prompts, keep, self.stack.max_tokens, store,
-                            None if metrics is None else metrics.observe, layers_writer, decode_writer)
+                            None if metrics is None else metrics.observe, side)
         return {**out, "cell_id": cid, "repeat": repeat, "rows_via": "node" if self.direct else "driver",
-                "bytes_sent": 0 if self.direct else sum(w.bytes for w in (writer, layers_writer, decode_writer) if w),
+                "bytes_sent": 0 if self.direct else sum(w.bytes for w in (writer, *side.values())),
                 "metrics": None if metrics is None else metrics.outcome()}
 
     def _writer(self, run_id: str, repeat: int, table: str):
-        """Where a shard of this capture goes; None for layer_states when the cell asks for no layers."""
+        """Where a shard of this capture goes: the warehouse itself, or the driver's depot."""
         from actors.depot import RemoteShard
 
-        if (table == "layer_states" and not self.stack.layers) or (table == "decode" and not (self.stack.decode or self.stack.prefix_cache)):
-            return None
         cid = self.stack.cell_id
         return (ShardWriter(self.delivery.warehouse, run_id, cid, repeat, table) if self.direct
                 else RemoteShard(self.delivery.depot, run_id, cid, repeat, table))

@@ -37,6 +37,7 @@ from analysis.centroid import Group, group_rows
 from analysis.compare import CellResult, cell_metrics, with_floor
 from common.errors import UserError
 from store import Warehouse
+from store.floors import StorageFloor
 from store.stream import shard_index
 from store.verify import DamagedShard
 
@@ -80,13 +81,6 @@ class Task:
     work: float = 0.0  # estimated cost: Ray runs the largest first, so no big piece is left for last
 
 
-def _floor(cell: dict) -> float:
-    """KL between what the engine produced and what the warehouse holds: 0 for cells stored
-    exactly; a bf16-stored cell and an imported lossy file record their own mean per row."""
-    stored = json.loads(cell.get("storage") or "{}").get("storage_floor")  # `store: bf16` (v8)
-    return float(stored or json.loads(cell.get("settings") or "{}").get("storage_floor") or 0.0)
-
-
 def _key(**parts) -> str:
     return hashlib.sha256(json.dumps({"kernel": M.KERNEL_VERSION, **parts}, sort_keys=True).encode()).hexdigest()
 
@@ -104,7 +98,7 @@ def store_inline(wh: Warehouse, cell: dict, ref: dict, measured: dict[int, dict]
     want = [r for r in range(cell["repeats"]) if not (cid == ref_id and r == 0)]
     if not want or any(measured.get(r, {}).get("reference") != ref_id or "table" not in measured[r] for r in want):
         return False
-    floor = _floor(ref) + _floor(cell)
+    floor = StorageFloor.of_cell(ref) + StorageFloor.of_cell(cell)
     shards = {r: shard_index(wh, cid, r).digest for r in range(cell["repeats"])}
     result = CellResult()
     for r in want:
@@ -184,9 +178,9 @@ def plan(wh: Warehouse, done: list[dict], reference: str | None, centroid: str, 
         if 0 not in digests[ref_id]:
             log(f"{model}: its reference {ref_id} is damaged; no metrics for this model")
             continue
-        ref_digest, ref_floor = digests[ref_id][0][0], _floor(by_id[ref_id])
+        ref_digest, ref_floor = digests[ref_id][0][0], StorageFloor.of_cell(by_id[ref_id])
         for c in group:
-            cid, floor, d = c["cell_id"], ref_floor + _floor(c), digests[c["cell_id"]]
+            cid, floor, d = c["cell_id"], ref_floor + StorageFloor.of_cell(c), digests[c["cell_id"]]
             counts = next(iter(d.values()))[1] if d else {}
             units.append(Unit("cell", cid, cell_key(ref_id, ref_digest, floor, {r: v[0] for r, v in d.items()}),
                               sum(sum(v[1].values()) for v in d.values()),
@@ -248,11 +242,12 @@ def _keep_pairs(wh: Warehouse, u: Unit, force: bool) -> None:
 
 def analyze(warehouse: str, reference: str | None = None, ranges=DEFAULT_RANGES, centroid: str | None = None,
             log: Callable[[str], None] = print, skip_damaged: bool = False, force: bool = False,
-            run_units: Callable = run_locally) -> dict:
+            run_units: Callable = run_locally, side=()) -> dict:
+    """side: (name, analysis) of each per-cell extra, run after the stacks' metrics (extras.analyses())."""
     wh = Warehouse(warehouse).require()
     with wh.lock():  # one writer at a time: a run in progress would change the cells under us
         wh.migrate(log)
-        return _analyze(wh, reference, ranges, centroid, log, skip_damaged, force, run_units)
+        return _analyze(wh, reference, ranges, centroid, log, skip_damaged, force, run_units, side)
 
 
 @dataclass
@@ -270,7 +265,8 @@ class Progress:
         return f"{self.done}/{self.total} rows | {rate:.0f} rows/s | ETA {eta:.0f}s"
 
 
-def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool, force: bool, run_units) -> dict:
+def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool, force: bool, run_units,
+             side) -> dict:
     done = [c for c in wh.read_all("cells") if c["status"] == "done"]
     if not done:
         raise UserError(f"{wh.where}: no captured cells to analyze (the warehouse has no logits)")
@@ -320,24 +316,13 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
     with _heartbeat(progress, lambda: f"{finished[0]}/{len(todo)} unit(s)", log):
         run_units(wh.where, tasks, skip_damaged, record)
     _write_ranges(wh, ranges)
-    summary.update(_depth_tables(wh, done, reference, force, log))
+    for name, part in side:  # the per-cell extras' own tables (layer_metrics, decode_metrics)
+        got = part(wh, done, reference, force, log)
+        if got is not None:
+            summary[name] = got
     summary["computed"] = {"cells": sum(u.kind == "cell" for u in todo), "groups": sum(u.kind == "group" for u in todo)}
     summary["seconds"] = round(time.perf_counter() - progress.t0, 2)
     return summary
-
-
-def _depth_tables(wh: Warehouse, done: list[dict], reference, force: bool, log) -> dict:
-    """layer_metrics and decode_metrics (issue 17), for the cells that recorded layers or decode rows."""
-    out = {}
-    if any(c.get("layers") for c in done):
-        from analysis.layer_analysis import analyze_layers
-
-        out["layers"] = analyze_layers(wh, done, reference, force, log)
-    if any(c.get("decode") or c.get("prefix_cache") for c in done):
-        from analysis.decode_analysis import analyze_decode
-
-        out["decode"] = analyze_decode(wh, done, force, log)
-    return out
 
 
 @contextmanager

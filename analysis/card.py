@@ -2,7 +2,7 @@
 
 A KLD is meaningless without its reference checkpoint, both runtimes, the evaluation text,
 calibration data, context lengths, sampled positions, KL direction, vocabulary truncation,
-aggregation, storage floor and reproducibility (004_8a541a91d0de6ac9.txt). Every field is read from the
+aggregation, storage floor and reproducibility. Every field is read from the
 warehouse; one that is unknown fails the card (naming the field) unless the caller allows
 it to be printed as "undisclosed".
 """
@@ -24,6 +24,15 @@ def _rows(con, sql: str, params=()) -> list[dict]:
     rel = con.execute(sql, params)
     cols = [d[0] for d in rel.description]
     return [dict(zip(cols, r)) for r in rel.fetchall()]
+
+
+def query_rows(warehouse: str, sql: str, params=()) -> list[dict]:
+    """One query's rows as dicts, on a connection of its own."""
+    con = connect(warehouse)
+    try:
+        return _rows(con, sql, params)
+    finally:
+        con.close()
 
 
 def _json(s: str | None) -> dict:
@@ -207,7 +216,8 @@ NUMBERS = ("kld_mean", "kld_stderr", "kld_median", "kld_p99", "kld_max", "kld_re
            "below_resolution")
 
 
-def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False) -> dict:
+def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False, extras=()) -> dict:
+    """extras: the per-cell extras (key, card(warehouse, cell)); each adds its block (null without)."""
     cell, ref, s, ranges, prompts, pos = _query(warehouse, cell_id)
     numbers = {k: s[k] for k in NUMBERS}
     disclosure = _disclosure(cell, ref, s, prompts, pos)
@@ -220,62 +230,7 @@ def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False) ->
     _fill(disclosure)
     return {"cell_id": cell_id, "reference_cell_id": ref["cell_id"], "model": cell["model"],
             "numbers": numbers, "ranges": ranges, "disclosure": disclosure, "undisclosed": missing,
-            "layers": _layers(warehouse, cell), "decode": _decode(warehouse, cell),
-            "prefix_cache": _prefix(warehouse, cell)}
-
-
-def _decode(warehouse: str, cell: dict) -> dict | None:
-    """A decode: cell's decode rows against its prefill rows and the reference (null without)."""
-    if not cell.get("decode"):
-        return None
-    con = connect(warehouse)
-    try:
-        rows = {r["path"]: r for r in _rows(con, "SELECT * FROM summary_by_path WHERE cell_id = ? AND rows_of = 'decode'",
-                                            [cell["cell_id"]])}
-    finally:
-        con.close()
-    rec, d, p = _json(cell["decode"]), rows.get("decode") or {}, rows.get("prefill") or {}
-    return {"steps": rec.get("steps"), "at": rec.get("at"), "rows": d.get("rows"),
-            "method": "teacher-forced from the KV cache of a prefill up to each start, batch 1, n_tokens = 1",
-            "kld_decode_mean": d.get("kld_mean"), "kld_prefill_mean": p.get("kld_mean"),
-            "top1_agreement_decode": d.get("top1_agreement"),
-            "kld_prefill_vs_decode_mean": d.get("kld_vs_prefill_mean"),
-            "max_abs_diff_vs_prefill": d.get("max_abs_diff_vs_prefill"),
-            "bit_identical_share": d.get("identical_share")}
-
-
-def _prefix(warehouse: str, cell: dict) -> dict | None:
-    """A prefix_cache: cell's rows recomputed from a warm cache against its fresh prefill (null without)."""
-    if not cell.get("prefix_cache"):
-        return None
-    con = connect(warehouse)
-    try:
-        r = (_rows(con, "SELECT * FROM summary_by_path WHERE cell_id = ? AND path = 'prefix_cached'",
-                   [cell["cell_id"]]) or [{}])[0]
-    finally:
-        con.close()
-    rec = _json(cell["prefix_cache"])
-    return {"rows": r.get("rows"), "cached_tokens_mean": r.get("cached_tokens_mean"),
-            "method": "the same prompt evaluated again with the engine's prefix cache warm from the first",
-            "kld_prefill_vs_cached_mean": r.get("kld_vs_prefill_mean"),
-            "max_abs_diff_vs_prefill": r.get("max_abs_diff_vs_prefill"), "bit_identical_share": r.get("identical_share"),
-            "kld_cached_mean": r.get("kld_mean"), "recorded_max_abs_diff": rec.get("max_abs_diff_vs_prefill")}
-
-
-def _layers(warehouse: str, cell: dict) -> dict | None:
-    """A layers: cell's per-layer agreement with its reference (null for a cell without layers)."""
-    if not cell.get("layers"):
-        return None
-    con = connect(warehouse)
-    try:
-        rows = _rows(con, """SELECT layer, layer_index, rows, cosine_min, cosine_mean, norm_ratio_dev_max, rel_l2_max
-                             FROM layer_summary WHERE cell_id = ? ORDER BY layer_index""", [cell["cell_id"]])
-    finally:
-        con.close()
-    recorded = _json(cell["layers"])
-    return {"recorded": recorded.get("layers"), "depth": recorded.get("depth"), "sources": recorded.get("sources"),
-            "comparison": "each state vs the reference's same (prompt, position, layer), repeat 0; float64",
-            "by_layer": rows}
+            **{x.key: x.card(warehouse, cell) for x in extras}}
 
 
 def _unknown(d: Any, prefix: str = "") -> list[str]:
@@ -293,17 +248,17 @@ def _fill(d: dict) -> None:
             d[k] = UNDISCLOSED
 
 
-def _g(v: Any) -> str:
+def fmt_value(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, dict):
-        return "; ".join(f"{k}: {_g(x)}" for k, x in v.items())
+        return "; ".join(f"{k}: {fmt_value(x)}" for k, x in v.items())
     return str(v)
 
 
-def markdown(card: dict) -> str:
+def markdown(card: dict, extras=()) -> str:
     n = card["numbers"]
     out = [f"### KL divergence: `{card['cell_id']}` vs reference `{card['reference_cell_id']}`", "",
            "| metric | value |", "|---|---|",
@@ -311,10 +266,10 @@ def markdown(card: dict) -> str:
            f"| median / p99 / max KLD | {n['kld_median']:.4g} / {n['kld_p99']:.4g} / {n['kld_max']:.4g} |",
            f"| mean reverse KLD / mean JS | {n['kld_reverse_mean']:.4g} / {n['js_mean']:.4g} |",
            f"| top-1 agreement | {n['top1_agreement']:.4f} |",
-           f"| raw logits: mean NMSE / max abs diff / mean Spearman (top-10) | {_g(n['nmse_mean'])} / "
-           f"{_g(n['max_abs_diff'])} / {_g(n['spearman_mean'])} |",
+           f"| raw logits: mean NMSE / max abs diff / mean Spearman (top-10) | {fmt_value(n['nmse_mean'])} / "
+           f"{fmt_value(n['max_abs_diff'])} / {fmt_value(n['spearman_mean'])} |",
            f"| rows (NaN/Inf excluded) | {n['rows']} ({n['nonfinite_rows']}) |",
-           f"| below measurement resolution | {_g(n['below_resolution'])} |", "",
+           f"| below measurement resolution | {fmt_value(n['below_resolution'])} |", "",
            "| output range | rows | mean KLD ± s.e. | p99 | max | top-1 |", "|---|---|---|---|---|---|"]
     for r in card["ranges"]:
         out.append(f"| {r['range']} | {r['rows']} | {r['kld_mean']:.4g} ± {r['kld_stderr'] or 0:.2g} | "
@@ -323,31 +278,12 @@ def markdown(card: dict) -> str:
     for k, v in card["disclosure"].items():
         if isinstance(v, dict) and k.endswith("runtime"):
             for kk, vv in v.items():
-                out.append(f"| {k}.{kk} | {_g(vv).replace('|', '/')} |")
+                out.append(f"| {k}.{kk} | {fmt_value(vv).replace('|', '/')} |")
         else:
-            out.append(f"| {k} | {_g(v).replace('|', '/')} |")
-    if card.get("layers"):
-        lay = card["layers"]
-        out += ["", f"Per-layer agreement with the reference (layers {lay['recorded']} of {lay['depth']}, "
-                    "and the final norm's output):", "",
-                "| state | rows | cosine min | cosine mean | max abs(norm ratio - 1) | max rel L2 |",
-                "|---|---|---|---|---|---|"]
-        out += [f"| {r['layer']} | {r['rows']} | {r['cosine_min']:.6f} | {r['cosine_mean']:.6f} | "
-                f"{r['norm_ratio_dev_max']:.3g} | {r['rel_l2_max']:.3g} |" for r in lay["by_layer"]]
-    if card.get("decode") and card["decode"]["rows"]:
-        d = card["decode"]
-        out += ["", f"Decode path ({d['steps']} steps from positions {d['at']}, {d['rows']} rows; {d['method']}):", "",
-                "| path | mean KLD vs reference |", "|---|---|",
-                f"| prefill | {_g(d['kld_prefill_mean'])} |", f"| decode | {_g(d['kld_decode_mean'])} |", "",
-                f"Decode vs the same cell's prefill: mean KL {_g(d['kld_prefill_vs_decode_mean'])}, max abs diff "
-                f"{_g(d['max_abs_diff_vs_prefill'])}, bit-identical rows {_g(d['bit_identical_share'])}."]
-    if card.get("prefix_cache") and card["prefix_cache"]["rows"]:
-        pc = card["prefix_cache"]
-        out += ["", f"Prefix cache ({pc['method']}; {pc['rows']} recomputed rows, "
-                    f"{_g(pc['cached_tokens_mean'])} tokens from the cache on average): against the fresh prefill "
-                    f"mean KL {_g(pc['kld_prefill_vs_cached_mean'])}, max abs diff {_g(pc['max_abs_diff_vs_prefill'])}, "
-                    f"bit-identical rows {_g(pc['bit_identical_share'])}; against the reference mean KLD "
-                    f"{_g(pc['kld_cached_mean'])}."]
+            out.append(f"| {k} | {fmt_value(v).replace('|', '/')} |")
+    for x in extras:  # each per-cell extra's block (extras: Extra.card_lines)
+        if card.get(x.key):
+            out += x.card_lines(card[x.key])
     if card["undisclosed"]:
         out += ["", f"Undisclosed: {', '.join(card['undisclosed'])}."]
     return "\n".join(out) + "\n"

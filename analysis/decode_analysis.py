@@ -1,7 +1,8 @@
-"""`matrix analyze`'s decode part (issue 17 item 3; seed 000's KV-cache batch mismatch): every row of a
-cell's decode file that left the plain prefill path ('decode': fed one token at a time from the KV
-cache; 'prefix_cached': recomputed with a warm prefix cache) against the same position's prefill row
-of the same cell, and against the reference's prefill row there, into `decode_metrics/<cell_id>.parquet`.
+"""`matrix analyze`'s part for rows off the plain prefill path: every row of a cell's decode file
+whose path is not 'prefill' (each per-cell extra that writes there names its paths and a PathRule:
+fed one token at a time from the KV cache, recomputed with a warm cache, ...) against the same
+position's prefill row of the same cell, and against the reference's prefill row there, into
+`decode_metrics/<cell_id>.parquet`.
 
 A decode file is small (starts x steps x prompts rows, or a few rows per prompt), so it is read whole;
 the reference's rows come from its own decode file where it has one, else from its capture's shard
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -24,7 +26,17 @@ from store.stream import Rows, shard_index
 from store.warehouse import logits_matrix
 
 DECODE_KERNEL = f"decode-2+metrics-{M.KERNEL_VERSION}"
-PATHS = ("decode", "prefix_cached")  # the paths compared with the prefill row of the same key
+
+
+@dataclass(frozen=True)
+class PathRule:
+    """How one path of the decode file is compared (declared by the extra that writes it)."""
+
+    active: Callable[[dict], bool]  # whether a cells row recorded rows on this path
+    # the reference's own decode file holds its prefill rows at this path's positions (else: its shard)
+    reference_file: bool = False
+    hits: Callable[[dict], dict] | None = None  # prompt -> leading tokens a cache served (cached_tokens)
+    reference_shard: bool = False  # its rows sit at sampled positions: the reference's shard is an input
 
 
 def _digest(wh: Warehouse, cell_id: str, repeat: int) -> str:
@@ -33,11 +45,11 @@ def _digest(wh: Warehouse, cell_id: str, repeat: int) -> str:
     return hashlib.sha256("".join(hashes).encode()).hexdigest()
 
 
-def _read(wh: Warehouse, cell_id: str, repeat: int) -> dict[str, Any]:
+def _read(wh: Warehouse, cell_id: str, repeat: int, paths: tuple[str, ...]) -> dict[str, Any]:
     """{path: {(prompt, position, step): row index}, "values": (rows, vocab) float32, "hash"}."""
     t = wh.read_shard(cell_id, repeat, ["prompt_id", "position", "step", "path", "row_hash", "logits"], "decode")
     d = t.select(["prompt_id", "position", "step", "path", "row_hash"]).to_pydict()
-    out: dict[str, Any] = {"prefill": {}, **{p: {} for p in PATHS}, "hash": d["row_hash"],
+    out: dict[str, Any] = {"prefill": {}, **{p: {} for p in paths}, "hash": d["row_hash"],
                            "values": logits_matrix(t.column("logits"))}  # (rows, vocab) float32, exact
     for i, (p, q, s, path) in enumerate(zip(d["prompt_id"], d["position"], d["step"], d["path"])):
         out[path][(p, q, s)] = i
@@ -48,8 +60,8 @@ class Reference:
     """The reference's prefill row at (prompt, position): from its decode file, else its capture's shard.
     One per reference, shared by its cells; each part is read the first time it is needed."""
 
-    def __init__(self, wh: Warehouse, ref_id: str, has_file: bool):
-        self.wh, self.ref_id, self.has_file = wh, ref_id, has_file
+    def __init__(self, wh: Warehouse, ref_id: str, has_file: bool, paths: tuple[str, ...]):
+        self.wh, self.ref_id, self.has_file, self.paths = wh, ref_id, has_file, paths
 
     @functools.cached_property
     def digest(self) -> str | None:  # of its decode file (row hashes only)
@@ -61,7 +73,7 @@ class Reference:
 
     @functools.cached_property
     def file(self) -> dict | None:  # its decode file, logits included
-        return _read(self.wh, self.ref_id, 0) if self.has_file else None
+        return _read(self.wh, self.ref_id, 0, self.paths) if self.has_file else None
 
     @functools.cached_property
     def at(self) -> dict[tuple[str, int], int]:
@@ -80,8 +92,9 @@ class Reference:
         return out
 
 
-def compare(cell_id: str, repeat: int, mine: dict, ref: Reference | None, hits: dict[str, int]) -> pa.Table:
-    keys = [(path, k) for path in PATHS for k in sorted(mine[path])]
+def compare(cell_id: str, repeat: int, mine: dict, ref: Reference | None, hits: dict[str, int],
+            rules: dict[str, PathRule]) -> pa.Table:
+    keys = [(path, k) for path in rules for k in sorted(mine[path])]
     other = np.array([mine[path][k] for path, k in keys], np.int64)
     pre = np.array([mine["prefill"][k] for _, k in keys], np.int64)
     v = mine["values"]
@@ -103,45 +116,50 @@ def compare(cell_id: str, repeat: int, mine: dict, ref: Reference | None, hits: 
         "prompt_id": [k[0] for _, k in keys], "position": pa.array([k[1] for _, k in keys], pa.int32()),
         "step": pa.array([k[2] for _, k in keys], pa.int32()), "repeat": pa.array([repeat] * n, pa.int32()),
         "path": [p for p, _ in keys],
-        "cached_tokens": pa.array([hits.get(k[0]) if p == "prefix_cached" else None for p, k in keys], pa.int32()),
+        "cached_tokens": pa.array([hits.get(k[0]) if rules[p].hits else None for p, k in keys], pa.int32()),
         "kld_vs_prefill": pa.array(own["kld"], pa.float64()), "max_abs_diff_vs_prefill": pa.array(own["max_abs_diff"], pa.float64()),
         "top1_match_prefill": pa.array(own["top1_match"], pa.bool_()), "identical_to_prefill": pa.array(same, pa.bool_()),
         "kld": pa.array(kld, pa.float64()), "top1_match": pa.array(top1, pa.bool_()),
         "kld_prefill": pa.array(kld_pre, pa.float64()), "kernel_version": [DECODE_KERNEL] * n})
 
 
-def _key(wh: Warehouse, cell: dict, ref: Reference | None, repeats: list[int]) -> str:
+def _key(wh: Warehouse, cell: dict, ref: Reference | None, repeats: list[int], rules: dict[str, PathRule]) -> str:
     """Content key: this cell's decode files, the reference's decode file and capture shard."""
+    shard = any(r.reference_shard and r.active(cell) for r in rules.values())
     parts = {"kernel": DECODE_KERNEL, "ref": ref and ref.ref_id, "ref_digest": ref and ref.digest,
-             "ref_shard": ref.index.digest if ref and cell.get("prefix_cache") else None,
+             "ref_shard": ref.index.digest if ref and shard else None,
              "shards": {r: _digest(wh, cell["cell_id"], r) for r in repeats}}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def analyze_decode(wh: Warehouse, done: list[dict], force: bool, log: Callable[[str], None]) -> dict[str, Any]:
+def analyze_decode(wh: Warehouse, done: list[dict], force: bool, log: Callable[[str], None],
+                   rules: dict[str, PathRule]) -> dict[str, Any]:
+    """rules: path -> PathRule, for every path a per-cell extra writes (in the order compared)."""
     by_id = {c["cell_id"]: c for c in done}
     out = {"cells": 0, "reused": 0, "rows": 0, "no_reference_rows": []}
     refs: dict[str, Reference] = {}
+    paths = tuple(rules)
     for cell in done:
-        if not (cell.get("decode") or cell.get("prefix_cache")):
+        active = [r for r in rules.values() if r.active(cell)]
+        if not active:
             continue
         ref_id = cell.get("reference_cell_id") if cell.get("reference_cell_id") in by_id else None
-        ref_file = bool(ref_id and by_id[ref_id].get("decode"))
-        if cell.get("decode") and not ref_file:
+        ref_file = bool(ref_id and any(r.reference_file and r.active(by_id[ref_id]) for r in rules.values()))
+        if any(r.reference_file for r in active) and not ref_file:
             out["no_reference_rows"].append(cell["cell_id"])
             log(f"decode: {cell['cell_id']}: its reference {ref_id} recorded no decode file; "
                 "decode rows are compared with this cell's own prefill only")
         repeats = sorted(wh.completed_repeats(cell["cell_id"], "decode"))
-        ref = refs.setdefault(ref_id, Reference(wh, ref_id, ref_file)) if ref_id else None
-        key = _key(wh, cell, ref, repeats)
+        ref = refs.setdefault(ref_id, Reference(wh, ref_id, ref_file, paths)) if ref_id else None
+        key = _key(wh, cell, ref, repeats, rules)
         meta = wh.table_meta("decode_metrics", cell["cell_id"]) or {}
         out["cells"] += 1
         if not force and meta.get("key") == key:
             out["reused"] += 1
             out["rows"] += meta.get("rows", 0)
             continue
-        hits = json.loads(cell["prefix_cache"])["hits"] if cell.get("prefix_cache") else {}
-        table = pa.concat_tables([compare(cell["cell_id"], r, _read(wh, cell["cell_id"], r), ref, hits)
+        hits = {k: v for r in active if r.hits for k, v in r.hits(cell).items()}
+        table = pa.concat_tables([compare(cell["cell_id"], r, _read(wh, cell["cell_id"], r, paths), ref, hits, rules)
                                   for r in repeats])
         wh.write_table("decode_metrics", cell["cell_id"], table,
                        {"key": key, "kernel_version": DECODE_KERNEL, "rows": table.num_rows})

@@ -6,8 +6,8 @@
     dtypes: {q8_0: 8bit, ...}        # optional: which class a cell dtype belongs to
 
 Any NaN/Inf row rejects, always (it is not a threshold). An isolated KL spike rejects
-through max_kld (000_d5fbcc845b899b80.txt); cosine and the norm ratio are two gates because cosine is
-blind to a dropped scale factor (003_0a72f8c17495d068.txt).
+through max_kld; cosine and the norm ratio are two gates because cosine is blind to a dropped
+scale factor (as in NVIDIA TensorRT-Edge-LLM's few-layer numeric validation guide).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ GATES = {
     "norm_ratio_tol": ("norm_ratio_dev", "<=", "largest |‖stack‖/‖ref‖ − 1| over rows (what cosine misses)",
                        "abs(norm_ratio - 1)"),
     "mean_js": ("js_mean", "<=", "mean Jensen-Shannon divergence", "js"),
-    # seed 000: softmax hides a shift or a scale of the raw logits; these see it
+    # softmax hides a shift or a scale of the raw logits; these see it
     "max_abs_diff": ("max_abs_diff_max", "<=", "largest |Δlogit| of any row (raw logits)", "max_abs_diff"),
     "mean_nmse": ("nmse_mean", "<=", "mean NMSE of raw logits", "nmse"),
     "max_nmse": ("nmse_max", "<=", "largest per-row NMSE of raw logits", "nmse"),
@@ -128,7 +128,8 @@ def measured_from_warehouse(con, cell_id: str) -> tuple[dict, int, str]:
 
 def parity_gate(parity: str | None, allowed: bool) -> dict:
     """A stack whose own tokenizer disagrees with the canonical ids was fed ids it would not make
-    itself (seed 004: tokenizer/BOS parity before arithmetic): that rejects unless allowed."""
+    itself (a tokenizer or BOS difference changes the input, not the arithmetic, and moves every logit):
+    that rejects unless allowed."""
     bad = parity == "mismatch"
     return {"gate": "tokenizer_parity", "comparison": "==", "threshold": "ok", "measured": parity or "not_checked",
             "pass": not bad or allowed, "allowed": bad and allowed,

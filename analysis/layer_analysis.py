@@ -1,4 +1,4 @@
-"""`matrix analyze`'s per-layer part (issue 17): each `layers:` cell's hidden states against its
+"""`matrix analyze`'s per-layer part: each `layers:` cell's hidden states against its
 reference's same (prompt, position, layer), written to `layer_metrics/<cell_id>.parquet`, and the
 per-layer table `matrix layers` prints with its verdict.
 

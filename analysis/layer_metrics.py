@@ -1,10 +1,10 @@
-"""Per-layer agreement of a stack with its reference (issue 17; seed 003_0a72f8c17495d068.txt):
-cosine, norm ratio, relative L2 error, max |Δ| and an allclose flag per row, summarised per layer,
-and the first layer that fails the cosine / norm-ratio gates.
+"""Per-layer agreement of a stack with its reference, gated as in NVIDIA TensorRT-Edge-LLM's few-layer
+numeric validation guide: cosine, norm ratio, relative L2 error, max |Δ| and an allclose flag per row,
+summarised per layer, and the first layer that fails the cosine / norm-ratio gates.
 
 Cosine is blind to a dropped or doubled scale factor; the norm ratio is exactly the freedom it
-throws away, and it is tight because quantisation noise largely cancels in a ratio (seed 003: why
-two gates). allclose is reported, never a gate: absolute error follows each tensor's range.
+throws away, and it is tight because quantisation noise largely cancels in a ratio (that guide's
+"Why two gates"). allclose is reported, never a gate: absolute error follows each tensor's range.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-ATOL = RTOL = 2e-2  # seed 003's allclose defaults (reported, not gating)
+ATOL = RTOL = 2e-2  # the allclose defaults of TensorRT-Edge-LLM's few-layer validation (reported, not gating)
 
 
 def row_metrics(ref: np.ndarray, got: np.ndarray, atol: float = ATOL, rtol: float = RTOL) -> dict[str, np.ndarray]:

@@ -10,7 +10,7 @@ import json
 import math
 from pathlib import Path
 
-from analysis.report_layers import PALETTE, decode_section, layers_section
+from analysis.report_layers import PALETTE
 from analysis.sql import connect
 from common.output import table
 
@@ -131,7 +131,8 @@ def svg_heatmap(pairs: list[dict], cells: list[str], ident="pairwise-js") -> str
     return "".join(out)
 
 
-def write_html(data: dict, out_dir: Path, warehouse: str) -> Path:
+def write_html(data: dict, out_dir: Path, warehouse: str, sections: list[str] = ()) -> Path:
+    """sections: the HTML of each per-cell extra's part (extras: Extra.report), in registry order."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = data["cells"]
     ids = [c["cell_id"] for c in cells]
@@ -158,8 +159,7 @@ the centroid is the normalised mean of the stacks' probabilities at each row.</p
 <h2>Top-1 agreement with the reference</h2>{svg_bars([(c["cell_id"], c["top1_agreement"]) for c in cells], "top1")}
 <h2>Distance to the centroid (KL(centroid &#8214; stack))</h2>
 {svg_bars([(c["cell_id"], c["kld_centroid_stack"]) for c in cells], "centroid")}
-{layers_section(data.get("layers") or [])}
-{decode_section(data.get("paths") or [])}
+{"".join(sections)}
 <script type="application/json" id="data">{html.escape(json.dumps(data, default=str))}</script>
 </body></html>"""
     path = out_dir / "report.html"

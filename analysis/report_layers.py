@@ -1,4 +1,4 @@
-"""The report's issue-17 plots. Per layer: 1 - cosine and |norm ratio - 1| by layer, one line per
+"""The report's per-layer and decode-path plots. Per layer: 1 - cosine and |norm ratio - 1| by layer, one line per
 stack, against the reference's same layer (the layer_summary view); log scale, because the stacks
 of a quant ladder sit orders of magnitude apart and the gates are thresholds on these very numbers.
 Prefill vs decode: each decode cell's KL to the reference on its prefill rows and on its decode rows
@@ -56,7 +56,8 @@ def layers_section(rows: list[dict]) -> str:
     return ("<h2>Where divergence starts: per-layer agreement with the reference</h2>"
             "<p>Each stack's residual stream after each decoder layer (and the final norm's output) against the "
             "reference's same rows: 1 &#8722; mean cosine, and the largest |&#8214;stack&#8214; / &#8214;ref&#8214; "
-            "&#8722; 1| (seed 003's two gates; <code>matrix layers CELL</code> gives the verdict).</p>"
+            "&#8722; 1| (the two gates: cosine is blind to a scale factor, the norm ratio is not; "
+            "<code>matrix layers CELL</code> gives the verdict).</p>"
             + svg_layer_panel(rows, "cosine_deficit", "layers-cosine", "1 - cosine (mean over rows)")
             + svg_layer_panel(rows, "norm_ratio_dev_max", "layers-norm-ratio", "|norm ratio - 1| (max over rows)"))
 
@@ -88,36 +89,18 @@ def svg_paths(rows: list[dict], w=760) -> str:
     return "".join(out)
 
 
-def decode_section(rows: list[dict]) -> str:
-    """The HTML of the prefill-vs-decode section (and the prefix-cache table), or "" without such rows."""
-    cached = [r for r in rows if r["path"] == "prefix_cached"]
-    rows = [r for r in rows if r["rows_of"] == "decode"]
+def paths_section(rows: list[dict], path: str = "decode") -> str:
+    """The HTML of the prefill-vs-decode section, or "" without decode rows."""
+    rows = [r for r in rows if r["rows_of"] == path]
     if not rows:
-        return prefix_section(cached)
-    dec = [r for r in rows if r["path"] == "decode"]
+        return ""
+    dec = [r for r in rows if r["path"] == path]
     body = "".join(
         f"<tr><td>{html.escape(r['cell_id'])}</td><td>{r['rows']}</td><td>{r['kld_vs_prefill_mean']:.3g}</td>"
         f"<td>{r['max_abs_diff_vs_prefill']:.3g}</td><td>{r['identical_share']:.0%}</td></tr>" for r in dec)
     return ("<h2>Prefill against decode</h2><p>At each decoded position: the stack's row from its one prefill, "
             "and its row from the KV cache, fed one teacher-forced token at a time (batch 1, n_tokens = 1; "
-            "seed 000's KV-cache batch mismatch). Both against the reference's prefill row there.</p>"
+            "other kernels than the prefill's). Both against the reference's prefill row there.</p>"
             + svg_paths(rows)
             + "<table id=\"decode\"><tr><th>cell</th><th>decode rows</th><th>KL(prefill || decode) mean</th>"
-              "<th>max |decode - prefill|</th><th>bit-identical</th></tr>" + body + "</table>"
-            + prefix_section(cached))
-
-
-def prefix_section(cached: list[dict]) -> str:
-    """A `prefix_cache: check` cell's recomputed rows against its fresh prefill rows."""
-    if not cached:
-        return ""
-    body = "".join(
-        f"<tr><td>{html.escape(r['cell_id'])}</td><td>{r['rows']}</td><td>{r['cached_tokens_mean']:.1f}</td>"
-        f"<td>{r['kld_vs_prefill_mean']:.3g}</td><td>{r['max_abs_diff_vs_prefill']:.3g}</td>"
-        f"<td>{r['identical_share']:.0%}</td></tr>" for r in cached)
-    return ("<h2>Prefix cache against a fresh prefill</h2><p>Each prompt evaluated a second time with the "
-            "engine's prefix cache warm from the first; the rows it recomputed against the fresh prefill's "
-            "(seed 000: a cached prefix may not equal a fresh prefill).</p>"
-            "<table id=\"prefix-cache\"><tr><th>cell</th><th>rows</th><th>tokens from the cache (mean)</th>"
-            "<th>KL(prefill || cached) mean</th><th>max |cached - prefill|</th><th>bit-identical</th></tr>"
-            + body + "</table>")
+              "<th>max |decode - prefill|</th><th>bit-identical</th></tr>" + body + "</table>")

@@ -171,8 +171,8 @@ VIEWS = {
                             ORDER BY avg(m.kld_centroid_stack)) AS rank_closest
         FROM centroid_metrics m JOIN cells c USING (cell_id)
         GROUP BY c.model, coalesce(m.centroid_group, c.model), m.cell_id""",
-    # Per-layer agreement (issue 17): one row per (cell, layer) of repeat 0, shallowest first, with
-    # the row where each of seed 003's two gates is worst; `matrix layers CELL --gates` gives the verdict.
+    # Per-layer agreement: one row per (cell, layer) of repeat 0, shallowest first, with
+    # the row where each of the two gates (cosine, norm ratio) is worst; `matrix layers CELL --gates` gives the verdict.
     "layer_summary": """
         SELECT c.model, m.cell_id, c.engine, c.dtype, m.reference_cell_id, m.layer, m.layer_index,
                count(*) AS rows, min(m.cosine) AS cosine_min, avg(m.cosine) AS cosine_mean,
@@ -185,7 +185,7 @@ VIEWS = {
         FROM layer_metrics m JOIN cells c USING (cell_id)
         WHERE m.repeat = 0
         GROUP BY ALL""",
-    # Off the plain prefill (issue 17): per cell, the rows at the positions a `decode:` cell decoded or
+    # Off the plain prefill: per cell, the rows at the positions a `decode:` cell decoded or
     # a `prefix_cache:` cell recomputed from a warm cache (rows_of). path 'prefill': the cell's own
     # prefill rows there vs the reference's; path = rows_of: those rows vs the reference's prefill
     # rows, with their consistency with the same cell's prefill row (kld / max |diff| / identical).

@@ -1,4 +1,4 @@
-"""Divergence from a top-k fixture (seed 000_d5fbcc845b899b80.txt): bounded KL when only the
+"""Divergence from a top-k fixture: bounded KL when only the
 reference's top-k logits and the logsumexp of its full row are kept.
 
 The logsumexp makes the reference's tail mass T = 1 - sum(top-k probabilities) exact, so

@@ -22,14 +22,6 @@ import numpy as np
 from common.stack import StackDesc
 
 
-def sampled_positions(n_tokens: int, stride: int) -> list[int]:
-    """Every stride-th position from 0, and always the last one."""
-    pos = list(range(0, n_tokens, stride))
-    if pos[-1] != n_tokens - 1:
-        pos.append(n_tokens - 1)
-    return pos
-
-
 class SkipCell(Exception):
     """This cell cannot be built as asked (e.g. a quant type the tensor shapes do not allow).
     The run records it as skipped with the message as the reason and goes on."""
@@ -57,11 +49,8 @@ class Backend:
     libraries: ClassVar[tuple[str, ...]] = ()
     # Published files it runs as they are (`candidates:`): e.g. "gguf"
     runs_files: ClassVar[frozenset[str]] = frozenset()
-    # Per-layer states (issue 17): the residual stream after decoder layers, and the final norm's
-    # output, at sampled positions. Engines that can give them override layer_states().
-    gives_layers: ClassVar[bool] = False
-    # The engine's own name of each state (recorded per row): "{i}" is the layer index
-    layer_sources: ClassVar[dict[str, str]] = {}
+    # A per-cell extra (extras/) is supported by implementing its hook method (Extra.hook): the
+    # base class declares none, so a cell asking an engine without it is skipped with the reason.
 
     def __init__(self, stack: StackDesc, model_dir: str, threads: int):
         self.stack = stack
@@ -96,16 +85,6 @@ class Backend:
             return f"engine {cls.engine} does not run on device {cell.device} (runs on: {', '.join(sorted(cls.devices))})"
         if cell.tp > cls.max_tp:
             return f"engine {cls.engine} supports tp up to {cls.max_tp} in this version (asked tp={cell.tp})"
-        if getattr(cell, "layers", None) and not cls.gives_layers:
-            return f"engine {cls.engine} cannot give per-layer states (the cell asks for layers)"
-        if getattr(cell, "decode", None) and not cls.gives_decode:
-            return f"engine {cls.engine} cannot run the decode path here (the cell asks for decode rows)"
-        if getattr(cell, "decode", None) and cell.tp > 1:  # the other ranks would have to join each step
-            return "decode rows are recorded at tp 1 only in this version"
-        if getattr(cell, "prefix_cache", False) and not cls.gives_prefix_cache:
-            return f"engine {cls.engine} has no prefix cache to check here (the cell asks for prefix_cache: check)"
-        if getattr(cell, "prefix_cache", False) and cell.tp > 1:
-            return "prefix_cache: check runs at tp 1 only in this version"
         return None
 
     def checkpoint_candidate(self) -> dict[str, Any]:
@@ -134,46 +113,6 @@ class Backend:
 
     def load(self) -> None:
         raise NotImplementedError
-
-    def layer_states(self, token_ids: list[int], positions: list[int], layers: list[int]) -> dict[str, np.ndarray]:
-        """{"layer.N": (rows, hidden) after decoder layer N (0-based), "final_norm": (rows, hidden)}
-        at `positions`, native dtype, from one prefill of token_ids."""
-        raise SkipCell(f"engine {self.engine} cannot give per-layer states")
-
-    # The decode path (issue 17 item 3, seed 000's KV-cache batch mismatch): from a cached prefill,
-    # teacher-forced one token at a time (batch 1, n_tokens = 1). Engines that can override decode().
-    gives_decode: ClassVar[bool] = False
-
-    def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
-        """Prefill token_ids[:at + 1] into a fresh KV cache, then feed token_ids[at + s] alone for
-        s = 1..steps: (steps, vocab) logits, row s - 1 at position at + s, native dtype as forward()."""
-        raise SkipCell(f"engine {self.engine} cannot run the decode path")
-
-    # `prefix_cache: check` (issue 17, seed 000): the same prompt a second time with the engine's
-    # prefix cache warm from the first; the engine's own rule decides what it serves from the cache.
-    gives_prefix_cache: ClassVar[bool] = False
-
-    def prefix_cached(self, token_ids: list[int], positions: list[int]) -> tuple[int, np.ndarray]:
-        """Evaluate token_ids with the prefix cache on, then the same ids again: -> (hit: the leading
-        tokens the second evaluation took from the cache, (rows, vocab) of its rows at the positions
-        >= hit, native dtype as forward())."""
-        raise SkipCell(f"engine {self.engine} has no prefix cache to check")
-
-    def forward_and_layers(self, token_ids: list[int], positions: list[int],
-                           layers: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """forward() and layer_states() of one prefill; engines whose taps do not change the
-        arithmetic give both from one forward (this default runs two)."""
-        return self.forward(token_ids, positions), self.layer_states(token_ids, positions, layers)
-
-    def n_layers(self) -> int:
-        """The model's decoder layers, as the engine runs it (a layers: cell's final norm comes after)."""
-        raise SkipCell(f"engine {self.engine} cannot give per-layer states")
-
-    def state_sources(self, layers: list[int]) -> dict[str, str]:
-        """{state name: the engine's name for that tensor} for layer_states(layers)."""
-        src = self.layer_sources
-        return {**{f"layer.{i}": src.get("layer", "layer {i}").format(i=i) for i in layers},
-                "final_norm": src.get("final_norm", "final norm")}
 
     def settings(self) -> dict[str, Any]:
         """Everything that changes the arithmetic: dtype, attention, threads, versions..."""

@@ -163,7 +163,6 @@ class HFBackend(Backend):
             return logits.view(torch.int16).numpy().view(np.uint16)  # raw bf16 bits
         return logits.numpy()
 
-    gives_decode = True
 
     def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
         """transformers' own KV cache (DynamicCache): the prefill, then one token per call."""
@@ -183,7 +182,6 @@ class HFBackend(Backend):
             return logits.view(torch.int16).numpy().view(np.uint16)
         return logits.numpy()
 
-    gives_layers = True
     layer_sources = {"layer": "model.layers.{i} output (forward hook)", "final_norm": "model.norm output (forward hook)"}
 
     def n_layers(self) -> int:
@@ -246,8 +244,9 @@ class HFBackend(Backend):
 def verify_against_checkpoint(model, model_dir: str) -> None:
     """Every parameter must equal the checkpoint tensor (cast to the load dtype).
 
-    Catches the failure 002_df4bbf58123a44b3.txt describes: a loader that reports success while
-    some weights were randomly initialised. Tied weights may be absent from the file.
+    Catches a loader that reports success while some weights were randomly initialised (e.g.
+    huggingface/transformers#47407: compressed-tensors MoE experts newly initialised by
+    from_pretrained). Tied weights may be absent from the file.
     """
     files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
     if not files:

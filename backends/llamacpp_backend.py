@@ -2,7 +2,7 @@
 
 One teacher-forced evaluation of the canonical ids per prompt, in a fresh
 context (no prompt-cache reuse: reusing a cached prefix changes the
-arithmetic, 000_d5fbcc845b899b80.txt). Only the sampled positions ask for logits, so the LM
+arithmetic, ggml-org/llama.cpp#2838). Only the sampled positions ask for logits, so the LM
 head runs on those rows alone:
 
     ids       t0  t1 ... t31 | t32 ... (chunks of n_batch; llama.cpp splits each into n_ubatch)
@@ -61,7 +61,8 @@ class LlamaCppBackend(Backend):
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0 if self.stack.device == "cpu" else 999
-        # The AMX extra buffer types segfaulted on Q8_0/Q4_K_M on the dev VMs; the plain CPU path is used.
+        # The AMX extra buffer types segfaulted on Q8_0/Q4_K_M on Intel Xeon CPUs with AMX; the plain CPU
+        # path is used.
         mp.use_extra_bufts = False
         self.model = lc.llama_model_load_from_file(self.artifact["path"].encode(), mp)
         if not self.model:
@@ -100,9 +101,6 @@ class LlamaCppBackend(Backend):
             "n_batch": self.n_batch, "n_ubatch": self.n_ubatch, "kv_cache": self.kv_cache,
             "n_ctx": "prompt length", "flash_attn": self.stack.attention, "threads": self.threads,
             "fresh_context_per_prompt": True, "use_extra_bufts": False,
-            **({"prefix_cache": "check: state saved, restored into a fresh context, all but the last token "
-                                "kept (llama_memory_seq_rm), the last one evaluated alone"}
-               if self.stack.prefix_cache else {}),
             "n_gpu_layers": 0 if self.stack.device == "cpu" else 999,
             "system_info": info, "machine": platform.machine(),
             "artifact": self.artifact, "model_facts": self._facts(),
@@ -124,7 +122,6 @@ class LlamaCppBackend(Backend):
                 "embed_scale": float(np.float32(lc.llama_model_n_embd(self.model)) ** np.float32(0.5))
                 if arch and arch.startswith("gemma") else None}
 
-    gives_layers = True
     layer_sources = {"layer": "l_out-{i}", "final_norm": "result_norm"}  # the graph's tensor names
 
     def n_layers(self) -> int:
@@ -204,7 +201,6 @@ class LlamaCppBackend(Backend):
             self._lc.llama_free(ctx)
         return out
 
-    gives_decode = True
 
     def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
         """The prefill into the context's KV cache, then one llama_decode of one token per step
@@ -221,13 +217,16 @@ class LlamaCppBackend(Backend):
             self._lc.llama_free(ctx)
         return out
 
-    gives_prefix_cache = True
 
-    def prefix_cached(self, token_ids: list[int], positions: list[int]) -> tuple[int, np.ndarray]:
+    # how warm_rows reuses a cache, recorded in the settings of a cell that checks it
+    warm_rule = ("check: state saved, restored into a fresh context, all but the last token "
+                 "kept (llama_memory_seq_rm), the last one evaluated alone")
+
+    def warm_rows(self, token_ids: list[int], positions: list[int]) -> tuple[int, np.ndarray]:
         """A prompt cache serving the same request again (llama-server's cache_prompt, llama-cpp-python's
         LlamaRAMCache): the first evaluation's state saved (llama_state_get_data) and restored into a
         fresh context, the cache kept for all but the last token, which is evaluated again alone
-        (n_tokens = 1: a cache holds no logits), seed 000's case."""
+        (n_tokens = 1: a cache holds no logits), the case of ggml-org/llama.cpp#2838."""
         lc, n = self._lc, len(token_ids)
         ctx, cp = self._context(n)
         batch = lc.llama_batch_init(cp.n_batch, 0, 1)

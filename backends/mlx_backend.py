@@ -155,7 +155,6 @@ class MLXBackend(Backend):
         dtype = mx.float32 if self.activations == "fp32" else getattr(mx, MLX_DTYPES[self.stack.dtype][0])
         return qmm_probe(mx, dtype, bits)
 
-    gives_layers = True
     layer_sources = {"layer": "model.layers[{i}] output (tap)", "final_norm": "model.norm output (tap)"}
 
     def n_layers(self) -> int:
@@ -189,7 +188,6 @@ class MLXBackend(Backend):
             out[name] = np.array(rows.view(mx.uint16)) if rows.dtype == mx.bfloat16 else np.array(rows)
         return out
 
-    gives_decode = True
 
     def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
         """mlx-lm's own prompt cache (the cache generate() uses), one token per call after the prefill."""

@@ -32,7 +32,7 @@ Tensor parallelism runs in vLLM's own workers, one of two ways (spec option `vll
 What reaches the workers is chosen, not inherited blindly: the actor's runtime_env (this
 interpreter plus the variables worker_env lists; Ray passes it on to child actors). vLLM's Ray
 executor also copies the driver's whole environment to its workers (as defaults); what was set
-for this one actor (thread counts, our own LOGIT_MATRIX_* switches) is held back (keep_back).
+for this one actor (thread counts, our own LOGIT_MATRIX_* switches) is withheld (keep_back).
 """
 
 from __future__ import annotations
@@ -81,12 +81,12 @@ def engine_kwargs(stack: StackDesc, model_dir: str, max_len: int, threads: int) 
         "seed": 0,
         "tensor_parallel_size": stack.tp,
         # a cached prefix is not recomputed: on only for `prefix_cache: check`, reset before each fresh prefill
-        "enable_prefix_caching": bool(stack.prefix_cache),
+        "enable_prefix_caching": stack.extra("prefix_cache") is not None,
         "max_model_len": max_len, "max_num_batched_tokens": max_len,  # the whole prompt in one prefill chunk
         "max_num_seqs": 1, "enforce_eager": True,
         "compilation_config": {"mode": 0},  # no torch.compile: the norm hook must see the real forward
     }
-    if stack.decode:  # teacher forcing: each decode step is fed the canonical next id
+    if stack.extra("decode") is not None:  # teacher forcing: each decode step is fed the canonical next id
         kw["logits_processors"] = [TEACHER_FORCE]
     if stack.dtype in LOAD_QUANT and not stack.artifact:
         kw["quantization"] = LOAD_QUANT[stack.dtype]
@@ -314,9 +314,8 @@ class VLLMBackend(Backend):
         return _native(self._llm.apply_model(functools.partial(prefill_logits, n_tokens=len(token_ids),
                                                                 positions=list(positions)))[0])
 
-    gives_prefix_cache = True
 
-    def prefix_cached(self, token_ids: list[int], positions: list[int]) -> tuple[int, np.ndarray]:
+    def warm_rows(self, token_ids: list[int], positions: list[int]) -> tuple[int, np.ndarray]:
         """vLLM's automatic prefix caching: the second request of the same ids takes the cached
         full KV blocks (never all of the prompt: its last token is always recomputed)."""
         import functools
@@ -328,7 +327,6 @@ class VLLMBackend(Backend):
                                                             positions=list(positions)))[0]
         return int(hit), _native(rows)
 
-    gives_decode = True
 
     def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
         """A request of token_ids[:at + 1] that generates steps + 1 tokens, teacher-forced to the
@@ -347,7 +345,6 @@ class VLLMBackend(Backend):
             raise RuntimeError(f"teacher forcing failed: vLLM sampled {got[:8]}, the canonical ids are {forced[:8]}")
         return _native(self._llm.apply_model(functools.partial(decode_logits, n_prefill=at + 1, steps=steps))[0])
 
-    gives_layers = True
     # vLLM's decoder layers return (hidden, residual) with the add deferred: the state is their sum
     layer_sources = {"layer": "model.layers.{i} hidden + residual (forward hook)", "final_norm": "model.norm output (forward hook)"}
 

@@ -1,6 +1,6 @@
 """A vLLM v1 logits processor that teacher-forces decoding: a request whose SamplingParams carry
 extra_args={"logit_matrix_force": [t1, t2, ...]} samples t1, then t2, ... whatever the model
-prefers, so each decode step is fed the canonical next id (issue 17's decode path).
+prefers, so each decode step is fed the canonical next id (the decode path).
 
 Imported only inside the vLLM environment (backends/vllm_backend.py loads it by name)."""
 

@@ -1,7 +1,7 @@
 """Capture + store time over bare forward time, on the same loaded stack.
 
 Rounds alternate (bare, capture, bare, capture, ...) so drift in machine load
-hits both sides; the figure is the ratio of the medians. Target (issue 2): <= 1.10.
+hits both sides; the figure is the ratio of the medians. Target: <= 1.10.
 
     .venv/bin/python benchmarks/capture_overhead.py [--dtype bf16] [--attention sdpa] [--rounds 3]
 """
@@ -28,14 +28,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None, help="feed only each prompt's first N tokens")
     args = ap.parse_args()
     from actors.capture import capture_shard
-    from backends.base import sampled_positions
+    from common.positions import Positions
     from store.warehouse import ShardWriter
 
     resolved, prompts = model_and_prompts(args.model)
     prompts = [(pid, ids[:args.max_tokens]) for pid, ids in prompts]
     print(f"{args.model} on {cpu()}")
     be = load_backend(resolved.hf_dir, args.dtype, args.attention)
-    plan = [(ids, sampled_positions(len(ids), args.stride)) for _, ids in prompts]
+    plan = [(ids, Positions.every(args.stride).of(len(ids))) for _, ids in prompts]
     be.forward(*plan[0])  # warm-up: first-call allocations are not what we measure
     bare, full = [], []
     with tempfile.TemporaryDirectory() as d:

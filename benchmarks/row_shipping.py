@@ -122,12 +122,12 @@ def same_rows(root: str, rounds: int) -> bool:
 
 
 def part_shipping(args) -> None:
-    from backends.base import sampled_positions
-    from matrix.models import cut_layers
+    from common.positions import Positions
+    from matrix.spec.parse.models import cut_layers
 
     resolved, prompts = model_and_prompts()
     prompts = prompts[:args.prompts]
-    rows = sum(len(sampled_positions(len(ids), args.stride)) for _, ids in prompts)
+    rows = sum(len(Positions.every(args.stride).of(len(ids))) for _, ids in prompts)
     with tempfile.TemporaryDirectory() as d:
         model_dir = str(cut_layers(Path(resolved.hf_dir), Path(d) / "model", args.layers))
         print(f"\n1. capture into a local shard (a) vs. rows shipped to the driver's depot (b)\n"

@@ -2,7 +2,7 @@
 
 Captures the built-in corpus once per dtype with the real SmolLM2 weights and
 writes the same rows in several layouts, so the figures compare like with like.
-Target (issue 2): the production layout costs <= 1.3 B/logit for bf16 stacks
+Target: the production layout costs <= 1.3 B/logit for bf16 stacks
 (raw bf16 is 2.0).
 
     .venv/bin/python benchmarks/storage_bytes.py [--stride 32]
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None, help="feed only each prompt's first N tokens")
     args = ap.parse_args()
     from actors.capture import capture_shard
-    from backends.base import sampled_positions
+    from common.positions import Positions
     from store.warehouse import ShardWriter
 
     resolved, prompts = model_and_prompts(args.model)
@@ -66,7 +66,7 @@ def main() -> None:
             logits = m["rows"] * be.vocab_size()
             prod = shard.stat().st_size
             # the same native rows again, for the alternative layouts
-            natives = [be.forward(ids, sampled_positions(len(ids), args.stride)) for _, ids in prompts]
+            natives = [be.forward(ids, Positions.every(args.stride).of(len(ids))) for _, ids in prompts]
             rows = [("production: float32-widened, BSS + zstd (schema v1)", prod)]
             if dtype == "bf16":
                 rows.append(("uint16 bits, BSS + zstd", alt_layout(Path(d) / "a.parquet", natives, np.uint16, True)))

@@ -83,7 +83,7 @@ def kl_targets(stacks: int, lo: float, hi: float) -> list[float]:
 
 def cell_id(k: int, kl: float, rows: int, vocab: int) -> str:
     coords = {"model": MODEL, "engine": "synthetic", "dtype": "bf16", "attention": f"s{k:03d}", "tp": 1, "device": "cpu"}
-    return ids.built_cell_id(ids.cell_id(coords, {"k": k, "kl": kl, "rows": rows, "vocab": vocab}), "0" * 8)
+    return ids.cell_id(ids.stack_id(coords, {"k": k, "kl": kl, "rows": rows, "vocab": vocab}), "0" * 8)
 
 
 def write_stack(out: str, run_id: str, cid: str, k: int, kl: float, base: np.ndarray, rows: int, prompts: int,

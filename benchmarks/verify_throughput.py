@@ -12,7 +12,7 @@ rows as production shards (fp32, and the same rows rounded to bf16) until each d
 
 Each figure is the best of --tries passes (a shared VM's neighbours move single passes by 30%).
 
-Target (issue 13): verify >= 200 MB/s of warehouse files per core.
+Target: verify >= 200 MB/s of warehouse files per core.
 
     .venv/bin/python benchmarks/verify_throughput.py [--mb 256]
 """
@@ -34,13 +34,13 @@ TARGET_MB_S = 200.0
 
 
 def capture(stride: int) -> list[tuple[str, list[int], np.ndarray]]:
-    from actors.capture import fed_ids
+    from common.positions import Positions
 
     resolved, prompts = model_and_prompts()
     be = load_backend(resolved.hf_dir, "fp32", "sdpa")
     out = []
     for pid, ids in prompts:
-        ids, positions = fed_ids(ids, stride, None)
+        ids, positions = Positions.every(stride).fed(ids)
         out.append((pid, positions, be.forward(ids, positions)))  # (rows, vocab) float32
     return out
 

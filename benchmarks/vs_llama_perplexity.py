@@ -58,8 +58,8 @@ def timed(cmd: list[str], env: dict, log_to: Path) -> tuple[float, float, str]:
 
 def ggufs(threads: int) -> tuple[dict, dict, object]:
     from backends.gguf_build import build_for
-    from matrix.models import fetch
-    from matrix.spec import ModelRef
+    from matrix.spec.parse.models import fetch
+    from matrix.spec.parse.parse import ModelRef
 
     m = fetch(ModelRef("smollm2-135m", "catalog", "smollm2-135m"), log=lambda s: print(s, file=sys.stderr))
     return build_for("f16", m.hf_dir, m.weights_sha256, threads), build_for("q4_k_m", m.hf_dir, m.weights_sha256,
@@ -153,7 +153,6 @@ def run_matrix(f16: dict, text: str, d: Path, threads: int, via_analyze: bool) -
 def forwards_alone(model, artifacts: dict[str, dict], ids: list[list[int]], threads: int) -> dict[str, float]:
     """The floor under any tool that runs these forwards: each GGUF's prefill of every chunk through
     logit-matrix's own backend, in this process (no Ray, no rounding, no writes, no comparison)."""
-    from actors.capture import fed_ids
     from backends.llamacpp_backend import LlamaCppBackend
     from common.positions import parse
     from common.stack import StackDesc
@@ -167,7 +166,7 @@ def forwards_alone(model, artifacts: dict[str, dict], ids: list[list[int]], thre
             raise SystemExit(f"forwards alone: {dtype} loaded {be.artifact['path']}, not {art['path']}")
         t0 = time.perf_counter()
         for chunk in ids:
-            be.forward(*fed_ids(chunk, keep, None))  # what a cell feeds and keeps
+            be.forward(*keep.fed(chunk))  # what a cell feeds and keeps
         out[dtype] = time.perf_counter() - t0
         be.close()
     return out

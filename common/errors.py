@@ -19,8 +19,8 @@ class UserError(Exception):
 
 
 class OracleError(UserError):
-    """A stack's weights were not all loaded from the checkpoint (002_df4bbf58123a44b3.txt: a silently
-    random-initialised oracle makes every comparison meaningless)."""
+    """A stack's weights were not all loaded from the checkpoint (a silently random-initialised
+    oracle makes every comparison meaningless; e.g. huggingface/transformers#47407)."""
 
 
 def read_text_file(path, what: str = "file") -> str:

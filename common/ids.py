@@ -1,7 +1,9 @@
 """Every id the project mints, made here and nowhere else.
 
-A sweep's cell id is its readable coordinates plus a hash of everything that changes its
-rows, so one spec gives the same ids on every machine. Run ids sort by start time.
+A stack id is a stack's readable coordinates plus a hash of everything in the spec that changes
+its rows, so one spec gives the same ids on every machine. A cell id is a stack captured by one
+engine build: `stack@build`. They are distinct types (a plan's cells carry both); a cell made from
+a file has a cell id of its own. Run ids sort by start time.
 """
 
 from __future__ import annotations
@@ -12,33 +14,36 @@ import json
 import re
 import secrets
 import uuid
-from typing import Any
+from typing import Any, NewType
+
+StackId = NewType("StackId", str)  # what the spec names: model.engine.dtype.attention.tpN.device-<hash>
+CellId = NewType("CellId", str)  # what the warehouse holds: a stack id @ the engine build that ran it
 
 
-def cell_id(coords: dict[str, Any], key: dict[str, Any], replica: int = 0) -> str:
+def stack_id(coords: dict[str, Any], key: dict[str, Any], replica: int = 0) -> StackId:
     """A stack as the spec names it. coords: model, engine, dtype, attention, tp, device; key:
     everything in the spec that changes the rows; replica i > 0 (another node) gets `.r<i>`."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
-    return (f"{coords['model']}.{coords['engine']}.{coords['dtype']}.{coords['attention']}"
-            f".tp{coords['tp']}.{coords['device']}-{digest}" + (f".r{replica}" if replica else ""))
+    return StackId(f"{coords['model']}.{coords['engine']}.{coords['dtype']}.{coords['attention']}"
+                   f".tp{coords['tp']}.{coords['device']}-{digest}" + (f".r{replica}" if replica else ""))
 
 
-def built_cell_id(stack_id: str, build: str) -> str:
+def cell_id(stack: StackId, build: str) -> CellId:
     """A captured cell: the stack and the engine build that ran it (common/builds.py)."""
-    return f"{stack_id}@{build[:8]}"
+    return CellId(f"{stack}@{build[:8]}")
 
 
-def split_cell_id(cell_id: str) -> tuple[str, int, str | None]:
+def split_cell_id(cell_id: str) -> tuple[StackId, int, str | None]:
     """(stack id, replica, build) of a cell id; a cell captured before builds were recorded
     (warehouse v4) has no build."""
     spec_id, _, build = cell_id.partition("@")
     m = re.fullmatch(r"(.*-[0-9a-f]{10})\.r([0-9]+)", spec_id)
-    return (m.group(1), int(m.group(2)), build or None) if m else (spec_id, 0, build or None)
+    return (StackId(m.group(1)), int(m.group(2)), build or None) if m else (StackId(spec_id), 0, build or None)
 
 
-def imported_cell_id(model: str, engine: str, file_sha256: str) -> str:
+def imported_cell_id(model: str, engine: str, file_sha256: str) -> CellId:
     """A cell made from a file (a llama.cpp KLD base): the file's hash names it."""
-    return f"{model}.{engine}.{file_sha256[:12]}"
+    return CellId(f"{model}.{engine}.{file_sha256[:12]}")
 
 
 def check_cell_id(engine: str, dtype: str, attention: str) -> str:

@@ -45,6 +45,15 @@ class Positions:
             pos.append(n_tokens - 1)
         return pos
 
+    def fed(self, ids: list[int], max_tokens: int | None = None) -> tuple[list[int], list[int]]:
+        """The ids a stack is fed and the positions kept: only the prefix the last kept position
+        needs is fed (row p depends on ids[0..p] alone, so those rows mean what the whole prompt's
+        do), and max_tokens keeps the positions below it. ([], []) when none is kept."""
+        positions = self.of(len(ids))
+        if max_tokens is not None:
+            positions = [p for p in positions if p < max_tokens]
+        return (ids[:positions[-1] + 1], positions) if positions else ([], [])
+
     def to_dict(self) -> dict:
         return {"from": self.start, "to": self.stop, "stride": self.stride, "last": self.last}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from common import names
+from common import ids, names
 
 
 @dataclass(frozen=True)
@@ -21,23 +21,21 @@ class Cell:
     tp: int
     device: str
     threads: int | None
-    cell_id: str
+    stack_id: ids.StackId  # the stack as the spec names it (common/ids.py)
     # Feed only a prefix of each prompt (for slow stacks). Causal attention makes the
     # rows it keeps identical in meaning to the full run's rows at the same positions.
     max_tokens: int | None = None
     options: tuple = ()  # sorted (key, value) pairs the engine takes
-    # `layers:` None, "all" or sorted indices as the spec says; prepare resolves "all" to indices
-    layers: tuple | str | None = None
-    decode: tuple | None = None  # `decode:` (steps, (at, ...)) or None
-    prefix_cache: bool = False  # `prefix_cache: check`
+    # The per-cell extras it asks for (extras/): sorted (key, value) pairs, values as the extra's
+    # parser gives them; the plan resolves them against the model (e.g. `layers: all` to indices)
+    extras: tuple = ()
     # Analysis only (not in the cell id): whose centroid this stack joins. None: its model's.
     centroid_group: str | None = None
     calibration: str | None = None  # declared in the spec; model cards disclose it
     # `replicas: N`: copy i of the stack, each on its own node (0: the stack itself)
     replica: int = 0
-    # Set when the run binds the cell to a node's engine build (matrix/builds.py): cell_id is
-    # then stack_id@build; before, cell_id == stack_id (the spec alone decides it).
-    stack_id: str = ""
+    # Set when the run binds the stack to a node's engine build (matrix/run/builds.py), or to the
+    # build of an earlier capture it reuses; None before, or for a capture that recorded none.
     build: str | None = None
     pin: tuple[str, ...] = ()  # Ray node ids the cell may run on (empty: any that fits)
     # `candidates:` a published file measured as it is, against the model's reference: its path on
@@ -47,8 +45,17 @@ class Cell:
     label: str | None = None
 
     @property
+    def cell_id(self) -> ids.CellId | ids.StackId:
+        """What the warehouse calls it: stack@build once bound to a build, the stack id before."""
+        return ids.cell_id(self.stack_id, self.build) if self.build else self.stack_id
+
+    @property
     def opts(self) -> dict[str, Any]:
         return dict(self.options)
+
+    def extra(self, key: str) -> Any:
+        """The value of one per-cell extra (None: the cell does not ask for it)."""
+        return dict(self.extras).get(key)
 
     def axes(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in names.CELL_AXES}
@@ -69,9 +76,8 @@ class StackDesc:
     cell_id: str = ""
     options: tuple = ()  # sorted (key, value) pairs, as Cell.options
     max_tokens: int | None = None
-    layers: tuple = ()  # decoder layers whose output (and the final norm's) each capture records
-    decode: tuple | None = None  # (steps, (at, ...)): decode rows each capture records
-    prefix_cache: bool = False  # each prompt again with the engine's prefix cache warm (seed 000)
+    extras: tuple = ()  # sorted (key, value) of the per-cell extras each capture records (Cell.extras)
+    extra_targets: tuple = ()  # "key=module:Class" of those not built in (extras.targets)
     weights_sha256: str | None = None  # of the reference checkpoint the engine's weights are built from
     source_gguf: str | None = None  # the GGUF the reference weights were dequantised from, if any
     source_quant: str | None = None  # its quant type: a cell of that dtype runs the file itself
@@ -85,6 +91,9 @@ class StackDesc:
     @property
     def opts(self) -> dict[str, Any]:
         return dict(self.options)
+
+    def extra(self, key: str) -> Any:
+        return dict(self.extras).get(key)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issue 6): a small real sweep on one NVIDIA GPU, a warehouse, a summary.
+# One prepared GPU check: a small real sweep on one NVIDIA GPU, a warehouse, a summary.
 #   scripts/gpu-check.sh MODEL_DIR|MODEL.tar.xz|MODEL.gguf[.xz] [OUT_DIR]
 # MODEL: a local HF model directory (the GPU box may have no network), a .tar.xz of one, or a GGUF
-# (dequantised there). What fits a 64 MiB carry next to Ray: `matrix models cut smollm2-135m
+# (dequantised there). What fits a 64 MiB upload next to Ray: `matrix models cut smollm2-135m
 # --layers 1 --gguf --out m.gguf && xz -9 m.gguf` (31 MB: the source's own quantised bytes).
 # Runs HF eager / sdpa
 # (+ flash_attention_2 when flash-attn is importable) at fp32 and bf16 on `cuda`; when vllm is
@@ -40,7 +40,7 @@ need="ray torch transformers pyarrow yaml numpy safetensors"
 [ "$source_key" = gguf ] && need="$need gguf"
 missing=""
 for m in $need; do has "$m" || missing="$missing $m"; done
-[ -z "$missing" ] || { echo "gpu-check.sh: $py cannot import:$missing (carry them as wheels: see the device notes)" >&2; exit 2; }
+[ -z "$missing" ] || { echo "gpu-check.sh: $py cannot import:$missing (install them first)" >&2; exit 2; }
 attn="[eager, sdpa]"
 if has flash_attn; then attn="[eager, sdpa, flash_attention_2]"; fi
 extra=""

@@ -6,7 +6,7 @@
 # scp ~/.ray/auth_token HOST:.ray/auth_token).
 # DEVICE: sm120 | mi300x | rocm | apple-m1 .. apple-m4 | cpu | h200 | b200 | cuda
 # Installs logit-matrix with the extras that device runs, then starts a Ray worker that
-# advertises the device the way matrix/placement.py looks for it.
+# advertises the device the way matrix/run/placement.py looks for it.
 set -euo pipefail
 device=${1:?usage: join-node.sh DEVICE HEAD_IP:6379}
 head=${2:?usage: join-node.sh DEVICE HEAD_IP:6379}

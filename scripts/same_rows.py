@@ -4,12 +4,14 @@
 
 Every table and summary view is read through the same DuckDB views `matrix sql` uses, ordered,
 and compared row for row (full-vocabulary logits included). Columns that differ between any two
-runs of one spec are left out: run ids, times, the driver's pid and argv, Ray node ids.
+runs of one spec are left out: run ids, times, the driver's pid and argv, Ray node ids; so are
+the timings inside a JSON column (a decode cell's `decode_seconds`, a prefix cache check's `seconds`).
 Prints one line per table; exit 0 when every table is the same, 1 otherwise.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from pathlib import Path
@@ -20,11 +22,26 @@ from analysis.sql import VIEWS, connect  # noqa: E402
 from store import TABLES  # noqa: E402
 
 VOLATILE = {"run_id", "started_at", "finished_at", "load_seconds", "capture_seconds", "pid", "argv", "node_id"}
+VOLATILE_KEYS = {"seconds", "decode_seconds"}  # wall-clock times inside a JSON column
+
+
+def steady(value):
+    """A JSON object's text without its timings; any other value as it is."""
+    if isinstance(value, str) and value.startswith("{"):
+        try:
+            obj = json.loads(value)
+        except ValueError:
+            return value
+        return json.dumps({k: v for k, v in obj.items() if k not in VOLATILE_KEYS}, sort_keys=True)
+    return value
 
 
 def rows(con, name: str) -> list[tuple]:
     cols = [c[0] for c in con.execute(f"SELECT * FROM {name} LIMIT 0").description if c[0] not in VOLATILE]
-    return con.execute(f"SELECT {', '.join(cols)} FROM {name} ORDER BY ALL").fetchall()
+    got = con.execute(f"SELECT {', '.join(cols)} FROM {name} ORDER BY ALL").fetchall()
+    # ordered again without the timings (they may have ordered two rows); arrays left out of the key
+    return sorted((tuple(steady(v) for v in r) for r in got),
+                  key=lambda r: repr(tuple(v for v in r if not isinstance(v, (list, bytes)))))
 
 
 def main(a: str, b: str) -> int:

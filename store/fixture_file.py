@@ -1,4 +1,4 @@
-"""The reference-output fixture file (seed 000_d5fbcc845b899b80.txt's fixture plan): one captured
+"""The reference-output fixture file: one captured
 cell's rows as top-k ids and raw logits plus the full row's logsumexp, with a header that says
 where they came from. JSON (readable) or Parquet (dense, header in the schema metadata).
 

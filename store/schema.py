@@ -177,7 +177,7 @@ LAYER_STATES = pa.schema([
     ("row_hash", pa.string()),  # sha256 of the native bytes, as logits.row_hash
 ])
 # v9 `matrix analyze`: a layer row against the reference's same (prompt, position, layer), repeat 0;
-# seed 003's cosine and norm ratio gate it (`matrix layers`), the others are reported
+# its cosine and norm ratio gate it (`matrix layers`), the others are reported
 LAYER_METRICS = pa.schema([
     ("cell_id", pa.string()), ("reference_cell_id", pa.string()), ("prompt_id", pa.string()),
     ("position", pa.int32()), ("repeat", pa.int32()), ("layer", pa.string()), ("layer_index", pa.int32()),

@@ -208,9 +208,11 @@ def _shards(wh: Warehouse) -> set[tuple[str, int, str]]:
     return out
 
 
-def verify(wh: Warehouse, cells: list[str] | None = None, log: Callable[[str], None] = lambda m: None) -> dict:
+def verify(wh: Warehouse, cells: list[str] | None = None, log: Callable[[str], None] = lambda m: None,
+           side_tables: Callable[[dict], tuple[str, ...]] = lambda c: ()) -> dict:
     """Every table file and every shard (of `cells`, a list of cell ids or stack-id prefixes, when
-    given). Returns the report; nothing is written."""
+    given). side_tables: the shard tables a done cells row has beside its logits (the per-cell
+    extras': extras.side_tables); a missing one is damage. Returns the report; nothing is written."""
     from store.schema import TABLES
 
     t0 = time.perf_counter()
@@ -221,8 +223,7 @@ def verify(wh: Warehouse, cells: list[str] | None = None, log: Callable[[str], N
         if path not in bad_tables:
             for c in pq.read_table(path, filesystem=wh.loc.fs).to_pylist():
                 if c["status"] == "done":
-                    side = ("logits",) + (("layer_states",) if c.get("layers") else ()) \
-                        + (("decode",) if c.get("decode") or c.get("prefix_cache") else ())
+                    side = ("logits",) + tuple(side_tables(c))
                     expected[c["cell_id"]] = (c["repeats"], c["rows_per_repeat"], side)
     shards = _shards(wh)  # (cell, repeat, table) present
     def wanted(cid: str) -> bool:

@@ -32,8 +32,8 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600,
 
 @pytest.fixture(scope="session")
 def reference_model():
-    from matrix.models import fetch
-    from matrix.spec import ModelRef
+    from matrix.spec.models import fetch
+    from matrix.spec.parse import ModelRef
 
     return fetch(ModelRef("smollm2-135m", "catalog", "smollm2-135m"), log=lambda m: None)
 
@@ -41,7 +41,7 @@ def reference_model():
 @pytest.fixture(scope="session")
 def tiny_model(reference_model, tmp_path_factory) -> Path:
     """SmolLM2 cut to its first TINY_LAYERS layers: real weights, real tokenizer."""
-    from matrix.models import cut_layers
+    from matrix.spec.models import cut_layers
 
     return cut_layers(Path(reference_model.hf_dir), tmp_path_factory.mktemp("models") / "smollm2-tiny", TINY_LAYERS)
 

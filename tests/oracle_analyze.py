@@ -1,4 +1,4 @@
-"""The oracle: `matrix analyze` as it was before it streamed (issue 14), every shard whole in
+"""The oracle: a `matrix analyze` that holds every shard whole in
 memory. tests/test_analysis_stream.py checks the streaming analysis against it, column by column.
 
 Reads the warehouse's logits shards directly (Parquet, not through SQL: the

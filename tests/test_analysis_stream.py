@@ -1,4 +1,4 @@
-"""Streaming, incremental analysis (issue 14) against the whole-in-memory oracle it replaced."""
+"""Streaming, incremental analysis against a whole-in-memory oracle (tests/oracle_analyze.py)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _rows(wh: Path, table: str) -> dict[tuple, dict]:
         for r in pq.read_table(f).to_pylist():
             r.pop("kernel_version", None)
             if table == "metrics" and r["cell_id"] == r["reference_cell_id"] and r["repeat"] == 0:
-                continue  # the oracle measured the reference against itself; analyze no longer does
+                continue  # the oracle measures the reference against itself; analyze does not
             out[tuple(r[k] for k in keys)] = r
     return out
 

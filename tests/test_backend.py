@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.base import sampled_positions
+from common.positions import Positions
 from backends.hf_backend import HFBackend
 from common.errors import OracleError
 from common.stack import StackDesc
@@ -24,15 +24,23 @@ def backend(model_dir, dtype, attention, threads=1) -> HFBackend:
     return be
 
 
+def test_the_fed_prefix_is_what_the_last_kept_position_needs():
+    ids = list(range(100, 140))  # 40 tokens
+    assert Positions.every(16).fed(ids) == (ids, [0, 16, 32, 39])
+    assert Positions.every(16).fed(ids, max_tokens=20) == (ids[:17], [0, 16])
+    assert Positions(stride=4, start=30, stop=35, last=False).fed(ids) == (ids[:35], [30, 34])
+    assert Positions(stride=4, start=50, last=False).fed(ids) == ([], [])
+
+
 def test_sampled_positions():
-    assert sampled_positions(1, 32) == [0]
-    assert sampled_positions(32, 32) == [0, 31]
-    assert sampled_positions(33, 32) == [0, 32]
-    assert sampled_positions(100, 32) == [0, 32, 64, 96, 99]
+    assert Positions.every(32).of(1) == [0]
+    assert Positions.every(32).of(32) == [0, 31]
+    assert Positions.every(32).of(33) == [0, 32]
+    assert Positions.every(32).of(100) == [0, 32, 64, 96, 99]
 
 
 def test_full_model_fp32_eager_vs_sdpa_within_1e5_and_repeatable(reference_model):
-    pos = sampled_positions(len(IDS), 8)
+    pos = Positions.every(8).of(len(IDS))
     eager = backend(reference_model.hf_dir, "fp32", "eager")
     a1, a2 = eager.forward(IDS, pos), eager.forward(IDS, pos)  # (rows, vocab) float32
     sdpa = backend(reference_model.hf_dir, "fp32", "sdpa")
@@ -46,7 +54,7 @@ def test_full_model_fp32_eager_vs_sdpa_within_1e5_and_repeatable(reference_model
 
 
 def test_full_model_bf16_returns_bits_that_widen_close_to_fp32(reference_model):
-    pos = sampled_positions(len(IDS), 8)
+    pos = Positions.every(8).of(len(IDS))
     bf = backend(reference_model.hf_dir, "bf16", "sdpa").forward(IDS, pos)
     fp = backend(reference_model.hf_dir, "fp32", "sdpa").forward(IDS, pos)
     assert bf.dtype == np.uint16

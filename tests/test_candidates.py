@@ -1,4 +1,4 @@
-"""`candidates:` published files measured as they are against their model's reference (issue 16)."""
+"""`candidates:` published files measured as they are against their model's reference."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def _fine_tuned(src: Path, dest: Path, scale: float) -> Path:
 
 def test_an_hf_checkpoint_candidate_against_the_hf_reference(tmp_path, tiny_model, short_corpus):
     from common.files import weights_digest
-    from matrix.models import cut_layers
+    from matrix.spec.models import cut_layers
 
     mine = _fine_tuned(tiny_model, tmp_path / "my-finetune", 1.02)
     spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],

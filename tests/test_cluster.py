@@ -10,7 +10,7 @@ import os
 import pytest
 
 from actors.fingerprint import fingerprint
-from matrix import placement
+from matrix.run import placement
 from tests.conftest import run_cli, write_spec
 
 

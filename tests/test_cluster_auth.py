@@ -13,7 +13,7 @@ from tests.conftest import REPO
 
 SCRIPT = r"""
 import json, os, subprocess, sys
-from matrix.cluster import init_ray
+from matrix.run.cluster import init_ray
 ray = init_ray(None)
 gcs = ray.get_runtime_context().gcs_address
 code = "import ray; ray.init(address=%r, log_to_driver=False); print('connected', ray.cluster_resources()['CPU'])" % gcs

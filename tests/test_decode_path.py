@@ -1,7 +1,7 @@
-"""The decode path (issue 17 item 3; seed 000's KV-cache batch mismatch), on the real 2-layer SmolLM2
-cut: each engine continues from its KV cache one teacher-forced token at a time, the rows land in
-the warehouse beside the capture (logits path 'decode'), and `matrix analyze` compares them with the
-same cell's prefill rows and with the reference."""
+"""The decode path (a KV-cache decode runs other kernels than a prefill: ggml-org/llama.cpp#2838),
+on the real 2-layer SmolLM2 cut: each engine continues from its KV cache one teacher-forced token at a
+time, the rows land in the warehouse beside the capture (logits path 'decode'), and `matrix analyze`
+compares them with the same cell's prefill rows and with the reference."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def test_prefill_decode_consistency_per_engine(decoded):
     got = {(r["engine"], r["dtype"]): r for r in
            sql(wh, "select * from summary_by_path where path = 'decode'")}
     hf, f16, q8 = got[("hf", "fp32")], got[("llamacpp", "f16")], got[("llamacpp", "q8_0")]
-    # HF fp32's decode rows are its prefill rows within 1e-4 (issue 17's bound)
+    # HF fp32's decode rows are its prefill rows within 1e-4
     assert hf["max_abs_diff_vs_prefill"] < 1e-4 and hf["kld_vs_prefill_mean"] < 1e-9
     # llama.cpp's differ by a measured amount, recorded in the cell row as well
     assert f16["max_abs_diff_vs_prefill"] > 0 and q8["max_abs_diff_vs_prefill"] > 0
@@ -105,7 +105,7 @@ def test_prefill_decode_consistency_per_engine(decoded):
 
 def test_a_warm_prefix_cache_recomputes_the_last_token_alone(decoded):
     """llama.cpp's prompt cache (state saved, restored into a fresh context) serves every token of
-    the same prompt but the last, which runs alone (n_tokens = 1): seed 000's case, measured."""
+    the same prompt but the last, which runs alone (n_tokens = 1): ggml-org/llama.cpp#2838's case, measured."""
     wh, _ = decoded
     q8 = sql(wh, "select * from cells where dtype = 'q8_0'")[0]
     rec = json.loads(q8["prefix_cache"])

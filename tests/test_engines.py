@@ -8,7 +8,8 @@ import shutil
 import numpy as np
 import pytest
 
-from backends.base import SkipCell, sampled_positions
+from backends.base import SkipCell
+from common.positions import Positions
 from common.errors import OracleError, UserError
 from common.stack import StackDesc
 
@@ -31,14 +32,14 @@ def kl_rows(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
 def prompts(reference_model, short_corpus):
     import transformers
 
-    from matrix.corpus import tokenize
+    from matrix.spec.corpus import tokenize
 
     tok = transformers.AutoTokenizer.from_pretrained(reference_model.hf_dir)
     return tokenize(str(short_corpus), "smollm2-135m", tok, "tokenizer")
 
 
 def run_all(be, prompts) -> np.ndarray:
-    rows = [be.forward(p.token_ids, sampled_positions(len(p.token_ids), STRIDE)) for p in prompts]
+    rows = [be.forward(p.token_ids, Positions.every(STRIDE).of(len(p.token_ids))) for p in prompts]
     return np.concatenate(rows)  # (rows, vocab)
 
 
@@ -105,7 +106,7 @@ def _prefix_rows(prompts, n, which=None):
     """[(ids prefix, positions)] for prompts[which], and their row indices in run_all(prompts)."""
     out, index, offset = [], [], 0
     for k, p in enumerate(prompts):
-        pos = sampled_positions(len(p.token_ids), STRIDE)
+        pos = Positions.every(STRIDE).of(len(p.token_ids))
         if which is None or k in which:
             keep = [i for i, q in enumerate(pos) if q < n]
             out.append((p.token_ids[:pos[keep[-1]] + 1], [pos[i] for i in keep]))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.capture import fed_ids
+from common.positions import Positions
 from tests.conftest import REPO, sql, write_spec
 
 STRIDE = 16
@@ -38,7 +38,7 @@ def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
 def expected_rows(wh: Path, max_tokens: int | None = None) -> int:
     """Rows per repeat the prompts give at STRIDE (what every complete shard must hold)."""
     ids = [p["token_ids"] for p in sql(wh, "select token_ids from prompts")]
-    return sum(len(fed_ids(t, STRIDE, max_tokens)[1]) for t in ids)
+    return sum(len(Positions.every(STRIDE).fed(t, max_tokens)[1]) for t in ids)
 
 
 def row_hashes(wh: Path, cell_id: str) -> dict[int, list[str]]:

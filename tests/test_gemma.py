@@ -1,4 +1,4 @@
-"""A second real model (issue 18): Gemma 3 270M from its five PyPI wheels (BOS required, a 262,144-token
+"""A second real model: Gemma 3 270M from its five PyPI wheels (BOS required, a 262,144-token
 vocabulary, sliding-window attention), beside SmolLM2 on the model axis.
 
 Gemma's cut keeps 6 of its 18 layers: its LM head (262,144 x 640) costs more than all 18 layers, so
@@ -29,15 +29,15 @@ STRIDE = 64
 @pytest.fixture(scope="session")
 def gemma_model():
     """The catalog entry fetched for real: five wheels, every chunk and the whole file checked."""
-    from matrix.models import fetch
-    from matrix.spec import ModelRef
+    from matrix.spec.models import fetch
+    from matrix.spec.parse import ModelRef
 
     return fetch(ModelRef("gemma3-270m", "catalog", "gemma3-270m"), log=lambda m: None)
 
 
 @pytest.fixture(scope="session")
 def gemma_tiny(gemma_model, tmp_path_factory) -> Path:
-    from matrix.models import cut_layers
+    from matrix.spec.models import cut_layers
 
     return cut_layers(Path(gemma_model.hf_dir), tmp_path_factory.mktemp("models") / "gemma-tiny", GEMMA_LAYERS,
                       bf16=True)
@@ -162,7 +162,7 @@ def test_parity_rows_for_both_models(two_models):
 
 
 def test_without_bos_gemmas_stacks_agree_with_each_other_and_all_drift(two_models, gemma_tiny, gemma_corpus, tmp_path):
-    """Seed 004's first trap on a real model: the same ids without BOS. Every stack is fed them, so the
+    """A BOS mismatch on a real model: the same ids without BOS. Every stack is fed them, so the
     stacks still agree with each other; against the BOS run each one's predictions jump."""
     from store import Warehouse
     from store.warehouse import logits_matrix
@@ -215,7 +215,7 @@ def _tamper_wheel(src: Path, dst: Path, member: str, fix_record: bool) -> None:
 
 
 def test_a_corrupted_chunk_names_the_file_and_both_hashes_and_nothing_is_cached(gemma_model, tmp_path):
-    from matrix.models import CATALOG
+    from matrix.spec.models import CATALOG
 
     entry = CATALOG["gemma3-270m"]
     wheels = tmp_path / "wheels"

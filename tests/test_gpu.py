@@ -1,6 +1,6 @@
-"""HF stacks on a CUDA device (marked gpu; run on the device machine, skipped elsewhere).
+"""HF stacks on a CUDA device (marked gpu; run on a GPU box, skipped elsewhere).
 
-LOGIT_MATRIX_GPU_MODEL names an HF model directory (the device machine has no
+LOGIT_MATRIX_GPU_MODEL names an HF model directory (a GPU box may have no
 package index, so the model travels with the command). Checks: bf16 and fp32
 captures are bit-reproducible on the GPU; the GPU's fp32 logits agree with the
 CPU's; the GPU's bf16 drift from the CPU is measured (KL, top-1), not assumed.
@@ -24,13 +24,13 @@ IDS = [1, 504, 3365, 8187, 418, 3732, 28, 564, 260, 9726, 5001, 15407, 1326, 106
 
 
 def run(dtype, attention, device, threads=8):
-    from backends.base import sampled_positions
+    from common.positions import Positions
     from backends.hf_backend import HFBackend
     from common.stack import StackDesc
 
     be = HFBackend(StackDesc("hf", dtype, attention, device=device), MODEL, threads)
     be.load()
-    pos = sampled_positions(len(IDS), 32)
+    pos = Positions.every(32).of(len(IDS))
     return be, be.forward(IDS, pos), be.forward(IDS, pos)
 
 

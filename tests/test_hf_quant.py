@@ -1,4 +1,4 @@
-"""HF checkpoints quantised at load with the CPU kernels this machine has (issue 16): torchao
+"""HF checkpoints quantised at load with the CPU kernels this machine has: torchao
 int8 and optimum-quanto int8 / int4, each against the HF fp32 reference of the same weights."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""imatrix ladders (issue 16): a Q4_K_M quantised with an importance matrix computed on a
+"""imatrix ladders: a Q4_K_M quantised with an importance matrix computed on a
 calibration text, next to the round-to-nearest Q4_K_M of the same weights, both measured against
 the HF reference; the collector's sums checked against activations HF computes itself; and a
 calibration text that quotes the evaluation corpus refused before anything runs."""

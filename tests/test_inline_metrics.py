@@ -1,4 +1,4 @@
-"""`reference_metrics: in_actor` (issue 15): each stack measured against its reference in the
+"""`reference_metrics: in_actor`: each stack measured against its reference in the
 capturing actor, as llama-perplexity's --kl-divergence pass does, with analyze's numbers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-layer states (issue 17, item 1, the engines' side): the residual stream after each decoder
+"""Per-layer states (the engines' side): the residual stream after each decoder
 layer and the final norm's output at sampled positions, from HF (forward hooks) and llama.cpp (its
 graph's l_out-N / result_norm tensors through the eval callback), on the real 2-layer cut."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backends.base import SkipCell
 from common.stack import StackDesc
 from store.warehouse import widen
 
@@ -71,9 +70,14 @@ def test_a_layer_past_the_models_depth_is_refused_and_mlx_says_it_cannot(tiny_mo
     class NoLayers(Backend):
         engine = "nolayers"
 
-    assert not NoLayers.gives_layers and HFBackend.gives_layers
-    with pytest.raises(SkipCell, match="cannot give per-layer states"):
-        NoLayers(StackDesc("nolayers", "fp32", "default"), str(tiny_model), 1).layer_states(IDS[:4], [0], [0])
+    # an engine supports the extra by implementing its hook; one without it is told so at expansion
+    import extras
+
+    layers = extras.get("layers")
+    cell = StackDesc("nolayers", "fp32", "default", extras=(("layers", (0,)),))
+    assert layers.unsupported(HFBackend, cell, (0,)) is None
+    assert layers.unsupported(NoLayers, cell, (0,)) == \
+        "engine nolayers cannot give per-layer states (the cell asks for layers)"
 
 
 def test_mlx_layer_states_match_hf_fp32(tiny_model):
@@ -95,8 +99,9 @@ def test_mlx_layer_states_match_hf_fp32(tiny_model):
 
 
 def test_a_rescaled_stack_passes_cosine_and_fails_the_norm_ratio(tiny_model):
-    """Seed 003's two gates: every activation x 1.05 keeps every cosine at 1 (scale-invariant), and
-    only the norm ratio sees it; a real quant passes both at seed 003's thresholds."""
+    """The two gates: every activation x 1.05 keeps every cosine at 1 (scale-invariant), and only the
+    norm ratio sees it; a real quant passes both at the thresholds of TensorRT-Edge-LLM's few-layer
+    validation guide."""
     from analysis.layer_metrics import row_metrics, summarize, verdict
     from backends.hf_backend import HFBackend
     from backends.llamacpp_backend import LlamaCppBackend

@@ -1,4 +1,4 @@
-"""Per-layer validation end to end (issue 17, items 1-2): a sweep whose cells ask for `layers:` on
+"""Per-layer validation end to end: a sweep whose cells ask for `layers:` on
 the real 2-layer SmolLM2 cut, the layer_states shards in the warehouse, `matrix analyze`'s
 layer_metrics, and `matrix layers` with its verdict and exit codes."""
 
@@ -105,7 +105,7 @@ def test_matrix_layers_verdict_and_exit_codes(layered, tmp_path):
     q4 = cells[("llamacpp", "q4_0")]["cell_id"]
     rc, out, _ = _layers(wh, q4)
     worst = min(r["cosine_min"] for r in out["layers"])
-    from matrix.cli_quant import GATES
+    from matrix.cli.quant import GATES
 
     g = yaml.safe_load(GATES.read_text())
     g["layers"]["4bit"] = {"cosine_min": worst + (1 - worst) / 2, "norm_ratio_tol": 1.0}

@@ -37,8 +37,8 @@ def local_ray():
 @pytest.fixture(scope="module")
 def plan_for(tiny_model, short_corpus, tmp_path_factory):
     """A fresh plan and empty warehouse per call: the fp32 reference and the Q2_K cell, llama.cpp only."""
-    from matrix import runner
-    from matrix.cells import load_spec
+    from matrix.run import runner
+    from matrix.spec.cells import load_spec
     from store import Warehouse
 
     d = tmp_path_factory.mktemp("race")
@@ -62,7 +62,7 @@ def skip_of(ray, ref) -> SkipCell:
 
 def test_calls_queued_behind_a_skipped_load_raise_the_loads_skip(local_ray, plan_for):
     from actors.stack_actor import Delivery, StackActor
-    from matrix.cells import model_copy, stack_desc
+    from matrix.spec.cells import model_copy, stack_desc
 
     ray = local_ray
     plan, _ = plan_for(0)
@@ -87,7 +87,7 @@ def test_calls_queued_behind_a_skipped_load_raise_the_loads_skip(local_ray, plan
 def test_sweep_skips_the_cell_whatever_order_its_futures_come_back_in(local_ray, plan_for, monkeypatch):
     """Half the runs take futures as Ray returns them; the other half wait for every future and
     take them newest first, so the Q2_K cell's captures and parity reach the driver before its load."""
-    from matrix import placement, runner
+    from matrix.run import placement, runner
 
     ray = local_ray
     real_wait = ray.wait
@@ -106,7 +106,7 @@ def test_sweep_skips_the_cell_whatever_order_its_futures_come_back_in(local_ray,
         plan, wh = plan_for(i)
         wh.create()
         with wh.lock():
-            runner.bind(plan, wh, placement.cluster_nodes(), lambda m: None)
+            plan = runner.bind(plan, wh, placement.cluster_nodes(), lambda m: None)
             summary = runner.execute(plan, wh, ["test"], None, lambda m: None)
         cells = {r["dtype"]: r for r in wh.read_all("cells")}
         assert summary["cells_done"] == 2 and summary["rows_written"] > 0, (i, summary)

@@ -16,7 +16,7 @@ gguf = pytest.importorskip("gguf")
 def test_cut_gguf_keeps_the_source_bytes_and_dequantises_to_the_reference_layers(reference_model, tmp_path):
     from safetensors.numpy import load_file
 
-    from matrix.models import dequantise_gguf
+    from matrix.spec.models import dequantise_gguf
 
     out = tmp_path / "cut2.gguf"
     r = run_cli("models", "cut", "smollm2-135m", "--layers", "2", "--gguf", "--out", str(out), "--json")

@@ -15,17 +15,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from backends.base import sampled_positions
 from common.errors import UserError
 from common.positions import Positions
-from matrix import corpus as C
-from matrix.spec import parse_spec
+from matrix.spec import corpus as C
+from matrix.spec.parse import parse_spec
 from tests.conftest import dedent, run_cli, sql, write_spec
 
 
-def test_plain_stride_is_the_old_rule_and_windows_cut_as_asked():
+def test_plain_stride_keeps_every_stride_th_and_the_last_and_windows_cut_as_asked():
     for n in (1, 2, 31, 32, 33, 64, 65, 100):
-        assert Positions.every(32).of(n) == sampled_positions(n, 32)
+        want = list(range(0, n, 32))
+        assert Positions.every(32).of(n) == (want if want[-1] == n - 1 else want + [n - 1])
     assert Positions(stride=1, start=256, stop=510, last=False).of(512) == list(range(256, 511))
     lp = Positions(stride=1, start="half", stop=-2, last=False)  # the llama_perplexity preset
     assert lp.of(512) == list(range(256, 511)) and lp.of(8) == [4, 5, 6]
@@ -176,7 +176,7 @@ def test_a_window_over_an_ids_corpus_captures_exactly_those_rows(tmp_path, tiny_
 def test_round_bf16_matches_torch_and_its_floor_matches_the_metric_kernel():
     import torch
 
-    from analysis.floors import bf16_floor
+    from store.floors import bf16_floor
     from analysis.metrics import row_metrics
     from store.warehouse import round_bf16, shift_by_max, widen
 
@@ -243,7 +243,7 @@ def test_store_bf16_records_each_rows_floor_and_analysis_carries_it(tmp_path, ti
 
 def test_the_fast_bf16_floor_agrees_with_the_float64_one_on_real_rows(reference_model):
     """bf16_floor (float32 elementwise, what the actor runs) against the float64 metric kernel on real SmolLM2 rows."""
-    from analysis.floors import bf16_floor
+    from store.floors import bf16_floor
     from analysis.metrics import row_metrics
     from backends.hf_backend import HFBackend
     from common.stack import StackDesc

@@ -195,7 +195,7 @@ def test_fixture_from_hf_bf16_passes_the_same_stack_and_fails_sdpa_under_tight_g
     assert next(g for g in out["gates"] if g["gate"] == "top1_agreement")["measured"] == 1.0
     assert out["header_checked"] and out["differences"] == []  # the same stack: weights, build, hardware
     # a stack of other weights (one layer fewer): refused naming both hashes, unless allowed
-    from matrix.models import cut_layers
+    from matrix.spec.models import cut_layers
 
     other = cut_layers(tiny_model, tmp_path / "one-layer", 1)
     r = run_cli("fixture", "check", str(fx), "--engine", "hf", "--model", str(other), "--dtype", "bf16",

@@ -27,9 +27,9 @@ def test_rows_carry_their_columns_and_a_finish_time():
 
 def test_ids_are_minted_in_one_place_and_are_stable():
     coords = {"model": "m", "engine": "hf", "dtype": "fp32", "attention": "eager", "tp": 1, "device": "cpu"}
-    a = ids.cell_id(coords, {"stride": 32, "corpus": "x"})
-    assert a == ids.cell_id(coords, {"corpus": "x", "stride": 32})  # key order does not matter
+    a = ids.stack_id(coords, {"stride": 32, "corpus": "x"})
+    assert a == ids.stack_id(coords, {"corpus": "x", "stride": 32})  # key order does not matter
     assert a.startswith("m.hf.fp32.eager.tp1.cpu-") and len(a.rsplit("-", 1)[1]) == 10
-    assert a != ids.cell_id(coords, {"stride": 16, "corpus": "x"})
+    assert a != ids.stack_id(coords, {"stride": 16, "corpus": "x"})
     assert ids.prompt_id("cold", "ab" * 32) == "cold-" + "ab" * 6
     assert ids.run_id() != ids.run_id() and ids.run_id("import").startswith("import-")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from backends.base import sampled_positions
+from common.positions import Positions
 from store.warehouse import narrow_bf16, row_hash
 from tests.conftest import REPO, run_cli, sql, write_spec
 
@@ -23,7 +23,7 @@ def test_sweep_writes_every_row_once(swept):
     assert summary["cells_done"] == 4 and summary["cells_run"] == 4
     prompts = sql(wh, "select prompt_id, n_tokens, category from prompts")
     assert {p["category"] for p in prompts} == {"cold_start", "long_context", "chat_tool_call", "code"}
-    per_repeat = sum(len(sampled_positions(p["n_tokens"], 16)) for p in prompts)
+    per_repeat = sum(len(Positions.every(16).of(p["n_tokens"])) for p in prompts)
     cells = sql(wh, "select cell_id, repeats, rows_per_repeat, status from cells")
     assert len(cells) == 4
     assert all(c["rows_per_repeat"] == per_repeat and c["repeats"] == 2 and c["status"] == "done" for c in cells)
@@ -95,7 +95,7 @@ def test_bf16_bits_round_trip_exactly(swept, tiny_model):
     prompt = sql(wh, "select prompt_id, token_ids from prompts where category='code'")[0]
     be = HFBackend(StackDesc("hf", "bf16", "eager"), str(tiny_model), 1)
     be.load()
-    pos = sampled_positions(len(prompt["token_ids"]), 16)
+    pos = Positions.every(16).of(len(prompt["token_ids"]))
     native = be.forward(prompt["token_ids"], pos)  # (rows, vocab) uint16
     stored = {q: h for p, q, h in zip(t["prompt_id"].to_pylist(), t["position"].to_pylist(),
                                       t["row_hash"].to_pylist()) if p == prompt["prompt_id"]}

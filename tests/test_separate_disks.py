@@ -3,7 +3,7 @@
 Each worker node is a real `ray start` inside its own mount namespace (`unshare --mount`), with
 a tmpfs over the driver's pytest tree (the model, the corpus, the warehouse), over the driver's
 model cache and over its own HOME: like another computer, it sees none of the driver's files.
-The head takes no CPUs, so every cell runs on those nodes. Needs root (as on the dev VM and CI).
+The head takes no CPUs, so every cell runs on those nodes. Needs root (as CI runs).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from matrix.cells import load_spec
+from matrix.spec.cells import load_spec
 from tests.conftest import REPO, run_cli
 
 
@@ -55,10 +55,11 @@ def test_smoke_spec_covers_hf_llamacpp_mlx_with_bf16_eager_reference():
     # the demo's per-layer cell and decode cell; the reference records both as their yardstick
     by = {c.cell_id: c for c in spec.cells}
     q4, q8 = (next(c for c in spec.cells if c.dtype == d and not c.artifact) for d in ("q4_k_m", "q8_0"))
-    assert q4.layers == (0, 1, 2, 3) and q8.decode == (8, (6, 128))
-    assert by[ref].layers == (0, 1, 2, 3) and by[ref].decode == (8, (6, 128))
-    assert q8.prefix_cache and not by[ref].prefix_cache  # HF has no prefix cache: nothing to record there
-    assert [c.layers for c in spec.cells].count(None) == len(spec.cells) - 2
+    assert q4.extra("layers") == (0, 1, 2, 3) and q8.extra("decode") == (8, (6, 128))
+    assert by[ref].extra("layers") == (0, 1, 2, 3) and by[ref].extra("decode") == (8, (6, 128))
+    # HF has no prefix cache: nothing to record there
+    assert q8.extra("prefix_cache") and by[ref].extra("prefix_cache") is None
+    assert [c.extra("layers") for c in spec.cells].count(None) == len(spec.cells) - 2
 
 
 def test_cell_ids_are_stable_and_change_with_what_changes_rows(tmp_path):

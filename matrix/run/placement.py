@@ -227,7 +227,7 @@ def pinned(pin: tuple[str, ...] | list[str]) -> dict[str, str]:
 
 def actor_options(device: str, tp: int, threads: int, nodes: list[Node], pin: tuple[str, ...] = ()) -> dict[str, Any]:
     """Ray options for the cell's actor (tp == 1), or for each rank's bundle (tp > 1); `pin`:
-    the node ids it may use (matrix/builds.py)."""
+    the node ids it may use (matrix/run/builds.py)."""
     found = hosts(device, tp, threads, nodes)
     sel = found[0][1] if found else {}
     if sel and RAY_ACCEL in sel:  # every accelerator type among the hosts, not just the first's

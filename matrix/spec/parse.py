@@ -1,4 +1,4 @@
-"""Sweep spec: strict YAML parsing and validation (matrix/cells.py expands it into cells).
+"""Sweep spec: strict YAML parsing and validation (matrix/spec/cells.py expands it into cells).
 
 A spec is a GitHub-Actions-style matrix over the axes ``models``, ``engines``,
 ``dtypes``, ``attention``, ``tp`` and ``devices``, with ``include`` / ``exclude``
@@ -17,15 +17,19 @@ from typing import Any
 
 import yaml
 
+import extras
 from common import names
 from common import positions as P
 from common.errors import UserError, read_text_file
+from matrix.spec.validate import (as_list, check_axis_value, check_threads, field_error, positive_int, retries,
+                                  seconds)
 from common.stack import Cell
+from matrix.spec.candidates import parse_candidates
 
 DEFAULT_STRIDE = 32
 BOS_POLICIES = ("tokenizer", "always", "never")
 # How rows are stored: native (lossless, the default) or bf16 (row max subtracted, rounded to bf16;
-# each row's KL floor is measured as it is written: analysis/floors.py bf16_floor)
+# each row's KL floor is measured as it is written: store/floors.py Storage)
 STORES = ("native", "bf16")
 # Where each stack's metrics against its reference are computed: by `matrix analyze` (the default),
 # or in the capturing actor as the rows come out, against the reference's rows already in the
@@ -33,7 +37,7 @@ STORES = ("native", "bf16")
 REFERENCE_METRICS = ("analyze", "in_actor")
 TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
             "devices", "include", "exclude", "reference", "stride", "repeats",
-            "corpus", "bos", "threads", "positions", "store", "reference_metrics", "candidates", "options", "max_tokens", "layers", "decode", "prefix_cache", "centroid", "replicas", "retries",
+            "corpus", "bos", "threads", "positions", "store", "reference_metrics", "candidates", "options", "max_tokens", "centroid", "replicas", "retries",
             "load_timeout_s", "capture_timeout_s"}
 # none: no centroid and no pairwise tables (a job that asks only for KL against the reference)
 CENTROID_DEFINITIONS = ("mean_prob", "mean_logprob", "none")
@@ -45,21 +49,14 @@ OPTION_KEYS = {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": i
                "activations": ("native", "fp32"), "quantizer": ("torchao", "quanto"),
                "imatrix": dict}
 # `imatrix:` on a llama.cpp quant cell: quantise with an importance matrix computed on a calibration
-# text (backends/gguf_imatrix.py); parsed and checked against the corpus in matrix/calibration.py
+# text (backends/gguf_imatrix.py); parsed and checked against the corpus in matrix/spec/calibration.py
 # Non-axis keys an include entry may add to a cell.
 # `calibration` describes the artefact (e.g. "imatrix from wiki.train, 512 chunks") for model
 # cards; like the centroid group it is not part of the cell id.
 # `replicas: N` runs the same stack on N distinct nodes of its device class (cross-host identity).
-# `layers: [0, 1] | first-N | all`: the cell also records the residual stream after those decoder
-# layers and the final norm's output (a `layer_states` shard); resolved against the model's depth at
-# prepare (matrix/runner.py), where an index past it is exit 2
-# `decode: {steps: K, at: [p, ...]}`: from each position p the engine continues from its KV cache one
-# token at a time (teacher-forced, batch 1, n_tokens = 1) for K steps; those rows go beside the capture
-# (logits path 'decode'); checked against every prompt's length at prepare
-# `prefix_cache: check`: each prompt is evaluated a second time with the engine's prefix cache warm
-# from the first, by the engine's own reuse rule; the rows it recomputes go beside the capture
-# (logits path 'prefix_cached'), to be compared with the fresh prefill's (seed 000)
-CELL_EXTRA_KEYS = {"threads", "max_tokens", "layers", "decode", "prefix_cache", "calibration", "replicas"} | set(OPTION_KEYS)
+# The per-cell extras' keys (extras/, one module each) are spec keys too, at the
+# top level (every cell) and in include entries; each extra parses its own.
+CELL_EXTRA_KEYS = {"threads", "max_tokens", "calibration", "replicas"} | set(OPTION_KEYS)
 
 
 @dataclass(frozen=True)
@@ -77,8 +74,10 @@ class ModelRef:
         return f"{self.kind}:{self.location}{rev}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Spec:
+    """A parsed spec; matrix.spec.cells.expand returns it with its cells (a new value, never this one changed)."""
+
     path: Path
     name: str
     models: dict[str, ModelRef]
@@ -93,13 +92,11 @@ class Spec:
     threads: int | None
     options: dict = field(default_factory=dict)
     max_tokens: int | None = None
-    layers: tuple | str | None = None  # parse_layers: None, "all" or sorted layer indices
-    decode: tuple | None = None  # parse_decode: (steps, (at, ...)) or None
-    prefix_cache: bool = False  # parse_prefix_cache
+    extras: dict = field(default_factory=dict)  # per-cell extra key -> its parsed value (every cell's default)
     replicas: int = 1  # default copies of each stack, each on its own node
     retries: int = 2  # a cell whose actor or node died is started again up to this many times
     load_timeout_s: float = 3600.0  # from the actor's start: weights shipped, artifacts built, engine loaded
-    capture_timeout_s: float | None = None  # per repeat (None: matrix/sweep.py scales it by tokens fed)
+    capture_timeout_s: float | None = None  # per repeat (None: matrix/run/sweep.py scales it by tokens fed)
     centroid: str = "mean_prob"  # centroid definition
     centroid_groups: list = field(default_factory=list)  # [(name, [selector, ...])], first match wins
     positions: P.Positions = field(default_factory=P.Positions)  # which rows each prompt keeps
@@ -107,8 +104,8 @@ class Spec:
     reference_metrics: str = "analyze"  # REFERENCE_METRICS
     candidates: list[dict] = field(default_factory=list)  # published files measured as they are
     raw_text: str = ""
-    cells: list[Cell] = field(default_factory=list)
-    skipped: list[dict] = field(default_factory=list)
+    cells: tuple[Cell, ...] = ()
+    skipped: tuple[dict, ...] = ()
     reference_cells: dict[str, str] = field(default_factory=dict)  # model -> stack id (its replica 0)
 
     @property
@@ -116,38 +113,8 @@ class Spec:
         return hashlib.sha256(self.raw_text.encode()).hexdigest()
 
 
-def field_error(path: Path, fld: str, msg: str, value: Any = ...) -> UserError:
-    got = "" if value is ... else f" (got {value!r})"
-    return UserError(f"{path}: {fld}: {msg}{got}")
-
-
-def _as_list(path: Path, fld: str, value: Any) -> list:
-    if isinstance(value, list):
-        if not value:
-            raise field_error(path, fld, "must not be empty")
-        return value
-    if isinstance(value, (str, int)) and not isinstance(value, bool):
-        return [value]
-    raise field_error(path, fld, "must be a list or a single value", value)
-
-
-def _check_axis_value(path: Path, fld: str, key: str, value: Any, models: dict) -> Any:
-    """Validate one cell-axis value; returns it normalised."""
-    if key == "tp":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise field_error(path, fld, "tp must be a positive integer", value)
-        return value
-    if not isinstance(value, str):
-        raise field_error(path, fld, f"{key} must be a string", value)
-    allowed = {"engine": names.ENGINES, "dtype": names.DTYPES, "attention": names.ATTENTION,
-               "device": names.DEVICES, "model": tuple(models)}[key]
-    if value not in allowed:
-        raise field_error(path, fld, f"unknown {key}; expected one of {', '.join(allowed)}", value)
-    return value
-
-
 def _parse_model(path: Path, idx: int, entry: Any) -> ModelRef:
-    from matrix import models as catalog  # local: catalog imports nothing heavy either
+    from matrix.spec import models as catalog  # local: catalog imports nothing heavy either
 
     fld = f"models[{idx}]"
     if isinstance(entry, str):
@@ -205,17 +172,13 @@ def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool)
     out = {}
     for k, v in entry.items():
         if k in names.CELL_AXES:
-            out[k] = _check_axis_value(path, f"{fld}.{k}", k, v, models)
+            out[k] = check_axis_value(path, f"{fld}.{k}", k, v, models)
         elif extra_ok and k in ("threads", "max_tokens"):
-            out[k] = _check_threads(path, f"{fld}.{k}", v)
-        elif extra_ok and k == "layers":
-            out[k] = parse_layers(path, f"{fld}.{k}", v)
-        elif extra_ok and k == "decode":
-            out[k] = parse_decode(path, f"{fld}.{k}", v)
-        elif extra_ok and k == "prefix_cache":
-            out[k] = parse_prefix_cache(path, f"{fld}.{k}", v)
+            out[k] = check_threads(path, f"{fld}.{k}", v)
+        elif extra_ok and k in extras.keys():
+            out[k] = parse_extra(path, f"{fld}.{k}", k, v)
         elif extra_ok and k == "replicas":
-            out[k] = _int(path, entry, k, 1, fld=f"{fld}.{k}")
+            out[k] = positive_int(path, entry, k, 1, fld=f"{fld}.{k}")
         elif extra_ok and k == "calibration":
             if not isinstance(v, str) or not v.strip():
                 raise field_error(path, f"{fld}.{k}", "must be a non-empty string describing the calibration data", v)
@@ -223,7 +186,7 @@ def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool)
         elif extra_ok and k in OPTION_KEYS:
             out[k] = _check_option(path, f"{fld}.{k}", k, v)
         else:
-            keys = names.CELL_AXES + (tuple(sorted(CELL_EXTRA_KEYS)) if extra_ok else ())
+            keys = names.CELL_AXES + (tuple(sorted(CELL_EXTRA_KEYS | set(extras.keys()))) if extra_ok else ())
             raise field_error(path, f"{fld}.{k}", f"unknown key; expected one of {', '.join(keys)}")
     return out
 
@@ -260,7 +223,7 @@ def _parse_centroid(path: Path, raw: Any, models: dict) -> tuple[str, list]:
 def _check_option(path: Path, fld: str, key: str, v: Any) -> Any:
     kind = OPTION_KEYS[key]
     if kind is dict:  # imatrix: {corpus, chunks, ctx, max_overlap}
-        from matrix.calibration import parse_option
+        from matrix.spec.calibration import parse_option
 
         return parse_option(v, fld, path.parent, lambda f, m, val=...: field_error(path, f, m, val))
     if kind is int:
@@ -271,88 +234,12 @@ def _check_option(path: Path, fld: str, key: str, v: Any) -> Any:
     return v
 
 
-def parse_layers(path: Path, fld: str, v: Any) -> tuple | str | None:
-    """`layers:` [i, ...] | first-N | all  ->  sorted indices, or "all" (the depth is known at prepare)."""
-    if v is None:
-        return None
-    if v == "all":
-        return "all"
-    if isinstance(v, str):
-        m = re.fullmatch(r"first-([0-9]+)", v)
-        if not m or int(m.group(1)) < 1:
-            raise field_error(path, fld, "expected a list of layer indices, first-N or all", v)
-        return tuple(range(int(m.group(1))))
-    if not isinstance(v, list) or not v or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in v):
-        raise field_error(path, fld, "expected a non-empty list of layer indices (0-based), first-N or all", v)
-    return tuple(sorted(set(v)))
+def parse_extra(path: Path, fld: str, key: str, v: Any) -> Any:
+    """A per-cell extra's spec value, by its own parser (None: off)."""
+    def fail(msg: str, value: Any = ..., sub: str = "") -> Exception:
+        return field_error(path, fld + sub, msg, value)
 
-
-def parse_decode(path: Path, fld: str, v: Any) -> tuple | None:
-    """`decode: {steps: K, at: [p, ...]}` -> (K, sorted positions)."""
-    if v is None:
-        return None
-    if not isinstance(v, dict) or set(v) != {"steps", "at"}:
-        raise field_error(path, fld, "must be a mapping with exactly steps and at", v)
-    steps, at = v["steps"], v["at"]
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise field_error(path, f"{fld}.steps", "must be a positive integer", steps)
-    if not isinstance(at, list) or not at or any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in at):
-        raise field_error(path, f"{fld}.at", "must be a non-empty list of positions (0-based)", at)
-    return steps, tuple(sorted(set(at)))
-
-
-def parse_prefix_cache(path: Path, fld: str, v: Any) -> bool:
-    """`prefix_cache: check` -> True; absent, off or false -> False."""
-    if v is None or v is False or v == "off":
-        return False
-    if v == "check":
-        return True
-    raise field_error(path, fld, "must be check or off", v)
-
-
-def union_decode(a: tuple | None, b: tuple | None) -> tuple | None:
-    """A reference covers every decode row of its model's cells: the most steps from every start."""
-    if a is None or b is None:
-        return a if b is None else b
-    return max(a[0], b[0]), tuple(sorted(set(a[1]) | set(b[1])))
-
-
-def union_layers(a: tuple | str | None, b: tuple | str | None) -> tuple | str | None:
-    """What a reference records so that every cell of its model has its layers to compare with."""
-    if a is None or b is None:
-        return a if b is None else b
-    return "all" if "all" in (a, b) else tuple(sorted(set(a) | set(b)))
-
-
-def _check_threads(path: Path, fld: str, v: Any) -> int | None:
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise field_error(path, fld, "must be a positive integer or null", v)
-    return v
-
-
-def _seconds(path: Path, data: dict, key: str, default: float | None) -> float | None:
-    v = data.get(key, default)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-        raise field_error(path, key, "must be a number of seconds above 0, or null", v)
-    return float(v)
-
-
-def _retries(path: Path, data: dict) -> int:
-    v = data.get("retries", 2)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise field_error(path, "retries", "must be a whole number, 0 or more", v)
-    return v
-
-
-def _int(path: Path, data: dict, key: str, default: int, fld: str | None = None) -> int:
-    v = data.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise field_error(path, fld or key, "must be a positive integer", v)
-    return v
+    return extras.get(key).parse(v, fail)
 
 
 def _read_mapping(path: Path) -> tuple[str, dict]:
@@ -368,10 +255,10 @@ def _read_mapping(path: Path) -> tuple[str, dict]:
         raise UserError(f"{path}: malformed YAML: {where}{problem}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: a spec must be a YAML mapping (got {type(data).__name__})")
-    unknown = set(data) - TOP_KEYS
+    unknown = set(data) - TOP_KEYS - set(extras.keys())
     if unknown:
         k = sorted(unknown)[0]
-        raise field_error(path, k, f"unknown key; expected one of {', '.join(sorted(TOP_KEYS))}")
+        raise field_error(path, k, f"unknown key; expected one of {', '.join(sorted(TOP_KEYS | set(extras.keys())))}")
     if "models" not in data:
         raise field_error(path, "models", "is required")
     return text, data
@@ -379,7 +266,7 @@ def _read_mapping(path: Path) -> tuple[str, dict]:
 
 def _parse_models(path: Path, data: dict) -> dict[str, ModelRef]:
     models: dict[str, ModelRef] = {}
-    for i, m in enumerate(_as_list(path, "models", data["models"])):
+    for i, m in enumerate(as_list(path, "models", data["models"])):
         ref = _parse_model(path, i, m)
         if ref.name in models:
             raise field_error(path, f"models[{i}].name", "duplicate model name", ref.name)
@@ -396,8 +283,8 @@ def _parse_axes(path: Path, data: dict, models: dict) -> dict[str, list]:
         if spec_key == "models":
             axes["model"] = list(models)
             continue
-        values = _as_list(path, spec_key, data.get(spec_key, AXIS_DEFAULTS[spec_key]))
-        checked = [_check_axis_value(path, f"{spec_key}[{i}]", cell_key, v, models)
+        values = as_list(path, spec_key, data.get(spec_key, AXIS_DEFAULTS[spec_key]))
+        checked = [check_axis_value(path, f"{spec_key}[{i}]", cell_key, v, models)
                    for i, v in enumerate(values)]
         if len(set(checked)) != len(checked):
             raise field_error(path, spec_key, "has duplicate values", values)
@@ -436,85 +323,10 @@ def _parse_options(path: Path, data: dict) -> dict:
     return options
 
 
-CANDIDATE_KEYS = ("model", "engine", "gguf", "path", "hub", "revision", "dtype", "attention", "name", "device",
-                  "threads", "calibration")
-# what a candidate is given as -> the engine that runs it as it is
-CANDIDATE_KINDS = {"gguf": "llamacpp", "path": "hf", "hub": "hf"}  # (the default engine)
-CANDIDATE_ENGINES = {"gguf": ("llamacpp",), "path": ("hf", "vllm"), "hub": ("hf", "vllm")}
-
-
-def _candidate_file(path: Path, fld: str, e: dict, models: dict) -> tuple[str, str]:
-    """(kind, location) of a candidate: gguf FILE | source, path DIR (an HF checkpoint), hub org/name."""
-    given = [k for k in CANDIDATE_KINDS if k in e]
-    if len(given) != 1:
-        raise field_error(path, fld, "give exactly one of gguf (a GGUF file), path (an HF checkpoint directory) "
-                                     "or hub (an HF hub id)", e)
-    kind = given[0]
-    loc = e[kind]
-    if not isinstance(loc, str) or not loc:
-        raise field_error(path, f"{fld}.{kind}", "must be a non-empty string", loc)
-    if e.get("engine", CANDIDATE_KINDS[kind]) not in CANDIDATE_ENGINES[kind]:
-        raise field_error(path, f"{fld}.engine", f"a {kind} candidate runs on engine "
-                          + " or ".join(CANDIDATE_ENGINES[kind]), e.get("engine"))
-    if "revision" in e and kind != "hub":
-        raise field_error(path, f"{fld}.revision", "only a hub candidate has a revision", e["revision"])
-    if kind == "gguf" and loc == "source":
-        if models[e["model"]].kind not in ("catalog", "gguf"):
-            raise field_error(path, f"{fld}.gguf", f"model {e['model']} was not made from a GGUF file", loc)
-    elif kind in ("gguf", "path"):
-        full = str((path.parent / os.path.expanduser(loc)).resolve())
-        ok = os.path.isfile(full) if kind == "gguf" else os.path.isfile(os.path.join(full, "config.json"))
-        if not ok:
-            raise field_error(path, f"{fld}.{kind}", "no such file" if kind == "gguf"
-                              else "not an HF checkpoint directory (no config.json)", loc)
-        loc = full
-    elif not re.fullmatch(r"[\w.-]+/[\w.-]+", loc):
-        raise field_error(path, f"{fld}.hub", "must be an HF hub id like org/name", loc)
-    return kind, loc
-
-
-def _parse_candidates(path: Path, data: dict, models: dict) -> list[dict]:
-    """`candidates:` published artifacts, each run as it is and measured against its model's
-    reference: {model, gguf: FILE | source} (llama.cpp), or {model, path: DIR | hub: ID [revision],
-    [dtype], [attention]} (HF), each with optional name, calibration, device, threads.
-    `gguf: source` is the file the model's reference weights were dequantised from."""
-    raw = data.get("candidates") or []
-    if not isinstance(raw, list):
-        raise field_error(path, "candidates", "must be a list of mappings", raw)
-    out = []
-    for i, e in enumerate(raw):
-        fld = f"candidates[{i}]"
-        if not isinstance(e, dict):
-            raise field_error(path, fld, "must be a mapping with model and one of gguf, path, hub", e)
-        for k in e:
-            if k not in CANDIDATE_KEYS:
-                raise field_error(path, f"{fld}.{k}", f"unknown key; expected one of {', '.join(CANDIDATE_KEYS)}")
-        if e.get("model") not in models:
-            raise field_error(path, f"{fld}.model", f"expected one of the spec's models ({', '.join(models)})",
-                              e.get("model"))
-        kind, loc = _candidate_file(path, fld, e, models)
-        for k in ("name", "calibration", "revision"):
-            v = e.get(k)
-            if v is not None and (not isinstance(v, str) or not v.strip()):
-                raise field_error(path, f"{fld}.{k}", "must be a non-empty string", v)
-        extra = {}
-        for k in ("dtype", "attention"):
-            if k in e:
-                if kind == "gguf":
-                    raise field_error(path, f"{fld}.{k}", "a GGUF candidate runs what its file declares", e[k])
-                extra[k] = _check_axis_value(path, f"{fld}.{k}", k, e[k], models)
-        out.append({"model": e["model"], "engine": e.get("engine", CANDIDATE_KINDS[kind]), "kind": kind, kind: loc,
-                    "revision": e.get("revision"), "name": e.get("name"), "calibration": e.get("calibration"),
-                    "device": _check_axis_value(path, f"{fld}.device", "device", e["device"], models)
-                    if "device" in e else None,
-                    "threads": _check_threads(path, f"{fld}.threads", e.get("threads")), **extra})
-    return out
-
-
 def _parse_positions(path: Path, data: dict) -> P.Positions:
     """`stride: N` (every N-th position and the last) or `positions:` (a window or a preset), not both."""
     if "positions" not in data:
-        return P.Positions.every(_int(path, data, "stride", DEFAULT_STRIDE))
+        return P.Positions.every(positive_int(path, data, "stride", DEFAULT_STRIDE))
     if "stride" in data:
         raise field_error(path, "stride", "give the step inside positions (positions.stride) when positions is set",
                           data["stride"])
@@ -522,7 +334,7 @@ def _parse_positions(path: Path, data: dict) -> P.Positions:
 
 
 def parse_spec(spec_path: str | os.PathLike) -> Spec:
-    """Parse and validate a spec file (matrix.cells.load_spec also expands it into cells)."""
+    """Parse and validate a spec file (matrix.spec.cells.load_spec also expands it into cells)."""
     path = Path(spec_path)
     text, data = _read_mapping(path)
     models = _parse_models(path, data)
@@ -548,13 +360,11 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
     positions = _parse_positions(path, data)
     return Spec(path=path, name=name, models=models, axes=axes, include=include,
                 exclude=exclude, reference=reference, stride=positions.stride, positions=positions, store=store,
-                reference_metrics=where, candidates=_parse_candidates(path, data, models),
-                repeats=_int(path, data, "repeats", 1), corpus=corpus, bos=bos,
-                threads=_check_threads(path, "threads", data.get("threads")), options=options,
-                max_tokens=_check_threads(path, "max_tokens", data.get("max_tokens")),
-                layers=parse_layers(path, "layers", data.get("layers")),
-                decode=parse_decode(path, "decode", data.get("decode")),
-                prefix_cache=parse_prefix_cache(path, "prefix_cache", data.get("prefix_cache")),
-                replicas=_int(path, data, "replicas", 1), retries=_retries(path, data),
-                load_timeout_s=_seconds(path, data, "load_timeout_s", 3600.0),
-                capture_timeout_s=_seconds(path, data, "capture_timeout_s", None), centroid=centroid, centroid_groups=groups, raw_text=text)
+                reference_metrics=where, candidates=parse_candidates(path, data, models),
+                repeats=positive_int(path, data, "repeats", 1), corpus=corpus, bos=bos,
+                threads=check_threads(path, "threads", data.get("threads")), options=options,
+                max_tokens=check_threads(path, "max_tokens", data.get("max_tokens")),
+                extras={k: parse_extra(path, k, k, data.get(k)) for k in extras.keys()},
+                replicas=positive_int(path, data, "replicas", 1), retries=retries(path, data),
+                load_timeout_s=seconds(path, data, "load_timeout_s", 3600.0),
+                capture_timeout_s=seconds(path, data, "capture_timeout_s", None), centroid=centroid, centroid_groups=groups, raw_text=text)

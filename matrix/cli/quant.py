@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from common.errors import UserError
 from common.output import emit_json, fmt_number, log, table
-from matrix.corpus import CONFIGS
+from matrix.spec.corpus import CONFIGS
 
 GATES = CONFIGS / "gates.yaml"
 
 
 def cmd_card(args) -> int:
+    import extras
     from analysis.card import build_card, markdown
 
-    card = build_card(args.warehouse, args.cell, allow_undisclosed=args.allow_undisclosed)
+    card = build_card(args.warehouse, args.cell, allow_undisclosed=args.allow_undisclosed, extras=extras.registered())
     if args.json or args.format == "json":
         emit_json(card)
     else:
-        print(markdown(card), end="")
+        print(markdown(card, extras.registered()), end="")
     return 0
 
 
@@ -63,12 +64,12 @@ def cmd_admit(args) -> int:
 def _check(args) -> dict:
     """In this process, or, given --address or a --device other than cpu, in a cell actor placed
     on the cluster the way `matrix run` places one (a local cluster of this machine without --address)."""
-    from matrix.fixtures import check_fixture
+    from matrix.run.fixture_check import check_fixture
 
     if not args.address and args.device == "cpu":
         return check_fixture(args.fixture, args.engine, args.model, args.dtype, args.attention, args.threads,
                              log=log)
-    from matrix import cluster, placement
+    from matrix.run import cluster, placement
 
     ray = cluster.init_ray(args.address)
     try:
@@ -81,7 +82,7 @@ def _check(args) -> dict:
 
 def cmd_fixture(args) -> int:
     if args.action == "export":
-        from matrix.fixtures import export_fixture
+        from analysis.fixture_export import export_fixture
 
         out = export_fixture(args.warehouse, args.cell, args.out, k=args.k, log=log)
         if args.json:
@@ -126,7 +127,7 @@ def cmd_fixture(args) -> int:
 
 
 def cmd_kld_base(args) -> int:
-    from matrix import interop
+    from store import llamacpp_import as interop
 
     if args.action == "export":
         out = interop.export_kld_base(args.warehouse, args.cell, args.n_ctx, args.out, log=log)

@@ -1,12 +1,14 @@
-"""`matrix layers CELL`: where divergence starts (issue 17; seed 003_0a72f8c17495d068.txt). The
+"""`matrix layers CELL`: where divergence starts. The
 per-layer table of a `layers:` cell against its reference, and the first layer failing the
-cosine / norm-ratio gates of its quant class. Exit 0 pass, 1 fail, 2 error."""
+cosine / norm-ratio gates of its quant class (two gates: cosine misses a dropped scale factor;
+NVIDIA TensorRT-Edge-LLM's few-layer numeric validation guide). Exit 0 pass, 1 fail, 2 error."""
 
 from __future__ import annotations
 
+import extras
 from common.errors import UserError
 from common.output import emit_json, fmt_number, table
-from matrix.cli_quant import GATES
+from matrix.cli.quant import GATES
 
 
 def cmd_layers(args) -> int:
@@ -58,21 +60,27 @@ def add_parser(sub) -> None:
 
 # What `matrix cells` prints of a cell's extras (layer states, rows off the plain prefill).
 def off_prefill(c: dict) -> str:
-    """What a cell records beside its prefill rows: decode steps, a prefix-cache check."""
-    parts = ([f"decode {c['decode']['steps']} steps from {c['decode']['at']}"] if c["decode"] else []) \
-        + (["prefix cache check"] if c["prefix_cache"] else [])
+    """What a cell records beside its prefill rows (the extras that write decode-file paths)."""
+    parts = [w for x in extras.registered() if x.paths and c.get(x.key) is not None for w in x.brief(c[x.key])]
     return "; ".join(parts) or "-"
 
 
 def layer_sizes(spec) -> dict[str, dict]:
-    """cell id -> the bytes its layer states will take (matrix.runner.layer_bytes); resolving the
-    models and tokenising the corpus only when a cell asks for layers (a bad index: exit 2 here too)."""
-    if not any(c.layers for c in spec.cells):
+    """cell id -> the bytes its layer states will take; resolving the models and tokenising the
+    corpus only when a cell asks for layers (a bad index: exit 2 here too)."""
+    if not any(c.extra("layers") for c in spec.cells):
         return {}
-    from matrix.runner import layer_bytes, prepare
+    from matrix.run.runner import expected_rows, prepare
 
     plan = prepare(spec, None, lambda m: None)
-    return {c.cell_id: layer_bytes(plan, c) for c in spec.cells if c.layers}
+    layers = extras.get("layers")
+    out = {}
+    for c in plan.spec.cells:
+        if c.extra("layers"):
+            wide = c.engine == "llamacpp" or c.dtype in ("fp32", "f32") or c.opts.get("activations") == "fp32"
+            out[c.cell_id] = layers.bytes_estimate(c.extra("layers"), expected_rows(plan, c) * plan.spec.repeats,
+                                                   plan.hidden.get(c.model, 0), wide)
+    return out
 
 
 def layer_brief(size: dict | None) -> str:

@@ -25,7 +25,7 @@ def parse_option(v: Any, fld: str, base: Path, error: Callable[..., Exception]) 
     path, sha256 and the settings (the cell id hashes the text's sha256, never its path).
     error(field, message, value): the spec's one-line error for a field."""
     from common.files import sha256_file
-    from matrix.corpus import BUILTIN_CALIBRATION
+    from matrix.spec.corpus import BUILTIN_CALIBRATION
 
     if not isinstance(v, dict) or "corpus" not in v:
         raise error(fld, "must be a mapping with corpus (builtin or a text file), chunks, ctx", v)

@@ -8,27 +8,26 @@ import hashlib
 import itertools
 import os
 
+import extras
 from common import ids, names
 from common.errors import UserError
 from common.stack import Cell, ModelCopy, StackDesc
-from matrix.calibration import option_identity
-from matrix.spec import OPTION_KEYS, Spec, field_error, parse_spec
+from matrix.spec.calibration import option_identity
+from matrix.spec.parse import OPTION_KEYS, Spec, field_error, parse_spec
 
 
 def load_spec(spec_path: str | os.PathLike) -> Spec:
     """Parse and validate a spec file, then expand it into cells."""
-    spec = parse_spec(spec_path)
-    expand(spec)
-    return spec
+    return expand(parse_spec(spec_path))
 
 
 def stack_desc(cell: Cell, model) -> StackDesc:
-    """What the cell's backend is given (model: matrix.models.ResolvedModel)."""
+    """What the cell's backend is given (model: matrix.spec.models.ResolvedModel)."""
     return StackDesc(engine=cell.engine, dtype=cell.dtype, attention=cell.attention, device=cell.device,
                      tp=cell.tp, model=cell.model, cell_id=cell.cell_id, options=cell.options,
                      max_tokens=cell.max_tokens, weights_sha256=model.weights_sha256,
-                     layers=cell.layers if isinstance(cell.layers, tuple) else (), decode=cell.decode,
-                     prefix_cache=cell.prefix_cache, source_gguf=model.gguf_path, source_quant=model.gguf_quant,
+                     extras=cell.extras, extra_targets=extras.targets(cell),
+                     source_gguf=model.gguf_path, source_quant=model.gguf_quant,
                      build=cell.build,
                      calibration_text=_calibration_text(cell), **_artifact(cell, model))
 
@@ -50,13 +49,13 @@ def _artifact(cell: Cell, model) -> dict:
     """A candidate's file for its backend (`gguf: source`: the file the model came from)."""
     if cell.artifact is None:
         return {}
-    from matrix.candidates import file_of
+    from matrix.spec.candidates import file_of
 
     return dict(zip(("artifact", "artifact_sha256", "artifact_source"), file_of(cell, model)))
 
 
 def model_copy(model) -> ModelCopy:
-    """What a node is told about the cell's reference weights (model: matrix.models.ResolvedModel)."""
+    """What a node is told about the cell's reference weights (model: matrix.spec.models.ResolvedModel)."""
     return ModelCopy(model.name, model.hf_dir, model.weights_sha256, model.gguf_path,
                      model.source_sha256 if model.gguf_path else None)
 
@@ -88,7 +87,7 @@ def _combos(spec: Spec) -> list[dict]:
 
 
 def corpus_fingerprint(spec: Spec) -> str:
-    from matrix.corpus import corpus_files
+    from matrix.spec.corpus import corpus_files
 
     h = hashlib.sha256()
     for f in corpus_files(spec.corpus):
@@ -130,45 +129,44 @@ def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: i
         key["positions"] = spec.positions.to_dict()
     if combo.get("max_tokens", spec.max_tokens):
         key["max_tokens"] = combo.get("max_tokens", spec.max_tokens)
-    if _layers(spec, combo) is not None:  # the cell records more: another capture
-        key["layers"] = _layers(spec, combo)
-    if _decode(spec, combo) is not None:
-        key["decode"] = _decode(spec, combo)
-    if _prefix_cache(spec, combo):
-        key["prefix_cache"] = "check"
-    return ids.cell_id(combo, key, replica)
+    for x, value in extras.of(cell_extras(spec, combo)):  # the cell records more: another capture
+        key[x.key] = x.id_part(value)
+    return ids.stack_id(combo, key, replica)
 
 
-def _layers(spec: Spec, combo: dict):
-    return combo["layers"] if "layers" in combo else spec.layers
+def cell_extras(spec: Spec, combo: dict) -> tuple:
+    """The per-cell extras a combination asks for: its include entry's value, else the spec's."""
+    asked = {k: combo[k] if k in combo else spec.extras.get(k) for k in extras.keys()}
+    return tuple(sorted((k, v) for k, v in asked.items() if v is not None))
 
 
-def _decode(spec: Spec, combo: dict):
-    return combo["decode"] if "decode" in combo else spec.decode
-
-
-def _prefix_cache(spec: Spec, combo: dict) -> bool:
-    return bool(combo["prefix_cache"] if "prefix_cache" in combo else spec.prefix_cache)
-
-
-def _add_candidates(spec: Spec, corpus_fp: str, seen: set) -> None:
-    from backends import unsupported_reason
-    from matrix import candidates
-
-    for cell in candidates.cells(spec, corpus_fp, make_cell_id, cell_options):
-        reason = unsupported_reason(cell)
-        if reason:
-            spec.skipped.append({**cell.axes(), "cell_id": cell.cell_id, "reason": reason})
-        elif cell.cell_id not in seen:
-            seen.add(cell.cell_id)
-            spec.cells.append(cell)
-
-
-def expand(spec: Spec) -> None:
+def unsupported(cell: Cell) -> str | None:
+    """Why the cell's engine cannot run it: its coordinates (the backend says), or an extra it asks for."""
     from backends import backend_class, unsupported_reason
 
-    corpus_fp = corpus_fingerprint(spec)
-    seen = set()
+    reason = unsupported_reason(cell)
+    cls = backend_class(cell.engine)
+    if reason is None and cls is not None:
+        reason = next((why for x, v in extras.of(cell) if (why := x.unsupported(cls, cell, v))), None)
+    return reason
+
+
+def _candidate_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: list) -> None:
+    from matrix.spec import candidates
+
+    for cell in candidates.cells(spec, corpus_fp, make_cell_id, cell_options):
+        reason = unsupported(cell)
+        if reason:
+            skipped.append({**cell.axes(), "cell_id": cell.cell_id, "reason": reason})
+        elif cell.cell_id not in seen:
+            seen.add(cell.cell_id)
+            cells.append(cell)
+
+
+def _combo_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: list) -> None:
+    """The matrix's own cells (and their replicas), each runnable or skipped with its reason."""
+    from backends import backend_class
+
     for combo in _combos(spec):
         opts, foreign = cell_options(spec, combo)
         cid = make_cell_id(spec, combo, opts, corpus_fp)
@@ -178,11 +176,10 @@ def expand(spec: Spec) -> None:
         group = next((g for g, sels in spec.centroid_groups
                       if any(all(combo[k] == v for k, v in sel.items()) for sel in sels)), None)
         cell = Cell(**{k: combo[k] for k in names.CELL_AXES},
-                    threads=combo.get("threads", spec.threads), cell_id=cid, stack_id=cid,
-                    max_tokens=combo.get("max_tokens", spec.max_tokens), layers=_layers(spec, combo),
-                    decode=_decode(spec, combo), prefix_cache=_prefix_cache(spec, combo),
+                    threads=combo.get("threads", spec.threads), stack_id=cid,
+                    max_tokens=combo.get("max_tokens", spec.max_tokens), extras=cell_extras(spec, combo),
                     options=tuple(opts.items()), centroid_group=group, calibration=combo.get("calibration"))
-        reason = unsupported_reason(cell)
+        reason = unsupported(cell)
         if "_include" in combo and "attention" in spec.include[combo["_include"]]:
             cls = backend_class(cell.engine)
             if cls is not None and cell.attention not in cls.attention:  # asked for by name: an error, not a skip
@@ -192,57 +189,78 @@ def expand(spec: Spec) -> None:
         if reason is None and foreign:
             reason = f"engine {cell.engine} takes no option {foreign[0]}"
         if reason:
-            spec.skipped.append({**cell.axes(), "cell_id": cid, "reason": reason})
+            skipped.append({**cell.axes(), "cell_id": cid, "reason": reason})
             continue
-        spec.cells.append(cell)
+        cells.append(cell)
         for i in range(1, combo.get("replicas", spec.replicas)):  # the same stack on other nodes
             rid = make_cell_id(spec, combo, opts, corpus_fp, i)
-            spec.cells.append(dataclasses.replace(cell, cell_id=rid, stack_id=rid, replica=i))
-    _add_candidates(spec, corpus_fp, seen)
-    if not spec.cells:
+            cells.append(dataclasses.replace(cell, stack_id=rid, replica=i))
+
+
+def expand(spec: Spec) -> Spec:
+    """The spec with its cells, skipped combinations and each model's reference cell."""
+    corpus_fp = corpus_fingerprint(spec)
+    seen, cells, skipped = set(), [], []
+    _combo_cells(spec, corpus_fp, seen, cells, skipped)
+    _candidate_cells(spec, corpus_fp, seen, cells, skipped)
+    if not cells:
         raise UserError(f"{spec.path}: no runnable cell: "
-                        + "; ".join(f"{s['cell_id']}: {s['reason']}" for s in spec.skipped[:3]))
-    if spec.reference:
-        for model in spec.models:
-            sel = {"model": model, **spec.reference}
-            if sel["model"] != model:
-                continue
-            hits = [c for c in spec.cells if c.replica == 0 and c.artifact is None  # a candidate is never the reference
-                    and all(getattr(c, k) == v for k, v in sel.items())]
-            skipped = [s for s in spec.skipped if all(s[k] == v for k, v in sel.items())]
-            if not hits and skipped:
-                raise field_error(spec.path, "reference", f"the reference stack cannot run: {skipped[0]['reason']}",
-                           spec.reference)
-            if len(hits) > 1:
-                raise field_error(spec.path, "reference", "matches several cells ("
-                           + ", ".join(c.cell_id for c in hits) + "); add keys to pick one", spec.reference)
-            if hits:
-                spec.reference_cells[model] = hits[0].cell_id
-        if not spec.reference_cells:
-            raise field_error(spec.path, "reference", "matches no cell of the sweep", spec.reference)
-        _reference_layers(spec, corpus_fp)
+                        + "; ".join(f"{s['cell_id']}: {s['reason']}" for s in skipped[:3]))
+    refs = _references(spec, cells, skipped)
+    if refs:
+        cells, refs = _reference_extras(spec, corpus_fp, cells, refs)
+    return dataclasses.replace(spec, cells=tuple(cells), skipped=tuple(skipped), reference_cells=refs)
 
 
-def _reference_layers(spec: Spec, corpus_fp: str) -> None:
-    """A model's reference records every layer (and decode row) any of its cells asks for, so each has its yardstick;
-    the reference's id then says so (it is another capture than the plain reference's)."""
-    from backends import backend_class
-    from matrix.spec import union_decode, union_layers
-
-    for model, ref_id in list(spec.reference_cells.items()):
-        want, dec = None, None
-        for c in spec.cells:
-            if c.model == model:
-                want, dec = union_layers(want, c.layers), union_decode(dec, c.decode)
-        ref = next(c for c in spec.cells if c.cell_id == ref_id)
-        cls = backend_class(ref.engine)  # a reference engine without them: analysis says so per cell
-        want = want if getattr(cls, "gives_layers", False) else ref.layers
-        dec = dec if getattr(cls, "gives_decode", False) else ref.decode
-        if (want, dec) == (ref.layers, ref.decode):
+def _references(spec: Spec, cells: list[Cell], skipped: list[dict]) -> dict[str, str]:
+    """model -> the stack id of the cell the spec's `reference:` picks for it."""
+    if not spec.reference:
+        return {}
+    refs = {}
+    for model in spec.models:
+        sel = {"model": model, **spec.reference}
+        if sel["model"] != model:
             continue
-        combo = {**ref.axes(), "threads": ref.threads, "max_tokens": ref.max_tokens, "layers": want, "decode": dec}
-        for i, c in enumerate(spec.cells):  # the reference stack and its replicas
+        hits = [c for c in cells if c.replica == 0 and c.artifact is None  # a candidate is never the reference
+                and all(getattr(c, k) == v for k, v in sel.items())]
+        missed = [s for s in skipped if all(s[k] == v for k, v in sel.items())]
+        if not hits and missed:
+            raise field_error(spec.path, "reference", f"the reference stack cannot run: {missed[0]['reason']}",
+                       spec.reference)
+        if len(hits) > 1:
+            raise field_error(spec.path, "reference", "matches several cells ("
+                       + ", ".join(c.cell_id for c in hits) + "); add keys to pick one", spec.reference)
+        if hits:
+            refs[model] = hits[0].cell_id
+    if not refs:
+        raise field_error(spec.path, "reference", "matches no cell of the sweep", spec.reference)
+    return refs
+
+
+def _reference_extras(spec: Spec, corpus_fp: str, cells: list[Cell], refs: dict[str, str]):
+    """A model's reference records every extra row any of its cells asks for (every layer, every
+    decode start), so each has its yardstick; the reference's id then says so (it is another
+    capture than the plain reference's). A reference engine without the extra keeps its own
+    (analysis says so per cell). -> (cells, refs), new lists."""
+    from backends import backend_class
+
+    cells, refs = list(cells), dict(refs)
+    for model, ref_id in list(refs.items()):
+        ref = next(c for c in cells if c.cell_id == ref_id)
+        cls = backend_class(ref.engine)
+        want = dict(ref.extras)
+        for x in extras.registered():
+            union = x.for_reference([c.extra(x.key) for c in cells if c.model == model])
+            if union is not None and cls is not None and x.unsupported(cls, ref, union) is None:
+                want[x.key] = union
+        want = tuple(sorted(want.items()))
+        if want == ref.extras:
+            continue
+        combo = {**ref.axes(), "threads": ref.threads, "max_tokens": ref.max_tokens,
+                 **{k: None for k in extras.keys()}, **dict(want)}
+        for i, c in enumerate(cells):  # the reference stack and its replicas
             if ids.split_cell_id(c.stack_id)[0] == ref.stack_id:
                 cid = make_cell_id(spec, combo, ref.opts, corpus_fp, c.replica)
-                spec.cells[i] = dataclasses.replace(c, cell_id=cid, stack_id=cid, layers=want, decode=dec)
-        spec.reference_cells[model] = make_cell_id(spec, combo, ref.opts, corpus_fp)
+                cells[i] = dataclasses.replace(c, stack_id=cid, extras=want)
+        refs[model] = make_cell_id(spec, combo, ref.opts, corpus_fp)
+    return cells, refs

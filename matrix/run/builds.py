@@ -27,9 +27,9 @@ from backends import backend_class
 from common import ids
 from common.builds import describe, engine_build
 from common.stack import Cell
-from matrix import placement
-from matrix.cells import stack_desc
-from matrix.sweep import HEARTBEAT_S
+from matrix.run import placement
+from matrix.spec.cells import stack_desc
+from matrix.run.sweep import HEARTBEAT_S
 
 
 def _probe_keys(cell: Cell, model, nodes: list) -> tuple[list[tuple], dict, dict | None]:
@@ -155,8 +155,8 @@ def bind(cells: list[Cell], answers: dict[str, list], captured: dict[str, set[st
                                         f"{len(places)} can")
                 continue
             at = places[i]
-            cid = ids.built_cell_id(c.stack_id, at[0]["build"])
-            bound.append(dataclasses.replace(c, cell_id=cid, build=at[0]["build"],
+            cid = ids.cell_id(c.stack_id, at[0]["build"])
+            bound.append(dataclasses.replace(c, build=at[0]["build"],
                                              pin=tuple(sorted(a["node_id"] for a in at))))
             libs[cid] = at[0]["libraries"]
     return bound, libs, left_out

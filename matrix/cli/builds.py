@@ -18,7 +18,7 @@ from common.builds import describe, engine_build
 from common.errors import UserError
 from common.stack import StackDesc
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _local_build(cell) -> str | None:
@@ -49,7 +49,7 @@ def _interpreter_build(python: str | None, libraries: tuple[str, ...], engine: s
 def build_columns(spec, warehouse: str, answers: dict | None) -> dict[str, dict]:
     """stack id -> {"build": the build a run would use (None: unknown here), "captured": [...],
     "action": complete | capture | capture again (...)}."""
-    from matrix import builds
+    from matrix.run import builds
     from store import Warehouse
 
     wh = Warehouse(warehouse)

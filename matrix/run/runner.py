@@ -1,7 +1,7 @@
 """`matrix run`: work out what is missing, start every unfinished cell, and record what comes back.
 
 The caller (the CLI) owns the Ray connection: this module expects `ray` to be initialised and
-never shuts it down. Starting a cell's actors is matrix/launch.py; the rows of the small tables
+never shuts it down. Starting a cell's actors is matrix/run/launch.py; the rows of the small tables
 are built by store/rows.py.
 """
 
@@ -20,12 +20,15 @@ from common import ids
 from common.errors import UserError, first_line
 from common.files import sha256_file
 from common.stack import Cell
-from matrix import __version__, calibration, candidates, failures, launch, placement
-from matrix.corpus import tokenize
-from matrix.models import fetch
-from matrix.plan import Plan
-from matrix.spec import Spec
-from matrix.sweep import Sweep
+import extras
+from matrix import __version__
+from matrix.spec import calibration, candidates
+from matrix.run import failures, launch, placement
+from matrix.spec.corpus import tokenize
+from matrix.spec.models import fetch
+from matrix.run.plan import Plan
+from matrix.spec.parse import Spec
+from matrix.run.sweep import Sweep
 from store import SCHEMA_VERSION, Warehouse
 from store import rows as R
 
@@ -48,6 +51,7 @@ def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
     import transformers
 
     models, prompts, special, vocab, hidden = {}, {}, {}, {}, {}
+    cells = spec.cells
     for name, ref in spec.models.items():
         models[name] = m = fetch(ref, log=log)
         tok = transformers.AutoTokenizer.from_pretrained(m.hf_dir)
@@ -64,10 +68,9 @@ def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
             if cell.artifact and cell.model == name:
                 candidates.check(candidates.resolve(cell, m), config, tok, vocab[name])
         calibration.check(spec, [c for c in spec.cells if c.model == name], prompts[name], tok)
-        resolve_layers(spec, name, _depth(config))
-        check_decode(spec, name, prompts[name])
         hidden[name] = int(getattr(getattr(config, "text_config", None) or config, "hidden_size", 0) or 0)
-    return Plan(spec, models, prompts, special=special, vocab=vocab, hidden=hidden)
+        cells = resolve_extras(spec, cells, name, {"depth": _depth(config), "hidden": hidden[name]}, prompts[name])
+    return Plan(dataclasses.replace(spec, cells=cells), models, prompts, special=special, vocab=vocab, hidden=hidden)
 
 
 def _depth(config) -> int:
@@ -75,47 +78,31 @@ def _depth(config) -> int:
     return int(getattr(cfg, "num_hidden_layers", 0) or 0)
 
 
-def resolve_layers(spec: Spec, model: str, depth: int) -> None:
-    """`layers:` of the model's cells as indices: "all" becomes 0..depth-1, and an index past the
-    depth is exit 2 before anything runs (the cell would fail on its node otherwise)."""
-    for i, c in enumerate(spec.cells):
-        if c.model != model or c.layers is None:
-            continue
-        if c.layers == "all":
-            spec.cells[i] = dataclasses.replace(c, layers=tuple(range(depth)))
-        elif max(c.layers) >= depth:
-            raise UserError(f"{spec.path}: layers: layer {max(c.layers)} of cell {c.cell_id}: model {model} has "
-                            f"{depth} decoder layers (0..{depth - 1})")
+def resolve_extras(spec: Spec, cells: tuple[Cell, ...], model: str, facts: dict, prompts: list) -> tuple[Cell, ...]:
+    """Each per-cell extra of the model's cells checked against the model and its prompts (e.g.
+    `layers: all` becomes indices; a decode start past every prompt's end is exit 2), before anything runs."""
+    def fail(msg: str) -> UserError:
+        return UserError(f"{spec.path}: {msg}")
+
+    def resolved(c: Cell) -> Cell:
+        if c.model != model or not c.extras:
+            return c
+        done = tuple((x.key, x.resolve(v, c, facts, prompts, fail)) for x, v in extras.of(c))
+        return dataclasses.replace(c, extras=tuple(sorted(done)))
+
+    return tuple(resolved(c) for c in cells)
 
 
-def check_decode(spec: Spec, model: str, prompts: list) -> None:
-    """Every decode start fits some prompt: `steps` more tokens before its end. A start a shorter
-    prompt cannot hold is left out for that prompt (decode_rows counts what is kept)."""
-    for c in spec.cells:
-        if c.model != model or c.decode is None:
-            continue
-        steps, at = c.decode
-        longest = max(prompts, key=lambda p: len(p.token_ids))
-        if at[-1] + steps >= len(longest.token_ids):
-            raise UserError(f"{spec.path}: decode: position {at[-1]} + {steps} steps of cell {c.cell_id} passes the "
-                            f"end of every prompt (the longest, {longest.name}, has {len(longest.token_ids)} tokens: "
-                            f"positions 0..{len(longest.token_ids) - 1})")
-
-
-def decode_rows(plan: Plan, cell: Cell) -> tuple[int, bool]:
-    """Rows of one repeat's decode file, and whether that count is exact: a decode and a prefill row
-    per step of each start that fits; a `prefix_cache:` cell adds a cached and a prefill row per row
-    the engine recomputed (at least the last of each prompt: how many is the engine's rule)."""
-    from actors.capture import fed_ids
-
-    rows = 0
-    if cell.decode:
-        steps, at = cell.decode
-        rows = 2 * steps * sum(sum(a + steps < len(p.token_ids) for a in at) for p in plan.prompts[cell.model])
-    if cell.prefix_cache:
-        fed = [fed_ids(p.token_ids, plan.spec.positions, cell.max_tokens)[1] for p in plan.prompts[cell.model]]
-        return rows + 2 * sum(1 for f in fed if f), False
-    return rows, True
+def side_rows(plan: Plan, cell: Cell) -> dict[str, tuple[int, bool]]:
+    """{table: (rows one repeat adds to it, whether that count is exact)} for the cell's extras."""
+    fed = [plan.spec.positions.fed(p.token_ids, cell.max_tokens)[1] for p in plan.prompts[cell.model]]
+    lengths = [len(p.token_ids) for p in plan.prompts[cell.model]]
+    out: dict[str, tuple[int, bool]] = {}
+    for x, v in extras.of(cell):
+        rows, exact = x.side_rows(v, fed, lengths)
+        got = out.get(x.table, (0, True))
+        out[x.table] = (got[0] + rows, got[1] and exact)
+    return out
 
 
 @dataclass(frozen=True)
@@ -128,19 +115,20 @@ class Resume:
     own_cluster: bool = False  # this run started its Ray cluster (no --address): see builds.probe
 
 
-def bind(plan: Plan, wh: Warehouse, nodes: list, log: Callable[[str], None], resume: Resume = Resume()) -> None:
-    """Bind every cell to the engine build of the node(s) it will run on (matrix/builds.py), then
+def bind(plan: Plan, wh: Warehouse, nodes: list, log: Callable[[str], None], resume: Resume = Resume()) -> Plan:
+    """Bind every cell to the engine build of the node(s) it will run on (matrix/run/builds.py), then
     work out what is left to do. Run under the writer lock, with Ray initialised."""
-    from matrix import builds
+    from matrix.run import builds
 
     rows = wh.read_all("cells") if wh.check() else []  # read once: the builds and find_todo use it
     answers = builds.probe(plan.spec.cells, plan.models, nodes, log, resume.own_cluster)
-    plan.cells, plan.builds, plan.left_out = builds.bind(plan.spec.cells, answers, builds.captured_builds(rows), log)
-    for sid, why in plan.left_out.items():
+    cells, built, left_out = builds.bind(plan.spec.cells, answers, builds.captured_builds(rows), log)
+    for sid, why in left_out.items():
         log(f"not run this time: {sid}: {why}")
-    bound = {c.stack_id: c.cell_id for c in plan.cells}
-    plan.reference_cells = {m: bound[s] for m, s in plan.spec.reference_cells.items() if s in bound}
-    find_todo(plan, wh, resume, log, rows)
+    bound = {c.stack_id: c.cell_id for c in cells}
+    refs = {m: bound[s] for m, s in plan.spec.reference_cells.items() if s in bound}
+    plan = dataclasses.replace(plan, cells=tuple(cells), builds=built, left_out=left_out, reference_cells=refs)
+    return find_todo(plan, wh, resume, log, rows)
 
 
 def _other_build(cell: Cell, rows: dict[str, dict], repeats: int) -> dict | None:
@@ -152,24 +140,7 @@ def _other_build(cell: Cell, rows: dict[str, dict], repeats: int) -> dict | None
 
 def expected_rows(plan: Plan, cell: Cell) -> int:
     """Rows one repeat of this cell holds: its sampled positions over every prompt."""
-    from actors.capture import fed_ids
-
-    return sum(len(fed_ids(p.token_ids, plan.spec.positions, cell.max_tokens)[1]) for p in plan.prompts[cell.model])
-
-
-def layer_bytes(plan: Plan, cell: Cell) -> dict | None:
-    """What a layers: cell's states will take: rows x (layers + final norm) x hidden, at the
-    engine's native width (llama.cpp's graph and fp32 stacks: 4 B, bf16/f16 activations: 2 B;
-    zstd barely shrinks hidden states: 3.5 B/value on disk for fp32 ones, 1.5 for bf16)."""
-    if not cell.layers:
-        return None
-    rows = expected_rows(plan, cell) * plan.spec.repeats
-    states = len(cell.layers) + 1
-    width = 4 if cell.engine == "llamacpp" or cell.dtype in ("fp32", "f32") \
-        or cell.opts.get("activations") == "fp32" else 2
-    values = rows * states * plan.hidden.get(cell.model, 0)
-    return {"layers": list(cell.layers), "rows": rows, "states_per_row": states,
-            "hidden": plan.hidden.get(cell.model, 0), "bytes_estimate": values * width}
+    return sum(len(plan.spec.positions.fed(p.token_ids, cell.max_tokens)[1]) for p in plan.prompts[cell.model])
 
 
 def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: Callable[[str], None]) -> set[int]:
@@ -189,10 +160,8 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
                 why = None if n == want else f"{n} rows, the cell has {want} per repeat"
             except Exception as e:  # a truncated or overwritten file: Parquet says why
                 why = "unreadable: " + first_line(str(e), type(e).__name__)
-        if why is None and cell.layers:
-            why = _layer_shard_problem(wh, cell, r, want)
-        if why is None and (cell.decode or cell.prefix_cache):
-            why = _decode_shard_problem(wh, cell, r, *decode_rows(plan, cell))
+        for table, (rows, exact) in side_rows(plan, cell).items():  # the extras' shards, complete too
+            why = why or _side_shard_problem(wh, cell, r, table, rows, exact)
         if why is None:
             done.add(r)
         elif resume.recapture_damaged:
@@ -202,17 +171,6 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
             raise UserError(f"{wh.shard_path(cell.cell_id, r)}: damaged ({why}); run `matrix verify`, or "
                             "`matrix run --recapture-damaged` to move it aside and capture it again")
     return done
-
-
-def _layer_shard_problem(wh: Warehouse, cell: Cell, repeat: int, want: int) -> str | None:
-    """A layers: cell's repeat is complete only with its layer_states shard (each layer and the
-    final norm at every sampled row)."""
-    return _side_shard_problem(wh, cell, repeat, "layer_states", want * (len(cell.layers) + 1))
-
-
-def _decode_shard_problem(wh: Warehouse, cell: Cell, repeat: int, rows: int, exact: bool) -> str | None:
-    """A decode: (or prefix_cache:) cell's repeat is complete only with its decode file (decode_rows)."""
-    return _side_shard_problem(wh, cell, repeat, "decode", rows, exact)
 
 
 def _side_shard_problem(wh: Warehouse, cell: Cell, repeat: int, table: str, rows: int,
@@ -229,12 +187,13 @@ def _side_shard_problem(wh: Warehouse, cell: Cell, repeat: int, table: str, rows
 
 
 def find_todo(plan: Plan, wh: Warehouse, resume: Resume = Resume(), log: Callable[[str], None] = lambda m: None,
-              cell_rows: list[dict] | None = None) -> None:
+              cell_rows: list[dict] | None = None) -> Plan:
     """Which (cell, repeat) captures are missing for the bound cells. A cell is its stack run by
     one engine build: a capture by another build counts only when the user says so. A cell that
     failed is tried again (its complete shards kept), unless skip_failed."""
     spec = plan.spec
-    plan.todo, plan.complete, plan.reused = {}, [], {}
+    todo, complete, reused, cells = {}, [], {}, list(plan.cells)
+    left_out, refs = dict(plan.left_out), dict(plan.reference_cells)
     exists = wh.check()
     if cell_rows is None:
         cell_rows = wh.read_all("cells") if exists else []
@@ -245,21 +204,23 @@ def find_todo(plan: Plan, wh: Warehouse, resume: Resume = Resume(), log: Callabl
         missing = [r for r in range(spec.repeats) if r not in done]
         row = rows.get(cell.cell_id)
         if row and row["status"] == "skipped":
-            plan.complete.append(cell.cell_id)  # deterministic: building it again fails the same way
+            complete.append(cell.cell_id)  # deterministic: building it again fails the same way
         elif row and row["status"] == "failed" and skip_failed:
-            plan.left_out[cell.stack_id] = f"failed in run {row['run_id']} ({row['error_class']}: {row['error']}); --skip-failed"
+            left_out[cell.stack_id] = f"failed in run {row['run_id']} ({row['error_class']}: {row['error']}); --skip-failed"
         elif not missing and row and row["status"] == "done" and row["repeats"] >= spec.repeats:
-            plan.complete.append(cell.cell_id)
+            complete.append(cell.cell_id)
         elif reuse_other_builds and (other := _other_build(cell, rows, spec.repeats)):
-            plan.cells[i] = dataclasses.replace(cell, cell_id=other["cell_id"], build=other.get("build"))
-            plan.complete.append(other["cell_id"])
-            plan.reused[cell.stack_id] = other["cell_id"]
-            if plan.reference_cells.get(cell.model) == cell.cell_id:
-                plan.reference_cells[cell.model] = other["cell_id"]
+            cells[i] = dataclasses.replace(cell, build=other.get("build"))
+            complete.append(other["cell_id"])
+            reused[cell.stack_id] = other["cell_id"]
+            if refs.get(cell.model) == cell.cell_id:
+                refs[cell.model] = other["cell_id"]
             log(f"{cell.stack_id}: reusing {other['cell_id']}, captured by build {other.get('build') or 'unrecorded'} "
                 f"on {other['host']}, instead of capturing build {cell.build}")
         else:
-            plan.todo[cell.cell_id] = missing
+            todo[cell.cell_id] = tuple(missing)
+    return dataclasses.replace(plan, cells=tuple(cells), todo=todo, complete=tuple(complete), reused=reused,
+                               left_out=left_out, reference_cells=refs)
 
 
 def regroup_complete_cells(plan: Plan, wh: Warehouse, log: Callable[[str], None]) -> None:
@@ -353,7 +314,7 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
         for cell in todo:
             sweep.start(cell)
         waiting = sum(len(v) for v in sweep.waiting.values())
-        log(f"{len(todo)} cell(s) to run, {sweep.units_total} capture(s); {len(plan.complete)} already complete"
+        log(f"{len(todo)} cell(s) to run, {sweep.out.units_total} capture(s); {len(plan.complete)} already complete"
             + (f"; {waiting} start once their reference is done (reference_metrics: in_actor)" if waiting else ""))
         sweep.loop(cluster_config)
         status = "done"
@@ -378,15 +339,15 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
             launch.wait_gone(stopped)
             for p in wh.sweep_tmp():
                 log(f"removed the partial file of a stopped capture: {p}")
-        unrecorded = _record_end(wh, R.run_finished(run, status, cells_done=sweep.cells_done, rows_written=sweep.rows,
-                                                     rows_delivery=json.dumps(sweep.via), cells_failed=len(sweep.failed)), log)
+        unrecorded = _record_end(wh, R.run_finished(run, status, cells_done=sweep.out.cells_done, rows_written=sweep.out.rows,
+                                                     rows_delivery=json.dumps(sweep.out.via), cells_failed=len(sweep.out.failed)), log)
     if unrecorded is not None:
         raise unrecorded
-    elapsed = time.perf_counter() - sweep.t0
-    return {"run_id": run["run_id"], "cells_total": len(plan.cells), "cells_done": sweep.cells_done,
-            "cells_run": len(todo), "rows_written": sweep.rows, "seconds": round(elapsed, 2),
-            "rows_per_second": round(sweep.rows / max(elapsed, 1e-9), 2), "rows_delivery": sweep.via,
-            "metrics_in_actor": sweep.inline_written,
+    elapsed = time.perf_counter() - sweep.out.t0
+    return {"run_id": run["run_id"], "cells_total": len(plan.cells), "cells_done": sweep.out.cells_done,
+            "cells_run": len(todo), "rows_written": sweep.out.rows, "seconds": round(elapsed, 2),
+            "rows_per_second": round(sweep.out.rows / max(elapsed, 1e-9), 2), "rows_delivery": sweep.out.via,
+            "metrics_in_actor": sweep.out.inline_written,
             "skipped": spec.skipped, "left_out": plan.left_out, "reused": plan.reused,
-            "failed": {cid: f.line() for cid, f in sweep.failed.items()},
-            "bad_input": next((f.message for f in sweep.failed.values() if f.bad_input), None)}
+            "failed": {cid: f.line() for cid, f in sweep.out.failed.items()},
+            "bad_input": next((f.message for f in sweep.out.failed.values() if f.bad_input), None)}

@@ -39,7 +39,7 @@ def ray_runner(address: str | None, workers: int, log: Callable[[str], None]) ->
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from matrix.cluster import init_ray
+        from matrix.run.cluster import init_ray
         from store import Warehouse
 
         if not units:

@@ -13,21 +13,99 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import re
 from pathlib import Path
 
 from common import ids
 from common.errors import UserError
 from common.files import sha256_file
 from common.stack import Cell
+from matrix.spec.validate import check_axis_value, check_threads, field_error
 from store.gguf_meta import GgufInfo, read_info
 
 # HF model_type -> the architecture name llama.cpp's converter writes, where they differ
 GGUF_ARCH = {"mistral": "llama"}
 
 
+CANDIDATE_KEYS = ("model", "engine", "gguf", "path", "hub", "revision", "dtype", "attention", "name", "device",
+                  "threads", "calibration")
+# what a candidate is given as -> the engine that runs it as it is
+CANDIDATE_KINDS = {"gguf": "llamacpp", "path": "hf", "hub": "hf"}  # (the default engine)
+CANDIDATE_ENGINES = {"gguf": ("llamacpp",), "path": ("hf", "vllm"), "hub": ("hf", "vllm")}
+
+
+def _candidate_file(path: Path, fld: str, e: dict, models: dict) -> tuple[str, str]:
+    """(kind, location) of a candidate: gguf FILE | source, path DIR (an HF checkpoint), hub org/name."""
+    given = [k for k in CANDIDATE_KINDS if k in e]
+    if len(given) != 1:
+        raise field_error(path, fld, "give exactly one of gguf (a GGUF file), path (an HF checkpoint directory) "
+                                     "or hub (an HF hub id)", e)
+    kind = given[0]
+    loc = e[kind]
+    if not isinstance(loc, str) or not loc:
+        raise field_error(path, f"{fld}.{kind}", "must be a non-empty string", loc)
+    if e.get("engine", CANDIDATE_KINDS[kind]) not in CANDIDATE_ENGINES[kind]:
+        raise field_error(path, f"{fld}.engine", f"a {kind} candidate runs on engine "
+                          + " or ".join(CANDIDATE_ENGINES[kind]), e.get("engine"))
+    if "revision" in e and kind != "hub":
+        raise field_error(path, f"{fld}.revision", "only a hub candidate has a revision", e["revision"])
+    if kind == "gguf" and loc == "source":
+        if models[e["model"]].kind not in ("catalog", "gguf"):
+            raise field_error(path, f"{fld}.gguf", f"model {e['model']} was not made from a GGUF file", loc)
+    elif kind in ("gguf", "path"):
+        full = str((path.parent / os.path.expanduser(loc)).resolve())
+        ok = os.path.isfile(full) if kind == "gguf" else os.path.isfile(os.path.join(full, "config.json"))
+        if not ok:
+            raise field_error(path, f"{fld}.{kind}", "no such file" if kind == "gguf"
+                              else "not an HF checkpoint directory (no config.json)", loc)
+        loc = full
+    elif not re.fullmatch(r"[\w.-]+/[\w.-]+", loc):
+        raise field_error(path, f"{fld}.hub", "must be an HF hub id like org/name", loc)
+    return kind, loc
+
+
+def parse_candidates(path: Path, data: dict, models: dict) -> list[dict]:
+    """`candidates:` published artifacts, each run as it is and measured against its model's
+    reference: {model, gguf: FILE | source} (llama.cpp), or {model, path: DIR | hub: ID [revision],
+    [dtype], [attention]} (HF), each with optional name, calibration, device, threads.
+    `gguf: source` is the file the model's reference weights were dequantised from."""
+    raw = data.get("candidates") or []
+    if not isinstance(raw, list):
+        raise field_error(path, "candidates", "must be a list of mappings", raw)
+    out = []
+    for i, e in enumerate(raw):
+        fld = f"candidates[{i}]"
+        if not isinstance(e, dict):
+            raise field_error(path, fld, "must be a mapping with model and one of gguf, path, hub", e)
+        for k in e:
+            if k not in CANDIDATE_KEYS:
+                raise field_error(path, f"{fld}.{k}", f"unknown key; expected one of {', '.join(CANDIDATE_KEYS)}")
+        if e.get("model") not in models:
+            raise field_error(path, f"{fld}.model", f"expected one of the spec's models ({', '.join(models)})",
+                              e.get("model"))
+        kind, loc = _candidate_file(path, fld, e, models)
+        for k in ("name", "calibration", "revision"):
+            v = e.get(k)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise field_error(path, f"{fld}.{k}", "must be a non-empty string", v)
+        extra = {}
+        for k in ("dtype", "attention"):
+            if k in e:
+                if kind == "gguf":
+                    raise field_error(path, f"{fld}.{k}", "a GGUF candidate runs what its file declares", e[k])
+                extra[k] = check_axis_value(path, f"{fld}.{k}", k, e[k], models)
+        out.append({"model": e["model"], "engine": e.get("engine", CANDIDATE_KINDS[kind]), "kind": kind, kind: loc,
+                    "revision": e.get("revision"), "name": e.get("name"), "calibration": e.get("calibration"),
+                    "device": check_axis_value(path, f"{fld}.device", "device", e["device"], models)
+                    if "device" in e else None,
+                    "threads": check_threads(path, f"{fld}.threads", e.get("threads")), **extra})
+    return out
+
+
 def _source(spec, model: str) -> tuple[str | None, str]:
     """(the model's source GGUF on this machine if known yet, its declared quant type)."""
-    from matrix.models import CATALOG
+    from matrix.spec.models import CATALOG
 
     ref = spec.models[model]
     if ref.kind == "gguf":
@@ -84,7 +162,7 @@ def _config_dtype(d: str) -> str:
 
 
 def cells(spec, corpus_fp: str, make_cell_id, cell_options) -> list[Cell]:
-    """The spec's candidates as cells (matrix/cells.py expand adds them to the sweep)."""
+    """The spec's candidates as cells (matrix/spec/cells.py expand adds them to the sweep)."""
     out = []
     for c in spec.candidates:
         path, sha, pin, dtype, attention = _what(spec, c)
@@ -98,7 +176,7 @@ def cells(spec, corpus_fp: str, make_cell_id, cell_options) -> list[Cell]:
         group = next((g for g, sels in spec.centroid_groups
                       if any(all(combo.get(k) == v for k, v in sel.items()) for sel in sels)), None)
         out.append(Cell(**{k: combo[k] for k in ("model", "engine", "dtype", "attention", "tp", "device")},
-                        threads=combo.get("threads", spec.threads), cell_id=cid, stack_id=cid,
+                        threads=combo.get("threads", spec.threads), stack_id=cid,
                         max_tokens=spec.max_tokens, options=tuple(opts.items()), centroid_group=group,
                         calibration=c["calibration"],
                         artifact=path or "source", artifact_sha256=sha,
@@ -108,7 +186,7 @@ def cells(spec, corpus_fp: str, make_cell_id, cell_options) -> list[Cell]:
 
 def file_of(cell: Cell, model) -> tuple[str, str | None, str]:
     """(path, sha256, where it came from) of a candidate's file; `gguf: source` is resolved once
-    its model is fetched (model: matrix.models.ResolvedModel)."""
+    its model is fetched (model: matrix.spec.models.ResolvedModel)."""
     if cell.artifact == "source":
         return model.gguf_path, model.source_sha256, model.source
     return cell.artifact, cell.artifact_sha256, cell.artifact

@@ -1,5 +1,5 @@
 """A run's plan: the spec's cells, resolved models and tokenised prompts, and, once bound
-(matrix/runner.bind), each cell's engine build and what is left to capture. Its own module so
+(matrix/run/runner.bind), each cell's engine build and what is left to capture. Its own module so
 that the planner (runner) and the run loop (sweep) both use it without importing each other."""
 
 from __future__ import annotations
@@ -8,25 +8,29 @@ from dataclasses import dataclass, field
 
 from common import ids
 from common.stack import Cell
-from matrix.corpus import Prompt
-from matrix.models import ResolvedModel
-from matrix.spec import Spec
+from matrix.spec.corpus import Prompt
+from matrix.spec.models import ResolvedModel
+from matrix.spec.parse import Spec
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    spec: Spec
+    """Each stage returns a new Plan (runner.prepare -> bind -> find_todo): nothing changes one in
+    place, and the run loop keeps its own progress (matrix/run/sweep.py)."""
+
+    spec: Spec  # its cells resolved against each model (runner.prepare)
     models: dict[str, ResolvedModel]
     prompts: dict[str, list[Prompt]]  # model -> prompts
-    todo: dict[str, list[int]] = field(default_factory=dict)  # cell_id -> repeats to capture
-    complete: list[str] = field(default_factory=list)
     special: dict[str, dict] = field(default_factory=dict)  # model -> reference bos/eos ids
     vocab: dict[str, int] = field(default_factory=dict)  # model -> reference vocab size (logits per row)
     hidden: dict[str, int] = field(default_factory=dict)  # model -> hidden size (values per layer row)
     # Set by bind(): the spec's cells bound to an engine build (cell_id = stack@build)
-    cells: list[Cell] = field(default_factory=list)
+    cells: tuple[Cell, ...] = ()
     reference_cells: dict[str, str] = field(default_factory=dict)  # model -> bound cell id
     builds: dict[str, dict] = field(default_factory=dict)  # cell id -> its build's libraries
     left_out: dict[str, str] = field(default_factory=dict)  # stack id -> why it does not run this time
+    # Set by find_todo(): what is left, what is complete, and captures of other builds reused
+    todo: dict[str, tuple[int, ...]] = field(default_factory=dict)  # cell_id -> repeats to capture
+    complete: tuple[str, ...] = ()
     reused: dict[str, str] = field(default_factory=dict)  # stack id -> the other build's cell it reuses
     aside: str = field(default_factory=ids.aside_dir)  # where this run moves damaged shards

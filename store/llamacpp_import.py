@@ -7,7 +7,7 @@ of each chunk; a chunk is the first n_ctx ids of a prompt) -> a base file, so
 Import: a base file -> a cell (engine `llama.cpp-kld-base`) holding the decoded log-probs, usable
 as `matrix analyze --reference CELL`. The format is lossy (uint16 steps, a clamp 16 nats below
 the top) and carries no model or tokenizer hash: the import says so and records both in
-cells.settings, with an estimate of the format's own KL floor (analysis/floors.py).
+cells.settings, with an estimate of the format's own KL floor (store/floors.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from analysis.floors import kld_base_floor
+from store.floors import kld_base_floor
 from common import ids
 from common.errors import UserError
 from common.files import ids_sha256, sha256_file

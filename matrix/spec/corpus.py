@@ -29,10 +29,10 @@ from common.files import ids_sha256
 from common.ids import prompt_id as mint_prompt_id
 from store.token_ids import read_ids_file
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 BUILTIN = CONFIGS / "corpus" / "builtin.yaml"
 # `imatrix: {corpus: builtin}`: a calibration text written for logit-matrix (CC0) that shares no
-# passage with the evaluation corpus (matrix/calibration.py checks it like any other text)
+# passage with the evaluation corpus (matrix/spec/calibration.py checks it like any other text)
 BUILTIN_CALIBRATION = CONFIGS / "corpus" / "calibration.txt"
 ENTRY_KEYS = {"id", "category", "source", "text", "file", "chat", "ids", "ids_file", "chunks", "vocab"}
 BODIES = ("text", "file", "chat", "ids", "ids_file")

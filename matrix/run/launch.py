@@ -21,7 +21,7 @@ from typing import Any
 from backends import backend_class
 from common.positions import Positions
 from common.stack import Cell, ModelCopy, StackDesc
-from matrix import placement
+from matrix.run import placement
 
 
 class Kind(enum.Enum):
@@ -64,7 +64,7 @@ class Work:
     prompts: list[tuple[str, str, list[int]]]  # (prompt_id, text, canonical ids)
     special: dict[str, Any]  # the reference tokenizer's bos / eos ids
     vocab: int  # the reference's vocabulary size
-    store: str = "native"  # how rows are stored: native | bf16 (matrix/spec.py STORES)
+    store: str = "native"  # how rows are stored: native | bf16 (matrix/spec/parse.py STORES)
     metrics_ref: str | None = None  # reference_metrics: in_actor: the reference cell whose repeat 0 is stored
 
 

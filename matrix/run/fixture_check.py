@@ -1,14 +1,5 @@
-"""Reference-output fixtures (seed 000_d5fbcc845b899b80.txt): export one from a captured cell,
-and check a stack against one.
-
-The file format is store/fixture_file.py; the bounded KL against a top-k fixture is
-analysis/truncated.py. Row layout: position p predicts token_ids[p + 1] (teacher forcing: the
-prompt's own ids are fed, never sampled ones):
-
-    token_ids   t0   t1   t2   t3 ...
-    position    0    1    2    3
-    row p       sees t0..tp, scores t(p+1)
-"""
+"""Check a stack against a reference-output fixture (analysis/fixture_export.py writes one): run
+it on the fixture's own token ids, in-process or on a Ray node, and gate its top-k against the file's."""
 
 from __future__ import annotations
 
@@ -19,58 +10,10 @@ from typing import Any, Callable
 import numpy as np
 
 from analysis.card import hardware
-from analysis.truncated import topk_rows
 from common import ids
 from common.errors import UserError
 from common.stack import Cell
-from store import Warehouse, fixture_file
-from store.warehouse import logits_matrix, unshift
-
-PROMPT_KEYS = ("prompt_id", "name", "category", "text", "token_ids", "ids_sha256", "bos_policy", "bos_added",
-               "tokenizer_sha256")
-PRODUCER_KEYS = ("cell_id", "engine", "dtype", "attention", "tp", "device", "threads", "logits_dtype",
-                 "bit_reproducible", "artifact_sha256", "build", "host")
-
-
-def _header(cell: dict, k: int, vocab: int, prompts: list[dict]) -> dict:
-    return {
-        "k": k, "vocab_size": vocab, "kl_direction": "KL(P_fixture || P_stack), natural log",
-        "sampling": {"mode": "teacher-forced prefill: raw logits at sampled positions of the given ids",
-                     "temperature": None, "top_k": None, "top_p": None, "seed": None},
-        "model": {"name": cell["model"], "identity": cell.get("model_identity"),
-                  "weights_sha256": cell.get("weights_sha256"), "source_sha256": cell.get("source_sha256")},
-        "produced_by": {key: cell.get(key) for key in PRODUCER_KEYS}
-        | {"settings": json.loads(cell.get("settings") or "{}"), "versions": json.loads(cell.get("versions") or "{}"),
-           "hardware": hardware(cell)},
-        "stride": cell.get("stride"),
-        "prompts": [{key: p.get(key) for key in PROMPT_KEYS} for p in prompts],
-    }
-
-
-def export_fixture(warehouse: str, cell_id: str, out: str, k: int = 64, log: Callable[[str], None] = print) -> dict:
-    wh = Warehouse(warehouse).require()
-    cell = {c["cell_id"]: c for c in wh.read_all("cells")}.get(cell_id)
-    if cell is None or cell["status"] != "done":
-        raise UserError(f"fixture export: no captured cell {cell_id} in {wh.where}")
-    if k < 1:
-        raise UserError(f"fixture export: --k {k}: must be >= 1")
-    if Path(out).suffix not in fixture_file.SUFFIXES:
-        raise UserError(f"fixture export: --out {out}: name it .json (human-readable) or .parquet (dense)")
-    t = wh.read_shard(cell_id, 0)
-    shift = t.column("shift") if "shift" in t.column_names else None  # pre-v8 shards have none
-    logits = unshift(logits_matrix(t.column("logits")), shift)  # (rows, vocab) float32, the raw logits
-    k = min(k, logits.shape[1])
-    top, top_vals, lse = topk_rows(logits, k)
-    pids = t.column("prompt_id").to_pylist()
-    prompts = {p["prompt_id"]: p for p in wh.read_all("prompts")}
-    header = _header(cell, k, logits.shape[1], [prompts[p] for p in sorted(set(pids))])
-    fixture_file.write(out, header, {
-        "prompt_id": pids, "position": t.column("position").to_pylist(),
-        "next_token_id": t.column("next_token_id").to_pylist(), "topk_ids": top.astype(np.int32).tolist(),
-        "topk_logits": top_vals.tolist(), "logsumexp": lse.tolist(), "row_hash": t.column("row_hash").to_pylist()})
-    log(f"wrote {out}: {len(pids)} rows, top-{k} of {logits.shape[1]}, from {cell_id}")
-    return {"path": str(out), "rows": len(pids), "k": k, "vocab_size": int(logits.shape[1]),
-            "prompts": len(header["prompts"])}
+from store import fixture_file
 
 
 def _check_prompts(path: str, header: dict, model: str, tok, vocab: int) -> None:
@@ -122,8 +65,8 @@ def check_fixture(path: str, engine: str, model: str, dtype: str, attention: str
     import transformers
 
     from backends import backend_class
-    from matrix.models import fetch
-    from matrix.spec import ModelRef
+    from matrix.spec.models import fetch
+    from matrix.spec.parse import ModelRef
 
     header, rows = fixture_file.load(path)
     p = Path(model).expanduser()
@@ -157,7 +100,7 @@ def _here(cell: Cell, resolved, threads: int, top: tuple) -> dict[str, Any]:
     from actors.fixture_measure import measure
     from backends import backend_class
     from common.builds import engine_build
-    from matrix.cells import stack_desc
+    from matrix.spec.cells import stack_desc
 
     cls = backend_class(cell.engine)
     backend = cls(stack_desc(cell, resolved), resolved.hf_dir, threads)
@@ -177,8 +120,8 @@ def _on_ray(cell: Cell, resolved, threads: int, nodes: list, top: tuple) -> dict
     from actors.depot import DriverDepot, depot_options
     from actors.stack_actor import Delivery, StackActor
     from backends import backend_class
-    from matrix import placement
-    from matrix.cells import model_copy, stack_desc
+    from matrix.run import placement
+    from matrix.spec.cells import model_copy, stack_desc
 
     why = placement.problem(cell.device, 1, threads, nodes)
     if why:

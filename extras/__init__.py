@@ -1,0 +1,235 @@
+"""Per-cell extras: what a cell records beside its rows, each in one module of this package.
+
+An extra is a spec key (`layers:`, `decode:`, `prefix_cache:`) whose value rides on the cell
+(`Cell.extras`, `StackDesc.extras`) and is part of its id. Its module declares all the core needs:
+
+    key, parse            the spec key and its parser (None: off for that cell)
+    hook                  the engine method that supports it: an engine implements it, no flag elsewhere
+    table, paths          the side table its rows go to ("layer_states", or "decode" with a path per row)
+    resolve, side_rows    its checks against the model at plan time; its side rows per repeat
+    capturer              what runs beside each prompt's forward in the capturing process
+    record                its part of the cells row (the column named `column`), from each capture's manifest
+    analysis, card        its metrics in `matrix analyze`, its block of the model card, its report section
+
+The core (spec, plan, actor, run loop, verify, analyze, card, report) loops over `registered()`.
+Extras are found through a lazy name -> "module:Class" map, so another module adds one with
+`register(key, "package.module:Class")` (or LOGIT_MATRIX_EXTRAS="key=module:Class,..." in the
+environment, which reaches the capturing processes too).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+from typing import Any, Callable, ClassVar
+
+BUILTIN = {"layers": "extras.layers:Layers", "decode": "extras.decode:Decode",
+           "prefix_cache": "extras.prefix_cache:PrefixCache"}
+_added: dict[str, str] = {}
+
+
+def register(key: str, target: str) -> None:
+    """Add an extra: `target` is "module:Class" of an Extra subclass whose key is `key`."""
+    _added[key] = target
+    _load.cache_clear()
+
+
+def _env() -> dict[str, str]:
+    raw = os.environ.get("LOGIT_MATRIX_EXTRAS", "")
+    return dict(part.split("=", 1) for part in raw.split(",") if "=" in part)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(target: str) -> "Extra":
+    module, _, name = target.partition(":")
+    extra = getattr(importlib.import_module(module), name)()
+    extra.target = target
+    return extra
+
+
+def registered() -> list["Extra"]:
+    """Every extra, built-ins first, in the order their rows and card blocks appear."""
+    return [_load(t) for t in {**BUILTIN, **_env(), **_added}.values()]
+
+
+def get(key: str) -> "Extra":
+    return next(x for x in registered() if x.key == key)
+
+
+def keys() -> tuple[str, ...]:
+    return tuple(x.key for x in registered())
+
+
+def of(asking) -> list[tuple["Extra", Any]]:
+    """(extra, value) for each extra a Cell, a StackDesc or a (key, value) tuple asks for, in registry order."""
+    asked = dict(getattr(asking, "extras", asking))
+    return [(x, asked[x.key]) for x in registered() if asked.get(x.key) is not None]
+
+
+def targets(stack_or_cell) -> tuple[str, ...]:
+    """The "module:Class" of each extra the cell asks for that is not built in: a capturing process
+    registers them before it loads the engine."""
+    return tuple(f"{x.key}={x.target}" for x, _ in of(stack_or_cell) if x.key not in BUILTIN)
+
+
+def adopt(entries: tuple[str, ...]) -> None:
+    for entry in entries:
+        key, _, target = entry.partition("=")
+        if key not in {**BUILTIN, **_env(), **_added}:
+            register(key, target)
+
+
+def side_tables(cell_row: dict) -> tuple[str, ...]:
+    """The shard tables a done cell has beside its logits (for `matrix verify` and resume)."""
+    out: list[str] = []
+    for x in registered():
+        if x.active_in(cell_row) and x.table not in out:
+            out.append(x.table)
+    return tuple(out)
+
+
+def analyses() -> list[tuple[str, Callable, Callable]]:
+    """(name, analysis(wh, done, reference, force, log) -> summary or None, its one log line) for
+    `matrix analyze`: each extra's own, then one pass over the decode file's paths of every extra
+    that writes some."""
+    out = [(x.key, x.analyze, x.analysis_line) for x in registered() if type(x).analyze is not Extra.analyze]
+    rules = {p: r for x in registered() for p, r in x.path_rules().items()}
+    if rules:
+        from analysis.decode_analysis import analyze_decode
+
+        def paths(wh, done, reference, force, log):
+            if not any(r.active(c) for c in done for r in rules.values()):
+                return None
+            return analyze_decode(wh, done, force, log, rules)
+
+        out.append(("decode", paths, lambda dc: (
+            f"decode metrics: {dc['cells']} cell(s), {dc['rows']} rows off the prefill path ({dc['reused']} up to "
+            "date); the summary_by_path view compares them with the prefill")))
+    return out
+
+
+class Capturer:
+    """One extra inside one capture: called with each prompt as its rows come out."""
+
+    taps_forward: ClassVar[bool] = False  # True: forward() replaces the engine's plain forward
+
+    def forward(self, prompt_id: str, fed: list[int], positions: list[int]):
+        raise NotImplementedError
+
+    def after(self, prompt_id: str, whole: list[int], fed: list[int], positions: list[int], rows) -> None:
+        """rows: (len(positions), vocab), the prompt's captured rows in the engine's native dtype."""
+
+    def other_rank(self, fed: list[int], positions: list[int]) -> None:
+        """On a tp > 1 cell's other ranks: join what rank 0 runs collectively (default: nothing)."""
+
+    def summary(self) -> dict[str, Any] | None:
+        """Its part of the capture's manifest (plain values: it travels back from an actor)."""
+        return None
+
+
+class Extra:
+    """One per-cell extra. Subclasses set the class attributes and override what they record."""
+
+    key: ClassVar[str]
+    column: ClassVar[str | None] = None  # the cells column its record goes to (None: none)
+    hook: ClassVar[str]  # the engine method an engine implements to support it
+    table: ClassVar[str]  # "layer_states" or "decode"
+    paths: ClassVar[tuple[str, ...]] = ()  # the decode-table paths it writes beside 'prefill'
+    order: ClassVar[int] = 50  # where its capturer runs among the others (low first)
+    tp1_only: ClassVar[str | None] = None  # why it runs at tp 1 only, when it does
+    missing: ClassVar[str] = "engine {engine} cannot record it (the cell asks for {key})"  # no hook
+    target = ""
+
+    # the spec
+    def parse(self, value: Any, fail: Callable[..., Exception]) -> Any:
+        """The spec value -> a hashable value (None: off). fail(msg, value) makes the one-line error."""
+        raise NotImplementedError
+
+    def id_part(self, value: Any) -> Any:
+        """What the cell id hashes of it (the value itself by default)."""
+        return value
+
+    def for_reference(self, values: list[Any]) -> Any:
+        """What a model's reference records so every cell of the model has its yardstick (None: its own)."""
+        return None
+
+    def describe(self, value: Any) -> Any:
+        """How `matrix cells --json` shows it."""
+        return value
+
+    # engines
+    def unsupported(self, engine_cls, cell, value: Any) -> str | None:
+        if not callable(getattr(engine_cls, self.hook, None)):
+            return self.missing.format(engine=engine_cls.engine, key=self.key)
+        if self.tp1_only and cell.tp > 1:
+            return self.tp1_only
+        return None
+
+    # the plan
+    def resolve(self, value: Any, cell, facts: dict, prompts: list, fail: Callable[[str], Exception]) -> Any:
+        """Checked against the model (facts: depth, hidden) and its prompts before anything runs."""
+        return value
+
+    def side_rows(self, value: Any, fed_positions: list[list[int]], prompt_lengths: list[int]) -> tuple[int, bool]:
+        """Rows one repeat adds to its side table, and whether that count is exact."""
+        raise NotImplementedError
+
+    # the capture
+    def capturer(self, backend, value: Any, writer) -> Capturer:
+        raise NotImplementedError
+
+    def settings(self, backend, value: Any) -> dict[str, Any]:
+        """Entries of the cell's engine settings this extra adds (recorded with the cell)."""
+        return {}
+
+    # the outcome
+    def record(self, parts: list[dict]) -> str | None:
+        """The cells column from each capture's summary (JSON)."""
+        return None
+
+    def active_in(self, cell_row: dict) -> bool:
+        """Whether a cells row recorded this extra."""
+        return bool(self.column and cell_row.get(self.column))
+
+    # analysis, card, report
+    def analyze(self, wh, done: list[dict], reference: str | None, force: bool, log) -> dict | None:
+        """Its own analysis of the cells that recorded it (None: nothing to do)."""
+        return None
+
+    def analysis_line(self, part: dict) -> str:
+        return f"{self.key}: {part}"
+
+    def path_rules(self) -> dict:
+        """{path: analysis.decode_analysis.PathRule} for each decode-file path it writes."""
+        return {}
+
+    def card(self, warehouse: str, cell_row: dict) -> dict | None:
+        return None
+
+    def card_lines(self, block: dict) -> list[str]:
+        return []
+
+    def report(self, data: dict) -> str:
+        """Its section of the HTML report (data: analysis.report.gather)."""
+        return ""
+
+    def brief(self, value: Any) -> list[str]:
+        """Words for `matrix cells`' table (value: describe()'s)."""
+        return []
+
+
+def loads(text: str | None) -> dict:
+    return json.loads(text) if text else {}
+
+
+def agreement(a, b) -> tuple[int, float]:
+    """Two (rows, vocab) arrays of the same native dtype: (rows byte-identical, max |a - b|)."""
+    import numpy as np
+
+    from store.warehouse import widen
+
+    n = len(a)
+    same = (a.view(np.uint8).reshape(n, -1) == b.view(np.uint8).reshape(n, -1)).all(-1)
+    return int(same.sum()), float(np.abs(widen(a) - widen(b)).max(initial=0.0))

@@ -1,0 +1,185 @@
+"""`matrix sql`, `analyze`, `report`, `verify`, `status`: what a warehouse holds and how it compares."""
+
+from __future__ import annotations
+
+import csv
+import io
+import sys
+
+import extras
+from common.errors import UserError
+from common.output import emit_json, log, table
+
+
+def cmd_sql(args) -> int:
+    from analysis.sql import export_views, query
+
+    if args.export_views:
+        if args.query:
+            raise UserError("matrix sql: give a query or --export-views, not both")
+        out = export_views(args.warehouse, args.export_views)
+        log(f"wrote {out['file']}: {out['tables']} table views and {out['views']} derived views; "
+            f"open it with `duckdb -init {out['file']}`")
+        return 0
+    if not args.query:
+        raise UserError("matrix sql: give a query (or --export-views FILE.sql)")
+    cols, rows = query(args.warehouse, args.query)
+    if args.format == "json":
+        emit_json([dict(zip(cols, r)) for r in rows])
+    elif args.format == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(cols)
+        w.writerows(rows)
+        sys.stdout.write(buf.getvalue())
+    else:
+        print(table(cols, [list(r) for r in rows]))
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    from analysis.analyze import analyze
+
+    side = extras.analyses()
+    ranges = [0] + sorted({int(x) for x in args.ranges.split(",") if x.strip()} - {0}) if args.ranges else None
+    kw = {"ranges": tuple(ranges)} if ranges else {}
+    address = args.address or (_last_cluster(args.warehouse, log) if args.workers is None else None)
+    if address or (args.workers or 1) != 1:
+        from matrix.run.analyze_ray import ray_runner
+
+        kw["run_units"] = ray_runner(address, args.workers or 0, log)
+    summary = analyze(args.warehouse, args.reference, centroid=args.centroid, log=log,
+                      skip_damaged=args.skip_damaged, force=args.force, side=[s[:2] for s in side], **kw)
+    log(f"analyzed {summary['cells']} cell(s), {summary['metric_rows']} rows in {summary['seconds']}s")
+    for name, _, line in side:
+        if summary.get(name):
+            log(line(summary[name]))
+    if args.json:
+        emit_json(summary)
+    return 0
+
+
+def _last_cluster(warehouse: str, log) -> str | None:
+    """The cluster the newest `matrix run` ran on, when it is still there: analyze runs on it by
+    default. None for a local run, or a cluster that is gone (then analyze stays in this process)."""
+    from matrix.run.cluster import check_reachable
+    from store import Warehouse
+
+    runs = [r for r in Warehouse(warehouse).require().read_all("runs") if r.get("started_at") and r.get("ray_address")]
+    last = max(runs, key=lambda r: r["started_at"], default=None)
+    if last is None or last["ray_address"] == "local":
+        return None
+    try:
+        check_reachable(last["ray_address"], timeout=2.0)
+    except UserError as e:
+        log(f"the last run's cluster is not reachable ({e}); analyzing in this process")
+        return None
+    log(f"the last run ran on {last['ray_address']}: analyzing there (--workers 1 keeps it in this process)")
+    return last["ray_address"]
+
+
+def cmd_report(args) -> int:
+    from pathlib import Path
+
+    from analysis.report import gather, terminal_table, write_html
+    from store import Warehouse
+
+    wh = Warehouse(args.warehouse).require()
+    if not wh.table_files("metrics"):
+        raise UserError(f"{wh.where}: no metrics yet; run `matrix analyze --warehouse {wh.where}` first")
+    data = gather(args.warehouse)
+    out = Path(args.out) if args.out else Path("report") if wh.remote else Path(wh.where) / "report"
+    path = write_html(data, out, args.warehouse, [x.report(data) for x in extras.registered()])
+    if args.json:
+        emit_json({"html": str(path), **data})
+        return 0
+    print(terminal_table(data))
+    print(f"\nHTML report: {path}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from store import Warehouse
+    from store.verify import Damage, verify
+
+    wh = Warehouse(args.warehouse).require()
+    report = verify(wh, args.cells, log=log, side_tables=extras.side_tables)
+    for path in report["damaged_files"]:
+        hits = [d for d in report["damage"] if d["path"] == path]
+        log(f"DAMAGED {path}: {len(hits)} problem(s); first: " + Damage(**hits[0]).detail())
+    log(f"verified {report['shards']} shard(s), {report['rows']} rows, {report['bytes'] / 2**20:.1f} MiB in "
+        f"{report['seconds']}s ({report['mib_per_s']} MiB/s): "
+        + (f"{len(report['damaged_files'])} damaged file(s)" if report["damage"] else "no damage"))
+    if args.json:
+        emit_json(report)
+    return 1 if report["damage"] else 0
+
+
+def cmd_status(args) -> int:
+    from analysis.sql import query
+
+    _, cells = query(args.warehouse, """
+        select c.cell_id, c.status, c.repeats, c.rows_per_repeat, c.bit_reproducible, c.is_reference,
+               coalesce(c.error_class || ': ' || c.error, c.skip_reason) as why
+        from cells c order by c.cell_id""")
+    _, runs = query(args.warehouse, """
+        select run_id, status, started_at, cells_done, cells_total, rows_written from runs order by started_at""")
+    if args.json:
+        keys_c = ["cell_id", "status", "repeats", "rows_per_repeat", "bit_reproducible", "is_reference", "why"]
+        keys_r = ["run_id", "status", "started_at", "cells_done", "cells_total", "rows_written"]
+        emit_json({"cells": [dict(zip(keys_c, r)) for r in cells], "runs": [dict(zip(keys_r, r)) for r in runs]})
+        return 0
+    print(table(["cell_id", "status", "repeats", "rows/repeat", "bit_reproducible", "reference", "why"],
+                [list(r) for r in cells]))
+    print()
+    print(table(["run_id", "status", "started_at", "cells_done", "cells_total", "rows_written"],
+                [list(r) for r in runs]))
+    return 0
+
+
+def add_parsers(sub) -> None:
+    q = sub.add_parser("sql", help="run a read-only DuckDB query over the warehouse views")
+    q.add_argument("query", nargs="?")
+    q.add_argument("--warehouse", default="warehouse")
+    q.add_argument("--export-views", metavar="FILE.sql", default=None,
+                   help="write the views as a SQL script for any DuckDB client (duckdb -init FILE.sql) and exit")
+    q.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    q.set_defaults(func=cmd_sql)
+
+    a = sub.add_parser("analyze", help="metrics of every stack vs its reference and vs the centroid")
+    a.add_argument("--warehouse", default="warehouse")
+    a.add_argument("--reference", default=None, help="cell_id to compare against (default: each model's reference)")
+    a.add_argument("--ranges", default=None, help="position bucket edges, e.g. 512,2048,8192")
+    a.add_argument("--centroid", choices=["mean_prob", "mean_logprob", "none"], default=None,
+                   help="centroid definition (default: the spec's centroid.definition, else mean_prob; "
+                        "none: no centroid or pairwise tables)")
+    a.add_argument("--skip-damaged", action="store_true",
+                   help="leave out shards that fail their row hashes or do not parse (default: refuse them)")
+    a.add_argument("--force", action="store_true",
+                   help="recompute every output (default: only those whose inputs or metric kernel changed)")
+    a.add_argument("--workers", type=int, default=None,
+                   help="pieces computed at once as Ray tasks (1: in this process; 0: one per CPU of the cluster; "
+                        "default: on the cluster the last run used if it is reachable, else 1)")
+    a.add_argument("--address", default=None,
+                   help="Ray cluster to spread the pieces over (an object-store warehouse is read from every node)")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=cmd_analyze)
+
+    rp = sub.add_parser("report", help="terminal tables and a self-contained HTML report")
+    rp.add_argument("--warehouse", default="warehouse")
+    rp.add_argument("--out", default=None, help="directory for report.html (default: WAREHOUSE/report)")
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(func=cmd_report)
+
+    v = sub.add_parser("verify", help="check every row against its row_hash, every shard's row count and "
+                                      "every table file; exit 1 on damage (reads only)")
+    v.add_argument("--warehouse", default="warehouse")
+    v.add_argument("--cells", nargs="+", default=None, metavar="CELL",
+                   help="only these cells' shards (a cell id, or the start of one, e.g. a stack id)")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_verify)
+
+    s = sub.add_parser("status", help="cells and runs recorded in a warehouse")
+    s.add_argument("--warehouse", default="warehouse")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)

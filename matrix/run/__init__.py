@@ -1,0 +1,1 @@
+"""Running a plan: placement, actor launch, the run loop, cluster, engine builds, failures."""

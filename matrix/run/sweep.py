@@ -1,0 +1,210 @@
+"""The run loop: the cells in flight, the calls queued on their actors, and what to do next.
+
+matrix/run/runner.py plans a run and calls Sweep.loop. Each cell is scheduled here, judged alone by
+the retry policy (matrix/run/retry.py) when one of its calls raises, and its outcome recorded by
+matrix/run/outcome.py, so one cell's failure never ends the others. The loop owns its progress:
+the repeats still to capture start as the plan's and shrink as a retried cell's shards complete.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from common.stack import Cell
+from matrix.run import launch, placement, retry
+from matrix.run.failures import Failure
+from matrix.run.launch import Call, Kind
+from matrix.run.outcome import Live, Outcomes
+from matrix.run.plan import Plan
+from matrix.spec.cells import model_copy, stack_desc
+from store import Warehouse
+
+HEARTBEAT_S = float(os.environ.get("LOGIT_MATRIX_HEARTBEAT_S", "60"))
+
+
+class Sweep:
+    """Scheduling: which cells are in flight, which wait for their reference, which calls are out."""
+
+    def __init__(self, plan: Plan, wh: Warehouse, run: dict, nodes: list, log: Callable[[str], None], delivery):
+        self.plan, self.wh, self.nodes, self.log = plan, wh, nodes, log
+        self.out = Outcomes(plan, wh, run, log)
+        self.delivery = delivery  # actors.stack_actor.Delivery
+        self.todo = {cid: list(r) for cid, r in plan.todo.items()}  # cell id -> repeats still to capture
+        self.attempts: dict[str, int] = {}  # cell id -> times started in this run
+        self.live: dict[str, Live] = {}
+        self.pending: dict = {}  # object ref -> launch.Call
+        self.waiting: dict[str, list[Cell]] = {}  # model -> cells started once its reference is done
+
+    def start(self, cell: Cell) -> None:
+        """Start a cell; under `reference_metrics: in_actor` a model's other cells wait for its
+        reference's shards (they measure their rows against them as they capture)."""
+        plan, ref = self.plan, self.plan.reference_cells.get(cell.model)
+        if plan.spec.reference_metrics != "in_actor" or ref is None:
+            return self._start(cell, None)
+        if ref != cell.cell_id and ref in self.live:  # the reference first (execute starts it first)
+            self.waiting.setdefault(cell.model, []).append(cell)
+            self.out.units_total += len(self.todo[cell.cell_id])  # counted now: progress shows the whole run
+            return None
+        return self._start(cell, ref if ref == cell.cell_id or ref in self.out.finished else None)
+
+    def release(self, model: str) -> None:
+        """The model's reference is done, failed or skipped: its waiting cells start now (measuring
+        in the actor only against a reference that is done)."""
+        ref = self.plan.reference_cells.get(model)
+        for cell in self.waiting.pop(model, []):
+            self.out.units_total -= len(self.todo[cell.cell_id])  # _start counts them again
+            self._start(cell, ref if ref in self.out.finished else None)
+
+    def _start(self, cell: Cell, metrics_ref: str | None) -> None:
+        plan = self.plan
+        model, threads, repeats = plan.models[cell.model], placement.cell_threads(cell, self.nodes), self.todo[cell.cell_id]
+        work = launch.Work(self.out.run_id, self.delivery, plan.spec.positions, repeats,
+                           [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]],
+                           plan.special[cell.model], plan.vocab[cell.model], plan.spec.store, metrics_ref)
+        started = launch.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
+        limit = retry.capture_limit(plan.spec.capture_timeout_s, plan.prompts[cell.model], cell)
+        self.live[cell.cell_id] = Live(cell, started, threads, len(repeats), repeats=sorted(repeats),
+                                       capture_limit_s=limit)
+        self.pending.update(started.calls)
+        self.out.units_total += len(repeats)
+
+    def drop(self, cid: str) -> None:
+        """Stop a cell's actors and forget its calls."""
+        for fut in [f for f, call in self.pending.items() if call.cell_id == cid]:
+            del self.pending[fut]
+        launch.stop(self.live.pop(cid).started)
+
+    def end(self, cid: str, verdict: retry.Verdict, reason: str = "", failure: Failure | None = None) -> None:
+        """The one way a cell in flight ends before it is done: skipped, started again, or failed.
+        Its captures still out leave the total; its complete shards stay."""
+        live = self.live[cid]
+        self.out.units_total -= live.left
+        self.drop(cid)
+        attempt = self.attempts.get(cid, 1)
+        if verdict is retry.Verdict.RETRY:
+            self.log(f"{cid}: {failure.line()} -- starting it again (attempt {attempt + 1} of at most "
+                     f"{failure.retries_allowed(self.plan.spec.retries) + 1})")
+            done = self.wh.completed_repeats(cid)  # shards the dead actor finished are kept
+            self.todo[cid] = [r for r in self.todo[cid] if r not in done]
+            self.attempts[cid] = attempt + 1
+            self.start(live.cell)
+            return
+        if verdict is retry.Verdict.SKIP:
+            self.out.skipped(live, reason)
+        else:
+            self.out.failed_cell(live, failure, attempt)
+        self._reference_over(live.cell)
+
+    def _finish(self, cid: str) -> None:
+        import ray
+
+        live = self.live[cid]
+
+        def close():
+            ray.get([a.close.remote() for a in live.started.actors])
+            self.drop(cid)
+
+        self.out.done(live, self.attempts.get(cid, 1), close)
+        self._reference_over(live.cell)
+
+    def _reference_over(self, cell: Cell) -> None:
+        if self.plan.reference_cells.get(cell.model) == cell.cell_id:
+            self.release(cell.model)
+
+    def on_error(self, call: Call, exc: Exception) -> None:
+        """One of a cell's calls raised: the retry policy judges that cell, and only that cell."""
+        j = retry.judge(exc, self.attempts.get(call.cell_id, 1), self.plan.spec.retries, self.wh.where)
+        self.end(call.cell_id, j.verdict, j.reason, j.failure)
+
+    def limit(self, live: Live) -> tuple[float, str] | None:
+        return retry.limit(live.phase, self.plan.spec.load_timeout_s, live.capture_limit_s)
+
+    def overdue(self) -> None:
+        """Stop every cell whose engine ran past its time limit, and record it failed."""
+        now = time.perf_counter()
+        for cid, live in list(self.live.items()):
+            lim = self.limit(live)
+            if lim and now - live.since > lim[0]:
+                self.end(cid, retry.Verdict.FAIL, failure=retry.timed_out(live.phase, lim))
+
+    def next_deadline(self) -> float:
+        """Seconds until the first time limit of a cell in flight runs out (inf: none)."""
+        left = [live.since + lim[0] - time.perf_counter() for live in self.live.values() if (lim := self.limit(live))]
+        return min(left, default=float("inf"))
+
+    def record(self, call: Call, result: dict) -> None:
+        """A call of rank 0 came back with its result."""
+        live = self.live[call.cell_id]
+        try:
+            if call.kind is Kind.LOAD:
+                self.out.loaded(live, call.cell_id, result)
+            elif call.kind is Kind.PARITY:
+                self.out.parity(live, call.cell_id, result)
+            elif call.kind is Kind.CAPTURE:
+                self.out.captured(live, call.cell_id, call.repeat, result)
+            if call.kind is not Kind.READY and live.left == 0 and live.loaded is not None and live.parity is not None:
+                self._finish(call.cell_id)
+        finally:
+            if call.cell_id in self.live:
+                self.advance(live, call)
+
+    def advance(self, live: Live, call: Call) -> None:
+        """The next call in rank 0's queue starts now. (Two calls done by the same wait may come back
+        in either order, so the phase follows what is back, not the order.)"""
+        if call.kind is Kind.CAPTURE and call.repeat in live.repeats:
+            live.repeats.remove(call.repeat)
+        # any call of rank 0 that came back means its actor exists: never "placing" again
+        phase = ("loading" if live.loaded is None
+                 else "tokenizer parity" if live.parity is None
+                 else f"capture r{live.repeats[0]}" if live.repeats else "closing")
+        if phase != live.phase:
+            live.phase, live.since = phase, time.perf_counter()
+
+    def loop(self, cluster_config: str | Path | None) -> None:
+        import ray
+
+        last_event = last_beat = time.perf_counter()
+        while self.pending or self.waiting:
+            if not self.pending:  # cannot happen (a reference's end releases its cells); never strand them
+                for model in list(self.waiting):
+                    self.release(model)
+                continue
+            quiet = time.perf_counter() - max(last_event, last_beat)
+            wait = max(0.05, min(HEARTBEAT_S - quiet, self.next_deadline()))
+            ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=wait)
+            if not ready:
+                self.overdue()
+                if time.perf_counter() - max(last_event, last_beat) >= HEARTBEAT_S:
+                    # nothing finished for a while: say what is still waiting, and on what
+                    self.log(self.heartbeat(placement.known_nodes(placement.cluster_nodes(), cluster_config)))
+                    last_beat = time.perf_counter()
+                continue
+            last_event = time.perf_counter()
+            call = self.pending.pop(ready[0])
+            try:
+                result = ray.get(ready[0])
+            except Exception as e:  # the call's cell answers for it (on_error), never the sweep
+                self.on_error(call, e)
+                continue
+            if call.kind is not Kind.RANK:  # another rank's load or forwards: rank 0 reports the cell
+                self.record(call, result)
+
+    def heartbeat(self, nodes: list) -> str:
+        """One line while nothing finishes: which cells are not loaded yet, and where they can go now."""
+        waiting = sorted(cid for cid, lv in self.live.items() if lv.loaded is None)
+        where = [f"{cid} ({placement.where(self.live[cid].cell.device, self.live[cid].cell.tp, self.live[cid].threads, nodes)})"
+                 for cid in waiting[:3]]
+        more = f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""
+        state = (f"; {len(waiting)} cell(s) not loaded yet: " + ", ".join(where) + more) if waiting else ""
+        now = time.perf_counter()
+        busy = sorted((cid, lv) for cid, lv in self.live.items() if lv.loaded is not None)
+        if busy:  # what each loaded cell's engine is doing, and for how long (its time limit applies)
+            state += "; running: " + ", ".join(f"{cid} {lv.phase} for {now - lv.since:.0f}s"
+                                                 for cid, lv in busy[:3]) \
+                + (f" and {len(busy) - 3} more" if len(busy) > 3 else "")
+        out = self.out
+        return (f"waiting {time.perf_counter() - out.t0:.0f}s in: captures {out.units_done}/{out.units_total}, "
+                f"rows {out.rows}{state}")

@@ -1,0 +1,1 @@
+"""What a spec holds and expands to: parsing and validation, cells, candidates, calibration, corpus, models."""
