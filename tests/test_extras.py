@@ -1,0 +1,69 @@
+"""Per-cell extras are plug-ins: a module outside the package (tests/toy_extra.py) registered by
+name alone has its rows captured beside the cell's, verified by `matrix verify` and analysed by
+`matrix analyze`, with no other code changed. On the real 2-layer SmolLM2 cut, HF fp32 eager."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import REPO, run_cli, sql, write_spec
+
+ECHO = {"LOGIT_MATRIX_EXTRAS": "echo=tests.toy_extra:Echo", "PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def echoed(tiny_model, short_corpus, tmp_path_factory):
+    d = tmp_path_factory.mktemp("echo")
+    spec = write_spec(d / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager", "sdpa"],
+                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=1, echo="on")
+    wh = d / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--json", env=ECHO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = run_cli("analyze", "--warehouse", str(wh), "--json", env=ECHO)
+    assert a.returncode == 0, a.stderr[-3000:]
+    return spec, wh, json.loads(a.stdout)
+
+
+def test_an_unregistered_key_is_refused(tiny_model, short_corpus, tmp_path):
+    spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, echo="on")
+    r = run_cli("cells", str(spec))
+    assert r.returncode == 2 and "echo: unknown key" in r.stderr, r.stderr
+
+
+def test_the_toy_extra_is_captured_in_each_cells_decode_file(echoed):
+    _, wh, _ = echoed
+    cells = sql(wh, "select * from cells")
+    assert len(cells) == 2
+    for cell in cells:
+        assert json.loads(cell["settings"])["echo"] == "each prefill evaluated twice in one process"
+        got = sql(wh, "select path, count(*) as n, count(distinct position) as p "
+                      f"from read_parquet('{wh}/logits/{cell['cell_id']}/d0.parquet') group by path order by path")
+        n = cell["rows_per_repeat"]  # each sampled row and its echo, at the same positions
+        assert [(g["path"], g["n"]) for g in got] == [("echo", n), ("prefill", n)], got
+
+
+def test_the_toy_extra_is_analysed(echoed):
+    _, wh, summary = echoed
+    assert summary["decode"]["cells"] == 2 and summary["decode"]["rows"] > 0
+    got = sql(wh, "select cell_id, rows, kld_vs_prefill_mean, identical_share from summary_by_path "
+                  "where path = 'echo' order by cell_id")
+    cells = sql(wh, "select cell_id, rows_per_repeat from cells order by cell_id")
+    assert [(g["cell_id"], g["rows"]) for g in got] == [(c["cell_id"], c["rows_per_repeat"]) for c in cells]
+    # HF fp32 on one thread gives the same prefill twice: every echo row bit-identical, KL 0
+    assert all(g["identical_share"] == 1.0 and g["kld_vs_prefill_mean"] == 0.0 for g in got), got
+
+
+def test_the_toy_extra_is_verified(echoed, tmp_path):
+    _, wh, _ = echoed
+    copy = tmp_path / "wh"
+    shutil.copytree(wh, copy)
+    r = run_cli("verify", "--warehouse", str(copy), "--json", env=ECHO)
+    assert r.returncode == 0 and json.loads(r.stdout)["shards"] == 4, r.stderr[-2000:]
+    cid = sql(copy, "select cell_id from cells order by cell_id")[0]["cell_id"]
+    (copy / "logits" / cid / "d0.parquet").unlink()
+    r = run_cli("verify", "--warehouse", str(copy), "--json", env=ECHO)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert json.loads(r.stdout)["damage"][0]["what"].startswith("missing"), r.stdout

@@ -1,0 +1,69 @@
+"""A toy per-cell extra, registered from outside the package: `echo: on` evaluates each prompt's
+prefill a second time in the same process and writes each row beside the first one (decode-file
+path 'echo'), so analysis measures how far an engine's two identical forwards are apart. Every
+engine has the hook it needs (forward). tests/test_extras.py registers it by its module alone."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from extras import Capturer, Extra, agreement, loads
+
+
+class EchoCapturer(Capturer):
+    def __init__(self, backend, writer):
+        self.backend, self.writer, self.rows, self.identical = backend, writer, 0, 0
+
+    def after(self, prompt_id, whole, fed, positions, rows) -> None:
+        again = self.backend.forward(fed, positions)  # (rows, vocab), native dtype
+        nxt = [whole[p + 1] if p + 1 < len(whole) else None for p in positions]
+        self.writer.add(prompt_id, positions + positions, nxt + nxt, np.concatenate([rows, again]), None,
+                        ["prefill"] * len(positions) + ["echo"] * len(positions), [0] * (2 * len(positions)))
+        self.rows += 2 * len(positions)
+        self.identical += agreement(rows, again)[0]
+
+    def summary(self):
+        return {"rows": self.rows, "identical_rows": self.identical}
+
+
+class Echo(Extra):
+    key = "echo"
+    hook = "forward"
+    table = "decode"
+    paths = ("echo",)
+    order = 40
+
+    def parse(self, v, fail):
+        if v in (None, False, "off"):
+            return None
+        if v == "on":
+            return True
+        raise fail("must be on or off", v)
+
+    def side_rows(self, value, fed_positions, prompt_lengths):
+        return 2 * sum(len(p) for p in fed_positions), True
+
+    def capturer(self, backend, value, writer) -> Capturer:
+        return EchoCapturer(backend, writer)
+
+    def settings(self, backend, value):
+        return {"echo": "each prefill evaluated twice in one process"}
+
+    def active_in(self, cell_row: dict) -> bool:  # no column of its own: its settings entry says so
+        return "echo" in loads(cell_row.get("settings"))
+
+    def path_rules(self):
+        from analysis.decode_analysis import PathRule
+
+        return {"echo": PathRule(active=self.active_in, reference_shard=True)}
+
+    def describe(self, value):
+        return "on"
+
+    def brief(self, value):
+        return ["echo"]
+
+    def record(self, parts):
+        return json.dumps({"rows": sum(p["rows"] for p in parts)})
