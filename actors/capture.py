@@ -23,9 +23,8 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
     see the warehouse), committed at the end; returns a small manifest (no arrays).
 
     side_writers: {table: the same kind of writer} for the per-cell extras the stack asks for
-    (extras/): each extra's capturer sees every prompt's rows and writes its own (hidden states
-    to layer_states, decode or warm-cache rows, lossless, to the d<repeat> file). They commit
-    first: a logits shard then never exists without them.
+    (extras/): each extra's capturer sees every prompt's rows and writes its own to its table
+    (lossless). They commit first: a logits shard then never exists without them.
 
     max_tokens: keep only the sampled positions below it and feed just the prefix they
     need; logits at p depend on ids[0..p] only, so those rows mean what the full run's do.
@@ -64,7 +63,7 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
 
 class Extras:
     """The per-cell extras of one capture (extras/): their capturers in order, around each prompt's
-    forward. One that taps the forward (layers) gives the rows; the others read them after."""
+    forward. One that taps the forward gives the rows; the others read them after."""
 
     def __init__(self, backend: Backend, writers: dict):
         self.writers = writers

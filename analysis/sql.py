@@ -185,8 +185,8 @@ VIEWS = {
         FROM layer_metrics m JOIN cells c USING (cell_id)
         WHERE m.repeat = 0
         GROUP BY ALL""",
-    # Off the plain prefill: per cell, the rows at the positions a `decode:` cell decoded or
-    # a `prefix_cache:` cell recomputed from a warm cache (rows_of). path 'prefill': the cell's own
+    # Off the plain prefill: per cell, the rows a per-cell extra wrote to its d<repeat> file (rows_of:
+    # decoded from a KV cache, recomputed from a warm cache, ...). path 'prefill': the cell's own
     # prefill rows there vs the reference's; path = rows_of: those rows vs the reference's prefill
     # rows, with their consistency with the same cell's prefill row (kld / max |diff| / identical).
     "summary_by_path": """

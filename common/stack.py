@@ -27,7 +27,7 @@ class Cell:
     max_tokens: int | None = None
     options: tuple = ()  # sorted (key, value) pairs the engine takes
     # The per-cell extras it asks for (extras/): sorted (key, value) pairs, values as the extra's
-    # parser gives them; the plan resolves them against the model (e.g. `layers: all` to indices)
+    # parser gives them; the plan resolves them against the model (Extra.resolve)
     extras: tuple = ()
     # Analysis only (not in the cell id): whose centroid this stack joins. None: its model's.
     centroid_group: str | None = None

@@ -1,20 +1,20 @@
 """Per-cell extras: what a cell records beside its rows, each in one module of this package.
 
-An extra is a spec key (`layers:`, `decode:`, `prefix_cache:`) whose value rides on the cell
-(`Cell.extras`, `StackDesc.extras`) and is part of its id. Its module declares all the core needs:
+An extra is a spec key whose value rides on the cell (`Cell.extras`, `StackDesc.extras`) and is
+part of its id; each module of this package holds one and names its class in `EXTRA`. Its module declares all the core needs:
 
     key, parse            the spec key and its parser (None: off for that cell)
     hook                  the engine method that supports it: an engine implements it, no flag elsewhere
-    table, paths          the side table its rows go to ("layer_states", or "decode" with a path per row)
+    table, paths          the side table its rows go to (layer_states, or the d<repeat> file with a path per row)
     resolve, side_rows    its checks against the model at plan time; its side rows per repeat
     capturer              what runs beside each prompt's forward in the capturing process
     record                its part of the cells row (the column named `column`), from each capture's manifest
     analysis, card        its metrics in `matrix analyze`, its block of the model card, its report section
 
 The core (spec, plan, actor, run loop, verify, analyze, card, report) loops over `registered()`.
-Extras are found through a lazy name -> "module:Class" map, so another module adds one with
-`register(key, "package.module:Class")` (or LOGIT_MATRIX_EXTRAS="key=module:Class,..." in the
-environment, which reaches the capturing processes too).
+Extras are found through a lazy key -> "module:Class" map: the modules of this package, and any
+other module added with `register(key, "package.module:Class")` (or LOGIT_MATRIX_EXTRAS=
+"key=module:Class,..." in the environment, which reaches the capturing processes too).
 """
 
 from __future__ import annotations
@@ -23,11 +23,22 @@ import functools
 import importlib
 import json
 import os
+import pkgutil
 from typing import Any, Callable, ClassVar
 
-BUILTIN = {"layers": "extras.layers:Layers", "decode": "extras.decode:Decode",
-           "prefix_cache": "extras.prefix_cache:PrefixCache"}
 _added: dict[str, str] = {}
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin() -> dict[str, str]:
+    """key -> "extras.module:Class" of every module of this package, in the order the modules run
+    (their `ORDER`: the row and card order of a cell's extras)."""
+    found = []
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        cls = module.EXTRA
+        found.append((cls.rank, cls.key, f"{module.__name__}:{cls.__name__}"))
+    return {key: target for _, key, target in sorted(found)}
 
 
 def register(key: str, target: str) -> None:
@@ -51,7 +62,7 @@ def _load(target: str) -> "Extra":
 
 def registered() -> list["Extra"]:
     """Every extra, built-ins first, in the order their rows and card blocks appear."""
-    return [_load(t) for t in {**BUILTIN, **_env(), **_added}.values()]
+    return [_load(t) for t in {**_builtin(), **_env(), **_added}.values()]
 
 
 def get(key: str) -> "Extra":
@@ -71,13 +82,13 @@ def of(asking) -> list[tuple["Extra", Any]]:
 def targets(stack_or_cell) -> tuple[str, ...]:
     """The "module:Class" of each extra the cell asks for that is not built in: a capturing process
     registers them before it loads the engine."""
-    return tuple(f"{x.key}={x.target}" for x, _ in of(stack_or_cell) if x.key not in BUILTIN)
+    return tuple(f"{x.key}={x.target}" for x, _ in of(stack_or_cell) if x.key not in _builtin())
 
 
 def adopt(entries: tuple[str, ...]) -> None:
     for entry in entries:
         key, _, target = entry.partition("=")
-        if key not in {**BUILTIN, **_env(), **_added}:
+        if key not in {**_builtin(), **_env(), **_added}:
             register(key, target)
 
 
@@ -92,8 +103,8 @@ def side_tables(cell_row: dict) -> tuple[str, ...]:
 
 def analyses() -> list[tuple[str, Callable, Callable]]:
     """(name, analysis(wh, done, reference, force, log) -> summary or None, its one log line) for
-    `matrix analyze`: each extra's own, then one pass over the decode file's paths of every extra
-    that writes some."""
+    `matrix analyze`: each extra's own, then one pass over the d<repeat> file's paths of every extra
+    that writes some (its decode_metrics table)."""
     out = [(x.key, x.analyze, x.analysis_line) for x in registered() if type(x).analyze is not Extra.analyze]
     rules = {p: r for x in registered() for p, r in x.path_rules().items()}
     if rules:
@@ -135,8 +146,9 @@ class Extra:
     key: ClassVar[str]
     column: ClassVar[str | None] = None  # the cells column its record goes to (None: none)
     hook: ClassVar[str]  # the engine method an engine implements to support it
-    table: ClassVar[str]  # "layer_states" or "decode"
-    paths: ClassVar[tuple[str, ...]] = ()  # the decode-table paths it writes beside 'prefill'
+    table: ClassVar[str]  # the shard table its rows go to (store/warehouse.py SHARD_FILES)
+    paths: ClassVar[tuple[str, ...]] = ()  # the d<repeat> file paths it writes beside 'prefill'
+    rank: ClassVar[int] = 50  # where it comes among the built-in extras: rows, card blocks, report (low first)
     order: ClassVar[int] = 50  # where its capturer runs among the others (low first)
     tp1_only: ClassVar[str | None] = None  # why it runs at tp 1 only, when it does
     missing: ClassVar[str] = "engine {engine} cannot record it (the cell asks for {key})"  # no hook

@@ -60,6 +60,7 @@ class Decode(Extra):
     table = "decode"
     paths = ("decode",)
     order = 30
+    rank = 20
     tp1_only = "decode rows are recorded at tp 1 only in this version"  # the other ranks would join each step
 
     def parse(self, v: Any, fail) -> tuple | None:
@@ -153,3 +154,6 @@ class Decode(Extra):
 
     def brief(self, value) -> list[str]:
         return [f"decode {value['steps']} steps from {value['at']}"]
+
+
+EXTRA = Decode

@@ -57,6 +57,7 @@ class Layers(Extra):
     missing = "engine {engine} cannot give per-layer states (the cell asks for layers)"
     table = "layer_states"
     order = 10  # it replaces the forward the others read rows from
+    rank = 10
 
     def parse(self, v: Any, fail) -> tuple | str | None:
         """[i, ...] | first-N | all -> sorted indices, or "all" (the depth is known at plan time)."""
@@ -156,3 +157,6 @@ class Layers(Extra):
         states = len(value) + 1
         return {"layers": list(value), "rows": rows, "states_per_row": states, "hidden": hidden,
                 "bytes_estimate": rows * states * hidden * (4 if wide else 2)}
+
+
+EXTRA = Layers

@@ -54,6 +54,7 @@ class PrefixCache(Extra):
     table = "decode"
     paths = (PATH,)
     order = 20  # reads the prompt's fresh rows
+    rank = 30
     tp1_only = "prefix_cache: check runs at tp 1 only in this version"
 
     def parse(self, v: Any, fail) -> bool | None:
@@ -142,3 +143,6 @@ class PrefixCache(Extra):
 
     def brief(self, value) -> list[str]:
         return ["prefix cache check"]
+
+
+EXTRA = PrefixCache

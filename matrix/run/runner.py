@@ -79,8 +79,8 @@ def _depth(config) -> int:
 
 
 def resolve_extras(spec: Spec, cells: tuple[Cell, ...], model: str, facts: dict, prompts: list) -> tuple[Cell, ...]:
-    """Each per-cell extra of the model's cells checked against the model and its prompts (e.g.
-    `layers: all` becomes indices; a decode start past every prompt's end is exit 2), before anything runs."""
+    """Each per-cell extra of the model's cells resolved against the model and its prompts
+    (Extra.resolve; what it cannot hold is exit 2), before anything runs."""
     def fail(msg: str) -> UserError:
         return UserError(f"{spec.path}: {msg}")
 

@@ -238,8 +238,8 @@ def _references(spec: Spec, cells: list[Cell], skipped: list[dict]) -> dict[str,
 
 
 def _reference_extras(spec: Spec, corpus_fp: str, cells: list[Cell], refs: dict[str, str]):
-    """A model's reference records every extra row any of its cells asks for (every layer, every
-    decode start), so each has its yardstick; the reference's id then says so (it is another
+    """A model's reference records every extra row any of its cells asks for (Extra.for_reference),
+    so each has its yardstick; the reference's id then says so (it is another
     capture than the plain reference's). A reference engine without the extra keeps its own
     (analysis says so per cell). -> (cells, refs), new lists."""
     from backends import backend_class
