@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # CPU wheel for the dev/CI box. On a GPU box install your own torch into the
 # venv first; the step below then leaves it alone.
 TORCH_SPEC ?= torch==2.13.0
-# llama-cpp-python has no wheel for this box and builds from source (~10 min on 2 cores;
+# llama-cpp-python has no wheel for a plain x86_64 CPU and builds from source (~10 min on 2 cores;
 # pip caches the wheel). -march=native segfaulted in the AMX path on quantised models on
 # Intel Xeon CPUs with AMX, so the build targets plain AVX2. On a GPU box: LLAMA_CMAKE_ARGS="-DGGML_CUDA=on"
 # (and `pip install --no-cache-dir`, since pip's wheel cache does not key on CMAKE_ARGS).

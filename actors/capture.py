@@ -58,7 +58,7 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
         side.abort()
         raise
     return {"path": str(path), "rows": writer.rows, "seconds": time.perf_counter() - t0,
-            "forward_seconds": forward_s, "array_dtype": dtype, "storage": storage.summary(), **side.summary()}
+            "forward_seconds": forward_s, "array_dtype": dtype, "storage": storage.summary(), "extras": side.summary()}
 
 
 class Extras:
@@ -67,7 +67,7 @@ class Extras:
 
     def __init__(self, backend: Backend, writers: dict):
         self.writers = writers
-        asked = [(x, v) for x, v in extras.of(backend.stack) if x.table in writers]
+        asked = [(x, v) for x, v in extras.of(backend.stack) if x.table in writers] if writers else []
         self.parts = [(x.key, x.capturer(backend, v, writers[x.table]))
                       for x, v in sorted(asked, key=lambda xv: xv[0].order)]
         self.backend = backend

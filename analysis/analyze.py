@@ -242,8 +242,9 @@ def _keep_pairs(wh: Warehouse, u: Unit, force: bool) -> None:
 
 def analyze(warehouse: str, reference: str | None = None, ranges=DEFAULT_RANGES, centroid: str | None = None,
             log: Callable[[str], None] = print, skip_damaged: bool = False, force: bool = False,
-            run_units: Callable = run_locally, side=()) -> dict:
-    """side: (name, analysis) of each per-cell extra, run after the stacks' metrics (extras.analyses())."""
+            run_units: Callable = run_locally, *, side) -> dict:
+    """side: (name, analysis) of each per-cell extra, run after the stacks' metrics (extras.analyses();
+    the caller says which, so no extra's tables are left out unseen)."""
     wh = Warehouse(warehouse).require()
     with wh.lock():  # one writer at a time: a run in progress would change the cells under us
         wh.migrate(log)

@@ -216,7 +216,7 @@ NUMBERS = ("kld_mean", "kld_stderr", "kld_median", "kld_p99", "kld_max", "kld_re
            "below_resolution")
 
 
-def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False, extras=()) -> dict:
+def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False, *, extras) -> dict:
     """extras: the per-cell extras (key, card(warehouse, cell)); each adds its block (null without)."""
     cell, ref, s, ranges, prompts, pos = _query(warehouse, cell_id)
     numbers = {k: s[k] for k in NUMBERS}
@@ -258,7 +258,7 @@ def fmt_value(v: Any) -> str:
     return str(v)
 
 
-def markdown(card: dict, extras=()) -> str:
+def markdown(card: dict, extras) -> str:
     n = card["numbers"]
     out = [f"### KL divergence: `{card['cell_id']}` vs reference `{card['reference_cell_id']}`", "",
            "| metric | value |", "|---|---|",

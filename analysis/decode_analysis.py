@@ -52,7 +52,8 @@ def _read(wh: Warehouse, cell_id: str, repeat: int, paths: tuple[str, ...]) -> d
     out: dict[str, Any] = {"prefill": {}, **{p: {} for p in paths}, "hash": d["row_hash"],
                            "values": logits_matrix(t.column("logits"))}  # (rows, vocab) float32, exact
     for i, (p, q, s, path) in enumerate(zip(d["prompt_id"], d["position"], d["step"], d["path"])):
-        out[path][(p, q, s)] = i
+        if path in out:  # a path of an extra not registered here is left out, not an error
+            out[path][(p, q, s)] = i
     return out
 
 

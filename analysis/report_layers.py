@@ -1,8 +1,8 @@
-"""The report's per-layer and decode-path plots. Per layer: 1 - cosine and |norm ratio - 1| by layer, one line per
+"""The report's per-layer and off-prefill plots. Per layer: 1 - cosine and |norm ratio - 1| by layer, one line per
 stack, against the reference's same layer (the layer_summary view); log scale, because the stacks
 of a quant ladder sit orders of magnitude apart and the gates are thresholds on these very numbers.
-Prefill vs decode: each decode cell's KL to the reference on its prefill rows and on its decode rows
-at the same positions (summary_by_path), with how far its two paths are from each other."""
+Off the prefill: for a path of the d<repeat> file, each cell's KL to the reference on its prefill rows
+and on that path's rows at the same positions (summary_by_path), with how far its two paths are apart."""
 
 from __future__ import annotations
 
@@ -62,45 +62,39 @@ def layers_section(rows: list[dict]) -> str:
             + svg_layer_panel(rows, "norm_ratio_dev_max", "layers-norm-ratio", "|norm ratio - 1| (max over rows)"))
 
 
-def svg_paths(rows: list[dict], w=760) -> str:
-    """Two bars per stack, log scale: KL(ref || stack) on the prefill path and on the decode path."""
+def svg_paths(rows: list[dict], path: str, ident: str, w=760) -> str:
+    """Two bars per stack, log scale: KL(ref || stack) on the prefill path and on `path`."""
     by: dict[str, dict[str, float]] = {}
     for r in rows:
         by.setdefault(r["cell_id"], {})[r["path"]] = r["kld_mean"]
     vals = [v for d in by.values() for v in d.values() if v and v > 0]
     if not vals:
-        return "<p>No decode rows with a reference to compare.</p>"
+        return f"<p>No {html.escape(path)} rows with a reference to compare.</p>"
     lo, hi = math.floor(math.log10(min(vals))), math.ceil(math.log10(max(vals)))
     hi = hi if hi > lo else lo + 1
     bx = lambda v: (w - 420) * (math.log10(v) - lo + 0.05) / (hi - lo + 0.05)  # noqa: E731
     h = 44 * len(by) + 30
-    out = [f'<svg class="plot" id="prefill-decode" width="{w}" height="{h}" xmlns="http://www.w3.org/2000/svg">',
+    out = [f'<svg class="plot" id="{ident}" width="{w}" height="{h}" xmlns="http://www.w3.org/2000/svg">',
            f'<text x="330" y="{h - 5}" font-size="11">KL(ref || stack), log10 from 1e{lo} to 1e{hi}</text>']
     for i, (cid, d) in enumerate(sorted(by.items())):
         out.append(f'<text x="0" y="{44 * i + 24}" font-size="12">{html.escape(cid)}</text>')
-        for j, path in enumerate(("prefill", "decode")):
-            v = d.get(path)
+        for j, name in enumerate(("prefill", path)):
+            v = d.get(name)
             if v is None or v <= 0:
                 continue
             y = 44 * i + 4 + 19 * j
             out.append(f'<rect x="330" y="{y}" width="{bx(v):.1f}" height="15" fill="{PALETTE[j]}"/>'
-                       f'<text x="{335 + bx(v):.1f}" y="{y + 12}" font-size="11">{path} {v:.3g}</text>')
+                       f'<text x="{335 + bx(v):.1f}" y="{y + 12}" font-size="11">{name} {v:.3g}</text>')
     out.append("</svg>")
     return "".join(out)
 
 
-def paths_section(rows: list[dict], path: str = "decode") -> str:
-    """The HTML of the prefill-vs-decode section, or "" without decode rows."""
-    rows = [r for r in rows if r["rows_of"] == path]
-    if not rows:
-        return ""
-    dec = [r for r in rows if r["path"] == path]
+def paths_figure(rows: list[dict], path: str, ident: str) -> str:
+    """One d-file path's bars and table (rows: summary_by_path rows of that rows_of)."""
+    mine = [r for r in rows if r["path"] == path]
     body = "".join(
         f"<tr><td>{html.escape(r['cell_id'])}</td><td>{r['rows']}</td><td>{r['kld_vs_prefill_mean']:.3g}</td>"
-        f"<td>{r['max_abs_diff_vs_prefill']:.3g}</td><td>{r['identical_share']:.0%}</td></tr>" for r in dec)
-    return ("<h2>Prefill against decode</h2><p>At each decoded position: the stack's row from its one prefill, "
-            "and its row from the KV cache, fed one teacher-forced token at a time (batch 1, n_tokens = 1; "
-            "other kernels than the prefill's). Both against the reference's prefill row there.</p>"
-            + svg_paths(rows)
-            + "<table id=\"decode\"><tr><th>cell</th><th>decode rows</th><th>KL(prefill || decode) mean</th>"
-              "<th>max |decode - prefill|</th><th>bit-identical</th></tr>" + body + "</table>")
+        f"<td>{r['max_abs_diff_vs_prefill']:.3g}</td><td>{r['identical_share']:.0%}</td></tr>" for r in mine)
+    return (svg_paths(rows, path, ident)
+            + f"<table id=\"{path}\"><tr><th>cell</th><th>{path} rows</th><th>KL(prefill || {path}) mean</th>"
+              f"<th>max |{path} - prefill|</th><th>bit-identical</th></tr>" + body + "</table>")

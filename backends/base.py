@@ -40,7 +40,7 @@ class Backend:
     max_tp: ClassVar[int] = 1
     # Spec options (matrix.spec.OPTION_KEYS) this engine takes, e.g. kv_cache.
     options: ClassVar[frozenset[str]] = frozenset()
-    # How a tp > 1 cell is started (matrix/launch.py): "ranks", one actor per rank that joins a
+    # How a tp > 1 cell is started (matrix/run/launch.py): "ranks", one actor per rank that joins a
     # torch.distributed group; "engine", one actor holding all the cell's devices, whose engine
     # starts its own tp workers.
     tp_workers: ClassVar[str] = "ranks"

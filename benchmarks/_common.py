@@ -24,9 +24,9 @@ def cpu() -> str:
 def model_and_prompts(model: str = "smollm2-135m"):
     import transformers
 
-    from matrix.spec.parse.corpus import tokenize
-    from matrix.spec.parse.models import fetch
-    from matrix.spec.parse.parse import ModelRef
+    from matrix.spec.corpus import tokenize
+    from matrix.spec.models import fetch
+    from matrix.spec.parse import ModelRef
 
     resolved = fetch(ModelRef(model, "catalog", model), log=lambda m: print(m, file=sys.stderr))
     tok = transformers.AutoTokenizer.from_pretrained(resolved.hf_dir)

@@ -22,8 +22,8 @@ def rows_of(n: int) -> np.ndarray:
     from backends.gguf_build import build_for
     from backends.llamacpp_backend import LlamaCppBackend
     from common.stack import StackDesc
-    from matrix.spec.parse.models import fetch
-    from matrix.spec.parse.parse import ModelRef
+    from matrix.spec.models import fetch
+    from matrix.spec.parse import ModelRef
 
     m = fetch(ModelRef("smollm2-135m", "catalog", "smollm2-135m"), log=lambda s: None)
     build_for("f16", m.hf_dir, m.weights_sha256, 2)

@@ -123,7 +123,7 @@ def same_rows(root: str, rounds: int) -> bool:
 
 def part_shipping(args) -> None:
     from common.positions import Positions
-    from matrix.spec.parse.models import cut_layers
+    from matrix.spec.models import cut_layers
 
     resolved, prompts = model_and_prompts()
     prompts = prompts[:args.prompts]

@@ -41,8 +41,8 @@ def log(msg: str) -> None:
 
 def f32_gguf() -> dict:
     from backends.gguf_build import convert
-    from matrix.spec.parse.models import fetch
-    from matrix.spec.parse.parse import ModelRef
+    from matrix.spec.models import fetch
+    from matrix.spec.parse import ModelRef
 
     m = fetch(ModelRef("smollm2-135m", "catalog", "smollm2-135m"), log=log)
     return convert(m.hf_dir, m.weights_sha256, "f32")

@@ -58,8 +58,8 @@ def timed(cmd: list[str], env: dict, log_to: Path) -> tuple[float, float, str]:
 
 def ggufs(threads: int) -> tuple[dict, dict, object]:
     from backends.gguf_build import build_for
-    from matrix.spec.parse.models import fetch
-    from matrix.spec.parse.parse import ModelRef
+    from matrix.spec.models import fetch
+    from matrix.spec.parse import ModelRef
 
     m = fetch(ModelRef("smollm2-135m", "catalog", "smollm2-135m"), log=lambda s: print(s, file=sys.stderr))
     return build_for("f16", m.hf_dir, m.weights_sha256, threads), build_for("q4_k_m", m.hf_dir, m.weights_sha256,

@@ -33,6 +33,11 @@ def cell_id(stack: StackId, build: str) -> CellId:
     return CellId(f"{stack}@{build[:8]}")
 
 
+def base_stack(stack: StackId) -> StackId:
+    """The stack a replica (`.r<i>`) copies: itself for replica 0."""
+    return split_cell_id(stack)[0]
+
+
 def split_cell_id(cell_id: str) -> tuple[StackId, int, str | None]:
     """(stack id, replica, build) of a cell id; a cell captured before builds were recorded
     (warehouse v4) has no build."""

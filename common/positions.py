@@ -30,7 +30,7 @@ class Positions:
 
     @property
     def is_plain(self) -> bool:
-        """The `stride: N` form, which every cell id before windows was minted from."""
+        """The `stride: N` form: a cell id hashes its positions only when they are not this."""
         return self.start == 0 and self.stop is None and self.last
 
     def of(self, n_tokens: int) -> list[int]:

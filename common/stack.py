@@ -64,7 +64,7 @@ class Cell:
 @dataclass(frozen=True)
 class StackDesc:
     """The typed input of every backend: one cell's coordinates, engine options and where its
-    reference weights came from. Built by matrix.cells.stack_desc (tests build their own);
+    reference weights came from. Built by matrix.spec.cells.stack_desc (tests build their own);
     frozen and plain, it is pickled into the cell's Ray actor as it is."""
 
     engine: str

@@ -32,7 +32,7 @@ _added: dict[str, str] = {}
 @functools.lru_cache(maxsize=1)
 def _builtin() -> dict[str, str]:
     """key -> "extras.module:Class" of every module of this package, in the order the modules run
-    (their `ORDER`: the row and card order of a cell's extras)."""
+    (their `rank`: the order of a cell's extras in its row, card and report)."""
     found = []
     for info in pkgutil.iter_modules(__path__):
         module = importlib.import_module(f"{__name__}.{info.name}")
@@ -146,6 +146,7 @@ class Extra:
     key: ClassVar[str]
     column: ClassVar[str | None] = None  # the cells column its record goes to (None: none)
     hook: ClassVar[str]  # the engine method an engine implements to support it
+    requires: ClassVar[tuple[str, ...]] = ()  # other engine methods its capture calls
     table: ClassVar[str]  # the shard table its rows go to (store/warehouse.py SHARD_FILES)
     paths: ClassVar[tuple[str, ...]] = ()  # the d<repeat> file paths it writes beside 'prefill'
     rank: ClassVar[int] = 50  # where it comes among the built-in extras: rows, card blocks, report (low first)
@@ -173,7 +174,7 @@ class Extra:
 
     # engines
     def unsupported(self, engine_cls, cell, value: Any) -> str | None:
-        if not callable(getattr(engine_cls, self.hook, None)):
+        if not all(callable(getattr(engine_cls, m, None)) for m in (self.hook, *self.requires)):
             return self.missing.format(engine=engine_cls.engine, key=self.key)
         if self.tp1_only and cell.tp > 1:
             return self.tp1_only
@@ -240,7 +241,7 @@ def agreement(a, b) -> tuple[int, float]:
     """Two (rows, vocab) arrays of the same native dtype: (rows byte-identical, max |a - b|)."""
     import numpy as np
 
-    from store.warehouse import widen
+    from store.values import widen
 
     n = len(a)
     same = (a.view(np.uint8).reshape(n, -1) == b.view(np.uint8).reshape(n, -1)).all(-1)

@@ -148,9 +148,16 @@ class Decode(Extra):
                 f"{g(d['max_abs_diff_vs_prefill'])}, bit-identical rows {g(d['bit_identical_share'])}."]
 
     def report(self, data: dict) -> str:
-        from analysis.report_layers import paths_section
+        """Prefill against decode: each decode cell's KL to the reference on both paths, and how far apart."""
+        from analysis.report_layers import paths_figure
 
-        return paths_section(data.get("paths") or [], "decode")
+        rows = [r for r in data.get("paths") or [] if r["rows_of"] == "decode"]
+        if not rows:
+            return ""
+        return ("<h2>Prefill against decode</h2><p>At each decoded position: the stack's row from its one prefill, "
+                "and its row from the KV cache, fed one teacher-forced token at a time (batch 1, n_tokens = 1; "
+                "other kernels than the prefill's). Both against the reference's prefill row there.</p>"
+                + paths_figure(rows, "decode", "prefill-decode"))
 
     def brief(self, value) -> list[str]:
         return [f"decode {value['steps']} steps from {value['at']}"]

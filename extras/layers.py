@@ -5,8 +5,9 @@ at the same sampled positions and from the same forward as its rows, in a `layer
 repeat. `matrix analyze` compares each state with the reference's same (prompt, position, layer)
 (cosine and norm ratio: the two gates, since cosine misses a dropped scale factor; NVIDIA
 TensorRT-Edge-LLM's few-layer numeric validation guide), and `matrix layers CELL` gives the verdict.
-An engine supports it by implementing `layer_states(token_ids, positions, layers)`, and optionally
-`forward_and_layers` (both from one forward) and `n_layers()`.
+An engine supports it by implementing `layer_states(token_ids, positions, layers)` and `n_layers()`,
+and optionally `forward_and_layers` (rows and states from one forward) and `layer_sources` (its
+own name of each state).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class LayersCapturer(Capturer):
 class Layers(Extra):
     key = column = "layers"
     hook = "layer_states"
+    requires = ("n_layers",)
     missing = "engine {engine} cannot give per-layer states (the cell asks for layers)"
     table = "layer_states"
     order = 10  # it replaces the forward the others read rows from

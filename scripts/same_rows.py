@@ -5,7 +5,7 @@
 Every table and summary view is read through the same DuckDB views `matrix sql` uses, ordered,
 and compared row for row (full-vocabulary logits included). Columns that differ between any two
 runs of one spec are left out: run ids, times, the driver's pid and argv, Ray node ids; so are
-the timings inside a JSON column (a decode cell's `decode_seconds`, a prefix cache check's `seconds`).
+the timings inside a JSON column (a per-cell extra's `seconds` or `decode_seconds`).
 Prints one line per table; exit 0 when every table is the same, 1 otherwise.
 """
 

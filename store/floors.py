@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from store.warehouse import shift_by_max, to_bf16, widen
+from store.values import shift_by_max, to_bf16, widen
 
 
 def kld_base_floor(scale: np.ndarray, min_log_prob: np.ndarray, n_clamped: np.ndarray) -> np.ndarray:

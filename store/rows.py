@@ -25,7 +25,7 @@ def _checked(table: str, row: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_fields(model) -> dict[str, Any]:
-    """Where a cell's reference weights came from (model: matrix.models.ResolvedModel)."""
+    """Where a cell's reference weights came from (model: matrix.spec.models.ResolvedModel)."""
     return {"model_identity": model.identity, "model_source": model.source,
             "source_sha256": model.source_sha256, "weights_sha256": model.weights_sha256,
             "model_license": getattr(model, "license", None)}

@@ -82,7 +82,7 @@ CELLS = pa.schema([
     ("stack_id", pa.string()), ("replica", pa.int32()),
     ("build", pa.string()), ("build_libraries", pa.string()),  # JSON: {library: {version, files}}
     # v6: a failed cell: the original exception's class and first line; attempts: how many times
-    # this run started the cell (an actor or node that died is retried; see matrix/failures.py)
+    # this run started the cell (an actor or node that died is retried; see matrix/run/failures.py)
     ("error_class", pa.string()), ("error", pa.string()), ("attempts", pa.int32()),
     # v8 JSON: the rows each prompt keeps, {"from", "to", "stride", "last"} (common/positions.py)
     ("positions", pa.string()),

@@ -208,8 +208,8 @@ def _shards(wh: Warehouse) -> set[tuple[str, int, str]]:
     return out
 
 
-def verify(wh: Warehouse, cells: list[str] | None = None, log: Callable[[str], None] = lambda m: None,
-           side_tables: Callable[[dict], tuple[str, ...]] = lambda c: ()) -> dict:
+def verify(wh: Warehouse, cells: list[str] | None = None, log: Callable[[str], None] = lambda m: None, *,
+           side_tables: Callable[[dict], tuple[str, ...]]) -> dict:
     """Every table file and every shard (of `cells`, a list of cell ids or stack-id prefixes, when
     given). side_tables: the shard tables a done cells row has beside its logits (the per-cell
     extras': extras.side_tables); a missing one is damage. Returns the report; nothing is written."""

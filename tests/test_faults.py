@@ -207,7 +207,7 @@ def test_a_frozen_actor_is_stopped_by_the_time_limit(tiny_model, short_corpus, t
 
 
 # -- a full disk -----------------------------------------------------------------------------
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI and dev boxes run as root)")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
 
 
 def _mount(path: Path, opts: str) -> None:

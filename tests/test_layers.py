@@ -142,6 +142,23 @@ def test_no_function_is_longer_than_60_lines():
     assert long == [], "\n".join(long)
 
 
+def test_every_project_import_names_a_module():
+    """`from matrix.spec.models import fetch` must name a module that exists: the walk above trims
+    an unknown dotted name back to a known one, so a wrong path would pass it unseen."""
+    wrong = []
+    for pkg in [*PACKAGES, "benchmarks", "scripts", "tests"]:
+        for f in sorted((REPO / pkg).rglob("*.py")):
+            for n in ast.walk(ast.parse(f.read_text())):
+                names = [n.module] if isinstance(n, ast.ImportFrom) and n.module and not n.level else \
+                    [a.name for a in n.names] if isinstance(n, ast.Import) else []
+                for name in names:
+                    if name.split(".")[0] in PACKAGES:
+                        where = REPO / name.replace(".", "/")
+                        if not (where.with_suffix(".py").is_file() or (where / "__init__.py").is_file()):
+                            wrong.append(f"{f.relative_to(REPO)}:{n.lineno} {name}")
+    assert wrong == [], "\n".join(wrong)
+
+
 def test_no_source_file_is_longer_than_400_lines():
     long = [f"{f.relative_to(REPO)} ({n} lines)" for pkg in [*PACKAGES, "benchmarks", "scripts"]
             for f in sorted((REPO / pkg).rglob("*.py")) if (n := len(f.read_text().splitlines())) > MAX_FILE_LINES]
@@ -177,3 +194,10 @@ def test_the_walk_sees_a_planted_upward_import_and_cycle(tmp_path, monkeypatch):
         assert "matrix.b" in str(e) and "store.a" in str(e)
     else:
         raise AssertionError("the cycle was not seen")
+    (tmp_path / "store" / "c.py").write_text("from store.nowhere import x\n")
+    try:
+        test_every_project_import_names_a_module()
+    except AssertionError as e:
+        assert "store/c.py:1 store.nowhere" in str(e)
+    else:
+        raise AssertionError("the import of a module that does not exist was not seen")

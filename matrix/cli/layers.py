@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
 
 # What `matrix cells` prints of a cell's extras (layer states, rows off the plain prefill).
 def off_prefill(c: dict) -> str:
-    """What a cell records beside its prefill rows (the extras that write decode-file paths)."""
+    """What a cell records beside its prefill rows (the extras that write paths of its d<repeat> file)."""
     parts = [w for x in extras.registered() if x.paths and c.get(x.key) is not None for w in x.brief(c[x.key])]
     return "; ".join(parts) or "-"
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
 
 import extras
 from common import ids
 from common.stack import Cell
-from matrix.run import launch
 from matrix.run.failures import Failure
+from matrix.run.live import Live
 from matrix.run.plan import Plan
 from store import Warehouse
 from store import rows as R
@@ -27,7 +26,7 @@ def _cell_fields(plan: Plan, cell: Cell) -> dict:
             "positions": plan.spec.positions.to_json(),
             "corpus": plan.spec.corpus, "options": json.dumps(cell.opts, sort_keys=True),
             "centroid_group": cell.centroid_group, "centroid": plan.spec.centroid, "calibration": cell.calibration,
-            "stack_id": ids.split_cell_id(cell.stack_id)[0], "replica": cell.replica, "build": cell.build}
+            "stack_id": ids.base_stack(cell.stack_id), "replica": cell.replica, "build": cell.build}
 
 
 def skipped_row(plan: Plan, cell: Cell, run_id: str, reason: str) -> dict:
@@ -43,29 +42,6 @@ def failed_row(plan: Plan, live: Live, run_id: str, failure: Failure, attempts: 
                       error_class=failure.error_class, error=failure.message, attempts=attempts,
                       host=loaded.get("host"), node_id=loaded.get("node_id"),
                       build_libraries=json.dumps(plan.builds.get(live.cell.cell_id), sort_keys=True))
-
-
-@dataclass
-class Live:
-    """One cell in flight: its actors, what has come back, and how many captures are still out."""
-
-    cell: Cell
-    started: launch.Started
-    threads: int
-    left: int
-    loaded: dict | None = None
-    parity: dict | None = None
-    capture_s: float = 0.0
-    storage: list = field(default_factory=list)  # each capture's storage summary (actors/capture.py)
-    # What rank 0's actor is doing now (its calls run in order) and since when; "placing" has no
-    # time limit (it waits for a node), the others have the spec's.
-    phase: str = "placing"
-    since: float = field(default_factory=time.perf_counter)
-    repeats: list[int] = field(default_factory=list)  # captures not back yet, in queue order
-    capture_limit_s: float = 0.0  # capture_timeout_s, or its default for this cell's tokens
-    inline: dict = field(default_factory=dict)  # repeat -> metrics its actor measured (reference_metrics: in_actor)
-    extras: dict = field(default_factory=dict)  # per-cell extra key -> its part of each capture's manifest
-
 
 
 def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse, attempts: int = 1) -> dict:
@@ -177,9 +153,8 @@ class Outcomes:
         self.rows += result["rows"]
         live.capture_s += result["seconds"]
         live.storage.append(result["storage"])
-        for key in extras.keys():  # each per-cell extra's part of the manifest
-            if result.get(key):
-                live.extras.setdefault(key, []).append(result[key])
+        for key, part in result.get("extras", {}).items():  # each per-cell extra's part of the manifest
+            live.extras.setdefault(key, []).append(part)
         if result.get("metrics") is not None:
             live.inline[repeat] = result["metrics"]
         live.left -= 1

@@ -132,9 +132,11 @@ def bind(plan: Plan, wh: Warehouse, nodes: list, log: Callable[[str], None], res
 
 
 def _other_build(cell: Cell, rows: dict[str, dict], repeats: int) -> dict | None:
-    """The newest complete capture of this stack (and replica) by another engine build."""
+    """The newest complete capture of this stack (and replica) by another engine build: one whose
+    id is the stack at its recorded build (or the stack alone, captured before builds were recorded)."""
     same = [r for cid, r in rows.items() if cid.partition("@")[0] == cell.stack_id and cid != cell.cell_id
-            and r["status"] == "done" and (r["repeats"] or 0) >= repeats]
+            and r["status"] == "done" and (r["repeats"] or 0) >= repeats
+            and cid == dataclasses.replace(cell, build=r.get("build")).cell_id]
     return max(same, key=lambda r: r["finished_at"]) if same else None
 
 

@@ -17,7 +17,8 @@ from common.stack import Cell
 from matrix.run import launch, placement, retry
 from matrix.run.failures import Failure
 from matrix.run.launch import Call, Kind
-from matrix.run.outcome import Live, Outcomes
+from matrix.run.live import Live
+from matrix.run.outcome import Outcomes
 from matrix.run.plan import Plan
 from matrix.spec.cells import model_copy, stack_desc
 from store import Warehouse

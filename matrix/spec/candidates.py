@@ -161,8 +161,9 @@ def _config_dtype(d: str) -> str:
     return by_torch.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), "fp32")
 
 
-def cells(spec, corpus_fp: str, make_cell_id, cell_options) -> list[Cell]:
-    """The spec's candidates as cells (matrix/spec/cells.py expand adds them to the sweep)."""
+def cells(spec, corpus_fp: str, make_cell_id, cell_options, cell_extras) -> list[Cell]:
+    """The spec's candidates as cells (matrix/spec/cells.py expand adds them to the sweep); each
+    records the spec's per-cell extras, as its id says."""
     out = []
     for c in spec.candidates:
         path, sha, pin, dtype, attention = _what(spec, c)
@@ -176,7 +177,7 @@ def cells(spec, corpus_fp: str, make_cell_id, cell_options) -> list[Cell]:
         group = next((g for g, sels in spec.centroid_groups
                       if any(all(combo.get(k) == v for k, v in sel.items()) for sel in sels)), None)
         out.append(Cell(**{k: combo[k] for k in ("model", "engine", "dtype", "attention", "tp", "device")},
-                        threads=combo.get("threads", spec.threads), stack_id=cid,
+                        threads=combo.get("threads", spec.threads), stack_id=cid, extras=cell_extras(spec, combo),
                         max_tokens=spec.max_tokens, options=tuple(opts.items()), centroid_group=group,
                         calibration=c["calibration"],
                         artifact=path or "source", artifact_sha256=sha,

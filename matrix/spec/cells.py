@@ -1,5 +1,5 @@
 """A spec's matrix expanded into cells (GitHub Actions semantics), with their ids and the
-typed description each cell's backend is given. `load_spec` is parse (spec.py) + expand."""
+typed description each cell's backend is given. `load_spec` is parse (parse.py) + expand."""
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def unsupported(cell: Cell) -> str | None:
 def _candidate_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: list) -> None:
     from matrix.spec import candidates
 
-    for cell in candidates.cells(spec, corpus_fp, make_cell_id, cell_options):
+    for cell in candidates.cells(spec, corpus_fp, make_cell_id, cell_options, cell_extras):
         reason = unsupported(cell)
         if reason:
             skipped.append({**cell.axes(), "cell_id": cell.cell_id, "reason": reason})

@@ -96,7 +96,7 @@ class Spec:
     replicas: int = 1  # default copies of each stack, each on its own node
     retries: int = 2  # a cell whose actor or node died is started again up to this many times
     load_timeout_s: float = 3600.0  # from the actor's start: weights shipped, artifacts built, engine loaded
-    capture_timeout_s: float | None = None  # per repeat (None: matrix/run/sweep.py scales it by tokens fed)
+    capture_timeout_s: float | None = None  # per repeat (None: matrix/run/retry.py scales it by tokens fed)
     centroid: str = "mean_prob"  # centroid definition
     centroid_groups: list = field(default_factory=list)  # [(name, [selector, ...])], first match wins
     positions: P.Positions = field(default_factory=P.Positions)  # which rows each prompt keeps

@@ -1,0 +1,32 @@
+"""One cell in flight: its actors, what has come back from them, and where rank 0's queue stands.
+The run loop (matrix/run/sweep.py) schedules with it; matrix/run/outcome.py writes its row from it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from common.stack import Cell
+from matrix.run import launch
+
+
+@dataclass
+class Live:
+    """One cell in flight: its actors, what has come back, and how many captures are still out."""
+
+    cell: Cell
+    started: launch.Started
+    threads: int
+    left: int
+    loaded: dict | None = None
+    parity: dict | None = None
+    capture_s: float = 0.0
+    storage: list = field(default_factory=list)  # each capture's store.floors.Storage.summary()
+    # What rank 0's actor is doing now (its calls run in order) and since when; "placing" has no
+    # time limit (it waits for a node), the others have the spec's.
+    phase: str = "placing"
+    since: float = field(default_factory=time.perf_counter)
+    repeats: list[int] = field(default_factory=list)  # captures not back yet, in queue order
+    capture_limit_s: float = 0.0  # capture_timeout_s, or its default for this cell's tokens
+    inline: dict = field(default_factory=dict)  # repeat -> metrics its actor measured (reference_metrics: in_actor)
+    extras: dict = field(default_factory=dict)  # per-cell extra key -> its part of each capture's manifest
