@@ -108,12 +108,12 @@ def analyses() -> list[tuple[str, Callable, Callable]]:
     out = [(x.key, x.analyze, x.analysis_line) for x in registered() if type(x).analyze is not Extra.analyze]
     rules = {p: r for x in registered() for p, r in x.path_rules().items()}
     if rules:
-        from analysis.decode_analysis import analyze_decode
+        from analysis.side_analysis import analyze_side
 
         def paths(wh, done, reference, force, log):
             if not any(r.active(c) for c in done for r in rules.values()):
                 return None
-            return analyze_decode(wh, done, force, log, rules)
+            return analyze_side(wh, done, force, log, rules)
 
         out.append(("decode", paths, lambda dc: (
             f"decode metrics: {dc['cells']} cell(s), {dc['rows']} rows off the prefill path ({dc['reused']} up to "
@@ -215,7 +215,7 @@ class Extra:
         return f"{self.key}: {part}"
 
     def path_rules(self) -> dict:
-        """{path: analysis.decode_analysis.PathRule} for each decode-file path it writes."""
+        """{path: analysis.side_analysis.PathRule} for each side-file path it writes."""
         return {}
 
     def card(self, warehouse: str, cell_row: dict) -> dict | None:

@@ -4,7 +4,7 @@ A KV-cache decode runs other kernels than a prefill (n_tokens = 1; ggml-org/llam
 its rows may differ from the prefill's at the same position. From each start p the engine
 continues from its KV cache one token at a time (teacher-forced: each step is fed the prompt's own
 next id, batch 1) for K steps. Both rows of each decoded position, the decode row (path 'decode')
-and a prefill row of the same stack there (path 'prefill'), go to the repeat's decode file (d<repeat>).
+and a prefill row of the same stack there (path 'prefill'), go to the repeat's side file (d<repeat>).
 An engine supports it by implementing `decode(token_ids, at, steps)`.
 """
 
@@ -57,7 +57,7 @@ class Decode(Extra):
     key = column = "decode"
     hook = "decode"
     missing = "engine {engine} cannot run the decode path here (the cell asks for decode rows)"
-    table = "decode"
+    table = "side"
     paths = ("decode",)
     order = 30
     rank = 20
@@ -114,9 +114,9 @@ class Decode(Extra):
                            "decode_seconds": sum(x["seconds"] for x in d)}, sort_keys=True)
 
     def path_rules(self) -> dict:
-        from analysis.decode_analysis import PathRule
+        from analysis.side_analysis import PathRule
 
-        # the reference's own decode file holds its prefill rows at the decoded positions
+        # the reference's own side file holds its prefill rows at the decoded positions
         return {"decode": PathRule(active=self.active_in, reference_file=True)}
 
     def card(self, warehouse: str, cell: dict) -> dict | None:

@@ -3,7 +3,7 @@
 Each prompt is evaluated a second time with the engine's prefix cache warm from the first, by the
 engine's own reuse rule; a cached prefix is not recomputed, so the rows after it come from other
 kernels than a fresh prefill's (ggml-org/llama.cpp#2838). Each recomputed row (path 'prefix_cached')
-goes to the repeat's decode file beside the capture's own fresh row at that position (path
+goes to the repeat's side file beside the capture's own fresh row at that position (path
 'prefill', step 0). An engine supports it by implementing `warm_rows(token_ids, positions)`
 and may describe its reuse rule in `warm_rule` (recorded in the cell's settings).
 """
@@ -51,7 +51,7 @@ class PrefixCache(Extra):
     key = column = "prefix_cache"
     hook = "warm_rows"
     missing = "engine {engine} has no prefix cache to check here (the cell asks for prefix_cache: check)"
-    table = "decode"
+    table = "side"
     paths = (PATH,)
     order = 20  # reads the prompt's fresh rows
     rank = 30
@@ -91,7 +91,7 @@ class PrefixCache(Extra):
                            "seconds": sum(x["seconds"] for x in d)}, sort_keys=True)
 
     def path_rules(self) -> dict:
-        from analysis.decode_analysis import PathRule
+        from analysis.side_analysis import PathRule
 
         # its rows sit at sampled positions: the reference's capture shard holds the rows to compare with
         return {PATH: PathRule(active=self.active_in, hits=lambda c: loads(c[self.key])["hits"],

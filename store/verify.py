@@ -101,7 +101,7 @@ def check_rows(rows: pa.Table, path: str, cell_id: str | None, repeat: int | Non
 
 def verify_shard(wh: Warehouse, cell_id: str, repeat: int, expected_rows: int | None,
                  table: str = "logits") -> tuple[list[Damage], int, int]:
-    """(damage, rows checked, file bytes) of one shard (a logits shard, or a cell's decode file: the
+    """(damage, rows checked, file bytes) of one shard (a logits shard, or a cell's side file: the
     same schema), row group by row group (bounded memory)."""
     if table == "layer_states":
         return verify_layer_shard(wh, cell_id, repeat)
@@ -196,7 +196,7 @@ SHARD_TABLES = ("logits", "layer_states")  # files of rows with their row hashes
 
 
 def _shards(wh: Warehouse) -> set[tuple[str, int, str]]:
-    """(cell, repeat, table) of every shard file: logits r<n> / d<n> (decode), layer_states r<n>."""
+    """(cell, repeat, table) of every shard file: logits r<n> / d<n> (side), layer_states r<n>."""
     out = set()
     for prefix in SHARD_TABLES:
         for key in wh.loc.list(f"{prefix}/"):
@@ -204,7 +204,7 @@ def _shards(wh: Warehouse) -> set[tuple[str, int, str]]:
             m = re.fullmatch(r"([rd])(\d+)\.parquet", name)
             if m is None or (m[1] == "d" and prefix != "logits"):  # not a file this version writes
                 continue
-            out.add((cid, int(m[2]), "decode" if m[1] == "d" else prefix))
+            out.add((cid, int(m[2]), "side" if m[1] == "d" else prefix))
     return out
 
 

@@ -23,7 +23,7 @@ META_KEY = "logit_matrix"  # Parquet key-value metadata of analysis outputs
 # Byte-stream-split needs the leaf path of a list column; the flag alone ignores it.
 LOGITS_LEAF = "logits.list.element"
 # A shard kind -> (table directory, file letter): logits/<cell>/r0.parquet, logits/<cell>/d0.parquet, ...
-SHARD_FILES = {"logits": ("logits", "r"), "decode": ("logits", "d"), "layer_states": ("layer_states", "r")}
+SHARD_FILES = {"logits": ("logits", "r"), "side": ("logits", "d"), "layer_states": ("layer_states", "r")}
 
 
 class Warehouse:
@@ -169,8 +169,9 @@ class Warehouse:
         return self.loc.exists(f"{table}/{name}.parquet")
 
     # -- logits shards --------------------------------------------------------------
-    # table: "logits", "layer_states" (a `layers:` cell's second shard of each repeat) or "decode"
-    # (a `decode:` cell's decode rows: logits rows in their own file, SHARD_FILES)
+    # table: "logits" (a capture's rows), "layer_states" (hidden states: a second shard of each repeat)
+    # or "side" (the d<repeat> file: logits rows off the plain prefill, each with its path, beside the
+    # prefill row they are compared with; written by the per-cell extras)
     @staticmethod
     def shard_key(cell_id: str, repeat: int, table: str = "logits") -> str:
         where, letter = SHARD_FILES[table]
@@ -212,7 +213,7 @@ def rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, positions
                path: list[str] | None = None, step: list[int] | None = None) -> pa.Table:
     """One prompt's rows as a LOGITS table. native: (rows, vocab) as returned by a backend, or as
     stored (`store: bf16`) with shift (rows,) what was subtracted from each row; path / step per
-    row for a decode file (null for a capture's rows)."""
+    row for a side file (null for a capture's rows)."""
     n, vocab = native.shape
     assert n == len(positions), (n, len(positions))
     dtype = native_dtype_of(native)

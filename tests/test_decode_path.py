@@ -198,7 +198,7 @@ def test_verify_checks_decode_files_row_by_row(decoded, tmp_path):
     shutil.copytree(wh, copy)
     r = run_cli("verify", "--warehouse", str(copy), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout)["shards"] == 6  # three cells: each its capture shard and its decode file
+    assert json.loads(r.stdout)["shards"] == 6  # three cells: each its capture shard and its side file
     q8, f16 = (sql(copy, f"select cell_id from cells where dtype = '{d}'")[0]["cell_id"] for d in ("q8_0", "f16"))
     _tamper(copy / "logits" / q8 / "d0.parquet", "logits")
     (copy / "logits" / f16 / "d0.parquet").unlink()

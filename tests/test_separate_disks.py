@@ -145,7 +145,7 @@ def test_sweep_on_nodes_without_the_drivers_disk(tiny_model, short_corpus, swept
                      "* any_value(c.repeats) as rows from layer_states s join cells c using (cell_id) group by all")
     assert sorted((s["engine"], s["layers"], s["n"] == 2 * s["rows"]) for s in states) == \
         [("hf", 2, True), ("llamacpp", 2, True)]
-    # and so did the decode files (a decode and a prefill row per prompt, step and repeat)
+    # and so did the side files (a decode and a prefill row per prompt, step and repeat)
     dec = sql(wh, "select c.engine, l.path, count(*) as n, any_value(c.n_prompts) * any_value(c.repeats) * 2 as want "
                   "from logits l join cells c using (cell_id) where l.path is not null group by all")
     assert sorted((d["engine"], d["path"], d["n"] == d["want"]) for d in dec) == \

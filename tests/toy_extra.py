@@ -31,7 +31,7 @@ class EchoCapturer(Capturer):
 class Echo(Extra):
     key = "echo"
     hook = "forward"
-    table = "decode"
+    table = "side"
     paths = ("echo",)
     order = 40
 
@@ -55,7 +55,7 @@ class Echo(Extra):
         return "echo" in loads(cell_row.get("settings"))
 
     def path_rules(self):
-        from analysis.decode_analysis import PathRule
+        from analysis.side_analysis import PathRule
 
         return {"echo": PathRule(active=self.active_in, reference_shard=True)}
 

@@ -1,11 +1,11 @@
-"""`matrix analyze`'s part for rows off the plain prefill path: every row of a cell's decode file
+"""`matrix analyze`'s part for rows off the plain prefill path: every row of a cell's side file
 whose path is not 'prefill' (each per-cell extra that writes there names its paths and a PathRule:
 fed one token at a time from the KV cache, recomputed with a warm cache, ...) against the same
 position's prefill row of the same cell, and against the reference's prefill row there, into
 `decode_metrics/<cell_id>.parquet`.
 
-A decode file is small (starts x steps x prompts rows, or a few rows per prompt), so it is read whole;
-the reference's rows come from its own decode file where it has one, else from its capture's shard
+A side file is small (starts x steps x prompts rows, or a few rows per prompt), so it is read whole;
+the reference's rows come from its own side file where it has one, else from its capture's shard
 (a prefix-cached row sits at a sampled position). The output is rewritten only when its inputs changed
 (content key in its metadata, as the other analysis outputs)."""
 
@@ -30,24 +30,24 @@ DECODE_KERNEL = f"decode-2+metrics-{M.KERNEL_VERSION}"
 
 @dataclass(frozen=True)
 class PathRule:
-    """How one path of the decode file is compared (declared by the extra that writes it)."""
+    """How one path of the side file is compared (declared by the extra that writes it)."""
 
     active: Callable[[dict], bool]  # whether a cells row recorded rows on this path
-    # the reference's own decode file holds its prefill rows at this path's positions (else: its shard)
+    # the reference's own side file holds its prefill rows at this path's positions (else: its shard)
     reference_file: bool = False
     hits: Callable[[dict], dict] | None = None  # prompt -> leading tokens a cache served (cached_tokens)
     reference_shard: bool = False  # its rows sit at sampled positions: the reference's shard is an input
 
 
 def _digest(wh: Warehouse, cell_id: str, repeat: int) -> str:
-    """A decode file's content key part, from its row hashes alone (no logits read)."""
-    hashes = wh.read_shard(cell_id, repeat, ["row_hash"], "decode").column("row_hash").to_pylist()
+    """A side file's content key part, from its row hashes alone (no logits read)."""
+    hashes = wh.read_shard(cell_id, repeat, ["row_hash"], "side").column("row_hash").to_pylist()
     return hashlib.sha256("".join(hashes).encode()).hexdigest()
 
 
 def _read(wh: Warehouse, cell_id: str, repeat: int, paths: tuple[str, ...]) -> dict[str, Any]:
     """{path: {(prompt, position, step): row index}, "values": (rows, vocab) float32, "hash"}."""
-    t = wh.read_shard(cell_id, repeat, ["prompt_id", "position", "step", "path", "row_hash", "logits"], "decode")
+    t = wh.read_shard(cell_id, repeat, ["prompt_id", "position", "step", "path", "row_hash", "logits"], "side")
     d = t.select(["prompt_id", "position", "step", "path", "row_hash"]).to_pydict()
     out: dict[str, Any] = {"prefill": {}, **{p: {} for p in paths}, "hash": d["row_hash"],
                            "values": logits_matrix(t.column("logits"))}  # (rows, vocab) float32, exact
@@ -58,14 +58,14 @@ def _read(wh: Warehouse, cell_id: str, repeat: int, paths: tuple[str, ...]) -> d
 
 
 class Reference:
-    """The reference's prefill row at (prompt, position): from its decode file, else its capture's shard.
+    """The reference's prefill row at (prompt, position): from its side file, else its capture's shard.
     One per reference, shared by its cells; each part is read the first time it is needed."""
 
     def __init__(self, wh: Warehouse, ref_id: str, has_file: bool, paths: tuple[str, ...]):
         self.wh, self.ref_id, self.has_file, self.paths = wh, ref_id, has_file, paths
 
     @functools.cached_property
-    def digest(self) -> str | None:  # of its decode file (row hashes only)
+    def digest(self) -> str | None:  # of its side file (row hashes only)
         return _digest(self.wh, self.ref_id, 0) if self.has_file else None
 
     @functools.cached_property
@@ -73,7 +73,7 @@ class Reference:
         return shard_index(self.wh, self.ref_id, 0)
 
     @functools.cached_property
-    def file(self) -> dict | None:  # its decode file, logits included
+    def file(self) -> dict | None:  # its side file, logits included
         return _read(self.wh, self.ref_id, 0, self.paths) if self.has_file else None
 
     @functools.cached_property
@@ -125,7 +125,7 @@ def compare(cell_id: str, repeat: int, mine: dict, ref: Reference | None, hits: 
 
 
 def _key(wh: Warehouse, cell: dict, ref: Reference | None, repeats: list[int], rules: dict[str, PathRule]) -> str:
-    """Content key: this cell's decode files, the reference's decode file and capture shard."""
+    """Content key: this cell's side files, the reference's side file and capture shard."""
     shard = any(r.reference_shard and r.active(cell) for r in rules.values())
     parts = {"kernel": DECODE_KERNEL, "ref": ref and ref.ref_id, "ref_digest": ref and ref.digest,
              "ref_shard": ref.index.digest if ref and shard else None,
@@ -133,7 +133,7 @@ def _key(wh: Warehouse, cell: dict, ref: Reference | None, repeats: list[int], r
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def analyze_decode(wh: Warehouse, done: list[dict], force: bool, log: Callable[[str], None],
+def analyze_side(wh: Warehouse, done: list[dict], force: bool, log: Callable[[str], None],
                    rules: dict[str, PathRule]) -> dict[str, Any]:
     """rules: path -> PathRule, for every path a per-cell extra writes (in the order compared)."""
     by_id = {c["cell_id"]: c for c in done}
@@ -148,9 +148,9 @@ def analyze_decode(wh: Warehouse, done: list[dict], force: bool, log: Callable[[
         ref_file = bool(ref_id and any(r.reference_file and r.active(by_id[ref_id]) for r in rules.values()))
         if any(r.reference_file for r in active) and not ref_file:
             out["no_reference_rows"].append(cell["cell_id"])
-            log(f"decode: {cell['cell_id']}: its reference {ref_id} recorded no decode file; "
-                "decode rows are compared with this cell's own prefill only")
-        repeats = sorted(wh.completed_repeats(cell["cell_id"], "decode"))
+            log(f"{cell['cell_id']}: its reference {ref_id} recorded no side file; "
+                "its rows off the prefill are compared with this cell's own prefill only")
+        repeats = sorted(wh.completed_repeats(cell["cell_id"], "side"))
         ref = refs.setdefault(ref_id, Reference(wh, ref_id, ref_file, paths)) if ref_id else None
         key = _key(wh, cell, ref, repeats, rules)
         meta = wh.table_meta("decode_metrics", cell["cell_id"]) or {}
