@@ -1,7 +1,8 @@
 """Per-cell extras: what a cell records beside its rows, each in one module of this package.
 
 An extra is a spec key whose value rides on the cell (`Cell.extras`, `StackDesc.extras`) and is
-part of its id; each module of this package holds one and names its class in `EXTRA`. Its module declares all the core needs:
+part of its id; each module of this package holds one and names its class in `EXTRA`. Its
+module declares all the core needs:
 
     key, parse            the spec key and its parser (None: off for that cell)
     hook                  the engine method that supports it: an engine implements it, no flag elsewhere
@@ -44,7 +45,6 @@ def _builtin() -> dict[str, str]:
 def register(key: str, target: str) -> None:
     """Add an extra: `target` is "module:Class" of an Extra subclass whose key is `key`."""
     _added[key] = target
-    _load.cache_clear()
 
 
 def _env() -> dict[str, str]:
@@ -60,9 +60,14 @@ def _load(target: str) -> "Extra":
     return extra
 
 
+def _targets() -> dict[str, str]:
+    """key -> "module:Class": the package's own, then the environment's, then those registered here."""
+    return {**_builtin(), **_env(), **_added}
+
+
 def registered() -> list["Extra"]:
     """Every extra, built-ins first, in the order their rows and card blocks appear."""
-    return [_load(t) for t in {**_builtin(), **_env(), **_added}.values()]
+    return [_load(t) for t in _targets().values()]
 
 
 def get(key: str) -> "Extra":
@@ -88,24 +93,20 @@ def targets(stack_or_cell) -> tuple[str, ...]:
 def adopt(entries: tuple[str, ...]) -> None:
     for entry in entries:
         key, _, target = entry.partition("=")
-        if key not in {**_builtin(), **_env(), **_added}:
+        if key not in _targets():
             register(key, target)
 
 
 def side_tables(cell_row: dict) -> tuple[str, ...]:
     """The shard tables a done cell has beside its logits (for `matrix verify` and resume)."""
-    out: list[str] = []
-    for x in registered():
-        if x.active_in(cell_row) and x.table not in out:
-            out.append(x.table)
-    return tuple(out)
+    return tuple(dict.fromkeys(x.table for x in registered() if x.active_in(cell_row)))
 
 
 def analyses() -> list[tuple[str, Callable, Callable]]:
     """(name, analysis(wh, done, reference, force, log) -> summary or None, its one log line) for
     `matrix analyze`: each extra's own, then one pass over the d<repeat> file's paths of every extra
     that writes some (its decode_metrics table)."""
-    out = [(x.key, x.analyze, x.analysis_line) for x in registered() if type(x).analyze is not Extra.analyze]
+    out = [(x.key, x.analyze, x.analysis_line) for x in registered()]  # None from one with nothing to say
     rules = {p: r for x in registered() for p, r in x.path_rules().items()}
     if rules:
         from analysis.side_analysis import analyze_side
@@ -235,6 +236,20 @@ class Extra:
 
 def loads(text: str | None) -> dict:
     return json.loads(text) if text else {}
+
+
+def add_pairs(writer, prompt_id: str, whole: list[int], positions: list[int], prefill, other, path: str,
+              steps: list[int]) -> tuple[int, float]:
+    """Each row `other` recomputed at `positions` into a side file beside the same position's prefill
+    row (path 'prefill'), both with the whole prompt's next token; steps: each pair's step.
+    -> agreement(prefill, other): (rows byte-identical, max |prefill - other|)."""
+    import numpy as np
+
+    nxt = [whole[p + 1] if p + 1 < len(whole) else None for p in positions]
+    n = len(positions)
+    writer.add(prompt_id, positions + positions, nxt + nxt, np.concatenate([prefill, other.astype(prefill.dtype)]),
+               None, ["prefill"] * n + [path] * n, steps * 2)
+    return agreement(prefill, other)
 
 
 def agreement(a, b) -> tuple[int, float]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from extras import Capturer, Extra, agreement, loads
+from extras import Capturer, Extra, add_pairs, loads
 
 
 class DecodeCapturer(Capturer):
@@ -39,12 +39,9 @@ class DecodeCapturer(Capturer):
         t0 = time.perf_counter()
         decoded = np.concatenate([self.backend.decode(whole, a, self.steps) for a in starts])  # (points, vocab)
         self.seconds += time.perf_counter() - t0
-        q = [a + s for a, s in points]
-        nxt = [whole[p + 1] if p + 1 < len(whole) else None for p in q]
-        self.writer.add(prompt_id, q + q, nxt + nxt, np.concatenate([prefill, decoded.astype(prefill.dtype)]),
-                        None, ["prefill"] * len(q) + ["decode"] * len(q), [s for _, s in points] * 2)
-        self.rows += 2 * len(q)
-        same, diff = agreement(prefill, decoded)
+        same, diff = add_pairs(self.writer, prompt_id, whole, [a + s for a, s in points], prefill, decoded,
+                               "decode", [s for _, s in points])
+        self.rows += 2 * len(points)
         self.identical += same
         self.max_abs = max(self.max_abs, diff)
 

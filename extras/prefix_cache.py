@@ -14,9 +14,8 @@ import json
 import time
 from typing import Any
 
-import numpy as np
 
-from extras import Capturer, Extra, agreement, loads
+from extras import Capturer, Extra, add_pairs, loads
 
 PATH = "prefix_cached"
 
@@ -32,12 +31,8 @@ class PrefixCapturer(Capturer):
         self.got["seconds"] += time.perf_counter() - t0
         idx = [i for i, p in enumerate(positions) if p >= hit]
         q = [positions[i] for i in idx]
-        nxt = [whole[p + 1] if p + 1 < len(whole) else None for p in q]
-        pre = fresh[idx]  # (rows, vocab)
-        self.writer.add(prompt_id, q + q, nxt + nxt, np.concatenate([pre, cached.astype(pre.dtype)]), None,
-                        ["prefill"] * len(q) + [PATH] * len(q), [0] * (2 * len(q)))
+        same, diff = add_pairs(self.writer, prompt_id, whole, q, fresh[idx], cached, PATH, [0] * len(q))
         c = self.got
-        same, diff = agreement(pre, cached)
         c["rows"] += 2 * len(q)
         c["hits"][prompt_id] = int(hit)
         c["identical_rows"] += same

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 
-from extras import Capturer, Extra, agreement, loads
+from extras import Capturer, Extra, add_pairs, loads
 
 
 class EchoCapturer(Capturer):
@@ -18,11 +17,9 @@ class EchoCapturer(Capturer):
 
     def after(self, prompt_id, whole, fed, positions, rows) -> None:
         again = self.backend.forward(fed, positions)  # (rows, vocab), native dtype
-        nxt = [whole[p + 1] if p + 1 < len(whole) else None for p in positions]
-        self.writer.add(prompt_id, positions + positions, nxt + nxt, np.concatenate([rows, again]), None,
-                        ["prefill"] * len(positions) + ["echo"] * len(positions), [0] * (2 * len(positions)))
+        self.identical += add_pairs(self.writer, prompt_id, whole, positions, rows, again, "echo",
+                                    [0] * len(positions))[0]
         self.rows += 2 * len(positions)
-        self.identical += agreement(rows, again)[0]
 
     def summary(self):
         return {"rows": self.rows, "identical_rows": self.identical}

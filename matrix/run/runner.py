@@ -134,9 +134,8 @@ def bind(plan: Plan, wh: Warehouse, nodes: list, log: Callable[[str], None], res
 def _other_build(cell: Cell, rows: dict[str, dict], repeats: int) -> dict | None:
     """The newest complete capture of this stack (and replica) by another engine build: one whose
     id is the stack at its recorded build (or the stack alone, captured before builds were recorded)."""
-    same = [r for cid, r in rows.items() if cid.partition("@")[0] == cell.stack_id and cid != cell.cell_id
-            and r["status"] == "done" and (r["repeats"] or 0) >= repeats
-            and cid == dataclasses.replace(cell, build=r.get("build")).cell_id]
+    same = [r for cid, r in rows.items() if cid != cell.cell_id and r["status"] == "done"
+            and (r["repeats"] or 0) >= repeats and cid == dataclasses.replace(cell, build=r.get("build")).cell_id]
     return max(same, key=lambda r: r["finished_at"]) if same else None
 
 
@@ -151,7 +150,7 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
     damaged shard is moved aside (never deleted) to be captured again; without, it is refused."""
     from store.verify import verify_shard
 
-    want, done = expected_rows(plan, cell), set()
+    want, side, done = expected_rows(plan, cell), side_rows(plan, cell), set()
     for r in sorted(wh.completed_repeats(cell.cell_id)):
         if resume.recapture_damaged:
             damage, _, _ = verify_shard(wh, cell.cell_id, r, want)
@@ -162,7 +161,7 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
                 why = None if n == want else f"{n} rows, the cell has {want} per repeat"
             except Exception as e:  # a truncated or overwritten file: Parquet says why
                 why = "unreadable: " + first_line(str(e), type(e).__name__)
-        for table, (rows, exact) in side_rows(plan, cell).items():  # the extras' shards, complete too
+        for table, (rows, exact) in side.items():  # the extras' shards, complete too
             why = why or _side_shard_problem(wh, cell, r, table, rows, exact)
         if why is None:
             done.add(r)
