@@ -1,9 +1,11 @@
-"""The Ray actor that hosts one loaded stack.
+"""What hosts one loaded stack: a Ray actor (actors/ray_actor.py) or a worker process of the
+local executor (actors/local_host.py) holds one StackHost and runs its calls in order.
 
-Full-vocab float arrays never travel through Ray as Python objects. A node that sees the
-warehouse directory writes its Parquet shard itself; one that does not (another computer)
-sends each prompt's row group to the driver's depot, already encoded (actors/depot.py).
-Either way the call returns a small manifest (path, row count, times, where the rows went).
+Full-vocab float arrays never travel as Python objects. A node that sees the warehouse
+directory writes its Parquet shard itself; one that does not (another computer) sends each
+prompt's row group to the driver's depot, already encoded (actors/depot.py). Either way the
+call returns a small manifest (path, row count, times, where the rows went). This module never
+imports ray: the Ray actor subclasses StackHost for the facts only Ray knows (node id, GPUs).
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ import socket
 import time
 from dataclasses import dataclass
 from typing import Any
-
-import ray
 
 import extras
 from actors.capture import capture_shard
@@ -33,11 +33,10 @@ class Delivery:
 
     warehouse: str
     nonce: str
-    depot: Any
+    depot: Any  # None under the local executor: every row is written here
 
 
-@ray.remote
-class StackActor:
+class StackHost:
     def __init__(self, stack: StackDesc, model: ModelCopy, threads: int, delivery: Delivery):
         extras.adopt(stack.extra_targets)  # extras registered in the driver only (not built in)
         self.cls = backend_class(stack.engine)
@@ -59,16 +58,24 @@ class StackActor:
         if self._load_outcome is not True:
             raise RuntimeError(f"{self.stack.cell_id}: called before load()")
 
+    # -- what the host knows of its node (the Ray actor asks Ray) ---------------------------
+    def node_id(self) -> str:
+        return "local:" + socket.gethostname()
+
+    def node_ip(self) -> str:
+        return "127.0.0.1"
+
+    def gpu_ids(self) -> list[str]:
+        """The GPUs this host was given (physical ids on its node): CUDA_VISIBLE_DEVICES."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        return [g for g in visible.split(",") if g.strip()]
+
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's address and a free port for torch.distributed's TCP store."""
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
-
-    def gpu_ids(self) -> list[str]:
-        """The GPUs Ray assigned this actor (physical ids on its node)."""
-        return [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+        return self.node_ip(), port
 
     def warm_metrics(self, vocab: int) -> None:
         """Start loading the metric kernel for `reference_metrics: in_actor` (queued before load,
@@ -103,7 +110,7 @@ class StackActor:
         if dist is not None:
             dist = {**dist, "master_addr": rendezvous[0], "master_port": rendezvous[1],
                     "own_gpus": self.gpu_ids(), "node_gpus": [list(g) for g in node_gpus]}
-        node = f"{socket.gethostname()} ({ray.get_runtime_context().get_node_id()[:12]})"
+        node = f"{socket.gethostname()} ({self.node_id()[:12]})"
         local_dir, model_via = model_dir(self.model, self.delivery.depot, node)
         stack = dataclasses.replace(self.stack, source_gguf=source_gguf(self.model, self.delivery.depot),
                                     artifact=artifact_file(self.stack.artifact, self.stack.artifact_sha256,
@@ -120,7 +127,7 @@ class StackActor:
             "settings": settings, "versions": settings.pop("versions", {}),
             "artifact": settings.pop("artifact", None),
             "vocab_size": self.backend.vocab_size(), "load_seconds": time.perf_counter() - t0,
-            "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
+            "host": socket.gethostname(), "node_id": self.node_id(),
             "fingerprint": fingerprint(), "model_via": model_via, "rows_via": "node" if self.direct else "driver",
             "build": built["build"], "build_libraries": built["libraries"], "pid": os.getpid(),
         }

@@ -62,8 +62,13 @@ def m010_prefix_cache(loc) -> None:
     'prefix_cached' in a cell's d<repeat> file). Columns only: older files read as null there."""
 
 
+def m011_executor(loc) -> None:
+    """v11: runs.executor (ray | local: where the run's cells ran). Columns only: older runs read as
+    null there, and ran on Ray."""
+
+
 # target version -> migration
 MIGRATIONS = {2: m002_tokenizer_parity, 3: m003_nonfinite_and_centroid_groups, 4: m004_rows_delivery,
               5: m005_builds_and_replicas, 6: m006_failed_cells, 7: m007_analysis_kernel_version,
               8: m008_positions_and_storage, 9: m009_layer_states,
-              10: m010_prefix_cache}
+              10: m010_prefix_cache, 11: m011_executor}

@@ -28,7 +28,7 @@ for bf16 rows the two low byte streams are all zero and cost almost nothing.
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -45,6 +45,7 @@ RUNS = pa.schema([
     # "driver": captures sent to the driver's depot (no shared disk), "bytes_to_driver": encoded bytes}
     ("rows_delivery", pa.string()),
     ("cells_failed", pa.int32()),  # v6: cells this run recorded as failed
+    ("executor", pa.string()),  # v11: ray | local (matrix/run/launch.py); ray_address is null for local
 ])
 
 CELLS = pa.schema([

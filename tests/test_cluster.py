@@ -77,7 +77,8 @@ def test_gpu_tp_ranks_each_see_the_groups_gpus_and_pick_their_own(cluster):
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from actors.stack_actor import Delivery, StackActor
+    from actors.ray_actor import StackActor
+    from actors.stack_actor import Delivery
     from backends.hf_backend import shared_devices
     from common.stack import ModelCopy, StackDesc
 

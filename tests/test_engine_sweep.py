@@ -1,4 +1,5 @@
-"""A cross-engine sweep on a real local Ray cluster: HF, llama.cpp and MLX on the truncated real model."""
+"""A cross-engine sweep on a real local Ray cluster: HF, llama.cpp and MLX on the truncated real model;
+the same spec on the local executor (no Ray) lands the same rows."""
 
 from __future__ import annotations
 
@@ -14,10 +15,8 @@ pytest.importorskip("llama_cpp")
 pytest.importorskip("mlx_lm")
 
 
-@pytest.fixture(scope="module")
-def engines_sweep(tiny_model, short_corpus, tmp_path_factory):
-    d = tmp_path_factory.mktemp("engines")
-    spec = write_spec(
+def sweep_spec(d: Path, tiny_model: Path, short_corpus: Path) -> Path:
+    return write_spec(
         d / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
         reference={"engine": "hf", "dtype": "fp32"},
         include=[{"engine": "llamacpp", "dtype": "fp32", "attention": "default", "kv_cache": "f32"},
@@ -25,8 +24,14 @@ def engines_sweep(tiny_model, short_corpus, tmp_path_factory):
                  {"engine": "llamacpp", "dtype": "q2_k", "attention": "default"},
                  {"engine": "mlx", "dtype": "fp32", "attention": "default", "max_tokens": 33},
                  {"engine": "mlx", "dtype": "q4_g64", "attention": "default", "max_tokens": 17}])
+
+
+@pytest.fixture(scope="module")
+def engines_sweep(tiny_model, short_corpus, tmp_path_factory):
+    d = tmp_path_factory.mktemp("engines")
+    spec = sweep_spec(d, tiny_model, short_corpus)
     wh = d / "wh"
-    r = run_cli("run", str(spec), "--warehouse", str(wh), "--json")
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--json", "--executor", "ray")
     assert r.returncode == 0, r.stderr[-3000:]
     return wh, json.loads(r.stdout), r.stderr
 
@@ -43,6 +48,27 @@ def test_cells_done_skipped_and_rows_add_up(engines_sweep):
     assert len(done) == 5 and all(c["bit_reproducible"] is not None for c in done)
     n = sql(wh, "select count(*) as n from logits")[0]["n"]
     assert n == sum(c["repeats"] * c["rows_per_repeat"] for c in done) == summary["rows_written"]
+
+
+def test_the_local_executor_lands_the_same_rows_as_ray(engines_sweep, tiny_model, short_corpus, tmp_path):
+    ray_wh, ray_summary, _ = engines_sweep
+    spec = sweep_spec(tmp_path, tiny_model, short_corpus)
+    wh = tmp_path / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--json", "--executor", "local")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["rows_written"] == ray_summary["rows_written"] > 0
+    cells = "select cell_id, status, repeats, rows_per_repeat, bit_reproducible, tokenizer_parity, skip_reason " \
+            "from cells order by cell_id"
+    assert sql(wh, cells) == sql(ray_wh, cells)
+    rows = "select cell_id, repeat, prompt_id, position, row_hash from logits order by all"
+    local_rows, ray_rows = sql(wh, rows), sql(ray_wh, rows)
+    assert len(local_rows) == summary["rows_written"] and local_rows == ray_rows
+    (run,) = sql(wh, "select executor, ray_address, status from runs")
+    assert run == {"executor": "local", "ray_address": None, "status": "done"}
+    assert {x["executor"] for x in sql(ray_wh, "select executor from runs")} == {"ray"}
+    again = run_cli("run", str(spec), "--warehouse", str(wh), "--json", "--executor", "local")
+    assert again.returncode == 0 and json.loads(again.stdout)["cells_run"] == 0, again.stderr[-2000:]
 
 
 def test_prefix_cells_capture_a_subset_of_the_reference_rows(engines_sweep):

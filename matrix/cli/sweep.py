@@ -92,18 +92,50 @@ def _known_nodes(address: str | None, cluster_config: str | None, probe_spec=Non
         known = placement.known_nodes(placement.cluster_nodes(), config)
         if probe_spec is not None:
             from matrix.run import builds
+            from matrix.run.ray_executor import RayExecutor
             from matrix.spec.models import fetch
 
             placement.check_placement(probe_spec.cells, known, lambda msg: None)
             models = {n: fetch(ref, log=log) for n, ref in probe_spec.models.items()}
-            answers = builds.probe(probe_spec.cells, models, known, log)
+            answers = builds.probe(probe_spec.cells, models, known, log, RayExecutor(config))
     finally:
         ray.shutdown()
     return known, answers
 
 
+def _executor(args) -> str:
+    """--executor, or Ray when it can be imported (said in one line when it cannot)."""
+    if args.executor == "local" and (args.address or args.cluster_config):
+        raise UserError(f"--executor local runs on this machine alone: drop {'--address' if args.address else '--cluster-config'}")
+    if args.executor:
+        return args.executor
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is not None:
+        return "ray"
+    if args.address or args.cluster_config:
+        raise UserError("--address / --cluster-config need Ray, and this interpreter cannot import ray")
+    log("ray is not installed here: running every cell on this machine (--executor local)")
+    return "local"
+
+
+def _connect(executor: str, args):
+    """(the executor, the ray module to shut down at the end or None)."""
+    from matrix.run import cluster, placement
+
+    if executor == "local":
+        from matrix.run.local import LocalExecutor
+
+        return LocalExecutor(), None
+    from matrix.run.ray_executor import RayExecutor
+
+    config = args.cluster_config or placement.default_cluster_config(args.address)
+    ray = cluster.init_ray(args.address)
+    return RayExecutor(config), ray
+
+
 def cmd_run(args) -> int:
-    from matrix.run import cluster, placement, runner
+    from matrix.run import placement, runner
     from matrix.spec.cells import load_spec
     from store import Warehouse
 
@@ -114,26 +146,32 @@ def cmd_run(args) -> int:
     wh.check()  # an incompatible warehouse fails here, before anything is written
     for s in spec.skipped:
         log(f"skipping {s['cell_id']}: {s['reason']}")
+    executor = _executor(args)
+    if executor == "local":
+        from matrix.run import local
+
+        local.check(spec.cells)
     plan = runner.prepare(spec, wh, log)
     summary = None
-    config = args.cluster_config or placement.default_cluster_config(args.address)
     wh.create()
     with wh.lock():
         wh.migrate(log)
         runner.mark_interrupted_runs(wh, log)  # even when nothing is left to do
-        ray = cluster.init_ray(args.address)
+        ex, ray = _connect(executor, args)
         try:
-            nodes = placement.known_nodes(placement.cluster_nodes(), config)
-            if config:
-                log(f"node types from {config}: " + ", ".join(n.node_type for n in nodes if n.node_type))
+            nodes = ex.nodes()
+            if args.cluster_config or (executor == "ray" and ex.cluster_config):
+                log(f"node types from {ex.cluster_config}: " + ", ".join(n.node_type for n in nodes if n.node_type))
             placement.check_placement(spec.cells, nodes, log)
-            plan = runner.bind(plan, wh, nodes, log, runner.Resume(args.reuse_cells_from_other_builds, args.skip_failed,
-                                                                   args.recapture_damaged, own_cluster=not args.address))
+            plan = runner.bind(plan, wh, ex, log, runner.Resume(args.reuse_cells_from_other_builds, args.skip_failed,
+                                                                args.recapture_damaged, own_cluster=not args.address),
+                               nodes)
             runner.regroup_complete_cells(plan, wh, log)
             if plan.todo:
-                summary = runner.execute(plan, wh, sys.argv, args.address, log, config)
+                summary = runner.execute(plan, wh, sys.argv, args.address, log, ex)
         finally:
-            ray.shutdown()
+            if ray is not None:
+                ray.shutdown()
     if summary is not None:
         log(f"run {summary['run_id']}: {summary['cells_done']}/{summary['cells_total']} cells complete, "
             f"{summary['rows_written']} rows in {summary['seconds']}s ({summary['rows_per_second']} rows/s)")
@@ -159,6 +197,9 @@ def add_parsers(sub) -> None:
     r.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC))
     r.add_argument("--warehouse", default="warehouse")
     r.add_argument("--address", default=None, help="Ray cluster address (default: start a local cluster)")
+    r.add_argument("--executor", choices=("ray", "local"), default=None,
+                   help="where cells run: ray (a cluster: --address's, or one started here) or local "
+                        "(worker processes of this machine, no Ray); default ray, local when ray is not installed")
     r.add_argument("--cluster-config", default=None, metavar="YAML",
                    help="Ray launcher config whose node types count as hosts the autoscaler can start "
                         "(default with --address: ~/ray_bootstrap_config.yaml where it exists)")

@@ -47,19 +47,16 @@ def _probe_keys(cell: Cell, model, nodes: list) -> tuple[list[tuple], dict, dict
     return [(where, env_key, cls.libraries)], {where: opts}, env
 
 
-def probe(cells: list[Cell], models: dict, nodes: list, log: Callable[[str], None],
+def probe(cells: list[Cell], models: dict, nodes: list, log: Callable[[str], None], ex,
           own_cluster: bool = False) -> dict[str, list]:
     """stack id -> [probe result or the exception it raised, one per node that can host it].
+    ex: the executor (matrix/run/launch.py Executor) whose nodes will run the cells.
 
-    own_cluster: the run started this Ray cluster itself, so the driver's node runs actors in
-    the driver's own interpreter and environment; its build is read here, without a task."""
+    own_cluster: the run started its cluster itself (or runs locally), so the driver's node runs
+    hosts in the driver's own interpreter and environment; its build is read here, without a task."""
     import socket
 
-    import ray
-
-    from actors.probe import node_build
-
-    here = ray.get_runtime_context().get_node_id() if own_cluster else None
+    here = ex.here() if own_cluster else None
     futures, results, wants = {}, {}, {}
     for cell in cells:
         keys, opts, env = _probe_keys(cell, models[cell.model], nodes)
@@ -69,27 +66,24 @@ def probe(cells: list[Cell], models: dict, nodes: list, log: Callable[[str], Non
             if key[0] == here and not env:
                 results[key] = {"node_id": here, "host": socket.gethostname(), **engine_build(key[2])}
             else:
-                extra = {"runtime_env": env} if env else {}
-                futures[key] = node_build.options(**opts[key[0]], **extra).remote(key[2])
+                futures[key] = ex.node_build(opts[key[0]], env, key[2])
         wants[cell.stack_id] = keys
-    results.update(_gather(futures, log))
+    results.update(_gather(ex, futures, log))
     return {sid: [results[k] for k in keys] for sid, keys in wants.items()}
 
 
-def _gather(futures: dict, log: Callable[[str], None]) -> dict:
-    import ray
-
+def _gather(ex, futures: dict, log: Callable[[str], None]) -> dict:
     out, pending = {}, {ref: key for key, ref in futures.items()}
     t0 = time.perf_counter()
     while pending:
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=HEARTBEAT_S)
+        ready = ex.wait(list(pending), HEARTBEAT_S)
         for ref in ready:
             key = pending.pop(ref)
             try:
-                out[key] = ray.get(ref)
+                out[key] = ex.get(ref)
             except Exception as e:  # kept as this node's answer: the cells that needed it are left out
                 out[key] = e
-        if pending:
+        if pending and not ready:
             waiting = sorted({f"{k[0][11:]} (for the autoscaler to start a node)" if k[0].startswith("autoscaler:")
                               else f"node {k[0][:12]}" for k in pending.values()})
             log(f"waiting {time.perf_counter() - t0:.0f}s for engine builds: {len(futures) - len(pending)}/"

@@ -1,7 +1,8 @@
 """What went wrong with a cell, and whether trying again can help.
 
 Ray wraps what an actor raised (RayTaskError, with the original as `.cause`) and reports the
-infrastructure's own failures as its own exception types. An actor or node that died, or an
+infrastructure's own failures as its own exception types; the local executor does the same with
+CallError and WorkerDied (below), so one policy judges both. An actor or node that died, or an
 object that was lost, says nothing about the cell: try it again elsewhere. An exception the
 engine raised on the cell's input will be raised again: record it. Ray's memory monitor
 killing the worker (OutOfMemoryError) gets one more try: an OOM that repeats is the cell's.
@@ -38,23 +39,44 @@ class Failure:
         return min(retries, 1) if self.oom else retries
 
 
-def _infrastructure_types() -> tuple[type, ...]:
-    import ray.exceptions as rx
+class CallError(Exception):
+    """What a local worker's call raised (`.cause`), as Ray's RayTaskError carries an actor's."""
 
+    def __init__(self, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+class WorkerDied(Exception):
+    """A local worker process ended (killed, crashed, out of memory) with calls still out."""
+
+
+def _ray_exceptions():
+    try:
+        import ray.exceptions as rx
+    except ImportError:  # the local executor on a machine without ray
+        return None
+    return rx
+
+
+def _infrastructure_types() -> tuple[type, ...]:
+    rx = _ray_exceptions()
+    if rx is None:
+        return (WorkerDied,)
     names = ("RayActorError", "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError",
              "WorkerCrashedError", "ObjectFetchTimedOutError", "ReferenceCountingAssertionError",
              "LocalRayletDiedError", "RaySystemError", "OutOfMemoryError")
-    return tuple(getattr(rx, n) for n in names if hasattr(rx, n))
+    return (WorkerDied,) + tuple(getattr(rx, n) for n in names if hasattr(rx, n))
 
 
 def classify(exc: BaseException) -> Failure:
-    """The cell's failure, from what ray.get raised for one of its calls."""
-    import ray.exceptions as rx
-
-    oom = isinstance(exc, getattr(rx, "OutOfMemoryError", ()))
+    """The cell's failure, from what the executor's get() raised for one of its calls."""
+    rx = _ray_exceptions()
+    oom = rx is not None and isinstance(exc, getattr(rx, "OutOfMemoryError", ()))
     if isinstance(exc, _infrastructure_types()):
         return Failure(type(exc).__name__, _infra_message(exc), True, oom)
-    cause = getattr(exc, "cause", None) if isinstance(exc, rx.RayTaskError) else None
+    wrappers = (CallError,) + ((rx.RayTaskError,) if rx is not None else ())
+    cause = getattr(exc, "cause", None) if isinstance(exc, wrappers) else None
     err = cause if isinstance(cause, BaseException) else exc
     if isinstance(err, _infrastructure_types()):  # e.g. a depot call inside the capture lost its actor
         return Failure(type(err).__name__, _infra_message(err), True)

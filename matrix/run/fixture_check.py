@@ -118,7 +118,8 @@ def _on_ray(cell: Cell, resolved, threads: int, nodes: list, top: tuple) -> dict
     import ray
 
     from actors.depot import DriverDepot, depot_options
-    from actors.stack_actor import Delivery, StackActor
+    from actors.ray_actor import StackActor
+    from actors.stack_actor import Delivery
     from backends import backend_class
     from matrix.run import placement
     from matrix.spec.cells import model_copy, stack_desc

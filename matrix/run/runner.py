@@ -1,7 +1,7 @@
 """`matrix run`: work out what is missing, start every unfinished cell, and record what comes back.
 
-The caller (the CLI) owns the Ray connection: this module expects `ray` to be initialised and
-never shuts it down. Starting a cell's actors is matrix/run/launch.py; the rows of the small tables
+Cells run on an executor (matrix/run/launch.py): Ray's or this machine's. With Ray the caller
+(the CLI) owns the connection: this module expects `ray` to be initialised and never shuts it down. The rows of the small tables
 are built by store/rows.py.
 """
 
@@ -13,7 +13,6 @@ import os
 import platform
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from common import ids
@@ -23,7 +22,7 @@ from common.stack import Cell
 import extras
 from matrix import __version__
 from matrix.spec import calibration, candidates
-from matrix.run import failures, launch, placement
+from matrix.run import failures
 from matrix.spec.corpus import tokenize
 from matrix.spec.models import fetch
 from matrix.run.plan import Plan
@@ -112,16 +111,19 @@ class Resume:
     reuse_other_builds: bool = False
     skip_failed: bool = False
     recapture_damaged: bool = False
-    own_cluster: bool = False  # this run started its Ray cluster (no --address): see builds.probe
+    own_cluster: bool = False  # this run started its Ray cluster (no --address), or runs locally: see builds.probe
 
 
-def bind(plan: Plan, wh: Warehouse, nodes: list, log: Callable[[str], None], resume: Resume = Resume()) -> Plan:
+def bind(plan: Plan, wh: Warehouse, ex, log: Callable[[str], None], resume: Resume = Resume(),
+         nodes: list | None = None) -> Plan:
     """Bind every cell to the engine build of the node(s) it will run on (matrix/run/builds.py), then
-    work out what is left to do. Run under the writer lock, with Ray initialised."""
+    work out what is left to do. Run under the writer lock; ex: the executor (launch.Executor);
+    nodes: those of ex, with the node types a launcher config can start."""
     from matrix.run import builds
 
     rows = wh.read_all("cells") if wh.check() else []  # read once: the builds and find_todo use it
-    answers = builds.probe(plan.spec.cells, plan.models, nodes, log, resume.own_cluster)
+    answers = builds.probe(plan.spec.cells, plan.models, ex.nodes() if nodes is None else nodes, log, ex,
+                           resume.own_cluster)
     cells, built, left_out = builds.bind(plan.spec.cells, answers, builds.captured_builds(rows), log)
     for sid, why in left_out.items():
         log(f"not run this time: {sid}: {why}")
@@ -270,8 +272,8 @@ def _record_end(wh: Warehouse, row: dict, log: Callable[[str], None]) -> OSError
         return e
 
 
-def _begin(plan: Plan, wh: Warehouse, argv: list[str], address: str | None, log: Callable[[str], None],
-           nonce: str) -> dict:
+def _begin(plan: Plan, wh: Warehouse, argv: list[str], address: str | None, executor: str,
+           log: Callable[[str], None], nonce: str) -> dict:
     """Under the writer lock, before any cell starts: tidy what a killed run left, write the
     prompts, and the run's own row (status running)."""
     spec = plan.spec
@@ -287,7 +289,8 @@ def _begin(plan: Plan, wh: Warehouse, argv: list[str], address: str | None, log:
     run_id = ids.run_id()
     run = R.run_row(run_id, "running", started_at=R.now(), finished_at=None, spec_name=spec.name,
                     spec_path=str(spec.path), spec_sha256=spec.sha256, spec_yaml=spec.raw_text, argv=json.dumps(argv),
-                    pid=os.getpid(), ray_address=address or "local", logit_matrix_version=__version__,
+                    pid=os.getpid(), ray_address=(address or "local") if executor == "ray" else None,
+                    executor=executor, logit_matrix_version=__version__,
                     schema_version=SCHEMA_VERSION, versions=json.dumps(library_versions(), sort_keys=True),
                     cells_total=len(plan.cells), cells_done=len(plan.complete), rows_written=0, error=None)
     wh.write_rows("runs", run_id, [run])
@@ -295,29 +298,23 @@ def _begin(plan: Plan, wh: Warehouse, argv: list[str], address: str | None, log:
 
 
 def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
-            log: Callable[[str], None], cluster_config: str | Path | None = None) -> dict:
-    """Run every unfinished cell of a bound plan (bind()); returns a summary. Requires ray to be initialised."""
+            log: Callable[[str], None], ex) -> dict:
+    """Run every unfinished cell of a bound plan (bind()) on the executor ex (launch.Executor);
+    returns a summary."""
     spec = plan.spec
     cells = {c.cell_id: c for c in plan.cells}
     todo = [cells[cid] for cid in plan.todo]
     todo.sort(key=lambda c: c.cell_id not in plan.reference_cells.values())  # the reference first
-    nodes = placement.known_nodes(placement.cluster_nodes(), cluster_config)
-    import ray
-
-    from actors.depot import DriverDepot, depot_options
-    from actors.stack_actor import Delivery
-
     nonce = ids.probe_nonce()
-    run = _begin(plan, wh, argv, address, log, nonce)
-    depot = DriverDepot.options(**depot_options(ray.get_runtime_context().get_node_id())).remote(wh.where)
-    sweep, status = Sweep(plan, wh, run, nodes, log, Delivery(wh.where, nonce, depot)), "failed"
+    run = _begin(plan, wh, argv, address, ex.name, log, nonce)
+    sweep, status = Sweep(plan, wh, run, ex, log, ex.open(wh.where, nonce)), "failed"
     try:
         for cell in todo:
             sweep.start(cell)
         waiting = sum(len(v) for v in sweep.waiting.values())
         log(f"{len(todo)} cell(s) to run, {sweep.out.units_total} capture(s); {len(plan.complete)} already complete"
             + (f"; {waiting} start once their reference is done (reference_metrics: in_actor)" if waiting else ""))
-        sweep.loop(cluster_config)
+        sweep.loop()
         status = "done"
     except KeyboardInterrupt:
         status = "interrupted"
@@ -335,9 +332,9 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
         stopped = [a for lv in sweep.live.values() for a in lv.started.actors]
         for cid in list(sweep.live):
             sweep.drop(cid)
-        ray.kill(depot)
+        ex.shutdown()
         if stopped:  # a stopped run leaves no temp file: its killed actors' partial shards go too
-            launch.wait_gone(stopped)
+            ex.wait_gone(stopped)
             for p in wh.sweep_tmp():
                 log(f"removed the partial file of a stopped capture: {p}")
         unrecorded = _record_end(wh, R.run_finished(run, status, cells_done=sweep.out.cells_done, rows_written=sweep.out.rows,

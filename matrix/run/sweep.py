@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Callable
 
 from common.stack import Cell
@@ -29,8 +28,10 @@ HEARTBEAT_S = float(os.environ.get("LOGIT_MATRIX_HEARTBEAT_S", "60"))
 class Sweep:
     """Scheduling: which cells are in flight, which wait for their reference, which calls are out."""
 
-    def __init__(self, plan: Plan, wh: Warehouse, run: dict, nodes: list, log: Callable[[str], None], delivery):
-        self.plan, self.wh, self.nodes, self.log = plan, wh, nodes, log
+    def __init__(self, plan: Plan, wh: Warehouse, run: dict, ex: launch.Executor, log: Callable[[str], None],
+                 delivery):
+        self.plan, self.wh, self.ex, self.log = plan, wh, ex, log
+        self.nodes = ex.nodes()
         self.out = Outcomes(plan, wh, run, log)
         self.delivery = delivery  # actors.stack_actor.Delivery
         self.todo = {cid: list(r) for cid, r in plan.todo.items()}  # cell id -> repeats still to capture
@@ -65,7 +66,7 @@ class Sweep:
         work = launch.Work(self.out.run_id, self.delivery, plan.spec.positions, repeats,
                            [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]],
                            plan.special[cell.model], plan.vocab[cell.model], plan.spec.store, metrics_ref)
-        started = launch.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
+        started = self.ex.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
         limit = retry.capture_limit(plan.spec.capture_timeout_s, plan.prompts[cell.model], cell)
         self.live[cell.cell_id] = Live(cell, started, threads, len(repeats), repeats=sorted(repeats),
                                        capture_limit_s=limit)
@@ -76,7 +77,7 @@ class Sweep:
         """Stop a cell's actors and forget its calls."""
         for fut in [f for f, call in self.pending.items() if call.cell_id == cid]:
             del self.pending[fut]
-        launch.stop(self.live.pop(cid).started)
+        self.ex.stop(self.live.pop(cid).started)
 
     def end(self, cid: str, verdict: retry.Verdict, reason: str = "", failure: Failure | None = None) -> None:
         """The one way a cell in flight ends before it is done: skipped, started again, or failed.
@@ -100,12 +101,10 @@ class Sweep:
         self._reference_over(live.cell)
 
     def _finish(self, cid: str) -> None:
-        import ray
-
         live = self.live[cid]
 
         def close():
-            ray.get([a.close.remote() for a in live.started.actors])
+            self.ex.close(live.started)
             self.drop(cid)
 
         self.out.done(live, self.attempts.get(cid, 1), close)
@@ -164,9 +163,7 @@ class Sweep:
         if phase != live.phase:
             live.phase, live.since = phase, time.perf_counter()
 
-    def loop(self, cluster_config: str | Path | None) -> None:
-        import ray
-
+    def loop(self) -> None:
         last_event = last_beat = time.perf_counter()
         while self.pending or self.waiting:
             if not self.pending:  # cannot happen (a reference's end releases its cells); never strand them
@@ -175,18 +172,18 @@ class Sweep:
                 continue
             quiet = time.perf_counter() - max(last_event, last_beat)
             wait = max(0.05, min(HEARTBEAT_S - quiet, self.next_deadline()))
-            ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=wait)
+            ready = self.ex.wait(list(self.pending), wait)
             if not ready:
                 self.overdue()
                 if time.perf_counter() - max(last_event, last_beat) >= HEARTBEAT_S:
                     # nothing finished for a while: say what is still waiting, and on what
-                    self.log(self.heartbeat(placement.known_nodes(placement.cluster_nodes(), cluster_config)))
+                    self.log(self.heartbeat(self.ex.nodes()))
                     last_beat = time.perf_counter()
                 continue
             last_event = time.perf_counter()
             call = self.pending.pop(ready[0])
             try:
-                result = ray.get(ready[0])
+                result = self.ex.get(ready[0])
             except Exception as e:  # the call's cell answers for it (on_error), never the sweep
                 self.on_error(call, e)
                 continue
