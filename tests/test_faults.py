@@ -60,11 +60,12 @@ def assert_exact(wh: Path, cell: dict, repeats: int) -> None:
     assert cell["rows_per_repeat"] == want and cell["bit_reproducible"]
 
 
-def test_sigkill_of_one_actor_retries_only_that_cell(tiny_model, short_corpus, tmp_path):
+@pytest.mark.parametrize("executor", ["ray", "local"])
+def test_sigkill_of_one_actor_retries_only_that_cell(tiny_model, short_corpus, tmp_path, executor):
     spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32", "bf16"], attention=["eager"],
                       reference={"engine": "hf", "dtype": "fp32"}, repeats=3, stride=STRIDE)
     wh = tmp_path / "wh"
-    p = _popen("run", str(spec), "--warehouse", str(wh))
+    p = _popen("run", str(spec), "--warehouse", str(wh), "--executor", executor)
     killed, lines = None, []
     for line in p.stderr:
         lines.append(line)
@@ -84,15 +85,16 @@ def test_sigkill_of_one_actor_retries_only_that_cell(tiny_model, short_corpus, t
     assert run["status"] == "done" and run["cells_done"] == 2 and run["cells_failed"] == 0
 
 
+@pytest.mark.parametrize("executor", ["ray", "local"])
 def test_a_cell_that_fails_is_recorded_the_others_complete_and_a_rerun_retries_only_it(
-        tiny_model, short_corpus, tmp_path):
+        tiny_model, short_corpus, tmp_path, executor):
     """llama.cpp cannot make a quantised V cache without flash attention: a real engine error on
     the cell's own settings, raised again on every try (not retried within the run)."""
     spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
                       include=[{"engine": "llamacpp", "dtype": "f16", "attention": "eager", "kv_cache": "q8_0"}],
                       reference={"engine": "hf", "dtype": "fp32"}, repeats=2, stride=STRIDE)
     wh = tmp_path / "wh"
-    r = _run("run", str(spec), "--warehouse", str(wh), "--json")
+    r = _run("run", str(spec), "--warehouse", str(wh), "--json", "--executor", executor)
     assert r.returncode == 1, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     out = json.loads(r.stdout)
@@ -112,11 +114,11 @@ def test_a_cell_that_fails_is_recorded_the_others_complete_and_a_rerun_retries_o
     assert {c["cell_id"]: c["why"] for c in json.loads(st.stdout)["cells"]}[bad] == \
         "RuntimeError: llama.cpp could not create a context"
 
-    again = _run("run", str(spec), "--warehouse", str(wh), "--json")
+    again = _run("run", str(spec), "--warehouse", str(wh), "--json", "--executor", executor)
     assert again.returncode == 1
     assert json.loads(again.stdout)["cells_run"] == 1  # only the failed cell, the HF cell is complete
     assert row_hashes(wh, cells["hf"]["cell_id"]) == hf_hashes
-    skip = _run("run", str(spec), "--warehouse", str(wh), "--json", "--skip-failed")
+    skip = _run("run", str(spec), "--warehouse", str(wh), "--json", "--skip-failed", "--executor", executor)
     assert skip.returncode == 0, skip.stderr[-2000:]
     summary = json.loads(skip.stdout)
     assert summary["cells_run"] == 0 and "--skip-failed" in summary["left_out"][bad.partition("@")[0]]
@@ -124,11 +126,12 @@ def test_a_cell_that_fails_is_recorded_the_others_complete_and_a_rerun_retries_o
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_sigterm_is_an_interrupt_and_the_run_resumes(tiny_model, short_corpus, tmp_path):
+@pytest.mark.parametrize("executor", ["ray", "local"])
+def test_sigterm_is_an_interrupt_and_the_run_resumes(tiny_model, short_corpus, tmp_path, executor):
     spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32", "bf16"], attention=["eager"],
                       reference={"engine": "hf", "dtype": "fp32"}, repeats=2, stride=STRIDE)
     wh = tmp_path / "wh"
-    p = _popen("run", str(spec), "--warehouse", str(wh))
+    p = _popen("run", str(spec), "--warehouse", str(wh), "--executor", executor)
     lines = []
     for line in p.stderr:
         lines.append(line)
@@ -141,10 +144,12 @@ def test_sigterm_is_an_interrupt_and_the_run_resumes(tiny_model, short_corpus, t
     assert not any("Traceback" in line for line in lines)
     (run,) = sql(wh, "select status, cells_done, rows_written from runs")
     assert run["status"] == "interrupted" and run["cells_done"] >= 1 and run["rows_written"] > 0
-    r = _run("run", str(spec), "--warehouse", str(wh))
+    r = _run("run", str(spec), "--warehouse", str(wh), "--executor", executor)
     assert r.returncode == 0, r.stderr[-2000:]
     for c in sql(wh, "select * from cells"):
         assert_exact(wh, c, 2)
+    workers = [int(m.group(1)) for line in lines if (m := re.match(r"loaded \S+ on \S+ \(pid (\d+)\)", line))]
+    assert workers and not any(Path(f"/proc/{pid}").exists() for pid in workers)  # none outlives the run
 
 
 def _node_of(cluster, pid: int):
@@ -185,11 +190,12 @@ def test_a_node_that_leaves_mid_capture_its_cell_completes_on_another(tiny_model
         c.shutdown()
 
 
-def test_a_frozen_actor_is_stopped_by_the_time_limit(tiny_model, short_corpus, tmp_path):
+@pytest.mark.parametrize("executor", ["ray", "local"])
+def test_a_frozen_actor_is_stopped_by_the_time_limit(tiny_model, short_corpus, tmp_path, executor):
     spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32", "bf16"], attention=["eager"],
                       reference={"engine": "hf", "dtype": "fp32"}, repeats=2, stride=STRIDE, capture_timeout_s=8)
     wh = tmp_path / "wh"
-    p = _popen("run", str(spec), "--warehouse", str(wh), LOGIT_MATRIX_HEARTBEAT_S="3")
+    p = _popen("run", str(spec), "--warehouse", str(wh), "--executor", executor, LOGIT_MATRIX_HEARTBEAT_S="3")
     frozen, lines = None, []
     for line in p.stderr:
         lines.append(line)

@@ -126,6 +126,7 @@ def _connect(executor: str, args):
     if executor == "local":
         from matrix.run.local import LocalExecutor
 
+        cluster.sigterm_interrupts()
         return LocalExecutor(), None
     from matrix.run.ray_executor import RayExecutor
 

@@ -76,13 +76,14 @@ def init_ray(address: str | None):
         # (ray.init() would join that one, with whatever nodes and settings it has)
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
-    _sigterm_interrupts()
+    sigterm_interrupts()
     return ray
 
 
-def _sigterm_interrupts() -> None:
-    """ray.init makes SIGTERM a bare sys.exit; make it an interrupt like Ctrl-C instead, so the
-    run records itself as interrupted, frees its actors and says how to resume."""
+def sigterm_interrupts() -> None:
+    """SIGTERM as an interrupt like Ctrl-C (ray.init makes it a bare sys.exit; Python's default ends
+    the process without cleanup), so the run records itself as interrupted, frees its actors or
+    workers and says how to resume."""
     import signal
     import threading
 
