@@ -123,7 +123,8 @@ class LocalDir:
         return [str(p.relative_to(self.root)) for p in gone]
 
     @contextlib.contextmanager
-    def lock(self, holder: str):
+    def lock(self, holder: str, log=lambda m: None):
+        """flock: the kernel drops it when the holder dies, so a dead writer never blocks the next."""
         import fcntl
 
         fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -134,7 +135,7 @@ class LocalDir:
                 other = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
                 raise UserError(f"{self.root}: another matrix run is writing to this warehouse ({other})") from None
             os.ftruncate(fd, 0)
-            os.pwrite(fd, holder.encode(), 0)
+            os.pwrite(fd, f"{holder} on {os.uname().nodename}".encode(), 0)
             yield
         finally:
             os.close(fd)  # closing releases the flock

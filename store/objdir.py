@@ -2,9 +2,11 @@
 whole-object staging. A store gives four lease primitives and one upload; this file does the rest.
 
 The lease is one object taken with a conditional create, holding a holder and an expiry, renewed
-while held (a third of its life), and taken over only once stale, again conditionally: two
-drivers that race for it cannot both win, whatever the store (S3: ETag + If-None-Match/If-Match;
-GCS: object generation + ifGenerationMatch).
+while held (a third of its life), and taken over once stale, again conditionally: two drivers
+that race for it cannot both win, whatever the store (S3: ETag + If-None-Match/If-Match; GCS:
+object generation + ifGenerationMatch). A lease whose holder ran on this machine (same host,
+boot and pid namespace) and whose process is gone is taken over at once: a writer killed with
+SIGKILL never released it, and waiting out its expiry protects nobody.
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ class ObjectDir:
         return []  # nothing is ever staged in the bucket
 
     @contextlib.contextmanager
-    def lock(self, holder: str):
-        lease = Lease(self, holder)
+    def lock(self, holder: str, log=lambda m: None):
+        lease = Lease(self, holder, log)
         lease.take()
         try:
             yield
@@ -82,19 +84,54 @@ class ObjectDir:
                                    f"({type(lease.error).__name__}: {str(lease.error).splitlines()[0]})"))
 
 
+def _machine() -> dict:
+    """What names this process's machine and process table: the host, this boot, the pid namespace.
+    A lease that matches all three and names a pid that is gone was left by a writer that died here."""
+    def read(path: str, how=lambda p: Path(p).read_text().strip()) -> str | None:
+        try:
+            return how(path)
+        except OSError:
+            return None
+
+    return {"host": socket.gethostname(), "boot_id": read("/proc/sys/kernel/random/boot_id"),
+            "pid_ns": read("/proc/self/ns/pid", os.readlink)}
+
+
+def _started(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): a pid the
+    kernel gave again to another process starts at another time. None: no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def dead_here(held: dict) -> bool:
+    """Whether the lease's writer ran on this machine and its process is gone."""
+    pid, here = held.get("pid"), _machine()
+    if not isinstance(pid, int) or held.get("host") != here["host"] or here["boot_id"] is None:
+        return False  # another host (or one that does not say): only expiry frees it
+    if held.get("boot_id") != here["boot_id"]:
+        return True  # this host rebooted since: every process of that boot is gone
+    if held.get("pid_ns") != here["pid_ns"]:
+        return False  # another container on this kernel: its pids are not ours to check
+    return _started(pid) != held.get("pid_started")
+
+
 class Lease:
     """One writer at a time on an object store (see the module docstring)."""
 
-    def __init__(self, where: ObjectDir, holder: str):
-        self.where = where
-        self.holder = f"{holder} on {socket.gethostname()}"
+    def __init__(self, where: ObjectDir, holder: str, log=lambda m: None):
+        self.where, self.holder, self.log = where, holder, log
         self.token = None  # the store's version of the object we wrote (ETag, generation)
         self.error: Exception | None = None  # a renewal that failed
         self.stop = threading.Event()
         self.thread = None
 
     def _body(self) -> bytes:
-        return json.dumps({"holder": self.holder, "expires_at": time.time() + LEASE_S}).encode()
+        pid = os.getpid()
+        return json.dumps({"holder": self.holder, "expires_at": time.time() + LEASE_S, "pid": pid,
+                           "pid_started": _started(pid), **_machine()}).encode()
 
     def take(self) -> None:
         with self.where._errors("cannot take the writer lease"):
@@ -111,10 +148,14 @@ class Lease:
     def _take_over(self) -> None:
         body, token = self.where.lease_get()
         held = json.loads(body)
+        where = f" on {held['host']}" if held.get("host") else ""
         if held.get("expires_at", 0) > time.time():
-            raise UserError(f"{self.where}: another matrix run is writing to this warehouse "
-                            f"({held.get('holder', 'unknown')}, lease valid for "
-                            f"{held['expires_at'] - time.time():.0f}s more)")
+            if not dead_here(held):
+                raise UserError(f"{self.where}: another matrix run is writing to this warehouse "
+                                f"({held.get('holder', 'unknown')}{where}, lease valid for "
+                                f"{held['expires_at'] - time.time():.0f}s more)")
+            self.log(f"{self.where}: taking over the writer lease of {held.get('holder', 'unknown')}{where}: "
+                     "that process is gone")
         try:
             self.token = self.where.lease_replace(self._body(), token)
         except Taken:  # someone else took it over between our read and our write

@@ -95,10 +95,11 @@ class Warehouse:
         self._write_marker(SCHEMA_VERSION)
         self.version = SCHEMA_VERSION
 
-    def lock(self):
+    def lock(self, log=lambda m: None):
         """Exclusive writer lock: two runs on one warehouse would capture the same cells twice.
-        A directory: flock; an object store: a lease object (store/objdir.py)."""
-        return self.loc.lock(f"pid {os.getpid()} on {os.uname().nodename}")
+        A directory: flock; an object store: a lease object (store/objdir.py). log: where taking
+        over a dead writer's lease is said."""
+        return self.loc.lock(f"pid {os.getpid()}", log)
 
     def write_probe(self, nonce: str) -> None:
         """A file only nodes that see this warehouse can read back: see reaches()."""

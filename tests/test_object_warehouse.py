@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import time
 
 import pytest
 
-from tests.conftest import run_cli, sql, write_spec
+from tests.conftest import REPO, run_cli, sql, write_spec
 
 KEY_ID = "AKIALMTESTKEY7Q2XW9ZB"
 SECRET = "lmS3cr3t/Zq8x7vT2kP9wR4mN6bV1cX3zL5hJ8gF"
@@ -206,13 +208,47 @@ def test_the_lease_is_one_writer_at_a_time(store):
     a, b = open_location(f"{store.scheme}://{BUCKET}/race"), open_location(f"{store.scheme}://{BUCKET}/race")
     with a.lock("pid 1 (first)"):
         held = json.loads(store.get("race/.lease.json"))
-        assert held["holder"].startswith("pid 1 (first) on ") and held["expires_at"] > time.time() + 60
+        assert (held["holder"], held["host"]) == ("pid 1 (first)", socket.gethostname())
+        assert held["expires_at"] > time.time() + 60 and held["pid"] == os.getpid()
         with pytest.raises(UserError, match=r"another matrix run is writing to this warehouse \(pid 1 \(first\)"):
             with b.lock("pid 2 (second)"):
                 pass
     assert "race/.lease.json" not in store.keys("race/")  # released by its holder
     with b.lock("pid 2 (second)"):  # and free for the next
         assert store.keys("race/") == ["race/.lease.json"]
+
+
+def test_a_dead_writers_lease_on_this_machine_is_taken_over_at_once(store, tiny_model, short_corpus, tmp_path):
+    """A run killed with SIGKILL never releases its lease: the next run on this machine sees that
+    its process is gone and takes the lease over at once; a live holder here still blocks."""
+    from common.errors import UserError
+    from store.location import open_location
+
+    uri = f"{store.scheme}://{BUCKET}/killed"
+    spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                      reference={"engine": "hf", "dtype": "fp32"})
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    p = subprocess.Popen([sys.executable, "-m", "matrix", "run", str(spec), "--warehouse", uri, "--executor", "local"],
+                         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while "killed/.lease.json" not in store.keys("killed/") and time.time() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    held = json.loads(store.get("killed/.lease.json"))
+    assert held["pid"] == p.pid and held["expires_at"] > time.time() + 30  # left behind, far from expiry
+    t0 = time.time()
+    r = run_cli("run", str(spec), "--warehouse", uri, "--executor", "local")
+    assert r.returncode == 0, r.stderr[-2000:]
+    took = [ln for ln in r.stderr.splitlines() if "taking over the writer lease" in ln]
+    assert took == [f"{store.scheme}://{BUCKET}/killed: taking over the writer lease of pid {p.pid} "
+                    f"on {socket.gethostname()}: that process is gone"], r.stderr[-2000:]
+    assert time.time() - t0 < held["expires_at"] - t0 and "killed/.lease.json" not in store.keys("killed/")
+    # a holder on this machine that is alive (this test's own process) still blocks
+    with open_location(uri).lock(f"pid {os.getpid()}"):
+        with pytest.raises(UserError, match=rf"\(pid {os.getpid()} on {re.escape(socket.gethostname())}, lease valid"):
+            with open_location(uri).lock("pid 2 (second)"):
+                pass
 
 
 @pytest.mark.parametrize("where, needle", [

@@ -155,7 +155,7 @@ def cmd_run(args) -> int:
     plan = runner.prepare(spec, wh, log)
     summary = None
     wh.create()
-    with wh.lock():
+    with wh.lock(log):
         wh.migrate(log)
         runner.mark_interrupted_runs(wh, log)  # even when nothing is left to do
         ex, ray = _connect(executor, args)
