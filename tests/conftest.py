@@ -116,3 +116,19 @@ def swept(tiny_model, short_corpus, tmp_path_factory):
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     return spec, wh, json.loads(r.stdout), r.stderr
+
+
+@pytest.fixture(scope="session")
+def merge_sources(tiny_model, short_corpus, tmp_path_factory):
+    """Three warehouses captured apart, as on machines outside the cluster (the local executor):
+    HF fp32 eager (the reference), HF bf16 eager, HF fp32 sdpa; one cell each."""
+    d = tmp_path_factory.mktemp("sources")
+    out = []
+    for name, dtype, attention, ref in (("a", "fp32", "eager", {"engine": "hf", "dtype": "fp32"}),
+                                        ("b", "bf16", "eager", None), ("c", "fp32", "sdpa", None)):
+        spec = write_spec(d / f"{name}.yaml", tiny_model, short_corpus, dtypes=[dtype], attention=[attention],
+                          reference=ref)
+        r = run_cli("run", str(spec), "--warehouse", str(d / name), "--executor", "local")
+        assert r.returncode == 0, r.stderr[-3000:]
+        out.append(d / name)
+    return tuple(out)

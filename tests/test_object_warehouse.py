@@ -251,6 +251,30 @@ def test_a_dead_writers_lease_on_this_machine_is_taken_over_at_once(store, tiny_
                 pass
 
 
+def test_merge_into_and_out_of_the_store(store, merge_sources, tmp_path):
+    """Warehouses captured apart merged into a bucket, row for row; again adds nothing; and the
+    bucket merged back out into a directory."""
+    a, b, _ = merge_sources
+    uri = f"{store.scheme}://{BUCKET}/merged"
+    q = "select cell_id, repeat, prompt_id, position, row_hash from logits order by all"
+    r = run_cli("merge", str(a), str(b), "--into", uri, "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [len(s["merged"]) for s in json.loads(r.stdout)["sources"]] == [1, 1]
+    assert sorted(sql(uri, q), key=str) == sorted(sql(a, q) + sql(b, q), key=str)
+    v = run_cli("verify", "--warehouse", uri, "--json")
+    assert v.returncode == 0 and json.loads(v.stdout)["shards"] == 4, v.stderr[-2000:]
+    listed = store.keys("merged/")
+    assert "merged/.lease.json" not in listed and not any(".tmp-" in k for k in listed)
+    again = run_cli("merge", str(a), str(b), "--into", uri, "--json")
+    assert again.returncode == 0 and store.keys("merged/") == listed
+    assert [len(s["already_present"]) for s in json.loads(again.stdout)["sources"]] == [1, 1]
+    out = run_cli("merge", uri, "--into", str(tmp_path / "back"), "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sql(tmp_path / "back", q) == sql(uri, q)
+    for text in (r.stdout + r.stderr, again.stderr, out.stdout + out.stderr):
+        assert not any(s in text for s in SECRETS)
+
+
 @pytest.mark.parametrize("where, needle", [
     ("az://bucket/wh", "scheme 'az' is not supported"),
     (f"s3://{KEY_ID}:{SECRET}@{BUCKET}/wh", "credentials or options in the URI are refused"),

@@ -115,6 +115,25 @@ def cmd_verify(args) -> int:
     return 1 if report["damage"] else 0
 
 
+def cmd_merge(args) -> int:
+    from store.merge import merge
+
+    report = merge(args.sources, args.into, extras.side_tables, log)
+    left = {cid: why for s in report["sources"] for cid, why in s["left_out"].items()}
+    damaged = {cid: why for cid, why in left.items() if why.startswith("damaged")}
+    for s in report["sources"]:
+        log(f"{s['source']}: {len(s['merged'])} cell(s) merged, {len(s['already_present'])} already in "
+            f"{report['into']}, {len(s['left_out'])} left out")
+    if args.json:
+        emit_json(report)
+    if damaged:
+        log(f"{len(damaged)} cell(s) NOT merged (damaged shards; capture them again or copy them again):")
+        for cid, why in damaged.items():
+            log(f"  {cid}: {why}")
+        return 1
+    return 0
+
+
 def cmd_status(args) -> int:
     from analysis.sql import query
 
@@ -178,6 +197,12 @@ def add_parsers(sub) -> None:
                    help="only these cells' shards (a cell id, or the start of one, e.g. a stack id)")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_verify)
+
+    m = sub.add_parser("merge", help="bring warehouses captured elsewhere into one (every incoming row checked first)")
+    m.add_argument("sources", nargs="+", metavar="SRC", help="a warehouse directory or object-store URI")
+    m.add_argument("--into", required=True, metavar="WAREHOUSE", help="the destination (made when missing)")
+    m.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    m.set_defaults(func=cmd_merge)
 
     s = sub.add_parser("status", help="cells and runs recorded in a warehouse")
     s.add_argument("--warehouse", default="warehouse")
