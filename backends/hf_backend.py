@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from backends import hf_quant
+from backends import hf_quant, hf_sdpa
 from backends.base import GPU_DEVICES, Backend, check_layers
 from common.errors import OracleError
 
@@ -32,7 +32,7 @@ def shared_devices(own: list[str], group: list[list[str]]) -> tuple[str, int]:
 class HFBackend(Backend):
     engine = "hf"
     dtypes = frozenset(TORCH_DTYPES) | frozenset(hf_quant.DTYPES)
-    attention = frozenset({"eager", "sdpa", "flash_attention_2"})
+    attention = frozenset({"eager", "sdpa", "flash_attention_2"}) | frozenset(hf_sdpa.KERNELS)
     devices = frozenset({"cpu"}) | GPU_DEVICES
     max_tp = 8  # tensor parallel through torch.distributed: gloo on CPU, NCCL on GPU
     libraries = ("torch", "transformers", "accelerate", "safetensors")
@@ -44,6 +44,8 @@ class HFBackend(Backend):
         reason = super().unsupported(cell)
         if reason is None and cell.attention == "flash_attention_2" and cell.device == "cpu":
             reason = "attention flash_attention_2 needs a CUDA device"
+        if reason is None:
+            reason = hf_sdpa.unsupported(cell.attention, cell.device)
         if reason is None and cell.dtype in hf_quant.DTYPES:
             reason = hf_quant.unsupported(cell.dtype, cell.opts, cell.device)
         return reason
@@ -67,7 +69,7 @@ class HFBackend(Backend):
         tp_kw = self._init_tp(torch, transformers) if self.dist else {}
         # Load with dtype= (not .to()): .to(bf16) would also cast the rotary inv_freq buffer.
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=dtype, attn_implementation=self.stack.attention,
+            self.model_dir, dtype=dtype, attn_implementation=hf_sdpa.implementation(self.stack.attention),
             output_loading_info=True, **tp_kw, **quant, **self._src)
         problems = []
         for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
@@ -84,6 +86,7 @@ class HFBackend(Backend):
             verify_against_checkpoint(model, self.model_dir)
         self.model = (model if self.dist else model.to(self.torch_device)).eval()
         self._vocab = int(model.config.vocab_size)
+        hf_sdpa.check(torch, self.model, self.stack.attention, self.torch_device)
 
     def vocab_size(self) -> int:
         return self._vocab
@@ -127,6 +130,7 @@ class HFBackend(Backend):
             "dtype": self.stack.dtype,
             "torch_dtype": str(next(self.model.parameters()).dtype),
             "attention": cfg._attn_implementation,
+            **({"sdpa_kernel": hf_sdpa.KERNELS[self.stack.attention]} if self.stack.attention in hf_sdpa.KERNELS else {}),
             "threads": torch.get_num_threads(),
             "interop_threads": torch.get_num_interop_threads(),
             "torch_device": self.torch_device,
@@ -155,7 +159,7 @@ class HFBackend(Backend):
         # optimum-quanto 0.2.7's int4 weights unpack with in-place ops that inference_mode forbids
         # ("Cannot set version_counter for inference tensor"): no_grad is the same arithmetic
         grad_off = torch.no_grad if (self.recipe or {}).get("tool") == "optimum-quanto" else torch.inference_mode
-        with grad_off():
+        with grad_off(), hf_sdpa.pinned(torch, self.stack.attention):
             # logits_to_keep: the LM head runs only on the sampled rows of the one prefill.
             out = self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
         logits = out.logits[0].detach().to("cpu")  # (rows, vocab), native dtype
@@ -169,7 +173,7 @@ class HFBackend(Backend):
         torch = self._torch
         dev = self.torch_device
         rows = []
-        with torch.inference_mode():
+        with torch.inference_mode(), hf_sdpa.pinned(torch, self.stack.attention):
             out = self.model(input_ids=torch.tensor([token_ids[:at + 1]], device=dev), use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
             for s in range(1, steps + 1):

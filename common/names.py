@@ -13,6 +13,7 @@ DTYPES = (
 
 ATTENTION = (
     "eager", "sdpa", "flash_attention_2", "flex_attention",  # transformers
+    "sdpa_math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn",  # PyTorch's SDPA kernels, one pinned (HF)
     "flash_attn", "flashinfer", "triton_attn", "flex",  # vLLM backends (lower-cased)
     "default",  # the engine's own choice (llama.cpp, MLX, TensorRT-LLM)
 )

@@ -53,6 +53,24 @@ def test_full_model_fp32_eager_vs_sdpa_within_1e5_and_repeatable(reference_model
     assert np.isfinite(a1).all() and a1.std() > 1.0
 
 
+def test_each_sdpa_kernel_pinned_on_cpu(reference_model):
+    """sdpa_math and sdpa_flash run on CPU (PyTorch builds both kernels there) and each is
+    repeatable and close to eager; the CUDA-only kernels are skipped before anything loads."""
+    pos = Positions.every(8).of(len(IDS))
+    eager = backend(reference_model.hf_dir, "fp32", "eager").forward(IDS, pos)
+    out = {}
+    for attention in ("sdpa_math", "sdpa_flash"):
+        be = backend(reference_model.hf_dir, "fp32", attention)
+        assert be.settings()["sdpa_kernel"] == {"sdpa_math": "MATH", "sdpa_flash": "FLASH_ATTENTION"}[attention]
+        out[attention] = be.forward(IDS, pos)
+        assert np.array_equal(out[attention], be.forward(IDS, pos))
+        assert float(np.max(np.abs(out[attention] - eager))) < 1e-4
+    assert not np.array_equal(out["sdpa_math"], out["sdpa_flash"])  # two kernels, two arithmetics
+    for attention in ("sdpa_efficient", "sdpa_cudnn"):
+        cell = StackDesc("hf", "fp32", attention)
+        assert HFBackend.unsupported(cell) == f"attention {attention}: PyTorch has that SDPA kernel on CUDA devices only"
+
+
 def test_full_model_bf16_returns_bits_that_widen_close_to_fp32(reference_model):
     pos = Positions.every(8).of(len(IDS))
     bf = backend(reference_model.hf_dir, "bf16", "sdpa").forward(IDS, pos)
