@@ -61,6 +61,19 @@ bench: $(STAMP)
 	$(PY) benchmarks/analysis_scale.py --rows 250   # its defaults (4-24 stacks x 1,000 rows) take about 25 min on 2 cores
 	$(PY) benchmarks/vs_llama_perplexity.py   # the first run builds llama-perplexity from the sdist (12-35 min)
 
+# Pure-Python wheels scripts/gpu-check.sh carries to a bare CUDA image (it has no package index):
+# what its HF path needs beyond PyTorch, transformers, pyarrow, pyyaml and nvidia-ml-py, at the
+# versions of the lock. They go on PYTHONPATH there as they are.
+# (transformers loads a GGUF only with accelerate installed; accelerate's psutil import is lazy.)
+GPU_WHEELS ?= gguf accelerate
+GPU_WHEELS_DIR ?= gpu-wheels
+.PHONY: gpu-wheels
+gpu-wheels: $(STAMP)
+	mkdir -p $(GPU_WHEELS_DIR)
+	$(PY) -m pip download -q --no-deps --only-binary :all: -d $(GPU_WHEELS_DIR) \
+		$(foreach w,$(GPU_WHEELS),"$$(grep -i '^$(w)==' $(CONSTRAINTS))")
+	@ls -l $(GPU_WHEELS_DIR)
+
 clean-warehouse:
 	rm -rf warehouse
 

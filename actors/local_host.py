@@ -1,6 +1,7 @@
 """A worker process of the local executor (matrix/run/local.py): one StackHost, its calls in order.
 
-Started as `python -m actors.local_host FD LOG`: FD is this end of a socket pair the driver made
+Started as `python .../actors/local_host.py FD LOG` (by path, so the driver's working directory
+never lands on sys.path: a `ray/` session directory there would shadow a package): FD is this end of a socket pair the driver made
 (no address, nothing another process could reach), LOG the file that takes this process's
 stdout and stderr (engines print there; the driver's terminal stays one line per event). A
 reader thread takes every queued call off the socket at once, so the driver never blocks
@@ -11,10 +12,15 @@ Messages: ("init", args) then (seq, method, args); each answered (seq, ok, value
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)  # this file's own directory: its modules are imported as actors.*, never bare
+
 import pickle
 import queue
 import signal
-import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection

@@ -193,12 +193,15 @@ class StackHost:
                 "metrics": None if metrics is None else metrics.outcome()}
 
     def _writer(self, run_id: str, repeat: int, table: str):
-        """Where a shard of this capture goes: the warehouse itself, or the driver's depot."""
+        """Where a shard of this capture goes: the warehouse itself, or the driver's depot (Ray only)."""
+        cid = self.stack.cell_id
+        if self.direct:
+            return ShardWriter(self.delivery.warehouse, run_id, cid, repeat, table)
+        if self.delivery.depot is None:  # the local executor's hosts always see the warehouse
+            raise RuntimeError(f"{cid}: this host cannot reach the warehouse {self.delivery.warehouse}")
         from actors.depot import RemoteShard
 
-        cid = self.stack.cell_id
-        return (ShardWriter(self.delivery.warehouse, run_id, cid, repeat, table) if self.direct
-                else RemoteShard(self.delivery.depot, run_id, cid, repeat, table))
+        return RemoteShard(self.delivery.depot, run_id, cid, repeat, table)
 
     def _metrics(self, ref_id: str | None, repeat: int):
         from actors.inline_metrics import InlineMetrics

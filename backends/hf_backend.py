@@ -29,6 +29,15 @@ def shared_devices(own: list[str], group: list[list[str]]) -> tuple[str, int]:
     return ",".join(ids), ids.index(own[0])
 
 
+def _accelerate() -> dict[str, str]:
+    """accelerate's version where it is installed (a bare CUDA image may not have it; nothing here needs it)."""
+    try:
+        import accelerate
+    except ImportError:
+        return {}
+    return {"accelerate": accelerate.__version__}
+
+
 class HFBackend(Backend):
     engine = "hf"
     dtypes = frozenset(TORCH_DTYPES) | frozenset(hf_quant.DTYPES)
@@ -120,7 +129,6 @@ class HFBackend(Backend):
         return {"tp_plan": "auto"}
 
     def settings(self) -> dict[str, Any]:
-        import accelerate
         import safetensors
         import torch
         import transformers
@@ -144,7 +152,7 @@ class HFBackend(Backend):
             "gpu": torch.cuda.get_device_name(0) if self.torch_device == "cuda" else None,
             "machine": platform.machine(),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                         "accelerate": accelerate.__version__, "safetensors": safetensors.__version__,
+                         **_accelerate(), "safetensors": safetensors.__version__,
                          "numpy": np.__version__, **({self.recipe["tool"]: self.recipe["version"]} if self.recipe else {})},
             **({"quantizer": self.recipe["tool"], "artifact": {"path": None, "sha256": None, "recipe": self.recipe}}
                if self.recipe else {}),

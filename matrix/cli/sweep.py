@@ -111,7 +111,8 @@ def _executor(args) -> str:
         return args.executor
     import importlib.util
 
-    if importlib.util.find_spec("ray") is not None:
+    found = importlib.util.find_spec("ray")
+    if found is not None and found.origin is not None:  # not a bare `ray/` directory (Ray's session dir in /tmp)
         return "ray"
     if args.address or args.cluster_config:
         raise UserError("--address / --cluster-config need Ray, and this interpreter cannot import ray")

@@ -82,7 +82,8 @@ class Worker:
         ours, theirs = socket.socketpair()
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log = log_dir / f"{self.cell_id.replace('/', '_')}-{time.strftime('%Y%m%dT%H%M%S')}.log"
-        self.proc = subprocess.Popen([python, "-m", "actors.local_host", str(theirs.fileno()), str(self.log)],
+        host = ROOT / "actors" / "local_host.py"
+        self.proc = subprocess.Popen([python, str(host), str(theirs.fileno()), str(self.log)],
                                      pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
                                      start_new_session=True)  # Ctrl-C reaches the driver, which stops it
         theirs.close()
