@@ -10,11 +10,13 @@ llama-perplexity is built from the vendor/llama.cpp of the installed llama-cpp-p
 (CMake, -DGGML_NATIVE=OFF, like the Makefile's llama-cpp-python build), once, into the cache.
 
     .venv/bin/python benchmarks/vs_llama_perplexity.py [--text FILE] [--threads 2] [--llama-perplexity BIN]
-                                                       [--modes analyze,in_actor]
+                                                       [--modes analyze,in_actor] [--executors ray,local]
 
 logit-matrix runs the job both ways in the same run: its two cells side by side then `matrix
 analyze`, and `reference_metrics: in_actor` (the reference, then Q4_K_M measured against the
-stored reference rows as it captures, as llama-perplexity's second pass does).
+stored reference rows as it captures, as llama-perplexity's second pass does); each on every
+executor asked for: a local Ray cluster started for the run, and the local executor (worker
+processes, no Ray). The forwards alone, in one process, are the floor under any of them.
 """
 
 from __future__ import annotations
@@ -80,8 +82,8 @@ def run_llama(binary: Path, f16: str, q4: str, text: str, d: Path, threads: int)
 
 
 class ActorPeak:
-    """The largest peak RSS (VmHWM) of any Ray actor process while the run goes: the actors are
-    raylet's children, not the driver's, so wait4 does not see them."""
+    """The largest peak RSS (VmHWM) of any cell host while the run goes: a Ray actor is raylet's
+    child, a local worker runs in its own session, so wait4 on the driver sees neither."""
 
     def __init__(self, every: float = 0.25):
         self.every, self.peak_kb, self.stop = every, 0, threading.Event()
@@ -90,7 +92,8 @@ class ActorPeak:
         while not self.stop.wait(self.every):
             for proc in Path("/proc").iterdir():
                 try:
-                    if proc.name.isdigit() and b"StackActor" in (proc / "cmdline").read_bytes():
+                    cmdline = (proc / "cmdline").read_bytes() if proc.name.isdigit() else b""
+                    if b"StackActor" in cmdline or b"local_host.py" in cmdline:
                         hwm = re.search(r"VmHWM:\s+(\d+) kB", (proc / "status").read_text())
                         self.peak_kb = max(self.peak_kb, int(hwm.group(1)) if hwm else 0)
                 except OSError:  # the process ended between listing and reading
@@ -110,7 +113,7 @@ class ActorPeak:
         self.thread.join()
 
 
-def run_matrix(f16: dict, text: str, d: Path, threads: int, via_analyze: bool) -> dict:
+def run_matrix(f16: dict, text: str, d: Path, threads: int, via_analyze: bool, executor: str) -> dict:
     corpus = d / "corpus.yaml"
     corpus.write_text(json.dumps({"name": "vs-llama-perplexity", "prompts": [
         {"id": "text", "category": "long_context", "source": text, "file": str(Path(text).resolve()),
@@ -129,7 +132,7 @@ def run_matrix(f16: dict, text: str, d: Path, threads: int, via_analyze: bool) -
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     matrix = [sys.executable, "-m", "matrix"]
     with ActorPeak() as actors:
-        w1, m1, _ = timed([*matrix, "run", str(spec), "--warehouse", str(wh)], env, d / "run.log")
+        w1, m1, _ = timed([*matrix, "run", str(spec), "--warehouse", str(wh), "--executor", executor], env, d / "run.log")
     w2, m2 = 0.0, 0.0
     if via_analyze:
         w2, m2, _ = timed([*matrix, "analyze", "--warehouse", str(wh), "--workers", "1"], env, d / "analyze.log")
@@ -183,12 +186,16 @@ def main() -> int:
     ap.add_argument("--llama-perplexity", help="a built binary (default: build it from the sdist once)")
     ap.add_argument("--keep", help="keep the work directory here")
     ap.add_argument("--modes", default="analyze,in_actor", help=f"logit-matrix's ways, comma-separated: {', '.join(MODES)}")
+    ap.add_argument("--executors", default="ray,local", help="where its cells run, comma-separated: ray, local")
     args = ap.parse_args()
     from benchmarks._common import cpu
 
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         raise SystemExit(f"--modes: expected some of {', '.join(MODES)} (got {args.modes!r})")
+    executors = [e for e in args.executors.split(",") if e]
+    if not executors or set(executors) - {"ray", "local"}:
+        raise SystemExit(f"--executors: expected some of ray, local (got {args.executors!r})")
     binary = Path(args.llama_perplexity) if args.llama_perplexity else build_llama_perplexity(print)
     f16, q4, model = ggufs(args.threads)
     d = Path(args.keep or tempfile.mkdtemp(prefix="vs-lp-"))
@@ -196,8 +203,9 @@ def main() -> int:
     lp = run_llama(binary, f16["path"], q4["path"], args.text, d, args.threads)
     lms = {}
     for m in modes:
-        (d / m).mkdir(exist_ok=True)
-        lms[m] = run_matrix(f16, args.text, d / m, args.threads, m == "analyze")
+        for ex in executors:
+            (d / m / ex).mkdir(parents=True, exist_ok=True)
+            lms[(m, ex)] = run_matrix(f16, args.text, d / m / ex, args.threads, m == "analyze", ex)
     from store import llamacpp_kld as K
 
     base = K.read(lp["base"])
@@ -209,13 +217,13 @@ def main() -> int:
           f"{'yes' if same else 'NO'}")
     for m in modes:
         print(f"  logit-matrix ({m}): {MODES[m].format(half=max(1, args.threads // 2), all=args.threads)}")
-    rows = [("", "llama-perplexity", *[f"logit-matrix ({m})" for m in modes])]
+    rows = [("", "llama-perplexity", *[f"logit-matrix ({m}, {ex})" for m, ex in lms])]
     rows.append(("KL(F16 || Q4_K_M) mean ± s.e.", f"{lp['kl']:.6f} ± {lp['se']:.6f}",
                  *[f"{lm['kl']:.6f} ± {lm['se']:.6f} ({abs(lp['kl'] - lm['kl']) / max(lp['se'], lm['se']):.2f} s.e.)"
                    for lm in lms.values()]))
     rows.append(("wall time (s)", f"{lp['wall']:.1f} ({lp['walls'][0]:.1f} + {lp['walls'][1]:.1f})",
                  *[f"{lm['wall']:.1f} = {lm['wall'] / lp['wall']:.2f}x" + (f" ({lm['walls'][0]:.1f} run + "
-                   f"{lm['walls'][1]:.1f} analyze)" if m == "analyze" else " (run)") for m, lm in lms.items()]))
+                   f"{lm['walls'][1]:.1f} analyze)" if m == "analyze" else " (run)") for (m, _), lm in lms.items()]))
     rows.append(("disk, reference rows (MB)", f"{lp['disk'] / 1e6:.1f} (uint16 base file)",
                  *[f"{lm['disk'] / 1e6:.1f} = {lm['disk'] / lp['disk']:.2f}x (bf16, floor {lm['ref_floor']:.1e})"
                    for lm in lms.values()]))
@@ -227,6 +235,10 @@ def main() -> int:
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(f"{c:{w[i]}}" for i, c in enumerate(r)).rstrip())
+    floor = sum(alone.values()) / lp["wall"]
+    for m in modes:
+        print(f"wall time / llama-perplexity's ({m}): " + ", ".join(
+            f"{ex} {lms[(m, ex)]['wall'] / lp['wall']:.2f}x" for ex in executors) + f"; the forwards alone {floor:.2f}x")
     print("targets: KL within 1 s.e.; wall <= 1.0x; disk <= 0.65x (bf16, floor printed); analysis peak <= 2 GB")
     if not args.keep:
         shutil.rmtree(d, ignore_errors=True)
