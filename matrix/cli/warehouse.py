@@ -61,13 +61,14 @@ def cmd_analyze(args) -> int:
 
 def _last_cluster(warehouse: str, log) -> str | None:
     """The cluster the newest `matrix run` ran on, when it is still there: analyze runs on it by
-    default. None for a local run, or a cluster that is gone (then analyze stays in this process)."""
+    default. None for a run on this machine (a local cluster or the local executor), or a cluster that is gone (then analyze stays in this process)."""
     from matrix.run.cluster import check_reachable
     from store import Warehouse
 
-    runs = [r for r in Warehouse(warehouse).require().read_all("runs") if r.get("started_at") and r.get("ray_address")]
+    runs = [r for r in Warehouse(warehouse).require().read_all("runs")  # sweeps, not imports
+            if r.get("started_at") and (r.get("ray_address") or r.get("executor") == "local")]
     last = max(runs, key=lambda r: r["started_at"], default=None)
-    if last is None or last["ray_address"] == "local":
+    if last is None or last.get("executor") == "local" or last["ray_address"] == "local":
         return None
     try:
         check_reachable(last["ray_address"], timeout=2.0)
