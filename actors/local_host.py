@@ -6,7 +6,8 @@ never lands on sys.path: a `ray/` session directory there would shadow a package
 stdout and stderr (engines print there; the driver's terminal stays one line per event). A
 reader thread takes every queued call off the socket at once, so the driver never blocks
 sending while a forward runs; the main thread runs them in order, as a Ray actor would.
-Messages: ("init", args) then (seq, method, args); each answered (seq, ok, value | exception).
+Messages: ("init", args) then (seq, method, args); each answered (seq, {"ok", "blob", ...}): the
+value or the exception pickled apart, so one the driver cannot unpickle fails only its call.
 """
 
 from __future__ import annotations
@@ -45,31 +46,31 @@ def _redirect(log_path: str) -> None:
 
 def _answer(conn: Connection, seq: int, fn, args: tuple) -> None:
     try:
-        value, ok = fn(*args), True
+        out = {"ok": True, "blob": pickle.dumps(fn(*args))}
     except BaseException as e:  # sent back whole: the driver's retry policy judges it
-        value, ok = _portable(e), False
-    try:
-        conn.send((seq, ok, value))
-    except (pickle.PicklingError, TypeError, AttributeError) as e:  # a result that cannot travel
-        conn.send((seq, False, RuntimeError(f"{type(e).__name__}: {e}")))
+        out = failure(e)
+    conn.send((seq, out))
 
 
-def _portable(e: BaseException) -> BaseException:
-    """The exception itself when it pickles (SkipCell, UserError, OSError keep their type), else
-    a RuntimeError with its class and first line; its traceback rides along for --debug."""
-    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+def failure(e: BaseException) -> dict:
+    """An exception as the driver can always read it: its class and first line, its traceback
+    (for --debug), and the exception itself pickled when it pickles. The driver's interpreter
+    may lack this one's modules (a vLLM worker runs under vLLM's own environment), so it unpickles
+    the blob itself and falls back to the class and line."""
+    text = str(e)
+    out = {"ok": False, "class": type(e).__name__, "line": text.splitlines()[0] if text else "",
+           "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)), "blob": None}
     try:
-        pickle.loads(pickle.dumps(e))
-        out = e
-    except Exception:
-        out = RuntimeError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    out.__notes__ = [tb]  # Python 3.11+: kept by pickle with the exception's __dict__
+        out["blob"] = pickle.dumps(e)
+    except Exception:  # an exception holding an unpicklable object: its class and line stand for it
+        pass
     return out
 
 
 def main(fd: int, log_path: str) -> None:
     _die_with_parent()
     _redirect(log_path)
+    os.set_inheritable(fd, False)  # an engine's own processes must not hold the driver's socket open
     conn = Connection(fd)
     calls: queue.Queue = queue.Queue()
 

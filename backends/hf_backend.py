@@ -95,7 +95,7 @@ class HFBackend(Backend):
             verify_against_checkpoint(model, self.model_dir)
         self.model = (model if self.dist else model.to(self.torch_device)).eval()
         self._vocab = int(model.config.vocab_size)
-        hf_sdpa.check(torch, self.model, self.stack.attention, self.torch_device)
+        hf_sdpa.check(torch, self.model, self.stack.attention, self.torch_device, self._grad_off())
 
     def vocab_size(self) -> int:
         return self._vocab
@@ -164,10 +164,7 @@ class HFBackend(Backend):
         torch = self._torch
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.torch_device)  # (1, T)
         keep = torch.tensor(positions, dtype=torch.long, device=self.torch_device)  # (rows,)
-        # optimum-quanto 0.2.7's int4 weights unpack with in-place ops that inference_mode forbids
-        # ("Cannot set version_counter for inference tensor"): no_grad is the same arithmetic
-        grad_off = torch.no_grad if (self.recipe or {}).get("tool") == "optimum-quanto" else torch.inference_mode
-        with grad_off(), hf_sdpa.pinned(torch, self.stack.attention):
+        with self._grad_off(), hf_sdpa.pinned(torch, self.stack.attention):
             # logits_to_keep: the LM head runs only on the sampled rows of the one prefill.
             out = self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
         logits = out.logits[0].detach().to("cpu")  # (rows, vocab), native dtype
@@ -175,6 +172,12 @@ class HFBackend(Backend):
             return logits.view(torch.int16).numpy().view(np.uint16)  # raw bf16 bits
         return logits.numpy()
 
+
+    def _grad_off(self):
+        # optimum-quanto 0.2.7's int4 weights unpack with in-place ops that inference_mode forbids
+        # ("Cannot set version_counter for inference tensor"): no_grad is the same arithmetic
+        quanto = (self.recipe or {}).get("tool") == "optimum-quanto"
+        return self._torch.no_grad() if quanto else self._torch.inference_mode()
 
     def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
         """transformers' own KV cache (DynamicCache): the prefill, then one token per call."""

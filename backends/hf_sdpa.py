@@ -39,14 +39,15 @@ def pinned(torch, attention: str):
     return sdpa_kernel([getattr(SDPBackend, KERNELS[attention])])
 
 
-def check(torch, model, attention: str, device: str) -> None:
+def check(torch, model, attention: str, device: str, grad_off) -> None:
     """A four-token forward under the kernel: SkipCell when PyTorch has no such kernel for this
-    model's shapes, dtype and device ("No viable backend" / "No available kernel")."""
+    model's shapes, dtype and device ("No viable backend" / "No available kernel"). grad_off:
+    the backend's own no-grad context (its forward's)."""
     if attention not in KERNELS:
         return
     ids = torch.tensor([[0, 1, 2, 3]], dtype=torch.long, device=device)  # (1, 4)
     try:
-        with torch.inference_mode(), pinned(torch, attention):
+        with grad_off, pinned(torch, attention):
             model(input_ids=ids, logits_to_keep=1, use_cache=False)
     except RuntimeError as e:
         text = str(e)

@@ -179,6 +179,35 @@ MODES = {"analyze": "2 cells side by side, {half} thread(s) each, then matrix an
          "in_actor": "reference_metrics: in_actor: the cells one after the other, {all} threads each"}
 
 
+def table(lp: dict, lms: dict, alone: dict, modes: list[str], executors: list[str], threads: int) -> None:
+    """The side-by-side figures, one column per tool (and logit-matrix mode and executor)."""
+    for m in modes:
+        print(f"  logit-matrix ({m}): {MODES[m].format(half=max(1, threads // 2), all=threads)}")
+    rows = [("", "llama-perplexity", *[f"logit-matrix ({m}, {ex})" for m, ex in lms])]
+    rows.append(("KL(F16 || Q4_K_M) mean ± s.e.", f"{lp['kl']:.6f} ± {lp['se']:.6f}",
+                 *[f"{lm['kl']:.6f} ± {lm['se']:.6f} ({abs(lp['kl'] - lm['kl']) / max(lp['se'], lm['se']):.2f} s.e.)"
+                   for lm in lms.values()]))
+    rows.append(("wall time (s)", f"{lp['wall']:.1f} ({lp['walls'][0]:.1f} + {lp['walls'][1]:.1f})",
+                 *[f"{lm['wall']:.1f} = {lm['wall'] / lp['wall']:.2f}x" + (f" ({lm['walls'][0]:.1f} run + "
+                   f"{lm['walls'][1]:.1f} analyze)" if m == "analyze" else " (run)") for (m, _), lm in lms.items()]))
+    rows.append(("disk, reference rows (MB)", f"{lp['disk'] / 1e6:.1f} (uint16 base file)",
+                 *[f"{lm['disk'] / 1e6:.1f} = {lm['disk'] / lp['disk']:.2f}x (bf16, floor {lm['ref_floor']:.1e})"
+                   for lm in lms.values()]))
+    rows.append(("peak memory (GB)", f"{lp['peak_gb']:.2f}",
+                 *[f"{lm['peak_gb']:.2f} {lm['peak_what']} = {lm['peak_gb'] / lp['peak_gb']:.2f}x (driver "
+                   f"{lm['peak_gb_run_driver']:.2f}, actor {lm['peak_gb_actor']:.2f})" for lm in lms.values()]))
+    rows.append(("the forwards alone (s)", "", *[f"{sum(alone.values()):.1f} = {sum(alone.values()) / lp['wall']:.2f}x "
+                 f"(F16 {alone['f16']:.1f} + Q4_K_M {alone['q4_k_m']:.1f}; in-process, {threads} threads)"] * len(lms)))
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(f"{c:{w[i]}}" for i, c in enumerate(r)).rstrip())
+    floor = sum(alone.values()) / lp["wall"]
+    for m in modes:
+        print(f"wall time / llama-perplexity's ({m}): " + ", ".join(
+            f"{ex} {lms[(m, ex)]['wall'] / lp['wall']:.2f}x" for ex in executors) + f"; the forwards alone {floor:.2f}x")
+    print("targets: KL within 1 s.e.; wall <= 1.0x; disk <= 0.65x (bf16, floor printed); analysis peak <= 2 GB")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--text", default=DEFAULT_TEXT)
@@ -215,31 +244,7 @@ def main() -> int:
     print(f"\nCPU: {cpu()}; llama-perplexity {args.threads} threads; text {args.text}: {base['n_chunk']} chunks of 512, "
           f"{next(iter(lms.values()))['rows']} scored rows; chunk ids identical to llama-perplexity's: "
           f"{'yes' if same else 'NO'}")
-    for m in modes:
-        print(f"  logit-matrix ({m}): {MODES[m].format(half=max(1, args.threads // 2), all=args.threads)}")
-    rows = [("", "llama-perplexity", *[f"logit-matrix ({m}, {ex})" for m, ex in lms])]
-    rows.append(("KL(F16 || Q4_K_M) mean ± s.e.", f"{lp['kl']:.6f} ± {lp['se']:.6f}",
-                 *[f"{lm['kl']:.6f} ± {lm['se']:.6f} ({abs(lp['kl'] - lm['kl']) / max(lp['se'], lm['se']):.2f} s.e.)"
-                   for lm in lms.values()]))
-    rows.append(("wall time (s)", f"{lp['wall']:.1f} ({lp['walls'][0]:.1f} + {lp['walls'][1]:.1f})",
-                 *[f"{lm['wall']:.1f} = {lm['wall'] / lp['wall']:.2f}x" + (f" ({lm['walls'][0]:.1f} run + "
-                   f"{lm['walls'][1]:.1f} analyze)" if m == "analyze" else " (run)") for (m, _), lm in lms.items()]))
-    rows.append(("disk, reference rows (MB)", f"{lp['disk'] / 1e6:.1f} (uint16 base file)",
-                 *[f"{lm['disk'] / 1e6:.1f} = {lm['disk'] / lp['disk']:.2f}x (bf16, floor {lm['ref_floor']:.1e})"
-                   for lm in lms.values()]))
-    rows.append(("peak memory (GB)", f"{lp['peak_gb']:.2f}",
-                 *[f"{lm['peak_gb']:.2f} {lm['peak_what']} = {lm['peak_gb'] / lp['peak_gb']:.2f}x (driver "
-                   f"{lm['peak_gb_run_driver']:.2f}, actor {lm['peak_gb_actor']:.2f})" for lm in lms.values()]))
-    rows.append(("the forwards alone (s)", "", *[f"{sum(alone.values()):.1f} = {sum(alone.values()) / lp['wall']:.2f}x "
-                 f"(F16 {alone['f16']:.1f} + Q4_K_M {alone['q4_k_m']:.1f}; in-process, {args.threads} threads)"] * len(lms)))
-    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(f"{c:{w[i]}}" for i, c in enumerate(r)).rstrip())
-    floor = sum(alone.values()) / lp["wall"]
-    for m in modes:
-        print(f"wall time / llama-perplexity's ({m}): " + ", ".join(
-            f"{ex} {lms[(m, ex)]['wall'] / lp['wall']:.2f}x" for ex in executors) + f"; the forwards alone {floor:.2f}x")
-    print("targets: KL within 1 s.e.; wall <= 1.0x; disk <= 0.65x (bf16, floor printed); analysis peak <= 2 GB")
+    table(lp, lms, alone, modes, executors, args.threads)
     if not args.keep:
         shutil.rmtree(d, ignore_errors=True)
     return 0

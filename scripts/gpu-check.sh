@@ -53,7 +53,7 @@ echo "gpu-check.sh: carried wheels: $((carried / 1024)) KiB in all"
 export PYTHONPATH="$pypath${PYTHONPATH:+:$PYTHONPATH}"
 has() { "$py" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
 need="torch transformers tokenizers safetensors pyarrow yaml numpy pynvml"
-[ "$source_key" = gguf ] && need="$need gguf"
+[ "$source_key" = gguf ] && need="$need gguf accelerate"  # transformers loads a GGUF only with accelerate
 missing=""
 for m in $need; do has "$m" || missing="$missing $m"; done
 [ -z "$missing" ] || { echo "gpu-check.sh: $py cannot import:$missing (carry their wheels in $wheels: make gpu-wheels)" >&2; exit 2; }

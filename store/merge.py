@@ -67,17 +67,21 @@ def row_keys(wh: Warehouse, cell_id: str, shards: list[tuple[str, int]]) -> dict
     return out
 
 
-def _check_models(src: Warehouse, cells: list[dict], dest_cells: list[dict]) -> None:
-    """The same model name must mean the same weights on both sides."""
-    ours = {}
+def check_models(dest_cells: list[dict], sources: list[tuple[Warehouse, list[dict]]]) -> None:
+    """One model name, one set of weights: across the destination and every source (the first
+    side that names a model sets its weights)."""
+    seen: dict[str, tuple[str, str]] = {}  # model -> (weights_sha256, where it was seen)
     for c in dest_cells:
         if c.get("weights_sha256"):
-            ours.setdefault(c["model"], c["weights_sha256"])
-    for c in cells:
-        have = ours.get(c["model"])
-        if have and c.get("weights_sha256") and c["weights_sha256"] != have:
-            raise UserError(f"{src.where}/cells/{c['cell_id']}.parquet: weights_sha256 {c['weights_sha256']} for "
-                            f"model {c['model']!r}, the destination's model of that name has {have}")
+            seen.setdefault(c["model"], (c["weights_sha256"], "the destination"))
+    for src, cells in sources:
+        for c in cells:
+            if c["status"] != "done" or not c.get("weights_sha256"):
+                continue
+            have, where = seen.setdefault(c["model"], (c["weights_sha256"], str(src.where)))
+            if c["weights_sha256"] != have:
+                raise UserError(f"{src.where}/cells/{c['cell_id']}.parquet: weights_sha256 {c['weights_sha256']} "
+                                f"for model {c['model']!r}, {where} has {have} for that name")
 
 
 def _check_prompts(src: Warehouse, dest: Warehouse) -> None:
@@ -95,7 +99,6 @@ def plan_source(src: Warehouse, dest: Warehouse, side_tables: Callable, verify_s
     inc = Incoming(src)
     cells = src.read_all("cells")
     dest_cells = {c["cell_id"]: c for c in (dest.read_all("cells") if dest.check() else [])}
-    _check_models(src, [c for c in cells if c["status"] == "done"], list(dest_cells.values()))
     _check_prompts(src, dest)
     for c in sorted(cells, key=lambda c: c["cell_id"]):
         cid = c["cell_id"]
@@ -134,58 +137,78 @@ def copy_file(src: Warehouse, dest: Warehouse, key: str) -> None:
 
 
 def copy_cell(inc: Incoming, dest: Warehouse, cell: dict, have: dict[str, set]) -> int:
-    """A cell's shards, parity rows, its run and prompts when the destination lacks them, then its row."""
-    src, cid, files = inc.src, cell["cell_id"], 0
-    for table, r in inc.shards[cid]:
-        copy_file(src, dest, Warehouse.shard_key(cid, r, table))
-        files += 1
-    for table, name in (("tokenizer_parity", cid), ("runs", cell["run_id"])):
-        if src.has_rows(table, name) and name not in have[table]:
-            copy_file(src, dest, f"{table}/{name}.parquet")
-            have[table].add(name)
-            files += 1
-    for pid in sorted(cell_prompts(src, cid, inc.shards[cid])):
-        if pid not in have["prompts"]:
-            copy_file(src, dest, f"prompts/{pid}.parquet")
-            have["prompts"].add(pid)
-            files += 1
+    """A cell's shards (and no other: a failed capture's leftovers go), its parity rows, the runs
+    its rows name and its prompts where the destination lacks them, then its cells row."""
+    src, cid = inc.src, cell["cell_id"]
+    keys = [Warehouse.shard_key(cid, r, table) for table, r in inc.shards[cid]]
+    for key in keys:
+        copy_file(src, dest, key)
+    for stale in set(dest.loc.list(f"logits/{cid}/") + dest.loc.list(f"layer_states/{cid}/")) - set(keys):
+        dest.loc.delete(stale)
+    extra = [("tokenizer_parity", cid)] if src.has_rows("tokenizer_parity", cid) else []
+    extra += [("runs", r) for r in sorted(shard_values(src, cid, inc.shards[cid], "run_id") | {cell["run_id"]})
+              if r not in have["runs"] and src.has_rows("runs", r)]
+    extra += [("prompts", p) for p in sorted(shard_values(src, cid, inc.shards[cid], "prompt_id"))
+              if p not in have["prompts"]]
+    for table, name in extra:
+        copy_file(src, dest, f"{table}/{name}.parquet")
+        have.setdefault(table, set()).add(name)
     copy_file(src, dest, f"cells/{cid}.parquet")  # last: the cell counts as done only now
-    return files + 1
+    return len(keys) + len(extra) + 1
 
 
-def cell_prompts(src: Warehouse, cid: str, shards: list[tuple[str, int]]) -> set[str]:
+def shard_values(src: Warehouse, cid: str, shards: list[tuple[str, int]], column: str) -> set[str]:
+    """The distinct values of a small column (run_id, prompt_id) over a cell's logits shards."""
     out = set()
     for table, r in shards:
         if table == "logits":
-            out |= set(pq.read_table(src.shard_path(cid, r), columns=["prompt_id"], filesystem=src.loc.fs)
-                       .column("prompt_id").unique().to_pylist())
+            out |= set(pq.read_table(src.shard_path(cid, r), columns=[column], filesystem=src.loc.fs)
+                       .column(column).unique().to_pylist())
     return out
 
 
 def merge(sources: list[str], into: str, side_tables: Callable, log: Callable[[str], None]) -> dict:
-    """Check every source, then copy what is new. Returns the report (what was copied, skipped, left out)."""
-    from store.verify import verify_shard
-
+    """Check every source, then copy what is new. Returns the report (what was copied, skipped,
+    left out). Nothing is written to the destination (not even its marker) until every check passed."""
     dest = Warehouse(into)
     dest.check()  # a destination of an incompatible version fails here, before anything
     srcs = [open_source(s) for s in sources]
     if any(s.where == dest.where for s in srcs):
         raise UserError(f"{into}: the destination is also a source")
-    dest.create()
-    with dest.lock(log):
-        dest.migrate(log)
-        plans = [plan_source(s, dest, side_tables, verify_shard, log) for s in srcs]
-        _check_between(plans)
-        have = {t: {k.split("/")[-1].removesuffix(".parquet") for k in dest.loc.list(f"{t}/")}
-                for t in ("runs", "prompts", "tokenizer_parity")}
-        report = {"into": dest.where, "sources": []}
-        for inc in plans:
-            files = 0
-            for i, cell in enumerate(inc.copy, 1):
-                files += copy_cell(inc, dest, cell, have)
-                log(f"[merge {i}/{len(inc.copy)}] {inc.src.where}: {cell['cell_id']} ({len(inc.shards[cell['cell_id']])} shard(s))")
-            report["sources"].append({"source": inc.src.where, "merged": [c["cell_id"] for c in inc.copy],
-                                      "already_present": inc.present, "left_out": inc.left_out, "files": files})
+    made = dest.loc.state() == "missing" and not dest.remote
+    if made:  # a directory's lock file needs its directory; it goes again if the merge is refused
+        dest.loc.mkdirs("")
+    try:
+        with dest.lock(log):
+            plans = _plan(srcs, dest, side_tables, log)
+            dest.create()
+            dest.migrate(log)
+            return _copy(plans, dest, log)
+    except UserError:
+        if made and [p.name for p in dest.loc.root.iterdir()] in ([], [".lock"]):
+            shutil.rmtree(dest.loc.root)
+        raise
+
+
+def _plan(srcs: list[Warehouse], dest: Warehouse, side_tables: Callable, log) -> list[Incoming]:
+    from store.verify import verify_shard
+
+    check_models(dest.read_all("cells") if dest.check() else [], [(s, s.read_all("cells")) for s in srcs])
+    plans = [plan_source(s, dest, side_tables, verify_shard, log) for s in srcs]
+    _check_between(plans)
+    return plans
+
+
+def _copy(plans: list[Incoming], dest: Warehouse, log) -> dict:
+    have = {t: {k.split("/")[-1].removesuffix(".parquet") for k in dest.loc.list(f"{t}/")} for t in ("runs", "prompts")}
+    report = {"into": dest.where, "sources": []}
+    for inc in plans:
+        files = 0
+        for i, cell in enumerate(inc.copy, 1):
+            files += copy_cell(inc, dest, cell, have)
+            log(f"[merge {i}/{len(inc.copy)}] {inc.src.where}: {cell['cell_id']} ({len(inc.shards[cell['cell_id']])} shard(s))")
+        report["sources"].append({"source": inc.src.where, "merged": [c["cell_id"] for c in inc.copy],
+                                  "already_present": inc.present, "left_out": inc.left_out, "files": files})
     return report
 
 

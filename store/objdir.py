@@ -4,9 +4,9 @@ whole-object staging. A store gives four lease primitives and one upload; this f
 The lease is one object taken with a conditional create, holding a holder and an expiry, renewed
 while held (a third of its life), and taken over once stale, again conditionally: two drivers
 that race for it cannot both win, whatever the store (S3: ETag + If-None-Match/If-Match; GCS:
-object generation + ifGenerationMatch). A lease whose holder ran on this machine (same host,
-boot and pid namespace) and whose process is gone is taken over at once: a writer killed with
-SIGKILL never released it, and waiting out its expiry protects nobody.
+object generation + ifGenerationMatch). A lease whose holder ran in this machine's process
+table (same host, boot and pid namespace) and whose process is gone is taken over at once: a
+writer killed with SIGKILL never released it, and waiting out its expiry protects nobody.
 """
 
 from __future__ import annotations
@@ -85,8 +85,7 @@ class ObjectDir:
 
 
 def _machine() -> dict:
-    """What names this process's machine and process table: the host, this boot, the pid namespace.
-    A lease that matches all three and names a pid that is gone was left by a writer that died here."""
+    """What names this process's machine and process table: the host, this boot, the pid namespace."""
     def read(path: str, how=lambda p: Path(p).read_text().strip()) -> str | None:
         try:
             return how(path)
@@ -107,15 +106,20 @@ def _started(pid: int) -> str | None:
 
 
 def dead_here(held: dict) -> bool:
-    """Whether the lease's writer ran on this machine and its process is gone."""
+    """Whether the lease's writer ran in this machine's process table (same host, boot and pid
+    namespace) and its process is gone. Anything else (another host, a reboot, another container,
+    a lease that does not say) is not ours to judge: only expiry frees it."""
     pid, here = held.get("pid"), _machine()
-    if not isinstance(pid, int) or held.get("host") != here["host"] or here["boot_id"] is None:
-        return False  # another host (or one that does not say): only expiry frees it
-    if held.get("boot_id") != here["boot_id"]:
-        return True  # this host rebooted since: every process of that boot is gone
-    if held.get("pid_ns") != here["pid_ns"]:
-        return False  # another container on this kernel: its pids are not ours to check
-    return _started(pid) != held.get("pid_started")
+    if not isinstance(pid, int) or None in here.values() or any(held.get(k) != v for k, v in here.items()):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process, alive
+        return False
+    started = _started(pid)  # alive: the writer itself, unless the kernel gave its pid to another process
+    return started is not None and held.get("pid_started") is not None and started != held["pid_started"]
 
 
 class Lease:

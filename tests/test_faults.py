@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,8 +30,8 @@ def _popen(*args: str, **env_extra: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+def _run(*args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "matrix", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -271,7 +272,7 @@ def test_a_full_disk_at_the_runs_write_keeps_the_cause_for_the_next_run(tiny_mod
     cache = tmp_path / "cache"
     env = {"LOGIT_MATRIX_CACHE": str(cache)}
     try:
-        r = _run_env(env, "run", str(spec), "--warehouse", str(wh))
+        r = _run("run", str(spec), "--warehouse", str(wh), env=env)
         assert r.returncode == 1, r.stderr[-3000:]
         assert "could not record the end of run" in r.stderr and "no free inodes" in r.stderr
         markers = list((cache / "unrecorded-runs").rglob("*.json"))
@@ -282,7 +283,7 @@ def test_a_full_disk_at_the_runs_write_keeps_the_cause_for_the_next_run(tiny_mod
     for name, data in saved.items():  # the disk is replaced by a bigger one, with its files
         (wh / "runs" / name).write_bytes(data)
     assert [r["status"] for r in sql(wh, "select status from runs")] == ["running"]
-    r = _run_env(env, "run", str(spec), "--warehouse", str(wh))
+    r = _run("run", str(spec), "--warehouse", str(wh), env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     runs = sql(wh, "select status, error from runs order by started_at")
     assert [x["status"] for x in runs] == ["failed", "done"]
@@ -292,12 +293,6 @@ def test_a_full_disk_at_the_runs_write_keeps_the_cause_for_the_next_run(tiny_mod
     assert len(cells) == 2
     for c in cells:
         assert_exact(wh, c, 1)
-
-
-def _run_env(env: dict, *args: str) -> subprocess.CompletedProcess:
-    full = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", **env}
-    return subprocess.run([sys.executable, "-m", "matrix", *args], cwd=REPO, env=full, capture_output=True,
-                          text=True, timeout=900)
 
 
 # -- damaged files ---------------------------------------------------------------------------
@@ -313,8 +308,6 @@ def captured(tiny_model, short_corpus, tmp_path_factory):
 
 
 def _copy(captured, tmp_path) -> tuple[Path, Path, dict]:
-    import shutil
-
     spec, src = captured
     wh = tmp_path / "wh"
     shutil.copytree(src, wh)
@@ -392,8 +385,6 @@ def test_latin1_input_is_one_line_and_exit_2(tiny_model, short_corpus, tmp_path,
         spec.write_bytes(spec.read_bytes().replace(b"name: test", "name: caf\u00e9".encode("latin-1")))
         bad, what = spec, "spec file"
     else:
-        import shutil
-
         corpus = tmp_path / "corpus"
         shutil.copytree(short_corpus.parent, corpus)
         (corpus / "prose.txt").write_bytes("Caf\u00e9 au lait.".encode("latin-1"))

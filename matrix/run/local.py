@@ -11,8 +11,11 @@ ranks over torch.distributed, vLLM's Ray executor) need a cluster: check() says 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -51,7 +54,7 @@ class Worker:
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.log: Path | None = None
-        self.gpu_ids: list[int] = []
+        self.gpu_ids: list[str] = []
         self.outbox: list[tuple] = []  # (seq, method, args) sent once the process starts
         self.futures: dict[int, Future] = {}
         self.ready = self._future(0)
@@ -69,10 +72,17 @@ class Worker:
         elif self.conn is None:
             self.outbox.append((seq, method, args))
         else:
-            self.conn.send((seq, method, args))
+            self._send((seq, method, args))
         return f
 
-    def spawn(self, gpu_ids: list[int], log_dir: Path) -> None:
+    def _send(self, msg: tuple) -> None:
+        try:
+            self.conn.send(msg)
+        except OSError:  # the process died: its calls raise WorkerDied, with what it printed last
+            self.ended(None)
+
+    def spawn(self, gpu_ids: list[str], log_dir: Path, n: int) -> None:
+        """n: this executor's n-th worker (its log file's name)."""
         python = self.env.get("py_executable") or sys.executable
         env = {**os.environ, **(self.env.get("env_vars") or {})}
         env.setdefault("OMP_NUM_THREADS", str(self.cpus))  # as Ray sets it for an actor's num_cpus
@@ -81,26 +91,25 @@ class Worker:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
         ours, theirs = socket.socketpair()
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.log = log_dir / f"{self.cell_id.replace('/', '_')}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+        self.log = log_dir / f"{self.cell_id.replace('/', '_')}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{n}.log"
         host = ROOT / "actors" / "local_host.py"
         self.proc = subprocess.Popen([python, str(host), str(theirs.fileno()), str(self.log)],
                                      pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
                                      start_new_session=True)  # Ctrl-C reaches the driver, which stops it
         theirs.close()
         self.conn, self.gpu_ids = Connection(ours.detach()), gpu_ids
-        self.conn.send(("init", self.init))
-        for msg in self.outbox:
-            self.conn.send(msg)
+        for msg in [("init", self.init)] + self.outbox:
+            self._send(msg)
         self.outbox = []
 
     def receive(self) -> bool:
         """Take one answer off the socket; False when the process is gone."""
         try:
-            seq, ok, value = self.conn.recv()
+            seq, answer = self.conn.recv()
         except (EOFError, OSError):
             self.ended(None)
             return False
-        self.futures[seq].settle(ok, value if ok else CallError(value))
+        self.futures[seq].settle(*_unpack(answer))
         return True
 
     def ended(self, why: str | None) -> None:
@@ -112,8 +121,9 @@ class Worker:
             if why is None:
                 self.proc.wait()
                 why = f"its worker process (pid {self.proc.pid}) died with {_exit(self.proc.returncode)}" + _tail(self.log)
-            else:
-                self.proc.kill()
+            else:  # its whole session: an engine's own processes too (vLLM's engine core, compile workers)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         if self.conn is not None:
             self.conn.close()
@@ -122,11 +132,28 @@ class Worker:
                 f.settle(False, WorkerDied(f"{self.cell_id}: {why or 'its worker process was stopped'}"))
 
 
+def _unpack(answer: dict) -> tuple[bool, Any]:
+    """(ok, value or CallError) from a worker's answer (actors/local_host.py). What this interpreter
+    cannot unpickle fails that call alone, by its class and first line."""
+    if answer["ok"]:
+        try:
+            return True, pickle.loads(answer["blob"])
+        except Exception as e:
+            return False, CallError(RuntimeError(f"the worker's answer cannot be read here: {type(e).__name__}: {e}"))
+    try:
+        cause = pickle.loads(answer["blob"]) if answer["blob"] is not None else None
+    except Exception:  # e.g. a vLLM exception, raised under vLLM's interpreter: its class and line stand
+        cause = None
+    if cause is None:
+        cause = RuntimeError(f"{answer['class']}: {answer['line']}" if answer["line"] else answer["class"])
+    err = CallError(cause)
+    err.add_note(answer["traceback"])  # the worker's traceback, shown with --debug
+    return False, err
+
+
 def _exit(code: int | None) -> str:
     if code is not None and code < 0:
         try:
-            import signal
-
             return f"signal {signal.Signals(-code).name}"
         except ValueError:
             return f"signal {-code}"
@@ -142,13 +169,25 @@ def _tail(log: Path | None) -> str:
     return f" (last output: {lines[-1].strip()[:300]})" if lines else ""
 
 
+def gpu_pool() -> tuple[list[str], list[str]]:
+    """(the GPU ids workers may be given, their names): every NVIDIA GPU (nvidia-ml-py), or only
+    those CUDA_VISIBLE_DEVICES lists when it is set (a scheduler's share of the machine), as Ray
+    counts them."""
+    names = _nvidia_gpus()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [str(i) for i in range(len(names))], names
+    ids = [g.strip() for g in visible.split(",") if g.strip()]
+    return ids, [names[int(g)] if g.isdigit() and int(g) < len(names) else (names or ["GPU"])[0] for g in ids]
+
+
 def local_node() -> placement.Node:
-    """This machine as a placement node: its CPUs, NVIDIA GPUs (nvidia-ml-py) and device labels."""
+    """This machine as a placement node: its CPUs, NVIDIA GPUs and device labels."""
     resources: dict[str, float] = {"CPU": float(os.cpu_count() or 1)}
     labels: dict[str, str] = {}
-    names = _nvidia_gpus()
-    if names:
-        resources["GPU"] = float(len(names))
+    ids, names = gpu_pool()
+    if ids:
+        resources["GPU"] = float(len(ids))
         # Ray's accelerator type from the name ("NVIDIA H200" -> H200): the same device labels match
         labels[placement.RAY_ACCEL] = names[0].removeprefix("NVIDIA ").strip().replace(" ", "-")
     elif sys.platform == "darwin" and platform.machine() == "arm64":
@@ -175,6 +214,17 @@ def _nvidia_gpus() -> list[str]:
         pynvml.nvmlShutdown()
 
 
+def _prune(log_dir: Path, keep_days: float = 7.0) -> None:
+    """Worker logs older than a week go (each run writes one per cell start)."""
+    if not log_dir.is_dir():
+        return
+    old = time.time() - keep_days * 86400
+    for p in log_dir.glob("*.log"):
+        with contextlib.suppress(FileNotFoundError):  # another run pruned it first
+            if p.stat().st_mtime < old:
+                p.unlink()
+
+
 def check(cells: list[Cell]) -> None:
     """Exit 2 before anything runs for a cell only a Ray cluster can run."""
     for c in cells:
@@ -197,10 +247,13 @@ class LocalExecutor:
         self.node = local_node()
         self.cpus = int(self.node.resources["CPU"])
         self.free_cpus = self.cpus
-        self.free_gpus = list(range(int(self.node.resources.get("GPU", 0))))
+        self.free_gpus = gpu_pool()[0] or (["0"] if self.node.resources.get("mps") else [])
         self.line: list[Worker] = []  # not started yet, in the order asked
         self.running: list[Worker] = []
+        self.started = 0
+        self.closing = False  # the run is stopping: no waiting host starts any more
         self.log_dir = cache_root() / "local-workers"
+        _prune(self.log_dir)
 
     def nodes(self) -> list:
         return [self.node]
@@ -219,27 +272,29 @@ class LocalExecutor:
         w = Worker(cell.cell_id, (desc, model, threads, work.delivery), min(self.cpus, threads * cell.tp),
                    gpus, cls.runtime_env(desc, threads))
         self.line.append(w)
-        started = Started(w, calls={w.ready: Call(Kind.READY, cell.cell_id), w.call("load"): Call(Kind.LOAD, cell.cell_id)})
-        if measures_in_host(cell, work):  # returns at once (a thread); its failure comes back with the first measurement
+        if measures_in_host(cell, work):  # before load, so the two overlap (it returns at once: a thread)
             w.call("warm_metrics", work.vocab)
+        started = Started(w, calls={w.ready: Call(Kind.READY, cell.cell_id), w.call("load"): Call(Kind.LOAD, cell.cell_id)})
         queue_calls(started, cell, work, lambda host, method, *args: host.call(method, *args))
         self._pump()
         return started
 
     def _pump(self) -> None:
         """Start waiting hosts, first come first served, while their CPUs and GPUs are free."""
-        while self.line and self.line[0].cpus <= self.free_cpus and self.line[0].gpus <= len(self.free_gpus):
+        while not self.closing and self.line and self.line[0].cpus <= self.free_cpus \
+                and self.line[0].gpus <= len(self.free_gpus):
             w = self.line.pop(0)
             gpu_ids, self.free_gpus = self.free_gpus[:w.gpus], self.free_gpus[w.gpus:]
             self.free_cpus -= w.cpus
             self.running.append(w)
-            w.spawn(gpu_ids, self.log_dir)
+            self.started += 1
+            w.spawn(gpu_ids, self.log_dir, self.started)
 
     def _release(self, w: Worker) -> None:
         if w in self.running:
             self.running.remove(w)
             self.free_cpus += w.cpus
-            self.free_gpus = sorted(self.free_gpus + w.gpu_ids)
+            self.free_gpus = self.free_gpus + w.gpu_ids
 
     def stop(self, started: Started) -> None:
         for w in started.actors:
@@ -261,13 +316,23 @@ class LocalExecutor:
             left = deadline - time.monotonic()
             if ready or left <= 0:
                 return ready
+            for w in [w for w in self.running if w.proc.poll() is not None]:
+                self._drain(w)  # exited: what it answered first, then WorkerDied for the rest
             conns = {w.conn: w for w in self.running if not w.gone}
             if not conns:  # nothing can answer (callers never wait on a host that is not running)
-                time.sleep(left)
-                return []
-            for c in wait_conns(list(conns), timeout=left):
+                time.sleep(min(left, 1.0))
+                continue
+            # at most a second at a time: a worker whose socket an engine's child keeps open
+            # sends no EOF when it dies, so its exit is seen by poll() above
+            for c in wait_conns(list(conns), timeout=min(left, 1.0)):
                 if not conns[c].receive():
                     self._release(conns[c])
+
+    def _drain(self, w: Worker) -> None:
+        while not w.gone and w.conn.poll(0):
+            w.receive()
+        w.ended(None)
+        self._release(w)
 
     def get(self, future: Future) -> Any:
         while not future.done:
@@ -282,6 +347,7 @@ class LocalExecutor:
                 w.proc.wait(timeout_s)
 
     def shutdown(self) -> None:
+        self.closing = True
         for w in self.line + self.running:
             w.ended("the run ended")
             self._release(w)

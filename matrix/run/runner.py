@@ -330,9 +330,9 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
         raise
     finally:
         stopped = [a for lv in sweep.live.values() for a in lv.started.actors]
+        ex.shutdown()  # first: no host still waiting for its turn starts while the others stop
         for cid in list(sweep.live):
             sweep.drop(cid)
-        ex.shutdown()
         if stopped:  # a stopped run leaves no temp file: its killed actors' partial shards go too
             ex.wait_gone(stopped)
             for p in wh.sweep_tmp():
