@@ -65,8 +65,11 @@ def _last_cluster(warehouse: str, log) -> str | None:
     from matrix.run.cluster import check_reachable
     from store import Warehouse
 
-    runs = [r for r in Warehouse(warehouse).require().read_all("runs")  # sweeps, not imports
-            if r.get("started_at") and (r.get("ray_address") or r.get("executor") == "local")]
+    import socket
+
+    runs = [r for r in Warehouse(warehouse).require().read_all("runs")  # sweeps driven from here, not imports
+            if r.get("started_at") and r.get("host") == socket.gethostname()  # nor runs merged from elsewhere
+            and (r.get("ray_address") or r.get("executor") == "local")]
     last = max(runs, key=lambda r: r["started_at"], default=None)
     if last is None or last.get("executor") == "local" or last["ray_address"] == "local":
         return None
