@@ -213,7 +213,7 @@ def _disclosure(cell: dict, ref: dict, s: dict, prompts: list, pos: dict) -> dic
 
 NUMBERS = ("kld_mean", "kld_stderr", "kld_median", "kld_p99", "kld_max", "kld_reverse_mean", "js_mean",
            "top1_agreement", "nmse_mean", "max_abs_diff", "spearman_mean", "rows", "nonfinite_rows",
-           "below_resolution")
+           "below_resolution", "ppl", "ppl_ref", "ppl_ratio", "nll_correlation")
 
 
 def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False, *, extras) -> dict:
@@ -266,6 +266,8 @@ def markdown(card: dict, extras) -> str:
            f"| median / p99 / max KLD | {n['kld_median']:.4g} / {n['kld_p99']:.4g} / {n['kld_max']:.4g} |",
            f"| mean reverse KLD / mean JS | {n['kld_reverse_mean']:.4g} / {n['js_mean']:.4g} |",
            f"| top-1 agreement | {n['top1_agreement']:.4f} |",
+           f"| perplexity: candidate / reference (ratio; correlation of ln p) | {fmt_value(n['ppl'])} / "
+           f"{fmt_value(n['ppl_ref'])} ({fmt_value(n['ppl_ratio'])}; {fmt_value(n['nll_correlation'])}) |",
            f"| raw logits: mean NMSE / max abs diff / mean Spearman (top-10) | {fmt_value(n['nmse_mean'])} / "
            f"{fmt_value(n['max_abs_diff'])} / {fmt_value(n['spearman_mean'])} |",
            f"| rows (NaN/Inf excluded) | {n['rows']} ({n['nonfinite_rows']}) |",

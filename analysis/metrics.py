@@ -31,7 +31,7 @@ import torch
 
 # Bump when any metric's definition or arithmetic changes: `matrix analyze` recomputes every
 # output written by another version (the metrics tables record it in kernel_version).
-KERNEL_VERSION = "1"
+KERNEL_VERSION = "2"  # 2: nll_ref / nll_stack (perplexity) beside delta_p
 NEG_TOLERANCE = -1e-12
 ROWS = 64  # rows per kernel call: (32, 151936) float64 temporaries stay cache-sized
 BLOCK = 64  # top-k candidates come from the K blocks of 64 logits with the highest maxima
@@ -179,6 +179,10 @@ def _chunk(ref: torch.Tensor, stk: torch.Tensor, nxt: torch.Tensor) -> dict[str,
         "spearman_top10": spear,
         "cosine": rs / (rn * sn), "norm_ratio": sn / rn, "nmse": dsq / rr, "max_abs_diff": mad,
         "delta_p": torch.where(has, q_next - p_next, torch.full_like(p_next, float("nan"))),
+        # -log p(next token) of each side, from the same log-sum-exp: a prompt's perplexity is
+        # exp(mean nll) over its rows (llama-perplexity's PPL of its scored half)
+        "nll_ref": torch.where(has, lser - torch.gather(ref, 1, nid)[:, 0].double(), torch.full_like(p_next, float("nan"))),
+        "nll_stack": torch.where(has, lses - torch.gather(stk, 1, nid)[:, 0].double(), torch.full_like(p_next, float("nan"))),
         "entropy_ref": h_ref, "entropy_stack": h_stk,
         "_finite_ref": torch.isfinite(rr), "_finite_stk": torch.isfinite(sq),  # a NaN/Inf poisons the sums
     }

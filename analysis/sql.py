@@ -125,6 +125,9 @@ VIEWS = {
                avg(m.top1_match::INT) AS top1_agreement, avg(m.storage_floor) AS storage_floor,
                avg(m.nmse) AS nmse_mean, max(m.max_abs_diff) AS max_abs_diff, avg(m.spearman_top10) AS spearman_mean,
                count(m.nonfinite) AS nonfinite_rows,  -- flagged rows: null metrics, left out of every mean
+               -- perplexity over the rows that have a next token, as llama-perplexity reports it
+               exp(avg(m.nll_stack)) AS ppl, exp(avg(m.nll_ref)) AS ppl_ref,
+               exp(avg(m.nll_stack - m.nll_ref)) AS ppl_ratio, corr(m.nll_stack, m.nll_ref) AS nll_correlation,
                coalesce(any_value(f.reference_repeat_kld), 0) AS reference_repeat_kld,
                any_value(c.bit_reproducible) AS bit_reproducible,
                NOT (m.cell_id = m.reference_cell_id) AND avg(m.kld) <= 3 * greatest(
@@ -137,9 +140,13 @@ VIEWS = {
                0.0 AS kld_median, 0.0 AS kld_p90, 0.0 AS kld_p99, 0.0 AS kld_p999, 0.0 AS kld_max,
                0.0 AS kld_reverse_mean, 0.0 AS js_mean, 1.0 AS top1_agreement, NULL::DOUBLE AS storage_floor,
                0.0 AS nmse_mean, 0.0 AS max_abs_diff, 1.0 AS spearman_mean,
-               0 AS nonfinite_rows, coalesce(f.reference_repeat_kld, 0) AS reference_repeat_kld,
+               0 AS nonfinite_rows, ref_ppl.ppl, ref_ppl.ppl AS ppl_ref, 1.0 AS ppl_ratio, 1.0 AS nll_correlation,
+               coalesce(f.reference_repeat_kld, 0) AS reference_repeat_kld,
                c.bit_reproducible, false AS below_resolution
         FROM cells c LEFT JOIN floor f ON f.reference_cell_id = c.cell_id
+        LEFT JOIN (SELECT reference_cell_id, exp(avg(nll_ref)) AS ppl FROM (  -- its own rows, each once
+                       SELECT DISTINCT reference_cell_id, prompt_id, position, nll_ref FROM metrics
+                       WHERE nll_ref IS NOT NULL) GROUP BY ALL) ref_ppl ON ref_ppl.reference_cell_id = c.cell_id
         WHERE c.cell_id IN (SELECT DISTINCT reference_cell_id FROM metrics)
           AND c.cell_id NOT IN (SELECT cell_id FROM m)""",
     "summary_by_range": """
@@ -189,6 +196,10 @@ VIEWS = {
     # decoded from a KV cache, recomputed from a warm cache, ...). path 'prefill': the cell's own
     # prefill rows there vs the reference's; path = rows_of: those rows vs the reference's prefill
     # rows, with their consistency with the same cell's prefill row (kld / max |diff| / identical).
+    "ppl_by_prompt": """
+        SELECT m.cell_id, m.reference_cell_id, m.prompt_id, p.name, count(m.nll_stack) AS rows,
+               exp(avg(m.nll_stack)) AS ppl, exp(avg(m.nll_ref)) AS ppl_ref
+        FROM metrics m JOIN prompts p USING (prompt_id) WHERE m.repeat = 0 GROUP BY ALL""",
     "summary_by_path": """
         WITH d AS (SELECT *, coalesce(path, 'decode') AS rows_of FROM decode_metrics WHERE repeat = 0)
         SELECT c.model, d.cell_id, c.engine, c.dtype, d.reference_cell_id, d.rows_of, d.path, count(*) AS rows,

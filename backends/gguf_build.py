@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from backends.artifacts import ensure, locked
+from backends.artifacts import content_key, ensure, locked
 from backends.base import SkipCell
 from common.errors import UserError
 from common.files import cache_root, check_gguf, pip_download
@@ -94,7 +94,7 @@ def convert(hf_dir: str, weights_sha256: str | None, outtype: str) -> dict[str, 
             tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["failed"]
             raise UserError(f"{hf_dir}: convert_hf_to_gguf.py --outtype {outtype} failed: {tail[0]}")
 
-    return ensure("gguf", f"model-{outtype}.gguf", recipe, build)
+    return ensure("gguf", f"model-{outtype}.gguf", recipe, build, content_key(hf_dir, weights_sha256))
 
 
 def quantize(f32: dict[str, Any], dtype: str, threads: int, imatrix: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -66,7 +66,7 @@ def fix_rope_theta(config_path: Path) -> float | None:
 def convert(hf_dir: str, weights_sha256: str | None, dtype: str) -> dict[str, Any]:
     import mlx_lm
 
-    from backends.artifacts import ensure
+    from backends.artifacts import content_key, ensure
 
     wdtype, bits = MLX_DTYPES[dtype]
     recipe = {"tool": "mlx_lm.convert", "mlx_lm": mlx_lm.__version__, "source": hf_dir,
@@ -85,7 +85,7 @@ def convert(hf_dir: str, weights_sha256: str | None, dtype: str) -> dict[str, An
             raise UserError(f"{hf_dir}: mlx_lm cannot convert this model: {str(e).splitlines()[0]}") from None
         fix_rope_theta(tmp / "config.json")
 
-    return ensure("mlx", f"mlx-{dtype}", recipe, build)
+    return ensure("mlx", f"mlx-{dtype}", recipe, build, content_key(hf_dir, weights_sha256))
 
 
 class MLXBackend(Backend):

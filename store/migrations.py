@@ -67,8 +67,15 @@ def m011_executor(loc) -> None:
     null there, and ran on Ray."""
 
 
+def m012_perplexity(loc) -> None:
+    """v12: metrics.nll_ref / nll_stack (-log p of the next token, each side), for perplexity.
+    Columns only: metrics written before read as null there; `matrix analyze` recomputes them
+    (the metric kernel's version is part of each output's key)."""
+
+
 # target version -> migration
 MIGRATIONS = {2: m002_tokenizer_parity, 3: m003_nonfinite_and_centroid_groups, 4: m004_rows_delivery,
               5: m005_builds_and_replicas, 6: m006_failed_cells, 7: m007_analysis_kernel_version,
               8: m008_positions_and_storage, 9: m009_layer_states,
-              10: m010_prefix_cache, 11: m011_executor}
+              10: m010_prefix_cache, 11: m011_executor,
+              12: m012_perplexity}

@@ -28,7 +28,7 @@ for bf16 rows the two low byte streams are all zero and cost almost nothing.
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -142,6 +142,7 @@ METRICS = pa.schema([
     ("top1_match", pa.bool_()), ("top5_overlap", F64), ("top10_overlap", F64), ("spearman_top10", F64),
     ("cosine", F64), ("norm_ratio", F64), ("nmse", F64), ("max_abs_diff", F64),  # on raw logits
     ("delta_p", F64),  # p_stack(next token) - p_ref(next token); null at the last position
+    ("nll_ref", F64), ("nll_stack", F64),  # v12: -log p(next token) of each side (perplexity); null at the last
     ("entropy_ref", F64), ("entropy_stack", F64),
     ("storage_floor", F64),  # KL(native || stored): 0 while the warehouse is lossless
     # v3: null for a clean row; 'stack' | 'reference' | 'both' when that side has NaN/Inf logits.

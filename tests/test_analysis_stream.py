@@ -73,7 +73,7 @@ def test_streaming_analysis_equals_the_oracle_then_redoes_only_what_changed(swep
         for k, row in want.items():
             bad = [c for c in row if not _same(row[c], got[k][c])]
             assert not bad, (table, k, {c: (row[c], got[k][c]) for c in bad})
-    assert {r["kernel_version"] for r in sql(new, "select distinct kernel_version from metrics")} == {"1"}
+    assert {r["kernel_version"] for r in sql(new, "select distinct kernel_version from metrics")} == {A.M.KERNEL_VERSION}
     pieces = int(next(m for m in logs if "piece(s)" in m).split(" in ")[1].split()[0])
     assert pieces > 5, logs  # 4 cells and a group, cut by prompt
     cells = first["computed"]["cells"]

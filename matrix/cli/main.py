@@ -11,12 +11,13 @@ from common.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from matrix.cli import layers as cli_layers, models, quant as cli_quant, sweep, warehouse
+    from matrix.cli import cache, layers as cli_layers, models, quant as cli_quant, sweep, warehouse
 
     p = argparse.ArgumentParser(prog="matrix", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sweep.add_parsers(sub)
     models.add_parsers(sub)
+    cache.add_parsers(sub)
     warehouse.add_parsers(sub)
     cli_quant.add_parsers(sub)
     cli_layers.add_parser(sub)
