@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from store import SCHEMA_VERSION
 from tests.conftest import run_cli, sql
 
 
@@ -64,14 +65,14 @@ def test_merge_then_again_then_each_refusal(merge_sources, tmp_path):
     old = tmp_path / "old"
     shutil.copytree(a, old)
     marker = json.loads((old / "WAREHOUSE.json").read_text())
-    (old / "WAREHOUSE.json").write_text(json.dumps({**marker, "schema_version": 10}))
+    (old / "WAREHOUSE.json").write_text(json.dumps({**marker, "schema_version": SCHEMA_VERSION - 1}))
     other_rows = tmp_path / "other-rows"
     shutil.copytree(a, other_rows)
     rewrite(other_rows / "logits" / one_cell(a) / "r1.parquet", "row_hash", "0" * 64)
     other_weights = tmp_path / "other-weights"
     shutil.copytree(c, other_weights)
     rewrite(other_weights / "cells" / f"{one_cell(c)}.parquet", "weights_sha256", "f" * 64)
-    for src, needle in ((old, "schema_version 10, this logit-matrix merges 11"),
+    for src, needle in ((old, f"schema_version {SCHEMA_VERSION - 1}, this logit-matrix merges {SCHEMA_VERSION}"),
                         (other_rows, f"cell {one_cell(a)} is in the destination with different rows"),
                         (other_weights, f"weights_sha256 {'f' * 64} for model 'tiny'")):
         bad = run_cli("merge", str(src), "--into", str(dest))
