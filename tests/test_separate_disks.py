@@ -42,18 +42,45 @@ def _alive_nodes(address: str) -> int:
     return int(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else 0
 
 
+class StartFailed(Exception):
+    """A Ray process of the test cluster exited while starting (its logs attached)."""
+
+
 def _wait_for(address: str, nodes: int, procs: list, tmp: Path) -> None:
     deadline = time.time() + 120
     while _alive_nodes(address) < nodes:
         logs = {f: (tmp / f).read_text()[-1500:] for f in sorted(os.listdir(tmp)) if f.endswith(".log")}
-        assert time.time() < deadline and all(p.poll() is None for p in procs), logs
+        if any(p.poll() is not None for p in procs):
+            raise StartFailed(logs)
+        assert time.time() < deadline, logs
         time.sleep(2)
 
 
 @contextlib.contextmanager
 def isolated_cluster(tmp: Path, hidden: list[Path], workers: int, prepare: str = ""):
     """A head on loopback with no CPUs, and `workers` one-CPU nodes that cannot see `hidden`.
-    prepare: shell run inside a worker's namespace after the tmpfs mounts (e.g. plant a file)."""
+    A port is picked free and bound moments later: another cluster of this machine (the other
+    test worker's) can take it in between, and that node then exits at once. The cluster is
+    started again from scratch then, with new ports, at most three times."""
+    for attempt in range(3):
+        run = tmp / f"try{attempt}"
+        run.mkdir()
+        try:
+            cm = _cluster(run, hidden, workers, prepare)
+            address = cm.__enter__()
+        except StartFailed:
+            if attempt == 2:
+                raise
+            continue
+        try:
+            yield address
+        finally:
+            cm.__exit__(None, None, None)
+        return
+
+
+@contextlib.contextmanager
+def _cluster(tmp: Path, hidden: list[Path], workers: int, prepare: str):
     port = _free_port()
     address = f"127.0.0.1:{port}"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # loopback only: nothing listens outside
