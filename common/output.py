@@ -25,5 +25,14 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def human(n: float) -> str:
+    """A byte count in decimal units (1.5 MB)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
 def fmt_number(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))

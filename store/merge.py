@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 from common.errors import UserError
 from store.location import write_whole
 from store.schema import SCHEMA_VERSION
-from store.warehouse import MARKER, SHARD_FILES, Warehouse
+from store.verify import verify_shard
+from store.warehouse import MARKER, Warehouse
 
 HASH_COLUMNS = {"logits": ["repeat", "prompt_id", "position", "path", "step", "row_hash"],
                 "side": ["repeat", "prompt_id", "position", "path", "step", "row_hash"],
@@ -92,10 +93,9 @@ def _check_prompts(src: Warehouse, dest: Warehouse) -> None:
                             f"destination's prompt of that id has {ours[p['prompt_id']]}")
 
 
-def plan_source(src: Warehouse, dest: Warehouse, side_tables: Callable, verify_shard: Callable,
-                log: Callable[[str], None]) -> Incoming:
+def plan_source(src: Warehouse, dest: Warehouse, side_tables: Callable, log: Callable[[str], None]) -> Incoming:
     """Every check of one source against the destination; raises UserError for a refusal.
-    verify_shard: store/verify.py's, passed in by merge()."""
+    """
     inc = Incoming(src)
     cells = src.read_all("cells")
     dest_cells = {c["cell_id"]: c for c in (dest.read_all("cells") if dest.check() else [])}
@@ -146,10 +146,9 @@ def copy_cell(inc: Incoming, dest: Warehouse, cell: dict, have: dict[str, set]) 
     for stale in set(dest.loc.list(f"logits/{cid}/") + dest.loc.list(f"layer_states/{cid}/")) - set(keys):
         dest.loc.delete(stale)
     extra = [("tokenizer_parity", cid)] if src.has_rows("tokenizer_parity", cid) else []
-    extra += [("runs", r) for r in sorted(shard_values(src, cid, inc.shards[cid], "run_id") | {cell["run_id"]})
-              if r not in have["runs"] and src.has_rows("runs", r)]
-    extra += [("prompts", p) for p in sorted(shard_values(src, cid, inc.shards[cid], "prompt_id"))
-              if p not in have["prompts"]]
+    runs, prompts = shard_values(src, cid, inc.shards[cid], ("run_id", "prompt_id"))
+    extra += [("runs", r) for r in sorted(runs | {cell["run_id"]}) if r not in have["runs"] and src.has_rows("runs", r)]
+    extra += [("prompts", p) for p in sorted(prompts) if p not in have["prompts"]]
     for table, name in extra:
         copy_file(src, dest, f"{table}/{name}.parquet")
         have.setdefault(table, set()).add(name)
@@ -157,13 +156,15 @@ def copy_cell(inc: Incoming, dest: Warehouse, cell: dict, have: dict[str, set]) 
     return len(keys) + len(extra) + 1
 
 
-def shard_values(src: Warehouse, cid: str, shards: list[tuple[str, int]], column: str) -> set[str]:
-    """The distinct values of a small column (run_id, prompt_id) over a cell's logits shards."""
-    out = set()
+def shard_values(src: Warehouse, cid: str, shards: list[tuple[str, int]], columns: tuple[str, ...]) -> list[set[str]]:
+    """The distinct values of small columns (run_id, prompt_id) over a cell's logits shards, one
+    read of each shard."""
+    out: list[set[str]] = [set() for _ in columns]
     for table, r in shards:
         if table == "logits":
-            out |= set(pq.read_table(src.shard_path(cid, r), columns=[column], filesystem=src.loc.fs)
-                       .column(column).unique().to_pylist())
+            t = pq.read_table(src.shard_path(cid, r), columns=list(columns), filesystem=src.loc.fs)
+            for seen, col in zip(out, columns):
+                seen |= set(t.column(col).unique().to_pylist())
     return out
 
 
@@ -191,10 +192,8 @@ def merge(sources: list[str], into: str, side_tables: Callable, log: Callable[[s
 
 
 def _plan(srcs: list[Warehouse], dest: Warehouse, side_tables: Callable, log) -> list[Incoming]:
-    from store.verify import verify_shard
-
     check_models(dest.read_all("cells") if dest.check() else [], [(s, s.read_all("cells")) for s in srcs])
-    plans = [plan_source(s, dest, side_tables, verify_shard, log) for s in srcs]
+    plans = [plan_source(s, dest, side_tables, log) for s in srcs]
     _check_between(plans)
     return plans
 

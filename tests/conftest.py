@@ -118,6 +118,17 @@ def swept(tiny_model, short_corpus, tmp_path_factory):
     return spec, wh, json.loads(r.stdout), r.stderr
 
 
+def analyzed_copy(swept, tmp_path_factory, name: str) -> tuple[Path, dict[str, str]]:
+    """A copy of the `swept` warehouse, analysed: (its path, "dtype.attention" -> cell id)."""
+    import shutil
+
+    d = tmp_path_factory.mktemp(name) / "wh"
+    shutil.copytree(swept[1], d)
+    r = run_cli("analyze", "--warehouse", str(d))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return d, {c["dtype"] + "." + c["attention"]: c["cell_id"] for c in sql(d, "select * from cells")}
+
+
 @pytest.fixture(scope="session")
 def merge_sources(tiny_model, short_corpus, tmp_path_factory):
     """Three warehouses captured apart, as on machines outside the cluster (the local executor):

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import run_cli, sql
+from tests.conftest import analyzed_copy, run_cli, sql
 
 
 def _nll(wh, cell_id: str) -> dict[tuple[str, int], float]:
@@ -30,12 +29,7 @@ def _nll(wh, cell_id: str) -> dict[tuple[str, int], float]:
 
 @pytest.fixture(scope="module")
 def analyzed(swept, tmp_path_factory):
-    _, wh, _, _ = swept
-    d = tmp_path_factory.mktemp("ppl") / "wh"
-    shutil.copytree(wh, d)
-    r = run_cli("analyze", "--warehouse", str(d))
-    assert r.returncode == 0, r.stderr[-2000:]
-    return d, {c["dtype"] + "." + c["attention"]: c["cell_id"] for c in sql(d, "select * from cells")}
+    return analyzed_copy(swept, tmp_path_factory, "ppl")
 
 
 def test_row_nll_and_perplexity_match_a_float64_computation(analyzed):

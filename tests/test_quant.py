@@ -13,7 +13,7 @@ import pytest
 from store import Warehouse
 from store import llamacpp_kld as K
 from store.warehouse import logits_matrix
-from tests.conftest import run_cli, sql, write_spec
+from tests.conftest import analyzed_copy, run_cli, sql, write_spec
 
 DISCLOSURE = {"reference_checkpoint", "reference_runtime", "candidate_runtime", "candidate_artifact", "evaluation_text",
               "calibration_data", "context_lengths", "sampled_positions", "kl_direction",
@@ -22,13 +22,7 @@ DISCLOSURE = {"reference_checkpoint", "reference_runtime", "candidate_runtime", 
 
 @pytest.fixture(scope="module")
 def analyzed(swept, tmp_path_factory):
-    _, wh, _, _ = swept
-    d = tmp_path_factory.mktemp("quant") / "wh"
-    shutil.copytree(wh, d)
-    r = run_cli("analyze", "--warehouse", str(d))
-    assert r.returncode == 0, r.stderr[-2000:]
-    cells = {c["dtype"] + "." + c["attention"]: c["cell_id"] for c in sql(d, "select * from cells")}
-    return d, cells
+    return analyzed_copy(swept, tmp_path_factory, "quant")
 
 
 def test_card_discloses_every_field_and_matches_the_summary(analyzed):

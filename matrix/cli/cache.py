@@ -6,7 +6,7 @@ import re
 import time
 
 from common.errors import UserError
-from common.output import emit_json, log, table
+from common.output import emit_json, human, log, table
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -31,14 +31,6 @@ def _users(warehouses: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def cmd_cache(args) -> int:
     from backends import artifacts
 
@@ -50,18 +42,18 @@ def cmd_cache(args) -> int:
             return 0
         now = time.time()
         print(table(["kind", "file", "tool", "size", "last used", "cells", "dir"],
-                    [[a["kind"], a["file"], a["tool"] or "", _human(a["bytes"]),
+                    [[a["kind"], a["file"], a["tool"] or "", human(a["bytes"]),
                       f"{(now - a['last_used']) / 86400:.1f} d ago", str(len(a["cells"])) if args.warehouse else "-",
                       a["dir"]] for a in items]))
-        print(f"\n{len(items)} artifact(s), {_human(sum(a['bytes'] for a in items))} in {artifacts.root()}")
+        print(f"\n{len(items)} artifact(s), {human(sum(a['bytes'] for a in items))} in {artifacts.root()}")
         return 0
     keep = set(_users(args.keep_used_by or []))
     removed, busy = artifacts.prune(duration(args.older_than), keep)
     for a in removed:
-        log(f"removed {a.kind} {a.file} ({_human(a.bytes)}, last used {(time.time() - a.last_used) / 86400:.1f} d ago): {a.dir}")
+        log(f"removed {a.kind} {a.file} ({human(a.bytes)}, last used {(time.time() - a.last_used) / 86400:.1f} d ago): {a.dir}")
     for a in busy:
         log(f"kept {a.dir}: a running cell holds it")
-    log(f"pruned {len(removed)} artifact(s), {_human(sum(a.bytes for a in removed))}; {len(busy)} in use")
+    log(f"pruned {len(removed)} artifact(s), {human(sum(a.bytes for a in removed))}; {len(busy)} in use")
     if args.json:
         emit_json({"removed": [a.to_dict() for a in removed], "in_use": [a.to_dict() for a in busy]})
     return 0

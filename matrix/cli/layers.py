@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import extras
 from common.errors import UserError
-from common.output import emit_json, fmt_number, table
+from common.output import emit_json, fmt_number, human, table
 from matrix.cli.quant import GATES
 
 
@@ -87,11 +87,3 @@ def layer_brief(size: dict | None) -> str:
     if not size:
         return "-"
     return f"{size['states_per_row']} x {size['hidden']} x {size['rows']} rows ~ {human(size['bytes_estimate'])}"
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"

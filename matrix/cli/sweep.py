@@ -23,7 +23,8 @@ def _brief(opts: dict) -> str:
 
 def cmd_cells(args) -> int:
     from matrix.spec.cells import load_spec
-    from matrix.cli.layers import human, layer_brief, layer_sizes, off_prefill
+    from common.output import human
+    from matrix.cli.layers import layer_brief, layer_sizes, off_prefill
     from matrix.cli.builds import build_columns
 
     spec = load_spec(args.spec)

@@ -36,6 +36,15 @@ NODE_ID = "local:" + socket.gethostname()  # what actors/stack_actor.py StackHos
 ROOT = Path(__file__).resolve().parents[2]  # the project's import root, for a worker's other interpreter
 
 
+def interpreter(runtime_env: dict | None) -> tuple[str, dict]:
+    """(python, environment) a host runs under: a Ray runtime_env's py_executable and env_vars,
+    with this project first on PYTHONPATH (another interpreter need not have it installed)."""
+    runtime_env = runtime_env or {}
+    env = {**os.environ, **(runtime_env.get("env_vars") or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return runtime_env.get("py_executable") or sys.executable, env
+
+
 class Future:
     __slots__ = ("worker", "done", "value", "error")
 
@@ -83,10 +92,8 @@ class Worker:
 
     def spawn(self, gpu_ids: list[str], log_dir: Path, n: int) -> None:
         """n: this executor's n-th worker (its log file's name)."""
-        python = self.env.get("py_executable") or sys.executable
-        env = {**os.environ, **(self.env.get("env_vars") or {})}
+        python, env = interpreter(self.env)
         env.setdefault("OMP_NUM_THREADS", str(self.cpus))  # as Ray sets it for an actor's num_cpus
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         if gpu_ids or "CUDA_VISIBLE_DEVICES" not in env:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
         ours, theirs = socket.socketpair()
@@ -358,9 +365,7 @@ class LocalExecutor:
         f = Future(None)
         code = ("import json, sys; from common.builds import engine_build; "
                 "print(json.dumps(engine_build(tuple(sys.argv[1:]))))")
-        python = (env or {}).get("py_executable") or sys.executable
-        penv = {**os.environ, **((env or {}).get("env_vars") or {}),
-                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+        python, penv = interpreter(env)
         r = subprocess.run([python, "-c", code, *libraries], capture_output=True, text=True, env=penv)
         if r.returncode != 0:
             f.settle(False, RuntimeError(f"{python}: {(r.stderr.strip().splitlines() or ['exit ' + str(r.returncode)])[-1]}"))
