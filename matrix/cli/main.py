@@ -11,7 +11,7 @@ from common.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from matrix.cli import cache, layers as cli_layers, models, quant as cli_quant, sweep, warehouse
+    from matrix.cli import cache, kld, layers as cli_layers, models, quant as cli_quant, sweep, warehouse
 
     p = argparse.ArgumentParser(prog="matrix", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_parsers(sub)
     warehouse.add_parsers(sub)
     cli_quant.add_parsers(sub)
+    kld.add_parser(sub)
     cli_layers.add_parser(sub)
     return p
 

@@ -206,7 +206,11 @@ def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
                                    notices=tuple(str(gguf.parent / Path(n).name) for n in entry.notices))
     if ref.kind == "gguf":
         check_gguf(ref.location)
-        return _from_gguf(Path(ref.location), ref.name, ref.identity, f"gguf:{ref.location}", root, log)
+        from store.gguf_meta import read_info
+
+        # a llama.cpp cell of the file's own quant type runs the file itself, as for a catalog model
+        return _from_gguf(Path(ref.location), ref.name, ref.identity, f"gguf:{ref.location}", root, log,
+                          read_info(ref.location).declared)
     if ref.kind == "path":
         p = Path(ref.location)
         if not (p / "config.json").is_file():

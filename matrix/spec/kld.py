@@ -1,0 +1,149 @@
+"""`matrix kld`'s job as a spec: llama-perplexity --kl-divergence's measurement of candidate files
+against a reference over one text, written next to the warehouse so it can be run again or extended.
+
+llama-perplexity (tools/perplexity/perplexity.cpp) cuts the tokenised text into n_ctx-token chunks,
+scores the second half of each (positions n_ctx/2 .. n_ctx-2, each predicting the next token) and
+compares full-vocabulary distributions there. The spec says the same: `chunks: N_CTX`, `positions:
+llama_perplexity`, llama.cpp's own tokenisation (`vocab:`) when the reference is a GGUF, bf16 rows,
+no centroid, and each candidate measured in its capturing process against the reference's stored rows.
+
+A second call with more candidates against the same reference and text adds them to the spec: the
+reference and the earlier candidates are complete cells, so only the new ones are captured.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from common.errors import UserError
+
+KINDS = ("gguf", "path", "catalog")
+
+
+@dataclass(frozen=True)
+class Source:
+    """A reference or candidate as given: a GGUF file, an HF checkpoint directory, or a catalog model."""
+
+    kind: str  # KINDS
+    location: str  # absolute path, or the catalog name
+
+    @property
+    def label(self) -> str:
+        return self.location if self.kind == "catalog" else Path(self.location).name
+
+
+def classify(arg: str, flag: str) -> Source:
+    """What a --reference / --candidate names; anything else is one line naming the flag and value."""
+    from matrix.spec.models import CATALOG
+
+    if arg in CATALOG:
+        return Source("catalog", arg)
+    p = Path(os.path.expanduser(arg)).resolve()
+    if p.is_file():
+        with open(p, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return Source("gguf", str(p))
+    if p.is_dir() and (p / "config.json").is_file():
+        return Source("path", str(p))
+    raise UserError(f"{flag} {arg}: not a GGUF file, a Hugging Face checkpoint directory (config.json) "
+                    f"or a catalog model ({', '.join(CATALOG)})")
+
+
+def model_name(ref: Source) -> str:
+    """The spec's name for the reference model: its catalog name, else its file or directory name."""
+    if ref.kind == "catalog":
+        return ref.location
+    stem = Path(ref.location).stem if ref.kind == "gguf" else Path(ref.location).name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-") or "reference"
+
+
+def catalog_gguf(name: str, log) -> str:
+    """A catalog model's shipped GGUF on this machine (fetched once into the cache)."""
+    from matrix.spec.models import fetch
+    from matrix.spec.parse import ModelRef
+
+    return fetch(ModelRef(name, "catalog", name), log=log).gguf_path
+
+
+def reference_stack(ref: Source, log) -> tuple[dict, dict, str | None]:
+    """(the spec's model entry, the reference stack {engine, dtype, attention}, the GGUF whose
+    llama.cpp tokenizer cuts the text, or None for an HF checkpoint's own tokenizer)."""
+    from store.gguf_meta import read_info
+
+    name = model_name(ref)
+    if ref.kind == "path":  # transformers at fp32: the checkpoint's own arithmetic, widened
+        return {"name": name, "path": ref.location}, {"engine": "hf", "dtype": "fp32", "attention": "eager"}, None
+    gguf = ref.location if ref.kind == "gguf" else catalog_gguf(ref.location, log)
+    # a llama.cpp cell of the file's declared type runs the file itself (matrix/spec/models.py fetch)
+    stack = {"engine": "llamacpp", "dtype": read_info(gguf).declared, "attention": "default"}
+    entry = {"name": name, "gguf": ref.location} if ref.kind == "gguf" else {"name": name, "catalog": ref.location}
+    return entry, stack, gguf
+
+
+def candidate_entry(model: str, c: Source, log) -> dict:
+    if c.kind == "path":
+        return {"model": model, "path": c.location, "name": c.label}
+    gguf = c.location if c.kind == "gguf" else catalog_gguf(c.location, log)
+    return {"model": model, "gguf": gguf, "name": c.label if c.kind == "gguf" else Path(gguf).name}
+
+
+def job_files(warehouse: str) -> tuple[Path, Path]:
+    """(spec, corpus) next to a directory warehouse; in this directory, after the warehouse's last
+    path part, for an object-store one (s3://..., gs://...)."""
+    if "://" in warehouse:
+        base = Path.cwd() / (warehouse.rstrip("/").rsplit("/", 1)[-1] or "warehouse")
+    else:
+        base = Path(warehouse).resolve()
+    return base.with_name(base.name + ".kld.yaml"), base.with_name(base.name + ".kld-corpus.yaml")
+
+
+def corpus(text: Path, n_ctx: int, vocab: str | None) -> dict:
+    return {"name": "kld-text", "prompts": [{
+        "id": "text", "category": "long_context", "source": text.name, "file": str(text),
+        "chunks": n_ctx, **({"vocab": vocab} if vocab else {})}]}
+
+
+def _same_job(old: dict, new: dict, spec_path: Path) -> None:
+    """A warehouse holds one reference and one text: refuse another, naming what differs."""
+    for what, key in (("reference", "models"), ("reference stack", "reference"), ("threads", "threads")):
+        if old.get(key) != new.get(key):
+            raise UserError(f"{spec_path}: {key}: this warehouse's job has {what} {old.get(key)}, not {new.get(key)}; "
+                            "use another --warehouse for another job")
+
+
+def write_job(ref: Source, candidates: list[Source], text: Path, n_ctx: int, threads: int, warehouse: str,
+              log) -> tuple[Path, list[dict]]:
+    """Write (or extend) the spec and corpus next to the warehouse; -> (spec path, the candidate
+    entries asked for this time)."""
+    if n_ctx < 4 or n_ctx % 2:
+        raise UserError(f"--n-ctx {n_ctx}: must be an even context length >= 4 (the second half is scored)")
+    spec_path, corpus_path = job_files(warehouse)
+    entry, stack, vocab = reference_stack(ref, log)
+    asked = [candidate_entry(entry["name"], c, log) for c in candidates]
+    spec = {"name": "kld", "description": "matrix kld: KL(reference || candidate) over the scored half of each "
+                                          "chunk, as llama-perplexity --kl-divergence",
+            "models": [entry], "engines": [stack["engine"]], "dtypes": [stack["dtype"]],
+            "attention": [stack["attention"]], "reference": stack, "repeats": 1, "threads": threads,
+            "corpus": str(corpus_path), "positions": "llama_perplexity", "store": "bf16",
+            "centroid": {"definition": "none"}, "reference_metrics": "in_actor", "candidates": list(asked)}
+    new_corpus = corpus(text, n_ctx, vocab)
+    if spec_path.is_file():
+        old = yaml.safe_load(spec_path.read_text()) or {}
+        _same_job(old, spec, spec_path)
+        old_corpus = yaml.safe_load(corpus_path.read_text()) if corpus_path.is_file() else None
+        if old_corpus != new_corpus:
+            log(f"{corpus_path}: the text or --n-ctx changed; the earlier cells stay in the warehouse under their ids")
+        known = {c.get("gguf") or c.get("path") for c in asked}
+        spec["candidates"] = [c for c in old.get("candidates") or [] if (c.get("gguf") or c.get("path")) not in known] \
+            + asked
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    for path, data in ((corpus_path, new_corpus), (spec_path, spec)):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+        os.replace(tmp, path)
+    return spec_path, asked

@@ -1,0 +1,138 @@
+"""`matrix kld`: llama-perplexity's --kl-divergence job on real GGUF files of the test model (F16
+reference; Q8_0 and Q4_K_M candidates), its statistics checked against a float64 computation of
+this test's own from the stored rows, then a third candidate that alone is captured."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import REPO, run_cli, sql
+
+N_CTX = 64
+
+
+@pytest.fixture(scope="module")
+def ggufs(tiny_model):
+    from backends.gguf_build import build_for
+    from common.files import weights_digest_cached
+
+    sha = weights_digest_cached(Path(tiny_model))
+    return {d: build_for(d, str(tiny_model), sha, 2)["path"] for d in ("f16", "q8_0", "q4_k_m", "q4_0")}
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> str:
+    """About a sixth of configs/corpus/long_prose.txt: a dozen chunks of N_CTX tokens."""
+    prose = (REPO / "configs/corpus/long_prose.txt").read_text()
+    f = tmp_path_factory.mktemp("text") / "prose.txt"
+    f.write_text(prose[:len(prose) // 6])
+    return str(f)
+
+
+@pytest.fixture(scope="module")
+def job(ggufs, text, tmp_path_factory):
+    wh = tmp_path_factory.mktemp("kld") / "wh"
+    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q8_0"], "--candidate", ggufs["q4_k_m"],
+                "--text", text, "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return wh, json.loads(r.stdout), r.stderr
+
+
+def _rows(wh: Path, cell_id: str):
+    """A cell's stored rows in float64 (repeat 0), keyed by (chunk, position), with the next ids."""
+    t = pq.read_table(wh / "logits" / cell_id / "r0.parquet", columns=["prompt_id", "position", "next_token_id", "logits"])
+    rows = np.asarray(t["logits"].to_pylist(), dtype=np.float64)  # (rows, vocab)
+    keys = list(zip(t["prompt_id"].to_pylist(), t["position"].to_pylist()))
+    return dict(zip(keys, rows)), dict(zip(keys, t["next_token_id"].to_pylist()))
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    top = x.max()
+    return x - (top + math.log(np.exp(x - top).sum()))
+
+
+def _own(wh: Path, ref_cell: str, cell: str) -> dict:
+    """llama-perplexity's closing statistics, computed here from both cells' stored rows."""
+    ref, nxt = _rows(wh, ref_cell)
+    stk, _ = _rows(wh, cell)
+    kl, dp, nll, nll_ref, same = [], [], [], [], []
+    for key in sorted(stk):
+        lp, lq, t = _log_softmax(ref[key]), _log_softmax(stk[key]), nxt[key]
+        kl.append(float(np.sum(np.exp(lp) * (lp - lq))))
+        dp.append(math.exp(lq[t]) - math.exp(lp[t]))
+        nll.append(-lq[t])
+        nll_ref.append(-lp[t])
+        same.append(int(np.argmax(ref[key]) == np.argmax(stk[key])))
+    kl, dp, nll, nll_ref = map(np.array, (kl, dp, nll, nll_ref))
+    n = len(kl)
+
+    def se(x):
+        return float(np.std(x) / math.sqrt(n - 1))  # E[x^2] - E[x]^2 over n - 1, as perplexity.cpp
+
+    cov = float(np.cov(nll, nll_ref, bias=True)[0, 1]) / (n - 1)
+    return {"rows": n, "kld": (kl.mean(), se(kl)), "kld_p99": np.percentile(kl, 99), "kld_max": kl.max(),
+            "kld_median": np.median(kl), "delta_p": (dp.mean(), se(dp)), "delta_p_p5": np.percentile(dp, 5),
+            "rms": math.sqrt(np.mean(dp ** 2)), "same": float(np.mean(same)),
+            "ppl": math.exp(nll.mean()), "ppl_ref": math.exp(nll_ref.mean()),
+            "ratio": math.exp(nll.mean() - nll_ref.mean()), "cor": cov / (se(nll) * se(nll_ref))}
+
+
+def test_statistics_match_a_float64_computation_from_the_stored_rows(job, ggufs):
+    wh, out, _ = job
+    results = {Path(r["candidate"]).name: r for r in out["results"]}
+    assert set(results) == {Path(ggufs["q8_0"]).name, Path(ggufs["q4_k_m"]).name}
+    ref_cell = next(c["cell_id"] for c in sql(wh, "select cell_id from cells where is_reference"))
+    kls = {}
+    for name, r in results.items():
+        s, own = r["statistics"], _own(wh, ref_cell, r["cell_id"])
+        # chunks of 64 from long_prose.txt; the scored half is positions 32..62 of each
+        assert s["rows"] == own["rows"] == r["chunks"] * (N_CTX // 2 - 1) and r["chunks"] >= 5
+        assert s["kld"][0] == pytest.approx(own["kld"][0], rel=1e-9)
+        assert s["kld"][1] == pytest.approx(own["kld"][1], rel=1e-6)
+        assert s["kld_percentiles"]["99.0%"] == pytest.approx(own["kld_p99"], rel=1e-9)
+        assert (s["kld_max"], s["kld_median"]) == pytest.approx((own["kld_max"], own["kld_median"]), rel=1e-9)
+        assert s["delta_p"][0] == pytest.approx(own["delta_p"][0], rel=1e-7, abs=1e-12)
+        assert s["delta_p_percentiles"]["5.0%"] == pytest.approx(own["delta_p_p5"], rel=1e-7, abs=1e-12)
+        assert s["rms_delta_p"][0] == pytest.approx(own["rms"], rel=1e-9)
+        assert s["same_top_p"][0] == pytest.approx(own["same"], abs=2 / own["rows"])  # bf16 rows can tie at the top
+        assert s["ppl"][0] == pytest.approx(own["ppl"], rel=1e-9)
+        assert s["ppl_ref"][0] == pytest.approx(own["ppl_ref"], rel=1e-9)
+        assert s["ppl_ratio"][0] == pytest.approx(own["ratio"], rel=1e-9)
+        assert s["ln_ppl_correlation"] == pytest.approx(own["cor"], rel=1e-6)
+        assert r["card"]["numbers"]["kld_mean"] == pytest.approx(s["kld"][0], rel=1e-12)
+        kls[name] = s["kld"][0]
+    # Q4_K_M is further from F16 than Q8_0 is
+    assert 0 < kls[Path(ggufs["q8_0"]).name] < kls[Path(ggufs["q4_k_m"]).name]
+
+
+def test_the_spec_is_beside_the_warehouse_and_a_new_candidate_alone_is_captured(job, ggufs, text):
+    wh, out, first = job
+    spec = Path(out["spec"])
+    assert spec == wh.with_name("wh.kld.yaml") and spec.is_file()
+    before = {c["cell_id"]: c["run_id"] for c in sql(wh, "select cell_id, run_id from cells")}
+    assert len(before) == 3
+    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q4_0"],
+                "--text", text, "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh))
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = {c["cell_id"]: c["run_id"] for c in sql(wh, "select cell_id, run_id from cells")}
+    new = set(after) - set(before)
+    assert len(new) == 1 and all(after[c] == before[c] for c in before)  # the earlier cells were not run again
+    assert "1 cell(s) to run" in r.stderr and "Mean    KLD:" in r.stdout and "Same top p:" in r.stdout
+    assert f"model-q4_0.gguf against {Path(ggufs['f16']).name}" in r.stdout
+    assert r.stdout.count("====== KL divergence statistics ======") == 1  # this call's candidate only
+    spec_text = spec.read_text()
+    assert all(Path(ggufs[d]).as_posix() in spec_text for d in ("q8_0", "q4_k_m", "q4_0"))
+
+
+def test_a_bad_candidate_is_one_line_and_exit_2(ggufs, text, tmp_path):
+    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", str(tmp_path / "missing.gguf"),
+                "--text", text, "--warehouse", str(tmp_path / "wh"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--candidate" in r.stderr and "missing.gguf" in r.stderr
+    assert not (tmp_path / "wh").exists()
