@@ -7,11 +7,11 @@ STAMP := $(VENV)/.installed
 # CPU wheel for the dev/CI box. On a GPU box install your own torch into the
 # venv first; the step below then leaves it alone.
 TORCH_SPEC ?= torch==2.13.0
-# llama-cpp-python has no wheel for a plain x86_64 CPU and builds from source (~10 min on 2 cores;
-# pip caches the wheel). -march=native segfaulted in the AMX path on quantised models on
-# Intel Xeon CPUs with AMX, so the build targets plain AVX2. On a GPU box: LLAMA_CMAKE_ARGS="-DGGML_CUDA=on"
-# (and `pip install --no-cache-dir`, since pip's wheel cache does not key on CMAKE_ARGS).
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+# llama-cpp-python has no wheel for a plain x86_64 CPU and builds from source (~10 min on 2 cores),
+# for the instruction sets of this machine's CPU, AMX excepted (scripts/llama_cmake_args.py says why),
+# and again whenever those flags change. On a GPU box: LLAMA_CMAKE_ARGS="-DGGML_CUDA=on".
+LLAMA_CMAKE_ARGS ?= $(shell $(PYTHON) scripts/llama_cmake_args.py)
+LLAMA_STAMP := $(VENV)/.llama-cmake-args
 EXTRAS ?= hf,llamacpp,mlx,s3,gcs,test
 # Every other package at the version tested (scripts/lock.sh writes it; torch stays TORCH_SPEC's).
 # A GPU box that brings its own stack: CONSTRAINTS= make venv.
@@ -26,11 +26,22 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q \
-		$(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(EXTRAS)]"
+	$(MAKE) --no-print-directory llama-cpp
+	$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+# pip's wheel cache does not key on CMAKE_ARGS, so a build for other flags is never taken from it.
+.PHONY: llama-cpp
+llama-cpp:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if [ "$$(cat $(LLAMA_STAMP) 2>/dev/null)" != "$(LLAMA_CMAKE_ARGS)" ]; then \
+		echo "building llama-cpp-python for this CPU: $(LLAMA_CMAKE_ARGS)"; \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q --no-cache-dir \
+			--force-reinstall --no-deps $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) llama-cpp-python \
+			&& echo "$(LLAMA_CMAKE_ARGS)" > $(LLAMA_STAMP); \
+	fi
+
+demo: $(STAMP) llama-cpp
 	$(VENV)/bin/matrix models fetch smollm2-135m
 	$(VENV)/bin/matrix run configs/smoke.yaml --warehouse warehouse
 	$(VENV)/bin/matrix sql "select c.engine, c.dtype, c.attention, c.status, c.max_tokens, c.repeats, c.rows_per_repeat, c.bit_reproducible, c.tokenizer_parity, count(l.position) as rows from cells c left join logits l using (cell_id) group by all order by c.engine, c.dtype, c.attention" --warehouse warehouse
@@ -48,7 +59,7 @@ demo: $(STAMP)
 # A worker that needs a model another is fetching waits for it (matrix/spec/models.py locks the fetch).
 # Tests marked `serial` (they stop every Ray process of the machine) run afterwards, alone.
 TEST_WORKERS ?= 2
-test: $(STAMP) vllm-env
+test: $(STAMP) llama-cpp vllm-env
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests
 	$(PY) -m pytest -q -m serial tests
 

@@ -6,6 +6,7 @@ Kept free of Ray so the actor, the tests and the benchmarks run the same code.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,43 @@ import extras
 from backends.base import Backend
 from common.positions import Positions
 from store.floors import Storage
+
+
+OVERLAP_BYTES = 1 << 29  # a prompt's rows up to this size are kept while the next forward runs
+
+
+class Overlap:
+    """A prompt's rows rounded, written and measured on one worker thread while the next prompt's
+    forward runs: a GPU forward leaves the CPU idle, and a CPU forward's threads wait at their
+    barriers. One prompt in flight, in prompt order, so at most two prompts' rows are in memory;
+    rows over OVERLAP_BYTES are kept on the spot. A failure there surfaces at the next hand-over,
+    and a failure anywhere waits out the prompt in flight before the writer is touched again."""
+
+    def __init__(self, fn):
+        self.fn, self.pending = fn, None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="capture-keep")
+
+    def submit(self, prompt_id: str, positions: list[int], next_ids: list, native: np.ndarray) -> None:
+        self.drain()
+        if native.nbytes > OVERLAP_BYTES:
+            self.fn(prompt_id, positions, next_ids, native)
+        else:
+            self.pending = self.pool.submit(self.fn, prompt_id, positions, next_ids, native)
+
+    def drain(self) -> None:
+        """Wait for the prompt in flight; its exception is raised here, as raised there."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def settle(self, error: BaseException) -> None:
+        """After a failure elsewhere: wait the prompt in flight out; its own failure goes on error's notes."""
+        pending, self.pending = self.pending, None
+        if pending is not None and (other := pending.exception()) is not None and other is not error:
+            error.add_note(f"the rows of the prompt before failed too: {type(other).__name__}: {other}")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]], keep: Positions | int,
@@ -28,12 +66,21 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
 
     max_tokens: keep only the sampled positions below it and feed just the prefix they
     need; logits at p depend on ids[0..p] only, so those rows mean what the full run's do.
-    observe(prompt_id, positions, stored, shift): called with each prompt's rows as written."""
+    observe(prompt_id, positions, stored, shift): called with each prompt's rows as written (on
+    Overlap's thread, in prompt order, while the next prompt's forward runs)."""
     t0 = time.perf_counter()
     forward_s = 0.0
     storage = Storage(store)
     keep = Positions.every(keep) if isinstance(keep, int) else keep
     side = Extras(backend, side_writers or {})
+
+    def keep_rows(prompt_id: str, positions: list[int], next_ids: list, native: np.ndarray) -> None:
+        stored, shift = storage.keep(native)
+        writer.add(prompt_id, positions, next_ids, stored, shift)
+        if observe is not None:
+            observe(prompt_id, positions, stored, shift)
+
+    stage = Overlap(keep_rows)
     try:
         dtype = None
         for prompt_id, ids in prompts:
@@ -47,16 +94,17 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
             native = side.forward(prompt_id, ids, fed, positions)  # (rows, vocab), native dtype
             forward_s += time.perf_counter() - tf
             dtype = str(native.dtype)
-            stored, shift = storage.keep(native)
-            writer.add(prompt_id, positions, next_ids, stored, shift)
-            if observe is not None:
-                observe(prompt_id, positions, stored, shift)
+            stage.submit(prompt_id, positions, next_ids, native)
+        stage.drain()
         side.commit()
         path = writer.commit()
-    except BaseException:
+    except BaseException as e:
+        stage.settle(e)  # the writer is never aborted under a write still in flight
         writer.abort()
         side.abort()
         raise
+    finally:
+        stage.close()
     return {"path": str(path), "rows": writer.rows, "seconds": time.perf_counter() - t0,
             "forward_seconds": forward_s, "array_dtype": dtype, "storage": storage.summary(), "extras": side.summary()}
 

@@ -41,6 +41,8 @@ def model_dir(model: ModelCopy, depot, node: str) -> tuple[str, str]:
     """(a local directory holding the reference weights, how they got here: local | shipped | hub).
     node: this node, as error messages name it."""
     want = model.weights_sha256
+    if model.hf_dir is None:  # a GGUF-sourced model taken as its file: the cells run that file
+        return None, "gguf"
     if want is None:  # a hub id: the node loads it from the hub (or its own hub cache) itself
         return model.hf_dir, "hub"
     own = Path(model.hf_dir)

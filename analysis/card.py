@@ -184,7 +184,10 @@ def _disclosure(cell: dict, ref: dict, s: dict, prompts: list, pos: dict) -> dic
     trunc = (f"none: all {evocab} logits per row compared" if evocab == vocab or evocab is None
              else f"none: the engine's {evocab} logits per row (tokenizer {vocab}) compared in full")
     return {
-        "reference_checkpoint": {"identity": ref.get("model_identity"), "weights_sha256": ref.get("weights_sha256"),
+        "reference_checkpoint": {"identity": ref.get("model_identity"),
+                                 # a GGUF run as it is, never dequantised: the file is the checkpoint
+                                 "weights_sha256": ref.get("weights_sha256") or (
+                                     "none: the GGUF file itself (source_sha256)" if ref.get("source_sha256") else None),
                                  # a GGUF-sourced checkpoint also names the file it was dequantised from
                                  "source": ref.get("model_source"),
                                  **({"source_sha256": ref["source_sha256"]} if ref.get("source_sha256") else {})},

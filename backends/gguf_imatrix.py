@@ -24,7 +24,7 @@ import numpy as np
 
 from backends.artifacts import ensure
 from backends.base import SkipCell
-from backends.llama_binding import GgmlTensor, ggml_base, tensor_f32
+from backends.llama_binding import GgmlTensor, extra_bufts, ggml_base, tensor_f32
 from common.errors import UserError
 
 TOKENS_KEY = "logit_matrix.calibration_tokens"
@@ -165,7 +165,7 @@ def collect(gguf: dict[str, Any], text: str, label: str, text_sha256: str, chunk
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0
-        mp.use_extra_bufts = False  # the plain CPU path, as the capture uses
+        mp.use_extra_bufts = extra_bufts()  # the kernels the capture uses
         model = lc.llama_model_load_from_file(gguf["path"].encode(), mp)
         if not model:
             raise UserError(f"{gguf['path']}: llama.cpp could not load this GGUF")

@@ -27,6 +27,16 @@ def quiet_logs() -> None:
         llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
 
 
+def extra_bufts() -> bool:
+    """Whether a model load may use llama.cpp's extra buffer types: its CPU repack (weights re-laid
+    for its AVX2/AVX-512 GEMMs, the default of llama-perplexity and llama-cli) and AMX where compiled
+    in. AMX segfaults in ggml_backend_amx_mul_mat on some Xeons (ggml-org/llama.cpp#20824), so a
+    build with it keeps the plain CPU path; the Makefile's build leaves AMX out (scripts/llama_cmake_args.py)."""
+    import llama_cpp
+
+    return "AMX_INT8 = 1" not in llama_cpp.llama_print_system_info().decode(errors="replace")
+
+
 def load_vocab(path: str, failed: str = "could not load this GGUF"):
     """A vocab-only llama.cpp model (e.g. models/ggml-vocab-*.gguf): (model, vocab)."""
     import llama_cpp as lc

@@ -20,7 +20,7 @@ import numpy as np
 
 from backends.base import Backend, check_layers
 from backends.gguf_build import FLOAT_TYPES, QUANT_TYPES
-from backends.llama_binding import gguf_tokenize, load_vocab, quiet_logs, tokenize_with  # noqa: F401 (re-exported)
+from backends.llama_binding import extra_bufts, gguf_tokenize, load_vocab, quiet_logs, tokenize_with  # noqa: F401 (re-exported)
 
 KV_TYPES = {"f16": "GGML_TYPE_F16", "f32": "GGML_TYPE_F32", "q8_0": "GGML_TYPE_Q8_0"}
 DEFAULTS = {"n_batch": 2048, "n_ubatch": 512, "kv_cache": "f16"}  # llama.cpp's own defaults
@@ -61,9 +61,8 @@ class LlamaCppBackend(Backend):
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0 if self.stack.device == "cpu" else 999
-        # The AMX extra buffer types segfaulted on Q8_0/Q4_K_M on Intel Xeon CPUs with AMX; the plain CPU
-        # path is used.
-        mp.use_extra_bufts = False
+        self.extra_bufts = extra_bufts()  # repack yes, AMX no
+        mp.use_extra_bufts = self.extra_bufts
         self.model = lc.llama_model_load_from_file(self.artifact["path"].encode(), mp)
         if not self.model:
             from common.errors import UserError
@@ -100,7 +99,7 @@ class LlamaCppBackend(Backend):
             "dtype": self.stack.dtype, "gguf_tensor_types": self.tensor_types,
             "n_batch": self.n_batch, "n_ubatch": self.n_ubatch, "kv_cache": self.kv_cache,
             "n_ctx": "prompt length", "flash_attn": self.stack.attention, "threads": self.threads,
-            "fresh_context_per_prompt": True, "use_extra_bufts": False,
+            "fresh_context_per_prompt": True, "use_extra_bufts": self.extra_bufts,
             "n_gpu_layers": 0 if self.stack.device == "cpu" else 999,
             "system_info": info, "machine": platform.machine(),
             "artifact": self.artifact, "model_facts": self._facts(),

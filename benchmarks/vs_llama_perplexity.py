@@ -1,22 +1,21 @@
-"""logit-matrix against llama-perplexity on llama-perplexity's own job: KL(F16 || Q4_K_M) over its
-scored half of each 512-token chunk of one text, the same two GGUFs, side by side in one run.
+"""`matrix kld` against llama-perplexity on llama-perplexity's own job: KL(F16 || Q4_K_M) over its
+scored half of each 512-token chunk of one text, the same two GGUFs, both tools in one run, for
+each model asked for (SmolLM2-135M: 49,152 logits a row; Gemma 3 270M: 262,144).
 
     llama-perplexity  -m F16 -f TEXT -c 512 --kl-divergence-base BASE     (the base pass)
                       -m Q4_K_M -c 512 --kl-divergence-base BASE --kl-divergence
-    logit-matrix      matrix run (llamacpp f16 + q4_k_m, positions: llama_perplexity, store: bf16,
-                      the text cut by `chunks: 512` with llama.cpp's tokenizer) [+ matrix analyze]
+    logit-matrix      matrix kld --reference F16 --candidate Q4_K_M --text TEXT --n-ctx 512
 
-llama-perplexity is built from the vendor/llama.cpp of the installed llama-cpp-python's sdist
-(CMake, -DGGML_NATIVE=OFF, like the Makefile's llama-cpp-python build), once, into the cache.
+llama-perplexity is built from the vendor/llama.cpp of the installed llama-cpp-python's sdist with
+the flags that binding was built with (benchmarks/llama_tools.py), once, into the cache.
 
-    .venv/bin/python benchmarks/vs_llama_perplexity.py [--text FILE] [--threads 2] [--llama-perplexity BIN]
-                                                       [--modes analyze,in_actor] [--executors ray,local]
+    .venv/bin/python benchmarks/vs_llama_perplexity.py [--models smollm2-135m,gemma3-270m] [--text FILE]
+        [--chunks smollm2-135m=0,gemma3-270m=6] [--threads N] [--executor local|ray] [--llama-perplexity BIN]
 
-logit-matrix runs the job both ways in the same run: its two cells side by side then `matrix
-analyze`, and `reference_metrics: in_actor` (the reference, then Q4_K_M measured against the
-stored reference rows as it captures, as llama-perplexity's second pass does); each on every
-executor asked for: a local Ray cluster started for the run, and the local executor (worker
-processes, no Ray). The forwards alone, in one process, are the floor under any of them.
+Beside the two wall times: the forwards alone (each GGUF's prefill of every chunk through
+logit-matrix's llama.cpp backend, in this process: the floor under any tool that runs them), and
+what each stored row costs on top of its forward at that vocabulary (ms per row): rounding to bf16,
+measuring its KL floor, encoding (row hash + Parquet), and the comparison with the reference.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"  # 35 KB of license text: ~9k SmolLM2 tokens, 17 chunks
+DEFAULT_CHUNKS = {"gemma3-270m": 6}  # 0 or absent: every chunk of the text
 
 
 def build_llama_perplexity(log) -> Path:
@@ -58,14 +58,32 @@ def timed(cmd: list[str], env: dict, log_to: Path) -> tuple[float, float, str]:
     return wall, usage.ru_maxrss / 1e6, text  # ru_maxrss: KiB on Linux
 
 
-def ggufs(threads: int) -> tuple[dict, dict, object]:
+def ggufs(model: str, threads: int) -> tuple[dict, dict, object]:
+    """(F16, Q4_K_M) GGUFs of a catalog model, built once into the artifact cache, and the model."""
     from backends.gguf_build import build_for
     from matrix.spec.models import fetch
     from matrix.spec.parse import ModelRef
 
-    m = fetch(ModelRef("smollm2-135m", "catalog", "smollm2-135m"), log=lambda s: print(s, file=sys.stderr))
-    return build_for("f16", m.hf_dir, m.weights_sha256, threads), build_for("q4_k_m", m.hf_dir, m.weights_sha256,
-                                                                             threads), m
+    m = fetch(ModelRef(model, "catalog", model), log=lambda s: print(s, file=sys.stderr))
+    return (build_for("f16", m.hf_dir, m.weights_sha256, threads), build_for("q4_k_m", m.hf_dir, m.weights_sha256,
+                                                                              threads), m)
+
+
+def cut_text(text: str, vocab: str, chunks: int, d: Path) -> str:
+    """The text, or its first part holding `chunks` chunks of 512 llama.cpp tokens (a few tokens
+    spare), so both tools read one file of that many chunks."""
+    from backends.llama_binding import gguf_tokenize
+
+    whole = Path(text).read_text()
+    if not chunks:
+        return text
+    n = len(gguf_tokenize(vocab, whole)[0])
+    cut = whole[:int(len(whole) * min(1.0, (chunks * 512 + 64) / n))]
+    while len(gguf_tokenize(vocab, cut)[0]) // 512 > chunks:
+        cut = cut[:int(len(cut) * 0.98)]
+    out = d / f"text-{chunks}x512.txt"
+    out.write_text(cut)
+    return str(out)
 
 
 def run_llama(binary: Path, f16: str, q4: str, text: str, d: Path, threads: int) -> dict:
@@ -74,11 +92,12 @@ def run_llama(binary: Path, f16: str, q4: str, text: str, d: Path, threads: int)
     env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}  # a shared-library build keeps its .so beside it
     w1, m1, _ = timed([str(binary), "-m", f16, "-f", text, *common], env, d / "lp-base.log")
     w2, m2, out = timed([str(binary), "-m", q4, *common, "--kl-divergence"], env, d / "lp-kld.log")
-    hit = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)\s+±\s+([0-9.eE+-]+)", out)
-    if not hit:
-        raise SystemExit(f"llama-perplexity printed no 'Mean KLD' line:\n{out[-2000:]}")
-    return {"kl": float(hit[1]), "se": float(hit[2]), "wall": w1 + w2, "walls": (w1, w2), "peak_gb": max(m1, m2),
-            "disk": base.stat().st_size, "base": base}
+    kl = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)\s+±\s+([0-9.eE+-]+)", out)
+    ratio = re.search(r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([0-9.eE+-]+)\s+±\s+([0-9.eE+-]+)", out)
+    if not kl or not ratio:
+        raise SystemExit(f"llama-perplexity printed no 'Mean KLD' or PPL ratio line:\n{out[-2000:]}")
+    return {"kl": float(kl[1]), "se": float(kl[2]), "ppl_ratio": (float(ratio[1]), float(ratio[2])),
+            "wall": w1 + w2, "walls": (w1, w2), "peak_gb": max(m1, m2), "disk": base.stat().st_size, "base": base}
 
 
 class ActorPeak:
@@ -99,10 +118,6 @@ class ActorPeak:
                 except OSError:  # the process ended between listing and reading
                     continue
 
-    @property
-    def peak_gb(self) -> float:
-        return self.peak_kb * 1024 / 1e9
-
     def __enter__(self):
         self.thread = threading.Thread(target=self._poll, daemon=True)
         self.thread.start()
@@ -113,54 +128,38 @@ class ActorPeak:
         self.thread.join()
 
 
-def run_matrix(f16: dict, text: str, d: Path, threads: int, via_analyze: bool, executor: str) -> dict:
-    corpus = d / "corpus.yaml"
-    corpus.write_text(json.dumps({"name": "vs-llama-perplexity", "prompts": [
-        {"id": "text", "category": "long_context", "source": text, "file": str(Path(text).resolve()),
-         "chunks": 512, "vocab": f16["path"]}]}))
-    spec = d / "spec.yaml"
-    spec.write_text(json.dumps({
-        "name": "vs-llama-perplexity", "models": ["smollm2-135m"], "engines": ["llamacpp"],
-        "dtypes": ["f16", "q4_k_m"], "attention": ["default"], "repeats": 1,
-        "reference": {"engine": "llamacpp", "dtype": "f16", "attention": "default"},
-        "positions": "llama_perplexity", "store": "bf16", "corpus": str(corpus),
-        "centroid": {"definition": "none"},  # the job asks for KL against the reference only
-        # in_actor: the reference first on every core, then Q4_K_M measured against its stored rows
-        # as it captures (llama-perplexity's order); analyze: both side by side, then `matrix analyze`
-        **({"threads": max(1, threads // 2)} if via_analyze else {"threads": threads, "reference_metrics": "in_actor"})}))
+def run_kld(f16: dict, q4: dict, text: str, d: Path, threads: int, executor: str) -> dict:
+    """`matrix kld` as a user runs it, from a fresh process; -> its figures and the chunk ids it cut."""
     wh = d / "wh"
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-    matrix = [sys.executable, "-m", "matrix"]
+    cmd = [sys.executable, "-m", "matrix", "kld", "--reference", f16["path"], "--candidate", q4["path"], "--text", text,
+           "--n-ctx", "512", "--threads", str(threads), "--warehouse", str(wh), "--executor", executor, "--json"]
     with ActorPeak() as actors:
-        w1, m1, _ = timed([*matrix, "run", str(spec), "--warehouse", str(wh), "--executor", executor], env, d / "run.log")
-    w2, m2 = 0.0, 0.0
-    if via_analyze:
-        w2, m2, _ = timed([*matrix, "analyze", "--warehouse", str(wh), "--workers", "1"], env, d / "analyze.log")
+        wall, driver_gb, out = timed(cmd, env, d / "kld.log")
+    res = json.loads(out[out.index("{\n"):])["results"][0]
     from analysis.sql import connect
 
     con = connect(str(wh))
-    row = con.execute("select s.kld_mean, s.kld_stderr, s.rows, s.storage_floor from summary s "
-                      "where s.dtype = 'q4_k_m'").fetchone()
-    ref = con.execute("select cell_id, storage from cells where is_reference").fetchone()
+    ref = con.execute("select cell_id from cells where is_reference").fetchone()[0]
     names = con.execute("select name, token_ids from prompts").fetchall()
-    ids = [t for _, t in sorted(names, key=lambda r: int(r[0].rsplit("-c", 1)[1]))]  # chunk order
     con.close()
-    shard = sum(f.stat().st_size for f in (wh / "logits" / ref[0]).glob("*.parquet"))
-    return {"kl": row[0], "se": row[1], "rows": row[2], "floor": row[3], "ref_floor": json.loads(ref[1])["storage_floor"],
-            "wall": w1 + w2, "walls": (w1, w2), "peak_gb_run_driver": m1, "peak_gb_actor": actors.peak_gb,
-            "peak_gb": m2 if via_analyze else actors.peak_gb, "peak_what": "analyze" if via_analyze else "actor",
-            "disk": shard,
-            "ids": ids}
+    ids = [t for _, t in sorted(names, key=lambda r: int(r[0].rsplit("-c", 1)[1]))]  # chunk order
+    st = res["statistics"]
+    return {"kl": st["kld"][0], "se": st["kld"][1], "ppl_ratio": tuple(st["ppl_ratio"]), "rows": st["rows"],
+            "wall": wall, "peak_gb": actors.peak_kb * 1024 / 1e9, "driver_gb": driver_gb,
+            "disk": sum(f.stat().st_size for f in (wh / "logits" / ref).glob("*.parquet")),
+            "floor": res["card"]["disclosure"]["storage_floor"], "ids": ids}
 
 
-def forwards_alone(model, artifacts: dict[str, dict], ids: list[list[int]], threads: int) -> dict[str, float]:
+def forwards_alone(model, artifacts: dict[str, dict], ids: list[list[int]], threads: int):
     """The floor under any tool that runs these forwards: each GGUF's prefill of every chunk through
-    logit-matrix's own backend, in this process (no Ray, no rounding, no writes, no comparison)."""
+    logit-matrix's own backend, in this process (no rounding, no writes, no comparison);
+    -> ({dtype: seconds}, {dtype: the last chunk's rows}, that chunk's next ids)."""
     from backends.llamacpp_backend import LlamaCppBackend
     from common.positions import parse
     from common.stack import StackDesc
 
-    keep, out = parse("llama_perplexity", "positions", print), {}
+    keep, out, last = parse("llama_perplexity", "positions", print), {}, {}
     for dtype, art in artifacts.items():
         be = LlamaCppBackend(StackDesc("llamacpp", dtype, "default", weights_sha256=model.weights_sha256),
                              model.hf_dir, threads)
@@ -169,82 +168,120 @@ def forwards_alone(model, artifacts: dict[str, dict], ids: list[list[int]], thre
             raise SystemExit(f"forwards alone: {dtype} loaded {be.artifact['path']}, not {art['path']}")
         t0 = time.perf_counter()
         for chunk in ids:
-            be.forward(*keep.fed(chunk))  # what a cell feeds and keeps
+            last[dtype] = be.forward(*keep.fed(chunk))  # what a cell feeds and keeps: (rows, vocab)
         out[dtype] = time.perf_counter() - t0
         be.close()
+    fed, positions = keep.fed(ids[-1])
+    return out, last, [ids[-1][p + 1] for p in positions]
+
+
+def per_row_costs(ref: "np.ndarray", stk: "np.ndarray", next_ids: list[int]) -> dict[str, float]:
+    """ms per row of what a capture adds to each forward's rows at this vocabulary, on real rows,
+    best of 3: rounding to bf16 (row max subtracted), the row's KL floor, encoding (row hash and
+    Parquet page), and the comparison with the reference's row (every metric, float64)."""
+    import numpy as np
+
+    from analysis.metrics import row_metrics
+    from store.floors import bf16_floor
+    from store.values import shift_by_max, to_bf16, widen
+    from store.warehouse import encode_rows, rows_table
+
+    n = stk.shape[0]
+    z, shift = shift_by_max(stk)
+    stored = to_bf16(z)
+    nxt = np.asarray(next_ids, np.int64)
+    steps = {"rounding": lambda: to_bf16(shift_by_max(stk)[0]),
+             "floor": lambda: bf16_floor(z, widen(stored)),
+             "encoding": lambda: encode_rows(rows_table("r", "c", 0, "p", list(range(n)), next_ids, stored, shift)),
+             "comparison": lambda: row_metrics(ref, stk, nxt)}
+    steps["comparison"]()  # the kernel compiles once per process, as in a cell
+    out = {}
+    for k, fn in steps.items():
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        out[k] = 1000 * best / n
     return out
 
 
-MODES = {"analyze": "2 cells side by side, {half} thread(s) each, then matrix analyze",
-         "in_actor": "reference_metrics: in_actor: the cells one after the other, {all} threads each"}
+def one_model(model: str, binary: Path, text: str, chunks: int, d: Path, threads: int, executor: str) -> dict:
+    f16, q4, resolved = ggufs(model, threads)
+    text = cut_text(text, f16["path"], chunks, d)
+    lp = run_llama(binary, f16["path"], q4["path"], text, d, threads)
+    lm = run_kld(f16, q4, text, d, threads, executor)
+    from store import llamacpp_kld as K
+
+    base = K.read(lp["base"])
+    ids = [list(map(int, t)) for t in base["tokens"]]  # llama-perplexity's own chunk ids
+    alone, last, nxt = forwards_alone(resolved, {"f16": f16, "q4_k_m": q4}, ids, threads)
+    return {"model": model, "vocab": int(base["n_vocab"]), "chunks": int(base["n_chunk"]), "lp": lp, "lm": lm,
+            "alone": alone, "costs": per_row_costs(last["f16"], last["q4_k_m"], nxt),
+            "same_ids": ids == [list(t) for t in lm["ids"]]}
 
 
-def table(lp: dict, lms: dict, alone: dict, modes: list[str], executors: list[str], threads: int) -> None:
-    """The side-by-side figures, one column per tool (and logit-matrix mode and executor)."""
-    for m in modes:
-        print(f"  logit-matrix ({m}): {MODES[m].format(half=max(1, threads // 2), all=threads)}")
-    rows = [("", "llama-perplexity", *[f"logit-matrix ({m}, {ex})" for m, ex in lms])]
-    rows.append(("KL(F16 || Q4_K_M) mean ± s.e.", f"{lp['kl']:.6f} ± {lp['se']:.6f}",
-                 *[f"{lm['kl']:.6f} ± {lm['se']:.6f} ({abs(lp['kl'] - lm['kl']) / max(lp['se'], lm['se']):.2f} s.e.)"
-                   for lm in lms.values()]))
-    rows.append(("wall time (s)", f"{lp['wall']:.1f} ({lp['walls'][0]:.1f} + {lp['walls'][1]:.1f})",
-                 *[f"{lm['wall']:.1f} = {lm['wall'] / lp['wall']:.2f}x" + (f" ({lm['walls'][0]:.1f} run + "
-                   f"{lm['walls'][1]:.1f} analyze)" if m == "analyze" else " (run)") for (m, _), lm in lms.items()]))
-    rows.append(("disk, reference rows (MB)", f"{lp['disk'] / 1e6:.1f} (uint16 base file)",
-                 *[f"{lm['disk'] / 1e6:.1f} = {lm['disk'] / lp['disk']:.2f}x (bf16, floor {lm['ref_floor']:.1e})"
-                   for lm in lms.values()]))
-    rows.append(("peak memory (GB)", f"{lp['peak_gb']:.2f}",
-                 *[f"{lm['peak_gb']:.2f} {lm['peak_what']} = {lm['peak_gb'] / lp['peak_gb']:.2f}x (driver "
-                   f"{lm['peak_gb_run_driver']:.2f}, actor {lm['peak_gb_actor']:.2f})" for lm in lms.values()]))
-    rows.append(("the forwards alone (s)", "", *[f"{sum(alone.values()):.1f} = {sum(alone.values()) / lp['wall']:.2f}x "
-                 f"(F16 {alone['f16']:.1f} + Q4_K_M {alone['q4_k_m']:.1f}; in-process, {threads} threads)"] * len(lms)))
-    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(f"{c:{w[i]}}" for i, c in enumerate(r)).rstrip())
-    floor = sum(alone.values()) / lp["wall"]
-    for m in modes:
-        print(f"wall time / llama-perplexity's ({m}): " + ", ".join(
-            f"{ex} {lms[(m, ex)]['wall'] / lp['wall']:.2f}x" for ex in executors) + f"; the forwards alone {floor:.2f}x")
-    print("targets: KL within 1 s.e.; wall <= 1.0x; disk <= 0.65x (bf16, floor printed); analysis peak <= 2 GB")
+def report(r: dict, threads: int, executor: str) -> None:
+    lp, lm, alone = r["lp"], r["lm"], r["alone"]
+    floor = sum(alone.values())
+    print(f"\n{r['model']} ({r['vocab']:,} logits a row): {r['chunks']} chunks of 512, {lm['rows']:,} scored rows; "
+          f"chunk ids identical to llama-perplexity's: {'yes' if r['same_ids'] else 'NO'}")
+    rows = [("", "llama-perplexity", f"matrix kld ({executor} executor)"),
+            ("KL(F16 || Q4_K_M) mean ± s.e.", f"{lp['kl']:.6f} ± {lp['se']:.6f}",
+             f"{lm['kl']:.6f} ± {lm['se']:.6f} ({abs(lp['kl'] - lm['kl']) / max(lp['se'], lm['se']):.2f} s.e. apart)"),
+            ("PPL(Q4_K_M) / PPL(F16)", f"{lp['ppl_ratio'][0]:.6f} ± {lp['ppl_ratio'][1]:.6f}",
+             f"{lm['ppl_ratio'][0]:.6f} ± {lm['ppl_ratio'][1]:.6f}"),
+            ("wall time (s)", f"{lp['wall']:.1f} ({lp['walls'][0]:.1f} + {lp['walls'][1]:.1f})",
+             f"{lm['wall']:.1f} = {lm['wall'] / lp['wall']:.2f}x"),
+            ("the forwards alone (s)", "", f"{floor:.1f} = {floor / lp['wall']:.2f}x (F16 {alone['f16']:.1f} + "
+                                            f"Q4_K_M {alone['q4_k_m']:.1f}; in-process, {threads} threads)"),
+            ("disk, reference rows (MB)", f"{lp['disk'] / 1e6:.1f} (uint16 base file)",
+             f"{lm['disk'] / 1e6:.1f} = {lm['disk'] / lp['disk']:.2f}x (bf16, floor {lm['floor']:.1e})"),
+            ("peak memory (GB)", f"{lp['peak_gb']:.2f}", f"{lm['peak_gb']:.2f} cell worker, {lm['driver_gb']:.2f} driver")]
+    w = [max(len(x[i]) for x in rows) for i in range(3)]
+    for x in rows:
+        print("  " + "  ".join(f"{c:{w[i]}}" for i, c in enumerate(x)).rstrip())
+    c = r["costs"]
+    print(f"  per stored row, beyond its forward (ms): rounding {c['rounding']:.3f}, floor {c['floor']:.3f}, "
+          f"encoding {c['encoding']:.3f}, comparison {c['comparison']:.3f}; total {sum(c.values()):.3f} "
+          f"(x {lm['rows']:,} rows = {sum(c.values()) * lm['rows'] / 1000:.1f} s)")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
     ap.add_argument("--text", default=DEFAULT_TEXT)
+    ap.add_argument("--chunks", default=",".join(f"{k}={v}" for k, v in DEFAULT_CHUNKS.items()),
+                    help="MODEL=N,...: the first N chunks of the text for that model (0: all)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--executor", choices=("local", "ray"), default="local")
     ap.add_argument("--llama-perplexity", help="a built binary (default: build it from the sdist once)")
     ap.add_argument("--keep", help="keep the work directory here")
-    ap.add_argument("--modes", default="analyze,in_actor", help=f"logit-matrix's ways, comma-separated: {', '.join(MODES)}")
-    ap.add_argument("--executors", default="ray,local", help="where its cells run, comma-separated: ray, local")
     args = ap.parse_args()
     from benchmarks._common import cpu
 
-    modes = [m for m in args.modes.split(",") if m]
-    if not modes or set(modes) - set(MODES):
-        raise SystemExit(f"--modes: expected some of {', '.join(MODES)} (got {args.modes!r})")
-    executors = [e for e in args.executors.split(",") if e]
-    if not executors or set(executors) - {"ray", "local"}:
-        raise SystemExit(f"--executors: expected some of ray, local (got {args.executors!r})")
+    chunks = dict(DEFAULT_CHUNKS)
+    for part in filter(None, args.chunks.split(",")):
+        name, _, n = part.partition("=")
+        if not n.isdigit():
+            raise SystemExit(f"--chunks: expected MODEL=N (got {part!r})")
+        chunks[name] = int(n)
     binary = Path(args.llama_perplexity) if args.llama_perplexity else build_llama_perplexity(print)
-    f16, q4, model = ggufs(args.threads)
     d = Path(args.keep or tempfile.mkdtemp(prefix="vs-lp-"))
-    d.mkdir(parents=True, exist_ok=True)
-    lp = run_llama(binary, f16["path"], q4["path"], args.text, d, args.threads)
-    lms = {}
-    for m in modes:
-        for ex in executors:
-            (d / m / ex).mkdir(parents=True, exist_ok=True)
-            lms[(m, ex)] = run_matrix(f16, args.text, d / m / ex, args.threads, m == "analyze", ex)
-    from store import llamacpp_kld as K
+    results = []
+    for model in filter(None, args.models.split(",")):
+        (d / model).mkdir(parents=True, exist_ok=True)
+        results.append(one_model(model, binary, args.text, chunks.get(model, 0), d / model, args.threads, args.executor))
+    import llama_cpp
 
-    base = K.read(lp["base"])
-    chunks = [list(map(int, t)) for t in base["tokens"]]  # llama-perplexity's own chunk ids
-    alone = forwards_alone(model, {"f16": f16, "q4_k_m": q4}, chunks, args.threads)
-    same = all(chunks == [list(t) for t in lm["ids"]] for lm in lms.values())
-    print(f"\nCPU: {cpu()}; llama-perplexity {args.threads} threads; text {args.text}: {base['n_chunk']} chunks of 512, "
-          f"{next(iter(lms.values()))['rows']} scored rows; chunk ids identical to llama-perplexity's: "
-          f"{'yes' if same else 'NO'}")
-    table(lp, lms, alone, modes, executors, args.threads)
+    print(f"\nCPU: {cpu()}; both tools {args.threads} threads; llama.cpp of llama-cpp-python {llama_cpp.__version__} "
+          f"({llama_cpp.llama_print_system_info().decode().strip()}); text {args.text}")
+    for r in results:
+        report(r, args.threads, args.executor)
+    print("\nwall time / llama-perplexity's: " + ", ".join(
+        f"{r['model']} {r['lm']['wall'] / r['lp']['wall']:.2f}x (forwards alone {sum(r['alone'].values()) / r['lp']['wall']:.2f}x)"
+        for r in results))
+    print("targets: KL within 1 s.e.; wall <= 1.15x llama-perplexity's")
     if not args.keep:
         shutil.rmtree(d, ignore_errors=True)
     return 0

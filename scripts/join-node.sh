@@ -16,7 +16,7 @@ case "$device" in
   mi300x|rocm) extras="hf,llamacpp"; res=""; labels="logit-matrix.io/device=$device"
                export CMAKE_ARGS="-DGGML_HIP=ON" ;;
   cpu) extras="hf,llamacpp"; res=""; labels="logit-matrix.io/device=cpu"
-       export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" ;;
+       export CMAKE_ARGS="$(python3 "$here/scripts/llama_cmake_args.py")" ;;  # this CPU's instruction sets, AMX excepted
   sm120|h200|b200|h100|cuda) extras="hf,llamacpp"; res=""; labels="logit-matrix.io/device=$device"
                              export CMAKE_ARGS="-DGGML_CUDA=ON" ;;
   *) echo "join-node.sh: unknown device $device" >&2; exit 2 ;;

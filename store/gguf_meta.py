@@ -1,8 +1,8 @@
 """What a GGUF file says about itself, from its header: architecture, sizes, vocabulary, special
 tokens, the quant type it declares, and the importance matrix llama-quantize recorded (if any).
 
-Read with gguf-py's reader (a memory map; no tensor data is read), so a published file can be
-checked against a model before any engine loads it.
+Read from the header bytes (common/gguf_header.py; no tensor data is read), so a published file can
+be checked against a model before any engine loads it.
 """
 
 from __future__ import annotations
@@ -31,11 +31,6 @@ class GgufInfo:
     imatrix: dict[str, Any] = field(default_factory=dict)  # quantize.imatrix.* keys, when llama-quantize wrote them
 
 
-def _value(reader, key: str):
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
-
-
 def declared_quant(file_type: int | None) -> str:
     """general.file_type -> 'q4_k_m', 'f16', ... ('unknown' when absent; a guessed type is still named)."""
     import gguf
@@ -60,24 +55,23 @@ def read_info(path: str | Path) -> GgufInfo:
     return _read_info(str(path), st.st_size, st.st_mtime_ns)
 
 
+_ARCH_KEYS = (".block_count", ".embedding_length", ".attention.head_count")
+_KEYS = {"general.architecture", "general.name", "general.file_type", "tokenizer.ggml.tokens",
+         "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"}
+
+
 @functools.lru_cache(maxsize=64)
 def _read_info(path: str, _size: int, _mtime_ns: int) -> GgufInfo:
-    import gguf
+    from common.gguf_header import read_header
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: not a readable GGUF file ({e})") from None
-    arch = _value(reader, gguf.Keys.General.ARCHITECTURE)
+    f, _ = read_header(path, keep=lambda k: k in _KEYS or k.startswith("quantize.imatrix.") or k.endswith(_ARCH_KEYS))
+    arch = f.get("general.architecture")
     if not arch:
-        raise UserError(f"{path}: GGUF header has no {gguf.Keys.General.ARCHITECTURE}")
-    llm = lambda k: _value(reader, k.format(arch=arch))  # noqa: E731
+        raise UserError(f"{path}: GGUF header has no general.architecture")
     return GgufInfo(
-        path=str(path), architecture=arch, name=_value(reader, gguf.Keys.General.NAME),
-        block_count=llm(gguf.Keys.LLM.BLOCK_COUNT), embedding_length=llm(gguf.Keys.LLM.EMBEDDING_LENGTH),
-        head_count=llm(gguf.Keys.Attention.HEAD_COUNT),
-        tokens=tuple(_value(reader, gguf.Keys.Tokenizer.LIST) or ()),
-        bos=_value(reader, gguf.Keys.Tokenizer.BOS_ID), eos=_value(reader, gguf.Keys.Tokenizer.EOS_ID),
-        declared=declared_quant(_value(reader, gguf.Keys.General.FILE_TYPE)),
-        imatrix={k.removeprefix("quantize.imatrix."): f.contents() for k, f in reader.fields.items()
-                 if k.startswith("quantize.imatrix.")})
+        path=str(path), architecture=arch, name=f.get("general.name"),
+        block_count=f.get(f"{arch}.block_count"), embedding_length=f.get(f"{arch}.embedding_length"),
+        head_count=f.get(f"{arch}.attention.head_count"), tokens=tuple(f.get("tokenizer.ggml.tokens") or ()),
+        bos=f.get("tokenizer.ggml.bos_token_id"), eos=f.get("tokenizer.ggml.eos_token_id"),
+        declared=declared_quant(f.get("general.file_type")),
+        imatrix={k.removeprefix("quantize.imatrix."): v for k, v in f.items() if k.startswith("quantize.imatrix.")})

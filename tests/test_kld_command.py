@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -111,14 +112,20 @@ def test_statistics_match_a_float64_computation_from_the_stored_rows(job, ggufs)
     assert 0 < kls[Path(ggufs["q8_0"]).name] < kls[Path(ggufs["q4_k_m"]).name]
 
 
-def test_the_spec_is_beside_the_warehouse_and_a_new_candidate_alone_is_captured(job, ggufs, text):
+def test_the_spec_is_beside_the_warehouse_and_a_new_candidate_alone_is_captured(job, ggufs, text, tmp_path):
+    """The second call also runs where transformers cannot be imported: a job of GGUF files alone
+    needs neither it nor a dequantised copy of the reference, in the driver or in a worker."""
     wh, out, first = job
+    blocked = tmp_path / "no-transformers" / "transformers"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('a GGUF-only job imported transformers')\n")
     spec = Path(out["spec"])
     assert spec == wh.with_name("wh.kld.yaml") and spec.is_file()
     before = {c["cell_id"]: c["run_id"] for c in sql(wh, "select cell_id, run_id from cells")}
     assert len(before) == 3
     r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q4_0"],
-                "--text", text, "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh))
+                "--text", text, "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh),
+                env={"PYTHONPATH": os.pathsep.join(filter(None, [str(blocked.parent), os.environ.get("PYTHONPATH")]))})
     assert r.returncode == 0, r.stderr[-3000:]
     after = {c["cell_id"]: c["run_id"] for c in sql(wh, "select cell_id, run_id from cells")}
     new = set(after) - set(before)

@@ -47,21 +47,27 @@ def library_versions() -> dict[str, str]:
 
 def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
     """Resolve models, tokenise once per model, and work out what is left to do."""
-    import transformers
+    from matrix.spec import gguf_model
 
     models, prompts, special, vocab, hidden = {}, {}, {}, {}, {}
     cells = spec.cells
     for name, ref in spec.models.items():
-        models[name] = m = fetch(ref, log=log)
-        tok = transformers.AutoTokenizer.from_pretrained(m.hf_dir)
-        config = transformers.AutoConfig.from_pretrained(m.hf_dir)
+        free = gguf_model.hf_free(spec, name)  # llama.cpp on GGUF files alone: no dequantised copy, no transformers
+        models[name] = m = fetch(ref, log=log, dequantise=not free)
+        if free:
+            tok, config = gguf_model.load(m.gguf_path)
+        else:
+            import transformers
+
+            tok = transformers.AutoTokenizer.from_pretrained(m.hf_dir)
+            config = transformers.AutoConfig.from_pretrained(m.hf_dir)
         vocab[name] = int(getattr(config, "vocab_size", 0) or 0) or len(tok)
         if len(tok) > vocab[name]:
             raise UserError(f"{m.hf_dir}: the tokenizer has {len(tok)} tokens but the model has "
                             f"vocab_size {vocab[name]}: tokenizer and model do not match")
         special[name] = {"bos": tok.bos_token_id, "eos": tok.eos_token_id}
-        tok_file = os.path.join(m.hf_dir, "tokenizer.json")
-        tok_sha = sha256_file(tok_file) if os.path.isfile(tok_file) else None
+        tok_file = os.path.join(m.hf_dir, "tokenizer.json") if m.hf_dir else None
+        tok_sha = sha256_file(tok_file) if tok_file and os.path.isfile(tok_file) else None
         prompts[name] = tokenize(spec.corpus, name, tok, spec.bos, tok_sha, log)
         for cell in spec.cells:  # a published file of another model is refused before anything runs
             if cell.artifact and cell.model == name:
@@ -297,6 +303,31 @@ def _begin(plan: Plan, wh: Warehouse, argv: list[str], address: str | None, exec
     return run
 
 
+def wait_exited(pids: list[int], timeout_s: float = 15.0) -> None:
+    """Until these processes of this machine have exited. A killed Ray actor is reported dead
+    before its process is gone, and until then a file it holds open (a partial shard it was
+    writing, already unlinked) keeps its space: on a full disk the run's end could not be written."""
+    end = time.monotonic() + timeout_s
+    for pid in pids:
+        while time.monotonic() < end and _running(pid):
+            time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie holds no files; its parent reaps it when it will)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): whether the pid still exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
 def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
             log: Callable[[str], None], ex) -> dict:
     """Run every unfinished cell of a bound plan (bind()) on the executor ex (launch.Executor);
@@ -330,11 +361,13 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
         raise
     finally:
         stopped = [a for lv in sweep.live.values() for a in lv.started.actors]
+        here = [lv.loaded["pid"] for lv in sweep.live.values() if lv.loaded and lv.loaded.get("host") == platform.node()]
         ex.shutdown()  # first: no host still waiting for its turn starts while the others stop
         for cid in list(sweep.live):
             sweep.drop(cid)
         if stopped:  # a stopped run leaves no temp file: its killed actors' partial shards go too
             ex.wait_gone(stopped)
+            wait_exited(here)
             for p in wh.sweep_tmp():
                 log(f"removed the partial file of a stopped capture: {p}")
         unrecorded = _record_end(wh, R.run_finished(run, status, cells_done=sweep.out.cells_done, rows_written=sweep.out.rows,

@@ -64,11 +64,12 @@ CATALOG = {
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """A model ready to load: `hf_dir` is a local directory, or a hub id."""
+    """A model ready to load: `hf_dir` is a local directory, or a hub id (None: a GGUF-sourced
+    model taken as its file alone, which its llama.cpp cells run as it is)."""
 
     name: str
     identity: str
-    hf_dir: str
+    hf_dir: str | None
     source: str
     source_sha256: str | None
     weights_sha256: str | None
@@ -167,8 +168,10 @@ def _source(entry: CatalogModel) -> str:
 
 
 def _from_gguf(gguf: Path, name: str, identity: str, source: str, root: Path,
-               log: Callable[[str], None], quant: str | None = None) -> ResolvedModel:
+               log: Callable[[str], None], quant: str | None = None, dequantise: bool = True) -> ResolvedModel:
     source_sha = sha256_file(gguf)
+    if not dequantise:  # a job of llama.cpp cells on GGUF files alone: the file is the reference checkpoint
+        return ResolvedModel(name, identity, None, source, source_sha, None, str(gguf), quant)
     out = root / "gguf" / source_sha[:16]
     hf_dir = out / "hf"
     manifest = out / "manifest.json"
@@ -185,8 +188,10 @@ def _from_gguf(gguf: Path, name: str, identity: str, source: str, root: Path,
                          str(gguf), quant)
 
 
-def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
-    """Resolve a spec's ModelRef to loadable reference weights, downloading if needed."""
+def fetch(ref, log: Callable[[str], None] = print, dequantise: bool = True) -> ResolvedModel:
+    """Resolve a spec's ModelRef to loadable reference weights, downloading if needed.
+    dequantise=False: a GGUF-sourced model as its file alone (hf_dir and weights_sha256 None), for
+    a job whose cells all run llama.cpp on GGUF files (matrix/spec/gguf_model.py hf_free)."""
     root = cache_root()
     if ref.kind == "catalog":
         from backends.artifacts import locked
@@ -198,10 +203,11 @@ def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
         with locked(gguf.parent):
             if not gguf.is_file():
                 fetch_catalog_gguf(entry, gguf, log)
-            got = _from_gguf(gguf, ref.name, ref.identity, _source(entry), root, log, entry.source_quant)
+            got = _from_gguf(gguf, ref.name, ref.identity, _source(entry), root, log, entry.source_quant, dequantise)
         if entry.sha256 and got.source_sha256 != entry.sha256:  # the cached copy changed since it was checked
             raise UserError(f"{gguf}: sha256 {got.source_sha256}, expected {entry.sha256}; delete it to fetch it again")
-        _check_entry(entry, Path(got.hf_dir))
+        if got.hf_dir:
+            _check_entry(entry, Path(got.hf_dir))
         return dataclasses.replace(got, license=entry.license,
                                    notices=tuple(str(gguf.parent / Path(n).name) for n in entry.notices))
     if ref.kind == "gguf":
@@ -210,7 +216,7 @@ def fetch(ref, log: Callable[[str], None] = print) -> ResolvedModel:
 
         # a llama.cpp cell of the file's own quant type runs the file itself, as for a catalog model
         return _from_gguf(Path(ref.location), ref.name, ref.identity, f"gguf:{ref.location}", root, log,
-                          read_info(ref.location).declared)
+                          read_info(ref.location).declared, dequantise)
     if ref.kind == "path":
         p = Path(ref.location)
         if not (p / "config.json").is_file():
