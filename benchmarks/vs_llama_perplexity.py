@@ -214,7 +214,12 @@ def one_model(model: str, binary: Path, text: str, chunks: int, d: Path, threads
     from store import llamacpp_kld as K
 
     base = K.read(lp["base"])
-    ids = [list(map(int, t)) for t in base["tokens"]]  # llama-perplexity's own chunk ids
+    from backends.llama_binding import gguf_tokenize
+
+    # llama-perplexity's own chunk ids, as it evaluates them: its base file keeps each chunk's
+    # first token, and it puts BOS in that place where the model takes one (perplexity.cpp)
+    bos = gguf_tokenize(f16["path"], "a")[1]
+    ids = [[bos] + list(map(int, t[1:])) if bos is not None else list(map(int, t)) for t in base["tokens"]]
     alone, last, nxt = forwards_alone(resolved, {"f16": f16, "q4_k_m": q4}, ids, threads)
     return {"model": model, "vocab": int(base["n_vocab"]), "chunks": int(base["n_chunk"]), "lp": lp, "lm": lm,
             "alone": alone, "costs": per_row_costs(last["f16"], last["q4_k_m"], nxt),

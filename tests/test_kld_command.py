@@ -143,3 +143,18 @@ def test_a_bad_candidate_is_one_line_and_exit_2(ggufs, text, tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "--candidate" in r.stderr and "missing.gguf" in r.stderr
     assert not (tmp_path / "wh").exists()
+
+
+def test_a_candidate_that_fails_where_it_runs_leaves_the_others_reported(ggufs, text, tmp_path):
+    """A file whose header passes the driver's check but whose tensors are cut off: llama.cpp
+    refuses it in its worker. That cell fails, the other candidate's statistics still print, exit 2."""
+    whole = Path(ggufs["q8_0"]).read_bytes()
+    broken = tmp_path / "broken-q8_0.gguf"
+    broken.write_bytes(whole[:len(whole) // 2])
+    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", str(broken), "--candidate", ggufs["q4_k_m"],
+                "--text", text, "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(tmp_path / "wh"))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stdout.count("====== KL divergence statistics ======") == 1
+    assert f"### {Path(ggufs['q4_k_m']).name} against" in r.stdout
+    assert "no statistics for broken-q8_0.gguf" in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"matrix: error: {broken}: llama.cpp could not load this GGUF"

@@ -42,8 +42,11 @@ def _results(warehouse: str, stacks: list[tuple[dict, str]], ref_label: str) -> 
     try:
         out = []
         for a, stack in stacks:
-            cid = con.execute("SELECT cell_id FROM cells WHERE stack_id = ? AND status = 'done' "
-                              "ORDER BY finished_at DESC LIMIT 1", [stack]).fetchone()[0]
+            got = con.execute("SELECT cell_id FROM cells WHERE stack_id = ? AND status = 'done' "
+                              "ORDER BY finished_at DESC LIMIT 1", [stack]).fetchone()
+            if got is None:  # its cell failed this time (the run said why): the others still print
+                continue
+            cid = got[0]
             chunks = con.execute("SELECT count(DISTINCT prompt_id) FROM metrics WHERE cell_id = ?", [cid]).fetchone()[0]
             out.append({"candidate": a.get("gguf") or a.get("path"), "label": a["name"], "reference": ref_label,
                         "cell_id": cid, "chunks": chunks, "statistics": cell_stats(con, cid)})
@@ -54,8 +57,6 @@ def _results(warehouse: str, stacks: list[tuple[dict, str]], ref_label: str) -> 
 
 
 def cmd_kld(args) -> int:
-    from analysis.card import markdown
-    from analysis.kld_stats import text
     from matrix.spec import kld
 
     if args.threads is not None and args.threads < 1:
@@ -68,22 +69,40 @@ def cmd_kld(args) -> int:
     spec_path, asked = kld.write_job(ref, cands, text_file, args.n_ctx, args.threads or os.cpu_count() or 1,
                                      args.warehouse, log)
     log(f"the job's spec: {spec_path} (`matrix run {spec_path} --warehouse {args.warehouse}` repeats it)")
-    code = _run(spec_path, args)
-    if code != 0:
-        return code
-    import extras
+    bad = None
+    try:  # one candidate's failure is its own: the others are still reported
+        code = _run(spec_path, args)
+    except UserError as e:  # a candidate's file refused where it ran: exit 2, after the others
+        from store import Warehouse
 
+        if not Warehouse(args.warehouse).check():  # refused before anything ran
+            raise
+        bad, code = e, 2
     results = _results(args.warehouse, _candidate_stacks(spec_path, asked), ref.label)
+    missing = [a["name"] for a in asked if (a.get("gguf") or a.get("path")) not in {r["candidate"] for r in results}]
+    if missing:
+        log(f"no statistics for {', '.join(missing)}: its cell did not complete (the run says why above)")
     if args.json:
-        emit_json({"spec": str(spec_path), "warehouse": args.warehouse, "n_ctx": args.n_ctx, "results": results})
-        return 0
+        emit_json({"spec": str(spec_path), "warehouse": args.warehouse, "n_ctx": args.n_ctx, "results": results,
+                   "incomplete": missing})
+    else:
+        _print(results, args.n_ctx)
+    if bad is not None:
+        raise bad
+    return code
+
+
+def _print(results: list[dict], n_ctx: int) -> None:
+    import extras
+    from analysis.card import markdown
+    from analysis.kld_stats import text
+
     for r in results:
-        print(f"\n### {r['label']} against {r['reference']}: {r['chunks']} chunks of {args.n_ctx}, "
+        print(f"\n### {r['label']} against {r['reference']}: {r['chunks']} chunks of {n_ctx}, "
               f"{r['statistics']['rows']} scored tokens (cell {r['cell_id']})\n")
         print("\n".join(text(r["statistics"])))
         print()
         print(markdown(r["card"], extras.registered()), end="")
-    return 0
 
 
 def add_parser(sub) -> None:
