@@ -12,6 +12,8 @@ TORCH_SPEC ?= torch==2.13.0
 # and again whenever those flags change. On a GPU box: LLAMA_CMAKE_ARGS="-DGGML_CUDA=on".
 LLAMA_CMAKE_ARGS ?= $(shell $(PYTHON) scripts/llama_cmake_args.py)
 LLAMA_STAMP := $(VENV)/.llama-cmake-args
+# what the stamp holds: the flags and the version pinned (a new pin builds again, with these flags)
+LLAMA_BUILT = $(LLAMA_CMAKE_ARGS) $(if $(CONSTRAINTS),$(shell grep -i '^llama[-_]cpp[-_]python==' $(CONSTRAINTS)))
 EXTRAS ?= hf,llamacpp,mlx,s3,gcs,test
 # Every other package at the version tested (scripts/lock.sh writes it; torch stays TORCH_SPEC's).
 # A GPU box that brings its own stack: CONSTRAINTS= make venv.
@@ -27,18 +29,18 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(MAKE) --no-print-directory llama-cpp
-	$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(EXTRAS)]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 # pip's wheel cache does not key on CMAKE_ARGS, so a build for other flags is never taken from it.
 .PHONY: llama-cpp
 llama-cpp:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@if [ "$$(cat $(LLAMA_STAMP) 2>/dev/null)" != "$(LLAMA_CMAKE_ARGS)" ]; then \
+	@if [ "$$(cat $(LLAMA_STAMP) 2>/dev/null)" != "$(LLAMA_BUILT)" ]; then \
 		echo "building llama-cpp-python for this CPU: $(LLAMA_CMAKE_ARGS)"; \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q --no-cache-dir \
 			--force-reinstall --no-deps $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) llama-cpp-python \
-			&& echo "$(LLAMA_CMAKE_ARGS)" > $(LLAMA_STAMP); \
+			&& echo "$(LLAMA_BUILT)" > $(LLAMA_STAMP); \
 	fi
 
 demo: $(STAMP) llama-cpp

@@ -42,8 +42,11 @@ def percentile(sorted_x: np.ndarray, fraction: float) -> float:
 
 def stats(kld: np.ndarray, delta_p: np.ndarray, nll: np.ndarray, nll_ref: np.ndarray,
           same_top: np.ndarray) -> dict:
-    """Every figure of llama-perplexity's closing statistics; arrays are (rows,) float64 / bool."""
+    """Every figure of llama-perplexity's closing statistics; arrays are (rows,) float64 / bool.
+    No rows (every row non-finite): {"rows": 0} alone."""
     n = len(kld)
+    if n == 0:
+        return {"rows": 0}
     lp, lp_se = mean_se(nll)
     lb, lb_se = mean_se(nll_ref)
     cov = covariance(nll, nll_ref)
@@ -73,23 +76,35 @@ def stats(kld: np.ndarray, delta_p: np.ndarray, nll: np.ndarray, nll_ref: np.nda
 
 
 def cell_stats(con, cell_id: str) -> dict:
-    """stats() over a cell's scored rows (repeat 0, both sides finite, a next token to score)."""
+    """stats() over a cell's scored rows (repeat 0, both sides finite, a next token to score), with
+    the count of rows left out for non-finite logits."""
     t = con.execute("""SELECT kld, delta_p, nll_stack, nll_ref, top1_match FROM metrics
                        WHERE cell_id = ? AND repeat = 0 AND nonfinite IS NULL AND nll_stack IS NOT NULL
                        ORDER BY prompt_id, position""", [cell_id]).fetchnumpy()
-    return stats(*(np.asarray(t[k], dtype=np.float64) for k in ("kld", "delta_p", "nll_stack", "nll_ref")),
-                 np.asarray(t["top1_match"], dtype=bool))
+    left_out = con.execute("SELECT count(*) FROM metrics WHERE cell_id = ? AND repeat = 0 AND nonfinite IS NOT NULL",
+                           [cell_id]).fetchone()[0]
+    out = stats(*(np.asarray(t[k], dtype=np.float64) for k in ("kld", "delta_p", "nll_stack", "nll_ref")),
+                np.asarray(t["top1_match"], dtype=bool))
+    return {**out, "nonfinite_rows": int(left_out)}
 
 
-def _pm(v: list, fmt: str = "10.6f", pct: bool = False) -> str:
-    k = 100.0 if pct else 1.0
-    return f"{k * v[0]:{fmt}} ± {k * v[1]:{fmt}}" + (" %" if pct else "")
+def _pm(v: list, pct: bool = False) -> str:
+    """value ± error as perplexity.cpp prints it (%10.6lf ± %10.6lf; percentages %6.3lf ± %5.3lf %%)."""
+    if pct:
+        return f"{100 * v[0]:6.3f} ± {100 * v[1]:5.3f} %"
+    return f"{v[0]:10.6f} ± {v[1]:10.6f}"
 
 
 def text(s: dict) -> list[str]:
-    """The statistics as llama-perplexity lays them out."""
+    """The statistics as llama-perplexity lays them out (it prints none below 100 rows; these
+    say how few there are)."""
+    head = [f"{s['nonfinite_rows']} row(s) left out: non-finite logits"] if s.get("nonfinite_rows") else []
+    if s["rows"] == 0:
+        return head + ["no scored rows to measure"]
+    if s["rows"] < 100:
+        head.append(f"only {s['rows']} scored rows: llama-perplexity prints no statistics below 100")
     cor = s["ln_ppl_correlation"]
-    out = ["====== Perplexity statistics ======",
+    out = head + ["====== Perplexity statistics ======",
            f"Mean PPL(Q)                   : {_pm(s['ppl'])}",
            f"Mean PPL(base)                : {_pm(s['ppl_ref'])}",
            f"Cor(ln(PPL(Q)), ln(PPL(base))): {'n/a' if cor is None else f'{100 * cor:6.2f}%'}",
@@ -102,9 +117,9 @@ def text(s: dict) -> list[str]:
     out += [f"{q:>5}   KLD: {p[q]:10.6f}" for q in list(p)[:4]] + [f"Median  KLD: {s['kld_median']:10.6f}"]
     out += [f"{q:>5}   KLD: {p[q]:10.6f}" for q in list(p)[4:]] + [f"Minimum KLD: {s['kld_min']:10.6f}", ""]
     d = s["delta_p_percentiles"]
-    out += ["====== Token probability statistics ======", f"Mean    Δp: {_pm(s['delta_p'], '6.3f', True)}",
+    out += ["====== Token probability statistics ======", f"Mean    Δp: {_pm(s['delta_p'], pct=True)}",
             f"Maximum Δp: {100 * s['delta_p_max']:6.3f}%"]
     out += [f"{q:>5}   Δp: {100 * d[q]:6.3f}%" for q in list(d)[:5]] + [f"Median  Δp: {100 * s['delta_p_median']:6.3f}%"]
     out += [f"{q:>5}   Δp: {100 * d[q]:6.3f}%" for q in list(d)[5:]] + [f"Minimum Δp: {100 * s['delta_p_min']:6.3f}%"]
-    out += [f"RMS Δp    : {_pm(s['rms_delta_p'], '6.3f', True)}", f"Same top p: {_pm(s['same_top_p'], '6.3f', True)}"]
+    out += [f"RMS Δp    : {_pm(s['rms_delta_p'], pct=True)}", f"Same top p: {_pm(s['same_top_p'], pct=True)}"]
     return out

@@ -21,8 +21,8 @@ def binding_flags() -> list[str]:
     """The CMake flags the installed llama-cpp-python was built with (the Makefile writes them to
     VENV/.llama-cmake-args), else the ones the Makefile would use on this machine."""
     recorded = Path(sys.prefix) / ".llama-cmake-args"
-    if recorded.is_file():
-        return shlex.split(recorded.read_text())
+    if recorded.is_file():  # the flags, then the version pin the Makefile built
+        return [f for f in shlex.split(recorded.read_text()) if f.startswith("-")]
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "llama_cmake_args.py")], check=True,
                          capture_output=True, text=True).stdout
     return shlex.split(out)

@@ -58,11 +58,11 @@ def _open(path: str | Path):
     except ValueError:  # an empty file
         f.close()
         raise UserError(f"{path}: not a GGUF file (empty)") from None
-    if m[:4] != b"GGUF":
+    if len(m) < 24 or m[:4] != b"GGUF":
         magic = bytes(m[:4])
         m.close()
         f.close()
-        raise UserError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+        raise UserError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF', and a 24-byte header)")
     version = struct.unpack_from("<I", m, 4)[0]
     if version < 2:
         m.close()

@@ -42,7 +42,8 @@ def declared_quant(file_type: int | None) -> str:
         name = gguf.LlamaFileType(ft).name
     except ValueError:
         return f"file_type_{ft}"
-    return name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
+    name = name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
+    return {"f32": "fp32"}.get(name, name)  # the spec's name for float32
 
 
 def read_info(path: str | Path) -> GgufInfo:

@@ -70,19 +70,24 @@ def row_keys(wh: Warehouse, cell_id: str, shards: list[tuple[str, int]]) -> dict
 
 def check_models(dest_cells: list[dict], sources: list[tuple[Warehouse, list[dict]]]) -> None:
     """One model name, one set of weights: across the destination and every source (the first
-    side that names a model sets its weights)."""
-    seen: dict[str, tuple[str, str]] = {}  # model -> (weights_sha256, where it was seen)
+    side that names a model sets its weights). Weights are the dequantised checkpoint's digest
+    (weights_sha256) and the file it came from (source_sha256); a GGUF run as it is has only the
+    latter. Each is compared where both sides have it."""
+    keys = ("weights_sha256", "source_sha256")
+    seen: dict[tuple[str, str], tuple[str, str]] = {}  # (model, field) -> (value, where it was seen)
     for c in dest_cells:
-        if c.get("weights_sha256"):
-            seen.setdefault(c["model"], (c["weights_sha256"], "the destination"))
+        for key in keys:
+            if c.get(key):
+                seen.setdefault((c["model"], key), (c[key], "the destination"))
     for src, cells in sources:
         for c in cells:
-            if c["status"] != "done" or not c.get("weights_sha256"):
-                continue
-            have, where = seen.setdefault(c["model"], (c["weights_sha256"], str(src.where)))
-            if c["weights_sha256"] != have:
-                raise UserError(f"{src.where}/cells/{c['cell_id']}.parquet: weights_sha256 {c['weights_sha256']} "
-                                f"for model {c['model']!r}, {where} has {have} for that name")
+            for key in keys:
+                if c["status"] != "done" or not c.get(key):
+                    continue
+                have, where = seen.setdefault((c["model"], key), (c[key], str(src.where)))
+                if c[key] != have:
+                    raise UserError(f"{src.where}/cells/{c['cell_id']}.parquet: {key} {c[key]} "
+                                    f"for model {c['model']!r}, {where} has {have} for that name")
 
 
 def _check_prompts(src: Warehouse, dest: Warehouse) -> None:

@@ -158,3 +158,17 @@ def test_a_candidate_that_fails_where_it_runs_leaves_the_others_reported(ggufs, 
     assert f"### {Path(ggufs['q4_k_m']).name} against" in r.stdout
     assert "no statistics for broken-q8_0.gguf" in r.stderr
     assert r.stderr.strip().splitlines()[-1] == f"matrix: error: {broken}: llama.cpp could not load this GGUF"
+    spec = (tmp_path / "wh.kld.yaml").read_text()
+    assert str(broken) not in spec and ggufs["q4_k_m"] in spec  # a refused file does not come back with later calls
+
+
+def test_another_text_for_the_same_warehouse_is_refused(job, ggufs, tmp_path):
+    wh = job[0]
+    other = tmp_path / "other.txt"
+    other.write_text("Another text entirely. " * 400)
+    before = (wh.parent / "wh.kld.yaml").read_text()
+    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q8_0"], "--text", str(other),
+                "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "corpus: this warehouse's job has" in r.stderr and "(--text / --n-ctx)" in r.stderr
+    assert (wh.parent / "wh.kld.yaml").read_text() == before

@@ -96,7 +96,7 @@ def cmd_fixture(args) -> int:
     res = _check(args)
     measured, upper, tail = gate_values(res["metrics"])
     rows = evaluate(measured, gates["classes"][cls], res["nonfinite"])
-    weights = next((d for d in res["differences"] if d["what"] == "weights_sha256"), None)
+    weights = next((d for d in res["differences"] if d["what"] in ("weights_sha256", "source_sha256")), None)
     rows.insert(1, {"gate": "same_weights", "comparison": "==", "threshold": "the fixture's",
                     "measured": f"other weights: {weights['stack']} (fixture: {weights['fixture']})" if weights
                     else "same", "pass": weights is None or args.allow_other_weights,

@@ -47,11 +47,15 @@ def _fixture_prompts(header: dict, rows: dict[str, list]) -> list[tuple[list[int
 
 
 def differences(header: dict, engine: str, dtype: str, attention: str, weights: str | None, artifact: str | None,
-                build: str | None, hw: str | None) -> list[dict]:
+                build: str | None, hw: str | None, source: str | None = None) -> list[dict]:
     """What differs between the fixture's producing stack and the stack under check."""
     made = header.get("produced_by") or {}
-    pairs = [("weights_sha256", (header.get("model") or {}).get("weights_sha256"), weights),
-             ("artifact_sha256", made.get("artifact_sha256"), artifact), ("engine", made.get("engine"), engine),
+    fixture_weights = (header.get("model") or {}).get("weights_sha256")
+    if fixture_weights is None:  # a fixture of a GGUF run as it is: the file itself is the checkpoint
+        pairs = [("source_sha256", (header.get("model") or {}).get("source_sha256"), source)]
+    else:
+        pairs = [("weights_sha256", fixture_weights, weights)]
+    pairs += [("artifact_sha256", made.get("artifact_sha256"), artifact), ("engine", made.get("engine"), engine),
              ("dtype", made.get("dtype"), dtype), ("attention", made.get("attention"), attention),
              ("build", made.get("build"), build), ("hardware", made.get("hardware"), hw)]
     return [{"what": w, "fixture": a, "stack": b} for w, a, b in pairs if a != b]
@@ -88,7 +92,8 @@ def check_fixture(path: str, engine: str, model: str, dtype: str, attention: str
     run = _on_ray(cell, resolved, threads, nodes, top) if nodes is not None else _here(cell, resolved, threads, top)
     art = run["settings"].get("artifact") or {}
     diff = differences(header, engine, dtype, attention, resolved.weights_sha256, art.get("sha256"), run["build"],
-                       hardware({"fingerprint": json.dumps(run["fingerprint"], default=str), "device": device}))
+                       hardware({"fingerprint": json.dumps(run["fingerprint"], default=str), "device": device}),
+                       resolved.source_sha256)
     return {"header": header, "metrics": run["metrics"], "rows": run["rows"], "nonfinite": run["nonfinite"],
             "settings": run["settings"], "differences": diff, "ran_on": run["ran_on"]}
 

@@ -87,11 +87,13 @@ def _combos(spec: Spec) -> list[dict]:
 
 
 def corpus_fingerprint(spec: Spec) -> str:
+    """Every file the corpus names, hashed in chunks (a `vocab:` GGUF can be a whole model)."""
+    from common.files import sha256_file
     from matrix.spec.corpus import corpus_files
 
     h = hashlib.sha256()
     for f in corpus_files(spec.corpus):
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+        h.update(f.name.encode() + b"\0" + bytes.fromhex(sha256_file(f)) + b"\0")
     return h.hexdigest()
 
 
@@ -123,6 +125,8 @@ def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: i
            "bos": spec.bos, "corpus": corpus_fp}
     if opts:  # only when set, so cells without options keep their ids
         key["options"] = option_identity(opts)
+    if _runs_gguf_file(spec, combo):  # not a conversion of the dequantised weights: another capture
+        key["runs"] = "the model's GGUF file"
     if spec.store != "native":  # lossy storage is another row content
         key["store"] = spec.store
     if not spec.positions.is_plain:  # only then, so cells captured at a plain stride keep their ids
@@ -132,6 +136,16 @@ def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: i
     for x, value in extras.of(cell_extras(spec, combo)):  # the cell records more: another capture
         key[x.key] = x.id_part(value)
     return ids.stack_id(combo, key, replica)
+
+
+def _runs_gguf_file(spec: Spec, combo: dict) -> bool:
+    """A llama.cpp cell of a GGUF-file model's own quant type runs that file as it is."""
+    ref = spec.models[combo["model"]]
+    if ref.kind != "gguf" or combo["engine"] != "llamacpp":
+        return False
+    from store.gguf_meta import read_info
+
+    return combo["dtype"] == read_info(ref.location).declared
 
 
 def cell_extras(spec: Spec, combo: dict) -> tuple:

@@ -63,16 +63,17 @@ def model_name(ref: Source) -> str:
 
 
 def catalog_gguf(name: str, log) -> str:
-    """A catalog model's shipped GGUF on this machine (fetched once into the cache)."""
+    """A catalog model's shipped GGUF on this machine (fetched once into the cache, not dequantised)."""
     from matrix.spec.models import fetch
     from matrix.spec.parse import ModelRef
 
-    return fetch(ModelRef(name, "catalog", name), log=log).gguf_path
+    return str(Path(fetch(ModelRef(name, "catalog", name), log=log, dequantise=False).gguf_path).resolve())
 
 
 def reference_stack(ref: Source, log) -> tuple[dict, dict, str | None]:
     """(the spec's model entry, the reference stack {engine, dtype, attention}, the GGUF whose
     llama.cpp tokenizer cuts the text, or None for an HF checkpoint's own tokenizer)."""
+    from backends.llamacpp_backend import LlamaCppBackend
     from store.gguf_meta import read_info
 
     name = model_name(ref)
@@ -80,9 +81,12 @@ def reference_stack(ref: Source, log) -> tuple[dict, dict, str | None]:
         return {"name": name, "path": ref.location}, {"engine": "hf", "dtype": "fp32", "attention": "eager"}, None
     gguf = ref.location if ref.kind == "gguf" else catalog_gguf(ref.location, log)
     # a llama.cpp cell of the file's declared type runs the file itself (matrix/spec/models.py fetch)
-    stack = {"engine": "llamacpp", "dtype": read_info(gguf).declared, "attention": "default"}
+    declared = read_info(gguf).declared
+    if declared not in LlamaCppBackend.dtypes:
+        raise UserError(f"--reference {ref.location}: the file declares quant type {declared}, which llama.cpp "
+                        f"cells here do not name (one of {', '.join(sorted(LlamaCppBackend.dtypes))})")
     entry = {"name": name, "gguf": ref.location} if ref.kind == "gguf" else {"name": name, "catalog": ref.location}
-    return entry, stack, gguf
+    return entry, {"engine": "llamacpp", "dtype": declared, "attention": "default"}, gguf
 
 
 def candidate_entry(model: str, c: Source, log) -> dict:
@@ -92,11 +96,20 @@ def candidate_entry(model: str, c: Source, log) -> dict:
     return {"model": model, "gguf": gguf, "name": c.label if c.kind == "gguf" else Path(gguf).name}
 
 
+def file_of(entry: dict) -> str:
+    """A candidate entry's file or directory."""
+    return entry.get("gguf") or entry["path"]
+
+
 def job_files(warehouse: str) -> tuple[Path, Path]:
-    """(spec, corpus) next to a directory warehouse; in this directory, after the warehouse's last
-    path part, for an object-store one (s3://..., gs://...)."""
+    """(spec, corpus) next to a directory warehouse; for an object-store one (s3://..., gs://...),
+    in this directory, named after the warehouse's last path part and a hash of its whole URL."""
     if "://" in warehouse:
-        base = Path.cwd() / (warehouse.rstrip("/").rsplit("/", 1)[-1] or "warehouse")
+        import hashlib
+
+        url = warehouse.rstrip("/")
+        tag = hashlib.sha256(url.encode()).hexdigest()[:8]
+        base = Path.cwd() / f"{url.rsplit('/', 1)[-1] or 'warehouse'}-{tag}"
     else:
         base = Path(warehouse).resolve()
     return base.with_name(base.name + ".kld.yaml"), base.with_name(base.name + ".kld-corpus.yaml")
@@ -108,18 +121,33 @@ def corpus(text: Path, n_ctx: int, vocab: str | None) -> dict:
         "chunks": n_ctx, **({"vocab": vocab} if vocab else {})}]}
 
 
-def _same_job(old: dict, new: dict, spec_path: Path) -> None:
-    """A warehouse holds one reference and one text: refuse another, naming what differs."""
-    for what, key in (("reference", "models"), ("reference stack", "reference"), ("threads", "threads")):
-        if old.get(key) != new.get(key):
-            raise UserError(f"{spec_path}: {key}: this warehouse's job has {what} {old.get(key)}, not {new.get(key)}; "
+def _same_job(old: dict, new: dict, old_corpus: dict | None, new_corpus: dict, spec_path: Path) -> None:
+    """A warehouse holds one job: one reference, one text cut one way, one thread count. Another
+    is refused, naming what differs."""
+    def text(c: dict | None) -> str:
+        e = (c or {}).get("prompts", [{}])[0]
+        return f"text {e.get('file')} in chunks of {e.get('chunks')}"
+
+    for flag, key, have, want in (("--reference", "models", old.get("models"), new["models"]),
+                                  ("--reference", "reference", old.get("reference"), new["reference"]),
+                                  ("--threads", "threads", old.get("threads"), new["threads"]),
+                                  ("--text / --n-ctx", "corpus", old_corpus, new_corpus)):
+        if have != want:
+            have, want = (text(have), text(want)) if key == "corpus" else (have, want)
+            raise UserError(f"{spec_path}: {key}: this warehouse's job has {have}, not {want} ({flag}); "
                             "use another --warehouse for another job")
 
 
+def _write(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    os.replace(tmp, path)
+
+
 def write_job(ref: Source, candidates: list[Source], text: Path, n_ctx: int, threads: int, warehouse: str,
-              log) -> tuple[Path, list[dict]]:
+              log) -> tuple[Path, list[dict], bool]:
     """Write (or extend) the spec and corpus next to the warehouse; -> (spec path, the candidate
-    entries asked for this time)."""
+    entries asked for this time, whether the spec is new)."""
     if n_ctx < 4 or n_ctx % 2:
         raise UserError(f"--n-ctx {n_ctx}: must be an even context length >= 4 (the second half is scored)")
     spec_path, corpus_path = job_files(warehouse)
@@ -132,18 +160,28 @@ def write_job(ref: Source, candidates: list[Source], text: Path, n_ctx: int, thr
             "corpus": str(corpus_path), "positions": "llama_perplexity", "store": "bf16",
             "centroid": {"definition": "none"}, "reference_metrics": "in_actor", "candidates": list(asked)}
     new_corpus = corpus(text, n_ctx, vocab)
-    if spec_path.is_file():
+    new = not spec_path.is_file()
+    if not new:
         old = yaml.safe_load(spec_path.read_text()) or {}
-        _same_job(old, spec, spec_path)
-        old_corpus = yaml.safe_load(corpus_path.read_text()) if corpus_path.is_file() else None
-        if old_corpus != new_corpus:
-            log(f"{corpus_path}: the text or --n-ctx changed; the earlier cells stay in the warehouse under their ids")
-        known = {c.get("gguf") or c.get("path") for c in asked}
-        spec["candidates"] = [c for c in old.get("candidates") or [] if (c.get("gguf") or c.get("path")) not in known] \
-            + asked
+        _same_job(old, spec, yaml.safe_load(corpus_path.read_text()) if corpus_path.is_file() else None,
+                  new_corpus, spec_path)
+        known = {file_of(c) for c in asked}
+        spec["candidates"] = [c for c in old.get("candidates") or [] if file_of(c) not in known] + asked
     spec_path.parent.mkdir(parents=True, exist_ok=True)
-    for path, data in ((corpus_path, new_corpus), (spec_path, spec)):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-        os.replace(tmp, path)
-    return spec_path, asked
+    _write(corpus_path, new_corpus)
+    _write(spec_path, spec)
+    return spec_path, asked, new
+
+
+def forget(spec_path: Path, files: set[str], drop_job: bool) -> None:
+    """Take candidates whose cells did not complete out of the job, so a refused file does not
+    come back with every later call; drop_job: remove the job's files altogether (its reference
+    never ran, so nothing of it is in the warehouse)."""
+    if drop_job:
+        spec_path.unlink(missing_ok=True)
+        spec_path.with_name(spec_path.name.removesuffix(".kld.yaml") + ".kld-corpus.yaml").unlink(missing_ok=True)
+        return
+    if files:
+        spec = yaml.safe_load(spec_path.read_text())
+        spec["candidates"] = [c for c in spec.get("candidates") or [] if file_of(c) not in files]
+        _write(spec_path, spec)
