@@ -242,7 +242,8 @@ def report(r: dict, threads: int, executor: str) -> None:
                                             f"Q4_K_M {alone['q4_k_m']:.1f}; in-process, {threads} threads)"),
             ("disk, reference rows (MB)", f"{lp['disk'] / 1e6:.1f} (uint16 base file)",
              f"{lm['disk'] / 1e6:.1f} = {lm['disk'] / lp['disk']:.2f}x (bf16, floor {lm['floor']:.1e})"),
-            ("peak memory (GB)", f"{lp['peak_gb']:.2f}", f"{lm['peak_gb']:.2f} cell worker, {lm['driver_gb']:.2f} driver")]
+            ("peak memory (GB)", f"{lp['peak_gb']:.2f}",
+             f"{lm['peak_gb']:.2f} (the largest cell worker; {lm['driver_gb']:.2f} the kld process or a worker it waited for)")]
     w = [max(len(x[i]) for x in rows) for i in range(3)]
     for x in rows:
         print("  " + "  ".join(f"{c:{w[i]}}" for i, c in enumerate(x)).rstrip())
