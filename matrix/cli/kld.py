@@ -156,7 +156,8 @@ def add_parser(sub) -> None:
                    help="a GGUF file, an HF checkpoint directory or a catalog model (repeat for several)")
     k.add_argument("--text", required=True, help="the evaluation text (UTF-8)")
     k.add_argument("--n-ctx", type=int, default=512, help="llama-perplexity's -c: chunk length in tokens (default 512)")
-    k.add_argument("--threads", type=int, default=None, help="threads per cell (default: every core)")
+    k.add_argument("--threads", type=int, default=None,
+                   help="threads per cell (default: every core of this machine; required with --address)")
     k.add_argument("--warehouse", default="kld-warehouse",
                    help="where the rows go; the job's spec is written beside it as WAREHOUSE.kld.yaml")
     k.add_argument("--address", default=None, help="a Ray cluster to run the cells on (default: this machine, no Ray)")
