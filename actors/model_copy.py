@@ -16,7 +16,7 @@ from pathlib import Path
 
 from backends.artifacts import locked  # two cells on one node may want the same model
 from common.errors import UserError
-from common.files import cache_root, sha256_file, weights_digest_cached
+from common.files import cache_root, file_sha256, weights_digest_cached
 from common.stack import ModelCopy
 
 
@@ -80,7 +80,7 @@ def source_gguf(model: ModelCopy, depot) -> str | None:
     if not model.source_gguf:
         return None
     own = Path(model.source_gguf)
-    if own.is_file() and sha256_file(own) == model.source_sha256:
+    if own.is_file() and file_sha256(own) == model.source_sha256:
         return str(own)
     return _shipped_file(model.source_gguf, f"gguf-{model.source_sha256}", depot)
 

@@ -142,10 +142,10 @@ def tensor_table(path: str | Path) -> list[tuple[str, int]]:
 def published(path: str, sha256: str | None, source: str | None = None) -> dict[str, Any]:
     """A candidate's file, run as it is: its hash checked here, where it is read (the driver adds
     what its header declares to the recipe: matrix/spec/candidates.py header_facts)."""
-    from common.files import sha256_file
+    from common.files import file_sha256
 
     check_gguf(path)
-    got = sha256_file(Path(path))
+    got = file_sha256(Path(path))
     if sha256 and got != sha256:
         raise RuntimeError(f"{path}: sha256 {got}, but the driver recorded {sha256} for this candidate")
     return {"path": path, "sha256": got,
@@ -158,10 +158,10 @@ def build_for(dtype: str, hf_dir: str, weights_sha256: str | None, threads: int,
     """The GGUF for a cell dtype. A catalog model's own file serves its own quant type (unless an
     imatrix is asked for: then llama.cpp quantises the reference with it)."""
     if original and original_quant == dtype and imatrix is None:
-        from common.files import sha256_file
+        from common.files import file_sha256
 
         check_gguf(original)
-        return {"path": original, "sha256": sha256_file(Path(original)),
+        return {"path": original, "sha256": file_sha256(Path(original)),
                 "recipe": {"tool": "as shipped", "source": original}}
     if dtype in FLOAT_TYPES:
         return convert(hf_dir, weights_sha256, FLOAT_TYPES[dtype])

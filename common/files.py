@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,20 +36,43 @@ def weights_digest(hf_dir: Path) -> str:
     return h.hexdigest()
 
 
-def weights_digest_cached(hf_dir: Path) -> str:
-    """weights_digest, remembered per (path, size, mtime) so big checkpoints hash once per machine."""
-    hf_dir = Path(hf_dir)
-    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(hf_dir.glob("*.safetensors"))]
-    key = hashlib.sha256(json.dumps([str(hf_dir), stats]).encode()).hexdigest()[:24]
+def _remembered(what: list, compute, keep: bool = True) -> str:
+    """compute()'s digest, kept (when keep) under cache_root()/digests by a key of what identifies its input."""
+    key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]
     memo = cache_root() / "digests" / f"{key}.txt"
     if memo.is_file():
         return memo.read_text().strip()
-    digest = weights_digest(hf_dir)
+    digest = compute()
+    if not keep:
+        return digest
     memo.parent.mkdir(parents=True, exist_ok=True)
     tmp = memo.with_name(f".tmp-{os.getpid()}-{memo.name}")
     tmp.write_text(digest)
     os.replace(tmp, memo)
     return digest
+
+
+def weights_digest_cached(hf_dir: Path) -> str:
+    """weights_digest, remembered per (path, size, mtime) so big checkpoints hash once per machine."""
+    hf_dir = Path(hf_dir)
+    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(hf_dir.glob("*.safetensors"))]
+    return _remembered([str(hf_dir), stats], lambda: weights_digest(hf_dir))
+
+
+SETTLED_S = 3.0  # a file unchanged this long is remembered by file_sha256
+
+
+def file_sha256(path: Path) -> str:
+    """sha256_file of a file named by its identity (which GGUF a cell ran, which vocabulary a
+    corpus used), remembered per (device, inode, size, mtime, ctime): any write or `touch` gives
+    the file a new key, so a changed file is hashed again, and a 0.5 GB GGUF is not re-read by
+    every process of every run. Integrity checks (verify, the depot, imports) read the bytes."""
+    st = Path(path).stat()
+    what = ["file", os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    # a file changed in the last seconds could change again within a coarse timestamp's tick
+    # under the same key (git's "racy clean" case): hashed, not remembered
+    settled = time.time() - st.st_ctime_ns / 1e9 > SETTLED_S
+    return _remembered(what, lambda: sha256_file(Path(path)), keep=settled)
 
 
 def ids_sha256(ids: list[int]) -> str:

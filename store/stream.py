@@ -184,4 +184,4 @@ class Rows:
         rows = self.buf[idx - self.start]  # a copy (fancy indexing): the buffer may be dropped later
         if self.prompt.shift is None:
             return rows
-        return unshift(rows, self.prompt.shift[idx - self.prompt.offset])  # the raw logits back
+        return unshift(rows, self.prompt.shift[idx - self.prompt.offset], inplace=True)  # the raw logits back

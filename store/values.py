@@ -68,15 +68,21 @@ def narrow_bf16(values: np.ndarray) -> np.ndarray:
     return (bits >> 16).astype(np.uint16)
 
 
-def unshift(values: np.ndarray, shift) -> np.ndarray:
+def unshift(values: np.ndarray, shift, inplace: bool = False) -> np.ndarray:
     """(rows, vocab) stored values + each row's shift (an Arrow column or an array; null or None:
-    0) -> the raw logits, for what is not shift-invariant (cosine, norms, max |Δ|, logit values)."""
+    0) -> the raw logits, for what is not shift-invariant (cosine, norms, max |Δ|, logit values).
+    inplace: values is the caller's own copy, shifted where it is (a full-vocab pass and buffer fewer)."""
     if shift is None:
         return values
     if isinstance(shift, (pa.Array, pa.ChunkedArray)):
         shift = shift.fill_null(0).to_numpy(zero_copy_only=False)
     s = np.asarray(shift, np.float32)  # (rows,)
-    return values + s[:, None] if s.any() else values
+    if not s.any():
+        return values
+    if inplace:
+        values += s[:, None]
+        return values
+    return values + s[:, None]
 
 
 def logits_matrix(col) -> np.ndarray:

@@ -5,6 +5,7 @@ llama.cpp build flags for a given CPU, and where a job's spec goes."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -129,3 +130,27 @@ def test_a_jobs_spec_goes_beside_its_warehouse(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     a, b = job_files("s3://bucket-a/kld")[0], job_files("gs://bucket-b/kld")[0]
     assert a.parent == b.parent == tmp_path and a != b and a.name.startswith("kld-")
+
+
+def test_a_files_hash_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    """file_sha256 (which GGUF a cell ran) reads a settled file once per machine; any write, a
+    `touch` included, hashes it again, and a file written a moment ago is never remembered."""
+    import hashlib
+
+    from common import files
+
+    monkeypatch.setenv("LOGIT_MATRIX_CACHE", str(tmp_path / "cache"))
+    reads = []
+    real = files.sha256_file
+    monkeypatch.setattr(files, "sha256_file", lambda p, *a: reads.append(p) or real(p, *a))
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    want = hashlib.sha256(f.read_bytes()).hexdigest()
+    assert files.file_sha256(f) == files.file_sha256(f) == want and len(reads) == 2  # just written: not kept
+    monkeypatch.setattr(files, "SETTLED_S", 0.0)
+    assert files.file_sha256(f) == files.file_sha256(f) == want and len(reads) == 3  # settled: read once
+    f.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 64)  # same size, new bytes
+    assert files.file_sha256(f) == hashlib.sha256(f.read_bytes()).hexdigest() != want and len(reads) == 4
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns))  # mtime kept as it was: ctime still moves
+    files.file_sha256(f)
+    assert len(reads) == 5

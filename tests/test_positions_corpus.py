@@ -256,3 +256,27 @@ def test_the_fast_bf16_floor_agrees_with_the_float64_one_on_real_rows(reference_
     z, _ = shift_by_max(x)
     fast, exact = bf16_floor(z, widen(to_bf16(z))), row_metrics(x, widen(round_bf16(x)))["kld"]
     assert np.allclose(fast, exact, rtol=1e-4, atol=0) and 1e-7 < exact.mean() < 1e-4, (fast[:4], exact[:4])
+
+
+@pytest.mark.parametrize("vocab", [4099, 262144])  # several rows per cache block, and one
+def test_storage_keep_rounds_as_round_bf16_and_its_floor_is_the_float64_one(vocab):
+    """Storage.keep (the fused pass a capture runs) against round_bf16 and the float64 metric
+    kernel, with a masked token, a NaN and an infinite logit among the rows (those go the general way)."""
+    from analysis.metrics import row_metrics
+    from store.floors import Storage
+    from store.warehouse import round_bf16, widen
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((6, vocab)) * 3 + 15).astype(np.float32)  # (rows, vocab)
+    x[1, 3], x[3, 0], x[4, 2] = -np.inf, np.nan, np.inf
+    st = Storage("bf16")
+    stored, shift = st.keep(x)
+    assert np.array_equal(stored, round_bf16(x))
+    clean = np.isfinite(x).all(-1)  # rows 0, 2, 5
+    assert np.array_equal(shift[clean], x[clean].max(-1)) and shift[3] == shift[4] == 0
+    exact = row_metrics(x[clean], widen(stored[clean]) + shift[clean, None])["kld"]
+    assert st.rows == 4 and st.nonfinite == 2  # the masked row's floor counts; NaN and +inf rows do not
+    masked = Storage("bf16")
+    masked.keep(x[1:2])
+    assert np.isclose(st.floor_sum - masked.floor_sum, exact.sum(), rtol=1e-4, atol=0)
+    assert 1e-7 < exact.mean() < 1e-4

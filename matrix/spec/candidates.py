@@ -19,7 +19,7 @@ from pathlib import Path
 
 from common import ids
 from common.errors import UserError
-from common.files import sha256_file
+from common.files import file_sha256
 from common.stack import Cell
 from matrix.spec.validate import check_axis_value, check_threads, field_error
 from store.gguf_meta import GgufInfo, read_info
@@ -122,7 +122,7 @@ def _what(spec, c: dict) -> tuple[str | None, str | None, dict, str, str]:
         path, declared = _source(spec, c["model"])
         return path, None, {"source": spec.models[c["model"]].identity}, declared, "default"
     if kind == "gguf":
-        sha = sha256_file(Path(c["gguf"]))
+        sha = file_sha256(Path(c["gguf"]))
         return c["gguf"], sha, {"sha256": sha}, read_info(c["gguf"]).declared, "default"
     attention = c.get("attention", "eager" if c["engine"] == "hf" else "default")  # an HF checkpoint
     if kind == "path":

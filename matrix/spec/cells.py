@@ -88,12 +88,12 @@ def _combos(spec: Spec) -> list[dict]:
 
 def corpus_fingerprint(spec: Spec) -> str:
     """Every file the corpus names, hashed in chunks (a `vocab:` GGUF can be a whole model)."""
-    from common.files import sha256_file
+    from common.files import file_sha256
     from matrix.spec.corpus import corpus_files
 
     h = hashlib.sha256()
     for f in corpus_files(spec.corpus):
-        h.update(f.name.encode() + b"\0" + bytes.fromhex(sha256_file(f)) + b"\0")
+        h.update(f.name.encode() + b"\0" + bytes.fromhex(file_sha256(f)) + b"\0")
     return h.hexdigest()
 
 

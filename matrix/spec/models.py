@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from common.errors import UserError
-from common.files import cache_root, check_gguf, sha256_file, weights_digest, weights_digest_cached
+from common.files import cache_root, check_gguf, file_sha256, weights_digest, weights_digest_cached
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def _source(entry: CatalogModel) -> str:
 
 def _from_gguf(gguf: Path, name: str, identity: str, source: str, root: Path,
                log: Callable[[str], None], quant: str | None = None, dequantise: bool = True) -> ResolvedModel:
-    source_sha = sha256_file(gguf)
+    source_sha = file_sha256(gguf)
     if not dequantise:  # a job of llama.cpp cells on GGUF files alone: the file is the reference checkpoint
         return ResolvedModel(name, identity, None, source, source_sha, None, str(gguf), quant)
     out = root / "gguf" / source_sha[:16]
