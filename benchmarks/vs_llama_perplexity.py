@@ -14,8 +14,8 @@ the flags that binding was built with (benchmarks/llama_tools.py), once, into th
 
 Beside the two wall times: the forwards alone (each GGUF's prefill of every chunk through
 logit-matrix's llama.cpp backend, in this process: the floor under any tool that runs them), and
-what each stored row costs on top of its forward at that vocabulary (ms per row): rounding to bf16,
-measuring its KL floor, encoding (row hash + Parquet), and the comparison with the reference.
+what each stored row costs on top of its forward at that vocabulary (ms per row): rounding to bf16
+with its KL floor, encoding (row hash + Parquet), and the comparison with the reference.
 """
 
 from __future__ import annotations
@@ -177,21 +177,18 @@ def forwards_alone(model, artifacts: dict[str, dict], ids: list[list[int]], thre
 
 def per_row_costs(ref: "np.ndarray", stk: "np.ndarray", next_ids: list[int]) -> dict[str, float]:
     """ms per row of what a capture adds to each forward's rows at this vocabulary, on real rows,
-    best of 3: rounding to bf16 (row max subtracted), the row's KL floor, encoding (row hash and
-    Parquet page), and the comparison with the reference's row (every metric, float64)."""
+    best of 3: rounding to bf16 with the row's KL floor (Storage.keep: one fused pass), encoding
+    (row hash and Parquet page), and the comparison with the reference's row (every metric, float64)."""
     import numpy as np
 
     from analysis.metrics import row_metrics
-    from store.floors import bf16_floor
-    from store.values import shift_by_max, to_bf16, widen
+    from store.floors import Storage
     from store.warehouse import encode_rows, rows_table
 
     n = stk.shape[0]
-    z, shift = shift_by_max(stk)
-    stored = to_bf16(z)
+    stored, shift = Storage("bf16").keep(stk)
     nxt = np.asarray(next_ids, np.int64)
-    steps = {"rounding": lambda: to_bf16(shift_by_max(stk)[0]),
-             "floor": lambda: bf16_floor(z, widen(stored)),
+    steps = {"rounding and floor": lambda: Storage("bf16").keep(stk),
              "encoding": lambda: encode_rows(rows_table("r", "c", 0, "p", list(range(n)), next_ids, stored, shift)),
              "comparison": lambda: row_metrics(ref, stk, nxt)}
     steps["comparison"]()  # the kernel compiles once per process, as in a cell
@@ -248,7 +245,7 @@ def report(r: dict, threads: int, executor: str) -> None:
     for x in rows:
         print("  " + "  ".join(f"{c:{w[i]}}" for i, c in enumerate(x)).rstrip())
     c = r["costs"]
-    print(f"  per stored row, beyond its forward (ms): rounding {c['rounding']:.3f}, floor {c['floor']:.3f}, "
+    print(f"  per stored row, beyond its forward (ms): rounding and floor {c['rounding and floor']:.3f}, "
           f"encoding {c['encoding']:.3f}, comparison {c['comparison']:.3f}; total {sum(c.values()):.3f} "
           f"(x {lm['rows']:,} rows = {sum(c.values()) * lm['rows'] / 1000:.1f} s)")
 
