@@ -48,12 +48,14 @@ demo: $(STAMP) llama-cpp
 	$(VENV)/bin/matrix run configs/smoke.yaml --warehouse warehouse
 	$(VENV)/bin/matrix sql "select c.engine, c.dtype, c.attention, c.status, c.max_tokens, c.repeats, c.rows_per_repeat, c.bit_reproducible, c.tokenizer_parity, count(l.position) as rows from cells c left join logits l using (cell_id) group by all order by c.engine, c.dtype, c.attention" --warehouse warehouse
 	$(VENV)/bin/matrix analyze --warehouse warehouse
+	@# each stack's readable name: card, admit, fixture and layers take it in place of a cell id
+	$(VENV)/bin/matrix stacks --warehouse warehouse
 	$(VENV)/bin/matrix report --warehouse warehouse
 	@# where divergence starts: Q4_K_M's first 4 layers against the reference's (exit 1 is a verdict, not an error)
-	$(VENV)/bin/matrix layers "$$($(VENV)/bin/matrix sql "select cell_id from cells where layers is not null and dtype = 'q4_k_m' order by finished_at desc limit 1" --warehouse warehouse --format csv | tail -1)" --warehouse warehouse || [ $$? -eq 1 ]
+	$(VENV)/bin/matrix layers llamacpp/q4_k_m --warehouse warehouse || [ $$? -eq 1 ]
 	$(VENV)/bin/matrix sql "select cell_id, rows_of, path, rows, kld_mean, kld_vs_prefill_mean, max_abs_diff_vs_prefill, identical_share from summary_by_path order by cell_id, rows_of, path" --warehouse warehouse
 	@# the shipped Q4_1 file, measured as a published candidate: its card names the file and its hash
-	$(VENV)/bin/matrix card "$$($(VENV)/bin/matrix sql "select cell_id from cells where artifact_sha256 is not null and status = 'done' order by finished_at desc limit 1" --warehouse warehouse --format csv | tail -1)" --warehouse warehouse
+	$(VENV)/bin/matrix card llamacpp/q4_1 --warehouse warehouse
 
 # The suite includes real vLLM-on-CPU runs, so it builds the vLLM environment too (~3 min once).
 # Two workers, a test file each at a time (its module fixtures stay in one process): about half

@@ -235,6 +235,37 @@ VIEWS = {
 }
 
 
+# What each view answers, one line each (docs/warehouse.md is generated from these and the views' columns).
+VIEW_ABOUT = {
+    "summary": "one row per measured cell against its reference: KL (mean, s.e., median, p90-p99.9, max), reverse "
+               "KL, JS, top-1 agreement, NMSE, max |Δlogit|, Spearman, perplexity of both and their ratio, the "
+               "storage floor, flagged rows, and the reference's repeat-to-repeat KL (its resolution)",
+    "summary_by_range": "the summary's KL figures per position range (`--ranges`), and per range and prompt category",
+    "disagreement_clusters": "runs of consecutive sampled positions where a cell's top-1 token differs from its reference's",
+    "centroid_summary": "each cell against the centroid of its group: KL both ways, JS, and its rank by closeness",
+    "layer_summary": "per (cell, layer) of a `layers:` cell: cosine and norm ratio against the reference's hidden "
+                     "states, with the rows where each is worst",
+    "ppl_by_prompt": "perplexity of each cell and of its reference over each prompt's scored rows",
+    "summary_by_path": "rows off the plain prefill (decoded from a KV cache, recomputed from a warm cache) against "
+                       "the reference's prefill rows and against the same cell's own prefill rows",
+    "stack_identity": "every pair of captured cells of one stack (replicas, builds): how many rows are byte-identical",
+}
+
+
+def view_columns() -> dict[str, list[tuple[str, str]]]:
+    """{view: [(column, DuckDB type)]} of every derived view, from an empty warehouse of this schema."""
+    con = duckdb.connect(":memory:")
+    try:
+        for table, schema in TABLES.items():
+            con.register(f"_empty_{table}", pa.table({f.name: pa.array([], f.type) for f in schema}))
+            con.execute(f"CREATE VIEW {table} AS SELECT * FROM _empty_{table}")
+        for name, body in VIEWS.items():
+            con.execute(f"CREATE VIEW {name} AS {body}")
+        return {name: [(c[0], c[1]) for c in con.execute(f"DESCRIBE {name}").fetchall()] for name in VIEWS}
+    finally:
+        con.close()
+
+
 def _pair_udf(fn):
     def udf(a, b):
         ra, rb = logits_matrix(a), logits_matrix(b)

@@ -112,6 +112,25 @@ def test_statistics_match_a_float64_computation_from_the_stored_rows(job, ggufs)
     assert 0 < kls[Path(ggufs["q8_0"]).name] < kls[Path(ggufs["q4_k_m"]).name]
 
 
+def test_card_and_admit_take_a_stack_by_its_readable_name(job):
+    wh, out, _ = job
+    r = run_cli("stacks", "--warehouse", str(wh), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    stacks = {s["name"]: s for s in json.loads(r.stdout)["stacks"]}
+    cells = {res["candidate"].rsplit("-", 1)[-1].split(".")[0]: res["cell_id"] for res in out["results"]}
+    assert set(stacks) == {"llamacpp/f16", "llamacpp/q8_0", "llamacpp/q4_k_m"} and stacks["llamacpp/f16"]["is_reference"]
+    assert stacks["llamacpp/q4_k_m"]["cell_id"] == cells["q4_k_m"]
+    r = run_cli("card", "llamacpp/q4_k_m", "--warehouse", str(wh), "--allow-undisclosed", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["cell_id"] == cells["q4_k_m"], r.stderr[-2000:]
+    r = run_cli("admit", "q8_0", "--warehouse", str(wh), "--json")  # a part of a name is enough where one stack has it
+    assert r.returncode in (0, 1) and json.loads(r.stdout)["cell_id"] == cells["q8_0"], r.stderr[-2000:]
+    r = run_cli("card", "llamacpp", "--warehouse", str(wh))
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and str(wh) in err[0] and "matches 3 stacks" in err[0], r.stderr
+    r = run_cli("admit", "llamacpp/q2_k", "--warehouse", str(wh))
+    assert r.returncode == 2 and "'llamacpp/q2_k' is no cell id or stack name" in r.stderr, r.stderr
+
+
 def test_the_spec_is_beside_the_warehouse_and_a_new_candidate_alone_is_captured(job, ggufs, text, tmp_path):
     """The second call also runs where transformers cannot be imported: a job of GGUF files alone
     needs neither it nor a dequantised copy of the reference, in the driver or in a worker."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import extras
 from common.errors import UserError
 from common.output import emit_json, fmt_number, human, table
-from matrix.cli.quant import GATES
+from matrix.cli.quant import CELL_HELP, GATES, cell_arg
 
 
 def cmd_layers(args) -> int:
@@ -19,8 +19,7 @@ def cmd_layers(args) -> int:
 
     wh = Warehouse(args.warehouse).require()
     cells = {c["cell_id"]: c for c in wh.read_all("cells")}
-    if args.cell not in cells:
-        raise UserError(f"layers: no cell {args.cell} in {wh.where}")
+    args.cell = cell_arg(args, "layers")
     gates = load_gates(args.gates)
     cls = pick_class(gates, cells[args.cell]["dtype"], args.quant_class)
     if cls not in gates["layers"]:
@@ -50,7 +49,7 @@ def cmd_layers(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("layers", help="per-layer agreement of a layers: cell with its reference, and the "
                                       "first failing layer (exit 0 pass, 1 fail, 2 error)")
-    p.add_argument("cell")
+    p.add_argument("cell", help=CELL_HELP)
     p.add_argument("--warehouse", default="warehouse")
     p.add_argument("--gates", default=str(GATES))
     p.add_argument("--class", dest="quant_class", default=None, help="quant class (default: from the cell's dtype)")

@@ -7,12 +7,23 @@ from common.output import emit_json, fmt_number, log, table
 from matrix.spec.corpus import CONFIGS
 
 GATES = CONFIGS / "gates.yaml"
+CELL_HELP = "a cell id, or a stack's name or part of it (llamacpp/q4_k_m; `matrix stacks` lists them)"
+
+
+def cell_arg(args, what: str) -> str:
+    """args.cell as a cell id: given as one, or a stack's readable name (analysis/stack_names.py)."""
+    from analysis.stack_names import resolve
+    from store import Warehouse
+
+    cells = Warehouse(args.warehouse).require().read_all("cells")
+    return resolve(cells, args.cell, f"{what}: warehouse {args.warehouse}")
 
 
 def cmd_card(args) -> int:
     import extras
     from analysis.card import build_card, markdown
 
+    args.cell = cell_arg(args, "card")
     card = build_card(args.warehouse, args.cell, allow_undisclosed=args.allow_undisclosed, extras=extras.registered())
     if args.json or args.format == "json":
         emit_json(card)
@@ -35,6 +46,7 @@ def cmd_admit(args) -> int:
     from analysis.sql import connect
 
     gates = load_gates(args.gates)
+    args.cell = cell_arg(args, "admit")
     con = connect(args.warehouse)
     try:
         cell = con.execute("SELECT dtype, status, tokenizer_parity FROM cells WHERE cell_id = ?", [args.cell]).fetchone()
@@ -84,7 +96,7 @@ def cmd_fixture(args) -> int:
     if args.action == "export":
         from analysis.fixture_export import export_fixture
 
-        out = export_fixture(args.warehouse, args.cell, args.out, k=args.k, log=log)
+        out = export_fixture(args.warehouse, cell_arg(args, "fixture export"), args.out, k=args.k, log=log)
         if args.json:
             emit_json(out)
         return 0
@@ -130,7 +142,7 @@ def cmd_kld_base(args) -> int:
     from store import llamacpp_import as interop
 
     if args.action == "export":
-        out = interop.export_kld_base(args.warehouse, args.cell, args.n_ctx, args.out, log=log)
+        out = interop.export_kld_base(args.warehouse, cell_arg(args, "kld-base export"), args.n_ctx, args.out, log=log)
     else:
         out = interop.import_kld_base(args.warehouse, args.file, args.model, log=log)
     if args.json:
@@ -140,7 +152,7 @@ def cmd_kld_base(args) -> int:
 
 def add_parsers(sub) -> None:
     c = sub.add_parser("card", help="a model-card KLD block with every disclosure field")
-    c.add_argument("cell")
+    c.add_argument("cell", help=CELL_HELP)
     c.add_argument("--warehouse", default="warehouse")
     c.add_argument("--format", choices=["md", "json"], default="md")
     c.add_argument("--json", action="store_true", help="the card as JSON (same as --format json)")
@@ -149,7 +161,7 @@ def add_parsers(sub) -> None:
     c.set_defaults(func=cmd_card)
 
     a = sub.add_parser("admit", help="gate a cell against its reference (exit 0 pass, 1 fail, 2 error)")
-    a.add_argument("cell")
+    a.add_argument("cell", help=CELL_HELP)
     a.add_argument("--gates", default=str(GATES))
     a.add_argument("--class", dest="quant_class", default=None, help="quant class (default: from the cell's dtype)")
     a.add_argument("--warehouse", default="warehouse")
@@ -161,7 +173,7 @@ def add_parsers(sub) -> None:
     fx = sub.add_parser("fixture", help="reference-output fixtures: export from a cell, check a stack against one")
     fsub = fx.add_subparsers(dest="action", required=True)
     fe = fsub.add_parser("export", help="write a standalone fixture (.json readable, .parquet dense)")
-    fe.add_argument("cell")
+    fe.add_argument("cell", help=CELL_HELP)
     fe.add_argument("--out", required=True, help="FILE.json or FILE.parquet")
     fe.add_argument("--k", type=int, default=64, help="top-k ids and logits kept per row (default 64)")
     fe.add_argument("--warehouse", default="warehouse")
@@ -187,7 +199,7 @@ def add_parsers(sub) -> None:
     kb = sub.add_parser("kld-base", help="llama.cpp --kl-divergence-base files: export a cell, import a file")
     ksub = kb.add_subparsers(dest="action", required=True)
     ke = ksub.add_parser("export")
-    ke.add_argument("cell")
+    ke.add_argument("cell", help=CELL_HELP)
     ke.add_argument("--n-ctx", type=int, required=True, help="llama-perplexity's -c: chunk length in tokens")
     ke.add_argument("--out", required=True)
     ke.add_argument("--warehouse", default="warehouse")

@@ -160,6 +160,20 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_stacks(args) -> int:
+    """Each stack's readable name (what card, admit, fixture and layers accept) and its latest cell."""
+    from analysis.stack_names import listing
+    from store import Warehouse
+
+    rows = listing(Warehouse(args.warehouse).require().read_all("cells"))
+    if args.json:
+        emit_json({"stacks": rows})
+        return 0
+    print(table(["name", "status", "cells", "reference", "latest cell"],
+                [[r["name"], r["status"], r["cells"], "yes" if r["is_reference"] else "", r["cell_id"]] for r in rows]))
+    return 0
+
+
 def add_parsers(sub) -> None:
     q = sub.add_parser("sql", help="run a read-only DuckDB query over the warehouse views")
     q.add_argument("query", nargs="?")
@@ -212,3 +226,8 @@ def add_parsers(sub) -> None:
     s.add_argument("--warehouse", default="warehouse")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
+
+    st = sub.add_parser("stacks", help="each stack's readable name (card, admit, fixture and layers take it) and its latest cell")
+    st.add_argument("--warehouse", default="warehouse")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_stacks)
