@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import duckdb
 import pyarrow as pa
 
@@ -67,11 +69,12 @@ def export_views(warehouse: str, out: str) -> dict:
         if not ok:
             src = empty
         else:
+            # a local warehouse by its absolute path: the script works from any directory
             if damaged.get(table):
-                paths = "[" + ", ".join(_lit(f) for f in ok) + "]"
+                paths = "[" + ", ".join(_lit(f if wh.remote else os.path.abspath(f)) for f in ok) + "]"
             else:
                 glob = f"{table}/*/*.parquet" if table in ("logits", "layer_states") else f"{table}/*.parquet"
-                paths = _lit(f"{wh.where.rstrip('/')}/{glob}" if wh.remote else wh.loc.path(glob))
+                paths = _lit(f"{wh.where.rstrip('/')}/{glob}" if wh.remote else os.path.abspath(wh.loc.path(glob)))
             src = f"SELECT * FROM ({empty}) UNION ALL BY NAME SELECT * FROM read_parquet({paths}, union_by_name = true)"
         lines.append(f"CREATE OR REPLACE VIEW {table} AS SELECT {', '.join(c[0] for c in cols)} FROM ({src});")
     for name, body in VIEWS.items():
