@@ -41,5 +41,7 @@ case "$device" in
     fi ;;
 esac
 ray stop || true
+# RAY_START_ARGS: more `ray start` flags, e.g. fixed ports for a firewall
+# ("--node-manager-port 6380 --object-manager-port 6381 --min-worker-port 10002 --max-worker-port 10200")
 # shellcheck disable=SC2086
-RAY_AUTH_MODE=token ray start --address="$head" --labels="$labels" $res
+RAY_AUTH_MODE=token ray start --address="$head" --labels="$labels" $res ${RAY_START_ARGS:-}

@@ -108,7 +108,7 @@ def test_gemma_llamacpp_f16_agrees_with_hf_fp32(two_models):
                                               from metrics m join cells c using (cell_id)
                                               where c.model = 'gemma' and c.engine = 'llamacpp' and m.repeat = 0
                                               group by all""")}
-    # measured here (AMD EPYC, 2 cores): see the README's model table
+    # measured here (AMD EPYC, 2 cores): see docs/models.md's model table
     assert got["f16"]["top1"] >= 0.99 and got["f16"]["kld"] < 1e-4 and got["f16"]["rows"] >= 12, got
 
 
@@ -196,7 +196,7 @@ def test_without_bos_gemmas_stacks_agree_with_each_other_and_all_drift(two_model
     from analysis import metrics as M
 
     m = M.row_metrics(with_v[[a for a, _ in pairs]], without_v[[b for _, b in pairs]])
-    # measured here: mean KL 2.9 on the full model, top-1 45% (the 6-layer cut: see the README)
+    # measured here: mean KL 2.9 on the full model, top-1 45% (the 6-layer cut: see docs/models.md)
     assert len(pairs) >= 5 and m["kld"].mean() > 1000 * f16 and m["kld"].mean() > 0.05, (m["kld"].mean(), f16)
 
 
