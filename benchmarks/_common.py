@@ -21,6 +21,41 @@ def cpu() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
+def gpu() -> str | None:
+    """The GPUs of this machine by name (NVML), or None."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())]
+        return ", ".join(n.decode() if isinstance(n, bytes) else n for n in names) or None
+    except Exception:  # noqa: BLE001 - no NVIDIA driver or library: a CPU-only figure
+        return None
+
+
+def save_result(name: str, rows: list[dict], target: str, met: bool) -> Path:
+    """One run's figures as benchmarks/results/<name>/<date>-<commit>.json, the row docs/benchmarks.md's
+    scoreboard shows (`matrix docs` regenerates it): when, which commit, on what, by which command."""
+    import datetime
+    import json
+    import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=repo, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short=10", "HEAD") or "unknown"
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    out = repo / "benchmarks" / "results" / name / f"{now:%Y%m%dT%H%M%SZ}-{commit}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": name, "date": f"{now:%Y-%m-%d}", "commit": commit + ("+" if dirty else ""),
+                               "cpu": cpu(), "gpu": gpu(), "command": " ".join(["python", *sys.argv]),
+                               "target": target, "met": met, "rows": rows}, indent=1) + "\n")
+    return out
+
+
 def model_and_prompts(model: str = "smollm2-135m"):
     import transformers
 

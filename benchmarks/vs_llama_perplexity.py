@@ -261,7 +261,7 @@ def main() -> int:
     ap.add_argument("--llama-perplexity", help="a built binary (default: build it from the sdist once)")
     ap.add_argument("--keep", help="keep the work directory here")
     args = ap.parse_args()
-    from benchmarks._common import cpu
+    from benchmarks._common import cpu, save_result
 
     chunks = dict(DEFAULT_CHUNKS)
     for part in filter(None, args.chunks.split(",")):
@@ -285,6 +285,13 @@ def main() -> int:
         f"{r['model']} {r['lm']['wall'] / r['lp']['wall']:.2f}x (forwards alone {sum(r['alone'].values()) / r['lp']['wall']:.2f}x)"
         for r in results))
     print("targets: KL within 1 s.e.; wall <= 1.15x llama-perplexity's")
+    rows = [{"model": r["model"], "vocab": r["vocab"], "rows": r["lm"]["rows"], "wall_ratio": r["lm"]["wall"] / r["lp"]["wall"],
+             "forwards_alone_ratio": sum(r["alone"].values()) / r["lp"]["wall"],
+             "wall_s": [r["lp"]["wall"], r["lm"]["wall"]], "kld": [[r["lp"]["kl"], r["lp"]["se"]], [r["lm"]["kl"], r["lm"]["se"]]],
+             "kld_se_apart": abs(r["lp"]["kl"] - r["lm"]["kl"]) / max(r["lp"]["se"], r["lm"]["se"]),
+             "ppl_ratio": [r["lp"]["ppl_ratio"][0], r["lm"]["ppl_ratio"][0]], "per_row_ms": r["costs"]} for r in results]
+    met = all(x["wall_ratio"] <= 1.15 and x["kld_se_apart"] <= 1 for x in rows)
+    print(f"recorded: {save_result('vs_llama_perplexity', rows, 'KL within 1 s.e.; wall <= 1.15x llama-perplexity', met)}")
     if not args.keep:
         shutil.rmtree(d, ignore_errors=True)
     return 0

@@ -60,3 +60,23 @@ def _args(out, check: bool, build=None):
     import argparse
 
     return argparse.Namespace(out=str(out), check=check, json=False, build_parser=build or build_parser)
+
+
+def test_the_scoreboard_shows_each_recorded_run_newest_first(tmp_path):
+    import json
+
+    from matrix.cli.docs import benchmarks_page
+
+    runs = tmp_path / "vs_llama_perplexity"
+    runs.mkdir()
+    for date, commit, ratio in (("2026-11-30", "aaaa", 2.34), ("2026-12-03", "bbbb+", 1.54)):
+        (runs / f"{date}-{commit}.json").write_text(json.dumps({
+            "benchmark": "vs_llama_perplexity", "date": date, "commit": commit, "cpu": "Xeon (AMX), 2 cores", "gpu": None,
+            "command": "python benchmarks/vs_llama_perplexity.py", "target": "wall <= 1.15x", "met": False,
+            "rows": [{"model": "smollm2-135m", "wall_ratio": ratio, "forwards_alone_ratio": 0.95, "kld_se_apart": 0.16}]}))
+    page = benchmarks_page(tmp_path)
+    rows = [line for line in page.splitlines() if line.startswith("| 2026")]
+    assert rows == ["| 2026-12-03 | bbbb+ | Xeon (AMX), 2 cores | none | smollm2-135m | 1.54 | 0.95 | 0.16 | no | "
+                    "`python benchmarks/vs_llama_perplexity.py` |",
+                    "| 2026-11-30 | aaaa | Xeon (AMX), 2 cores | none | smollm2-135m | 2.34 | 0.95 | 0.16 | no | "
+                    "`python benchmarks/vs_llama_perplexity.py` |"]

@@ -3,6 +3,7 @@
     docs/cli.md        every command and option, from the argument parsers
     docs/warehouse.md  every table's columns (store/schema.py, with its comments) and every
                        view's columns (analysis/sql.py, as DuckDB derives them)
+    docs/benchmarks.md the scoreboard: every run the benchmark scripts recorded (benchmarks/results/)
 
 `matrix docs --check` exits 1 naming each page that differs from what the code generates
 (tests/test_docs.py runs it); `matrix docs` writes them.
@@ -129,9 +130,50 @@ def warehouse_page() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+# What the scoreboard shows of a benchmark's rows (others: every number of the row)
+SCOREBOARD = {"vs_llama_perplexity": [("model", "model"), ("wall vs llama-perplexity", "wall_ratio"),
+                                      ("forwards alone", "forwards_alone_ratio"), ("KL s.e. apart", "kld_se_apart")]}
+
+
+def _figure(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, list):
+        return " / ".join(_figure(x) for x in v)
+    return _cell(v)
+
+
+def benchmarks_page(results: Path) -> str:
+    """The scoreboard: one table per benchmark, a row per recorded run and row, newest first."""
+    import json
+
+    out = [HEADER.format(src="benchmarks/results/*/*.json (what each benchmark script records)"), "# Benchmarks\n",
+           "Each recorded run of a benchmark script: when, at which commit (`+`: with uncommitted changes), on what "
+           "CPU and GPU, by which command, and whether it met its target. The figures are ratios against a peer "
+           "measured in the same run. How each is measured, and the figures from before runs were recorded: "
+           "[benchmark-notes.md](benchmark-notes.md).\n"]
+    for bench in sorted(p.name for p in results.iterdir() if p.is_dir()) if results.is_dir() else []:
+        runs = sorted((json.loads(f.read_text()) for f in (results / bench).glob("*.json")),
+                      key=lambda r: (r["date"], r["commit"]), reverse=True)
+        if not runs:
+            continue
+        cols = SCOREBOARD.get(bench) or [(k, k) for k in runs[0]["rows"][0]] if runs[0]["rows"] else []
+        out.append(f"## `{bench}`\n\ntarget: {_cell(runs[0]['target'])}\n")
+        out.append("| date | commit | CPU | GPU | " + " | ".join(c for c, _ in cols) + " | met | command |")
+        out.append("|" + " --- |" * (len(cols) + 6))
+        for r in runs:
+            for row in r["rows"]:
+                out.append(f"| {r['date']} | {r['commit']} | {_cell(r['cpu'])} | {_cell(r['gpu'] or 'none')} | "
+                           + " | ".join(_figure(row.get(k)) for _, k in cols)
+                           + f" | {'yes' if r['met'] else 'no'} | `{_cell(r['command'])}` |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
 def cmd_docs(args) -> int:
     where = Path(args.out)
-    pages = {"cli.md": lambda: cli_page(args.build_parser), "warehouse.md": warehouse_page}
+    pages = {"cli.md": lambda: cli_page(args.build_parser), "warehouse.md": warehouse_page,
+             "benchmarks.md": lambda: benchmarks_page(REPO / "benchmarks" / "results")}
     made = {name: make() for name, make in pages.items()}
     stale = [name for name, text in made.items() if not (where / name).is_file() or (where / name).read_text() != text]
     if args.check:
@@ -151,7 +193,7 @@ def cmd_docs(args) -> int:
 
 def add_parser(sub, build_parser) -> None:
     """build_parser: the whole command line's (matrix/cli/main.py), whose parsers docs/cli.md shows."""
-    d = sub.add_parser("docs", help="write the reference pages generated from the code (docs/cli.md, docs/warehouse.md)")
+    d = sub.add_parser("docs", help="write the pages generated from the code (docs/cli.md, docs/warehouse.md, docs/benchmarks.md)")
     d.add_argument("--out", default=str(DOCS), help="where the pages go (default: this checkout's docs/)")
     d.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page differs from the code's")
     d.add_argument("--json", action="store_true")
