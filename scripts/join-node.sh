@@ -27,7 +27,10 @@ if [ -z "${RAY_AUTH_TOKEN:-}" ] && ! { [ -r "$token_file" ] && [ -s "$token_file
   echo "join-node.sh: no cluster token: set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, or copy it to ~/.ray/auth_token" >&2
   exit 2
 fi
-python3 -m pip install -q "ray[default]>=2.52"   # 2.52: token auth (older Ray ignores RAY_AUTH_MODE)
+# Ray as the head runs it (every node of a cluster needs the same Ray): the lock's version; 2.52 at least (token auth)
+ray_pin=$(grep -i '^ray==' "$here/constraints/cpu.txt" 2>/dev/null | cut -d= -f3 || true)
+if [ -n "$ray_pin" ]; then ray_spec="ray[default]==$ray_pin"; else ray_spec="ray[default]>=2.52"; fi
+python3 -m pip install -q "$ray_spec"
 python3 -m pip install -q -e "$here[$extras,s3]"
 case "$device" in
   # (ROCm: PyPI's vllm is the CUDA build; use AMD's ROCm vLLM and point LOGIT_MATRIX_VLLM_PYTHON at it)

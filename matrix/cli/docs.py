@@ -150,7 +150,7 @@ def benchmarks_page(results: Path) -> str:
     out = [HEADER.format(src="benchmarks/results/*/*.json (what each benchmark script records)"), "# Benchmarks\n",
            "Each recorded run of a benchmark script: when, at which commit (`+`: with uncommitted changes), on what "
            "CPU and GPU, by which command, and whether it met its target. The figures are ratios against a peer "
-           "measured in the same run. How each is measured, and the figures from before runs were recorded: "
+           "measured in the same run. How each is measured, and figures measured by hand: "
            "[benchmark-notes.md](benchmark-notes.md).\n"]
     for bench in sorted(p.name for p in results.iterdir() if p.is_dir()) if results.is_dir() else []:
         runs = sorted((json.loads(f.read_text()) for f in (results / bench).glob("*.json")),
