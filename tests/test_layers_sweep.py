@@ -118,7 +118,7 @@ def test_matrix_layers_verdict_and_exit_codes(layered, tmp_path):
     rc, _, err = _layers(wh, cells[("hf", "fp32")]["cell_id"])
     assert rc == 2 and "no layer metrics" in err
     rc, _, err = _layers(wh, "no-such-cell")
-    assert rc == 2 and "no cell no-such-cell" in err
+    assert rc == 2 and "'no-such-cell' is no cell id or stack name" in err
 
 
 def test_a_second_analyze_reuses_the_layer_metrics(layered):

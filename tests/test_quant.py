@@ -67,7 +67,7 @@ def test_card_refuses_an_unknown_field_unless_allowed(analyzed, tmp_path):
     assert card["disclosure"]["candidate_runtime"]["threads"] == "undisclosed"
     assert card["undisclosed"] == ["candidate_runtime.threads"]
     r = run_cli("card", "no-such-cell", "--warehouse", str(wh))
-    assert r.returncode == 2 and "no cell no-such-cell" in r.stderr
+    assert r.returncode == 2 and "'no-such-cell' is no cell id or stack name" in r.stderr
 
 
 def test_admit_passes_the_reference_and_fails_tight_gates(analyzed, tmp_path):
