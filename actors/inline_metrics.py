@@ -50,7 +50,7 @@ class Warmup:
 
 def _rows_at(rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """rows[idx]; a run of consecutive indices (every row of a prompt, the usual case) as a view, not a copy."""
-    if len(idx) and int(idx[-1]) - int(idx[0]) + 1 == len(idx) and (np.diff(idx) == 1).all():
+    if len(idx) and (np.diff(idx) == 1).all():
         return rows[int(idx[0]):int(idx[-1]) + 1]
     return rows[idx]
 

@@ -116,7 +116,7 @@ def cmd_kld(args) -> int:
         stacks = []  # the spec itself was refused, as bad says: raised below
     done, anything = _done_cells(args.warehouse, stacks)
     failed = {kld.file_of(a) for a in asked} - {kld.file_of(a) for a, _ in done}
-    kld.forget(spec_path, failed, drop_job=new and not anything)
+    kld.forget(args.warehouse, failed, drop_job=new and not anything)
     if bad is not None and not done:
         raise bad
     if done:

@@ -19,7 +19,7 @@ def cmd_layers(args) -> int:
 
     wh = Warehouse(args.warehouse).require()
     cells = {c["cell_id"]: c for c in wh.read_all("cells")}
-    args.cell = cell_arg(args, "layers")
+    args.cell = cell_arg(args, "layers", list(cells.values()))
     gates = load_gates(args.gates)
     cls = pick_class(gates, cells[args.cell]["dtype"], args.quant_class)
     if cls not in gates["layers"]:

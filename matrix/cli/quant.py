@@ -10,12 +10,14 @@ GATES = CONFIGS / "gates.yaml"
 CELL_HELP = "a cell id, or a stack's name or part of it (llamacpp/q4_k_m; `matrix stacks` lists them)"
 
 
-def cell_arg(args, what: str) -> str:
-    """args.cell as a cell id: given as one, or a stack's readable name (analysis/stack_names.py)."""
+def cell_arg(args, what: str, cells: list[dict] | None = None) -> str:
+    """args.cell as a cell id: given as one, or a stack's readable name (analysis/stack_names.py);
+    cells: the warehouse's cells rows where the caller has read them already."""
     from analysis.stack_names import resolve
     from store import Warehouse
 
-    cells = Warehouse(args.warehouse).require().read_all("cells")
+    if cells is None:
+        cells = Warehouse(args.warehouse).require().read_all("cells")
     return resolve(cells, args.cell, f"{what}: warehouse {args.warehouse}")
 
 

@@ -135,7 +135,7 @@ class Outcomes:
     def loaded(self, live: Live, cid: str, result: dict) -> None:
         live.loaded = result
         away = f"; weights {result['model_via']}, rows via the {result['rows_via']}" \
-            if (result["model_via"] in ("local", "gguf"), result["rows_via"]) != (True, "node") else ""
+            if result["model_via"] not in ("local", "gguf") or result["rows_via"] != "node" else ""
         self.log(f"loaded {cid} on {result['host']} (pid {result['pid']}) in {result['load_seconds']:.1f}s{away}")
 
     def parity(self, live: Live, cid: str, result: dict) -> None:

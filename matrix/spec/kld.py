@@ -173,13 +173,14 @@ def write_job(ref: Source, candidates: list[Source], text: Path, n_ctx: int, thr
     return spec_path, asked, new
 
 
-def forget(spec_path: Path, files: set[str], drop_job: bool) -> None:
-    """Take candidates whose cells did not complete out of the job, so a refused file does not
-    come back with every later call; drop_job: remove the job's files altogether (its reference
-    never ran, so nothing of it is in the warehouse)."""
+def forget(warehouse: str, files: set[str], drop_job: bool) -> None:
+    """Take candidates whose cells did not complete out of the warehouse's job, so a refused file
+    does not come back with every later call; drop_job: remove the job's files altogether (its
+    reference never ran, so nothing of it is in the warehouse)."""
+    spec_path, corpus_path = job_files(warehouse)
     if drop_job:
         spec_path.unlink(missing_ok=True)
-        spec_path.with_name(spec_path.name.removesuffix(".kld.yaml") + ".kld-corpus.yaml").unlink(missing_ok=True)
+        corpus_path.unlink(missing_ok=True)
         return
     if files:
         spec = yaml.safe_load(spec_path.read_text())
