@@ -146,7 +146,7 @@ class Layers(Extra):
     def report(self, data: dict) -> str:
         from analysis.report_layers import layers_section
 
-        return layers_section(data.get("layers") or [])
+        return layers_section(data.get("layers") or [], data.get("names"))
 
     def brief(self, value) -> list[str]:
         return []

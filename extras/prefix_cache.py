@@ -126,13 +126,13 @@ class PrefixCache(Extra):
         if not cached:
             return ""
         body = "".join(
-            f"<tr><td>{html.escape(r['cell_id'])}</td><td>{r['rows']}</td><td>{r['cached_tokens_mean']:.1f}</td>"
+            f"<tr><td>{html.escape((data.get('names') or {}).get(r['cell_id'], r['cell_id']))}</td><td>{r['rows']}</td><td>{r['cached_tokens_mean']:.1f}</td>"
             f"<td>{r['kld_vs_prefill_mean']:.3g}</td><td>{r['max_abs_diff_vs_prefill']:.3g}</td>"
             f"<td>{r['identical_share']:.0%}</td></tr>" for r in cached)
         return ("<h2>Prefix cache against a fresh prefill</h2><p>Each prompt evaluated a second time with the "
                 "engine's prefix cache warm from the first; the rows it recomputed against the fresh prefill's "
                 "(a cached prefix may not equal a fresh prefill).</p>"
-                "<table id=\"prefix-cache\"><tr><th>cell</th><th>rows</th><th>tokens from the cache (mean)</th>"
+                "<table id=\"prefix-cache\"><tr><th>stack</th><th>rows</th><th>tokens from the cache (mean)</th>"
                 "<th>KL(prefill || cached) mean</th><th>max |cached - prefill|</th><th>bit-identical</th></tr>"
                 + body + "</table>")
 
