@@ -44,3 +44,20 @@ def test_local_cluster_runs_with_a_private_token(tmp_path):
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     token = token_file.read_text()
     assert len(token) == 64 and token not in r.stdout + r.stderr
+
+
+def test_matrix_run_starts_its_token_cluster(tiny_model, short_corpus, tmp_path):
+    """`matrix run` as a user types it (no RAY_AUTH_* in the environment, as in `make demo`): Ray's
+    auth settings are read once, at `import ray`, so nothing may import it before init_ray sets them."""
+    from tests.conftest import sql, write_spec
+
+    spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
+                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(LOGIT_MATRIX_CACHE=str(tmp_path / "cache"), HOME=str(tmp_path), PYTHONUNBUFFERED="1")
+    r = subprocess.run([sys.executable, "-m", "matrix", "run", str(spec), "--warehouse", str(tmp_path / "wh")],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = sql(tmp_path / "wh", "select status, executor, ray_address from runs")
+    assert [(x["status"], x["executor"]) for x in runs] == [("done", "ray")] and runs[0]["ray_address"], runs
+    assert (tmp_path / "cache" / "ray-auth-token").is_file()

@@ -130,10 +130,10 @@ def _connect(executor: str, args):
 
         cluster.sigterm_interrupts()
         return LocalExecutor(), None
+    config = args.cluster_config or placement.default_cluster_config(args.address)
+    ray = cluster.init_ray(args.address)  # first: Ray reads its auth settings when it is first imported
     from matrix.run.ray_executor import RayExecutor
 
-    config = args.cluster_config or placement.default_cluster_config(args.address)
-    ray = cluster.init_ray(args.address)
     return RayExecutor(config), ray
 
 
