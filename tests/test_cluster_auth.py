@@ -46,7 +46,7 @@ def test_local_cluster_runs_with_a_private_token(tmp_path):
     assert len(token) == 64 and token not in r.stdout + r.stderr
 
 
-def test_matrix_run_starts_its_token_cluster(tiny_model, short_corpus, tmp_path):
+def test_matrix_run_and_analyze_start_their_token_cluster(tiny_model, short_corpus, tmp_path):
     """`matrix run` as a user types it (no RAY_AUTH_* in the environment, as in `make demo`): Ray's
     auth settings are read once, at `import ray`, so nothing may import it before init_ray sets them."""
     from tests.conftest import sql, write_spec
@@ -61,3 +61,6 @@ def test_matrix_run_starts_its_token_cluster(tiny_model, short_corpus, tmp_path)
     runs = sql(tmp_path / "wh", "select status, executor, ray_address from runs")
     assert [(x["status"], x["executor"]) for x in runs] == [("done", "ray")] and runs[0]["ray_address"], runs
     assert (tmp_path / "cache" / "ray-auth-token").is_file()
+    a = subprocess.run([sys.executable, "-m", "matrix", "analyze", "--workers", "2", "--warehouse", str(tmp_path / "wh")],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=REPO)  # its Ray tasks: the same order
+    assert a.returncode == 0 and "2 at a time" in a.stderr, a.stderr[-3000:]

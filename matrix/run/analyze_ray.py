@@ -36,15 +36,14 @@ def ray_runner(address: str | None, workers: int, log: Callable[[str], None]) ->
     at most `workers` at once (0: as many as the cluster has CPUs)."""
 
     def run(where: str, units: list, skip_damaged: bool, done: Callable) -> None:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         from matrix.run.cluster import init_ray
         from store import Warehouse
 
         if not units:
             return
-        init_ray(address)
+        ray = init_ray(address)  # before any `import ray`: Ray reads its auth settings at import
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         opts = {"num_cpus": 1, "max_retries": 2}
         cpus = ray.cluster_resources().get("CPU", 0)
         if not Warehouse(where).remote:
