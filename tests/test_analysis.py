@@ -174,7 +174,7 @@ def test_analyze_and_report_end_to_end(swept, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "kld mean" in r.stdout and "reference" in r.stdout
     page = (tmp_path / "rep" / "report.html").read_text()
-    for ident in ("kld-position", "pairwise-js", "top1", "centroid"):
+    for ident in ("kld-summary-0", "kld-cdf-0", "kld-position-0", "pairwise-js-0", "top1-0", "centroid-0"):
         assert f'id="{ident}"' in page
     assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")  # self-contained
 

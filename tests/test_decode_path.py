@@ -6,6 +6,7 @@ compares them with the same cell's prefill rows and with the reference."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -171,8 +172,9 @@ def test_card_and_report_show_the_decode_path(decoded, tmp_path):
     assert not console, console
     start = dom.index('id="prefill-decode"')
     plot = dom[start:dom.index("</svg>", start)]
-    assert plot.count("<rect") >= 5  # the reference's decode bar, and both paths of the two llama.cpp stacks
-    assert 'id="decode"' in dom and q8 in dom
+    # two series (prefill, decode) over the stacks with a decode path, each named by its stack
+    assert {"prefill-decode-series-0", "prefill-decode-series-1"} <= set(re.findall(r'id="(prefill-decode-series-\d+)"', plot))
+    assert "llamacpp/q8_0" in plot and 'id="decode"' in dom and q8 in dom
     assert 'id="prefix-cache"' in dom
     card = json.loads(run_cli("card", q8, "--warehouse", str(wh), "--json", "--allow-undisclosed").stdout)
     assert card["prefix_cache"]["rows"] == 4 and card["prefix_cache"]["max_abs_diff_vs_prefill"] > 0

@@ -240,3 +240,17 @@ def test_a_corrupted_chunk_names_the_file_and_both_hashes_and_nothing_is_cached(
         assert "nothing was cached" in line and "Traceback" not in r.stderr  # progress lines, then the one error line
         assert all(x.startswith("downloading ") for x in r.stderr.strip().splitlines()[:-1])
         assert not [p for p in cache.rglob("*") if p.is_file()], list(cache.rglob("*"))  # no GGUF, no leftovers
+
+
+def test_the_two_models_report(two_models, tmp_path):
+    """configs/two-models.yaml's shape in the report: a section per model, each with its own charts
+    (nothing compares a Gemma stack with a SmolLM2 one), labels that never overlap."""
+    from tests.test_report_browser import CHROMIUM, MODEL_CHARTS, check_report
+
+    if CHROMIUM is None:
+        pytest.skip("Debian chromium is not installed (.ci/run installs it)")
+    got = check_report(two_models, tmp_path, [c.format(k=k) for k in (0, 1) for c in MODEL_CHARTS])
+    charts = {c["id"]: c for c in got["charts"]}
+    gemma, smollm2 = set(charts["pairwise-js-0"]["labels"]), set(charts["pairwise-js-1"]["labels"])
+    assert any("mlx" in t for t in gemma) and not any("mlx" in t for t in smollm2), (gemma, smollm2)
+    assert all("gemma" in t for t in gemma if "/" in t) and all("smollm2" in t for t in smollm2 if "/" in t)

@@ -5,6 +5,7 @@ layer_metrics, and `matrix layers` with its verdict and exit codes."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -163,7 +164,8 @@ def test_card_and_report_show_the_layers(layered, tmp_path):
     for ident in ("layers-cosine", "layers-norm-ratio"):
         start = dom.index(f'id="{ident}"')
         plot = dom[start:dom.index("</svg>", start)]
-        assert plot.count("<polyline") == 4 and plot.count("<circle") == 2 + 3 * 3  # bf16: layer 0 + norm; the ladder: 3 states
+        assert len(set(re.findall(rf'id="({ident}-series-\d+)"', plot))) == 4  # one line per stack
+        assert ">layer.1<" in plot and ">final_norm<" in plot  # the states on the x axis
 
 
 def test_verify_checks_layer_states_row_by_row(layered, tmp_path):
