@@ -5,6 +5,7 @@ part of its id; each module of this package holds one and names its class in `EX
 module declares all the core needs:
 
     key, parse            the spec key and its parser (None: off for that cell)
+    about, json_schema    the key's line and JSON Schema in the spec reference
     hook                  the engine method that supports it: an engine implements it, no flag elsewhere
     table, paths          the side table its rows go to (layer_states, or the d<repeat> file with a path per row)
     resolve, side_rows    its checks against the model at plan time; its side rows per repeat
@@ -154,6 +155,8 @@ class Extra:
     order: ClassVar[int] = 50  # where its capturer runs among the others (low first)
     tp1_only: ClassVar[str | None] = None  # why it runs at tp 1 only, when it does
     missing: ClassVar[str] = "engine {engine} cannot record it (the cell asks for {key})"  # no hook
+    about: ClassVar[str] = ""  # its spec key in a line, for the spec reference (matrix/spec/schema.py)
+    json_schema: ClassVar[dict] = {}  # its spec value as JSON Schema, for `matrix spec --schema`
     target = ""
 
     # the spec

@@ -58,6 +58,10 @@ class Decode(Extra):
     paths = ("decode",)
     order = 30
     rank = 20
+    about = "also run the decode path: steps teacher-forced tokens from each position of at"
+    json_schema = {"type": "object", "required": ["steps", "at"], "additionalProperties": False,
+                   "properties": {"steps": {"type": "integer", "minimum": 1},
+                                  "at": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}}}
     tp1_only = "decode rows are recorded at tp 1 only in this version"  # the other ranks would join each step
 
     def parse(self, v: Any, fail) -> tuple | None:

@@ -60,6 +60,9 @@ class Layers(Extra):
     table = "layer_states"
     order = 10  # it replaces the forward the others read rows from
     rank = 10
+    about = "record hidden states after these decoder layers: a list of indices, first-N or all"
+    json_schema = {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                             {"type": "string", "pattern": "^(first-[1-9][0-9]*|all)$"}]}
 
     def parse(self, v: Any, fail) -> tuple | str | None:
         """[i, ...] | first-N | all -> sorted indices, or "all" (the depth is known at plan time)."""

@@ -50,6 +50,8 @@ class PrefixCache(Extra):
     paths = (PATH,)
     order = 20  # reads the prompt's fresh rows
     rank = 30
+    about = "check: evaluate each prompt again with the engine's prefix cache warm, against the fresh prefill"
+    json_schema = {"enum": ["check", "off", False]}
     tp1_only = "prefix_cache: check runs at tp 1 only in this version"
 
     def parse(self, v: Any, fail) -> bool | None:

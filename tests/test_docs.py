@@ -37,6 +37,12 @@ def test_a_change_in_the_code_without_regenerating_is_caught(tmp_path, monkeypat
         return p
 
     assert docs.cmd_docs(_args(out, check=True, build=more)) == 1  # a new option
+    from matrix.spec import schema as spec_schema
+
+    grown_top = spec_schema.top
+    monkeypatch.setattr(spec_schema, "top", lambda: (*grown_top(), spec_schema.Key("seed", spec_schema.POS_INT, "new")))
+    assert docs.cmd_docs(_args(out, check=True)) == 1  # a new spec key
+    monkeypatch.setattr(spec_schema, "top", grown_top)
     (out / "cli.md").unlink()
     assert docs.cmd_docs(_args(out, check=True)) == 1  # a page missing
 

@@ -3,6 +3,7 @@
     docs/cli.md        every command and option, from the argument parsers
     docs/warehouse.md  every table's columns (store/schema.py, with its comments) and every
                        view's columns (analysis/sql.py, as DuckDB derives them)
+    docs/spec-reference.md every spec key: type, default, allowed values (matrix/spec/schema.py)
     docs/benchmarks.md the scoreboard: every run the benchmark scripts recorded (benchmarks/results/)
 
 `matrix docs --check` exits 1 naming each page that differs from what the code generates
@@ -172,7 +173,9 @@ def benchmarks_page(results: Path) -> str:
 
 def cmd_docs(args) -> int:
     where = Path(args.out)
-    pages = {"cli.md": lambda: cli_page(args.build_parser), "warehouse.md": warehouse_page,
+    from matrix.cli.spec import spec_page
+
+    pages = {"cli.md": lambda: cli_page(args.build_parser), "warehouse.md": warehouse_page, "spec-reference.md": spec_page,
              "benchmarks.md": lambda: benchmarks_page(REPO / "benchmarks" / "results")}
     made = {name: make() for name, make in pages.items()}
     stale = [name for name, text in made.items() if not (where / name).is_file() or (where / name).read_text() != text]
@@ -193,7 +196,8 @@ def cmd_docs(args) -> int:
 
 def add_parser(sub, build_parser) -> None:
     """build_parser: the whole command line's (matrix/cli/main.py), whose parsers docs/cli.md shows."""
-    d = sub.add_parser("docs", help="write the pages generated from the code (docs/cli.md, docs/warehouse.md, docs/benchmarks.md)")
+    d = sub.add_parser("docs", help="write the pages generated from the code (docs/cli.md, docs/warehouse.md, "
+                                           "docs/spec-reference.md, docs/benchmarks.md)")
     d.add_argument("--out", default=str(DOCS), help="where the pages go (default: this checkout's docs/)")
     d.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page differs from the code's")
     d.add_argument("--json", action="store_true")

@@ -11,7 +11,7 @@ from common.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from matrix.cli import cache, docs, kld, layers as cli_layers, models, quant as cli_quant, sweep, warehouse
+    from matrix.cli import cache, docs, kld, layers as cli_layers, models, quant as cli_quant, spec, sweep, warehouse
 
     p = argparse.ArgumentParser(prog="matrix", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_quant.add_parsers(sub)
     kld.add_parser(sub)
     cli_layers.add_parser(sub)
+    spec.add_parser(sub)
     docs.add_parser(sub, build_parser)
     return p
 

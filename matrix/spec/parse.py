@@ -24,30 +24,30 @@ from common.errors import UserError, read_text_file
 from matrix.spec.validate import (as_list, check_axis_value, check_threads, field_error, positive_int, retries,
                                   seconds)
 from common.stack import Cell
+from matrix.spec import schema as S
 from matrix.spec.candidates import parse_candidates
 
-DEFAULT_STRIDE = 32
-BOS_POLICIES = ("tokenizer", "always", "never")
+# Every key, its allowed values and its default come from the schema (matrix/spec/schema.py), which
+# `matrix spec --schema` and docs/spec-reference.md are generated from.
+TOP = S.by_name(S.top())
+DEFAULT_STRIDE = TOP["stride"].default
+BOS_POLICIES = TOP["bos"].allowed
 # How rows are stored: native (lossless, the default) or bf16 (row max subtracted, rounded to bf16;
 # each row's KL floor is measured as it is written: store/floors.py Storage)
-STORES = ("native", "bf16")
+STORES = TOP["store"].allowed
 # Where each stack's metrics against its reference are computed: by `matrix analyze` (the default),
 # or in the capturing actor as the rows come out, against the reference's rows already in the
 # warehouse (a model's reference then runs before its other cells); analyze reuses them
-REFERENCE_METRICS = ("analyze", "in_actor")
-TOP_KEYS = {"name", "description", "models", "engines", "dtypes", "attention", "tp",
-            "devices", "include", "exclude", "reference", "stride", "repeats",
-            "corpus", "bos", "threads", "positions", "store", "reference_metrics", "candidates", "options", "max_tokens", "centroid", "replicas", "retries",
-            "load_timeout_s", "capture_timeout_s"}
+REFERENCE_METRICS = TOP["reference_metrics"].allowed
+TOP_KEYS = set(TOP) - set(extras.keys())  # the extras' keys are checked against the registry as it is then
 # none: no centroid and no pairwise tables (a job that asks only for KL against the reference)
-CENTROID_DEFINITIONS = ("mean_prob", "mean_logprob", "none")
-MODEL_KEYS = {"name", "catalog", "path", "hub", "gguf", "revision"}
+CENTROID = S.by_name(TOP["centroid"].keys)
+CENTROID_DEFINITIONS = CENTROID["definition"].allowed
+MODEL_KEYS = set(S.by_name(S.MODEL))
 # Engine options that change the arithmetic. Defaults go under top-level `options:`;
 # include entries may set them per cell. A backend lists the ones it takes.
-OPTION_KEYS = {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": int,
-               "trt_backend": ("pytorch", "tensorrt"), "vllm_executor": ("mp", "ray"),
-               "activations": ("native", "fp32"), "quantizer": ("torchao", "quanto"),
-               "imatrix": dict}
+# -> allowed values, int (a positive integer) or dict (a mapping its own parser checks)
+OPTION_KEYS = {k.name: k.allowed or (int if k.json.get("type") == "integer" else dict) for k in S.OPTIONS}
 # `imatrix:` on a llama.cpp quant cell: quantise with an importance matrix computed on a calibration
 # text (backends/gguf_imatrix.py); parsed and checked against the corpus in matrix/spec/calibration.py
 # Non-axis keys an include entry may add to a cell.
@@ -56,7 +56,7 @@ OPTION_KEYS = {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": i
 # `replicas: N` runs the same stack on N distinct nodes of its device class (cross-host identity).
 # The per-cell extras' keys (extras/, one module each) are spec keys too, at the
 # top level (every cell) and in include entries; each extra parses its own.
-CELL_EXTRA_KEYS = {"threads", "max_tokens", "calibration", "replicas"} | set(OPTION_KEYS)
+CELL_EXTRA_KEYS = set(S.CELL_EXTRA) | set(OPTION_KEYS)
 
 
 @dataclass(frozen=True)
@@ -198,13 +198,13 @@ def _parse_centroid(path: Path, raw: Any, models: dict) -> tuple[str, list]:
     it matches; stacks that match none form their model's default group. Groups never mix
     models (their vocabularies differ), so a group spanning two models has one centroid per model."""
     if raw is None:
-        return "mean_prob", []
+        return CENTROID["definition"].default, []
     if not isinstance(raw, dict):
         raise field_error(path, "centroid", "must be a mapping with keys definition, groups", raw)
     for k in raw:
         if k not in ("definition", "groups"):
             raise field_error(path, f"centroid.{k}", "unknown key; expected one of definition, groups")
-    definition = raw.get("definition", "mean_prob")
+    definition = raw.get("definition", CENTROID["definition"].default)
     if definition not in CENTROID_DEFINITIONS:
         raise field_error(path, "centroid.definition", f"expected one of {', '.join(CENTROID_DEFINITIONS)}", definition)
     graw = raw.get("groups") or {}
@@ -274,7 +274,7 @@ def _parse_models(path: Path, data: dict) -> dict[str, ModelRef]:
     return models
 
 
-AXIS_DEFAULTS = {"engines": ["hf"], "dtypes": ["bf16"], "attention": ["default"], "tp": [1], "devices": ["cpu"]}
+AXIS_DEFAULTS = {k: TOP[k].default for k in names.SPEC_AXES if k != "models"}
 
 
 def _parse_axes(path: Path, data: dict, models: dict) -> dict[str, list]:
@@ -300,7 +300,7 @@ def _entries(path: Path, data: dict, key: str, models: dict, extra_ok: bool) -> 
 
 
 def _parse_corpus(path: Path, data: dict) -> str:
-    corpus = data.get("corpus", "builtin")
+    corpus = data.get("corpus", TOP["corpus"].default)
     if not isinstance(corpus, str) or not corpus:
         raise field_error(path, "corpus", "must be 'builtin' or a path to a corpus YAML file", corpus)
     if corpus != "builtin":
@@ -343,14 +343,14 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
     reference = _parse_entry(path, "reference", data["reference"], models, False) \
         if data.get("reference") is not None else {}
     corpus = _parse_corpus(path, data)
-    bos = data.get("bos", "tokenizer")
+    bos = data.get("bos", TOP["bos"].default)
     if bos not in BOS_POLICIES:
         raise field_error(path, "bos", f"expected one of {', '.join(BOS_POLICIES)}", bos)
     options = _parse_options(path, data)
-    store = data.get("store", "native")
+    store = data.get("store", TOP["store"].default)
     if store not in STORES:
         raise field_error(path, "store", f"expected one of {', '.join(STORES)}", store)
-    where = data.get("reference_metrics", "analyze")
+    where = data.get("reference_metrics", TOP["reference_metrics"].default)
     if where not in REFERENCE_METRICS:
         raise field_error(path, "reference_metrics", f"expected one of {', '.join(REFERENCE_METRICS)}", where)
     centroid, groups = _parse_centroid(path, data.get("centroid"), models)
@@ -361,10 +361,11 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
     return Spec(path=path, name=name, models=models, axes=axes, include=include,
                 exclude=exclude, reference=reference, stride=positions.stride, positions=positions, store=store,
                 reference_metrics=where, candidates=parse_candidates(path, data, models),
-                repeats=positive_int(path, data, "repeats", 1), corpus=corpus, bos=bos,
+                repeats=positive_int(path, data, "repeats", TOP["repeats"].default), corpus=corpus, bos=bos,
                 threads=check_threads(path, "threads", data.get("threads")), options=options,
                 max_tokens=check_threads(path, "max_tokens", data.get("max_tokens")),
                 extras={k: parse_extra(path, k, k, data.get(k)) for k in extras.keys()},
-                replicas=positive_int(path, data, "replicas", 1), retries=retries(path, data),
-                load_timeout_s=seconds(path, data, "load_timeout_s", 3600.0),
-                capture_timeout_s=seconds(path, data, "capture_timeout_s", None), centroid=centroid, centroid_groups=groups, raw_text=text)
+                replicas=positive_int(path, data, "replicas", TOP["replicas"].default),
+                retries=retries(path, data, TOP["retries"].default),
+                load_timeout_s=seconds(path, data, "load_timeout_s", TOP["load_timeout_s"].default),
+                capture_timeout_s=seconds(path, data, "capture_timeout_s", TOP["capture_timeout_s"].default), centroid=centroid, centroid_groups=groups, raw_text=text)

@@ -56,8 +56,8 @@ def seconds(path: Path, data: dict, key: str, default: float | None) -> float | 
     return float(v)
 
 
-def retries(path: Path, data: dict) -> int:
-    v = data.get("retries", 2)
+def retries(path: Path, data: dict, default: int) -> int:
+    v = data.get("retries", default)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise field_error(path, "retries", "must be a whole number, 0 or more", v)
     return v

@@ -1,0 +1,99 @@
+"""`matrix spec`: the spec's keys from its schema (matrix/spec/schema.py), the one table that parsing
+takes its keys, allowed values and defaults from.
+
+    matrix spec             every key: type, default, allowed values, meaning
+    matrix spec --json      the same as JSON
+    matrix spec --schema    JSON Schema, for an editor: `# yaml-language-server: $schema=spec.schema.json`
+
+spec_page() is docs/spec-reference.md (`matrix docs` writes it; its check fails when a key changes
+and the page was not regenerated).
+"""
+
+from __future__ import annotations
+
+import json
+
+import extras
+from common.output import emit_json, table
+
+
+def kind(j: dict) -> str:
+    """A JSON Schema fragment in a few words: `integer >= 1`, `list of string`, `mapping`."""
+    if "enum" in j:
+        return "one of " + ", ".join(json.dumps(v) if not isinstance(v, str) else v for v in j["enum"])
+    if "anyOf" in j:
+        return " or ".join(kind(x) for x in j["anyOf"])
+    t = j.get("type")
+    if isinstance(t, list):
+        t = " or ".join(t)
+    if t == "array":
+        return f"list of {kind(j.get('items', {}))}"
+    if t == "object":
+        return "mapping"
+    bound = next((f" {op} {j[k]}" for k, op in (("minimum", ">="), ("exclusiveMinimum", ">")) if k in j), "")
+    return f"{t}{bound}" if t else "see below"
+
+
+def rows() -> list[dict]:
+    """Every key, nested ones as parent.key, in the schema's order."""
+    from matrix.spec import schema as S
+
+    out = []
+
+    def walk(keys, prefix=""):
+        for k in keys:
+            out.append({"key": prefix + k.name, "type": kind(k.json) if k.json else "",
+                        "default": k.default, "required": k.required, "about": k.about})
+            walk(k.keys, f"{prefix}{k.name}.")
+
+    walk(S.top())
+    entry = [S.Key(a, j, S.AXIS_ABOUT[a]) for a, j in S.AXES.items()]
+    entry += [S.Key(k, j, about) for k, (j, about) in S.CELL_EXTRA.items()]
+    entry += [S.Key(k.name, k.json, "as under options, for this cell") for k in S.OPTIONS]
+    entry += [S.Key(x.key, x.json_schema, x.about + " (this cell)") for x in extras.registered()]
+    walk(entry, "include[].")
+    return out
+
+
+def _shown(v) -> str:
+    return "" if v is None else json.dumps(v) if not isinstance(v, str) else v
+
+
+def spec_page() -> str:
+    from matrix.cli.docs import HEADER, _cell
+    from matrix.spec import schema as S
+
+    S._check()
+    out = [HEADER.format(src="matrix/spec/schema.py"), "# Spec reference\n",
+           "Every key of a sweep spec. Unknown keys are refused (one line naming the file, the key and what is "
+           "allowed, exit 2). `exclude` entries and `reference` take the axis keys of `include[]` only; "
+           "`matrix spec --schema` prints this as JSON Schema. How the keys combine: [spec.md](spec.md).\n",
+           "| key | type | default | what |", "| --- | --- | --- | --- |"]
+    for r in rows():
+        default = "required" if r["required"] else f"`{_shown(r['default'])}`" if r["default"] is not None else ""
+        out.append(f"| `{r['key']}` | {_cell(r['type'])} | {default} | {_cell(r['about'])} |")
+    return "\n".join(out) + "\n"
+
+
+def cmd_spec(args) -> int:
+    from matrix.spec import schema as S
+
+    if args.schema:
+        print(json.dumps(S.json_schema(), indent=1))
+        return 0
+    got = rows()
+    if args.json:
+        emit_json({"keys": got})
+        return 0
+    short = lambda t: t if len(t) <= 48 else t[:47] + "…"  # noqa: E731 - --json and docs/spec-reference.md: whole
+    print(table(["key", "type", "default", "what"],
+                [[r["key"], short(r["type"]), "required" if r["required"] else _shown(r["default"]), r["about"]]
+                 for r in got]))
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("spec", help="the spec's keys: type, default, allowed values (--schema: as JSON Schema)")
+    p.add_argument("--schema", action="store_true", help="print the spec's JSON Schema (for editors)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_spec)
