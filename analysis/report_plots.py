@@ -54,6 +54,7 @@ def svg(fig, ident: str) -> str:
     fig.savefig(buf, format="svg", metadata={"Date": None}, bbox_inches="tight", pad_inches=0.04)
     text = buf.getvalue()
     text = text[text.index("<svg"):]
+    text = re.sub(r"\s*<metadata>.*?</metadata>", "", text, flags=re.S)  # RDF naming the tool: URLs, no content
     text = re.sub(r'\bid="([^"]+)"', lambda m: f'id="{ident}-{m.group(1)}"', text)
     text = re.sub(r'(url\(#|href="#)([^")]+)', lambda m: f"{m.group(1)}{ident}-{m.group(2)}", text)
     return text.replace("<svg ", f'<svg id="{ident}" class="chart" ', 1)
@@ -68,7 +69,7 @@ def log_ticks(axis) -> None:
     lo, hi = sorted(axis.get_view_interval())
     span = math.log10(hi / lo) if lo > 0 else 99.0
     subs = (1.0,) if span > 2.5 else (1.0, 2.0, 5.0) if span > 1.0 else tuple(float(m) for m in range(1, 10))
-    axis.set_major_locator(LogLocator(base=10, subs=subs, numticks=12))
+    axis.set_major_locator(LogLocator(base=10, subs=subs, numticks=7))  # at most ~7 labels: they fit a short axis
     axis.set_major_formatter(FuncFormatter(_sci))
     axis.set_minor_formatter(NullFormatter())
 
