@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_cli, write_spec
-from tests.test_object_warehouse import BUCKET, S3, _free_port
+from tests.test_object_warehouse import BUCKET, S3, _environ, _free_port
 from tests.test_readme import blocks
 
 pytestmark = [pytest.mark.serial,
@@ -63,7 +63,8 @@ def joined_node(script: str, env: dict, hidden: list[Path], log: Path):
     try:
         yield proc
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
@@ -85,7 +86,8 @@ def test_two_machines_as_written(tiny_model, short_corpus, tmp_path_factory):
     spec = write_spec(base / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager", "sdpa"],
                       reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=1)
     s3 = S3(base)
-    s3.start()
+    with _environ(s3.env):  # boto3 finds the local server through the environment
+        s3.start()
     p = parts()
     head = p["head"].replace("HEAD_IP", "127.0.0.1").replace("--include-dashboard=false",
                                                              "--include-dashboard=false --num-cpus 0")
@@ -94,13 +96,18 @@ def test_two_machines_as_written(tiny_model, short_corpus, tmp_path_factory):
     agent = " ".join(f"--{k}={_free_port()}" for k in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                                        "metrics-export-port", "runtime-env-agent-port"))
     node = node.replace('RAY_START_ARGS="', f'RAY_START_ARGS="--node-ip-address 127.0.0.1 {agent} ')
-    node = node.replace("scp -p HEAD_IP:.ray/auth_token", f"cp -p {head_home}/.ray/auth_token").replace("HEAD_IP", "127.0.0.1")
-    driver = p["driver"].replace("HEAD_IP", "127.0.0.1").replace("configs/smoke.yaml", str(spec)) \
+    wire = Path(f"{head_home}-wire")  # what scp carries: the token, the only file the node gets from the head
+    node = node.replace("scp -p HEAD_IP:.ray/auth_token", f"cp -p {wire}/auth_token").replace("HEAD_IP", "127.0.0.1")
+    # the driver's lines run in the head's shell, where the venv is active
+    driver = ". .venv/bin/activate\n" + p["driver"].replace("HEAD_IP", "127.0.0.1").replace("configs/smoke.yaml", str(spec)) \
         .replace("BUCKET", BUCKET)
     try:
         r = _bash(head, _env(head_home, {}), timeout=600)
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
         assert (head_home / ".ray" / "auth_token").stat().st_mode & 0o077 == 0
+        shutil.rmtree(wire, ignore_errors=True)
+        wire.mkdir(mode=0o700)
+        shutil.copy2(head_home / ".ray" / "auth_token", wire / "auth_token")
         hidden = [tmp_path_factory.getbasetemp(), head_home]
         with joined_node(node, _env(node_home, s3.env), hidden, base / "node.log") as proc:
             _wait_joined(proc, base / "node.log")
@@ -112,6 +119,7 @@ def test_two_machines_as_written(tiny_model, short_corpus, tmp_path_factory):
         _bash(f"{Path(sys.executable).parent / 'ray'} stop --force", _env(head_home, {}), timeout=120)
         s3.proc.terminate()
         shutil.rmtree(head_home, ignore_errors=True)
+        shutil.rmtree(wire, ignore_errors=True)
 
 
 def _check_warehouse(uri: str, env: dict) -> None:
