@@ -139,7 +139,8 @@ def model_charts(data: dict, model: str, k: int) -> str:
             + P.dots([(name[c["cell_id"]], {"KL(centroid ‖ stack)": c["kld_centroid_stack"]})
                       for c in data["cells"] if c["model"] == model], f"centroid-{k}", "KL(centroid ‖ stack), nats")
             + "<h3>Every pair of stacks: mean Jensen-Shannon divergence</h3>"
-            + P.heatmap(sorted(name[c] for c in every), js, f"pairwise-js-{k}", "mean JS divergence, nats"))
+            + (P.heatmap(sorted(name[c] for c in every), js, f"pairwise-js-{k}", "mean JS divergence, nats") if js
+               else P.no_data("No pairwise table: this warehouse's analysis computed none (centroid: none).")))
 
 
 def write_html(data: dict, out_dir: Path, warehouse: str, sections: list[str] = ()) -> Path:

@@ -84,7 +84,7 @@ def _sci(v: float, _pos=None) -> str:
 
 @lru_cache(maxsize=1)
 def font_face() -> str:
-    """CSS @font-face rules embedding the DejaVu Sans glyphs of GLYPHS (regular and bold), as WOFF2-less TTF."""
+    """CSS @font-face rules embedding the DejaVu Sans glyphs of GLYPHS (regular and bold) as TrueType data URLs."""
     import os
 
     import matplotlib

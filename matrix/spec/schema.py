@@ -4,8 +4,8 @@ matrix/spec/parse.py takes from here the keys it accepts, their allowed values a
 `matrix spec --schema` prints the table as JSON Schema (for editors: yaml-language-server), and
 `matrix docs` writes it out as docs/spec-reference.md. The nested parsers below the driver
 (positions, the imatrix option, candidates, the per-cell extras) keep their own key lists; this
-table documents each of their keys and fails on import when one is missing or unknown, so a key
-cannot be accepted without being described here.
+table describes each of their keys, and `_check` (run by `matrix docs` and the tests) fails when
+one is accepted without being described here, or described without being accepted.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import extras
 from common import names
 from common import positions as P
 
-UNSET = object()  # no default: the key is required or has no value when absent
 
 
 @dataclass(frozen=True)
