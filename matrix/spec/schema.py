@@ -18,7 +18,6 @@ from common import names
 from common import positions as P
 
 
-
 @dataclass(frozen=True)
 class Key:
     name: str
