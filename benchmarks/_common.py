@@ -33,9 +33,10 @@ def gpu() -> str | None:
         return None
 
 
-def save_result(name: str, rows: list[dict], target: str, met: bool) -> Path:
+def save_result(name: str, rows: list[dict], target: str, met: bool | None) -> Path:
     """One run's figures as benchmarks/results/<name>/<date>-<commit>.json, the row docs/benchmarks.md's
-    scoreboard shows (`matrix docs` regenerates it): when, which commit, on what, by which command."""
+    scoreboard shows (`matrix docs` regenerates it): when, which commit, on what, by which command.
+    met: whether the figures reach the target; None where the script states no pass/fail target."""
     import datetime
     import json
     import subprocess

@@ -33,12 +33,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import cpu  # noqa: E402
+from benchmarks._common import cpu, save_result  # noqa: E402
 from benchmarks.synthetic_warehouse import build  # noqa: E402
 from store import Warehouse  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 OUTPUTS = ("metrics", "centroid_metrics", "pairwise", "metrics_ranges")
+TARGET_RSS_GB, TARGET_SPEEDUP, TARGET_INCREMENT = 2, 1.7, 0.2
 
 
 def subset(base: Path, dst: Path, n: int) -> None:
@@ -85,8 +86,9 @@ def group_floor(wh: Path, k: int, sample: int = 2) -> tuple[float, int]:
     return (time.perf_counter() - t0) * sum(counts.values()) / sum(counts[p] for p in some), sum(counts.values())
 
 
-def incremental(base: Path, where: Path, k: int) -> tuple[dict, dict, float]:
-    """A second analyze after one stack joins k analysed ones, and beside it its floor (group_floor)."""
+def incremental(base: Path, where: Path, k: int) -> tuple[dict, dict, float, float]:
+    """A second analyze after one stack joins k analysed ones, and beside it its floor (group_floor);
+    -> (first, second, second / first, the floor's seconds)."""
     inc = where / f"inc{k}"
     subset(base, inc, k)
     first = analyze(inc, "--workers", "1")
@@ -94,14 +96,14 @@ def incremental(base: Path, where: Path, k: int) -> tuple[dict, dict, float]:
     second = analyze(inc, "--workers", "1")
     frac = second["seconds"] / first["seconds"]
     print(f"  one stack added to {k}: first analyze {first['seconds']} s (peak RSS {first['peak_rss_gb']:.2f} GB), "
-          f"second {second['seconds']} s = {frac:.2f} of the first (target <= 0.2); computed "
+          f"second {second['seconds']} s = {frac:.2f} of the first (target <= {TARGET_INCREMENT}); computed "
           f"{second['summary']['computed']}", flush=True)
     floor, positions = group_floor(inc, k)
     print(f"  beside it, the group's own work alone (its {k + 1} members' rows read, today's float64 centroid, the "
           f"{k} new pairs; in this process, sampled): {floor:.1f} s for {positions} positions = "
           f"{floor / first['seconds']:.2f} of the first analyze: the floor under the increment while the centroid's "
           f"numbers stay today's", flush=True)
-    return first, second, frac
+    return first, second, frac, floor
 
 
 def _cell_of(rel: Path) -> str:
@@ -151,6 +153,52 @@ def ray_head(tmp: Path):
         proc.wait(timeout=60)
 
 
+def workers(base: Path, where: Path, k: int) -> dict:
+    """--force at k stacks: one core in-process without Ray, 2 workers on a cluster analyze starts
+    itself, then 1 against 2 workers on one running cluster (the same fixed costs on both sides)."""
+    w = where / f"n{k}"
+    if not (w / "cells").exists():
+        subset(base, w, k)
+    core = analyze(w, "--force", "--workers", "1", threads=1)  # one core in this process, no Ray
+    local = analyze(w, "--force", "--workers", "2")  # a Ray cluster of its own, started and stopped
+    with ray_head(where) as address:
+        one = analyze(w, "--force", "--address", address, "--workers", "1")
+        two = analyze(w, "--force", "--address", address, "--workers", "2")
+    print(f"  --force at {k} stacks on a running Ray cluster: 1 worker {one['seconds']} s, 2 workers "
+          f"{two['seconds']} s (speed-up {one['seconds'] / two['seconds']:.2f}x; target >= {TARGET_SPEEDUP}x); one "
+          f"core in this process without Ray {core['seconds']} s, 2 workers on a cluster analyze starts itself "
+          f"{local['seconds']} s ({core['seconds'] / local['seconds']:.2f}x: Ray's start and each worker's "
+          f"kernel load included)", flush=True)
+    return {"one": one, "two": two, "core": core, "local": local}
+
+
+def record(a, sizes: list[dict], wk: dict | None, inc: tuple | None) -> None:
+    """One row per measured configuration; met over the parts this run measured."""
+    common, rows, targets, checks = {"rows": a.rows, "vocab": a.vocab}, [], [], []
+    for r in sizes:
+        rows.append({"config": "analyze", "stacks": r["stacks"], "seconds": r["seconds"],
+                     "peak_rss_gb": r["peak_rss_gb"], "metric_rows": r["summary"]["metric_rows"], **common})
+    if sizes:
+        targets.append(f"peak RSS <= {TARGET_RSS_GB} GB at every size")
+        checks.append(max(r["peak_rss_gb"] for r in sizes) <= TARGET_RSS_GB)
+    if wk:
+        sec = {k: v["seconds"] for k, v in wk.items()}
+        rows.append({"config": "2 vs 1 Ray workers", "stacks": a.workers_at, "seconds": sec["two"],
+                     "ratio": sec["one"] / sec["two"], "one_worker_s": sec["one"], "one_core_in_process_s": sec["core"],
+                     "two_own_cluster_s": sec["local"], "own_cluster_ratio": sec["core"] / sec["local"], **common})
+        targets.append(f"2 Ray workers >= {TARGET_SPEEDUP}x 1 worker")
+        checks.append(rows[-1]["ratio"] >= TARGET_SPEEDUP)
+    if inc:
+        first, second, frac, floor = inc
+        rows.append({"config": "one stack added", "stacks": a.incremental_at, "seconds": second["seconds"],
+                     "peak_rss_gb": second["peak_rss_gb"], "ratio": frac, "first_s": first["seconds"],
+                     "floor_ratio": floor / first["seconds"], **common})
+        targets.append(f"the second analyze <= {TARGET_INCREMENT} of the first")
+        checks.append(frac <= TARGET_INCREMENT)
+    met = all(checks) if checks else None
+    print(f"recorded: {save_result('analysis_scale', rows, '; '.join(targets) or 'no part measured', met)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=Path("/tmp/analysis-scale"))
@@ -174,33 +222,19 @@ def main() -> None:
         rows.append({"stacks": n, **r})
         print(f"  {n:3d} stacks: {r['seconds']:7.1f} s, peak RSS {r['peak_rss_gb']:.2f} GB, "
               f"{r['summary']['metric_rows']} metric rows", flush=True)
-    one = two = core = local = {"seconds": None}
-    if a.workers_at:
-        w = a.dir / f"n{a.workers_at}"
-        if not (w / "cells").exists():
-            subset(base, w, a.workers_at)
-        core = analyze(w, "--force", "--workers", "1", threads=1)  # one core in this process, no Ray
-        local = analyze(w, "--force", "--workers", "2")  # a Ray cluster of its own, started and stopped
-        with ray_head(a.dir) as address:  # one running cluster: 1 worker against 2, the same fixed costs
-            one = analyze(w, "--force", "--address", address, "--workers", "1")
-            two = analyze(w, "--force", "--address", address, "--workers", "2")
-        print(f"  --force at {a.workers_at} stacks on a running Ray cluster: 1 worker {one['seconds']} s, 2 workers "
-              f"{two['seconds']} s (speed-up {one['seconds'] / two['seconds']:.2f}x; target >= 1.7x); one core in "
-              f"this process without Ray {core['seconds']} s, 2 workers on a cluster analyze starts itself "
-              f"{local['seconds']} s ({core['seconds'] / local['seconds']:.2f}x: Ray's start and each worker's "
-              f"kernel load included)", flush=True)
-    first = second = {"seconds": None}
-    frac = None
-    if a.incremental_at:
-        first, second, frac = incremental(base, a.dir, a.incremental_at)
+    wk = workers(base, a.dir, a.workers_at) if a.workers_at else None
+    one, two, core, local = (wk[k] if wk else {"seconds": None} for k in ("one", "two", "core", "local"))
+    inc = incremental(base, a.dir, a.incremental_at) if a.incremental_at else None
+    first, second, frac = inc[:3] if inc else ({"seconds": None}, {"seconds": None}, None)
     if rows:
-        print(f"peak RSS over every size: {max(r['peak_rss_gb'] for r in rows):.2f} GB (target <= 2 GB)")
+        print(f"peak RSS over every size: {max(r['peak_rss_gb'] for r in rows):.2f} GB (target <= {TARGET_RSS_GB} GB)")
     print(json.dumps({"cpu": cpu(), "rows": a.rows, "vocab": a.vocab, "sizes": [{k: v for k, v in r.items() if k != "summary"}
                                                                                 for r in rows],
                       "workers": {"stacks": a.workers_at, "one": one["seconds"], "two": two["seconds"],
                                   "one_core_in_process": core["seconds"], "two_own_cluster": local["seconds"]},
                       "incremental": {"stacks": a.incremental_at, "first": first["seconds"], "second": second["seconds"],
                                       "fraction": frac and round(frac, 3)}}))
+    record(a, rows, wk, inc)
 
 
 if __name__ == "__main__":

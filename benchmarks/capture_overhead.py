@@ -13,7 +13,7 @@ import statistics
 import tempfile
 import time
 
-from _common import cpu, load_backend, model_and_prompts
+from _common import cpu, load_backend, model_and_prompts, save_result
 
 TARGET = 1.10
 
@@ -53,6 +53,11 @@ def main() -> None:
     ok = "meets" if ratio <= TARGET else "MISSES"
     print(f"\nhf {args.dtype} {args.attention}, {be.threads} threads, built-in corpus: "
           f"capture+store / bare forward = {ratio:.3f} -> {ok} the <= {TARGET} target")
+    row = {"model": args.model, "dtype": args.dtype, "attention": args.attention, "threads": be.threads,
+           "rows": m["rows"], "rounds": args.rounds, "ratio": ratio, "bare_s": statistics.median(bare),
+           "capture_s": statistics.median(full)}
+    target = f"capture + store <= {TARGET}x the bare forward on the same loaded stack"
+    print(f"recorded: {save_result('capture_overhead', [row], target, ratio <= TARGET)}")
 
 
 if __name__ == "__main__":

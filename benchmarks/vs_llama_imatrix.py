@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import cpu  # noqa: E402
+from benchmarks._common import cpu, save_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TEXT = REPO / "configs" / "corpus" / "calibration.txt"
@@ -58,7 +58,7 @@ def tensor_bytes(path: str) -> str:
     return h.hexdigest()
 
 
-def compare_with_tool(threads: int, d: Path) -> None:
+def compare_with_tool(threads: int, d: Path) -> dict:
     import ctypes
 
     import llama_cpp
@@ -98,11 +98,15 @@ def compare_with_tool(threads: int, d: Path) -> None:
     arr, kv, _keep = gi.quantize_inputs(ours["path"], "builtin")
     params.imatrix, params.kv_overrides = arr, kv
     assert llama_cpp.llama_model_quantize(f32["path"].encode(), str(q_ours).encode(), ctypes.byref(params)) == 0
+    identical = tensor_bytes(str(q_tool)) == tensor_bytes(str(q_ours))
     print(f"  Q4_K_M tensor bytes, llama-quantize --imatrix tool file vs llama_model_quantize with ours: "
-          f"{'identical' if tensor_bytes(str(q_tool)) == tensor_bytes(str(q_ours)) else 'DIFFERENT'}")
+          f"{'identical' if identical else 'DIFFERENT'}")
+    return {"part": "imatrix", "tensors": len(a["entries"]), "equal_tensors": same,
+            "names_equal": set(a["entries"]) == set(b["entries"]), "max_rel_diff": float(worst), "tool_s": t_tool,
+            "ours_s": t_ours, "ratio": t_ours / t_tool, "q4_k_m_identical": identical}
 
 
-def ladder(d: Path) -> None:
+def ladder(d: Path) -> list[dict]:
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     wh = d / "wh"
     t0 = time.perf_counter()
@@ -126,12 +130,16 @@ def ladder(d: Path) -> None:
     print(f"\nKL(HF fp32 || llama.cpp) on the builtin corpus, first 1,024 tokens, stride 8 ({rows[0][5]} rows); "
           f"imatrix: builtin calibration text; {wall:.0f} s for run + analyze")
     print(f"  {'type':8} {'round-to-nearest':>22} {'imatrix':>22} {'imatrix / rtn':>14} {'top-1 rtn / imatrix':>20}")
+    out = []
     for q in ("q5_k_m", "q4_k_m", "q4_0"):
         if (q, False) not in got or (q, True) not in got:
             continue
         a, b = got[(q, False)], got[(q, True)]
         print(f"  {q:8} {a[0]:>12.5f} ± {a[1]:.5f} {b[0]:>12.5f} ± {b[1]:.5f} {b[0] / a[0]:>14.3f} "
               f"{a[2]:>10.3f} / {b[2]:.3f}")
+        out.append({"part": "ladder", "type": q, "ratio": b[0] / a[0], "kld_rtn": a[0], "kld_rtn_se": a[1],
+                    "kld_imatrix": b[0], "kld_imatrix_se": b[1], "top1_rtn": a[2], "top1_imatrix": b[2], "rows": a[3]})
+    return out
 
 
 def main() -> int:
@@ -142,12 +150,25 @@ def main() -> int:
     ap.add_argument("--keep", help="work under this directory (default: the system's temp directory)")
     args = ap.parse_args()
     print(f"CPU: {cpu()}")
+    rows = []
     with tempfile.TemporaryDirectory(prefix="vs-imatrix-", dir=args.keep) as tmp:
         if not args.skip_tool:
-            compare_with_tool(args.threads, Path(tmp))
+            rows.append(compare_with_tool(args.threads, Path(tmp)))
         if not args.skip_ladder:
-            ladder(Path(tmp))
+            rows += ladder(Path(tmp))
+    record(rows)
     return 0
+
+
+def record(rows: list[dict]) -> None:
+    """The pass/fail target is the tool comparison's: the same sums bit for bit and the same Q4_K_M
+    bytes; the ladder's KL ratios are figures beside it (with no tool run, no target: met None)."""
+    tool = [r for r in rows if r["part"] == "imatrix"]
+    met = all(r["equal_tensors"] == r["tensors"] and r["names_equal"] and r["q4_k_m_identical"] for r in tool) \
+        if tool else None
+    target = ("every tensor's imatrix sums and counts equal llama-imatrix's bit for bit, and Q4_K_M quantised with "
+              "either has identical tensor bytes; ladder: KL with the imatrix over round-to-nearest per type")
+    print(f"recorded: {save_result('vs_llama_imatrix', rows, target, met)}")
 
 
 if __name__ == "__main__":

@@ -132,11 +132,29 @@ def warehouse_page() -> str:
 
 
 # What the scoreboard shows of a benchmark's rows (others: every number of the row)
-SCOREBOARD = {"vs_llama_perplexity": [("model", "model"), ("wall vs llama-perplexity", "wall_ratio"),
-                                      ("forwards alone", "forwards_alone_ratio"), ("KL s.e. apart", "kld_se_apart")]}
+SCOREBOARD = {
+    "vs_llama_perplexity": [("model", "model"), ("wall vs llama-perplexity", "wall_ratio"),
+                            ("forwards alone", "forwards_alone_ratio"), ("KL s.e. apart", "kld_se_apart")],
+    "analysis_scale": [("config", "config"), ("stacks", "stacks"), ("seconds", "seconds"),
+                       ("peak RSS GB", "peak_rss_gb"), ("ratio", "ratio")],
+    "row_shipping": [("part", "part"), ("N/actor", "prompts_per_actor"), ("ratio", "ratio"), ("identical", "identical"),
+                     ("depot peak MiB", "peak_mib")],
+    "vs_llama_imatrix": [("part", "part"), ("type", "type"), ("ratio", "ratio"), ("equal tensors", "equal_tensors"),
+                         ("Q4_K_M identical", "q4_k_m_identical")],
+    "analysis_throughput": [("vocab", "vocab"), ("MB/s per core", "mb_s"), ("compiled/eager", "compiled_vs_eager")],
+    "verify_throughput": [("dtype", "dtype"), ("verify MB/s", "verify_mb_s"), ("verify/decode", "verify_vs_decode"),
+                          ("verify/floor", "verify_vs_floor")],
+    "storage_bytes": [("stack", "stack"), ("layout", "layout"), ("B/logit", "bytes_per_logit")],
+    "encoding_speed": [("rows", "rows"), ("zstd", "zstd"), ("BSS", "bss"), ("B/logit", "bytes_per_logit"),
+                       ("vs smallest", "vs_smallest"), ("MB/s", "mb_s")],
+    "capture_overhead": [("model", "model"), ("dtype", "dtype"), ("ratio", "ratio")],
+}
+MET = {True: "yes", False: "no", None: "n/a"}  # n/a: a run with figures and no pass/fail target
 
 
 def _figure(v) -> str:
+    if v is None:
+        return ""
     if isinstance(v, float):
         return f"{v:.3g}"
     if isinstance(v, list):
@@ -166,15 +184,29 @@ def benchmarks_page(results: Path) -> str:
             for row in r["rows"]:
                 out.append(f"| {r['date']} | {r['commit']} | {_cell(r['cpu'])} | {_cell(r['gpu'] or 'none')} | "
                            + " | ".join(_figure(row.get(k)) for _, k in cols)
-                           + f" | {'yes' if r['met'] else 'no'} | `{_cell(r['command'])}` |")
+                           + f" | {MET[r['met']]} | `{_cell(r['command'])}` |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 
 
+def spec_page() -> str:
+    from matrix.cli.spec import rows, shown
+    from matrix.spec import schema as S
+
+    S._check()
+    out = [HEADER.format(src="matrix/spec/schema.py"), "# Spec reference\n",
+           "Every key of a sweep spec. Unknown keys are refused (one line naming the file, the key and what is "
+           "allowed, exit 2). `exclude` entries and `reference` take the axis keys of `include[]` only; "
+           "`matrix spec --schema` prints this as JSON Schema. How the keys combine: [spec.md](spec.md).\n",
+           "| key | type | default | what |", "| --- | --- | --- | --- |"]
+    for r in rows():
+        default = "required" if r["required"] else f"`{shown(r['default'])}`" if r["default"] is not None else ""
+        out.append(f"| `{r['key']}` | {_cell(r['type'])} | {default} | {_cell(r['about'])} |")
+    return "\n".join(out) + "\n"
+
+
 def cmd_docs(args) -> int:
     where = Path(args.out)
-    from matrix.cli.spec import spec_page
-
     pages = {"cli.md": lambda: cli_page(args.build_parser), "warehouse.md": warehouse_page, "spec-reference.md": spec_page,
              "benchmarks.md": lambda: benchmarks_page(REPO / "benchmarks" / "results")}
     made = {name: make() for name, make in pages.items()}

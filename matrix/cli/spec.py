@@ -5,8 +5,8 @@ takes its keys, allowed values and defaults from.
     matrix spec --json      the same as JSON
     matrix spec --schema    JSON Schema, for an editor: `# yaml-language-server: $schema=spec.schema.json`
 
-spec_page() is docs/spec-reference.md (`matrix docs` writes it; its check fails when a key changes
-and the page was not regenerated).
+docs/spec-reference.md is the same rows (matrix/cli/docs.py spec_page; `matrix docs --check` fails
+when a key changes and the page was not regenerated).
 """
 
 from __future__ import annotations
@@ -55,24 +55,8 @@ def rows() -> list[dict]:
     return out
 
 
-def _shown(v) -> str:
+def shown(v) -> str:
     return "" if v is None else json.dumps(v) if not isinstance(v, str) else v
-
-
-def spec_page() -> str:
-    from matrix.cli.docs import HEADER, _cell
-    from matrix.spec import schema as S
-
-    S._check()
-    out = [HEADER.format(src="matrix/spec/schema.py"), "# Spec reference\n",
-           "Every key of a sweep spec. Unknown keys are refused (one line naming the file, the key and what is "
-           "allowed, exit 2). `exclude` entries and `reference` take the axis keys of `include[]` only; "
-           "`matrix spec --schema` prints this as JSON Schema. How the keys combine: [spec.md](spec.md).\n",
-           "| key | type | default | what |", "| --- | --- | --- | --- |"]
-    for r in rows():
-        default = "required" if r["required"] else f"`{_shown(r['default'])}`" if r["default"] is not None else ""
-        out.append(f"| `{r['key']}` | {_cell(r['type'])} | {default} | {_cell(r['about'])} |")
-    return "\n".join(out) + "\n"
 
 
 def cmd_spec(args) -> int:
@@ -87,7 +71,7 @@ def cmd_spec(args) -> int:
         return 0
     short = lambda t: t if len(t) <= 48 else t[:47] + "…"  # noqa: E731 - --json and docs/spec-reference.md: whole
     print(table(["key", "type", "default", "what"],
-                [[r["key"], short(r["type"]), "required" if r["required"] else _shown(r["default"]), r["about"]]
+                [[r["key"], short(r["type"]), "required" if r["required"] else shown(r["default"]), r["about"]]
                  for r in got]))
     return 0
 
