@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+from collections import Counter
 from pathlib import Path
 
 from analysis import report_plots as P
@@ -33,12 +34,15 @@ def gather(warehouse: str) -> dict:
         q = lambda sql, *p: _rows(con, sql, *p)  # noqa: E731
         data = {
             "cells": q("""
-                SELECT s.model, s.cell_id, s.engine, s.dtype, s.attention, s.rows, s.kld_mean, s.kld_stderr, s.kld_p99,
+                SELECT s.model, s.cell_id, s.engine, s.dtype, s.attention, s.rows, s.kld_mean, s.kld_stderr,
+                       s.kld_p99, s.kld_max,
                        s.top1_agreement, s.js_mean, s.ppl_ratio, s.below_resolution, s.is_reference, s.bit_reproducible,
                        s.storage_floor, s.reference_repeat_kld, s.nonfinite_rows, cs.kld_centroid_stack, cs.js_centroid,
                        cs.rank_closest
                 FROM summary s LEFT JOIN centroid_summary cs USING (cell_id) ORDER BY s.model, s.kld_mean, s.cell_id"""),
-            "distribution": q("""SELECT cell_id, quantile_cont(kld, ?::DOUBLE[]) AS q, avg((kld = 0)::INT) AS zero_share
+            # quantile_disc: each point is a row's own KL (an interpolated one could fall between 0 and the
+            # smallest positive KL, a value no row has, and stretch the log axis)
+            "distribution": q("""SELECT cell_id, quantile_disc(kld, ?::DOUBLE[]) AS q
                                  FROM metrics WHERE repeat = 0 AND kld IS NOT NULL GROUP BY cell_id ORDER BY cell_id""",
                               QUANTILES),
             "curves": q("""SELECT cell_id, position, median(kld) AS median, quantile_cont(kld, 0.1) AS p10,
@@ -52,35 +56,30 @@ def gather(warehouse: str) -> dict:
             "paths": q("""SELECT cell_id, rows_of, path, rows, kld_mean, cached_tokens_mean, kld_vs_prefill_mean,
                                  max_abs_diff_vs_prefill, identical_share FROM summary_by_path ORDER BY cell_id, rows_of, path"""),
             "runs": q("""SELECT run_id, status, started_at, finished_at, host, executor, logit_matrix_version, spec_name,
-                                spec_sha256, cells_done, cells_total, versions FROM runs ORDER BY started_at"""),
+                                spec_sha256, cells_done, cells_total FROM runs ORDER BY started_at"""),
             "centroids": q("SELECT DISTINCT centroid_group, centroid FROM centroid_metrics ORDER BY ALL"),
             "stacks": q("SELECT * FROM cells"),
         }
     finally:
         con.close()
     data["names"] = labels(data["stacks"])
+    data["model_of"] = {c["cell_id"]: c["model"] for c in data["stacks"]}
     return data
 
 
 def labels(cells: list[dict]) -> dict[str, str]:
-    """{cell_id: a short label}: its stack's readable name; several cells of one stack (other runs or
-    builds) add the end of their cell id."""
-    by_stack = names(cells) if cells else {}
-    out = {c["cell_id"]: by_stack[c["stack_id"]] for c in cells}
-    for c in cells:
-        if sum(1 for v in out.values() if v == out[c["cell_id"]]) > 1:
-            out[c["cell_id"]] += "@" + c["cell_id"].rsplit("@", 1)[-1][:8]
+    """{cell_id: a short label, unique}: its stack's readable name; several cells of one stack (replicas,
+    other runs or builds) add what follows the stack id in their cell id (`.r1@<build>`). A cell
+    written before cells had a stack id is a stack of its own."""
+    rows = [{**c, "stack_id": c.get("stack_id") or c["cell_id"]} for c in cells]
+    by_stack = names(rows) if rows else {}
+    out = {c["cell_id"]: by_stack[c["stack_id"]] for c in rows}
+    seen = Counter(out.values())
+    for c in rows:
+        if seen[out[c["cell_id"]]] > 1:
+            tail = c["cell_id"][len(c["stack_id"]):] if c["cell_id"].startswith(c["stack_id"]) else ""
+            out[c["cell_id"]] += tail or "@" + c["cell_id"]
     return out
-
-
-def _fmt(v, digits=4):
-    if v is None:
-        return ""
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:.{digits}g}"
-    return str(v)
 
 
 def terminal_table(data: dict) -> str:
@@ -90,9 +89,9 @@ def terminal_table(data: dict) -> str:
         note = "reference" if c["is_reference"] else ("below resolution" if c["below_resolution"] else "")
         if c.get("nonfinite_rows"):
             note = (note + "; " if note else "") + f"{c['nonfinite_rows']} NaN/Inf row(s) left out"
-        body.append([data["names"].get(c["cell_id"], c["cell_id"]), c["rows"], _fmt(c["kld_mean"]), _fmt(c["kld_p99"]),
-                     _fmt(c["top1_agreement"]), _fmt(c["js_mean"]), _fmt(c["kld_centroid_stack"]),
-                     c["rank_closest"], _fmt(c["bit_reproducible"]), note])
+        body.append([data["names"].get(c["cell_id"], c["cell_id"]), c["rows"], T.fmt(c["kld_mean"]), T.fmt(c["kld_p99"]),
+                     T.fmt(c["top1_agreement"]), T.fmt(c["js_mean"]), T.fmt(c["kld_centroid_stack"]),
+                     c["rank_closest"], T.fmt(c["bit_reproducible"]), note])
     return table(cols, body)
 
 
@@ -121,9 +120,14 @@ def model_charts(data: dict, model: str, k: int) -> str:
     every = [c["cell_id"] for c in data["cells"] if c["model"] == model]
     js = {(name[p["cell_a"]], name[p["cell_b"]]): p["mean_js"] for p in data["pairs"]
           if p["cell_a"] in every and p["cell_b"] in every}
+    if not mine:
+        return P.no_data("Only this model's reference was measured: nothing to compare it with.")
     summary = [(name[c["cell_id"]], {"mean": c["kld_mean"], "p99": c["kld_p99"]}) for c in mine]
     err = {name[c["cell_id"]]: 2 * c["kld_stderr"] for c in mine if c["kld_stderr"] is not None}
+    same = [name[c["cell_id"]] for c in mine if c["kld_max"] == 0]
     return (f"<h3>KL divergence from the reference: mean ± 2 s.e., and p99</h3>"
+            + (f'<p class="same">KL 0 on every row (no point on a log axis): {html.escape(", ".join(same))}.</p>'
+               if same else "")
             + P.dots(summary, f"kld-summary-{k}", "KL(reference ‖ stack), nats", err=err)
             + "<h3>Distribution over rows (CDF)</h3>"
             + P.cdf([(name[c], dist[c]["q"], QUANTILES) for c in (c["cell_id"] for c in mine) if c in dist],
@@ -140,7 +144,19 @@ def model_charts(data: dict, model: str, k: int) -> str:
                       for c in data["cells"] if c["model"] == model], f"centroid-{k}", "KL(centroid ‖ stack), nats")
             + "<h3>Every pair of stacks: mean Jensen-Shannon divergence</h3>"
             + (P.heatmap(sorted(name[c] for c in every), js, f"pairwise-js-{k}", "mean JS divergence, nats") if js
-               else P.no_data("No pairwise table: this warehouse's analysis computed none (centroid: none).")))
+               else P.no_data("No pairwise divergences for this model's stacks: analysis measures the pairs of "
+                              "each centroid group, and a spec with centroid: none asks for none.")))
+
+
+STACK_KEYS = ("cell_id", "stack_id", "model", "engine", "dtype", "attention", "tp", "device", "options", "status",
+              "host", "is_reference", "reference_cell_id", "centroid", "storage")
+
+
+def _embedded(data: dict) -> str:
+    """What the charts were drawn from, as JSON a script can parse (a <script> is raw text: no HTML
+    escaping, only "</" kept from closing it); of each cell, what names its stack."""
+    small = {**data, "stacks": [{k: c.get(k) for k in STACK_KEYS} for c in data["stacks"]]}
+    return json.dumps(small, default=str).replace("</", "<\\/")
 
 
 def write_html(data: dict, out_dir: Path, warehouse: str, sections: list[str] = ()) -> Path:
@@ -162,7 +178,7 @@ svg.chart{{display:block;max-width:100%;height:auto}}p.empty{{color:#666}}</styl
 {T.metadata(data)}
 {body}
 {"".join(sections)}
-<script type="application/json" id="data">{html.escape(json.dumps(data, default=str))}</script>
+<script type="application/json" id="data">{_embedded(data)}</script>
 </body></html>"""
     path = out_dir / "report.html"
     path.write_text(page)

@@ -69,7 +69,7 @@ def log_ticks(axis) -> None:
     lo, hi = sorted(axis.get_view_interval())
     span = math.log10(hi / lo) if lo > 0 else 99.0
     subs = (1.0,) if span > 2.5 else (1.0, 2.0, 5.0) if span > 1.0 else tuple(float(m) for m in range(1, 10))
-    axis.set_major_locator(LogLocator(base=10, subs=subs, numticks=7))  # at most ~7 labels: they fit a short axis
+    axis.set_major_locator(LogLocator(base=10, subs=subs, numticks=7))  # decades thinned to ~7: a 12-decade axis fits
     axis.set_major_formatter(FuncFormatter(_sci))
     axis.set_minor_formatter(NullFormatter())
 
@@ -115,17 +115,17 @@ def no_data(text: str) -> str:
 
 
 def dots(rows: list[tuple[str, dict[str, float | None]]], ident: str, xlabel: str, log: bool = True,
-         err: dict[str, float] | None = None, xlim: tuple | None = None) -> str:
+         err: dict[str, float] | None = None) -> str:
     """One row per label, one marker per key of its dict (a legend names the keys); err: ± half-widths
     of the first key. A dot plot, not bars: on a log or a cut axis a bar's length would mean nothing."""
     keys = list(dict.fromkeys(k for _, d in rows for k, v in d.items() if v is not None and (v > 0 or not log)))
     if not keys:
         return no_data("No values to plot.")
     with drawing(6.4, 0.6 + 0.2 * len(rows)) as fig:
-        return _dots(fig, rows, keys, ident, xlabel, log, err or {}, xlim)
+        return _dots(fig, rows, keys, ident, xlabel, log, err or {})
 
 
-def _dots(fig, rows, keys, ident, xlabel, log, err, xlim) -> str:
+def _dots(fig, rows, keys, ident, xlabel, log, err) -> str:
     ax = fig.subplots()
     ys = list(range(len(rows)))[::-1]
     for i, k in enumerate(keys):
@@ -141,8 +141,6 @@ def _dots(fig, rows, keys, ident, xlabel, log, err, xlim) -> str:
     if log:
         ax.set_xscale("log")
         log_ticks(ax.xaxis)
-    if xlim:
-        ax.set_xlim(*xlim)
     ax.set_xlabel(xlabel)
     if len(keys) > 1:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
@@ -212,8 +210,10 @@ def by_position(panels: list[dict], ident: str) -> str:
             _position_panel(ax, p, i)
         for ax in axes[len(shown):]:
             ax.set_visible(False)
-        for ax in axes[:len(shown)]:
+        for i, ax in enumerate(axes[:len(shown)]):
             ax.label_outer()
+            if i + cols >= len(shown):  # the lowest panel of its column, whatever row it is in
+                ax.tick_params(labelbottom=True)
         axes[0].set_yscale("log")
         log_ticks(axes[0].yaxis)
         fig.supxlabel("position in the prompt", fontsize=9)

@@ -18,14 +18,19 @@ def _e(v) -> str:
     return html.escape("" if v is None else str(v))
 
 
-def _g(v, digits=4) -> str:
+def fmt(v, digits=4) -> str:
+    """A table value as text: floats to `digits` significant digits, booleans as yes / no."""
     if v is None:
         return ""
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, float):
         return f"{v:.{digits}g}"
-    return _e(v)
+    return str(v)
+
+
+def _g(v, digits=4) -> str:
+    return html.escape(fmt(v, digits))
 
 
 def _table(ident: str, head: list[str], rows: list[list[str]]) -> str:
@@ -78,14 +83,25 @@ def _hosts(cells: list[dict], names: dict) -> str:
         fp = json.loads(c.get("fingerprint") or "{}")
         cpu = fp.get("cpu") or {}
         flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "asimd", "sme") if (cpu.get("flags") or {}).get(f)]
-        gpu = fp.get("nvidia") or {}
-        gpus = ", ".join(g.get("name", "?") for g in gpu.get("gpus", [])) if gpu.get("gpus") else gpu.get("status", "")
+        gpus = _gpus(fp)
         h = by.setdefault(c["host"] or "?", {"cpu": f"{cpu.get('model', '?')}, {cpu.get('logical_cores', '?')} cores "
                                                      f"({' '.join(flags) or 'no vector flags recorded'})",
                                               "gpu": gpus, "stacks": []})
         h["stacks"].append(names.get(c["cell_id"], c["cell_id"]))
     rows = [[_e(host), _e(h["cpu"]), _e(h["gpu"]), _e(", ".join(sorted(set(h["stacks"]))))] for host, h in sorted(by.items())]
     return _table("hosts", ["host", "CPU", "GPU", "stacks"], rows)
+
+
+def _gpus(fp: dict) -> str:
+    """The host's GPUs by name, NVIDIA or AMD (actors/fingerprint.py), else Apple's Metal device, else what NVML said."""
+    for vendor in ("nvidia", "rocm"):
+        found = (fp.get(vendor) or {}).get("gpus") or []
+        if found:
+            return ", ".join(str(g.get("name") or "?") for g in found)
+    metal = (fp.get("apple") or {}).get("metal")
+    if isinstance(metal, dict):
+        return str(metal.get("device_name") or metal.get("architecture") or "Apple GPU (Metal)")
+    return str((fp.get("nvidia") or {}).get("status", ""))
 
 
 def _engines(cells: list[dict]) -> str:

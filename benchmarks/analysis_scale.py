@@ -69,7 +69,7 @@ def add_stack(base: Path, dst: Path, k: int) -> None:
 
 def group_floor(wh: Path, k: int, sample: int = 2) -> tuple[float, int]:
     """The floor under the increment: the group's own work after stack k joined it (every member's
-    rows read, the centroid with today's float64 arithmetic, the new member's pairs), in this
+    rows read, the centroid with its float64 arithmetic, the new member's pairs), in this
     process on its default threads like `--workers 1`, timed over the first `sample` prompts and
     scaled to all of them. No imports, planning or writes. -> (seconds, positions)."""
     from analysis.centroid import group_rows
@@ -99,10 +99,10 @@ def incremental(base: Path, where: Path, k: int) -> tuple[dict, dict, float, flo
           f"second {second['seconds']} s = {frac:.2f} of the first (target <= {TARGET_INCREMENT}); computed "
           f"{second['summary']['computed']}", flush=True)
     floor, positions = group_floor(inc, k)
-    print(f"  beside it, the group's own work alone (its {k + 1} members' rows read, today's float64 centroid, the "
+    print(f"  beside it, the group's own work alone (its {k + 1} members' rows read, the float64 centroid, the "
           f"{k} new pairs; in this process, sampled): {floor:.1f} s for {positions} positions = "
-          f"{floor / first['seconds']:.2f} of the first analyze: the floor under the increment while the centroid's "
-          f"numbers stay today's", flush=True)
+          f"{floor / first['seconds']:.2f} of the first analyze: the floor under the increment while the "
+          f"centroid is computed over every member again", flush=True)
     return first, second, frac, floor
 
 

@@ -158,7 +158,7 @@ class Decode(Extra):
         return ("<h2>Prefill against decode</h2><p>At each decoded position: the stack's row from its one prefill, "
                 "and its row from the KV cache, fed one teacher-forced token at a time (batch 1, n_tokens = 1; "
                 "other kernels than the prefill's). Both against the reference's prefill row there.</p>"
-                + paths_figure(rows, "decode", "prefill-decode", data.get("names")))
+                + paths_figure(rows, "decode", "prefill-decode", data.get("names"), data.get("model_of")))
 
     def brief(self, value) -> list[str]:
         return [f"decode {value['steps']} steps from {value['at']}"]

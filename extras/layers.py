@@ -62,7 +62,7 @@ class Layers(Extra):
     rank = 10
     about = "record hidden states after these decoder layers: a list of indices, first-N or all"
     json_schema = {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-                             {"type": "string", "pattern": "^(first-[1-9][0-9]*|all)$"}]}
+                             {"type": "string", "pattern": "^(first-[0-9]*[1-9][0-9]*|all)$"}]}
 
     def parse(self, v: Any, fail) -> tuple | str | None:
         """[i, ...] | first-N | all -> sorted indices, or "all" (the depth is known at plan time)."""
@@ -149,7 +149,7 @@ class Layers(Extra):
     def report(self, data: dict) -> str:
         from analysis.report_layers import layers_section
 
-        return layers_section(data.get("layers") or [], data.get("names"))
+        return layers_section(data.get("layers") or [], data.get("names"), data.get("model_of"))
 
     def brief(self, value) -> list[str]:
         return []

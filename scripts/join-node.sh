@@ -32,9 +32,9 @@ ray_pin=$(grep -i '^ray==' "$here/constraints/cpu.txt" 2>/dev/null | cut -d= -f3
 if [ -n "$ray_pin" ]; then ray_spec="ray==$ray_pin"; else ray_spec="ray>=2.52"; fi
 python3 -m pip install -q "$ray_spec"
 # a CPU node installs from the lock, as `make venv` does (a GPU or Apple node brings its own torch / MLX)
-lock=""; [ "$device" = cpu ] && [ -f "$here/constraints/cpu.txt" ] && lock="-c $here/constraints/cpu.txt"
-# shellcheck disable=SC2086
-python3 -m pip install -q $lock -e "$here[$extras,s3]"
+lock=()
+if [ "$device" = cpu ] && [ -f "$here/constraints/cpu.txt" ]; then lock=(-c "$here/constraints/cpu.txt"); fi
+python3 -m pip install -q "${lock[@]}" -e "$here[$extras,s3]"
 case "$device" in
   # (ROCm: PyPI's vllm is the CUDA build; use AMD's ROCm vLLM and point LOGIT_MATRIX_VLLM_PYTHON at it)
   sm120|h200|b200|h100|cuda)

@@ -32,6 +32,9 @@ pytestmark = [pytest.mark.serial,
                                  reason="needs root and unshare for the joined node's namespaces")]
 
 
+JOINED = "logit-matrix-test: the node's lines ran"
+
+
 def parts() -> dict[str, str]:
     """The recipe's block cut at its three comments: head, joining machine, driver."""
     (block,) = blocks("A sweep on two or more machines", "sh")
@@ -56,7 +59,7 @@ def joined_node(script: str, env: dict, hidden: list[Path], log: Path):
     """The joining machine's lines in new mount and PID namespaces; the namespace's first process
     stays until the test ends, and its end ends every process of the node."""
     mounts = " && ".join(f"mkdir -p {d} && mount -t tmpfs tmpfs {d}" for d in [*hidden, Path(env["HOME"])])
-    inner = f"set -euo pipefail; {mounts}; cd {REPO}\n{script}\necho joined; exec sleep infinity"
+    inner = f"set -euo pipefail; {mounts}; cd {REPO}\n{script}\necho {JOINED}; exec sleep infinity"
     proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc",
                              "bash", "-c", inner], env=env, cwd=REPO, start_new_session=True,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -72,7 +75,7 @@ def _wait_joined(proc, log: Path, timeout: float = 600) -> None:
     import time
 
     deadline = time.time() + timeout
-    while "joined" not in log.read_text():
+    while JOINED not in log.read_text():
         assert proc.poll() is None, log.read_text()[-3000:]
         assert time.time() < deadline, log.read_text()[-3000:]
         time.sleep(2)
@@ -118,6 +121,7 @@ def test_two_machines_as_written(tiny_model, short_corpus, tmp_path_factory):
     finally:
         _bash(f"{Path(sys.executable).parent / 'ray'} stop --force", _env(head_home, {}), timeout=120)
         s3.proc.terminate()
+        s3.proc.wait(timeout=60)
         shutil.rmtree(head_home, ignore_errors=True)
         shutil.rmtree(wire, ignore_errors=True)
 

@@ -25,7 +25,10 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is
 # pair of labels on the page whose boxes overlap by more than half a pixel each way.
 LAYOUT_JS = """
 document.fonts.ready.then(() => {
-  const out = {charts: [], overlaps: [], font: document.fonts.check("9px 'DejaVu Sans'")};
+  const data = document.getElementById('data');
+  const parses = (text) => { try { JSON.parse(text); return true; } catch (e) { return false; } };
+  const out = {charts: [], overlaps: [], data: data ? parses(data.textContent) : null,
+               font: [...document.fonts].some(f => f.family.includes('DejaVu Sans') && f.status === 'loaded')};
   const all = [];
   for (const svg of document.querySelectorAll('svg.chart')) {
     const r = svg.getBoundingClientRect();
@@ -84,6 +87,7 @@ def check_report(wh: Path, work: Path, charts: list[str]) -> dict:
     got = layout(work / "rep" / "report.html", work)
     assert not got["console"], got["console"]
     assert got["font"], "the embedded font did not load"
+    assert got["data"], "the page's JSON does not parse"
     drawn = {c["id"]: c for c in got["charts"]}
     for ident in charts:
         assert ident in drawn, (ident, sorted(drawn))

@@ -67,3 +67,21 @@ def test_no_stack_or_several_is_one_line_naming_them(asked, says):
 def test_a_stack_without_a_completed_cell_says_so():
     with pytest.raises(UserError, match="stack llamacpp/f16 has no completed cell"):
         resolve([c for c in DEMO if c["status"] == "failed"] + DEMO[:2], "llamacpp/f16")
+
+
+def test_the_reports_labels_are_unique_per_cell():
+    """A stack of several cells (builds, replicas) labels each by what follows its stack id; a cell
+    written before cells had a stack id is a stack of its own."""
+    from analysis.report import labels
+
+    replicas = [{**cell("m.hf.fp32.eager.tp1.cpu-ee", "hf", "fp32", "eager"), "cell_id": c}
+                for c in ("m.hf.fp32.eager.tp1.cpu-ee@b1", "m.hf.fp32.eager.tp1.cpu-ee.r1@b1",
+                          "m.hf.fp32.eager.tp1.cpu-ee.r2@b1")]
+    old = {**cell("x", "llamacpp", "q8_0"), "stack_id": None, "cell_id": "m.llamacpp.q8_0.default.tp1.cpu-ff"}
+    got = labels(DEMO + replicas + [old])
+    assert len(set(got.values())) == len(got) == len(DEMO) + 3 + 1, got  # every cell its own label
+    assert got["m.hf.fp32.eager.tp1.cpu-ee.r2@b1"] == "hf/fp32/eager.r2@b1"
+    assert got["m.hf.fp32.eager.tp1.cpu-ee@b1"] == "hf/fp32/eager@b1"
+    assert {got[f"m.llamacpp.f16.default.tp1.cpu-da@{b}"] for b in ("b1", "b2", "b3")} == \
+        {"llamacpp/f16@b1", "llamacpp/f16@b2", "llamacpp/f16@b3"}
+    assert got["m.llamacpp.q8_0.default.tp1.cpu-ff"] == "llamacpp/q8_0"

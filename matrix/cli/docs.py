@@ -168,8 +168,9 @@ def benchmarks_page(results: Path) -> str:
 
     out = [HEADER.format(src="benchmarks/results/*/*.json (what each benchmark script records)"), "# Benchmarks\n",
            "Each recorded run of a benchmark script: when, at which commit (`+`: with uncommitted changes), on what "
-           "CPU and GPU, by which command, and whether it met its target. The figures are ratios against a peer "
-           "measured in the same run. How each is measured, and figures measured by hand: "
+           "CPU and GPU, by which command, and whether the run met its target (the run's verdict, on each of its "
+           "rows). Ratios are against a peer measured in the same run. How each is measured, and figures measured "
+           "by hand: "
            "[benchmark-notes.md](benchmark-notes.md).\n"]
     for bench in sorted(p.name for p in results.iterdir() if p.is_dir()) if results.is_dir() else []:
         runs = sorted((json.loads(f.read_text()) for f in (results / bench).glob("*.json")),
@@ -178,7 +179,7 @@ def benchmarks_page(results: Path) -> str:
             continue
         cols = SCOREBOARD.get(bench) or [(k, k) for k in runs[0]["rows"][0]] if runs[0]["rows"] else []
         out.append(f"## `{bench}`\n\ntarget: {_cell(runs[0]['target'])}\n")
-        out.append("| date | commit | CPU | GPU | " + " | ".join(c for c, _ in cols) + " | met | command |")
+        out.append("| date | commit | CPU | GPU | " + " | ".join(c for c, _ in cols) + " | run met target | command |")
         out.append("|" + " --- |" * (len(cols) + 6))
         for r in runs:
             for row in r["rows"]:

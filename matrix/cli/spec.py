@@ -23,6 +23,8 @@ def kind(j: dict) -> str:
         return "one of " + ", ".join(json.dumps(v) if not isinstance(v, str) else v for v in j["enum"])
     if "anyOf" in j:
         return " or ".join(kind(x) for x in j["anyOf"])
+    if j.get("type") == "null":
+        return "null"
     t = j.get("type")
     if isinstance(t, list):
         t = " or ".join(t)

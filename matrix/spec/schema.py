@@ -93,14 +93,23 @@ def _entry(extra_ok: bool) -> dict:
     """JSON Schema of an include entry (extra_ok) or of an exclude / reference selector."""
     props = dict(AXES)
     if extra_ok:
-        props.update({k: j for k, (j, _) in CELL_EXTRA.items()})
+        props.update({k: nullable(j) if k in ("threads", "max_tokens") else j for k, (j, _) in CELL_EXTRA.items()})
         props.update({k.name: k.json for k in OPTIONS})
-        props.update({x.key: x.json_schema for x in extras.registered()})
+        props.update({x.key: nullable(x.json_schema) for x in extras.registered()})  # null: off for this cell
     return {"type": "object", "properties": props, "additionalProperties": False, "minProperties": 1}
 
 
+def one_or_list(item: dict) -> dict:
+    """A value or a list of values (parsing takes `engines: hf` as `engines: [hf]`)."""
+    return {"anyOf": [item, {"type": "array", "items": item}]}
+
+
+def nullable(j: dict) -> dict:
+    return {"anyOf": [j, {"type": "null"}]}
+
+
 def _axis(key: str, default: list, about: str) -> Key:
-    return Key(key, {"type": "array", "items": AXES[names.SPEC_AXES[key]]}, about, default)
+    return Key(key, one_or_list(AXES[names.SPEC_AXES[key]]), about, default)
 
 
 def top() -> tuple[Key, ...]:
@@ -110,7 +119,7 @@ def top() -> tuple[Key, ...]:
     keys = [
         Key("name", {"type": "string"}, "the spec's name in runs (default: the file's stem)"),
         Key("description", {"type": "string"}, "free text, kept with the run"),
-        Key("models", {"type": "array", "items": model}, "the model axis: catalog names, directories, GGUF files, "
+        Key("models", one_or_list(model), "the model axis: catalog names, directories, GGUF files, "
             "hub ids, or mappings", required=True, keys=MODEL),
         _axis("engines", ["hf"], "the engine axis"), _axis("dtypes", ["bf16"], "the dtype axis"),
         _axis("attention", ["default"], "the attention axis"), _axis("tp", [1], "the tensor-parallel axis"),
@@ -151,7 +160,7 @@ def top() -> tuple[Key, ...]:
         Key("load_timeout_s", SECONDS, "seconds a cell may take to load (weights shipped, artefacts built)", 3600.0),
         Key("capture_timeout_s", SECONDS, "seconds a repeat may take (null: scaled by the tokens fed)"),
     ]
-    keys += [Key(x.key, x.json_schema, x.about) for x in extras.registered()]
+    keys += [Key(x.key, nullable(x.json_schema), x.about) for x in extras.registered()]
     return tuple(keys)
 
 
