@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.serial,
                                  reason="needs root and unshare for the joined node's namespaces")]
 
 
-JOINED = "logit-matrix-test: the node's lines ran"
+JOINED = "logit-matrix-test-node-joined"  # printed by the node's shell once its lines ran
 
 
 def parts() -> dict[str, str]:
