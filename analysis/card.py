@@ -13,24 +13,18 @@ import hashlib
 import json
 from typing import Any
 
-from analysis.sql import connect
+from analysis.sql import connect, dict_rows
 from common import positions as P
 from common.errors import UserError
 
 UNDISCLOSED = "undisclosed"
 
 
-def _rows(con, sql: str, params=()) -> list[dict]:
-    rel = con.execute(sql, params)
-    cols = [d[0] for d in rel.description]
-    return [dict(zip(cols, r)) for r in rel.fetchall()]
-
-
 def query_rows(warehouse: str, sql: str, params=()) -> list[dict]:
     """One query's rows as dicts, on a connection of its own."""
     con = connect(warehouse)
     try:
-        return _rows(con, sql, params)
+        return dict_rows(con, sql, params)
     finally:
         con.close()
 
@@ -148,13 +142,13 @@ def _query(warehouse: str, cell_id: str) -> tuple[dict, dict, dict, list, list, 
     """-> (cell, its reference, its summary row, ranges, prompts, sampled positions)."""
     con = connect(warehouse)
     try:
-        cells = {c["cell_id"]: c for c in _rows(con, "SELECT * FROM cells")}
+        cells = {c["cell_id"]: c for c in dict_rows(con, "SELECT * FROM cells")}
         if cell_id not in cells:
             raise UserError(f"card: no cell {cell_id} in {warehouse} (see `matrix status --json`)")
         cell = cells[cell_id]
         if cell["status"] != "done":
             raise UserError(f"card: cell {cell_id} was not captured ({cell['status']}: {cell.get('skip_reason')})")
-        summ = _rows(con, "SELECT * FROM summary WHERE cell_id = ?", [cell_id])
+        summ = dict_rows(con, "SELECT * FROM summary WHERE cell_id = ?", [cell_id])
         if not summ:
             raise UserError(f"card: cell {cell_id} has no metrics yet; run `matrix analyze --warehouse {warehouse}`")
         s = summ[0]
@@ -162,12 +156,12 @@ def _query(warehouse: str, cell_id: str) -> tuple[dict, dict, dict, list, list, 
             raise UserError(f"card: cell {cell_id} is the reference its model's stacks are measured against; "
                             "a card measures a candidate against it")
         ref = cells[s["reference_cell_id"]]
-        ranges = _rows(con, """SELECT range, lo, rows, kld_mean, kld_stderr, kld_p99, kld_max, top1_agreement
+        ranges = dict_rows(con, """SELECT range, lo, rows, kld_mean, kld_stderr, kld_p99, kld_max, top1_agreement
                                FROM summary_by_range WHERE cell_id = ? AND category IS NULL ORDER BY lo""", [cell_id])
-        prompts = _rows(con, """SELECT DISTINCT p.prompt_id, p.name, p.category, p.n_tokens, p.ids_sha256, p.bos_policy,
+        prompts = dict_rows(con, """SELECT DISTINCT p.prompt_id, p.name, p.category, p.n_tokens, p.ids_sha256, p.bos_policy,
                                        p.bos_added, p.corpus FROM prompts p JOIN metrics m USING (prompt_id)
                                 WHERE m.cell_id = ? AND m.repeat = 0 ORDER BY p.prompt_id""", [cell_id])
-        pos = _rows(con, """SELECT count(*) AS n, min(position) AS first, max(position) AS last
+        pos = dict_rows(con, """SELECT count(*) AS n, min(position) AS first, max(position) AS last
                             FROM metrics WHERE cell_id = ? AND repeat = 0""", [cell_id])[0]
     finally:
         con.close()

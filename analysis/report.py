@@ -15,23 +15,17 @@ from pathlib import Path
 
 from analysis import report_plots as P
 from analysis import report_tables as T
-from analysis.sql import connect
+from analysis.sql import connect, dict_rows
 from analysis.stack_names import names
 from common.output import table
 
 QUANTILES = [i / 200 for i in range(201)]  # the CDF's points: every half percent of a stack's rows
 
 
-def _rows(con, sql: str, *params) -> list[dict]:
-    rel = con.execute(sql, list(params)) if params else con.execute(sql)
-    cols = [d[0] for d in rel.description]
-    return [dict(zip(cols, r)) for r in rel.fetchall()]
-
-
 def gather(warehouse: str) -> dict:
     con = connect(warehouse)
     try:
-        q = lambda sql, *p: _rows(con, sql, *p)  # noqa: E731
+        q = lambda sql, *p: dict_rows(con, sql, p)  # noqa: E731
         data = {
             "cells": q("""
                 SELECT s.model, s.cell_id, s.engine, s.dtype, s.attention, s.rows, s.kld_mean, s.kld_stderr,
@@ -117,7 +111,7 @@ def model_charts(data: dict, model: str, k: int) -> str:
                                                  "p90": [], "prompts": []})
             for key in ("position", "median", "p10", "p90", "prompts"):
                 p[key].append(r[key])
-    every = [c["cell_id"] for c in data["cells"] if c["model"] == model]
+    every = {c["cell_id"] for c in data["cells"] if c["model"] == model}
     js = {(name[p["cell_a"]], name[p["cell_b"]]): p["mean_js"] for p in data["pairs"]
           if p["cell_a"] in every and p["cell_b"] in every}
     if not mine:

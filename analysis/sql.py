@@ -15,6 +15,13 @@ from store.warehouse import logits_matrix
 READ_ONLY = {"SELECT", "EXPLAIN"}
 
 
+def dict_rows(con: duckdb.DuckDBPyConnection, sql: str, params=()) -> list[dict]:
+    """One query's rows as {column: value} dicts."""
+    rel = con.execute(sql, list(params))
+    cols = [d[0] for d in rel.description]
+    return [dict(zip(cols, r)) for r in rel.fetchall()]
+
+
 def connect(warehouse: str) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB with one view per table, named like the table."""
     wh = Warehouse(warehouse).require()
