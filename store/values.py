@@ -19,8 +19,17 @@ def native_dtype_of(arr: np.ndarray) -> str:
     return kinds[arr.dtype]
 
 
-def widen(arr: np.ndarray) -> np.ndarray:
-    """Native logits -> float32, exactly (bf16 bits go into the high half)."""
+def widen(arr: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Native logits -> float32, exactly (bf16 bits go into the high half); into out's first
+    arr.size values when given (float32, any shape), else a new array or arr itself."""
+    if out is not None:
+        wide = out.reshape(-1)[:arr.size].reshape(arr.shape)
+        if arr.dtype == np.uint16:
+            np.copyto(wide.view(np.uint32), arr)
+            wide.view(np.uint32)[...] <<= 16
+        else:
+            np.copyto(wide, arr)
+        return wide
     if arr.dtype == np.uint16:
         wide = arr.astype(np.uint32)
         wide <<= 16  # in place: one buffer, not two

@@ -211,15 +211,18 @@ def row_hashes(rows: pa.Table) -> dict[tuple[str, int], str]:
 
 def rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, positions: list[int],
                next_ids: Iterable[int | None], native: np.ndarray, shift: np.ndarray | None = None,
-               path: list[str] | None = None, step: list[int] | None = None) -> pa.Table:
+               path: list[str] | None = None, step: list[int] | None = None,
+               buffer: np.ndarray | None = None) -> pa.Table:
     """One prompt's rows as a LOGITS table. native: (rows, vocab) as returned by a backend, or as
     stored (`store: bf16`) with shift (rows,) what was subtracted from each row; path / step per
-    row for a side file (null for a capture's rows)."""
+    row for a side file (null for a capture's rows). buffer: a float32 array of at least
+    rows * vocab values the widened values go into, for a caller that writes the table before
+    it reuses the buffer (a prompt's fresh 270 MB costs as much in page faults as the widening)."""
     n, vocab = native.shape
     assert n == len(positions), (n, len(positions))
     dtype = native_dtype_of(native)
     hashes = [row_hash(native[i]) for i in range(n)]
-    values = pa.array(widen(native).reshape(-1), type=pa.float32())  # (rows * vocab,)
+    values = pa.array(widen(native, buffer).reshape(-1), type=pa.float32())  # (rows * vocab,)
     offsets = pa.array(np.arange(0, (n + 1) * vocab, vocab, dtype=np.int32))
     return pa.table({
         "run_id": pa.array([run_id] * n), "cell_id": pa.array([cell_id] * n),
@@ -247,12 +250,25 @@ def _writer(where, table: str = "logits") -> pq.ParquetWriter:
         write_page_checksum=True)  # a flipped byte fails its page's CRC on read (store/verify.py)
 
 
+def by_row(rows: pa.Table) -> pa.Table:
+    """rows with each list column (a row's logits or states) in one-row chunks, the same values.
+    Parquet's writer builds a chunk's repetition and definition levels (two int16 per value) in
+    buffers it grows by copying; a prompt's rows at once (67M values at a 262,144 vocabulary)
+    outgrow the caches, one row at a time they do not: the same file's bytes, ~2.4x faster."""
+    for i, field in enumerate(rows.schema):
+        col = rows.column(i)
+        if pa.types.is_list(field.type) and col.num_chunks < rows.num_rows:
+            one = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()  # combining copies even one chunk
+            rows = rows.set_column(i, field, pa.chunked_array([one.slice(r, 1) for r in range(len(one))], field.type))
+    return rows
+
+
 def encode_rows(rows: pa.Table, table: str = "logits") -> bytes:
     """One row group as the bytes of a small Parquet file, encoded as a shard encodes it
     (what a node that cannot reach the warehouse sends to the driver)."""
     sink = pa.BufferOutputStream()
     w = _writer(sink, table)
-    w.write_table(rows)
+    w.write_table(by_row(rows))
     w.close()
     return sink.getvalue().to_pybytes()
 
@@ -294,6 +310,7 @@ class ShardWriter:
         self.path = loc.path(Warehouse.shard_key(cell_id, repeat, table))  # named by a write that fails
         self.run_id, self.cell_id, self.repeat = run_id, cell_id, repeat
         self.rows = 0
+        self._wide = None  # the widened values of the prompt being written (rows_table's buffer)
         with named_io_errors(self.path):
             self._writer = _writer(self.stage.tmp, table)
 
@@ -301,8 +318,10 @@ class ShardWriter:
             native: np.ndarray, shift: np.ndarray | None = None, path: list[str] | None = None,
             step: list[int] | None = None) -> None:
         """native: (rows, vocab) as returned by a backend (or as stored, with each row's shift)."""
+        if self._wide is None or self._wide.size < native.size:
+            self._wide = np.empty(native.size, np.float32)
         self.add_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native,
-                                 shift, path, step))
+                                 shift, path, step, buffer=self._wide))  # written below: the buffer is free again
 
     def add_layers(self, prompt_id: str, positions: list[int], states: dict[str, np.ndarray], depth: int,
                    sources: dict[str, str]) -> None:
@@ -314,7 +333,7 @@ class ShardWriter:
 
     def add_rows(self, rows: pa.Table) -> None:
         with named_io_errors(self.path):
-            self._writer.write_table(rows)
+            self._writer.write_table(by_row(rows))
         self.rows += rows.num_rows
 
     def add_encoded(self, data: bytes) -> int:

@@ -11,7 +11,8 @@ import pytest
 
 from store import pages
 from store.verify import verify_shard
-from store.warehouse import LOGITS_LEAF, Warehouse, _writer, encode_rows, logits_matrix, row_hash, rows_table
+from store.warehouse import (LOGITS_LEAF, Warehouse, _writer, by_row, encode_rows, logits_matrix, row_hash,
+                             rows_table)
 
 VOCAB = 4099  # odd on purpose: rows do not line up with pages or with bit-packed level groups
 
@@ -59,6 +60,28 @@ def test_shard_pages_give_back_the_native_rows_exactly(kind):
         assert rows.dtype == want.dtype and rows.shape == want.shape
         assert rows.tobytes() == want.tobytes()
         assert [row_hash(r) for r in rows] == t.column("row_hash").to_pylist()
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "f16"])
+def test_rows_written_one_row_at_a_time_and_through_a_reused_buffer_are_the_same_file(kind):
+    # the shard writer hands Parquet a prompt's rows as one-row chunks and widens them into a
+    # buffer it reuses: neither may change a byte of the file
+    first, second = native(kind, 9, seed=3), native(kind, 5, seed=4)
+    plain = [rows_table("run", "cell", 0, f"p{i}", list(range(len(g))), [7] * len(g), g)
+             for i, g in enumerate((first, second))]
+    chunked = by_row(plain[0])
+    assert chunked.column("logits").num_chunks == 9 and plain[0].column("logits").num_chunks == 1
+    assert chunked.equals(plain[0])
+    want = shard_bytes(plain)
+    assert shard_bytes([by_row(t) for t in plain]) == want
+    buffer = np.full(9 * VOCAB, np.nan, np.float32)  # stale values from an earlier prompt must not leak
+    sink = pa.BufferOutputStream()
+    w = _writer(sink)
+    for i, g in enumerate((first, second)):  # each prompt written before the next one reuses the buffer
+        w.write_table(by_row(rows_table("run", "cell", 0, f"p{i}", list(range(len(g))), [7] * len(g), g, buffer=buffer)))
+    w.close()
+    assert sink.getvalue().to_pybytes() == want
+    assert pq.read_table(pa.BufferReader(encode_rows(plain[1]))).equals(plain[1])
 
 
 @pytest.mark.parametrize("options", [
