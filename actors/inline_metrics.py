@@ -22,8 +22,8 @@ from store.warehouse import Warehouse, unshift, widen
 
 
 class Warmup:
-    """torch and the metric kernel loaded on a thread while the actor loads its model: the kernel's
-    first call (~6 s on 2 cores, mostly one core) then overlaps the load instead of the capture."""
+    """The metric kernel built (or loaded from its cache) on a thread while the actor loads its
+    model: a first build (~0.4 s, one core) then overlaps the load instead of the capture."""
 
     def __init__(self, vocab: int):
         self.error: Exception | None = None

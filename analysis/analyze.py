@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import pyarrow as pa
-import torch
 
 from analysis import metrics as M
+from analysis import metrics_native
 from analysis.centroid import Group, group_rows
 from analysis.compare import CellResult, cell_metrics, with_floor
 from common.errors import UserError
@@ -293,8 +293,7 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
         summary["cells" if u.kind == "cell" else "groups"] += 1
         summary["metric_rows"] += kept.get("rows", 0) if u.kind == "cell" else 0
     tasks = [t for u in todo for t in u.tasks()]
-    log(f"metrics kernel {M.KERNEL_VERSION}: {M.kernel_mode()} (float64), torch {torch.__version__}, "
-        f"{torch.get_num_threads()} thread(s); {len(todo)} of {len(units)} unit(s) to compute in {len(tasks)} piece(s)"
+    log(f"metrics kernel {M.KERNEL_VERSION}: {M.kernel_mode()} (float64), {metrics_native.threads()} thread(s); {len(todo)} of {len(units)} unit(s) to compute in {len(tasks)} piece(s)"
         + (f", {len(units) - len(todo)} up to date" if len(todo) < len(units) else ""))
     progress = Progress(sum(u.rows for u in todo))
     by_name = {(u.kind, u.name): u for u in todo}

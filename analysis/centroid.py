@@ -14,7 +14,6 @@ import itertools
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from analysis import metrics as M
 from analysis.compare import BUDGET_BYTES, chunk_rows
@@ -51,6 +50,8 @@ class Group:
         self._pairs(keys, rows, finite)
 
     def _centroid(self, key, fin: list[str], rows: np.ndarray) -> None:
+        import torch  # here, not at the top: a process that only measures rows against a reference never loads it
+
         x = rows.astype(np.float64)  # (stacks, vocab); exact widening, ~10x faster than torch's .double()
         lps = torch.log_softmax(torch.from_numpy(x), -1)  # (stacks, vocab)
         if self.how == "mean_logprob":

@@ -191,7 +191,7 @@ def per_row_costs(ref: "np.ndarray", stk: "np.ndarray", next_ids: list[int]) -> 
     steps = {"rounding and floor": lambda: Storage("bf16").keep(stk),
              "encoding": lambda: encode_rows(rows_table("r", "c", 0, "p", list(range(n)), next_ids, stored, shift)),
              "comparison": lambda: row_metrics(ref, stk, nxt)}
-    steps["comparison"]()  # the kernel compiles once per process, as in a cell
+    steps["comparison"]()  # the kernel is built or loaded once per process, as in a cell
     out = {}
     for k, fn in steps.items():
         best = float("inf")

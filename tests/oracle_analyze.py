@@ -241,7 +241,7 @@ def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None,
     if centroid is None:
         asked = {c.get("centroid") for c in done} - {None}
         centroid = asked.pop() if len(asked) == 1 else "mean_prob"
-    log(f"metrics kernel: {M.kernel_mode()} (float64), torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    log(f"metrics kernel: {M.kernel_mode()} (float64)")
     progress = Progress(sum(c["repeats"] * (c["rows_per_repeat"] or 0) for c in done))
     summary = {"cells": 0, "metric_rows": 0, "groups": 0, "nonfinite_rows": 0, "centroid": centroid,
                "unaligned_rows": {}, "skip_damaged": skip_damaged, "damaged": []}

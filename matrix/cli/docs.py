@@ -141,7 +141,7 @@ SCOREBOARD = {
                      ("depot peak MiB", "peak_mib")],
     "vs_llama_imatrix": [("part", "part"), ("type", "type"), ("ratio", "ratio"), ("equal tensors", "equal_tensors"),
                          ("Q4_K_M identical", "q4_k_m_identical")],
-    "analysis_throughput": [("vocab", "vocab"), ("MB/s per core", "mb_s"), ("compiled/eager", "compiled_vs_eager")],
+    "analysis_throughput": [("vocab", "vocab"), ("MB/s per core", "mb_s"), ("kernel", "kernel")],
     "verify_throughput": [("dtype", "dtype"), ("verify MB/s", "verify_mb_s"), ("verify/decode", "verify_vs_decode"),
                           ("verify/floor", "verify_vs_floor")],
     "storage_bytes": [("stack", "stack"), ("layout", "layout"), ("B/logit", "bytes_per_logit")],

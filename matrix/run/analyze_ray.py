@@ -18,11 +18,14 @@ HEARTBEAT_S = 60
 def _task(where: str, task, skip_damaged: bool):
     """Inside a Ray task: one piece of a unit, with the task's one CPU. Bad input comes back as a value,
     so the driver raises it as the one-line error it is, not as a wrapped traceback."""
+    import os
+
     import torch
 
     from analysis.analyze import run_task
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the centroid's log-softmax
+    os.environ["LOGIT_MATRIX_KERNEL_THREADS"] = "1"  # the metric kernel (analysis/metrics_native.py)
     try:
         return "ok", run_task(where, task, skip_damaged)
     except DamagedShard as e:
