@@ -24,8 +24,6 @@ measures pays no torch import and no JIT. benchmarks/analysis_throughput.py prin
 
 from __future__ import annotations
 
-import os
-import sys
 
 import numpy as np
 
@@ -91,8 +89,7 @@ _KERNEL = None  # chosen on first use
 def _kernel():
     global _KERNEL
     if _KERNEL is None:
-        native = os.environ.get("LOGIT_MATRIX_COMPILE", "1") != "0" and metrics_native.load() is not None
-        _KERNEL = _reduce_native if native else _reduce_numpy
+        _KERNEL = _reduce_native if metrics_native.load() is not None else _reduce_numpy
     return _KERNEL
 
 

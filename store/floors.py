@@ -11,13 +11,19 @@ log-prob to a uint16 step and clamps 16 nats below the top (store/llamacpp_kld.p
 
 from __future__ import annotations
 
+import ctypes
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from common import native
 from store.values import shift_by_max, to_bf16, widen
+
+KERNEL = Path(__file__).with_name("floors_kernel.c")  # the fused pass below in C, where it builds
+ROWS_PER_TASK = 16
 
 
 def kld_base_floor(scale: np.ndarray, min_log_prob: np.ndarray, n_clamped: np.ndarray) -> np.ndarray:
@@ -90,6 +96,24 @@ def _fused_keep(x: np.ndarray, m: np.ndarray, stored: np.ndarray, bufs: tuple) -
     return kl
 
 
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.keep_bf16.restype = None
+    lib.keep_bf16.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
+
+
+def _native_keep(x: np.ndarray, stored: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(shift, floor) of every row, stored filled, by the C kernel over the CPUs (rows it cannot
+    do come back with floor NaN); None where the kernel is not built."""
+    lib = native.load(KERNEL, _declare)
+    if lib is None:
+        return None
+    x = np.ascontiguousarray(x, np.float32)
+    shift, kl = np.empty(x.shape[0], np.float32), np.empty(x.shape[0])
+    args = x.ctypes.data, stored.ctypes.data, shift.ctypes.data, kl.ctypes.data
+    native.spread(lambda a, b: lib.keep_bf16(args[0], a, b, x.shape[1], *args[1:]), x.shape[0], ROWS_PER_TASK)
+    return shift, kl
+
+
 class Storage:
     """What a shard keeps of each row: the native values (lossless), or bf16 of the row shifted
     by its max, with each row's KL(native || stored) measured here, where the native row still is."""
@@ -124,7 +148,15 @@ class Storage:
         if self.store == "native" or native.dtype == np.uint16:  # bf16 already: nothing to round
             return native, None
         stored = np.empty(native.shape, np.uint16)  # (rows, vocab) bf16 bits
-        shift, kl = self._block(native, stored)  # (rows,) each
+        fast = _native_keep(native, stored) if native.size else None
+        if fast is None:
+            shift, kl = self._block(native, stored)  # (rows,) each
+        else:
+            shift, kl = fast
+            redo = np.flatnonzero(~np.isfinite(kl))  # rows that are not finite: the general way
+            if len(redo):
+                shift[redo], kl[redo] = self._block(native[redo], part := np.empty((len(redo), native.shape[1]), np.uint16))
+                stored[redo] = part
         shift = shift.astype(np.float32)
         ok = np.isfinite(kl)
         self.rows += int(ok.sum())
