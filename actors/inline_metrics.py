@@ -59,6 +59,7 @@ class InlineMetrics:
     def __init__(self, warehouse: str | None, ref_id: str, cell_id: str, repeat: int, warmup: Warmup | None = None):
         self.ref_id, self.cell_id, self.repeat, self.warmup = ref_id, cell_id, repeat, warmup
         self.acc, self.error, self.wh, self.ref, self.seconds = None, None, None, None, 0.0
+        self.wide = None  # a prompt's rows widened, reused prompt after prompt: fresh memory costs page faults
         if warehouse is None:
             self.error = "this node cannot read the warehouse (its rows go through the driver)"
             return
@@ -81,8 +82,13 @@ class InlineMetrics:
                 if self.warmup is not None:
                     self.warmup.wait()
                 self.acc = RepeatMetrics(self.wh, self.ref, self.cell_id, self.repeat, stored.shape[1])
-            wide = widen(stored)  # (rows, vocab) float32, as a shard reader widens them
-            rows = unshift(wide, shift, inplace=wide is not stored)  # the raw logits back (in place: our own copy)
+            if stored.dtype == np.float32 and shift is None:
+                rows = stored  # stored as captured: nothing to widen or add back
+            else:
+                if self.wide is None or self.wide.size < stored.size:
+                    self.wide = np.empty(stored.size, np.float32)
+                wide = widen(stored, self.wide)  # (rows, vocab) float32, as a shard reader widens them
+                rows = unshift(wide, shift, inplace=True)  # the raw logits back, in our own buffer
             self.acc.add(prompt_id, np.asarray(positions, np.int64), lambda idx: _rows_at(rows, idx))
         except Exception as e:  # noqa: BLE001 - the capture goes on; analyze measures the cell instead
             self.error, self.acc = first_line(str(e), type(e).__name__), None
