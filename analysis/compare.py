@@ -14,15 +14,16 @@ import pyarrow as pa
 from analysis import metrics as M
 from common.errors import UserError
 from store import Warehouse
-from store.stream import Rows, ShardIndex, shard_index
+from store.stream import Rows, Scratch, ShardIndex, shard_index
 from store.verify import DamagedShard
 
+MAX_CHUNK_ROWS = 256  # rows a chunk holds at most, however small the vocabulary
 BUDGET_BYTES = 256 << 20  # float32 rows one unit holds at once (every side together)
 
 
 def chunk_rows(sides: int, vocab: int, budget: int = BUDGET_BYTES) -> int:
     """Rows per chunk so `sides` shards' chunks (plus one read batch each) fit the budget."""
-    return max(1, min(M.ROWS * 4, budget // max(1, 2 * sides * vocab * 4)))
+    return max(1, min(MAX_CHUNK_ROWS, budget // max(1, 2 * sides * vocab * 4)))
 
 
 @dataclass
@@ -111,6 +112,7 @@ class RepeatMetrics:
         self.step = chunk_rows(2, vocab or 1, budget)
         self.cols: dict[str, list] = {k: [] for k in ("prompt_id", "position", "metrics")}
         self.unaligned, self.total, self.first = 0, 0, None
+        self.scratch, self.out = Scratch(), None  # the reference's rows, read into the same memory prompt after prompt
 
     def add(self, pid: str, positions: np.ndarray, take) -> None:
         """positions: (rows,) the stack's positions of prompt pid, in order; take(idx) -> those
@@ -124,9 +126,11 @@ class RepeatMetrics:
                 self.first = (pid, int(next(q for i, q in enumerate(positions) if i not in have)))
         if not len(si):
             return
-        a, step, nxt = Rows(self.wh, self.ref, pid, self.step), self.step, self.ref.prompts[pid].next_ids
+        a, step, nxt = Rows(self.wh, self.ref, pid, self.step, self.scratch), self.step, self.ref.prompts[pid].next_ids
+        if self.out is None or self.out.size < step * self.ref.vocab:
+            self.out = np.empty(step * self.ref.vocab, np.float32)
         for s in range(0, len(si), step):
-            m = M.row_metrics(a.take(ri[s:s + step]), take(si[s:s + step]), nxt[ri[s:s + step]])
+            m = M.row_metrics(a.take(ri[s:s + step], self.out), take(si[s:s + step]), nxt[ri[s:s + step]])
             self.cols["metrics"].append(m)
             self.cols["prompt_id"] += [pid] * len(m["kld"])
             self.cols["position"] += np.asarray(positions)[si[s:s + step]].tolist()

@@ -97,13 +97,29 @@ def _runs(ids: list) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(cut, cut[1:]) if b > a]
 
 
+class Scratch:
+    """Buffers a reader widens its batches into, kept from prompt to prompt by the one caller that
+    owns them: fresh memory for every batch costs its page faults (at a 262,144 vocabulary as much
+    as the widening). Two, used in turn: a batch may still hold rows while the next is widened."""
+
+    def __init__(self):
+        self.bufs, self.turn = [np.empty(0, np.float32), np.empty(0, np.float32)], 0
+
+    def next(self, size: int) -> np.ndarray:
+        self.turn ^= 1
+        if self.bufs[self.turn].size < size:
+            self.bufs[self.turn] = np.empty(size, np.float32)
+        return self.bufs[self.turn]
+
+
 class Rows:
     """One prompt of one shard, streamed forward: take(indices) returns those rows (float32,
     widened from native) reading only as far as the largest index. Indices must not go back
-    before what an earlier take() released."""
+    before what an earlier take() released. scratch: where batches are widened (one reader at a
+    time per Scratch)."""
 
-    def __init__(self, wh: Warehouse, index: ShardIndex, prompt_id: str, batch: int):
-        self.index, self.prompt = index, index.prompts[prompt_id]
+    def __init__(self, wh: Warehouse, index: ShardIndex, prompt_id: str, batch: int, scratch: Scratch | None = None):
+        self.index, self.prompt, self.scratch = index, index.prompts[prompt_id], scratch
         self.pf = pq.ParquetFile(index.path, filesystem=wh.loc.fs, metadata=index.metadata,
                                  page_checksum_verification=True, buffer_size=READ_BUFFER)
         self.fs = wh.loc.fs
@@ -151,7 +167,7 @@ class Rows:
         except pages.Corrupt as e:
             raise _damaged(self.index.path, e) from None
         self.read += n
-        return widen(native), native
+        return widen(native, None if self.scratch is None else self.scratch.next(native.size)), native
 
     def _more(self) -> None:
         rows, native = self._next_rows()
@@ -166,8 +182,9 @@ class Rows:
                                f"{self.prompt.positions[at + i]}: {why}; {SEE_VERIFY}")
         self.buf = rows if not len(self.buf) else np.concatenate([self.buf, rows])
 
-    def take(self, idx: np.ndarray) -> np.ndarray:
-        """Rows idx as (len(idx), vocab) float32. Rows before min(idx) are released: taken in
+    def take(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows idx as (len(idx), vocab) float32, in out's first values when given (a buffer the
+        caller reuses once it is done with them). Rows before min(idx) are released: taken in
         ascending chunks (the shard's own order) every row is read once."""
         if not len(idx):
             return np.zeros((0, self.index.vocab), np.float32)
@@ -181,7 +198,16 @@ class Rows:
             self.buf, self.start = self.buf[min(drop, len(self.buf)):], self.start + min(drop, len(self.buf))
         while self.start + len(self.buf) <= hi:
             self._more()
-        rows = self.buf[idx - self.start]  # a copy (fancy indexing): the buffer may be dropped later
-        if self.prompt.shift is None:
-            return rows
-        return unshift(rows, self.prompt.shift[idx - self.prompt.offset], inplace=True)  # the raw logits back
+        at = idx - self.start
+        shift = None if self.prompt.shift is None else self.prompt.shift[idx - self.prompt.offset]
+        if out is None:
+            rows = self.buf[at]  # a copy (fancy indexing): the buffer may be dropped later
+            return rows if shift is None else unshift(rows, shift, inplace=True)  # the raw logits back
+        rows = out.reshape(-1)[:len(at) * self.buf.shape[1]].reshape(len(at), -1)
+        run = len(at) == at[-1] - at[0] + 1 and bool((np.diff(at) == 1).all())
+        src = self.buf[at[0]:at[-1] + 1] if run else self.buf[at]  # a run of rows (the usual case): no copy
+        if shift is None or not np.asarray(shift).any():
+            np.copyto(rows, src)
+        else:
+            np.add(src, np.asarray(shift, np.float32)[:, None], out=rows)  # the raw logits back, in one pass
+        return rows
