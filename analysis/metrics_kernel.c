@@ -17,8 +17,10 @@
 
 /* The vector variants glibc declares only under -ffast-math, which would also let the
    compiler drop the IEEE behaviour of inf and NaN that a masked or broken row relies on. */
+#ifndef NO_LIBMVEC
 double exp(double) __attribute__((simd("notinbranch")));
 double log(double) __attribute__((simd("notinbranch")));
+#endif
 
 enum { KLD, KLDR, JS, H_REF, H_STK, RS, RR, SS, DSQ, MAD, LSE_REF, LSE_STK, OUTS };
 

@@ -26,7 +26,9 @@ from common.files import cache_root
 # -ffp-contract=off: no fused multiply-adds, so each kernel computes the expressions its numpy
 # twin does, rounding for rounding; -fno-math-errno (not -ffast-math) keeps IEEE inf and NaN.
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC"]
-LIBS = ["-lmvec", "-lm"]  # glibc's vector exp/log (the kernels' simd declarations)
+# glibc's vector exp/log (the kernels' simd declarations); where there is no libmvec (macOS,
+# musl) the same source builds with scalar exp/log, still far faster than numpy's passes
+VARIANTS = (["-lmvec", "-lm"], ["-DNO_LIBMVEC", "-lm"])
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -57,21 +59,25 @@ def _build(source: Path) -> ctypes.CDLL:
     if cc is None:
         raise OSError("no C compiler (cc, gcc or $CC)")
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
-    key = hashlib.sha256("\n".join([source.read_text(), ver, *FLAGS, *LIBS, _cpu_key()]).encode()).hexdigest()[:16]
-    so = cache_root() / "kernels" / f"{source.stem}-{key}.so"
-    if not so.exists():
+    errors = []
+    for extra in VARIANTS:
+        key = hashlib.sha256("\n".join([source.read_text(), ver, *FLAGS, *extra, _cpu_key()]).encode()).hexdigest()[:16]
+        so = cache_root() / "kernels" / f"{source.stem}-{key}.so"
+        if so.exists():
+            return ctypes.CDLL(str(so))
         so.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
         os.close(fd)
         try:
-            res = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, *LIBS], capture_output=True, text=True, timeout=120)
-            if res.returncode != 0:
-                raise OSError(f"{cc} failed: {(res.stderr.strip().splitlines() or ['no output'])[-1][:200]}")
-            os.replace(tmp, so)  # whole or not at all: another process may be building the same key
+            res = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, *extra], capture_output=True, text=True, timeout=120)
+            if res.returncode == 0:
+                os.replace(tmp, so)  # whole or not at all: another process may be building the same key
+                return ctypes.CDLL(str(so))
+            errors.append((res.stderr.strip().splitlines() or ["no output"])[-1][:200])
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    return ctypes.CDLL(str(so))
+    raise OSError(f"{cc} failed: {'; '.join(errors)}")
 
 
 def load(source: Path, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:

@@ -12,7 +12,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifndef NO_LIBMVEC
 float expf(float) __attribute__((simd("notinbranch")));  /* libmvec's, as in metrics_kernel.c */
+#endif
 
 static void keep_row(const float *x, int64_t vocab, uint16_t *out, float *shift, double *floor_) {
     float m = -INFINITY;

@@ -1,10 +1,12 @@
-"""actors/capture.py's Overlap: a prompt's rows rounded, written and measured on a worker thread
-while the next prompt's forward runs. The real HF backend (SmolLM2 cut to a few layers) and the
-real shard writer; the rows must be the forwards' own, in prompt order, and a failure on either
-side must leave no shard and no temp file."""
+"""actors/capture.py's Overlap and RowWork: a prompt's rows rounded, written and measured beside
+the next prompt's forward, or, for a CPU engine whose capture measures, written and measured side
+by side between forwards. The real HF backend (SmolLM2 cut to a few layers) and the real shard
+writer; the rows must be the forwards' own, in prompt order, and a failure on either side must
+leave no shard and no temp file."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -38,16 +40,28 @@ def _leftovers(wh) -> list[str]:
     return sorted(str(p.relative_to(wh)) for p in (wh / "logits").rglob("*") if p.is_file())
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "rows-too-big-kept-on-the-spot"])
-def test_the_stored_rows_are_the_forwards_own_in_prompt_order(be, tmp_path, monkeypatch, overlap):
-    if not overlap:
+def as_if_on_a_gpu(be, monkeypatch):
+    """The capture decides where row work runs by the stack's device; the model stays where it loaded."""
+    monkeypatch.setattr(be, "stack", dataclasses.replace(be.stack, device="cuda"))
+
+
+@pytest.mark.parametrize("mode", ["beside", "too-big", "cpu"],
+                         ids=["beside-the-next-forward", "rows-too-big-kept-on-the-spot", "cpu-engine-between-forwards"])
+def test_the_stored_rows_are_the_forwards_own_in_prompt_order(be, tmp_path, monkeypatch, mode):
+    if mode != "cpu":
+        as_if_on_a_gpu(be, monkeypatch)
+    if mode == "too-big":
         monkeypatch.setattr(capture, "OVERLAP_BYTES", 0)
-    seen = []
+    seen, writes = [], []
+    real_add = ShardWriter.add
+    monkeypatch.setattr(ShardWriter, "add", lambda self, pid, *a, **k: writes.append(
+        (pid, threading.current_thread().name)) or real_add(self, pid, *a, **k))
     out = _capture(be, tmp_path / "wh", "c", observe=lambda pid, pos, stored, shift: seen.append(
         (pid, threading.current_thread().name)), store="native")
-    want = "capture-keep" if overlap else threading.current_thread().name
-    assert [p for p, _ in seen] == [p for p, _ in PROMPTS]
+    want = "capture-keep" if mode == "beside" else threading.current_thread().name
+    assert [p for p, _ in seen] == [p for p, _ in PROMPTS] == [p for p, _ in writes]
     assert all(t.startswith(want) for _, t in seen), seen
+    assert all(t.startswith("capture-write") for _, t in writes), writes  # beside the measuring, in every mode
     table = Warehouse(tmp_path / "wh").read_shard("c", 0)
     assert table.column("prompt_id").to_pylist() == [p for p, ids in PROMPTS for _ in Positions.every(STRIDE).fed(ids)[1]]
     rows = native_rows(table)  # (rows, vocab) float32
@@ -56,7 +70,8 @@ def test_the_stored_rows_are_the_forwards_own_in_prompt_order(be, tmp_path, monk
     assert np.array_equal(rows.view(np.uint32), direct.view(np.uint32))  # bit for bit
 
 
-def test_a_forward_failing_while_rows_are_in_flight_leaves_nothing(be, tmp_path):
+def test_a_forward_failing_while_rows_are_in_flight_leaves_nothing(be, tmp_path, monkeypatch):
+    as_if_on_a_gpu(be, monkeypatch)  # rows beside the forward, so p1's are in flight when p2's fails
     bad = PROMPTS[:2] + [("p2", IDS[:5] + [10 ** 7])]  # an id past the vocabulary: the embedding raises
     done = []
     with pytest.raises(IndexError):
@@ -65,7 +80,10 @@ def test_a_forward_failing_while_rows_are_in_flight_leaves_nothing(be, tmp_path)
     assert _leftovers(tmp_path / "wh") == []
 
 
-def test_a_failure_keeping_rows_stops_the_capture_at_the_next_prompt(be, tmp_path, monkeypatch):
+@pytest.mark.parametrize("gpu", [True, False], ids=["beside-the-next-forward", "cpu-engine-between-forwards"])
+def test_a_failure_keeping_rows_stops_the_capture_at_the_next_prompt(be, tmp_path, monkeypatch, gpu):
+    if gpu:
+        as_if_on_a_gpu(be, monkeypatch)
     forwards = []
     real = be.forward
     monkeypatch.setattr(be, "forward", lambda ids, pos: forwards.append(len(ids)) or real(ids, pos))
@@ -76,5 +94,7 @@ def test_a_failure_keeping_rows_stops_the_capture_at_the_next_prompt(be, tmp_pat
 
     with pytest.raises(ValueError, match="p1 could not be measured"):
         _capture(be, tmp_path / "wh", "c", observe=observe)
-    assert len(forwards) == 3  # p0, p1, then p2's forward ran beside p1's failing keep; p3 never started
+    # beside: p2's forward ran while p1's rows failed, and p3's never started; between forwards
+    # p1's failure stops the capture before p2's
+    assert len(forwards) == (3 if gpu else 2)
     assert _leftovers(tmp_path / "wh") == []
