@@ -75,11 +75,8 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
     side = Extras(backend, side_writers or {})
 
     work = RowWork(storage, writer, observe)
-    # Beside the next forward, unless the forward fills every core (a CPU engine) and the rows are
-    # also measured: then encoding and measuring run side by side between forwards, a core each,
-    # where beside the forward they would only take turns with its threads (a 2-core Xeon, Gemma 3
-    # 270M: a candidate 16.1 s between against 18.1 s beside; a reference, one thread of row
-    # work, 13.9 s beside against 15.3 s between).
+    # A CPU engine's candidate writes and measures between forwards, side by side: beside the forward
+    # they take turns with its threads (2-core Xeon, Gemma 3: 16.1 s against 18.1 s; a reference 15.3 against 13.9).
     beside = backend.stack.device != "cpu" or observe is None
     stage = Overlap()
     try:

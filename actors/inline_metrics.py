@@ -82,13 +82,10 @@ class InlineMetrics:
                 if self.warmup is not None:
                     self.warmup.wait()
                 self.acc = RepeatMetrics(self.wh, self.ref, self.cell_id, self.repeat, stored.shape[1])
-            if stored.dtype == np.float32 and shift is None:
-                rows = stored  # stored as captured: nothing to widen or add back
-            else:
-                if self.wide is None or self.wide.size < stored.size:
-                    self.wide = np.empty(stored.size, np.float32)
-                wide = widen(stored, self.wide)  # (rows, vocab) float32, as a shard reader widens them
-                rows = unshift(wide, shift, inplace=True)  # the raw logits back, in our own buffer
+            if self.wide is None or self.wide.size < stored.size:
+                self.wide = np.empty(stored.size, np.float32)
+            wide = widen(stored, self.wide)  # (rows, vocab) float32, as a shard reader widens them
+            rows = unshift(wide, shift, inplace=wide is not stored)  # the raw logits back (in place: our buffer)
             self.acc.add(prompt_id, np.asarray(positions, np.int64), lambda idx: _rows_at(rows, idx))
         except Exception as e:  # noqa: BLE001 - the capture goes on; analyze measures the cell instead
             self.error, self.acc = first_line(str(e), type(e).__name__), None

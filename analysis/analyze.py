@@ -293,7 +293,9 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
         summary["cells" if u.kind == "cell" else "groups"] += 1
         summary["metric_rows"] += kept.get("rows", 0) if u.kind == "cell" else 0
     tasks = [t for u in todo for t in u.tasks()]
-    log(f"metrics kernel {M.KERNEL_VERSION}: {M.kernel_mode()} (float64), {metrics_native.threads()} thread(s); {len(todo)} of {len(units)} unit(s) to compute in {len(tasks)} piece(s)"
+    why = f": {metrics_native.failure()}" if M.kernel_mode() == "numpy" else ""
+    log(f"metrics kernel {M.KERNEL_VERSION}: {M.kernel_mode()}{why} (float64), {metrics_native.threads()} thread(s); "
+        f"{len(todo)} of {len(units)} unit(s) to compute in {len(tasks)} piece(s)"
         + (f", {len(units) - len(todo)} up to date" if len(todo) < len(units) else ""))
     progress = Progress(sum(u.rows for u in todo))
     by_name = {(u.kind, u.name): u for u in todo}

@@ -187,7 +187,7 @@ def row_metrics(ref: np.ndarray, stk: np.ndarray, next_ids: np.ndarray | None = 
         return {"kld": np.array([])}
     out = _metrics(ref, stk, nxt)
     fr, fs = out.pop("_finite_ref"), out.pop("_finite_stk")
-    same = out["max_abs_diff"] == 0.0  # identical rows (a NaN anywhere makes this False)
+    same = out["max_abs_diff"] == 0.0  # identical rows (a row with a NaN is flagged below whatever this says)
     for k in ("kld", "kld_reverse", "js", "nmse"):
         out[k][same] = 0.0
     out["delta_p"][same & (out["delta_p"] == out["delta_p"])] = 0.0

@@ -28,6 +28,10 @@ def load() -> ctypes.CDLL | None:
     return native.load(SOURCE, _declare)
 
 
+def failure() -> str | None:
+    return native.failure(SOURCE)
+
+
 def threads() -> int:
     return native.threads()
 

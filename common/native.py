@@ -1,9 +1,10 @@
 """Small C kernels of this project (analysis/metrics_kernel.c, store/floors_kernel.c) built for
 this machine on first use and loaded through ctypes, which drops the GIL for each call.
 
-A build takes ~0.4 s and is cached per source, compiler, flags and CPU under the cache root
-(kernels/). No compiler, or a failed build: load() returns None, says why once on stderr, and
-the caller runs the same arithmetic in numpy. LOGIT_MATRIX_COMPILE=0 forces that everywhere.
+A build takes well under a second and is cached per source, compiler, flags, C library and CPU
+under the cache root (kernels/). No compiler, or no variant that builds and loads: load() returns
+None, says why once on stderr, and the caller runs the same arithmetic in numpy.
+LOGIT_MATRIX_COMPILE=0 forces that everywhere.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable
 
@@ -25,15 +26,25 @@ from common.files import cache_root
 
 # -ffp-contract=off: no fused multiply-adds, so each kernel computes the expressions its numpy
 # twin does, rounding for rounding; -fno-math-errno (not -ffast-math) keeps IEEE inf and NaN.
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC"]
-# glibc's vector exp/log (the kernels' simd declarations); where there is no libmvec (macOS,
-# musl) the same source builds with scalar exp/log, still far faster than numpy's passes
-VARIANTS = (["-lmvec", "-lm"], ["-DNO_LIBMVEC", "-lm"])
+BASE = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC"]
+# Tried in order: glibc's vector exp/log (libmvec); scalar exp/log where there is no libmvec
+# (macOS, musl); and without -march=native for a compiler that refuses it (clang before 15).
+VARIANTS = (["-march=native", *BASE, "-lmvec", "-lm"], ["-march=native", *BASE, "-DNO_LIBMVEC", "-lm"],
+            [*BASE, "-DNO_LIBMVEC", "-lm"])
 
-_lock = threading.Lock()
+_build_lock = threading.Lock()
+_pool_lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _failed: dict[str, str] = {}
-_pool: ThreadPoolExecutor | None = None
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None  # a forked child has the pool object but none of its threads
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def threads() -> int:
@@ -44,14 +55,15 @@ def threads() -> int:
     return max(1, min(n, int(cap))) if cap.isdigit() else n
 
 
-def _cpu_key() -> str:
-    """What -march=native builds for: the CPU's model and flags (a cache shared by machines of
-    other CPUs then holds one build each)."""
+def _machine_key() -> str:
+    """What a build depends on beyond its source and flags: the C library, and the CPU that
+    -march=native builds for (x86's model and flags, ARM's implementer, part and features)."""
     try:
-        lines = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith(("model name", "flags"))]
+        keep = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+        lines = sorted({ln.strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith(keep)})
     except OSError:
         lines = []
-    return "\n".join(lines[:2]) or platform.processor() or platform.machine()
+    return "\n".join([platform.machine(), platform.processor(), " ".join(platform.libc_ver()), *lines])
 
 
 def _build(source: Path) -> ctypes.CDLL:
@@ -59,31 +71,43 @@ def _build(source: Path) -> ctypes.CDLL:
     if cc is None:
         raise OSError("no C compiler (cc, gcc or $CC)")
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    base = [source.read_text(), ver, _machine_key()]
+    built = [cache_root() / "kernels" / f"{source.stem}-{hashlib.sha256(chr(10).join(base + v).encode()).hexdigest()[:16]}.so"
+             for v in VARIANTS]
     errors = []
-    for extra in VARIANTS:
-        key = hashlib.sha256("\n".join([source.read_text(), ver, *FLAGS, *extra, _cpu_key()]).encode()).hexdigest()[:16]
-        so = cache_root() / "kernels" / f"{source.stem}-{key}.so"
-        if so.exists():
+    for so in filter(Path.exists, built):  # a variant built before: no compile in every new process
+        try:
             return ctypes.CDLL(str(so))
+        except OSError as e:
+            errors.append(f"{so.name}: {e}")
+    for flags, so in zip(VARIANTS, built):
+        if so.exists():
+            continue  # it did not load, above
         so.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
         os.close(fd)
         try:
-            res = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, *extra], capture_output=True, text=True, timeout=120)
-            if res.returncode == 0:
-                os.replace(tmp, so)  # whole or not at all: another process may be building the same key
-                return ctypes.CDLL(str(so))
-            errors.append((res.stderr.strip().splitlines() or ["no output"])[-1][:200])
+            res = subprocess.run([cc, str(source), "-o", tmp, *flags], capture_output=True, text=True, timeout=120)
+            if res.returncode != 0:
+                errors.append((res.stderr.strip().splitlines() or ["no output"])[-1][:200])
+                continue
+            lib = ctypes.CDLL(tmp)  # a symbol the C library lacks fails here: the next variant then
+            os.replace(tmp, so)  # whole or not at all: another process may be building the same key
+            return lib
+        except OSError as e:
+            errors.append(str(e)[:200])
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    raise OSError(f"{cc} failed: {'; '.join(errors)}")
+    raise OSError(f"{cc}: {'; '.join(errors)}")
 
 
 def load(source: Path, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
     """The kernel built from source with its functions' signatures declared, or None (why: failure())."""
     name = str(source)
-    with _lock:
+    if name in _loaded:
+        return _loaded[name]
+    with _build_lock:
         if name not in _loaded:
             lib = None
             if os.environ.get("LOGIT_MATRIX_COMPILE", "1") == "0":
@@ -93,28 +117,39 @@ def load(source: Path, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | 
                     lib = _build(source)
                     declare(lib)
                 except (OSError, subprocess.SubprocessError, AttributeError) as e:
-                    _failed[name] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+                    lib, _failed[name] = None, f"{type(e).__name__}: {str(e).strip()[:300]}"
                     print(f"logit-matrix: {source.name} could not be built ({_failed[name]}); the same arithmetic "
                           "runs in numpy (~10x slower)", file=sys.stderr)
             _loaded[name] = lib
-        return _loaded[name]
+    return _loaded[name]
 
 
 def failure(source: Path) -> str | None:
     return _failed.get(str(source))
 
 
-def spread(fn: Callable[[int, int], None], rows: int, per_task: int) -> None:
-    """fn(first, last) over [0, rows) in tasks of per_task rows, on threads() threads."""
+def _pool_of(n: int) -> ThreadPoolExecutor:
     global _pool
-    starts = range(0, rows, per_task)
+    with _pool_lock:
+        if _pool is None or _pool[0] != n:
+            if _pool is not None:
+                _pool[1].shutdown(wait=False)  # tasks in flight finish; its threads then end
+            _pool = (n, ThreadPoolExecutor(n, thread_name_prefix="native-kernel"))
+        return _pool[1]
+
+
+def spread(fn: Callable[[int, int], None], rows: int, per_task: int) -> None:
+    """fn(first, last) over [0, rows) in tasks of per_task rows, on threads() threads. Returns
+    only when every task has ended, whatever happened: the C writes into its caller's arrays."""
     n = threads()
     if n == 1 or rows <= per_task:
-        for s in starts:
+        for s in range(0, rows, per_task):
             fn(s, min(s + per_task, rows))
         return
-    with _lock:
-        if _pool is None or _pool._max_workers != n:
-            _pool = ThreadPoolExecutor(n, thread_name_prefix="native-kernel")
-        pool = _pool
-    list(pool.map(lambda s: fn(s, min(s + per_task, rows)), starts))  # ctypes drops the GIL: tasks run side by side
+    pool = _pool_of(n)
+    tasks = [pool.submit(fn, s, min(s + per_task, rows)) for s in range(0, rows, per_task)]
+    try:
+        for t in tasks:
+            t.result()
+    finally:
+        wait(tasks)  # an interrupt here must not free arrays the C is still writing

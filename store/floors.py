@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from common import native
+from common import native as kernels
 from store.values import shift_by_max, to_bf16, widen
 
 KERNEL = Path(__file__).with_name("floors_kernel.c")  # the fused pass below in C, where it builds
@@ -104,13 +104,13 @@ def _declare(lib: ctypes.CDLL) -> None:
 def _native_keep(x: np.ndarray, stored: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """(shift, floor) of every row, stored filled, by the C kernel over the CPUs (rows it cannot
     do come back with floor NaN); None where the kernel is not built."""
-    lib = native.load(KERNEL, _declare)
+    lib = kernels.load(KERNEL, _declare)
     if lib is None:
         return None
     x = np.ascontiguousarray(x, np.float32)
     shift, kl = np.empty(x.shape[0], np.float32), np.empty(x.shape[0])
     args = x.ctypes.data, stored.ctypes.data, shift.ctypes.data, kl.ctypes.data
-    native.spread(lambda a, b: lib.keep_bf16(args[0], a, b, x.shape[1], *args[1:]), x.shape[0], ROWS_PER_TASK)
+    kernels.spread(lambda a, b: lib.keep_bf16(args[0], a, b, x.shape[1], *args[1:]), x.shape[0], ROWS_PER_TASK)
     return shift, kl
 
 

@@ -5,8 +5,7 @@
    With z = row - max <= 0, s its bf16 rounding and d = s - z (exact in float32),
    KL = log1p(b + c) - b, b = sum p d, c = sum p (e^d - 1 - d), e^d - 1 - d = d^2 (1/2 + d/6 + d^2/24):
    the arithmetic of floors.py _fused_keep, with its sums in float64. A row that is not finite
-   (a NaN, an infinite max, a masked -inf token) gets floor NaN and shift 0: the caller redoes it
-   the general way. */
+   (a NaN, an infinite max, a masked -inf token) gets floor NaN: the caller redoes it the general way. */
 
 #include <math.h>
 #include <stdint.h>

@@ -21,7 +21,9 @@ def native_dtype_of(arr: np.ndarray) -> str:
 
 def widen(arr: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Native logits -> float32, exactly (bf16 bits go into the high half); into out's first
-    arr.size values when given (float32, any shape), else a new array or arr itself."""
+    arr.size values when given (float32, any shape), else a new array; float32 is arr itself."""
+    if arr.dtype == np.float32:
+        return arr
     if out is not None:
         wide = out.reshape(-1)[:arr.size].reshape(arr.shape)
         if arr.dtype == np.uint16:

@@ -112,6 +112,21 @@ def test_identical_rows_give_exact_zeros_and_native_equals_numpy(monkeypatch):
         np.testing.assert_allclose(native["delta_p"], numpy["delta_p"], rtol=1e-9, atol=1e-15)
         for k in ("top1_match", "top10_overlap", "spearman_top10"):
             np.testing.assert_array_equal(native[k], numpy[k], err_msg=k)
+    # rows that are not finite: a NaN, an infinite logit, a masked (-inf) token on one side or
+    # both, a row masked whole; flagged and left out the same way by both
+    a, b = _random_pair(rows=6, noise=0.3)
+    b[0, 7], a[1, 0], a[2, 5], b[3, 9], a[4], b[5, 64] = np.nan, np.inf, -np.inf, -np.inf, -np.inf, np.nan
+    a[3, 9] = -np.inf
+    got = {}
+    for kernel in (M._reduce_native, M._reduce_numpy):
+        monkeypatch.setattr(M, "_KERNEL", kernel)
+        got[kernel] = M.row_metrics(a, b, np.arange(6))
+    native, numpy = got.values()
+    assert list(native["nonfinite"]) == list(numpy["nonfinite"]) == ["stack", "reference", "reference", "both",
+                                                                      "reference", "stack"]
+    for k, v in native.items():
+        if k != "nonfinite":
+            np.testing.assert_array_equal(v, numpy[k], err_msg=k)
 
 
 def test_kl_is_never_negative():

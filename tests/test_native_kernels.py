@@ -58,7 +58,7 @@ def test_built_once_into_the_cache_and_the_numpy_twin_without_a_compiler(tmp_pat
 
 def test_the_scalar_build_without_libmvec_gives_the_same_metrics(tmp_path):
     vector, _ = probe(tmp_path / "vector")
-    # the second build variant alone, as where glibc's libmvec is missing (macOS, musl)
+    # the scalar variants alone, as where glibc's libmvec is missing (macOS, musl)
     only_scalar = "from common import native; native.VARIANTS = native.VARIANTS[1:]\n"
     run = subprocess.run([sys.executable, "-c", only_scalar + PROBE], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "LOGIT_MATRIX_CACHE": str(tmp_path / "s")})

@@ -178,3 +178,27 @@ def test_a_leaf_streamed_a_few_rows_at_a_time_is_the_native_rows(kind):
     s = pages.LeafStream(pa.BufferReader(bytes(bad)), pf.metadata, pf.schema, 0, leaf, kind)
     with pytest.raises(pages.Corrupt, match="CRC"):
         s.take(70)
+
+
+def test_rows_taken_into_a_reused_buffer_are_the_rows_taken_fresh(tmp_path):
+    # a bf16 shard with shifts, read with store/stream.py's Scratch and take(out=): a run of rows,
+    # rows with a gap, then a later run; every one equal to a fresh take's, the shift added back
+    from store.floors import Storage
+    from store.stream import Rows, Scratch, shard_index
+    from store.warehouse import ShardWriter
+
+    wh = tmp_path / "wh"
+    Warehouse(wh).create()
+    raw = native("fp32", 40, seed=6)
+    stored, shift = Storage("bf16").keep(raw)
+    w = ShardWriter(str(wh), "run", "cell", 0)
+    w.add("p0", list(range(40)), [1] * 40, stored, shift)
+    w.commit()
+    index = shard_index(Warehouse(wh), "cell", 0)
+    fresh, reused = Rows(Warehouse(wh), index, "p0", 8), Rows(Warehouse(wh), index, "p0", 8, Scratch())
+    out = np.full(16 * VOCAB, np.nan, np.float32)
+    for idx in (np.arange(0, 8), np.array([9, 11, 12, 20]), np.arange(21, 37)):
+        want = fresh.take(idx)
+        got = reused.take(idx, out)
+        assert got.shape == want.shape and np.array_equal(got, want)
+        np.testing.assert_allclose(got, raw[idx], atol=0.07 * np.abs(raw[idx]).max())  # bf16 of (row - max), max added back
