@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from common.errors import first_line
+from store.values import room, rows_at
 from store.warehouse import Warehouse, unshift, widen
 
 
@@ -48,13 +49,6 @@ class Warmup:
             raise self.error
 
 
-def _rows_at(rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """rows[idx]; a run of consecutive indices (every row of a prompt, the usual case) as a view, not a copy."""
-    if len(idx) and (np.diff(idx) == 1).all():
-        return rows[int(idx[0]):int(idx[-1]) + 1]
-    return rows[idx]
-
-
 class InlineMetrics:
     def __init__(self, warehouse: str | None, ref_id: str, cell_id: str, repeat: int, warmup: Warmup | None = None):
         self.ref_id, self.cell_id, self.repeat, self.warmup = ref_id, cell_id, repeat, warmup
@@ -82,11 +76,10 @@ class InlineMetrics:
                 if self.warmup is not None:
                     self.warmup.wait()
                 self.acc = RepeatMetrics(self.wh, self.ref, self.cell_id, self.repeat, stored.shape[1])
-            if self.wide is None or self.wide.size < stored.size:
-                self.wide = np.empty(stored.size, np.float32)
+            self.wide = room(self.wide, stored.size)
             wide = widen(stored, self.wide)  # (rows, vocab) float32, as a shard reader widens them
             rows = unshift(wide, shift, inplace=wide is not stored)  # the raw logits back (in place: our buffer)
-            self.acc.add(prompt_id, np.asarray(positions, np.int64), lambda idx: _rows_at(rows, idx))
+            self.acc.add(prompt_id, np.asarray(positions, np.int64), lambda idx: rows_at(rows, idx))
         except Exception as e:  # noqa: BLE001 - the capture goes on; analyze measures the cell instead
             self.error, self.acc = first_line(str(e), type(e).__name__), None
         self.seconds += time.perf_counter() - t0

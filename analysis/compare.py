@@ -15,6 +15,7 @@ from analysis import metrics as M
 from common.errors import UserError
 from store import Warehouse
 from store.stream import Rows, Scratch, ShardIndex, shard_index
+from store.values import room
 from store.verify import DamagedShard
 
 MAX_CHUNK_ROWS = 256  # rows a chunk holds at most, however small the vocabulary
@@ -127,8 +128,7 @@ class RepeatMetrics:
         if not len(si):
             return
         a, step, nxt = Rows(self.wh, self.ref, pid, self.step, self.scratch), self.step, self.ref.prompts[pid].next_ids
-        if self.out is None or self.out.size < step * self.ref.vocab:
-            self.out = np.empty(step * self.ref.vocab, np.float32)
+        self.out = room(self.out, step * self.ref.vocab)
         for s in range(0, len(si), step):
             m = M.row_metrics(a.take(ri[s:s + step], self.out), take(si[s:s + step]), nxt[ri[s:s + step]])
             self.cols["metrics"].append(m)

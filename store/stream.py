@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 from common.errors import UserError, first_line
 from store import pages
 from store.verify import DamagedShard, native_check
+from store.values import room, rows_at
 from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, unshift, widen
 
 SEE_VERIFY = "run `matrix verify`, or `matrix analyze --skip-damaged` to leave it out"
@@ -107,8 +108,7 @@ class Scratch:
 
     def next(self, size: int) -> np.ndarray:
         self.turn ^= 1
-        if self.bufs[self.turn].size < size:
-            self.bufs[self.turn] = np.empty(size, np.float32)
+        self.bufs[self.turn] = room(self.bufs[self.turn], size)
         return self.bufs[self.turn]
 
 
@@ -203,11 +203,4 @@ class Rows:
         if out is None:
             rows = self.buf[at]  # a copy (fancy indexing): the buffer may be dropped later
             return rows if shift is None else unshift(rows, shift, inplace=True)  # the raw logits back
-        rows = out.reshape(-1)[:len(at) * self.buf.shape[1]].reshape(len(at), -1)
-        run = len(at) == at[-1] - at[0] + 1 and bool((np.diff(at) == 1).all())
-        src = self.buf[at[0]:at[-1] + 1] if run else self.buf[at]  # a run of rows (the usual case): no copy
-        if shift is None or not np.asarray(shift).any():
-            np.copyto(rows, src)
-        else:
-            np.add(src, np.asarray(shift, np.float32)[:, None], out=rows)  # the raw logits back, in one pass
-        return rows
+        return unshift(rows_at(self.buf, at), shift, out=out)  # the raw logits back, in one pass into out

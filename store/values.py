@@ -79,17 +79,36 @@ def narrow_bf16(values: np.ndarray) -> np.ndarray:
     return (bits >> 16).astype(np.uint16)
 
 
-def unshift(values: np.ndarray, shift, inplace: bool = False) -> np.ndarray:
+def room(buf: np.ndarray | None, size: int) -> np.ndarray:
+    """buf when it holds size float32 values, else a new array that does: a buffer kept from
+    prompt to prompt (fresh memory for every prompt costs its page faults)."""
+    return buf if buf is not None and buf.size >= size else np.empty(size, np.float32)
+
+
+def rows_at(rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """rows[idx]; a run of consecutive indices (every row of a prompt, the usual case) as a view, not a copy."""
+    if len(idx) and (np.diff(idx) == 1).all():
+        return rows[int(idx[0]):int(idx[-1]) + 1]
+    return rows[idx]
+
+
+def unshift(values: np.ndarray, shift, inplace: bool = False, out: np.ndarray | None = None) -> np.ndarray:
     """(rows, vocab) stored values + each row's shift (an Arrow column or an array; null or None:
     0) -> the raw logits, for what is not shift-invariant (cosine, norms, max |Δ|, logit values).
-    inplace: values is the caller's own copy, shifted where it is (a full-vocab pass and buffer fewer)."""
-    if shift is None:
-        return values
+    inplace: values is the caller's own copy, shifted where it is (a full-vocab pass and buffer fewer);
+    out: a float32 buffer the result goes into (its first values), in one pass."""
+    if out is not None:
+        out = out.reshape(-1)[:values.size].reshape(values.shape)
     if isinstance(shift, (pa.Array, pa.ChunkedArray)):
         shift = shift.fill_null(0).to_numpy(zero_copy_only=False)
-    s = np.asarray(shift, np.float32)  # (rows,)
-    if not s.any():
+    s = None if shift is None else np.asarray(shift, np.float32)  # (rows,)
+    if s is None or not s.any():
+        if out is not None:
+            np.copyto(out, values)
+            return out
         return values
+    if out is not None:
+        return np.add(values, s[:, None], out=out)
     if inplace:
         values += s[:, None]
         return values

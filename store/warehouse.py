@@ -16,7 +16,7 @@ from common.errors import UserError
 from store.location import PROBE, named_io_errors, open_location, write_whole
 from store.schema import FORMAT, LOGITS, SCHEMA_VERSION, TABLES
 from store.values import (ZSTD_LEVEL, logits_matrix, narrow_bf16, native_dtype_of, native_values,  # noqa: F401
-                          round_bf16, row_hash, shift_by_max, to_bf16, unshift, widen)
+                          room, round_bf16, row_hash, shift_by_max, to_bf16, unshift, widen)
 
 MARKER = "WAREHOUSE.json"
 META_KEY = "logit_matrix"  # Parquet key-value metadata of analysis outputs
@@ -318,8 +318,7 @@ class ShardWriter:
             native: np.ndarray, shift: np.ndarray | None = None, path: list[str] | None = None,
             step: list[int] | None = None) -> None:
         """native: (rows, vocab) as returned by a backend (or as stored, with each row's shift)."""
-        if self._wide is None or self._wide.size < native.size:
-            self._wide = np.empty(native.size, np.float32)
+        self._wide = room(self._wide, native.size)
         self.add_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native,
                                  shift, path, step, buffer=self._wide))  # written below: the buffer is free again
 
