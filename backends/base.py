@@ -128,6 +128,12 @@ class Backend:
         """
         raise NotImplementedError
 
+    def keep_outputs(self, n: int) -> None:
+        """Let forward() hand back, in turn, one of n (rows, vocab) buffers it keeps (0: a new array
+        each call), for a caller done with each result before the n-th next forward() (a capture
+        that makes no other call): a prompt's fresh memory costs its page faults. An engine that
+        has no such buffers ignores it."""
+
     def tokenize(self, text: str) -> list[int] | None:
         """The engine's own tokenizer, called the way the engine calls it by default
         (text in, special tokens as the engine adds them). None: the engine has none."""
@@ -139,6 +145,25 @@ class Backend:
 
     def close(self) -> None:
         pass
+
+
+class OutputRing:
+    """n buffers handed out in turn as (rows, vocab) views; one grows only when a call asks more
+    values than it holds (or another dtype). OutputRing(0): a new array every call."""
+
+    def __init__(self, n: int):
+        self.bufs: list[np.ndarray | None] = [None] * n
+        self.at = 0
+
+    def take(self, shape: tuple[int, int], dtype) -> np.ndarray:
+        size = shape[0] * shape[1]
+        if not self.bufs:
+            return np.empty(shape, dtype)
+        i, self.at = self.at, (self.at + 1) % len(self.bufs)
+        buf = self.bufs[i]
+        if buf is None or buf.size < size or buf.dtype != np.dtype(dtype):
+            buf = self.bufs[i] = np.empty(size, dtype)
+        return buf[:size].reshape(shape)
 
 
 def check_layers(layers: list[int], n_layers: int) -> None:

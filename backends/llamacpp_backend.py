@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend, check_layers
+from backends.base import Backend, OutputRing, check_layers
 from backends.gguf_build import FLOAT_TYPES, QUANT_TYPES
 from backends.llama_binding import extra_bufts, gguf_tokenize, load_vocab, quiet_logs, tokenize_with  # noqa: F401 (re-exported)
 
@@ -71,6 +71,11 @@ class LlamaCppBackend(Backend):
         self.vocab = lc.llama_model_get_vocab(self.model)
         self._n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.tensor_types = gguf_build.tensor_types(self.artifact["path"])
+        self._kept = None  # (n_ctx, context, params) of the last prompt's forward
+        self._outputs = OutputRing(0)
+
+    def keep_outputs(self, n: int) -> None:
+        self._outputs = OutputRing(n)
 
     def _imatrix(self) -> dict[str, Any] | None:
         im = self.stack.opts.get("imatrix")
@@ -99,7 +104,8 @@ class LlamaCppBackend(Backend):
             "dtype": self.stack.dtype, "gguf_tensor_types": self.tensor_types,
             "n_batch": self.n_batch, "n_ubatch": self.n_ubatch, "kv_cache": self.kv_cache,
             "n_ctx": "prompt length", "flash_attn": self.stack.attention, "threads": self.threads,
-            "fresh_context_per_prompt": True, "use_extra_bufts": self.extra_bufts,
+            "context_per_prompt": "kept per prompt length, KV cache cleared before each prompt",
+            "use_extra_bufts": self.extra_bufts,
             "n_gpu_layers": 0 if self.stack.device == "cpu" else 999,
             "system_info": info, "machine": platform.machine(),
             "artifact": self.artifact, "model_facts": self._facts(),
@@ -188,16 +194,40 @@ class LlamaCppBackend(Backend):
                     ptr = lc.llama_get_logits_ith(ctx, j)
                     out[want[first + start + j]] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
 
+    def _prefill_context(self, n_ctx: int):
+        """A context for n_ctx tokens with an empty KV cache: the last prompt's when it had this
+        length, cleared (llama_memory_clear), else a new one. The output and compute buffers are
+        then allocated once, not per prompt (Gemma 3, 262,144 logits a row, 512-token prompts,
+        2-core Xeon: 0.3-0.5 s a prompt); the logits are the same bits as a fresh context's."""
+        if self._kept is not None and self._kept[0] == n_ctx:
+            self._lc.llama_memory_clear(self._lc.llama_get_memory(self._kept[1]), True)
+            return self._kept[1], self._kept[2]
+        self._drop_kept()
+        ctx, cp = self._context(n_ctx)
+        self._kept = (n_ctx, ctx, cp)
+        return ctx, cp
+
+    def _drop_kept(self) -> None:
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            self._lc.llama_free(kept[1])
+
     def forward(self, token_ids: list[int], positions: list[int], taps=None) -> np.ndarray:
-        ctx, cp = self._context(len(token_ids), taps)
+        # a forward that taps layers sets its own eval callback: a context of its own
+        ctx, cp = self._context(len(token_ids), taps) if taps is not None else self._prefill_context(len(token_ids))
         want = {p: i for i, p in enumerate(positions)}
-        out = np.empty((len(positions), self._n_vocab), dtype=np.float32)  # (rows, vocab)
+        out = self._outputs.take((len(positions), self._n_vocab), np.float32)  # (rows, vocab)
         batch = self._lc.llama_batch_init(cp.n_batch, 0, 1)
         try:
             self._feed(ctx, batch, cp.n_batch, token_ids, 0, want, out, taps, cp.n_ubatch)
+        except BaseException:
+            if taps is None:
+                self._drop_kept()  # a failed decode leaves the cache in no known state
+            raise
         finally:
             self._lc.llama_batch_free(batch)
-            self._lc.llama_free(ctx)
+            if taps is not None:
+                self._lc.llama_free(ctx)
         return out
 
 
@@ -261,6 +291,8 @@ class LlamaCppBackend(Backend):
                 "add_bos": bool(lc.llama_vocab_get_add_bos(self.vocab))}
 
     def close(self) -> None:
+        if getattr(self, "_kept", None) is not None:
+            self._drop_kept()
         if getattr(self, "model", None):
             self._lc.llama_model_free(self.model)
             self.model = None

@@ -118,9 +118,12 @@ class Storage:
     """What a shard keeps of each row: the native values (lossless), or bf16 of the row shifted
     by its max, with each row's KL(native || stored) measured here, where the native row still is."""
 
-    def __init__(self, store: str):
+    def __init__(self, store: str, reuse: bool = False):
+        """reuse: keep() returns its rows in one buffer it keeps, for a caller done with each
+        prompt's stored rows before it asks for the next (a capture's row work)."""
         self.store, self.rows, self.floor_sum, self.floor_max, self.nonfinite = store, 0, 0.0, 0.0, 0
         self.bufs = None
+        self.out = np.empty(0, np.uint16) if reuse else None  # (rows * vocab,) bf16 bits, grown as needed
 
     def _block(self, x: np.ndarray, stored: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One block's (shift, floor), stored filled: the fused pass, or where a row is not
@@ -147,7 +150,7 @@ class Storage:
         """-> (the rows to store, what was subtracted from each, or None)."""
         if self.store == "native" or native.dtype == np.uint16:  # bf16 already: nothing to round
             return native, None
-        stored = np.empty(native.shape, np.uint16)  # (rows, vocab) bf16 bits
+        stored = self._out(native.shape)  # (rows, vocab) bf16 bits
         fast = _native_keep(native, stored) if native.size else None
         if fast is None:
             shift, kl = self._block(native, stored)  # (rows,) each
@@ -164,6 +167,13 @@ class Storage:
         self.floor_sum += float(kl[ok].sum())
         self.floor_max = max(self.floor_max, float(kl[ok].max(initial=0.0)))
         return stored, shift
+
+    def _out(self, shape: tuple[int, int]) -> np.ndarray:
+        if self.out is None:
+            return np.empty(shape, np.uint16)
+        if self.out.size < shape[0] * shape[1]:
+            self.out = np.empty(shape[0] * shape[1], np.uint16)
+        return self.out[:shape[0] * shape[1]].reshape(shape)
 
     def summary(self) -> dict[str, Any]:
         """One capture's part of its cell's StorageFloor (plain values: it travels back from an actor)."""

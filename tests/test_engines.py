@@ -222,3 +222,27 @@ def test_mlx_fp32_activations_measure_the_quantisation_not_the_kernel(reference_
     assert settings["native"]["quantized_matmul"]["sums_in"] == "the activation dtype"
     # llama.cpp's Q8_0 is ~3e-3 from the reference; MLX q8 with bf16 activations ~0.1 (the kernel)
     assert kls["fp32"] < 0.01 < kls["native"] and kls["native"] > 5 * kls["fp32"], kls
+
+
+def test_llamacpp_kept_context_and_output_buffers_give_a_fresh_contexts_bits(reference_model, prompts):
+    """forward() keeps its context from prompt to prompt of one length (the KV cache cleared) and,
+    inside a capture, hands out two output buffers in turn: neither may change a bit."""
+    be = llama(reference_model, "q8_0")
+    asks = [(p.token_ids, Positions.every(STRIDE).of(len(p.token_ids))) for p in prompts]
+    fresh = []
+    for ids, pos in asks:
+        be._drop_kept()  # a new context for this prompt, as each prompt had one before contexts were kept
+        fresh.append(be.forward(ids, pos).copy())
+    be.keep_outputs(2)
+    order = [i for i in range(len(asks)) for _ in range(2)]  # each prompt twice: the second reuses its context
+    last = None
+    for k, i in enumerate(order):
+        got = be.forward(*asks[i])
+        assert np.array_equal(got.view(np.uint32), fresh[i].view(np.uint32)), (k, i)
+        if last is not None:  # the result before is still intact: it sits in the other buffer
+            assert not np.shares_memory(got, last[1])
+            assert np.array_equal(last[1].view(np.uint32), fresh[last[0]].view(np.uint32))
+        last = (i, got)
+    be.keep_outputs(0)
+    assert not np.shares_memory(be.forward(*asks[0]), be.forward(*asks[0]))
+    be.close()
