@@ -70,7 +70,7 @@ def test_llamacpp_f32_matches_hf_fp32(reference_model, prompts, hf_fp32):
     diff = float(np.max(np.abs(got - hf_fp32)))
     assert diff < 0.1, diff  # ~2e-2 measured: different kernels, same weights
     assert np.array_equal(got.argmax(-1), hf_fp32.argmax(-1))  # top-1 agreement 100%
-    assert np.array_equal(got, run_all(be, prompts))  # fresh context per prompt: bit-reproducible
+    assert np.array_equal(got, run_all(be, prompts))  # the KV cache cleared before each prompt: bit-reproducible
     assert be.settings()["gguf_tensor_types"] == {"F32": 272}
     s = be.settings()
     assert s["kv_cache"] == "f32" and s["n_ubatch"] == 512 and "AVX2 = 1" in s["system_info"]
