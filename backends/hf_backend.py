@@ -164,7 +164,7 @@ class HFBackend(Backend):
         torch = self._torch
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.torch_device)  # (1, T)
         keep = torch.tensor(positions, dtype=torch.long, device=self.torch_device)  # (rows,)
-        with self._grad_off(), hf_sdpa.pinned(torch, self.stack.attention):
+        with self._grad_off(), hf_sdpa.pinned(torch, self.model, self.stack.attention, len(token_ids)):
             # logits_to_keep: the LM head runs only on the sampled rows of the one prefill.
             out = self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
         logits = out.logits[0].detach().to("cpu")  # (rows, vocab), native dtype
@@ -184,7 +184,7 @@ class HFBackend(Backend):
         torch = self._torch
         dev = self.torch_device
         rows = []
-        with torch.inference_mode(), hf_sdpa.pinned(torch, self.stack.attention):
+        with torch.inference_mode(), hf_sdpa.pinned(torch, self.model, self.stack.attention, at + 1):
             out = self.model(input_ids=torch.tensor([token_ids[:at + 1]], device=dev), use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
             for s in range(1, steps + 1):

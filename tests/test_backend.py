@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from common.positions import Positions
+from backends.base import SkipCell
 from backends.hf_backend import HFBackend
 from common.errors import OracleError
 from common.stack import StackDesc
@@ -110,3 +111,28 @@ def test_oracle_refusal_through_the_cli_exits_2(tiny_model, short_corpus, tmp_pa
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("matrix: error:") and "model.norm.weight" in last and "refusing to run" in last
     assert not list((tmp_path / "wh" / "logits").rglob("*.parquet"))
+
+
+def test_a_kernel_refusing_a_prompts_length_skips_the_cell_at_that_forward(tiny_model, monkeypatch):
+    """PyTorch's SDPA kernels depend on the sequence length too: a kernel that ran load()'s four
+    tokens and refuses a prompt (cuDNN's on an H200 did) skips the cell with PyTorch's reason,
+    at the forward that met it, not fails it."""
+    import torch
+
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def cudnn_like(q, *a, **k):  # (batch, heads, T, head_dim)
+        if q.shape[-2] > 4:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return real(q, *a, **k)
+
+    be = backend(tiny_model, "fp32", "sdpa_math")  # load()'s probe: 4 tokens, before the stand-in
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", cudnn_like)
+    assert be.forward(IDS[:4], [3]).shape == (1, be.vocab_size())
+    with pytest.raises(SkipCell, match=rf"attention sdpa_math: PyTorch .* has no MATH SDPA kernel for this model "
+                                       rf"on cpu \(float32\) at {len(IDS)} tokens"):
+        be.forward(IDS, Positions.every(8).of(len(IDS)))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("CUDA error: out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):  # any other failure stays the cell's failure
+        be.forward(IDS[:4], [3])
