@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from common.buffers import room
 from common.errors import first_line
-from store.values import room, rows_at
+from store.values import rows_at
 from store.warehouse import Warehouse, unshift, widen
 
 

@@ -12,10 +12,10 @@ import numpy as np
 import pyarrow as pa
 
 from analysis import metrics as M
+from common.buffers import room
 from common.errors import UserError
 from store import Warehouse
 from store.stream import Rows, Scratch, ShardIndex, shard_index
-from store.values import room
 from store.verify import DamagedShard
 
 MAX_CHUNK_ROWS = 256  # rows a chunk holds at most, however small the vocabulary

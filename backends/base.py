@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from common.buffers import room
 from common.stack import StackDesc
 
 
@@ -160,10 +161,8 @@ class OutputRing:
         if not self.bufs:
             return np.empty(shape, dtype)
         i, self.at = self.at, (self.at + 1) % len(self.bufs)
-        buf = self.bufs[i]
-        if buf is None or buf.size < size or buf.dtype != np.dtype(dtype):
-            buf = self.bufs[i] = np.empty(size, dtype)
-        return buf[:size].reshape(shape)
+        self.bufs[i] = room(self.bufs[i], size, dtype)
+        return self.bufs[i][:size].reshape(shape)
 
 
 def check_layers(layers: list[int], n_layers: int) -> None:

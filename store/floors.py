@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from common import native as kernels
+from common.buffers import room
 from store.values import shift_by_max, to_bf16, widen
 
 KERNEL = Path(__file__).with_name("floors_kernel.c")  # the fused pass below in C, where it builds
@@ -171,8 +172,7 @@ class Storage:
     def _out(self, shape: tuple[int, int]) -> np.ndarray:
         if self.out is None:
             return np.empty(shape, np.uint16)
-        if self.out.size < shape[0] * shape[1]:
-            self.out = np.empty(shape[0] * shape[1], np.uint16)
+        self.out = room(self.out, shape[0] * shape[1], np.uint16)
         return self.out[:shape[0] * shape[1]].reshape(shape)
 
     def summary(self) -> dict[str, Any]:

@@ -14,10 +14,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from common.buffers import room
 from common.errors import UserError, first_line
 from store import pages
 from store.verify import DamagedShard, native_check
-from store.values import room, rows_at
+from store.values import rows_at
 from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, unshift, widen
 
 SEE_VERIFY = "run `matrix verify`, or `matrix analyze --skip-damaged` to leave it out"

@@ -79,12 +79,6 @@ def narrow_bf16(values: np.ndarray) -> np.ndarray:
     return (bits >> 16).astype(np.uint16)
 
 
-def room(buf: np.ndarray | None, size: int) -> np.ndarray:
-    """buf when it holds size float32 values, else a new array that does: a buffer kept from
-    prompt to prompt (fresh memory for every prompt costs its page faults)."""
-    return buf if buf is not None and buf.size >= size else np.empty(size, np.float32)
-
-
 def rows_at(rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """rows[idx]; a run of consecutive indices (every row of a prompt, the usual case) as a view, not a copy."""
     if len(idx) and (np.diff(idx) == 1).all():

@@ -12,11 +12,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from common.buffers import room
 from common.errors import UserError
 from store.location import PROBE, named_io_errors, open_location, write_whole
 from store.schema import FORMAT, LOGITS, SCHEMA_VERSION, TABLES
 from store.values import (ZSTD_LEVEL, logits_matrix, narrow_bf16, native_dtype_of, native_values,  # noqa: F401
-                          room, round_bf16, row_hash, shift_by_max, to_bf16, unshift, widen)
+                          round_bf16, row_hash, shift_by_max, to_bf16, unshift, widen)
 
 MARKER = "WAREHOUSE.json"
 META_KEY = "logit_matrix"  # Parquet key-value metadata of analysis outputs
