@@ -16,6 +16,7 @@ from common.errors import UserError
 
 # GGUF value types -> struct format of one value; 8 = string, 9 = array
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_LENGTH = struct.Struct("<Q")  # a string's byte count
 
 
 class _Walk:
@@ -27,6 +28,21 @@ class _Walk:
         s = self.m[self.at + 8:self.at + 8 + n].decode("utf-8", errors="replace")
         self.at += 8 + n
         return s
+
+    def strings(self, count: int, keep: bool) -> list[str] | None:
+        """An array of count strings (a vocabulary: 262,144 for Gemma 3) in one tight loop: a
+        call per entry through value() costs ~0.4 s a file at that size."""
+        m, at, length = self.m, self.at, _LENGTH.unpack_from
+        out = []
+        for _ in range(count):
+            (n,) = length(m, at)
+            if keep:
+                out.append(m[at + 8:at + 8 + n].decode("utf-8", errors="replace"))
+            at += 8 + n
+        if at > len(m):
+            raise struct.error("a string runs past the end of the file")
+        self.at = at
+        return out if keep else None
 
     def value(self, vtype: int, keep: bool) -> Any:
         """The value at the cursor (decoded when keep, else skipped: None); the cursor moves past it."""
@@ -46,6 +62,8 @@ class _Walk:
             if etype in _SCALAR and not keep:
                 self.at += count * struct.calcsize(_SCALAR[etype])
                 return None
+            if etype == 8:
+                return self.strings(count, keep)
             items = [self.value(etype, keep) for _ in range(count)]
             return items if keep else None
         raise UserError(f"{self.path}: GGUF value type {vtype} at byte {self.at} is not one GGUF defines")

@@ -191,3 +191,24 @@ def test_another_text_for_the_same_warehouse_is_refused(job, ggufs, tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "corpus: this warehouse's job has" in r.stderr and "(--text / --n-ctx)" in r.stderr
     assert (wh.parent / "wh.kld.yaml").read_text() == before
+
+
+def test_a_text_tokenised_ahead_gives_the_ids_of_a_plain_call_once(ggufs, text, tmp_path):
+    from backends import llama_binding as lb
+    from common.errors import UserError
+
+    words = Path(text).read_text()
+    want = lb.gguf_tokenize(ggufs["f16"], words)
+    assert len(want[0]) > 100
+    lb.tokenize_ahead(ggufs["f16"], words + " and more")  # another text: no call of this one takes it
+    lb.tokenize_ahead(ggufs["f16"], words)
+    assert lb.gguf_tokenize(ggufs["f16"], words) == want
+    assert len(lb._AHEAD) == 1  # taken once; the other text's result still waits for its own call
+    assert lb.gguf_tokenize(ggufs["f16"], words + " and more")[0][:len(want[0]) - 1] == want[0][:-1]
+    assert not lb._AHEAD
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(Path(ggufs["f16"]).read_bytes()[:4096])
+    lb.tokenize_ahead(str(broken), words)  # its failure is the caller's, raised where it takes the result
+    with pytest.raises(UserError, match="broken.gguf: llama.cpp could not read this GGUF's vocabulary"):
+        lb.gguf_tokenize(str(broken), words)
+    assert not lb._AHEAD

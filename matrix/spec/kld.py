@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from common.errors import UserError
+from common.errors import UserError, read_text_file
 
 KINDS = ("gguf", "path", "catalog")
 
@@ -152,6 +152,10 @@ def write_job(ref: Source, candidates: list[Source], text: Path, n_ctx: int, thr
         raise UserError(f"--n-ctx {n_ctx}: must be an even context length >= 4 (the second half is scored)")
     spec_path, corpus_path = job_files(warehouse)
     entry, stack, vocab = reference_stack(ref, log)
+    if vocab:  # the run tokenises the text with it first: that starts now, beside what comes before it
+        from backends.llama_binding import tokenize_ahead
+
+        tokenize_ahead(vocab, read_text_file(text, "--text"))
     asked = [candidate_entry(entry["name"], c, log) for c in candidates]
     spec = {"name": "kld", "description": "matrix kld: KL(reference || candidate) over the scored half of each "
                                           "chunk, as llama-perplexity --kl-divergence",
