@@ -121,13 +121,14 @@ class Outcomes:
         self.progress()
 
     def done(self, live: Live, attempts: int, close) -> None:
-        """close(): stops the cell's actors, once its row is written."""
+        """close(): stops the cell's actors, once its row is written, and starts what waited for
+        the cell (finished by then), so those load while the rest is recorded here."""
         cid = live.cell.cell_id
         row = done_row(self.plan, live, self.run_id, self.wh, attempts)
         self.wh.write_rows("cells", cid, [row])
+        self.finished.add(cid)
         close()
         self.cells_done += 1
-        self.finished.add(cid)
         self.log(f"[cells {self.cells_done}/{self.cells_total}] {cid} done")
         self._store_inline(row, live)
         self.progress()

@@ -105,10 +105,10 @@ class Sweep:
 
         def close():
             self.ex.close(live.started)
-            self.drop(cid)
+            self.drop(cid)  # its CPUs and GPUs are free: a reference's waiting cells start on them now
+            self._reference_over(live.cell)
 
         self.out.done(live, self.attempts.get(cid, 1), close)
-        self._reference_over(live.cell)
 
     def _reference_over(self, cell: Cell) -> None:
         if self.plan.reference_cells.get(cell.model) == cell.cell_id:
