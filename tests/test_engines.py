@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -245,4 +246,18 @@ def test_llamacpp_kept_context_and_output_buffers_give_a_fresh_contexts_bits(ref
         last = (i, got)
     be.keep_outputs(0)
     assert not np.shares_memory(be.forward(*asks[0]), be.forward(*asks[0]))
+    be.close()
+
+
+def test_llamacpp_threads_wait_passively_unless_the_user_chose(reference_model, monkeypatch):
+    """A capture's writer thread runs beside each forward: llama.cpp's OpenMP threads sleep at
+    their barriers instead of spinning on its core, unless OMP_WAIT_POLICY is set; the cell's
+    settings say which."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    be = llama(reference_model, "q8_0")
+    assert os.environ["OMP_WAIT_POLICY"] == "passive" and be.settings()["omp_wait_policy"] == "passive"
+    be.close()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    be = llama(reference_model, "q8_0")
+    assert os.environ["OMP_WAIT_POLICY"] == "active" and be.settings()["omp_wait_policy"] == "active"
     be.close()
