@@ -75,9 +75,10 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
     side = Extras(backend, side_writers or {})
 
     work = RowWork(storage, writer, observe)
-    # A CPU engine's candidate writes and measures between forwards, side by side: beside the forward
-    # they take turns with its threads (2-core Xeon, Gemma 3: 16.1 s against 18.1 s; a reference 15.3 against 13.9).
-    beside = backend.stack.device != "cpu" or observe is None
+    # A reference's rows are written beside the next forward; a candidate's are also measured, and
+    # where the engine's threads keep their cores while they wait, that work goes between forwards
+    # instead (Backend.rows_beside_forward).
+    beside = observe is None or backend.rows_beside_forward()
     stage = Overlap()
     if not side.parts:  # only this loop calls forward(): a prompt's rows are done with two forwards later
         backend.keep_outputs(2)

@@ -135,6 +135,13 @@ class Backend:
         that makes no other call): a prompt's fresh memory costs its page faults. An engine that
         has no such buffers ignores it."""
 
+    def rows_beside_forward(self) -> bool:
+        """Whether a capture that measures its rows against its reference does that row work (and
+        the writing) beside the next forward rather than between forwards: yes where the forward
+        runs on an accelerator; on the CPU only where the engine's threads leave their cores while
+        they wait (llama.cpp's passive OpenMP threads), else the two take turns with its threads."""
+        return self.stack.device != "cpu"
+
     def tokenize(self, text: str) -> list[int] | None:
         """The engine's own tokenizer, called the way the engine calls it by default
         (text in, special tokens as the engine adds them). None: the engine has none."""

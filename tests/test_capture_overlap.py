@@ -1,6 +1,6 @@
 """actors/capture.py's Overlap and RowWork: a prompt's rows rounded, written and measured beside
-the next prompt's forward, or, for a CPU engine whose capture measures, written and measured side
-by side between forwards. The real HF backend (SmolLM2 cut to a few layers) and the real shard
+the next prompt's forward, or, for a CPU engine whose threads keep their cores while they wait and
+whose capture measures (HF here), written and measured side by side between forwards. The real HF backend (SmolLM2 cut to a few layers) and the real shard
 writer; the rows must be the forwards' own, in prompt order, and a failure on either side must
 leave no shard and no temp file."""
 
@@ -41,7 +41,8 @@ def _leftovers(wh) -> list[str]:
 
 
 def as_if_on_a_gpu(be, monkeypatch):
-    """The capture decides where row work runs by the stack's device; the model stays where it loaded."""
+    """The capture asks the backend where row work runs (rows_beside_forward: beside, off the CPU);
+    the model stays where it loaded."""
     monkeypatch.setattr(be, "stack", dataclasses.replace(be.stack, device="cuda"))
 
 

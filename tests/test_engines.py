@@ -250,14 +250,16 @@ def test_llamacpp_kept_context_and_output_buffers_give_a_fresh_contexts_bits(ref
 
 
 def test_llamacpp_threads_wait_passively_unless_the_user_chose(reference_model, monkeypatch):
-    """A capture's writer thread runs beside each forward: llama.cpp's OpenMP threads sleep at
-    their barriers instead of spinning on its core, unless OMP_WAIT_POLICY is set; the cell's
-    settings say which."""
+    """A capture's row work runs beside each forward: llama.cpp's OpenMP threads sleep at their
+    barriers instead of spinning on its core, unless OMP_WAIT_POLICY is set; the cell's settings
+    say which, and a measuring capture's row work goes between forwards under spinning threads."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     be = llama(reference_model, "q8_0")
     assert os.environ["OMP_WAIT_POLICY"] == "passive" and be.settings()["omp_wait_policy"] == "passive"
+    assert be.rows_beside_forward()  # a measuring capture's row work goes beside its forwards
     be.close()
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
     be = llama(reference_model, "q8_0")
     assert os.environ["OMP_WAIT_POLICY"] == "active" and be.settings()["omp_wait_policy"] == "active"
+    assert not be.rows_beside_forward()  # spinning threads on the CPU: between forwards
     be.close()
