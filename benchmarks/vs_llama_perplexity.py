@@ -35,6 +35,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 REPO = Path(__file__).resolve().parent.parent
+# The environment both tools start from, as the user gave it: the forwards measured in this process
+# load logit-matrix's llama.cpp backend, which sets OMP_WAIT_POLICY for its own threads where unset.
+USER_ENV = dict(os.environ)
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"  # 35 KB of license text: ~9k SmolLM2 tokens, 17 chunks
 DEFAULT_CHUNKS = {"gemma3-270m": 6}  # 0 or absent: every chunk of the text
 
@@ -89,7 +92,7 @@ def cut_text(text: str, vocab: str, chunks: int, d: Path) -> str:
 def run_llama(binary: Path, f16: str, q4: str, text: str, d: Path, threads: int) -> dict:
     base = d / "base.kld"
     common = ["-c", "512", "-t", str(threads), "--kl-divergence-base", str(base)]
-    env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}  # a shared-library build keeps its .so beside it
+    env = {**USER_ENV, "LD_LIBRARY_PATH": str(binary.parent)}  # a shared-library build keeps its .so beside it
     w1, m1, _ = timed([str(binary), "-m", f16, "-f", text, *common], env, d / "lp-base.log")
     w2, m2, out = timed([str(binary), "-m", q4, *common, "--kl-divergence"], env, d / "lp-kld.log")
     kl = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)\s+±\s+([0-9.eE+-]+)", out)
@@ -131,7 +134,9 @@ class ActorPeak:
 def run_kld(f16: dict, q4: dict, text: str, d: Path, threads: int, executor: str) -> dict:
     """`matrix kld` as a user runs it, from a fresh process; -> its figures and the chunk ids it cut."""
     wh = d / "wh"
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    for old in (wh, d / "wh.kld.yaml", d / "wh.kld-corpus.yaml"):  # a kept directory's last job: captured again
+        shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+    env = {**USER_ENV, "RAY_AUTH_MODE": USER_ENV.get("RAY_AUTH_MODE", "disabled")}
     cmd = [sys.executable, "-m", "matrix", "kld", "--reference", f16["path"], "--candidate", q4["path"], "--text", text,
            "--n-ctx", "512", "--threads", str(threads), "--warehouse", str(wh), "--executor", executor, "--json"]
     with ActorPeak() as actors:
