@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 _LOG_CB = None  # keep the ctypes callback alive for the life of the process
+_LOG_LOCK = threading.Lock()  # a thread tokenising ahead and the caller may both ask for quiet logs
 _AHEAD: dict[tuple, Future] = {}  # gguf_tokenize results started early (tokenize_ahead), taken once
 _AHEAD_LOCK = threading.Lock()
 
@@ -24,13 +25,14 @@ def quiet_logs() -> None:
 
     import llama_cpp
 
-    if _LOG_CB is None:
-        def cb(level, text, _user):
-            if level == 4:  # GGML_LOG_LEVEL_ERROR
-                sys.stderr.write(text.decode(errors="replace"))
+    with _LOG_LOCK:
+        if _LOG_CB is None:
+            def cb(level, text, _user):
+                if level == 4:  # GGML_LOG_LEVEL_ERROR
+                    sys.stderr.write(text.decode(errors="replace"))
 
-        _LOG_CB = llama_cpp.llama_log_callback(cb)
-        llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+            _LOG_CB = llama_cpp.llama_log_callback(cb)
+            llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
 
 
 def extra_bufts() -> bool:
@@ -92,7 +94,8 @@ def tokenize_ahead(path: str, text: str) -> None:
 
     with _AHEAD_LOCK:
         _AHEAD[key] = done
-    threading.Thread(target=run, name="tokenize-ahead", daemon=True).start()
+    # not a daemon: a process that exits early waits for it, never unloads llama.cpp under it
+    threading.Thread(target=run, name="tokenize-ahead").start()
 
 
 def gguf_tokenize(path: str, text: str) -> tuple[list[int], int | None]:

@@ -27,6 +27,22 @@ KV_TYPES = {"f16": "GGML_TYPE_F16", "f32": "GGML_TYPE_F32", "q8_0": "GGML_TYPE_Q
 DEFAULTS = {"n_batch": 2048, "n_ubatch": 512, "kv_cache": "f16"}  # llama.cpp's own defaults
 
 
+def _wait_policy() -> str:
+    """What llama.cpp's OpenMP threads do while they wait, made passive where the user has not
+    chosen and it still can be: a capture writes rows on a thread of its own beside each forward,
+    and a thread spinning at a barrier holds the core that writing needs (Gemma 3 F16 reference,
+    2-core Xeon: 12.0 s against 12.8 s a capture, the same bits). libgomp reads OMP_WAIT_POLICY
+    once, when llama_cpp first loads it: a process that loaded it before keeps libgomp's default."""
+    import sys
+
+    if os.environ.get("OMP_WAIT_POLICY"):
+        return os.environ["OMP_WAIT_POLICY"].lower()
+    if "llama_cpp" in sys.modules:
+        return "libgomp default"
+    os.environ["OMP_WAIT_POLICY"] = "passive"
+    return "passive"
+
+
 class LlamaCppBackend(Backend):
     engine = "llamacpp"
     dtypes = frozenset(FLOAT_TYPES) | frozenset(QUANT_TYPES)
@@ -36,6 +52,7 @@ class LlamaCppBackend(Backend):
     options = frozenset({"kv_cache", "n_batch", "n_ubatch", "imatrix"})
     libraries = ("llama_cpp_python", "gguf")  # gguf-py writes the converted and quantised files
     runs_files = frozenset({"gguf"})
+    wait_policy: str | None = None  # what its OpenMP threads do while they wait (_wait_policy), from load()
 
     @classmethod
     def unsupported(cls, cell) -> str | None:
@@ -44,11 +61,7 @@ class LlamaCppBackend(Backend):
         return super().unsupported(cell)
 
     def load(self) -> None:
-        # llama.cpp's OpenMP threads sleep between parallel regions instead of spinning, where the
-        # user has not chosen: a capture encodes and writes rows on a thread of its own beside each
-        # forward, and a spinning thread takes the core it needs (Gemma 3 F16 reference, 2-core Xeon:
-        # 12.0 s against 12.8 s a capture, the same bits). libgomp reads it once, when llama_cpp loads it.
-        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+        self.wait_policy = _wait_policy()
         import llama_cpp
 
         from backends import gguf_build
@@ -68,6 +81,8 @@ class LlamaCppBackend(Backend):
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0 if self.stack.device == "cpu" else 999
         self.extra_bufts = extra_bufts()  # repack yes, AMX no
+        if "OPENMP = 1" not in lc.llama_print_system_info().decode(errors="replace"):
+            self.wait_policy = "none: this build has no OpenMP"
         mp.use_extra_bufts = self.extra_bufts
         self.model = lc.llama_model_load_from_file(self.artifact["path"].encode(), mp)
         if not self.model:
@@ -85,8 +100,8 @@ class LlamaCppBackend(Backend):
 
     def rows_beside_forward(self) -> bool:
         # a Gemma 3 Q4_K_M candidate measuring as it captures, 2-core Xeon: 14.0 s beside its passive
-        # threads against 14.4 s between forwards (3 alternated pairs); beside spinning ones it lost
-        return super().rows_beside_forward() or os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive"
+        # threads against 14.4 s between forwards (3 alternated pairs); beside spinning ones it is slower
+        return super().rows_beside_forward() or self.wait_policy == "passive"
 
     def _imatrix(self) -> dict[str, Any] | None:
         im = self.stack.opts.get("imatrix")
@@ -116,7 +131,7 @@ class LlamaCppBackend(Backend):
             "n_batch": self.n_batch, "n_ubatch": self.n_ubatch, "kv_cache": self.kv_cache,
             "n_ctx": "prompt length", "flash_attn": self.stack.attention, "threads": self.threads,
             "context_per_prompt": "kept per prompt length, KV cache cleared before each prompt",
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "omp_wait_policy": self.wait_policy,
             "use_extra_bufts": self.extra_bufts,
             "n_gpu_layers": 0 if self.stack.device == "cpu" else 999,
             "system_info": info, "machine": platform.machine(),

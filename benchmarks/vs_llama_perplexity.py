@@ -35,8 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 REPO = Path(__file__).resolve().parent.parent
-# The environment both tools start from, as the user gave it: the forwards measured in this process
-# load logit-matrix's llama.cpp backend, which sets OMP_WAIT_POLICY for its own threads where unset.
+# The environment both tools start from, as the user gave it: nothing this process sets on its way
+# (logit-matrix's llama.cpp backend sets OMP_WAIT_POLICY where it still can) reaches either tool.
 USER_ENV = dict(os.environ)
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"  # 35 KB of license text: ~9k SmolLM2 tokens, 17 chunks
 DEFAULT_CHUNKS = {"gemma3-270m": 6}  # 0 or absent: every chunk of the text

@@ -27,7 +27,10 @@ def read_text_file(path, what: str = "file") -> str:
     """A UTF-8 text file's contents; any other encoding is a UserError naming the file and the byte."""
     from pathlib import Path
 
-    data = Path(path).read_bytes()
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:  # not there, not a file, not readable: one line, exit 2
+        raise UserError(f"{path}: {what} cannot be read ({e.strerror or type(e).__name__})") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -249,17 +249,42 @@ def test_llamacpp_kept_context_and_output_buffers_give_a_fresh_contexts_bits(ref
     be.close()
 
 
-def test_llamacpp_threads_wait_passively_unless_the_user_chose(reference_model, monkeypatch):
-    """A capture's row work runs beside each forward: llama.cpp's OpenMP threads sleep at their
-    barriers instead of spinning on its core, unless OMP_WAIT_POLICY is set; the cell's settings
-    say which, and a measuring capture's row work goes between forwards under spinning threads."""
+def test_llamacpp_threads_wait_passively_unless_the_user_chose(reference_model, prompts, tmp_path, monkeypatch):
+    """llama.cpp's OpenMP threads sleep at their barriers in a fresh host process (a capture's row
+    work runs beside each forward), with the same bits; the user's OMP_WAIT_POLICY stands, and a
+    process that loaded llama_cpp before keeps libgomp's default. The cell's settings say which."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    ids = prompts[0].token_ids
+    pos = Positions.every(STRIDE).of(len(ids))
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    be = llama(reference_model, "q8_0")
-    assert os.environ["OMP_WAIT_POLICY"] == "passive" and be.settings()["omp_wait_policy"] == "passive"
-    assert be.rows_beside_forward()  # a measuring capture's row work goes beside its forwards
+    be = llama(reference_model, "q8_0")  # this test's module imported llama_cpp: too late to choose
+    assert (be.settings()["omp_wait_policy"], be.rows_beside_forward()) == ("libgomp default", False)
+    assert "OMP_WAIT_POLICY" not in os.environ
+    here = be.forward(ids, pos).copy()
     be.close()
+    m = reference_model
+    code = f"""
+import json, sys, numpy as np
+from backends.llamacpp_backend import LlamaCppBackend
+from common.positions import Positions
+from common.stack import StackDesc
+be = LlamaCppBackend(StackDesc("llamacpp", "q8_0", "default", weights_sha256={m.weights_sha256!r},
+                               source_gguf={str(m.gguf_path)!r}, source_quant={m.gguf_quant!r}), {str(m.hf_dir)!r}, 2)
+be.load()
+np.save(sys.argv[1], be.forward({list(ids)!r}, Positions.every({STRIDE}).of({len(ids)})))
+print(json.dumps([be.settings()["omp_wait_policy"], be.rows_beside_forward()]))
+"""
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "rows.npy")], cwd=REPO, capture_output=True,
+                       text=True, env={k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == ["passive", True]
+    there = np.load(tmp_path / "rows.npy")
+    assert np.array_equal(there.view(np.uint32), here.view(np.uint32))  # the same bits under both policies
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
     be = llama(reference_model, "q8_0")
-    assert os.environ["OMP_WAIT_POLICY"] == "active" and be.settings()["omp_wait_policy"] == "active"
-    assert not be.rows_beside_forward()  # spinning threads on the CPU: between forwards
+    assert (be.settings()["omp_wait_policy"], be.rows_beside_forward()) == ("active", False)
     be.close()

@@ -197,6 +197,7 @@ def test_a_text_tokenised_ahead_gives_the_ids_of_a_plain_call_once(ggufs, text, 
     from backends import llama_binding as lb
     from common.errors import UserError
 
+    lb._AHEAD.clear()  # another test's result left waiting is not this test's
     words = Path(text).read_text()
     want = lb.gguf_tokenize(ggufs["f16"], words)
     assert len(want[0]) > 100
@@ -212,3 +213,22 @@ def test_a_text_tokenised_ahead_gives_the_ids_of_a_plain_call_once(ggufs, text, 
     with pytest.raises(UserError, match="broken.gguf: llama.cpp could not read this GGUF's vocabulary"):
         lb.gguf_tokenize(str(broken), words)
     assert not lb._AHEAD
+
+
+def test_the_run_takes_the_text_kld_tokenised_ahead(ggufs, text, tmp_path, monkeypatch):
+    """write_job starts the tokenising; the run's prepare takes that result: one vocabulary load."""
+    from backends import llama_binding as lb
+    from matrix.run.runner import prepare
+    from matrix.spec import kld
+    from matrix.spec.cells import load_spec
+    from store import Warehouse
+
+    lb._AHEAD.clear()
+    loads, real = [], lb._tokenize
+    monkeypatch.setattr(lb, "_tokenize", lambda path, words: loads.append(path) or real(path, words))
+    ref, cand = kld.classify(ggufs["f16"], "--reference"), kld.classify(ggufs["q8_0"], "--candidate")
+    spec_path, _, _ = kld.write_job(ref, [cand], Path(text), N_CTX, 2, str(tmp_path / "wh"), lambda m: None)
+    plan = prepare(load_spec(spec_path), Warehouse(str(tmp_path / "wh")), lambda m: None)
+    assert loads == [ggufs["f16"]] and not lb._AHEAD
+    (ids,) = plan.prompts.values()
+    assert len(ids) > 10 and all(len(p.token_ids) == N_CTX for p in ids)  # the text cut in chunks of N_CTX

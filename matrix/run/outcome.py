@@ -127,11 +127,13 @@ class Outcomes:
         row = done_row(self.plan, live, self.run_id, self.wh, attempts)
         self.wh.write_rows("cells", cid, [row])
         self.finished.add(cid)
-        close()
-        self.cells_done += 1
-        self.log(f"[cells {self.cells_done}/{self.cells_total}] {cid} done")
-        self._store_inline(row, live)
-        self.progress()
+        try:
+            close()
+        finally:  # a waiting cell that fails to start still finds this one recorded whole
+            self.cells_done += 1
+            self.log(f"[cells {self.cells_done}/{self.cells_total}] {cid} done")
+            self._store_inline(row, live)
+            self.progress()
 
     def loaded(self, live: Live, cid: str, result: dict) -> None:
         live.loaded = result

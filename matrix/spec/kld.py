@@ -152,10 +152,6 @@ def write_job(ref: Source, candidates: list[Source], text: Path, n_ctx: int, thr
         raise UserError(f"--n-ctx {n_ctx}: must be an even context length >= 4 (the second half is scored)")
     spec_path, corpus_path = job_files(warehouse)
     entry, stack, vocab = reference_stack(ref, log)
-    if vocab:  # the run tokenises the text with it first: that starts now, beside what comes before it
-        from backends.llama_binding import tokenize_ahead
-
-        tokenize_ahead(vocab, read_text_file(text, "--text"))
     asked = [candidate_entry(entry["name"], c, log) for c in candidates]
     spec = {"name": "kld", "description": "matrix kld: KL(reference || candidate) over the scored half of each "
                                           "chunk, as llama-perplexity --kl-divergence",
@@ -171,6 +167,10 @@ def write_job(ref: Source, candidates: list[Source], text: Path, n_ctx: int, thr
                   new_corpus, spec_path)
         known = {file_of(c) for c in asked}
         spec["candidates"] = [c for c in old.get("candidates") or [] if file_of(c) not in known] + asked
+    if vocab:  # the run tokenises the text with it first: that starts now, beside what comes before it
+        from backends.llama_binding import tokenize_ahead
+
+        tokenize_ahead(vocab, read_text_file(text, "--text"))
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     _write(corpus_path, new_corpus)
     _write(spec_path, spec)
