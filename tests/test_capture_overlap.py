@@ -1,8 +1,8 @@
 """actors/capture.py's Overlap and RowWork: a prompt's rows rounded, written and measured beside
 the next prompt's forward, or, for a CPU engine whose threads keep their cores while they wait and
-whose capture measures (HF here), written and measured side by side between forwards. The real HF backend (SmolLM2 cut to a few layers) and the real shard
-writer; the rows must be the forwards' own, in prompt order, and a failure on either side must
-leave no shard and no temp file."""
+whose capture measures (HF here), written and measured side by side between forwards. The real HF
+backend (SmolLM2 cut to a few layers) and the real shard writer; the rows must be the forwards' own,
+in prompt order, and a failure on either side must leave no shard and no temp file."""
 
 from __future__ import annotations
 
