@@ -51,8 +51,11 @@ class Warmup:
 
 
 class InlineMetrics:
-    def __init__(self, warehouse: str | None, ref_id: str, cell_id: str, repeat: int, warmup: Warmup | None = None):
-        self.ref_id, self.cell_id, self.repeat, self.warmup = ref_id, cell_id, repeat, warmup
+    def __init__(self, warehouse: str | None, ref_id: str, cell_id: str, repeat: int, warmup: Warmup | None = None,
+                 required: bool = False):
+        """required: the capture keeps no values of its rows (keep_rows: references), so nothing can
+        measure them later: a failure here is raised, and fails the capture, instead of reported."""
+        self.ref_id, self.cell_id, self.repeat, self.warmup, self.required = ref_id, cell_id, repeat, warmup, required
         self.acc, self.error, self.wh, self.ref, self.seconds = None, None, None, None, 0.0
         self.wide = None  # a prompt's rows widened, reused prompt after prompt: fresh memory costs page faults
         if warehouse is None:
@@ -65,6 +68,12 @@ class InlineMetrics:
             self.ref = shard_index(self.wh, ref_id, 0)
         except Exception as e:  # noqa: BLE001 - reported in the manifest; analyze measures the cell instead
             self.error = f"reference {ref_id} repeat 0: {first_line(str(e), type(e).__name__)}"
+        self._raise_if_required()
+
+    def _raise_if_required(self) -> None:
+        if self.required and self.error is not None:
+            raise RuntimeError(f"{self.cell_id}: measuring against {self.ref_id} in the capture failed ({self.error}); "
+                               "keep_rows: references keeps no values to measure later")
 
     def observe(self, prompt_id: str, positions: list[int], stored: np.ndarray, shift: np.ndarray | None) -> None:
         if self.error is not None:
@@ -84,6 +93,7 @@ class InlineMetrics:
         except Exception as e:  # noqa: BLE001 - the capture goes on; analyze measures the cell instead
             self.error, self.acc = first_line(str(e), type(e).__name__), None
         self.seconds += time.perf_counter() - t0
+        self._raise_if_required()
 
     def outcome(self) -> dict[str, Any]:
         """{"table", "counts"} (storage_floor still 0: the driver sets the cell's), or {"error"}."""

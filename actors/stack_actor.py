@@ -165,13 +165,16 @@ class StackHost:
         return {"status": "ok" if ok else "mismatch", "rows": rows, "special": special, "problems": problems}
 
     def capture(self, run_id: str, repeat: int, prompts: list[tuple[str, list[int]]],
-                keep: Positions, store: str = "native", metrics_ref: str | None = None) -> dict[str, Any]:
+                keep: Positions, store: str = "native", metrics_ref: str | None = None,
+                values: bool = True) -> dict[str, Any]:
         """One teacher-forced prefill per prompt; the shard is written here, not returned.
 
         Under tensor parallelism every rank runs the same forwards (they are collective); only
         rank 0 writes rows. metrics_ref: the reference cell whose repeat 0 this node reads from the
         warehouse, to measure each prompt's rows against as they come out (the metrics rows,
-        small, come back in the manifest)."""
+        small, come back in the manifest). values=False (keep_rows: references): the shard keeps
+        each row's hash, not its values, so the measurement here is the only one: its failure
+        fails the capture."""
         self._loaded()
         if self.rank > 0:
             side = [x.capturer(self.backend, v, None) for x, v in extras.of(self.stack)]
@@ -183,33 +186,36 @@ class StackHost:
                         c.other_rank(fed, positions)
             return {"rows": 0, "rank": self.rank}
         cid = self.stack.cell_id
-        writer = self._writer(run_id, repeat, "logits")
+        metrics = self._metrics(metrics_ref, repeat, required=not values)
+        writer = self._writer(run_id, repeat, "logits", values)
         side = {t: self._writer(run_id, repeat, t) for t in dict.fromkeys(x.table for x, _ in extras.of(self.stack))}
-        metrics = self._metrics(metrics_ref, repeat)
         out = capture_shard(self.backend, writer, prompts, keep, self.stack.max_tokens, store,
                             None if metrics is None else metrics.observe, side)
         return {**out, "cell_id": cid, "repeat": repeat, "rows_via": "node" if self.direct else "driver",
                 "bytes_sent": 0 if self.direct else sum(w.bytes for w in (writer, *side.values())),
                 "metrics": None if metrics is None else metrics.outcome()}
 
-    def _writer(self, run_id: str, repeat: int, table: str):
+    def _writer(self, run_id: str, repeat: int, table: str, values: bool = True):
         """Where a shard of this capture goes: the warehouse itself, or the driver's depot (Ray only)."""
         cid = self.stack.cell_id
         if self.direct:
-            return ShardWriter(self.delivery.warehouse, run_id, cid, repeat, table)
+            return ShardWriter(self.delivery.warehouse, run_id, cid, repeat, table, values)
         if self.delivery.depot is None:  # the local executor's hosts always see the warehouse
             raise RuntimeError(f"{cid}: this host cannot reach the warehouse {self.delivery.warehouse}")
         from actors.depot import RemoteShard
 
         return RemoteShard(self.delivery.depot, run_id, cid, repeat, table)
 
-    def _metrics(self, ref_id: str | None, repeat: int):
+    def _metrics(self, ref_id: str | None, repeat: int, required: bool = False):
         from actors.inline_metrics import InlineMetrics
 
         if ref_id is None or (ref_id == self.stack.cell_id and repeat == 0):  # the yardstick itself
+            if required:
+                raise RuntimeError(f"{self.stack.cell_id}: keep_rows: references keeps no values of rows that "
+                                   "are not measured where they are captured")
             return None
         return InlineMetrics(self.delivery.warehouse if self.direct else None, ref_id, self.stack.cell_id, repeat,
-                             self.warmup)
+                             self.warmup, required)
 
     def close(self) -> None:
         if self.backend is not None:

@@ -53,6 +53,7 @@ def export_fixture(warehouse: str, cell_id: str, out: str, k: int = 64, log: Cal
         raise UserError(f"fixture export: --k {k}: must be >= 1")
     if Path(out).suffix not in fixture_file.SUFFIXES:
         raise UserError(f"fixture export: --out {out}: name it .json (human-readable) or .parquet (dense)")
+    wh.require_values(cell_id, 0)
     t = wh.read_shard(cell_id, 0)
     shift = t.column("shift") if "shift" in t.column_names else None  # pre-v8 shards have none
     logits = unshift(logits_matrix(t.column("logits")), shift)  # (rows, vocab) float32, the raw logits

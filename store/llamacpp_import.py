@@ -45,6 +45,7 @@ def export_kld_base(warehouse: str, cell_id: str, n_ctx: int, out: str, log: Cal
     if not chunks:
         raise UserError(f"kld-base export: no prompt of {cells[cell_id]['model']} has {n_ctx} tokens; "
                         "use a smaller --n-ctx")
+    wh.require_values(cell_id, 0)
     t = wh.read_shard(cell_id, 0, ["prompt_id", "position", "logits"])
     index = {(p, q): i for i, (p, q) in enumerate(zip(t.column("prompt_id").to_pylist(),
                                                      t.column("position").to_pylist()))}

@@ -73,9 +73,14 @@ def m012_perplexity(loc) -> None:
     (the metric kernel's version is part of each output's key)."""
 
 
+def m013_values_not_kept(loc) -> None:
+    """v13: a logits shard may keep its rows' hashes without their values (store/schema.py
+    VALUES_KEY, `keep_rows: references`). Nothing to rewrite: every shard before keeps its values."""
+
+
 # target version -> migration
 MIGRATIONS = {2: m002_tokenizer_parity, 3: m003_nonfinite_and_centroid_groups, 4: m004_rows_delivery,
               5: m005_builds_and_replicas, 6: m006_failed_cells, 7: m007_analysis_kernel_version,
               8: m008_positions_and_storage, 9: m009_layer_states,
               10: m010_prefix_cache, 11: m011_executor,
-              12: m012_perplexity}
+              12: m012_perplexity, 13: m013_values_not_kept}

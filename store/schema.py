@@ -1,10 +1,10 @@
-"""Warehouse schema, version 9 (migrations from older versions: store/migrations.py).
+"""Warehouse schema, version 13 (migrations from older versions: store/migrations.py).
 
 Layout (one directory per table; readers glob ``*.parquet``; writers go
 through a hidden temp file and an atomic rename, so a killed run never leaves
 a half-written file that a reader sees)::
 
-    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 8}
+    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 13}
     runs/<run_id>.parquet               one row per `matrix run` that had work to do
     cells/<cell_id>.parquet             one row per completed cell (rewritten on resume)
     prompts/<prompt_id>.parquet         one row per tokenised prompt
@@ -24,11 +24,17 @@ a half-written file that a reader sees)::
 ``logits_dtype`` names the native type and ``row_hash`` is the sha256 of the
 native bytes (bf16: the uint16 bits, little-endian). Byte-stream-split + zstd:
 for bf16 rows the two low byte streams are all zero and cost almost nothing.
+
+v13: a logits shard whose Parquet footer says ``logit_matrix.values: not kept``
+(VALUES_KEY) holds every row's prompt, position, next token, dtype, shift and
+``row_hash`` with ``logits`` null: a cell under ``keep_rows: references``, its
+rows measured against the reference and hashed where they were captured, their
+values not stored (llama-perplexity keeps no candidate's logits either).
 """
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -105,6 +111,9 @@ PROMPTS = pa.schema([
     ("ids_sha256", pa.string()), ("bos_policy", pa.string()), ("bos_added", pa.bool_()),
     ("starts_with_bos", pa.bool_()), ("tokenizer_sha256", pa.string()),
 ])
+
+# A logits shard's footer key: NOT_KEPT where its rows are hashed but their values not stored.
+VALUES_KEY, NOT_KEPT = b"logit_matrix.values", b"not kept"
 
 LOGITS = pa.schema([
     ("run_id", pa.string()), ("cell_id", pa.string()), ("prompt_id", pa.string()),

@@ -17,9 +17,10 @@ import pyarrow.parquet as pq
 from common.buffers import room
 from common.errors import UserError, first_line
 from store import pages
+from store.schema import NOT_KEPT, VALUES_KEY
 from store.verify import DamagedShard, native_check
 from store.values import rows_at
-from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, unshift, widen
+from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, unshift, values_not_kept, widen
 
 SEE_VERIFY = "run `matrix verify`, or `matrix analyze --skip-damaged` to leave it out"
 SMALL = ["prompt_id", "position", "next_token_id", "logits_dtype", "row_hash"]
@@ -49,6 +50,7 @@ class ShardIndex:
     vocab: int  # 0 for a shard without rows
     metadata: pq.FileMetaData  # the footer, read once for every reader of the shard
     leaf: int  # the logits leaf column
+    values: bool = True  # False: rows hashed, their values not kept (store/schema.py VALUES_KEY)
 
 
 def _damaged(path: str, e: Exception) -> DamagedShard:
@@ -61,10 +63,11 @@ def shard_index(wh: Warehouse, cell_id: str, repeat: int) -> ShardIndex:
     try:
         pf = pq.ParquetFile(path, filesystem=wh.loc.fs, page_checksum_verification=True)
         leaf = pages.leaf_index(pf.schema, LOGITS_LEAF)
+        kept = (pf.schema_arrow.metadata or {}).get(VALUES_KEY) != NOT_KEPT
         prompts, h, vocabs = {}, hashlib.sha256(), set()
         for g in range(pf.num_row_groups):
             md = pf.metadata.row_group(g)
-            if md.num_rows:
+            if md.num_rows and kept:
                 vocabs.add(md.column(leaf).num_values // md.num_rows)
             t = pf.read_row_group(g, columns=SMALL + (["shift"] if "shift" in pf.schema_arrow.names else [])).to_pydict()
             ids = t["prompt_id"]
@@ -83,7 +86,7 @@ def shard_index(wh: Warehouse, cell_id: str, repeat: int) -> ShardIndex:
         raise UserError(f"{path}: rows of different vocabulary sizes {sorted(vocabs)} in one shard")
     h.update(f"vocab\0{sorted(vocabs)}".encode())  # a row's length is content too (a rewrite may keep stale hashes)
     return ShardIndex(path, cell_id, repeat, prompts, h.hexdigest(), sum(len(p.positions) for p in prompts.values()),
-                      vocabs.pop() if vocabs else 0, pf.metadata, leaf)
+                      vocabs.pop() if vocabs else 0, pf.metadata, leaf, kept)
 
 
 def _shift(col: list | None, a: int, b: int) -> np.ndarray | None:
@@ -120,6 +123,8 @@ class Rows:
     time per Scratch)."""
 
     def __init__(self, wh: Warehouse, index: ShardIndex, prompt_id: str, batch: int, scratch: Scratch | None = None):
+        if not index.values:
+            raise UserError(values_not_kept(index.path))
         self.index, self.prompt, self.scratch = index, index.prompts[prompt_id], scratch
         self.pf = pq.ParquetFile(index.path, filesystem=wh.loc.fs, metadata=index.metadata,
                                  page_checksum_verification=True, buffer_size=READ_BUFFER)

@@ -112,6 +112,8 @@ def unshift(values: np.ndarray, shift, inplace: bool = False, out: np.ndarray | 
 def logits_matrix(col) -> np.ndarray:
     """A logits list<float32> column (array or chunked) -> (rows, vocab) float32; rows must share a length."""
     arr = col.combine_chunks() if hasattr(col, "combine_chunks") else col
+    if arr.null_count:
+        raise ValueError("rows whose values were not kept (keep_rows: references)")
     lengths = np.diff(arr.offsets.to_numpy())
     if len(lengths) and (lengths != lengths[0]).any():
         raise ValueError("rows of different vocabulary sizes")

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from common.errors import UserError, first_line
 from store import pages
+from store.schema import NOT_KEPT, VALUES_KEY
 from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, row_hash
 
 ROW_COLUMNS = ["prompt_id", "position", "logits_dtype", "logits", "row_hash"]
@@ -113,11 +114,13 @@ def verify_shard(wh: Warehouse, cell_id: str, repeat: int, expected_rows: int | 
     except Exception as e:  # a truncated or overwritten file: Parquet says why
         return [Damage(path, f"unreadable: {_first_line(e)}", cell_id, repeat)], 0, 0
     damage, rows = [], 0
+    kept = (pf.schema_arrow.metadata or {}).get(VALUES_KEY) != NOT_KEPT
     with f:
         for g in range(pf.num_row_groups):
             try:
                 t = pf.read_row_group(g, columns=SMALL_COLUMNS)
-                damage += _check_group(pf, f, g, leaf, t, path, cell_id, repeat)
+                damage += _check_group(pf, f, g, leaf, t, path, cell_id, repeat) if kept else \
+                    _check_unkept(pf, g, path, cell_id, repeat)
             except Exception as e:
                 damage.append(Damage(path, f"row group {g} unreadable: {_first_line(e)}", cell_id, repeat))
                 continue
@@ -154,6 +157,16 @@ def verify_layer_shard(wh: Warehouse, cell_id: str, repeat: int) -> tuple[list[D
 
 def _size(wh: Warehouse, path: str) -> int:
     return wh.loc.fs.get_file_info(path).size if wh.remote else os.path.getsize(path)
+
+
+def _check_unkept(pf, g: int, path: str, cell_id: str | None, repeat: int | None) -> list[Damage]:
+    """A row group of a shard that keeps no values (store/schema.py VALUES_KEY): every row's
+    logits null; its row hashes have nothing here to be checked against."""
+    logits = pf.read_row_group(g, columns=["logits"]).column(0)
+    if logits.null_count != len(logits):
+        return [Damage(path, f"row group {g}: {len(logits) - logits.null_count} row(s) with values in a shard "
+                             "that keeps none", cell_id, repeat)]
+    return []
 
 
 def _check_group(pf, f, g: int, leaf: int, t: pa.Table, path: str, cell_id: str | None,

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 from common.buffers import room
 from common.errors import UserError
 from store.location import PROBE, named_io_errors, open_location, write_whole
-from store.schema import FORMAT, LOGITS, SCHEMA_VERSION, TABLES
+from store.schema import FORMAT, LOGITS, NOT_KEPT, SCHEMA_VERSION, TABLES, VALUES_KEY
 from store.values import (ZSTD_LEVEL, logits_matrix, narrow_bf16, native_dtype_of, native_values,  # noqa: F401
                           round_bf16, row_hash, shift_by_max, to_bf16, unshift, widen)
 
@@ -201,8 +201,23 @@ class Warehouse:
     def shard_rows(self, cell_id: str, repeat: int, table: str = "logits") -> int:
         return pq.read_metadata(self.shard_path(cell_id, repeat, table), filesystem=self.loc.fs).num_rows
 
+    def shard_keeps_values(self, cell_id: str, repeat: int) -> bool:
+        """False for a shard of row hashes whose values were not kept (VALUES_KEY)."""
+        meta = pq.read_schema(self.shard_path(cell_id, repeat), filesystem=self.loc.fs).metadata or {}
+        return meta.get(VALUES_KEY) != NOT_KEPT
+
+    def require_values(self, cell_id: str, repeat: int) -> None:
+        """For a reader of a shard's logits: one line where its values were not kept."""
+        if not self.shard_keeps_values(cell_id, repeat):
+            raise UserError(values_not_kept(self.shard_path(cell_id, repeat)))
+
     def shard_hashes(self, cell_id: str, repeat: int) -> dict[tuple[str, int], str]:
         return row_hashes(self.read_shard(cell_id, repeat, ["prompt_id", "position", "row_hash"]))
+
+
+def values_not_kept(path: str) -> str:
+    return (f"{path}: its rows were measured and hashed where they were captured, their values not kept "
+            "(keep_rows: references); capture the cell again under keep_rows: all to read them")
 
 
 def row_hashes(rows: pa.Table) -> dict[tuple[str, int], str]:
@@ -213,25 +228,29 @@ def row_hashes(rows: pa.Table) -> dict[tuple[str, int], str]:
 def rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, positions: list[int],
                next_ids: Iterable[int | None], native: np.ndarray, shift: np.ndarray | None = None,
                path: list[str] | None = None, step: list[int] | None = None,
-               buffer: np.ndarray | None = None) -> pa.Table:
+               buffer: np.ndarray | None = None, values: bool = True) -> pa.Table:
     """One prompt's rows as a LOGITS table. native: (rows, vocab) as returned by a backend, or as
     stored (`store: bf16`) with shift (rows,) what was subtracted from each row; path / step per
     row for a side file (null for a capture's rows). buffer: a float32 array of at least
     rows * vocab values the widened values go into, for a caller that writes the table before
-    it reuses the buffer (a prompt's fresh 270 MB costs as much in page faults as the widening)."""
+    it reuses the buffer (a prompt's fresh 270 MB costs as much in page faults as the widening).
+    values=False: every row hashed, its logits null (a shard that keeps no values, VALUES_KEY)."""
     n, vocab = native.shape
     assert n == len(positions), (n, len(positions))
     dtype = native_dtype_of(native)
     hashes = [row_hash(native[i]) for i in range(n)]
-    values = pa.array(widen(native, buffer).reshape(-1), type=pa.float32())  # (rows * vocab,)
-    offsets = pa.array(np.arange(0, (n + 1) * vocab, vocab, dtype=np.int32))
+    if values:
+        flat = pa.array(widen(native, buffer).reshape(-1), type=pa.float32())  # (rows * vocab,)
+        logits = pa.ListArray.from_arrays(pa.array(np.arange(0, (n + 1) * vocab, vocab, dtype=np.int32)), flat)
+    else:
+        logits = pa.nulls(n, LOGITS.field("logits").type)
     return pa.table({
         "run_id": pa.array([run_id] * n), "cell_id": pa.array([cell_id] * n),
         "prompt_id": pa.array([prompt_id] * n), "position": pa.array(positions, pa.int32()),
         "next_token_id": pa.array(list(next_ids), pa.int32()),
         "repeat": pa.array([repeat] * n, pa.int32()),
         "logits_dtype": pa.array([dtype] * n),
-        "logits": pa.ListArray.from_arrays(offsets, values),
+        "logits": logits,
         "row_hash": pa.array(hashes),
         "shift": pa.array(shift if shift is not None else np.full(n, None), pa.float32()),
         "path": pa.array(path if path is not None else [None] * n, pa.string()),
@@ -239,13 +258,13 @@ def rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, positions
     }, schema=LOGITS)
 
 
-def _writer(where, table: str = "logits") -> pq.ParquetWriter:
+def _writer(where, table: str = "logits", values: bool = True) -> pq.ParquetWriter:
     if table == "layer_states":
         from store.layer_states import layer_writer
 
         return layer_writer(where)
     return pq.ParquetWriter(
-        where, LOGITS, compression="zstd", compression_level=ZSTD_LEVEL,
+        where, LOGITS if values else LOGITS.with_metadata({VALUES_KEY: NOT_KEPT}), compression="zstd", compression_level=ZSTD_LEVEL,
         use_dictionary=["run_id", "cell_id", "prompt_id", "logits_dtype"],
         use_byte_stream_split=[LOGITS_LEAF], write_statistics=["position", "repeat", "next_token_id"],
         write_page_checksum=True)  # a flipped byte fails its page's CRC on read (store/verify.py)
@@ -304,24 +323,27 @@ def decode_rows(data: bytes, run_id: str, cell_id: str, repeat: int, table: str 
 class ShardWriter:
     """Streams one (cell, repeat) shard, a row group per prompt; visible only after commit()."""
 
-    def __init__(self, warehouse: str | os.PathLike, run_id: str, cell_id: str, repeat: int, table: str = "logits"):
+    def __init__(self, warehouse: str | os.PathLike, run_id: str, cell_id: str, repeat: int, table: str = "logits",
+                 values: bool = True):
+        """values=False: a logits shard of row hashes without values (VALUES_KEY)."""
         loc = open_location(warehouse)
-        self.table = table
+        self.table, self.values = table, values
         self.stage = loc.stage(Warehouse.shard_key(cell_id, repeat, table))
         self.path = loc.path(Warehouse.shard_key(cell_id, repeat, table))  # named by a write that fails
         self.run_id, self.cell_id, self.repeat = run_id, cell_id, repeat
         self.rows = 0
         self._wide = None  # the widened values of the prompt being written (rows_table's buffer)
         with named_io_errors(self.path):
-            self._writer = _writer(self.stage.tmp, table)
+            self._writer = _writer(self.stage.tmp, table, values)
 
     def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
             native: np.ndarray, shift: np.ndarray | None = None, path: list[str] | None = None,
             step: list[int] | None = None) -> None:
         """native: (rows, vocab) as returned by a backend (or as stored, with each row's shift)."""
-        self._wide = room(self._wide, native.size)
+        if self.values:
+            self._wide = room(self._wide, native.size)
         self.add_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native,
-                                 shift, path, step, buffer=self._wide))  # written below: the buffer is free again
+                                 shift, path, step, buffer=self._wide, values=self.values))  # the buffer is free again below
 
     def add_layers(self, prompt_id: str, positions: list[int], states: dict[str, np.ndarray], depth: int,
                    sources: dict[str, str]) -> None:

@@ -40,7 +40,8 @@ def text(tmp_path_factory) -> str:
 def job(ggufs, text, tmp_path_factory):
     wh = tmp_path_factory.mktemp("kld") / "wh"
     r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q8_0"], "--candidate", ggufs["q4_k_m"],
-                "--text", text, "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh), "--json")
+                "--text", text, "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh), "--json",
+                "--keep-rows")  # every stack's values: the statistics are checked against them below
     assert r.returncode == 0, r.stderr[-3000:]
     return wh, json.loads(r.stdout), r.stderr
 
@@ -142,7 +143,7 @@ def test_the_spec_is_beside_the_warehouse_and_a_new_candidate_alone_is_captured(
     assert spec == wh.with_name("wh.kld.yaml") and spec.is_file()
     before = {c["cell_id"]: c["run_id"] for c in sql(wh, "select cell_id, run_id from cells")}
     assert len(before) == 3
-    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q4_0"],
+    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q4_0"], "--keep-rows",
                 "--text", text, "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh),
                 env={"PYTHONPATH": os.pathsep.join(filter(None, [str(blocked.parent), os.environ.get("PYTHONPATH")]))})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -187,10 +188,55 @@ def test_another_text_for_the_same_warehouse_is_refused(job, ggufs, tmp_path):
     other.write_text("Another text entirely. " * 400)
     before = (wh.parent / "wh.kld.yaml").read_text()
     r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q8_0"], "--text", str(other),
-                "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh))
+                "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh), "--keep-rows")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "corpus: this warehouse's job has" in r.stderr and "(--text / --n-ctx)" in r.stderr
     assert (wh.parent / "wh.kld.yaml").read_text() == before
+
+
+def _shard(wh: Path, cell_id: str):
+    return pq.ParquetFile(wh / "logits" / cell_id / "r0.parquet")
+
+
+def test_by_default_only_the_reference_keeps_its_values_and_the_rest_is_the_same(job, ggufs, text, tmp_path):
+    """Without --keep-rows a candidate's rows are measured and hashed where they are captured, their
+    values not stored: the same statistics to the bit, the same row hashes as the job that keeps
+    them, a shard a fraction of the size; verify passes, a reader of its values is told why not,
+    and a spec that asks for every stack's values captures the candidates again, to the same bits."""
+    kept_wh, kept, _ = job
+    wh = tmp_path / "wh"
+    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q8_0"], "--candidate", ggufs["q4_k_m"],
+                "--text", text, "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert [x["statistics"] for x in out["results"]] == [x["statistics"] for x in kept["results"]]
+    ref_cell = next(c["cell_id"] for c in sql(wh, "select cell_id from cells where is_reference"))
+    hashes = {}
+    for res in out["results"]:
+        f, cid = _shard(wh, res["cell_id"]), res["cell_id"]
+        assert f.schema_arrow.metadata[b"logit_matrix.values"] == b"not kept"
+        t = f.read(columns=["prompt_id", "position", "row_hash", "logits"])
+        assert t["logits"].null_count == t.num_rows == res["statistics"]["rows"]
+        hashes[cid] = t.select(["prompt_id", "position", "row_hash"]).to_pylist()
+        assert hashes[cid] == _shard(kept_wh, cid).read(columns=["prompt_id", "position", "row_hash"]).to_pylist()
+        assert (wh / "logits" / cid / "r0.parquet").stat().st_size * 20 < (wh / "logits" / ref_cell / "r0.parquet").stat().st_size
+    assert _shard(wh, ref_cell).schema_arrow.metadata is None or b"logit_matrix.values" not in _shard(wh, ref_cell).schema_arrow.metadata
+    r = run_cli("verify", "--warehouse", str(wh), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["damage"] == [], r.stdout[-2000:] + r.stderr[-2000:]
+    cid = out["results"][0]["cell_id"]
+    r = run_cli("fixture", "export", cid, "--warehouse", str(wh), "--out", str(tmp_path / "f.json"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "values not kept" in r.stderr, r.stderr
+    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q8_0"], "--keep-rows", "--text", text,
+                "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh))
+    assert r.returncode == 2 and "keep_rows: this warehouse's job has references, not all (--keep-rows)" in r.stderr
+    spec = Path(out["spec"])
+    spec.write_text(spec.read_text().replace("keep_rows: references", "keep_rows: all"))
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--executor", "local")
+    assert r.returncode == 0 and "values were not kept" in r.stderr and "2 cell(s) to run" in r.stderr, r.stderr[-3000:]
+    for c, want in hashes.items():
+        f = _shard(wh, c)
+        assert b"logit_matrix.values" not in (f.schema_arrow.metadata or {})
+        assert f.read(columns=["prompt_id", "position", "row_hash"]).to_pylist() == want
 
 
 def test_a_text_tokenised_ahead_gives_the_ids_of_a_plain_call_once(ggufs, text, tmp_path):

@@ -101,7 +101,8 @@ def cmd_kld(args) -> int:
     text_file = Path(os.path.expanduser(args.text)).resolve()
     if not text_file.is_file():
         raise UserError(f"--text {args.text}: no such file")
-    spec_path, asked, new = kld.write_job(ref, cands, text_file, args.n_ctx, threads, args.warehouse, log)
+    spec_path, asked, new = kld.write_job(ref, cands, text_file, args.n_ctx, threads, args.warehouse, log,
+                                          args.keep_rows)
     log(f"the job's spec: {spec_path} (`matrix run {spec_path} --warehouse {args.warehouse}` repeats it)")
     bad = None
     try:  # one candidate's failure is its own: the others are still reported
@@ -160,6 +161,9 @@ def add_parser(sub) -> None:
                    help="threads per cell (default: every core of this machine; required with --address)")
     k.add_argument("--warehouse", default="kld-warehouse",
                    help="where the rows go; the job's spec is written beside it as WAREHOUSE.kld.yaml")
+    k.add_argument("--keep-rows", action="store_true",
+                   help="keep the candidates' rows too (default: only the reference's, as llama-perplexity keeps only "
+                        "its base logits; a candidate's rows are measured and hashed as they are captured)")
     k.add_argument("--address", default=None, help="a Ray cluster to run the cells on (default: this machine, no Ray)")
     k.add_argument("--executor", choices=("ray", "local"), default=None,
                    help="where cells run (default: local, or ray with --address)")

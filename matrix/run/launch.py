@@ -62,6 +62,7 @@ class Work:
     vocab: int  # the reference's vocabulary size
     store: str = "native"  # how rows are stored: native | bf16 (matrix/spec/parse.py STORES)
     metrics_ref: str | None = None  # reference_metrics: in_actor: the reference cell whose repeat 0 is stored
+    values: bool = True  # False (keep_rows: references, measured in its host): rows hashed, values not stored
 
 
 class Executor(Protocol):
@@ -92,7 +93,7 @@ def queue_calls(started: Started, cell: Cell, work: Work, call: Callable[..., An
     a = started.actor
     started.calls[call(a, "parity", work.prompts, work.special, work.vocab)] = Call(Kind.PARITY, cell.cell_id)
     for r in work.repeats:
-        started.calls[call(a, "capture", work.run_id, r, ids, work.keep, work.store, work.metrics_ref)] = \
+        started.calls[call(a, "capture", work.run_id, r, ids, work.keep, work.store, work.metrics_ref, work.values)] = \
             Call(Kind.CAPTURE, cell.cell_id, r)
     return started
 

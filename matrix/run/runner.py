@@ -171,7 +171,10 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
                 why = "unreadable: " + first_line(str(e), type(e).__name__)
         for table, (rows, exact) in side.items():  # the extras' shards, complete too
             why = why or _side_shard_problem(wh, cell, r, table, rows, exact)
-        if why is None:
+        if why is None and plan.spec.keep_rows == "all" and not wh.shard_keeps_values(cell.cell_id, r):
+            log(f"{wh.shard_path(cell.cell_id, r)}: its rows' values were not kept (keep_rows: references); "
+                "capturing it again to keep them")
+        elif why is None:
             done.add(r)
         elif resume.recapture_damaged:
             aside = wh.move_aside(cell.cell_id, r, plan.aside)

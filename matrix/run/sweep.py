@@ -63,9 +63,11 @@ class Sweep:
     def _start(self, cell: Cell, metrics_ref: str | None) -> None:
         plan = self.plan
         model, threads, repeats = plan.models[cell.model], placement.cell_threads(cell, self.nodes), self.todo[cell.cell_id]
+        # keep_rows: references drops the values of a cell's rows only where its host measures them
+        values = plan.spec.keep_rows == "all" or metrics_ref in (None, cell.cell_id)
         work = launch.Work(self.out.run_id, self.delivery, plan.spec.positions, repeats,
                            [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]],
-                           plan.special[cell.model], plan.vocab[cell.model], plan.spec.store, metrics_ref)
+                           plan.special[cell.model], plan.vocab[cell.model], plan.spec.store, metrics_ref, values)
         started = self.ex.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
         limit = retry.capture_limit(plan.spec.capture_timeout_s, plan.prompts[cell.model], cell)
         self.live[cell.cell_id] = Live(cell, started, threads, len(repeats), repeats=sorted(repeats),

@@ -122,8 +122,8 @@ def corpus(text: Path, n_ctx: int, vocab: str | None) -> dict:
 
 
 def _same_job(old: dict, new: dict, old_corpus: dict | None, new_corpus: dict, spec_path: Path) -> None:
-    """A warehouse holds one job: one reference, one text cut one way, one thread count. Another
-    is refused, naming what differs."""
+    """A warehouse holds one job: one reference, one text cut one way, one thread count, one
+    choice of whose rows keep their values. Another is refused, naming what differs."""
     def text(c: dict | None) -> str:
         e = (c or {}).get("prompts", [{}])[0]
         return f"text {e.get('file')} in chunks of {e.get('chunks')}"
@@ -131,6 +131,7 @@ def _same_job(old: dict, new: dict, old_corpus: dict | None, new_corpus: dict, s
     for flag, key, have, want in (("--reference", "models", old.get("models"), new["models"]),
                                   ("--reference", "reference", old.get("reference"), new["reference"]),
                                   ("--threads", "threads", old.get("threads"), new["threads"]),
+                                  ("--keep-rows", "keep_rows", old.get("keep_rows", "all"), new["keep_rows"]),
                                   ("--text / --n-ctx", "corpus", old_corpus, new_corpus)):
         if have != want:
             have, want = (text(have), text(want)) if key == "corpus" else (have, want)
@@ -145,9 +146,10 @@ def _write(path: Path, data: dict) -> None:
 
 
 def write_job(ref: Source, candidates: list[Source], text: Path, n_ctx: int, threads: int, warehouse: str,
-              log) -> tuple[Path, list[dict], bool]:
+              log, keep_rows: bool = False) -> tuple[Path, list[dict], bool]:
     """Write (or extend) the spec and corpus next to the warehouse; -> (spec path, the candidate
-    entries asked for this time, whether the spec is new)."""
+    entries asked for this time, whether the spec is new). keep_rows: the candidates' rows keep
+    their values too (keep_rows: all), not only the reference's."""
     if n_ctx < 4 or n_ctx % 2:
         raise UserError(f"--n-ctx {n_ctx}: must be an even context length >= 4 (the second half is scored)")
     spec_path, corpus_path = job_files(warehouse)
@@ -158,7 +160,8 @@ def write_job(ref: Source, candidates: list[Source], text: Path, n_ctx: int, thr
             "models": [entry], "engines": [stack["engine"]], "dtypes": [stack["dtype"]],
             "attention": [stack["attention"]], "reference": stack, "repeats": 1, "threads": threads,
             "corpus": str(corpus_path), "positions": "llama_perplexity", "store": "bf16",
-            "centroid": {"definition": "none"}, "reference_metrics": "in_actor", "candidates": list(asked)}
+            "centroid": {"definition": "none"}, "reference_metrics": "in_actor",
+            "keep_rows": "all" if keep_rows else "references", "candidates": list(asked)}
     new_corpus = corpus(text, n_ctx, vocab)
     new = not spec_path.is_file()
     if not new:

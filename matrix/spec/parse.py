@@ -39,6 +39,7 @@ STORES = TOP["store"].allowed
 # or in the capturing actor as the rows come out, against the reference's rows already in the
 # warehouse (a model's reference then runs before its other cells); analyze reuses them
 REFERENCE_METRICS = TOP["reference_metrics"].allowed
+KEEP_ROWS = TOP["keep_rows"].allowed
 TOP_KEYS = set(TOP) - set(extras.keys())  # the extras' keys are checked against the registry as it is then
 # none: no centroid and no pairwise tables (a job that asks only for KL against the reference)
 CENTROID = S.by_name(TOP["centroid"].keys)
@@ -102,6 +103,7 @@ class Spec:
     positions: P.Positions = field(default_factory=P.Positions)  # which rows each prompt keeps
     store: str = "native"
     reference_metrics: str = "analyze"  # REFERENCE_METRICS
+    keep_rows: str = "all"  # KEEP_ROWS: all, or references (the others' rows hashed, their values not stored)
     candidates: list[dict] = field(default_factory=list)  # published files measured as they are
     raw_text: str = ""
     cells: tuple[Cell, ...] = ()
@@ -189,6 +191,21 @@ def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool)
             keys = names.CELL_AXES + (tuple(sorted(CELL_EXTRA_KEYS | set(extras.keys()))) if extra_ok else ())
             raise field_error(path, f"{fld}.{k}", f"unknown key; expected one of {', '.join(keys)}")
     return out
+
+
+def _parse_keep_rows(path: Path, data: dict, where: str, centroid: str) -> str:
+    """keep_rows: references stores only the references' values: every other row must be measured
+    where it is captured, and nothing else may need its values (a centroid)."""
+    keep = data.get("keep_rows", TOP["keep_rows"].default)
+    if keep not in KEEP_ROWS:
+        raise field_error(path, "keep_rows", f"expected one of {', '.join(KEEP_ROWS)}", keep)
+    if keep == "references" and where != "in_actor":
+        raise field_error(path, "keep_rows", "references needs reference_metrics: in_actor (the rows are "
+                          f"measured where they are captured), not {where}", keep)
+    if keep == "references" and centroid != "none":
+        raise field_error(path, "keep_rows", "references needs centroid: {definition: none} (a centroid "
+                          f"reads every stack's values), not {centroid}", keep)
+    return keep
 
 
 def _parse_centroid(path: Path, raw: Any, models: dict) -> tuple[str, list]:
@@ -354,13 +371,14 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
     if where not in REFERENCE_METRICS:
         raise field_error(path, "reference_metrics", f"expected one of {', '.join(REFERENCE_METRICS)}", where)
     centroid, groups = _parse_centroid(path, data.get("centroid"), models)
+    keep_rows = _parse_keep_rows(path, data, where, centroid)
     name = data.get("name", path.stem)
     if not isinstance(name, str):
         raise field_error(path, "name", "must be a string", name)
     positions = _parse_positions(path, data)
     return Spec(path=path, name=name, models=models, axes=axes, include=include,
                 exclude=exclude, reference=reference, stride=positions.stride, positions=positions, store=store,
-                reference_metrics=where, candidates=parse_candidates(path, data, models),
+                reference_metrics=where, keep_rows=keep_rows, candidates=parse_candidates(path, data, models),
                 repeats=positive_int(path, data, "repeats", TOP["repeats"].default), corpus=corpus, bos=bos,
                 threads=check_threads(path, "threads", data.get("threads")), options=options,
                 max_tokens=check_threads(path, "max_tokens", data.get("max_tokens")),

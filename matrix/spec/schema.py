@@ -142,6 +142,9 @@ def top() -> tuple[Key, ...]:
             "measured", "native"),
         Key("reference_metrics", enum("analyze", "in_actor"), "where metrics against the reference are "
             "computed: by `matrix analyze`, or in the capturing process", "analyze"),
+        Key("keep_rows", enum("all", "references"), "whose rows keep their values: every stack's, or only each "
+            "model's reference (the others' rows are measured and hashed where they are captured, as "
+            "llama-perplexity keeps only its base logits; needs reference_metrics: in_actor and no centroid)", "all"),
         Key("candidates", {"type": "array", "items": {"type": "object", "properties": {
             k: {} for k in CANDIDATE}, "additionalProperties": False}}, "published files measured as they are",
             keys=tuple(Key(k, {}, a) for k, a in CANDIDATE.items())),
