@@ -160,6 +160,10 @@ def test_cells_json_lists_cells_and_skipped(tmp_path):
     ({**BASE, "retries": -1}, "retries: must be a whole number, 0 or more (got -1)"),
     ({**BASE, "capture_timeout_s": "1h"}, "capture_timeout_s: must be a number of seconds above 0, or null"),
     ({**BASE, "include": [{"engine": "hf", "replicas": "two"}]}, "include[0].replicas: must be a positive integer"),
+    ({**BASE, "keep_rows": "some"}, "keep_rows: expected one of all, references (got 'some')"),
+    ({**BASE, "keep_rows": "references"}, "keep_rows: references needs reference_metrics: in_actor"),
+    ({**BASE, "keep_rows": "references", "reference_metrics": "in_actor"},
+     "keep_rows: references needs centroid: {definition: none}"),
 ])
 def test_bad_spec_is_one_line_exit_2_naming_file_field_value(tmp_path, body, needle):
     path = spec_file(tmp_path, body)
