@@ -27,11 +27,12 @@ def test_parsing_takes_its_keys_and_defaults_from_the_schema():
     assert parse.TOP_KEYS == {
         "name", "description", "models", "engines", "dtypes", "attention", "tp", "devices", "include", "exclude",
         "reference", "stride", "positions", "repeats", "corpus", "bos", "threads", "max_tokens", "store",
-        "reference_metrics", "candidates", "options", "centroid", "replicas", "retries", "load_timeout_s",
+        "reference_metrics", "keep_rows", "candidates", "options", "centroid", "replicas", "retries", "load_timeout_s",
         "capture_timeout_s"}
     assert set(S.by_name(S.top())) - parse.TOP_KEYS == set(extras.keys()) == {"layers", "decode", "prefix_cache"}
     assert (parse.STORES, parse.BOS_POLICIES, parse.DEFAULT_STRIDE) == (("native", "bf16"), ("tokenizer", "always", "never"), 32)
     assert parse.CENTROID_DEFINITIONS == ("mean_prob", "mean_logprob", "none")
+    assert parse.KEEP_ROWS == ("all", "references")
     assert parse.OPTION_KEYS == {"kv_cache": ("f16", "f32", "q8_0"), "n_batch": int, "n_ubatch": int,
                                  "trt_backend": ("pytorch", "tensorrt"), "vllm_executor": ("mp", "ray"),
                                  "activations": ("native", "fp32"), "quantizer": ("torchao", "quanto"), "imatrix": dict}
