@@ -214,6 +214,21 @@ def _reusable(wh: Warehouse, u: Unit) -> dict | None:
     return metas[0] if all(m.get("key") == u.key for m in metas) else None
 
 
+def _as_measured(wh: Warehouse, u: Unit, log) -> dict | None:
+    """A cell whose rows keep no values (keep_rows: references) cannot be measured again: its
+    metrics stay as its actor measured them, under their own kernel version, and analyze says so.
+    None for any other cell (it is measured as usual)."""
+    if all(wh.shard_keeps_values(u.name, r) for r in range(u.args["repeats"])):
+        return None
+    meta = wh.table_meta("metrics", u.name)
+    if meta is None:
+        raise UserError(f"{wh.shard_path(u.name, 0)}: no metrics, and its rows' values were not kept "
+                        "(keep_rows: references); capture the cell again")
+    log(f"cell {u.name}: its metrics stay as measured where it was captured (kernel "
+        f"{meta.get('kernel_version', '?')}): its rows' values were not kept (keep_rows: references)")
+    return meta
+
+
 def _drop_stale_groups(wh: Warehouse, units: list[Unit], log) -> None:
     """Remove the centroid and pairwise files of groups a model no longer has (relabelled
     groups): left in place, the views would mix them with the current ones."""
@@ -284,6 +299,8 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
     todo = []
     for u in units:
         kept = None if force else _reusable(wh, u)
+        if kept is None and u.kind == "cell" and (kept := _as_measured(wh, u, log)) is not None:
+            summary["kept_as_measured"] = summary.get("kept_as_measured", 0) + 1
         if kept is None:
             if u.kind == "group":
                 _keep_pairs(wh, u, force)

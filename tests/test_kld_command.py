@@ -223,6 +223,10 @@ def test_by_default_only_the_reference_keeps_its_values_and_the_rest_is_the_same
     assert _shard(wh, ref_cell).schema_arrow.metadata is None or b"logit_matrix.values" not in _shard(wh, ref_cell).schema_arrow.metadata
     r = run_cli("verify", "--warehouse", str(wh), "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["damage"] == [], r.stdout[-2000:] + r.stderr[-2000:]
+    before = sql(wh, "select * from metrics order by cell_id, prompt_id, position")
+    r = run_cli("analyze", "--warehouse", str(wh), "--force")  # nothing to measure these cells' rows with again
+    assert r.returncode == 0 and r.stderr.count("stay as measured where it was captured") == 2, r.stderr[-3000:]
+    assert sql(wh, "select * from metrics order by cell_id, prompt_id, position") == before
     cid = out["results"][0]["cell_id"]
     r = run_cli("fixture", "export", cid, "--warehouse", str(wh), "--out", str(tmp_path / "f.json"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "values not kept" in r.stderr, r.stderr
