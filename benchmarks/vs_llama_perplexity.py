@@ -226,7 +226,9 @@ def one_model(model: str, binary: Path, text: str, chunks: int, d: Path, threads
     text = cut_text(text, f16["path"], chunks, d)
     lps, lms = [], []
     for _ in range(repeat):  # in turn, so a slow spell of the machine falls on both tools
+        os.sync()  # each tool starts with the other's writes on disk: neither pays for the other's writeback
         lps.append(run_llama(binary, f16["path"], q4["path"], text, d, threads))
+        os.sync()
         lms.append(run_kld(f16, q4, text, d, threads, executor))
     lp, lm = best_of(lps), best_of(lms)
     from store import llamacpp_kld as K
