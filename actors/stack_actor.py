@@ -174,7 +174,8 @@ class StackHost:
         warehouse, to measure each prompt's rows against as they come out (the metrics rows,
         small, come back in the manifest). values=False (keep_rows: references): the shard keeps
         each row's hash, not its values, so the measurement here is the only one: its failure
-        fails the capture."""
+        fails the capture. A node whose rows go through the driver cannot read the reference, so
+        it keeps the values whatever it is asked, for `matrix analyze` to measure."""
         self._loaded()
         if self.rank > 0:
             side = [x.capturer(self.backend, v, None) for x, v in extras.of(self.stack)]
@@ -186,6 +187,7 @@ class StackHost:
                         c.other_rank(fed, positions)
             return {"rows": 0, "rank": self.rank}
         cid = self.stack.cell_id
+        values = values or not self.direct  # a node that cannot read the warehouse measures nothing: analyze will
         metrics = self._metrics(metrics_ref, repeat, required=not values)
         writer = self._writer(run_id, repeat, "logits", values)
         side = {t: self._writer(run_id, repeat, t) for t in dict.fromkeys(x.table for x, _ in extras.of(self.stack))}

@@ -20,9 +20,7 @@ metrics are null and it stays out of every centroid and mean; analyze says so pe
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import threading
 import time
 from contextlib import contextmanager
@@ -35,6 +33,7 @@ from analysis import metrics as M
 from analysis import metrics_native
 from analysis.centroid import Group, group_rows
 from analysis.compare import CellResult, cell_metrics, with_floor
+from analysis.unit_keys import as_measured, cell_key, unit_key as _key
 from common.errors import UserError
 from store import Warehouse
 from store.floors import StorageFloor
@@ -79,15 +78,6 @@ class Task:
     rows: int
     piece: int
     work: float = 0.0  # estimated cost: Ray runs the largest first, so no big piece is left for last
-
-
-def _key(**parts) -> str:
-    return hashlib.sha256(json.dumps({"kernel": M.KERNEL_VERSION, **parts}, sort_keys=True).encode()).hexdigest()
-
-
-def cell_key(ref_id: str, ref_digest: str, floor: float, shards: dict[int, str]) -> str:
-    """A cell unit's content key: what its metrics file was computed from."""
-    return _key(ref=ref_id, ref_digest=ref_digest, floor=floor, shards=shards)
 
 
 def store_inline(wh: Warehouse, cell: dict, ref: dict, measured: dict[int, dict], log) -> bool:
@@ -182,10 +172,10 @@ def plan(wh: Warehouse, done: list[dict], reference: str | None, centroid: str, 
         for c in group:
             cid, floor, d = c["cell_id"], ref_floor + StorageFloor.of_cell(c), digests[c["cell_id"]]
             counts = next(iter(d.values()))[1] if d else {}
-            units.append(Unit("cell", cid, cell_key(ref_id, ref_digest, floor, {r: v[0] for r, v in d.items()}),
-                              sum(sum(v[1].values()) for v in d.values()),
-                              {"cell_id": cid, "repeats": c["repeats"], "ref_id": ref_id, "floor": floor},
-                              _pieces({p: n * len(d) for p, n in counts.items()})))
+            parts = (ref_id, ref_digest, floor, {r: v[0] for r, v in d.items()})
+            units.append(Unit("cell", cid, cell_key(*parts), sum(sum(v[1].values()) for v in d.values()),
+                              {"cell_id": cid, "repeats": c["repeats"], "ref_id": ref_id, "floor": floor,
+                               "key_parts": parts}, _pieces({p: n * len(d) for p, n in counts.items()})))
         groups: dict[str, list[str]] = {}
         for c in group if centroid != "none" else ():  # none: only the reference metrics were asked for
             if not c.get("replica") and 0 in digests[c["cell_id"]]:  # another host's copy would weigh a stack twice
@@ -214,19 +204,22 @@ def _reusable(wh: Warehouse, u: Unit) -> dict | None:
     return metas[0] if all(m.get("key") == u.key for m in metas) else None
 
 
-def _as_measured(wh: Warehouse, u: Unit, log) -> dict | None:
-    """A cell whose rows keep no values (keep_rows: references) cannot be measured again: its
-    metrics stay as its actor measured them, under their own kernel version, and analyze says so.
-    None for any other cell (it is measured as usual)."""
-    if all(wh.shard_keeps_values(u.name, r) for r in range(u.args["repeats"])):
-        return None
-    meta = wh.table_meta("metrics", u.name)
-    if meta is None:
-        raise UserError(f"{wh.shard_path(u.name, 0)}: no metrics, and its rows' values were not kept "
-                        "(keep_rows: references); capture the cell again")
-    log(f"cell {u.name}: its metrics stay as measured where it was captured (kernel "
-        f"{meta.get('kernel_version', '?')}): its rows' values were not kept (keep_rows: references)")
-    return meta
+def _todo(wh: Warehouse, units: list[Unit], force: bool, summary: dict, log) -> list[Unit]:
+    """The units to compute; the others' stored outputs are counted in summary as reused."""
+    todo = []
+    for u in units:
+        kept = None if force else _reusable(wh, u)
+        if kept is None and u.kind == "cell":  # a cell whose values were not kept is not measured again
+            kept = as_measured(wh, u.name, u.args["key_parts"], wh.table_meta("metrics", u.name), log)
+        if kept is None:
+            if u.kind == "group":
+                _keep_pairs(wh, u, force)
+            todo.append(u)
+            continue
+        summary["reused"]["cells" if u.kind == "cell" else "groups"] += 1
+        summary["cells" if u.kind == "cell" else "groups"] += 1
+        summary["metric_rows"] += kept.get("rows", 0) if u.kind == "cell" else 0
+    return todo
 
 
 def _drop_stale_groups(wh: Warehouse, units: list[Unit], log) -> None:
@@ -296,19 +289,7 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
                "kernel_version": M.KERNEL_VERSION}
     units = plan(wh, done, reference, centroid, summary, log)
     _drop_stale_groups(wh, units, log)
-    todo = []
-    for u in units:
-        kept = None if force else _reusable(wh, u)
-        if kept is None and u.kind == "cell" and (kept := _as_measured(wh, u, log)) is not None:
-            summary["kept_as_measured"] = summary.get("kept_as_measured", 0) + 1
-        if kept is None:
-            if u.kind == "group":
-                _keep_pairs(wh, u, force)
-            todo.append(u)
-            continue
-        summary["reused"]["cells" if u.kind == "cell" else "groups"] += 1
-        summary["cells" if u.kind == "cell" else "groups"] += 1
-        summary["metric_rows"] += kept.get("rows", 0) if u.kind == "cell" else 0
+    todo = _todo(wh, units, force, summary, log)
     tasks = [t for u in todo for t in u.tasks()]
     why = f": {metrics_native.failure()}" if M.kernel_mode() == "numpy" else ""
     log(f"metrics kernel {M.KERNEL_VERSION}: {M.kernel_mode()}{why} (float64), {metrics_native.threads()} thread(s); "

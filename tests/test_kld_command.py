@@ -234,6 +234,10 @@ def test_by_default_only_the_reference_keeps_its_values_and_the_rest_is_the_same
                 "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh))
     assert r.returncode == 2 and "keep_rows: this warehouse's job has references, not all (--keep-rows)" in r.stderr
     spec = Path(out["spec"])
+    (wh / "metrics" / f"{cid}.parquet").unlink()  # as if the run had stopped before this cell completed
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--executor", "local")
+    assert r.returncode == 0 and "no metrics of them were stored; capturing it again" in r.stderr, r.stderr[-3000:]
+    assert "1 cell(s) to run" in r.stderr and (wh / "metrics" / f"{cid}.parquet").is_file()
     spec.write_text(spec.read_text().replace("keep_rows: references", "keep_rows: all"))
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--executor", "local")
     assert r.returncode == 0 and "values were not kept" in r.stderr and "2 cell(s) to run" in r.stderr, r.stderr[-3000:]

@@ -171,9 +171,9 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
                 why = "unreadable: " + first_line(str(e), type(e).__name__)
         for table, (rows, exact) in side.items():  # the extras' shards, complete too
             why = why or _side_shard_problem(wh, cell, r, table, rows, exact)
-        if why is None and plan.spec.keep_rows == "all" and not wh.shard_keeps_values(cell.cell_id, r):
-            log(f"{wh.shard_path(cell.cell_id, r)}: its rows' values were not kept (keep_rows: references); "
-                "capturing it again to keep them")
+        if why is None and (lost := _values_lost(plan, wh, cell.cell_id, r)):
+            log(f"{wh.shard_path(cell.cell_id, r)}: its rows' values were not kept (keep_rows: references) {lost}; "
+                "capturing it again")
         elif why is None:
             done.add(r)
         elif resume.recapture_damaged:
@@ -183,6 +183,17 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
             raise UserError(f"{wh.shard_path(cell.cell_id, r)}: damaged ({why}); run `matrix verify`, or "
                             "`matrix run --recapture-damaged` to move it aside and capture it again")
     return done
+
+
+def _values_lost(plan: Plan, wh: Warehouse, cell_id: str, repeat: int) -> str | None:
+    """Why a shard whose values were not kept cannot count as done, or None: the spec now keeps
+    every stack's values, or the metrics measured from it never reached the warehouse (the run
+    that captured it ended before the cell did), and nothing can measure it now."""
+    if wh.shard_keeps_values(cell_id, repeat):
+        return None
+    if plan.spec.keep_rows == "all":
+        return "and the spec keeps every stack's values now"
+    return None if wh.table_meta("metrics", cell_id) is not None else "and no metrics of them were stored"
 
 
 def _side_shard_problem(wh: Warehouse, cell: Cell, repeat: int, table: str, rows: int,

@@ -91,7 +91,9 @@ class Sweep:
         if verdict is retry.Verdict.RETRY:
             self.log(f"{cid}: {failure.line()} -- starting it again (attempt {attempt + 1} of at most "
                      f"{failure.retries_allowed(self.plan.spec.retries) + 1})")
-            done = self.wh.completed_repeats(cid)  # shards the dead actor finished are kept
+            # shards the dead actor finished are kept, but for one without values (keep_rows: references):
+            # what its actor measured died with it, and only a capture measures it again
+            done = {r for r in self.wh.completed_repeats(cid) if self.wh.shard_keeps_values(cid, r)}
             self.todo[cid] = [r for r in self.todo[cid] if r not in done]
             self.attempts[cid] = attempt + 1
             self.start(live.cell)

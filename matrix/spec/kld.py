@@ -135,8 +135,9 @@ def _same_job(old: dict, new: dict, old_corpus: dict | None, new_corpus: dict, s
                                   ("--text / --n-ctx", "corpus", old_corpus, new_corpus)):
         if have != want:
             have, want = (text(have), text(want)) if key == "corpus" else (have, want)
-            raise UserError(f"{spec_path}: {key}: this warehouse's job has {have}, not {want} ({flag}); "
-                            "use another --warehouse for another job")
+            fix = f"{'add' if have == 'all' else 'leave out'} --keep-rows, or use another --warehouse" \
+                if key == "keep_rows" else "use another --warehouse for another job"
+            raise UserError(f"{spec_path}: {key}: this warehouse's job has {have}, not {want} ({flag}); {fix}")
 
 
 def _write(path: Path, data: dict) -> None:
