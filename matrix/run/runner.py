@@ -232,7 +232,9 @@ def find_todo(plan: Plan, wh: Warehouse, resume: Resume = Resume(), log: Callabl
             left_out[cell.stack_id] = f"failed in run {row['run_id']} ({row['error_class']}: {row['error']}); --skip-failed"
         elif not missing and row and row["status"] == "done" and row["repeats"] >= spec.repeats:
             complete.append(cell.cell_id)
-        elif reuse_other_builds and (other := _other_build(cell, rows, spec.repeats)):
+        elif reuse_other_builds and (other := _other_build(cell, rows, spec.repeats)) \
+                and (spec.keep_rows != "all" or all(wh.shard_keeps_values(other["cell_id"], r)
+                                                    for r in wh.completed_repeats(other["cell_id"]))):
             cells[i] = dataclasses.replace(cell, build=other.get("build"))
             complete.append(other["cell_id"])
             reused[cell.stack_id] = other["cell_id"]

@@ -56,7 +56,11 @@ class Sweep:
         """The model's reference is done, failed or skipped: its waiting cells start now (measuring
         in the actor only against a reference that is done)."""
         ref = self.plan.reference_cells.get(model)
-        for cell in self.waiting.pop(model, []):
+        waiting = self.waiting.pop(model, [])
+        if waiting and ref not in self.out.finished:
+            self.log(f"{model}: its reference {ref} is not done: {len(waiting)} cell(s) capture without measuring "
+                     "against it, and keep their rows' values for `matrix analyze`")
+        for cell in waiting:
             self.out.units_total -= len(self.todo[cell.cell_id])  # _start counts them again
             self._start(cell, ref if ref in self.out.finished else None)
 
