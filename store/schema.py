@@ -115,6 +115,11 @@ PROMPTS = pa.schema([
 # A logits shard's footer key: NOT_KEPT where its rows are hashed but their values not stored.
 VALUES_KEY, NOT_KEPT = b"logit_matrix.values", b"not kept"
 
+
+def keeps_values(schema: pa.Schema) -> bool:
+    """False for a logits shard's schema (as its footer has it) whose rows keep no values."""
+    return (schema.metadata or {}).get(VALUES_KEY) != NOT_KEPT
+
 LOGITS = pa.schema([
     ("run_id", pa.string()), ("cell_id", pa.string()), ("prompt_id", pa.string()),
     ("position", pa.int32()), ("next_token_id", pa.int32()),  # null at the last position

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from common.buffers import room
 from common.errors import UserError, first_line
 from store import pages
-from store.schema import NOT_KEPT, VALUES_KEY
+from store.schema import keeps_values
 from store.verify import DamagedShard, native_check
 from store.values import rows_at
 from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, unshift, values_not_kept, widen
@@ -63,7 +63,7 @@ def shard_index(wh: Warehouse, cell_id: str, repeat: int) -> ShardIndex:
     try:
         pf = pq.ParquetFile(path, filesystem=wh.loc.fs, page_checksum_verification=True)
         leaf = pages.leaf_index(pf.schema, LOGITS_LEAF)
-        kept = (pf.schema_arrow.metadata or {}).get(VALUES_KEY) != NOT_KEPT
+        kept = keeps_values(pf.schema_arrow)
         prompts, h, vocabs = {}, hashlib.sha256(), set()
         for g in range(pf.num_row_groups):
             md = pf.metadata.row_group(g)

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from common.errors import UserError, first_line
 from store import pages
-from store.schema import NOT_KEPT, VALUES_KEY
+from store.schema import keeps_values
 from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, row_hash
 
 ROW_COLUMNS = ["prompt_id", "position", "logits_dtype", "logits", "row_hash"]
@@ -114,7 +114,7 @@ def verify_shard(wh: Warehouse, cell_id: str, repeat: int, expected_rows: int | 
     except Exception as e:  # a truncated or overwritten file: Parquet says why
         return [Damage(path, f"unreadable: {_first_line(e)}", cell_id, repeat)], 0, 0
     damage, rows = [], 0
-    kept = (pf.schema_arrow.metadata or {}).get(VALUES_KEY) != NOT_KEPT
+    kept = keeps_values(pf.schema_arrow)
     with f:
         for g in range(pf.num_row_groups):
             try:

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 from common.buffers import room
 from common.errors import UserError
 from store.location import PROBE, named_io_errors, open_location, write_whole
-from store.schema import FORMAT, LOGITS, NOT_KEPT, SCHEMA_VERSION, TABLES, VALUES_KEY
+from store.schema import FORMAT, LOGITS, NOT_KEPT, SCHEMA_VERSION, TABLES, VALUES_KEY, keeps_values
 from store.values import (ZSTD_LEVEL, logits_matrix, narrow_bf16, native_dtype_of, native_values,  # noqa: F401
                           round_bf16, row_hash, shift_by_max, to_bf16, unshift, widen)
 
@@ -203,8 +203,7 @@ class Warehouse:
 
     def shard_keeps_values(self, cell_id: str, repeat: int) -> bool:
         """False for a shard of row hashes whose values were not kept (VALUES_KEY)."""
-        meta = pq.read_schema(self.shard_path(cell_id, repeat), filesystem=self.loc.fs).metadata or {}
-        return meta.get(VALUES_KEY) != NOT_KEPT
+        return keeps_values(pq.read_schema(self.shard_path(cell_id, repeat), filesystem=self.loc.fs))
 
     def require_values(self, cell_id: str, repeat: int) -> None:
         """For a reader of a shard's logits: one line where its values were not kept."""
@@ -263,8 +262,9 @@ def _writer(where, table: str = "logits", values: bool = True) -> pq.ParquetWrit
         from store.layer_states import layer_writer
 
         return layer_writer(where)
+    schema = LOGITS if values else LOGITS.with_metadata({VALUES_KEY: NOT_KEPT})
     return pq.ParquetWriter(
-        where, LOGITS if values else LOGITS.with_metadata({VALUES_KEY: NOT_KEPT}), compression="zstd", compression_level=ZSTD_LEVEL,
+        where, schema, compression="zstd", compression_level=ZSTD_LEVEL,
         use_dictionary=["run_id", "cell_id", "prompt_id", "logits_dtype"],
         use_byte_stream_split=[LOGITS_LEAF], write_statistics=["position", "repeat", "next_token_id"],
         write_page_checksum=True)  # a flipped byte fails its page's CRC on read (store/verify.py)
@@ -343,7 +343,8 @@ class ShardWriter:
         if self.values:
             self._wide = room(self._wide, native.size)
         self.add_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native,
-                                 shift, path, step, buffer=self._wide, values=self.values))  # the buffer is free again below
+                                 shift, path, step, buffer=self._wide,
+                                 values=self.values))  # written below: the buffer is free again
 
     def add_layers(self, prompt_id: str, positions: list[int], states: dict[str, np.ndarray], depth: int,
                    sources: dict[str, str]) -> None:
