@@ -3,7 +3,7 @@ capturing actor as each prompt's rows come out, against the reference's repeat 0
 warehouse, as llama-perplexity's --kl-divergence pass does. No shard is read back for it.
 
 The rows measured are the rows stored (bf16-rounded where `store: bf16`, with their shift added
-back), widened as `matrix analyze` widens them, through the same per-prompt code
+back), read as `matrix analyze` reads them from a shard, through the same per-prompt code
 (analysis/compare.py RepeatMetrics): the numbers are analyze's. A problem here (a node that
 cannot read the warehouse, a damaged reference) is reported in the manifest and leaves the
 capture alone; `matrix analyze` then computes the metrics.
@@ -19,7 +19,7 @@ import numpy as np
 
 from common.buffers import room
 from common.errors import first_line
-from store.values import rows_at
+from store.values import Bf16Rows, rows_at
 from store.warehouse import Warehouse, unshift, widen
 
 
@@ -86,14 +86,22 @@ class InlineMetrics:
                 if self.warmup is not None:
                     self.warmup.wait()
                 self.acc = RepeatMetrics(self.wh, self.ref, self.cell_id, self.repeat, stored.shape[1])
-            self.wide = room(self.wide, stored.size)
-            wide = widen(stored, self.wide)  # (rows, vocab) float32, as a shard reader widens them
-            rows = unshift(wide, shift, inplace=wide is not stored)  # the raw logits back (in place: our buffer)
-            self.acc.add(prompt_id, np.asarray(positions, np.int64), lambda idx: rows_at(rows, idx))
+            self.acc.add(prompt_id, np.asarray(positions, np.int64), self._rows(stored, shift))
         except Exception as e:  # noqa: BLE001 - the capture goes on; analyze measures the cell instead
             self.error, self.acc = first_line(str(e), type(e).__name__), None
         self.seconds += time.perf_counter() - t0
         self._raise_if_required()
+
+    def _rows(self, stored: np.ndarray, shift: np.ndarray | None):
+        """take(idx) -> those rows of the prompt as analyze reads them from a shard: bf16 as stored
+        (bits and shift, no widened copy), any other dtype widened and unshifted."""
+        if stored.dtype == np.uint16:
+            rows = Bf16Rows.of(stored, shift)
+            return rows.at
+        self.wide = room(self.wide, stored.size)
+        wide = widen(stored, self.wide)  # (rows, vocab) float32, as a shard reader widens them
+        raw = unshift(wide, shift, inplace=wide is not stored)  # the raw logits back (in place: our buffer)
+        return lambda idx: rows_at(raw, idx)
 
     def outcome(self) -> dict[str, Any]:
         """{"table", "counts"} (storage_floor still 0: the driver sets the cell's), or {"error"}."""

@@ -102,7 +102,8 @@ def _aligned(ref: ShardIndex, positions: np.ndarray, pid: str) -> tuple[np.ndarr
 class RepeatMetrics:
     """One stack repeat against the reference's repeat 0, fed one prompt at a time: from the
     stack's shard (`matrix analyze`), or from the rows just captured (in the capturing actor,
-    `reference_metrics: in_actor`). Both feed the same float32 rows, so the numbers are the same."""
+    `reference_metrics: in_actor`). Both feed the same rows (bf16 as stored, other dtypes widened),
+    so the numbers are the same."""
 
     def __init__(self, wh: Warehouse, ref: ShardIndex, cell_id: str, repeat: int, vocab: int,
                  budget: int = BUDGET_BYTES):
@@ -117,7 +118,8 @@ class RepeatMetrics:
 
     def add(self, pid: str, positions: np.ndarray, take) -> None:
         """positions: (rows,) the stack's positions of prompt pid, in order; take(idx) -> those
-        rows of the stack as (len(idx), vocab) float32 raw logits, asked in ascending chunks."""
+        rows of the stack as (len(idx), vocab) float32 raw logits or stored bf16 rows (Bf16Rows),
+        asked in ascending chunks."""
         self.total += len(positions)
         ri, si = _aligned(self.ref, positions, pid)
         if len(si) < len(positions):
@@ -127,7 +129,8 @@ class RepeatMetrics:
                 self.first = (pid, int(next(q for i, q in enumerate(positions) if i not in have)))
         if not len(si):
             return
-        a, step, nxt = Rows(self.wh, self.ref, pid, self.step, self.scratch), self.step, self.ref.prompts[pid].next_ids
+        a, step = Rows(self.wh, self.ref, pid, self.step, self.scratch, stored=True), self.step
+        nxt = self.ref.prompts[pid].next_ids
         self.out = room(self.out, step * self.ref.vocab)
         for s in range(0, len(si), step):
             m = M.row_metrics(a.take(ri[s:s + step], self.out), take(si[s:s + step]), nxt[ri[s:s + step]])
@@ -170,7 +173,7 @@ def repeat_metrics(wh: Warehouse, ref: ShardIndex, stk: ShardIndex, floor: float
     acc = RepeatMetrics(wh, ref, stk.cell_id, stk.repeat, stk.vocab, budget)
     for pid, sp in stk.prompts.items():  # row-group order: the shard's own order
         if prompts is None or pid in prompts:
-            acc.add(pid, sp.positions, Rows(wh, stk, pid, acc.step).take)
+            acc.add(pid, sp.positions, Rows(wh, stk, pid, acc.step, stored=True).take)
     return acc.result(floor)
 
 

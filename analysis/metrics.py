@@ -28,10 +28,13 @@ from __future__ import annotations
 import numpy as np
 
 from analysis import metrics_native
+from store.values import Bf16Rows
 
 # Bump when any metric's definition or arithmetic changes: `matrix analyze` recomputes every
 # output written by another version (the metrics tables record it in kernel_version).
-KERNEL_VERSION = "3"  # 2: nll_ref / nll_stack (perplexity) beside delta_p; 3: the C kernel's exp, log and sums
+# 2: nll_ref / nll_stack (perplexity) beside delta_p; 3: the C kernel's exp, log and sums;
+# 4: p and q from the denominators' exps (e^(x - max) / sum), not a second exp of x - logsumexp
+KERNEL_VERSION = "4"
 NEG_TOLERANCE = -1e-12
 ROWS = 16  # rows per numpy pass: (16, 262144) float64 temporaries stay ~34 MB
 BLOCK = 64  # top-k candidates come from the K blocks of 64 logits with the highest maxima
@@ -65,10 +68,11 @@ def _reduce_block(x: np.ndarray, y: np.ndarray):
     bmax_s = y[:, :nb * BLOCK].reshape(n, nb, BLOCK).max(-1)
     mr, ms = x.max(-1, keepdims=True).astype(np.float64), y.max(-1, keepdims=True).astype(np.float64)  # (rows, 1)
     with np.errstate(all="ignore"):  # a masked (-inf) or broken row: its sums say so (finite flags)
-        sr, ss = np.exp(r - mr).sum(-1, keepdims=True), np.exp(s - ms).sum(-1, keepdims=True)
+        er, es = np.exp(r - mr), np.exp(s - ms)  # (rows, vocab)
+        sr, ss = er.sum(-1, keepdims=True), es.sum(-1, keepdims=True)
         lser, lses = mr + np.log(sr), ms + np.log(ss)  # (rows, 1) logsumexp
         lp, lq = r - lser, s - lses
-        p, q = np.exp(lp), np.exp(lq)
+        p, q = er * (1.0 / sr), es * (1.0 / ss)  # the softmax from the same exps: no second exp
         d = lq - lp
         m = 0.5 * (p + q)
         mlm = np.where(m > 0, m * np.log(m), 0.0)  # 0 log 0 = 0
@@ -81,6 +85,11 @@ def _reduce_block(x: np.ndarray, y: np.ndarray):
 
 def _reduce_native(x: np.ndarray, y: np.ndarray):
     return metrics_native.reduce(x, y, BLOCK)
+
+
+def _gather(x: np.ndarray | Bf16Rows, idx: np.ndarray) -> np.ndarray:
+    """(rows, k) ids -> the logits of x at them, (rows, k) in x's float dtype."""
+    return x.gather(idx) if isinstance(x, Bf16Rows) else np.take_along_axis(x, idx, 1)
 
 
 _KERNEL = None  # chosen on first use
@@ -105,7 +114,7 @@ def warm(vocab: int) -> None:
     row_metrics(a, a + np.float32(1e-3) * rng.standard_normal((2, vocab), dtype=np.float32))
 
 
-def _topk(x: np.ndarray, bmax: np.ndarray) -> np.ndarray:
+def _topk(x: np.ndarray | Bf16Rows, bmax: np.ndarray) -> np.ndarray:
     """(rows, vocab) logits, (rows, blocks) block maxima -> (rows, K) ids of the K largest, descending;
     ties go to the lower id (as numpy's argmax). The K largest lie in the K blocks with the largest
     maxima (any block holding one of them has a maximum >= the K-th largest), plus the tail."""
@@ -116,7 +125,7 @@ def _topk(x: np.ndarray, bmax: np.ndarray) -> np.ndarray:
     cand = (blocks[:, :, None] * BLOCK + np.arange(BLOCK)).reshape(rows, -1)  # (rows, kb*BLOCK)
     tail = np.broadcast_to(np.arange(nb * BLOCK, vocab), (rows, vocab - nb * BLOCK))
     cand = np.concatenate([cand, tail], 1)
-    vals = np.take_along_axis(x, cand, 1)
+    vals = _gather(x, cand)
     order = np.lexsort((cand, -vals), axis=-1)[:, :min(K, cand.shape[1])]  # value descending, then lower id
     return np.take_along_axis(cand, order, 1)
 
@@ -142,15 +151,23 @@ def _overlap(a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
     return (a[:, :k, None] == b[:, None, :k]).any(-1).sum(-1) / k
 
 
-def _metrics(ref: np.ndarray, stk: np.ndarray, nxt: np.ndarray) -> dict[str, np.ndarray]:
-    sums, bmax_r, bmax_s = _kernel()(ref, stk)  # (rows, 12), (rows, blocks) x2
+def _sums(ref: np.ndarray | Bf16Rows, stk: np.ndarray | Bf16Rows):
+    """The kernel's (rows, 12) sums and (rows, blocks) block maxima of each side. Stored bf16 rows
+    go to the kernel as they are where it is built; the numpy twin takes them widened."""
+    if isinstance(ref, Bf16Rows) and isinstance(stk, Bf16Rows) and _kernel() is _reduce_native:
+        return metrics_native.reduce_bf16(ref, stk, BLOCK)
+    return _kernel()(*(a.widened() if isinstance(a, Bf16Rows) else a for a in (ref, stk)))
+
+
+def _metrics(ref: np.ndarray | Bf16Rows, stk: np.ndarray | Bf16Rows, nxt: np.ndarray) -> dict[str, np.ndarray]:
+    sums, bmax_r, bmax_s = _sums(ref, stk)  # (rows, 12), (rows, blocks) x2
     kld, kldr, js, h_ref, h_stk, rs, rr, sq, dsq, mad, lser, lses = sums.T
     tr, ts = _topk(ref, bmax_r), _topk(stk, bmax_s)  # (rows, K) ids, descending
-    spear = spearman(np.take_along_axis(ref, tr, 1).astype(np.float64), np.take_along_axis(stk, tr, 1).astype(np.float64))
+    spear = spearman(_gather(ref, tr).astype(np.float64), _gather(stk, tr).astype(np.float64))
     has = nxt >= 0
     nid = np.where(has, nxt, 0)[:, None]
-    ref_next = np.take_along_axis(ref, nid, 1)[:, 0].astype(np.float64)
-    stk_next = np.take_along_axis(stk, nid, 1)[:, 0].astype(np.float64)
+    ref_next = _gather(ref, nid)[:, 0].astype(np.float64)
+    stk_next = _gather(stk, nid)[:, 0].astype(np.float64)
     with np.errstate(all="ignore"):  # zero norms and broken rows: flagged below, as IEEE gives them
         p_next, q_next = np.exp(ref_next - lser), np.exp(stk_next - lses)
         rn, sn = np.sqrt(rr), np.sqrt(sq)
@@ -169,18 +186,28 @@ def _metrics(ref: np.ndarray, stk: np.ndarray, nxt: np.ndarray) -> dict[str, np.
         }
 
 
-def row_metrics(ref: np.ndarray, stk: np.ndarray, next_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """ref, stk: (rows, vocab) raw logits (float32 widened from the native type, or float64);
+def _floats(ref: np.ndarray, stk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both sides in one float dtype, C-contiguous."""
+    if ref.dtype != stk.dtype or ref.dtype not in (np.float32, np.float64):
+        kind = np.float64 if np.float64 in (ref.dtype, stk.dtype) or ref.dtype != stk.dtype else np.float32
+        ref, stk = ref.astype(kind), stk.astype(kind)  # exact: f16 and bf16 widen to either
+    return np.ascontiguousarray(ref), np.ascontiguousarray(stk)
+
+
+def row_metrics(ref: np.ndarray | Bf16Rows, stk: np.ndarray | Bf16Rows,
+                next_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """ref, stk: (rows, vocab) raw logits (float32 widened from the native type, or float64), or
+    stored bf16 rows with their shift (Bf16Rows: the same numbers, to the bit, without the widening);
     next_ids: (rows,) the token that follows each position, -1 at the last position.
 
     Rows with NaN/Inf on either side come back with NaN metrics and a `nonfinite` entry
     ('reference' | 'stack' | 'both'; None for a clean row) so callers flag them, never average them."""
-    if ref.shape != stk.shape or ref.ndim != 2:
+    if ref.shape != stk.shape or len(ref.shape) != 2:
         raise MetricError(f"shape mismatch {ref.shape} vs {stk.shape}")
-    if ref.dtype != stk.dtype or ref.dtype not in (np.float32, np.float64):
-        kind = np.float64 if np.float64 in (ref.dtype, stk.dtype) or ref.dtype != stk.dtype else np.float32
-        ref, stk = ref.astype(kind), stk.astype(kind)  # exact: f16 and bf16 widen to either
-    ref, stk = np.ascontiguousarray(ref), np.ascontiguousarray(stk)
+    if isinstance(ref, Bf16Rows) != isinstance(stk, Bf16Rows):  # one side stored, the other not
+        ref, stk = (a.widened() if isinstance(a, Bf16Rows) else a for a in (ref, stk))
+    if not isinstance(ref, Bf16Rows):
+        ref, stk = _floats(ref, stk)
     n = ref.shape[0]
     nxt = np.asarray(next_ids if next_ids is not None else np.full(n, -1), dtype=np.int64)
     if n == 0:

@@ -2,6 +2,7 @@
 the process that measures.
 
     reduce(x, y, block) -> (out (rows, 12) float64, block maxima of x and of y (rows, vocab // block))
+    reduce_bf16(x, y, block): the same for stored bf16 rows and their shifts (store/values.py Bf16Rows)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from common import native
+from store.values import Bf16Rows
 
 SOURCE = Path(__file__).with_name("metrics_kernel.c")
 ROWS_PER_TASK = 16  # rows one thread takes at a time: a prompt's rows spread over the threads
@@ -19,8 +21,10 @@ ROWS_PER_TASK = 16  # rows one thread takes at a time: a prompt's rows spread ov
 
 def _declare(lib: ctypes.CDLL) -> None:
     for name in ("reduce_f32", "reduce_f64"):
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = ctypes.c_int64  # 0, or -1: out of memory for its exps buffer
         getattr(lib, name).argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3
+    lib.reduce_bf16.restype = ctypes.c_int64
+    lib.reduce_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3
     lib.outputs.restype = ctypes.c_int64
 
 
@@ -45,5 +49,24 @@ def reduce(x: np.ndarray, y: np.ndarray, block: int) -> tuple[np.ndarray, np.nda
     out = np.empty((rows, lib.outputs()))
     bx, by = (np.empty((rows, vocab // block), x.dtype) for _ in range(2))
     ins, outs = [a.ctypes.data for a in (x, y)], [a.ctypes.data for a in (out, bx, by)]
-    native.spread(lambda first, last: fn(*ins, first, last, vocab, block, *outs), rows, ROWS_PER_TASK)
+    native.spread(lambda first, last: _check(fn(*ins, first, last, vocab, block, *outs)), rows, ROWS_PER_TASK)
     return out, bx, by
+
+
+def reduce_bf16(x: Bf16Rows, y: Bf16Rows, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """reduce() of the raw logits of two sets of stored bf16 rows: the same sums, to the bit, as
+    reduce() of their widened float32 rows (the kernel's reductions run at one vector length)."""
+    lib = load()
+    rows, vocab = x.shape
+    out = np.empty((rows, lib.outputs()))
+    bx, by = (np.empty((rows, vocab // block), np.float32) for _ in range(2))
+    ins = [a.ctypes.data for a in (x.bits, x.shift, y.bits, y.shift)]
+    outs = [a.ctypes.data for a in (out, bx, by)]
+    native.spread(lambda first, last: _check(lib.reduce_bf16(*ins, first, last, vocab, block, *outs)), rows,
+                  ROWS_PER_TASK)
+    return out, bx, by
+
+
+def _check(code: int) -> None:
+    if code != 0:
+        raise MemoryError("the metric kernel could not allocate its per-thread buffer of exps")

@@ -19,7 +19,7 @@ from common.errors import UserError, first_line
 from store import pages
 from store.schema import keeps_values
 from store.verify import DamagedShard, native_check
-from store.values import rows_at
+from store.values import Bf16Rows, rows_at
 from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, unshift, values_not_kept, widen
 
 SEE_VERIFY = "run `matrix verify`, or `matrix analyze --skip-damaged` to leave it out"
@@ -120,12 +120,14 @@ class Rows:
     """One prompt of one shard, streamed forward: take(indices) returns those rows (float32,
     widened from native) reading only as far as the largest index. Indices must not go back
     before what an earlier take() released. scratch: where batches are widened (one reader at a
-    time per Scratch)."""
+    time per Scratch). stored: bf16 rows read from their pages come as they are stored (Bf16Rows:
+    bits and shift, for the metric kernel), not widened."""
 
-    def __init__(self, wh: Warehouse, index: ShardIndex, prompt_id: str, batch: int, scratch: Scratch | None = None):
+    def __init__(self, wh: Warehouse, index: ShardIndex, prompt_id: str, batch: int, scratch: Scratch | None = None,
+                 stored: bool = False):
         if not index.values:
             raise UserError(values_not_kept(index.path))
-        self.index, self.prompt, self.scratch = index, index.prompts[prompt_id], scratch
+        self.index, self.prompt, self.scratch, self.stored = index, index.prompts[prompt_id], scratch, stored
         self.pf = pq.ParquetFile(index.path, filesystem=wh.loc.fs, metadata=index.metadata,
                                  page_checksum_verification=True, buffer_size=READ_BUFFER)
         self.fs = wh.loc.fs
@@ -173,6 +175,8 @@ class Rows:
         except pages.Corrupt as e:
             raise _damaged(self.index.path, e) from None
         self.read += n
+        if self.stored and native.dtype == np.uint16:
+            return native, native
         return widen(native, None if self.scratch is None else self.scratch.next(native.size)), native
 
     def _more(self) -> None:
@@ -188,9 +192,9 @@ class Rows:
                                f"{self.prompt.positions[at + i]}: {why}; {SEE_VERIFY}")
         self.buf = rows if not len(self.buf) else np.concatenate([self.buf, rows])
 
-    def take(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    def take(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | Bf16Rows:
         """Rows idx as (len(idx), vocab) float32, in out's first values when given (a buffer the
-        caller reuses once it is done with them). Rows before min(idx) are released: taken in
+        caller reuses once it is done with them), or as Bf16Rows (stored; valid until the next take). Rows before min(idx) are released: taken in
         ascending chunks (the shard's own order) every row is read once."""
         if not len(idx):
             return np.zeros((0, self.index.vocab), np.float32)
@@ -206,6 +210,8 @@ class Rows:
             self._more()
         at = idx - self.start
         shift = None if self.prompt.shift is None else self.prompt.shift[idx - self.prompt.offset]
+        if self.buf.dtype == np.uint16:  # stored: bf16 bits, as they came from the pages
+            return Bf16Rows.of(rows_at(self.buf, at), shift)
         if out is None:
             rows = self.buf[at]  # a copy (fancy indexing): the buffer may be dropped later
             return rows if shift is None else unshift(rows, shift, inplace=True)  # the raw logits back

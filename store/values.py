@@ -4,6 +4,7 @@ rounding, the row hash. Below every shard format (store/warehouse.py, store/laye
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -107,6 +108,39 @@ def unshift(values: np.ndarray, shift, inplace: bool = False, out: np.ndarray | 
         values += s[:, None]
         return values
     return values + s[:, None]
+
+
+@dataclass(frozen=True)
+class Bf16Rows:
+    """(rows, vocab) rows as `store: bf16` keeps them: bf16 bits, and each row's shift (its raw
+    logits are the bits widened plus the shift, as unshift gives them). The metric kernel reads
+    them as they are (analysis/metrics_kernel.c reduce_bf16): no float32 copy of either side."""
+    bits: np.ndarray  # (rows, vocab) uint16, C-contiguous
+    shift: np.ndarray  # (rows,) float32
+
+    @staticmethod
+    def of(bits: np.ndarray, shift) -> "Bf16Rows":
+        """shift: an array, an Arrow column, or None (0: rows stored without one)."""
+        if isinstance(shift, (pa.Array, pa.ChunkedArray)):
+            shift = shift.fill_null(0).to_numpy(zero_copy_only=False)
+        s = np.zeros(len(bits), np.float32) if shift is None else np.asarray(shift, np.float32)
+        return Bf16Rows(np.ascontiguousarray(bits), np.ascontiguousarray(s))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.bits.shape
+
+    def at(self, idx: np.ndarray) -> "Bf16Rows":
+        """Rows idx (a run of consecutive rows as a view)."""
+        return Bf16Rows(rows_at(self.bits, idx), self.shift[idx])
+
+    def gather(self, idx: np.ndarray) -> np.ndarray:
+        """(rows, k) ids -> (rows, k) float32 raw logits at them, as widening the whole rows gives them."""
+        return unshift(widen(np.take_along_axis(self.bits, idx, 1)), self.shift, inplace=True)
+
+    def widened(self) -> np.ndarray:
+        """(rows, vocab) float32 raw logits (a new array)."""
+        return unshift(widen(self.bits), self.shift, inplace=True)
 
 
 def logits_matrix(col) -> np.ndarray:

@@ -92,6 +92,36 @@ def test_metrics_match_scipy_on_real_captured_rows(swept):
     assert 0 < m["kld"].mean() < 0.1
 
 
+def test_stored_bf16_rows_measure_to_the_bit_as_their_widened_rows(monkeypatch):
+    """Stored rows (bf16 bits and each row's shift) go to the kernel as they are; every metric is
+    the one their widened float32 rows give, bit for bit, and the numpy twin agrees as closely as
+    it does on floats. A row masked (-inf), a NaN, and a row stored without a shift included."""
+    from store.values import Bf16Rows, shift_by_max, to_bf16
+
+    a, b = _random_pair(seed=3, rows=40, vocab=4099, noise=0.2)  # not a multiple of the block: a tail
+    a[2, 11], b[5, 100] = -np.inf, np.nan
+    sides = []
+    for x in (a, b):
+        z, m = shift_by_max(x)
+        m[7] = 0.0  # as a row kept without a shift
+        sides.append(Bf16Rows.of(to_bf16(z), m))
+    wide = [s.widened() for s in sides]
+    assert wide[0].dtype == np.float32 and np.isneginf(wide[0][2, 11]) and np.isnan(wide[1][5, 100])
+    nxt = np.arange(40) * 97 % 4099
+    stored, floats = M.row_metrics(*sides, nxt), M.row_metrics(*wide, nxt)
+    assert list(stored["nonfinite"]) == list(floats["nonfinite"]) and stored["nonfinite"][5] == "stack"
+    for k, v in stored.items():
+        if k != "nonfinite":
+            np.testing.assert_array_equal(v, floats[k], err_msg=k)
+    assert np.nanmin(stored["kld"]) > 1e-3  # real divergences, not zeros
+    mixed = M.row_metrics(sides[0], wide[1], nxt)  # one side stored, the other float32: widened
+    np.testing.assert_array_equal(mixed["kld"], stored["kld"])
+    monkeypatch.setattr(M, "_KERNEL", M._reduce_numpy)  # the numpy twin widens them itself
+    numpy = M.row_metrics(*sides, nxt)
+    for k in ("kld", "kld_reverse", "js", "cosine", "entropy_ref", "nll_stack"):
+        np.testing.assert_allclose(numpy[k], stored[k], rtol=1e-12, atol=1e-15, err_msg=k)
+
+
 def test_identical_rows_give_exact_zeros_and_native_equals_numpy(monkeypatch):
     a, _ = _random_pair()
     m = M.row_metrics(a, a.copy(), np.arange(len(a)))
