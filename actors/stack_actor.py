@@ -118,7 +118,9 @@ class StackHost:
         self.backend = self.cls(stack, local_dir, self.threads)
         self.backend.dist = dist
         self.rank = dist["rank"] if dist else 0
-        self.direct = Warehouse.reaches(self.delivery.warehouse, self.delivery.nonce)
+        # no depot: a local executor's host, on the driver's machine; it writes the warehouse itself,
+        # and may load before the driver has written this run's probe (matrix/run/early.py)
+        self.direct = self.delivery.depot is None or Warehouse.reaches(self.delivery.warehouse, self.delivery.nonce)
         self.backend.load()
         settings = self.backend.settings()
         for x, v in extras.of(self.stack):  # what an extra's hook records of the engine's rule

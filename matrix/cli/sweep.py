@@ -138,7 +138,7 @@ def _connect(executor: str, args):
 
 
 def cmd_run(args) -> int:
-    from matrix.run import placement, runner
+    from matrix.run import placement
     from matrix.spec.cells import load_spec
     from store import Warehouse
 
@@ -150,17 +150,37 @@ def cmd_run(args) -> int:
     for s in spec.skipped:
         log(f"skipping {s['cell_id']}: {s['reason']}")
     executor = _executor(args)
-    if executor == "local":
-        from matrix.run import local
+    early = _early(spec, wh, log) if executor == "local" else None
+    try:
+        summary, plan = _run(args, spec, wh, executor, early)
+    finally:
+        if early is not None:  # a host started ahead that the run did not take over (it stopped early)
+            early[0].shutdown()
+    return _summarise(args, spec, wh, summary, plan)
 
-        local.check(spec.cells)
+
+def _early(spec, wh, log) -> tuple | None:
+    """(a local executor whose run's first host is already loading, the run's nonce), or None:
+    that host starts while the driver tokenises (matrix/run/early.py)."""
+    from matrix.run import cluster, early, local
+
+    local.check(spec.cells)
+    ex = local.LocalExecutor()
+    cluster.sigterm_interrupts()
+    nonce = early.start_first_host(spec, wh, ex, log)
+    return (ex, nonce) if nonce is not None else None
+
+
+def _run(args, spec, wh, executor: str, early: tuple | None) -> tuple[dict | None, object]:
+    from matrix.run import placement, runner
+
     plan = runner.prepare(spec, wh, log)
     summary = None
     wh.create()
     with wh.lock(log):
         wh.migrate(log)
         runner.mark_interrupted_runs(wh, log)  # even when nothing is left to do
-        ex, ray = _connect(executor, args)
+        ex, ray = (early[0], None) if early else _connect(executor, args)
         try:
             nodes = ex.nodes()
             if args.cluster_config or (executor == "ray" and ex.cluster_config):
@@ -170,11 +190,17 @@ def cmd_run(args) -> int:
                                                                 args.recapture_damaged, own_cluster=not args.address),
                                nodes)
             runner.regroup_complete_cells(plan, wh, log)
+            if early:
+                ex.keep_early(set(plan.todo))
             if plan.todo:
-                summary = runner.execute(plan, wh, sys.argv, args.address, log, ex)
+                summary = runner.execute(plan, wh, sys.argv, args.address, log, ex, early[1] if early else None)
         finally:
             if ray is not None:
                 ray.shutdown()
+    return summary, plan
+
+
+def _summarise(args, spec, wh, summary: dict | None, plan) -> int:
     if summary is not None:
         log(f"run {summary['run_id']}: {summary['cells_done']}/{summary['cells_total']} cells complete, "
             f"{summary['rows_written']} rows in {summary['seconds']}s ({summary['rows_per_second']} rows/s)")

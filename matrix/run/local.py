@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import platform
 import signal
 import socket
 import subprocess
@@ -29,10 +28,10 @@ from common.errors import UserError
 from common.files import cache_root
 from common.stack import Cell, ModelCopy, StackDesc
 from matrix.run import placement
+from matrix.run.local_node import NODE_ID, gpu_pool, local_node
 from matrix.run.failures import CallError, WorkerDied
 from matrix.run.launch import Call, Kind, Started, Work, measures_in_host, queue_calls
 
-NODE_ID = "local:" + socket.gethostname()  # what actors/stack_actor.py StackHost.node_id says
 ROOT = Path(__file__).resolve().parents[2]  # the project's import root, for a worker's other interpreter
 
 
@@ -185,51 +184,6 @@ def _tail(log: Path | None) -> str:
     return f" (last output: {lines[-1].strip()[:300]})" if lines else ""
 
 
-def gpu_pool() -> tuple[list[str], list[str]]:
-    """(the GPU ids workers may be given, their names): every NVIDIA GPU (nvidia-ml-py), or only
-    those CUDA_VISIBLE_DEVICES lists when it is set (a scheduler's share of the machine), as Ray
-    counts them."""
-    names = _nvidia_gpus()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return [str(i) for i in range(len(names))], names
-    ids = [g.strip() for g in visible.split(",") if g.strip()]
-    return ids, [names[int(g)] if g.isdigit() and int(g) < len(names) else (names or ["GPU"])[0] for g in ids]
-
-
-def local_node() -> placement.Node:
-    """This machine as a placement node: its CPUs, NVIDIA GPUs and device labels."""
-    resources: dict[str, float] = {"CPU": float(os.cpu_count() or 1)}
-    labels: dict[str, str] = {}
-    ids, names = gpu_pool()
-    if ids:
-        resources["GPU"] = float(len(ids))
-        # Ray's accelerator type from the name ("NVIDIA H200" -> H200): the same device labels match
-        labels[placement.RAY_ACCEL] = names[0].removeprefix("NVIDIA ").strip().replace(" ", "-")
-    elif sys.platform == "darwin" and platform.machine() == "arm64":
-        resources.update({"GPU": 1.0, "mps": 1.0})
-        labels[placement.RAY_ACCEL] = "Apple-Silicon"
-    if os.environ.get("LOGIT_MATRIX_DEVICE"):  # the label a cluster.yaml would set (placement.LABEL)
-        labels[placement.LABEL] = os.environ["LOGIT_MATRIX_DEVICE"]
-    return placement.Node(NODE_ID, socket.gethostname(), resources, labels)
-
-
-def _nvidia_gpus() -> list[str]:
-    try:
-        import pynvml
-    except ImportError:
-        return []
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:  # no driver: a CPU machine
-        return []
-    try:
-        return [str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
-                for i in range(pynvml.nvmlDeviceGetCount())]
-    finally:
-        pynvml.nvmlShutdown()
-
-
 def _prune(log_dir: Path, keep_days: float = 7.0) -> None:
     """Worker logs older than a week go (each run writes one per cell start)."""
     if not log_dir.is_dir():
@@ -268,6 +222,7 @@ class LocalExecutor:
         self.running: list[Worker] = []
         self.started = 0
         self.closing = False  # the run is stopping: no waiting host starts any more
+        self.early: dict[str, tuple[Worker, Future]] = {}  # cell id -> a host started ahead (prestart), its load
         self.log_dir = cache_root() / "local-workers"
         _prune(self.log_dir)
 
@@ -282,15 +237,42 @@ class LocalExecutor:
 
         return Delivery(where, nonce, None)  # every host of this machine writes its own shards
 
-    def start(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, work: Work) -> Started:
-        cls = backend_class(cell.engine)
+    def _worker(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, delivery) -> Worker:
         gpus = cell.tp if placement.NEEDS[cell.device].gpu else 0
-        w = Worker(cell.cell_id, (desc, model, threads, work.delivery), min(self.cpus, threads * cell.tp),
-                   gpus, cls.runtime_env(desc, threads))
+        return Worker(cell.cell_id, (desc, model, threads, delivery), min(self.cpus, threads * cell.tp), gpus,
+                      backend_class(cell.engine).runtime_env(desc, threads))
+
+    def prestart(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, delivery) -> None:
+        """Start a cell's host and its engine load before the run asks for the cell
+        (matrix/run/early.py); start() takes it over when asked with the same arguments."""
+        w = self._worker(cell, desc, model, threads, delivery)
         self.line.append(w)
+        self.early[cell.cell_id] = (w, w.call("load"))
+        self._pump()
+
+    def keep_early(self, cell_ids) -> None:
+        """Stop the hosts started ahead for cells the run will not start (done, or left out)."""
+        for cid in [c for c in self.early if c not in cell_ids]:
+            self.stop(Started(self.early.pop(cid)[0]))
+
+    def _adopt(self, w: Worker) -> tuple[Worker, Future | None]:
+        """(the host started ahead for w's cell with w's very arguments, its load), or (w, None)."""
+        early, load = self.early.pop(w.cell_id, (None, None))
+        if early is None:
+            return w, None
+        if (early.init, early.cpus, early.gpus, early.env) == (w.init, w.cpus, w.gpus, w.env) and not early.gone:
+            return early, load
+        self.stop(Started(early))  # asked with other arguments: that one goes, this one starts
+        return w, None
+
+    def start(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, work: Work) -> Started:
+        w, load = self._adopt(self._worker(cell, desc, model, threads, work.delivery))
+        if load is None:
+            self.line.append(w)
         if measures_in_host(cell, work):  # before load, so the two overlap (it returns at once: a thread)
             w.call("warm_metrics", work.vocab)
-        started = Started(w, calls={w.ready: Call(Kind.READY, cell.cell_id), w.call("load"): Call(Kind.LOAD, cell.cell_id)})
+        load = load or w.call("load")
+        started = Started(w, calls={w.ready: Call(Kind.READY, cell.cell_id), load: Call(Kind.LOAD, cell.cell_id)})
         queue_calls(started, cell, work, lambda host, method, *args: host.call(method, *args))
         self._pump()
         return started

@@ -345,14 +345,14 @@ def _running(pid: int) -> bool:
 
 
 def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
-            log: Callable[[str], None], ex) -> dict:
+            log: Callable[[str], None], ex, nonce: str | None = None) -> dict:
     """Run every unfinished cell of a bound plan (bind()) on the executor ex (launch.Executor);
-    returns a summary."""
+    returns a summary. nonce: this run's, when a host was started with it ahead of the run."""
     spec = plan.spec
     cells = {c.cell_id: c for c in plan.cells}
     todo = [cells[cid] for cid in plan.todo]
     todo.sort(key=lambda c: c.cell_id not in plan.reference_cells.values())  # the reference first
-    nonce = ids.probe_nonce()
+    nonce = nonce or ids.probe_nonce()
     run = _begin(plan, wh, argv, address, ex.name, log, nonce)
     sweep, status = Sweep(plan, wh, run, ex, log, ex.open(wh.where, nonce)), "failed"
     try:

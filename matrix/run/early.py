@@ -1,0 +1,52 @@
+"""The first host of a local run, started while the driver still prepares the run.
+
+Before the first cell can capture, the driver tokenises the corpus (for a GGUF's llama.cpp
+tokenizer, a vocabulary load of its own: ~0.6 s at Gemma 3's 262,144 tokens on a 2-core Xeon)
+and its host starts a process and loads the engine (~0.9 s). Neither needs the other, so the
+local executor starts that host now: the run's first cell is its first model's reference
+(matrix/run/runner.py execute starts references first), and the executor hands the host over when
+the run asks for that cell with the same arguments (matrix/run/local.py LocalExecutor.prestart).
+
+Only where the cell's arguments can be had without the corpus: a model from a GGUF alone, one
+tensor-parallel rank, no per-cell extras, and a cell the warehouse does not already hold done.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from common import ids
+from matrix.run import builds, placement
+from matrix.spec.cells import model_copy, stack_desc
+from matrix.spec.parse import Spec
+from store import Warehouse
+
+
+def first_cell(spec: Spec):
+    """The first model's reference cell (a spec Cell, not yet bound to a build), or None."""
+    model = next(iter(spec.models), None)
+    sid = spec.reference_cells.get(model)
+    return next((c for c in spec.cells if c.stack_id == sid and not c.replica), None)
+
+
+def start_first_host(spec: Spec, wh: Warehouse, ex, log: Callable[[str], None]) -> str | None:
+    """Start the host of the run's first cell on ex (a LocalExecutor), engine load included;
+    -> the nonce the run must use (its rows' Delivery is part of the host's arguments), or None
+    when nothing was started."""
+    from matrix.spec import gguf_model
+    from matrix.spec.models import fetch
+
+    cell = first_cell(spec)
+    if cell is None or cell.tp != 1 or cell.extras or not gguf_model.hf_free(spec, cell.model):
+        return None
+    model = fetch(spec.models[cell.model], log=log, dequantise=False)
+    rows = wh.read_all("cells") if wh.check() else []
+    nodes = ex.nodes()
+    answers = builds.probe([cell], {cell.model: model}, nodes, log, ex, own_cluster=True)
+    bound, _, _ = builds.bind([cell], answers, builds.captured_builds(rows), lambda line: None)
+    if not bound or any(r["cell_id"] == bound[0].cell_id and r["status"] == "done" for r in rows):
+        return None  # left out, or done before: the run may not start it at all
+    nonce = ids.probe_nonce()
+    c = bound[0]
+    ex.prestart(c, stack_desc(c, model), model_copy(model), placement.cell_threads(c, nodes), ex.open(wh.where, nonce))
+    return nonce

@@ -1,0 +1,58 @@
+"""This machine as the local executor sees it: its CPUs, its NVIDIA GPUs (those a scheduler left
+visible) and its device labels, as a placement node (matrix/run/placement.py)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+
+from matrix.run import placement
+
+NODE_ID = "local:" + socket.gethostname()  # what actors/stack_actor.py StackHost.node_id says
+
+
+def gpu_pool() -> tuple[list[str], list[str]]:
+    """(the GPU ids workers may be given, their names): every NVIDIA GPU (nvidia-ml-py), or only
+    those CUDA_VISIBLE_DEVICES lists when it is set (a scheduler's share of the machine), as Ray
+    counts them."""
+    names = _nvidia_gpus()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [str(i) for i in range(len(names))], names
+    ids = [g.strip() for g in visible.split(",") if g.strip()]
+    return ids, [names[int(g)] if g.isdigit() and int(g) < len(names) else (names or ["GPU"])[0] for g in ids]
+
+
+def local_node() -> placement.Node:
+    """This machine as a placement node: its CPUs, NVIDIA GPUs and device labels."""
+    resources: dict[str, float] = {"CPU": float(os.cpu_count() or 1)}
+    labels: dict[str, str] = {}
+    ids, names = gpu_pool()
+    if ids:
+        resources["GPU"] = float(len(ids))
+        # Ray's accelerator type from the name ("NVIDIA H200" -> H200): the same device labels match
+        labels[placement.RAY_ACCEL] = names[0].removeprefix("NVIDIA ").strip().replace(" ", "-")
+    elif sys.platform == "darwin" and platform.machine() == "arm64":
+        resources.update({"GPU": 1.0, "mps": 1.0})
+        labels[placement.RAY_ACCEL] = "Apple-Silicon"
+    if os.environ.get("LOGIT_MATRIX_DEVICE"):  # the label a cluster.yaml would set (placement.LABEL)
+        labels[placement.LABEL] = os.environ["LOGIT_MATRIX_DEVICE"]
+    return placement.Node(NODE_ID, socket.gethostname(), resources, labels)
+
+
+def _nvidia_gpus() -> list[str]:
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:  # no driver: a CPU machine
+        return []
+    try:
+        return [str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                for i in range(pynvml.nvmlDeviceGetCount())]
+    finally:
+        pynvml.nvmlShutdown()

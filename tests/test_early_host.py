@@ -1,0 +1,57 @@
+"""A local run's first host starts while the driver still tokenises, and the run takes it over:
+real worker processes and the test model's GGUF files (matrix/run/early.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.test_kld_command import N_CTX, ggufs, text  # noqa: F401 - fixtures
+
+__all__ = ["ggufs", "text"]
+
+
+def _job(ggufs, text, wh: Path):  # noqa: F811 - the fixture, passed in
+    from matrix.spec import kld
+    from matrix.spec.cells import load_spec
+
+    spec_path, _, _ = kld.write_job(kld.classify(ggufs["f16"], "--reference"), [kld.classify(ggufs["q8_0"], "--candidate")],
+                                    Path(text), N_CTX, 2, str(wh), lambda line: None)
+    return load_spec(spec_path)
+
+
+def test_the_first_host_starts_ahead_and_the_run_takes_it_over(ggufs, text, tmp_path):  # noqa: F811
+    from matrix.run import early, runner
+    from matrix.run.local import LocalExecutor
+    from store import Warehouse
+
+    spec, wh, ex, lines = _job(ggufs, text, tmp_path / "wh"), Warehouse(str(tmp_path / "wh")), LocalExecutor(), []
+    nonce = early.start_first_host(spec, wh, ex, lines.append)
+    (ref, (host, _)), = ex.early.items()
+    assert nonce and ref.startswith(early.first_cell(spec).stack_id) and host.proc is not None  # spawned at once
+    plan = runner.prepare(spec, wh, lines.append)
+    wh.create()
+    with wh.lock(lines.append):
+        plan = runner.bind(plan, wh, ex, lines.append, runner.Resume(own_cluster=True))
+        ex.keep_early(set(plan.todo))
+        summary = runner.execute(plan, wh, [], None, lines.append, ex, nonce)
+    assert summary["cells_done"] == 2 and not summary["failed"]
+    assert ex.started == 2  # two cells, two processes: the one started ahead was the reference's
+    assert any(line.startswith(f"loaded {ref} ") and f"(pid {host.proc.pid})" in line for line in lines), lines
+    assert plan.reference_cells[spec.cells[0].model] == ref
+    again = LocalExecutor()  # the reference is done: a later run starts nothing ahead
+    assert early.start_first_host(spec, Warehouse(str(tmp_path / "wh")), again, lines.append) is None
+    assert again.started == 0 and not again.early
+
+
+def test_a_host_started_ahead_for_a_cell_the_run_does_not_start_is_stopped(ggufs, text, tmp_path):  # noqa: F811
+    from matrix.run import early
+    from matrix.run.local import LocalExecutor
+    from store import Warehouse
+
+    spec, ex = _job(ggufs, text, tmp_path / "wh"), LocalExecutor()
+    assert early.start_first_host(spec, Warehouse(str(tmp_path / "wh")), ex, print) is not None
+    (host, load), = ex.early.values()
+    assert ex.free_cpus == ex.cpus - host.cpus
+    ex.keep_early(set())  # e.g. the reference was captured by another build the run reuses
+    assert host.gone and not ex.early and ex.free_cpus == ex.cpus
+    assert load.done and "stopped" in str(load.error)
