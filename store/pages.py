@@ -181,14 +181,18 @@ class Leaf:
     starts: np.ndarray  # (rows,) index of each row's first value
     values: int
 
-    def rows(self, kind: str) -> np.ndarray:
-        """(rows, vocab) in the native dtype (bf16: uint16 bits). Raises Corrupt where a row is
-        not a whole vocabulary or a widened value has low bits set."""
+    def rows(self, kind: str, into: np.ndarray | None = None) -> np.ndarray:
+        """(rows, vocab) in the native dtype (bf16: uint16 bits), for bf16 into `into`'s first
+        values when given (a buffer the caller reuses: fresh memory costs its page faults). Raises
+        Corrupt where a row is not a whole vocabulary or a widened value has low bits set."""
         n = len(self.starts)
         vocab = self.values // n if n else 0
         if n and (self.values % n or (self.starts != np.arange(n) * vocab).any()):
             raise Corrupt("rows of different lengths")
-        out = np.empty(self.values, np.uint16 if kind == "bf16" else np.uint32)
+        if kind == "bf16" and into is not None:
+            out = into.reshape(-1)[:self.values]
+        else:
+            out = np.empty(self.values, np.uint16 if kind == "bf16" else np.uint32)
         at = 0
         for s in self.pages:  # shifts and ors over whole streams: 5x faster than a uint8 transpose
             o = out[at:at + s.shape[1]]
@@ -365,8 +369,8 @@ class LeafStream:
         self.seen += s.shape[1]
         self.left.append(s)
 
-    def take(self, n: int) -> np.ndarray:
-        """The next n rows, (n, vocab) native (bf16: uint16 bits)."""
+    def take(self, n: int, into: np.ndarray | None = None) -> np.ndarray:
+        """The next n rows, (n, vocab) native (bf16: uint16 bits, into `into` as Leaf.rows)."""
         need = n * self.vocab
         while sum(s.shape[1] for s in self.left) < need:
             self._page()
@@ -380,4 +384,4 @@ class LeafStream:
                 self.left.pop(0)
             else:
                 self.left[0] = s[:, k:]
-        return Leaf(out, np.arange(n) * self.vocab, need).rows(self.kind)
+        return Leaf(out, np.arange(n) * self.vocab, need).rows(self.kind, into)

@@ -170,8 +170,12 @@ class Rows:
             except ValueError as e:
                 raise UserError(f"{self.index.path}: {e} in one shard") from None
         n = min(self.batch, self.group_rows - self.read)
+        into = None
+        if self.stored and self.scratch is not None and self.prompt.kind == "bf16":  # kept as bits: in turn, reused
+            size = n * self.index.vocab
+            into = self.scratch.next((size + 1) // 2).view(np.uint16)[:size]
         try:
-            native = self.stream.take(n)  # (n, vocab) native
+            native = self.stream.take(n, into)  # (n, vocab) native
         except pages.Corrupt as e:
             raise _damaged(self.index.path, e) from None
         self.read += n
