@@ -118,8 +118,8 @@ class StackHost:
         self.backend = self.cls(stack, local_dir, self.threads)
         self.backend.dist = dist
         self.rank = dist["rank"] if dist else 0
-        # no depot: a local executor's host, on the driver's machine; it writes the warehouse itself,
-        # and may load before the driver has written this run's probe (matrix/run/early.py)
+        # no depot: a local executor's host, which writes the warehouse itself (_writer checks that
+        # it can); it may load before the driver has written this run's probe (matrix/run/early.py)
         self.direct = self.delivery.depot is None or Warehouse.reaches(self.delivery.warehouse, self.delivery.nonce)
         self.backend.load()
         settings = self.backend.settings()
@@ -202,10 +202,10 @@ class StackHost:
     def _writer(self, run_id: str, repeat: int, table: str, values: bool = True):
         """Where a shard of this capture goes: the warehouse itself, or the driver's depot (Ray only)."""
         cid = self.stack.cell_id
+        if self.delivery.depot is None and not Warehouse.reaches(self.delivery.warehouse, self.delivery.nonce):
+            raise RuntimeError(f"{cid}: this host cannot reach the warehouse {self.delivery.warehouse}")
         if self.direct:
             return ShardWriter(self.delivery.warehouse, run_id, cid, repeat, table, values)
-        if self.delivery.depot is None:  # the local executor's hosts always see the warehouse
-            raise RuntimeError(f"{cid}: this host cannot reach the warehouse {self.delivery.warehouse}")
         from actors.depot import RemoteShard
 
         return RemoteShard(self.delivery.depot, run_id, cid, repeat, table)

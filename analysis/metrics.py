@@ -197,7 +197,7 @@ def _floats(ref: np.ndarray, stk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def row_metrics(ref: np.ndarray | Bf16Rows, stk: np.ndarray | Bf16Rows,
                 next_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """ref, stk: (rows, vocab) raw logits (float32 widened from the native type, or float64), or
-    stored bf16 rows with their shift (Bf16Rows: the same numbers, to the bit, without the widening);
+    stored bf16 rows with their shift (Bf16Rows: the same values, without a widened copy);
     next_ids: (rows,) the token that follows each position, -1 at the last position.
 
     Rows with NaN/Inf on either side come back with NaN metrics and a `nonfinite` entry

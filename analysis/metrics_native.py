@@ -54,8 +54,8 @@ def reduce(x: np.ndarray, y: np.ndarray, block: int) -> tuple[np.ndarray, np.nda
 
 
 def reduce_bf16(x: Bf16Rows, y: Bf16Rows, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """reduce() of the raw logits of two sets of stored bf16 rows: the same sums, to the bit, as
-    reduce() of their widened float32 rows (the kernel's reductions run at one vector length)."""
+    """reduce() of the raw logits of two sets of stored bf16 rows, read as they are stored: the
+    values of their widened float32 rows, summed in the vectoriser's order for uint16 loads."""
     lib = load()
     rows, vocab = x.shape
     out = np.empty((rows, lib.outputs()))

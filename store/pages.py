@@ -190,6 +190,8 @@ class Leaf:
         if n and (self.values % n or (self.starts != np.arange(n) * vocab).any()):
             raise Corrupt("rows of different lengths")
         if kind == "bf16" and into is not None:
+            if into.dtype != np.uint16 or into.size < self.values or not into.flags.c_contiguous:
+                raise ValueError(f"a buffer for {self.values} bf16 values, not {into.dtype} x {into.size}")
             out = into.reshape(-1)[:self.values]
         else:
             out = np.empty(self.values, np.uint16 if kind == "bf16" else np.uint32)

@@ -103,9 +103,10 @@ def _runs(ids: list) -> list[tuple[int, int]]:
 
 
 class Scratch:
-    """Buffers a reader widens its batches into, kept from prompt to prompt by the one caller that
-    owns them: fresh memory for every batch costs its page faults (at a 262,144 vocabulary as much
-    as the widening). Two, used in turn: a batch may still hold rows while the next is widened."""
+    """Buffers a reader puts its batches into (widened, or bf16 bits as stored), kept from prompt to
+    prompt by the one caller that owns them: fresh memory for every batch costs its page faults (at
+    a 262,144 vocabulary as much as the widening). Two, used in turn: a batch may still hold rows
+    while the next is read."""
 
     def __init__(self):
         self.bufs, self.turn = [np.empty(0, np.float32), np.empty(0, np.float32)], 0
@@ -198,7 +199,8 @@ class Rows:
 
     def take(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | Bf16Rows:
         """Rows idx as (len(idx), vocab) float32, in out's first values when given (a buffer the
-        caller reuses once it is done with them), or as Bf16Rows (stored; valid until the next take). Rows before min(idx) are released: taken in
+        caller reuses once it is done with them); Bf16Rows for a stored reader's bf16 pages (valid
+        until the next take). Rows before min(idx) are released: taken in
         ascending chunks (the shard's own order) every row is read once."""
         if not len(idx):
             return np.zeros((0, self.index.vocab), np.float32)

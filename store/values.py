@@ -118,6 +118,13 @@ class Bf16Rows:
     bits: np.ndarray  # (rows, vocab) uint16, C-contiguous
     shift: np.ndarray  # (rows,) float32
 
+    def __post_init__(self):  # the metric kernel takes their pointers: its own checks are these
+        b, s = self.bits, self.shift
+        if b.dtype != np.uint16 or b.ndim != 2 or not b.flags.c_contiguous:
+            raise ValueError(f"Bf16Rows: bits must be C-contiguous (rows, vocab) uint16, not {b.dtype} {b.shape}")
+        if s.dtype != np.float32 or s.shape != (len(b),) or not s.flags.c_contiguous:
+            raise ValueError(f"Bf16Rows: shift must be ({len(b)},) float32, not {s.dtype} {s.shape}")
+
     @staticmethod
     def of(bits: np.ndarray, shift) -> "Bf16Rows":
         """shift: an array, an Arrow column, or None (0: rows stored without one)."""
@@ -132,7 +139,7 @@ class Bf16Rows:
 
     def at(self, idx: np.ndarray) -> "Bf16Rows":
         """Rows idx (a run of consecutive rows as a view)."""
-        return Bf16Rows(rows_at(self.bits, idx), self.shift[idx])
+        return Bf16Rows.of(rows_at(self.bits, idx), self.shift[idx])
 
     def gather(self, idx: np.ndarray) -> np.ndarray:
         """(rows, k) ids -> (rows, k) float32 raw logits at them, as widening the whole rows gives them."""

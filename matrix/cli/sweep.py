@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import extras
-from common.errors import UserError
+from common.errors import UserError, first_line
 from common.output import emit_json, log, table
 from matrix.spec.corpus import CONFIGS
 
@@ -167,7 +167,15 @@ def _early(spec, wh, log) -> tuple | None:
     local.check(spec.cells)
     ex = local.LocalExecutor()
     cluster.sigterm_interrupts()
-    nonce = early.start_first_host(spec, wh, ex, log)
+    try:
+        nonce = early.start_first_host(spec, wh, ex, log)
+    except UserError:  # bad input: the line the run itself would give
+        ex.shutdown()
+        raise
+    except Exception as e:  # noqa: BLE001 - said here; the run then starts that host itself
+        ex.shutdown()
+        log(f"the first cell's host starts with the run, not ahead of it: {first_line(str(e), type(e).__name__)}")
+        return None
     return (ex, nonce) if nonce is not None else None
 
 

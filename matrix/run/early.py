@@ -7,8 +7,9 @@ local executor starts that host now: the run's first cell is its first model's r
 (matrix/run/runner.py execute starts references first), and the executor hands the host over when
 the run asks for that cell with the same arguments (matrix/run/local.py LocalExecutor.prestart).
 
-Only where the cell's arguments can be had without the corpus: a model from a GGUF alone, one
-tensor-parallel rank, no per-cell extras, and a cell the warehouse does not already hold done.
+Only where the cell's arguments can be had without the corpus (a model from a GGUF alone, one
+tensor-parallel rank, no per-cell extras), for a CPU cell (a GPU is not taken before the run holds
+the warehouse's lock: another run may be using it), and a cell the warehouse does not hold done.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def start_first_host(spec: Spec, wh: Warehouse, ex, log: Callable[[str], None]) 
     from matrix.spec.models import fetch
 
     cell = first_cell(spec)
-    if cell is None or cell.tp != 1 or cell.extras or not gguf_model.hf_free(spec, cell.model):
+    if cell is None or cell.tp != 1 or cell.extras or placement.NEEDS[cell.device].gpu \
+            or not gguf_model.hf_free(spec, cell.model):
         return None
     model = fetch(spec.models[cell.model], log=log, dequantise=False)
     rows = wh.read_all("cells") if wh.check() else []
