@@ -154,9 +154,11 @@ VIEWS = {
                coalesce(f.reference_repeat_kld, 0) AS reference_repeat_kld,
                c.bit_reproducible, false AS below_resolution
         FROM cells c LEFT JOIN floor f ON f.reference_cell_id = c.cell_id
-        LEFT JOIN (SELECT reference_cell_id, exp(avg(nll_ref)) AS ppl FROM (  -- its own rows, each once
-                       SELECT DISTINCT reference_cell_id, prompt_id, position, nll_ref FROM metrics
-                       WHERE nll_ref IS NOT NULL) GROUP BY ALL) ref_ppl ON ref_ppl.reference_cell_id = c.cell_id
+        -- its own rows, each once: every cell measured against it gives a row's nll_ref, the same
+        -- up to the rounding of its own comparison's sums (a stored bf16 pair sums in another order)
+        LEFT JOIN (SELECT reference_cell_id, exp(avg(nll_ref)) AS ppl FROM (
+                       SELECT reference_cell_id, prompt_id, position, min(nll_ref) AS nll_ref FROM metrics
+                       WHERE nll_ref IS NOT NULL GROUP BY ALL) GROUP BY ALL) ref_ppl ON ref_ppl.reference_cell_id = c.cell_id
         WHERE c.cell_id IN (SELECT DISTINCT reference_cell_id FROM metrics)
           AND c.cell_id NOT IN (SELECT cell_id FROM m)""",
     "summary_by_range": """
