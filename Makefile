@@ -20,7 +20,7 @@ EXTRAS ?= hf,llamacpp,mlx,s3,gcs,test
 CONSTRAINTS ?= constraints/cpu.txt
 # Ray auth: `matrix run` gives its local cluster a token of yours (matrix/run/cluster.py); the tests use `disabled`.
 
-.PHONY: venv demo test bench clean-warehouse lock
+.PHONY: venv demo test test-fast lint bench clean-warehouse lock
 
 venv: $(STAMP)
 
@@ -66,6 +66,11 @@ TEST_WORKERS ?= 2
 test: $(STAMP) llama-cpp vllm-env
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests
 	$(PY) -m pytest -q -m serial tests
+
+# ruff: lint and format, configured in pyproject.toml (lines of 120 at most); .ci/run runs it first.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 bench: $(STAMP)
 	$(PY) benchmarks/storage_bytes.py

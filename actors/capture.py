@@ -16,7 +16,6 @@ from backends.base import Backend
 from common.positions import Positions
 from store.floors import Storage
 
-
 OVERLAP_BYTES = 1 << 29  # a prompt's rows up to this size are kept while the next forward runs
 
 
@@ -54,9 +53,16 @@ class Overlap:
         self.pool.shutdown(wait=True)
 
 
-def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]], keep: Positions | int,
-                  max_tokens: int | None = None, store: str = "native", observe=None,
-                  side_writers: dict | None = None) -> dict[str, Any]:
+def capture_shard(
+    backend: Backend,
+    writer,
+    prompts: list[tuple[str, list[int]]],
+    keep: Positions | int,
+    max_tokens: int | None = None,
+    store: str = "native",
+    observe=None,
+    side_writers: dict | None = None,
+) -> dict[str, Any]:
     """Every prompt's rows into writer (a ShardWriter, or a RemoteShard on a node that cannot
     see the warehouse), committed at the end; returns a small manifest (no arrays).
 
@@ -111,8 +117,15 @@ def capture_shard(backend: Backend, writer, prompts: list[tuple[str, list[int]]]
         stage.close()
         work.close()
         backend.keep_outputs(0)
-    return {"path": str(path), "rows": writer.rows, "seconds": time.perf_counter() - t0,
-            "forward_seconds": forward_s, "array_dtype": dtype, "storage": storage.summary(), "extras": side.summary()}
+    return {
+        "path": str(path),
+        "rows": writer.rows,
+        "seconds": time.perf_counter() - t0,
+        "forward_seconds": forward_s,
+        "array_dtype": dtype,
+        "storage": storage.summary(),
+        "extras": side.summary(),
+    }
 
 
 class RowWork:
@@ -147,8 +160,9 @@ class Extras:
     def __init__(self, backend: Backend, writers: dict):
         self.writers = writers
         asked = [(x, v) for x, v in extras.of(backend.stack) if x.table in writers] if writers else []
-        self.parts = [(x.key, x.capturer(backend, v, writers[x.table]))
-                      for x, v in sorted(asked, key=lambda xv: xv[0].order)]
+        self.parts = [
+            (x.key, x.capturer(backend, v, writers[x.table])) for x, v in sorted(asked, key=lambda xv: xv[0].order)
+        ]
         self.backend = backend
         self.tap = next((c for _, c in self.parts if c.taps_forward), None)
 

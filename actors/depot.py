@@ -72,8 +72,11 @@ class DriverDepot:
                 p = Path(path)
                 files = [f for f in sorted(p.rglob("*")) if f.is_file()] if p.is_dir() else [p]
                 base = p if p.is_dir() else p.parent
-                self.manifests[path] = {str(f.relative_to(base)): [f.stat().st_size, sha256_file(f)]
-                                        for f in files if not f.name.startswith(".")}
+                self.manifests[path] = {
+                    str(f.relative_to(base)): [f.stat().st_size, sha256_file(f)]
+                    for f in files
+                    if not f.name.startswith(".")
+                }
             return self.manifests[path]
 
     def read(self, path: str, rel: str, offset: int, size: int) -> bytes:
@@ -95,9 +98,16 @@ class RemoteShard:
         self.pending = None
         ray.get(depot.begin.remote(run_id, cell_id, repeat, table))
 
-    def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
-            native: np.ndarray, shift: np.ndarray | None = None, path: list[str] | None = None,
-            step: list[int] | None = None) -> None:
+    def add(
+        self,
+        prompt_id: str,
+        positions: list[int],
+        next_ids: Iterable[int | None],
+        native: np.ndarray,
+        shift: np.ndarray | None = None,
+        path: list[str] | None = None,
+        step: list[int] | None = None,
+    ) -> None:
         """native: (rows, vocab). Sent in chunks of at most MESSAGE_BYTES of values, so this node
         encodes the next chunk while the depot writes the last (two cores at work, not one), and
         a long prompt never has to fit in one message."""
@@ -105,16 +115,26 @@ class RemoteShard:
         per = max(1, MESSAGE_BYTES // max(1, native.shape[1] * native.itemsize))  # rows per message
         for lo in range(0, native.shape[0], per):
             hi = lo + per
-            data = encode_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions[lo:hi],
-                                          next_ids[lo:hi], native[lo:hi],
-                                          None if shift is None else shift[lo:hi],
-                                          None if path is None else path[lo:hi],
-                                          None if step is None else step[lo:hi]))
+            data = encode_rows(
+                rows_table(
+                    self.run_id,
+                    self.cell_id,
+                    self.repeat,
+                    prompt_id,
+                    positions[lo:hi],
+                    next_ids[lo:hi],
+                    native[lo:hi],
+                    None if shift is None else shift[lo:hi],
+                    None if path is None else path[lo:hi],
+                    None if step is None else step[lo:hi],
+                )
+            )
             self._send(data)
         self.rows += native.shape[0]
 
-    def add_layers(self, prompt_id: str, positions: list[int], states: dict[str, np.ndarray], depth: int,
-                   sources: dict[str, str]) -> None:
+    def add_layers(
+        self, prompt_id: str, positions: list[int], states: dict[str, np.ndarray], depth: int, sources: dict[str, str]
+    ) -> None:
         """A layer_states shard's prompt, in chunks of at most MESSAGE_BYTES like add()."""
         from store.layer_states import layer_rows_table
 
@@ -163,5 +183,8 @@ def depot_options(node_id: str) -> dict[str, Any]:
     """On the driver's node, taking no CPU from the cells, several captures at once."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return {"num_cpus": 0, "max_concurrency": 16,
-            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+    return {
+        "num_cpus": 0,
+        "max_concurrency": 16,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+    }

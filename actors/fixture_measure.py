@@ -20,8 +20,17 @@ def stack_rows(backend, prompts: list[tuple[list[int], list[int], list[int]]], n
     return stack
 
 
-def measure(backend, prompts: list[tuple[list[int], list[int], list[int]]], topk_ids: np.ndarray,
-            topk_logits: np.ndarray, lse: np.ndarray, vocab: int) -> dict[str, Any]:
+def measure(
+    backend,
+    prompts: list[tuple[list[int], list[int], list[int]]],
+    topk_ids: np.ndarray,
+    topk_logits: np.ndarray,
+    lse: np.ndarray,
+    vocab: int,
+) -> dict[str, Any]:
     stack = stack_rows(backend, prompts, len(lse), vocab)  # (rows, vocab)
-    return {"metrics": truncated_metrics(topk_ids, topk_logits, lse, stack), "rows": len(stack),
-            "nonfinite": int((~np.isfinite(stack).all(-1)).sum())}
+    return {
+        "metrics": truncated_metrics(topk_ids, topk_logits, lse, stack),
+        "rows": len(stack),
+        "nonfinite": int((~np.isfinite(stack).all(-1)).sum()),
+    }

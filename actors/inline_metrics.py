@@ -51,8 +51,15 @@ class Warmup:
 
 
 class InlineMetrics:
-    def __init__(self, warehouse: str | None, ref_id: str, cell_id: str, repeat: int, warmup: Warmup | None = None,
-                 required: bool = False):
+    def __init__(
+        self,
+        warehouse: str | None,
+        ref_id: str,
+        cell_id: str,
+        repeat: int,
+        warmup: Warmup | None = None,
+        required: bool = False,
+    ):
         """required: the capture keeps no values of its rows (keep_rows: references), so nothing can
         measure them later: a failure here is raised, and fails the capture, instead of reported."""
         self.ref_id, self.cell_id, self.repeat, self.warmup, self.required = ref_id, cell_id, repeat, warmup, required
@@ -72,8 +79,10 @@ class InlineMetrics:
 
     def _raise_if_required(self) -> None:
         if self.required and self.error is not None:
-            raise RuntimeError(f"{self.cell_id}: measuring against {self.ref_id} in the capture failed ({self.error}); "
-                               "keep_rows: references keeps no values to measure later")
+            raise RuntimeError(
+                f"{self.cell_id}: measuring against {self.ref_id} in the capture failed ({self.error}); "
+                "keep_rows: references keeps no values to measure later"
+            )
 
     def observe(self, prompt_id: str, positions: list[int], stored: np.ndarray, shift: np.ndarray | None) -> None:
         if self.error is not None:
@@ -112,5 +121,10 @@ class InlineMetrics:
 
             self.acc = RepeatMetrics(self.wh, self.ref, self.cell_id, self.repeat, 0)
         table, counts = self.acc.result(0.0)
-        return {"table": table, "counts": counts, "reference": self.ref_id, "seconds": self.seconds,
-                "warmup_seconds": None if self.warmup is None else self.warmup.seconds}
+        return {
+            "table": table,
+            "counts": counts,
+            "reference": self.ref_id,
+            "seconds": self.seconds,
+            "warmup_seconds": None if self.warmup is None else self.warmup.seconds,
+        }

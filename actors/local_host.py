@@ -1,7 +1,8 @@
 """A worker process of the local executor (matrix/run/local.py): one StackHost, its calls in order.
 
 Started as `python .../actors/local_host.py FD LOG` (by path, so the driver's working directory
-never lands on sys.path: a `ray/` session directory there would shadow a package): FD is this end of a socket pair the driver made
+never lands on sys.path: a `ray/` session directory there would shadow a package):
+FD is this end of a socket pair the driver made
 (no address, nothing another process could reach), LOG the file that takes this process's
 stdout and stderr (engines print there; the driver's terminal stays one line per event). A
 reader thread takes every queued call off the socket at once, so the driver never blocks
@@ -58,8 +59,13 @@ def failure(e: BaseException) -> dict:
     may lack this one's modules (a vLLM worker runs under vLLM's own environment), so it unpickles
     the blob itself and falls back to the class and line."""
     text = str(e)
-    out = {"ok": False, "class": type(e).__name__, "line": text.splitlines()[0] if text else "",
-           "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)), "blob": None}
+    out = {
+        "ok": False,
+        "class": type(e).__name__,
+        "line": text.splitlines()[0] if text else "",
+        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+        "blob": None,
+    }
     try:
         out["blob"] = pickle.dumps(e)
     except Exception:  # an exception holding an unpicklable object: its class and line stand for it

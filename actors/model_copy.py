@@ -49,8 +49,10 @@ def model_dir(model: ModelCopy, depot, node: str) -> tuple[str, str]:
     if own.is_dir() and any(own.glob("*.safetensors")):
         got = weights_digest_cached(own)
         if got != want:
-            raise UserError(f"node {node}: {own} holds weights sha256 {got}, but the driver recorded {want} "
-                            f"for model {model.name}; remove that copy or make it the same")
+            raise UserError(
+                f"node {node}: {own} holds weights sha256 {got}, but the driver recorded {want} "
+                f"for model {model.name}; remove that copy or make it the same"
+            )
         return str(own), "local"
     dest = cache_root() / "shipped" / want
     with locked(dest.parent):
@@ -58,8 +60,9 @@ def model_dir(model: ModelCopy, depot, node: str) -> tuple[str, str]:
             _receive(depot, model.hf_dir, dest)
     got = weights_digest_cached(dest)  # hashed once after it arrives, not at every cell's load
     if got != want:
-        raise UserError(f"node {node}: the weights received for model {model.name} have sha256 {got}, "
-                        f"the driver recorded {want}")
+        raise UserError(
+            f"node {node}: the weights received for model {model.name} have sha256 {got}, the driver recorded {want}"
+        )
     return str(dest), "shipped"
 
 

@@ -37,5 +37,8 @@ def diagnose(canonical: list[int], engine: list[int], bos: int | None, vocab_siz
 
 def special_token_problems(reference: dict, engine: dict) -> list[str]:
     """Special-token ids that differ between the reference tokenizer and the engine's."""
-    return [f"{k} id {engine.get(k)} vs reference {reference.get(k)}"
-            for k in ("bos", "eos") if reference.get(k) is not None and engine.get(k) != reference.get(k)]
+    return [
+        f"{k} id {engine.get(k)} vs reference {reference.get(k)}"
+        for k in ("bos", "eos")
+        if reference.get(k) is not None and engine.get(k) != reference.get(k)
+    ]

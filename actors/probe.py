@@ -16,5 +16,4 @@ from common.builds import engine_build
 @ray.remote(num_cpus=0, max_retries=0)
 def node_build(libraries: tuple[str, ...]) -> dict:
     """{"node_id", "host", "build", "libraries"} of the node this task runs on."""
-    return {"node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(),
-            **engine_build(libraries)}
+    return {"node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(), **engine_build(libraries)}

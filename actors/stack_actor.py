@@ -84,8 +84,9 @@ class StackHost:
 
         self.warmup = Warmup(vocab)
 
-    def load(self, dist: dict[str, Any] | None = None, rendezvous: tuple[str, int] | None = None,
-             *node_gpus: list[str]) -> dict[str, Any]:
+    def load(
+        self, dist: dict[str, Any] | None = None, rendezvous: tuple[str, int] | None = None, *node_gpus: list[str]
+    ) -> dict[str, Any]:
         """dist: {rank, world_size} for one rank of a tp > 1 cell; rendezvous: rank 0's (address, port);
         node_gpus: every rank's gpu_ids(), in rank order (object refs, resolved by Ray)."""
         try:
@@ -96,25 +97,35 @@ class StackHost:
         self._load_outcome = True
         return out
 
-    def _load(self, dist: dict[str, Any] | None, rendezvous: tuple[str, int] | None,
-              node_gpus: tuple[list[str], ...]) -> dict[str, Any]:
+    def _load(
+        self, dist: dict[str, Any] | None, rendezvous: tuple[str, int] | None, node_gpus: tuple[list[str], ...]
+    ) -> dict[str, Any]:
         from actors.model_copy import artifact_file, model_dir, source_gguf
         from common.builds import describe, engine_build
 
         t0 = time.perf_counter()
         built = engine_build(self.cls.libraries)
         if self.stack.build and built["build"] != self.stack.build:  # reinstalled since the probe
-            raise RuntimeError(f"{self.stack.cell_id}: node {socket.gethostname()} now has {self.stack.engine} "
-                               f"build {built['build']} ({describe(built['libraries'])}), not the build "
-                               f"{self.stack.build} the run planned for; run again to capture it as a new cell")
+            raise RuntimeError(
+                f"{self.stack.cell_id}: node {socket.gethostname()} now has {self.stack.engine} "
+                f"build {built['build']} ({describe(built['libraries'])}), not the build "
+                f"{self.stack.build} the run planned for; run again to capture it as a new cell"
+            )
         if dist is not None:
-            dist = {**dist, "master_addr": rendezvous[0], "master_port": rendezvous[1],
-                    "own_gpus": self.gpu_ids(), "node_gpus": [list(g) for g in node_gpus]}
+            dist = {
+                **dist,
+                "master_addr": rendezvous[0],
+                "master_port": rendezvous[1],
+                "own_gpus": self.gpu_ids(),
+                "node_gpus": [list(g) for g in node_gpus],
+            }
         node = f"{socket.gethostname()} ({self.node_id()[:12]})"
         local_dir, model_via = model_dir(self.model, self.delivery.depot, node)
-        stack = dataclasses.replace(self.stack, source_gguf=source_gguf(self.model, self.delivery.depot),
-                                    artifact=artifact_file(self.stack.artifact, self.stack.artifact_sha256,
-                                                           self.delivery.depot))
+        stack = dataclasses.replace(
+            self.stack,
+            source_gguf=source_gguf(self.model, self.delivery.depot),
+            artifact=artifact_file(self.stack.artifact, self.stack.artifact_sha256, self.delivery.depot),
+        )
         self.backend = self.cls(stack, local_dir, self.threads)
         self.backend.dist = dist
         self.rank = dist["rank"] if dist else 0
@@ -126,12 +137,19 @@ class StackHost:
         for x, v in extras.of(self.stack):  # what an extra's hook records of the engine's rule
             settings.update(x.settings(self.backend, v))
         return {
-            "settings": settings, "versions": settings.pop("versions", {}),
+            "settings": settings,
+            "versions": settings.pop("versions", {}),
             "artifact": settings.pop("artifact", None),
-            "vocab_size": self.backend.vocab_size(), "load_seconds": time.perf_counter() - t0,
-            "host": socket.gethostname(), "node_id": self.node_id(),
-            "fingerprint": fingerprint(), "model_via": model_via, "rows_via": "node" if self.direct else "driver",
-            "build": built["build"], "build_libraries": built["libraries"], "pid": os.getpid(),
+            "vocab_size": self.backend.vocab_size(),
+            "load_seconds": time.perf_counter() - t0,
+            "host": socket.gethostname(),
+            "node_id": self.node_id(),
+            "fingerprint": fingerprint(),
+            "model_via": model_via,
+            "rows_via": "node" if self.direct else "driver",
+            "build": built["build"],
+            "build_libraries": built["libraries"],
+            "pid": os.getpid(),
         }
 
     def fixture(self, prompts: list, topk_ids, topk_logits, lse, vocab: int) -> dict[str, Any]:
@@ -142,8 +160,9 @@ class StackHost:
         self._loaded()
         return measure(self.backend, prompts, topk_ids, topk_logits, lse, vocab)
 
-    def parity(self, prompts: list[tuple[str, str, list[int]]], reference: dict[str, Any],
-               ref_vocab: int) -> dict[str, Any]:
+    def parity(
+        self, prompts: list[tuple[str, str, list[int]]], reference: dict[str, Any], ref_vocab: int
+    ) -> dict[str, Any]:
         """Encode each text with the engine's own tokenizer and compare with the canonical ids."""
         from actors.parity import diagnose, special_token_problems
 
@@ -158,17 +177,32 @@ class StackHost:
             if ids is None:
                 return {"status": "not_checked", "rows": [], "special": special, "problems": []}
             v = diagnose(canonical, ids, reference.get("bos"), ref_vocab)
-            rows.append({"prompt_id": prompt_id, "match": v.match, "first_diff": v.first_diff,
-                         "diagnosis": v.diagnosis, "n_canonical": len(canonical), "n_engine": len(ids),
-                         "engine_ids_head": ids[:16],
-                         "checked_with": f"{self.stack.engine} tokenizer, engine defaults"})
+            rows.append(
+                {
+                    "prompt_id": prompt_id,
+                    "match": v.match,
+                    "first_diff": v.first_diff,
+                    "diagnosis": v.diagnosis,
+                    "n_canonical": len(canonical),
+                    "n_engine": len(ids),
+                    "engine_ids_head": ids[:16],
+                    "checked_with": f"{self.stack.engine} tokenizer, engine defaults",
+                }
+            )
         problems = special_token_problems(reference, special)
         ok = all(r["match"] for r in rows) and not problems
         return {"status": "ok" if ok else "mismatch", "rows": rows, "special": special, "problems": problems}
 
-    def capture(self, run_id: str, repeat: int, prompts: list[tuple[str, list[int]]],
-                keep: Positions, store: str = "native", metrics_ref: str | None = None,
-                values: bool = True) -> dict[str, Any]:
+    def capture(
+        self,
+        run_id: str,
+        repeat: int,
+        prompts: list[tuple[str, list[int]]],
+        keep: Positions,
+        store: str = "native",
+        metrics_ref: str | None = None,
+        values: bool = True,
+    ) -> dict[str, Any]:
         """One teacher-forced prefill per prompt; the shard is written here, not returned.
 
         Under tensor parallelism every rank runs the same forwards (they are collective); only
@@ -193,11 +227,24 @@ class StackHost:
         metrics = self._metrics(metrics_ref, repeat, required=not values)
         writer = self._writer(run_id, repeat, "logits", values)
         side = {t: self._writer(run_id, repeat, t) for t in dict.fromkeys(x.table for x, _ in extras.of(self.stack))}
-        out = capture_shard(self.backend, writer, prompts, keep, self.stack.max_tokens, store,
-                            None if metrics is None else metrics.observe, side)
-        return {**out, "cell_id": cid, "repeat": repeat, "rows_via": "node" if self.direct else "driver",
-                "bytes_sent": 0 if self.direct else sum(w.bytes for w in (writer, *side.values())),
-                "metrics": None if metrics is None else metrics.outcome()}
+        out = capture_shard(
+            self.backend,
+            writer,
+            prompts,
+            keep,
+            self.stack.max_tokens,
+            store,
+            None if metrics is None else metrics.observe,
+            side,
+        )
+        return {
+            **out,
+            "cell_id": cid,
+            "repeat": repeat,
+            "rows_via": "node" if self.direct else "driver",
+            "bytes_sent": 0 if self.direct else sum(w.bytes for w in (writer, *side.values())),
+            "metrics": None if metrics is None else metrics.outcome(),
+        }
 
     def _writer(self, run_id: str, repeat: int, table: str, values: bool = True):
         """Where a shard of this capture goes: the warehouse itself, or the driver's depot (Ray only)."""
@@ -215,11 +262,14 @@ class StackHost:
 
         if ref_id is None or (ref_id == self.stack.cell_id and repeat == 0):  # the yardstick itself
             if required:
-                raise RuntimeError(f"{self.stack.cell_id}: keep_rows: references keeps no values of rows that "
-                                   "are not measured where they are captured")
+                raise RuntimeError(
+                    f"{self.stack.cell_id}: keep_rows: references keeps no values of rows that "
+                    "are not measured where they are captured"
+                )
             return None
-        return InlineMetrics(self.delivery.warehouse if self.direct else None, ref_id, self.stack.cell_id, repeat,
-                             self.warmup, required)
+        return InlineMetrics(
+            self.delivery.warehouse if self.direct else None, ref_id, self.stack.cell_id, repeat, self.warmup, required
+        )
 
     def close(self) -> None:
         if self.backend is not None:

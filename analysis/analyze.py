@@ -33,7 +33,8 @@ from analysis import metrics as M
 from analysis import metrics_native
 from analysis.centroid import Group, group_rows
 from analysis.compare import CellResult, cell_metrics, with_floor
-from analysis.unit_keys import as_measured, cell_key, unit_key as _key
+from analysis.unit_keys import as_measured, cell_key
+from analysis.unit_keys import unit_key as _key
 from common.errors import UserError
 from store import Warehouse
 from store.floors import StorageFloor
@@ -64,13 +65,16 @@ class Unit:
     def tasks(self) -> list["Task"]:
         n = len(self.pieces)
         rows = [self.rows // n + (i < self.rows % n) for i in range(n)]
-        return [Task(self.kind, self.name, self.args, p, rows[i], i, rows[i] * self.weight)
-                for i, p in enumerate(self.pieces)]
+        return [
+            Task(self.kind, self.name, self.args, p, rows[i], i, rows[i] * self.weight)
+            for i, p in enumerate(self.pieces)
+        ]
 
 
 @dataclass
 class Task:
     """One piece of a unit: its prompts only. What travels to a Ray task and back is small."""
+
     kind: str
     name: str
     args: dict
@@ -93,8 +97,13 @@ def store_inline(wh: Warehouse, cell: dict, ref: dict, measured: dict[int, dict]
     result = CellResult()
     for r in want:
         result.tables[r], result.counts[r] = with_floor(measured[r]["table"], floor), measured[r]["counts"]
-    u = Unit("cell", cid, cell_key(ref_id, shard_index(wh, ref_id, 0).digest, floor, shards), 0,
-             {"cell_id": cid, "ref_id": ref_id})
+    u = Unit(
+        "cell",
+        cid,
+        cell_key(ref_id, shard_index(wh, ref_id, 0).digest, floor, shards),
+        0,
+        {"cell_id": cid, "ref_id": ref_id},
+    )
     summary = {"damaged": [], "nonfinite_rows": 0, "unaligned_rows": {}, "cells": 0, "metric_rows": 0}
     _write(wh, u, result, summary, log, computed_in="actor")
     if not wh.table_files("metrics_ranges"):
@@ -173,9 +182,16 @@ def plan(wh: Warehouse, done: list[dict], reference: str | None, centroid: str, 
             cid, floor, d = c["cell_id"], ref_floor + StorageFloor.of_cell(c), digests[c["cell_id"]]
             counts = next(iter(d.values()))[1] if d else {}
             parts = (ref_id, ref_digest, floor, {r: v[0] for r, v in d.items()})
-            units.append(Unit("cell", cid, cell_key(*parts), sum(sum(v[1].values()) for v in d.values()),
-                              {"cell_id": cid, "repeats": c["repeats"], "ref_id": ref_id, "floor": floor,
-                               "key_parts": parts}, _pieces({p: n * len(d) for p, n in counts.items()})))
+            units.append(
+                Unit(
+                    "cell",
+                    cid,
+                    cell_key(*parts),
+                    sum(sum(v[1].values()) for v in d.values()),
+                    {"cell_id": cid, "repeats": c["repeats"], "ref_id": ref_id, "floor": floor, "key_parts": parts},
+                    _pieces({p: n * len(d) for p, n in counts.items()}),
+                )
+            )
         groups: dict[str, list[str]] = {}
         for c in group if centroid != "none" else ():  # none: only the reference metrics were asked for
             if not c.get("replica") and 0 in digests[c["cell_id"]]:  # another host's copy would weigh a stack twice
@@ -186,14 +202,27 @@ def plan(wh: Warehouse, done: list[dict], reference: str | None, centroid: str, 
             for i in ids:
                 for p, n in digests[i][0][1].items():
                     counts[p] = counts.get(p, 0) + n
-            pair_keys = {f"{a}|{b}": _key(pair=[a, b], digests=[digests[a][0][0], digests[b][0][0]])
-                         for a, b in itertools.combinations(sorted(ids), 2)}
-            units.append(Unit("group", name, _key(ref=ref_id, centroid=centroid, group=gname,
-                                                  members={i: digests[i][0][0] for i in ids}),
-                              sum(counts.values()),
-                              {"ids": ids, "ref_id": ref_id, "centroid": centroid, "group": gname, "model": model,
-                               "pair_keys": pair_keys},
-                              counts=dict(sorted(counts.items()))))
+            pair_keys = {
+                f"{a}|{b}": _key(pair=[a, b], digests=[digests[a][0][0], digests[b][0][0]])
+                for a, b in itertools.combinations(sorted(ids), 2)
+            }
+            units.append(
+                Unit(
+                    "group",
+                    name,
+                    _key(ref=ref_id, centroid=centroid, group=gname, members={i: digests[i][0][0] for i in ids}),
+                    sum(counts.values()),
+                    {
+                        "ids": ids,
+                        "ref_id": ref_id,
+                        "centroid": centroid,
+                        "group": gname,
+                        "model": model,
+                        "pair_keys": pair_keys,
+                    },
+                    counts=dict(sorted(counts.items())),
+                )
+            )
     return units
 
 
@@ -248,9 +277,18 @@ def _keep_pairs(wh: Warehouse, u: Unit, force: bool) -> None:
     u.pieces = _pieces(u.counts, u.weight)
 
 
-def analyze(warehouse: str, reference: str | None = None, ranges=DEFAULT_RANGES, centroid: str | None = None,
-            log: Callable[[str], None] = print, skip_damaged: bool = False, force: bool = False,
-            run_units: Callable = run_locally, *, side) -> dict:
+def analyze(
+    warehouse: str,
+    reference: str | None = None,
+    ranges=DEFAULT_RANGES,
+    centroid: str | None = None,
+    log: Callable[[str], None] = print,
+    skip_damaged: bool = False,
+    force: bool = False,
+    run_units: Callable = run_locally,
+    *,
+    side,
+) -> dict:
     """side: (name, analysis) of each per-cell extra, run after the stacks' metrics (extras.analyses();
     the caller says which, so no extra's tables are left out unseen)."""
     wh = Warehouse(warehouse).require()
@@ -262,6 +300,7 @@ def analyze(warehouse: str, reference: str | None = None, ranges=DEFAULT_RANGES,
 @dataclass
 class Progress:
     """Rows compared so far, of how many, since when; a heartbeat while nothing finishes."""
+
     total: int
     done: int = 0
     t0: float = field(default_factory=time.perf_counter)
@@ -274,8 +313,7 @@ class Progress:
         return f"{self.done}/{self.total} rows | {rate:.0f} rows/s | ETA {eta:.0f}s"
 
 
-def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool, force: bool, run_units,
-             side) -> dict:
+def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool, force: bool, run_units, side) -> dict:
     done = [c for c in wh.read_all("cells") if c["status"] == "done"]
     if not done:
         raise UserError(f"{wh.where}: no captured cells to analyze (the warehouse has no logits)")
@@ -284,17 +322,28 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
     if centroid is None:
         asked = {c.get("centroid") for c in done} - {None}
         centroid = asked.pop() if len(asked) == 1 else "mean_prob"
-    summary = {"cells": 0, "metric_rows": 0, "groups": 0, "nonfinite_rows": 0, "centroid": centroid,
-               "unaligned_rows": {}, "skip_damaged": skip_damaged, "damaged": [], "reused": {"cells": 0, "groups": 0},
-               "kernel_version": M.KERNEL_VERSION}
+    summary = {
+        "cells": 0,
+        "metric_rows": 0,
+        "groups": 0,
+        "nonfinite_rows": 0,
+        "centroid": centroid,
+        "unaligned_rows": {},
+        "skip_damaged": skip_damaged,
+        "damaged": [],
+        "reused": {"cells": 0, "groups": 0},
+        "kernel_version": M.KERNEL_VERSION,
+    }
     units = plan(wh, done, reference, centroid, summary, log)
     _drop_stale_groups(wh, units, log)
     todo = _todo(wh, units, force, summary, log)
     tasks = [t for u in todo for t in u.tasks()]
     why = f": {metrics_native.failure()}" if M.kernel_mode() == "numpy" else ""
-    log(f"metrics kernel {M.KERNEL_VERSION}: {M.kernel_mode()}{why} (float64), {metrics_native.threads()} thread(s); "
+    log(
+        f"metrics kernel {M.KERNEL_VERSION}: {M.kernel_mode()}{why} (float64), {metrics_native.threads()} thread(s); "
         f"{len(todo)} of {len(units)} unit(s) to compute in {len(tasks)} piece(s)"
-        + (f", {len(units) - len(todo)} up to date" if len(todo) < len(units) else ""))
+        + (f", {len(units) - len(todo)} up to date" if len(todo) < len(units) else "")
+    )
     progress = Progress(sum(u.rows for u in todo))
     by_name = {(u.kind, u.name): u for u in todo}
     parts: dict[tuple, dict[int, object]] = {}
@@ -367,18 +416,27 @@ def _write(wh: Warehouse, u: Unit, result, summary: dict, log, computed_in: str 
     cent, pair = result.tables(u.args["ref_id"], u.args["group"])
     kept = set(u.args.get("kept", ()))
     if kept:
-        old = pa.Table.from_pylist([r for r in wh.read_rows("pairwise", u.name) if f"{r['cell_a']}|{r['cell_b']}" in kept])
+        old = pa.Table.from_pylist(
+            [r for r in wh.read_rows("pairwise", u.name) if f"{r['cell_a']}|{r['cell_b']}" in kept]
+        )
         pair = pa.concat_tables([pair, old.select(pair.column_names).cast(pair.schema)])
         pair = pair.sort_by([("cell_a", "ascending"), ("cell_b", "ascending")])
     wh.write_table("centroid_metrics", u.name, cent, meta)
     wh.write_table("pairwise", u.name, pair, {**meta, "pairs": u.args["pair_keys"]})
-    log(f"[{u.args['model']}] centroid group {u.args['group']}: {len(u.args['ids'])} stack(s), {cent.num_rows} rows, "
-        f"{pair.num_rows} pair(s)" + (f" ({len(kept)} kept: neither shard changed)" if kept else ""))
+    log(
+        f"[{u.args['model']}] centroid group {u.args['group']}: {len(u.args['ids'])} stack(s), {cent.num_rows} rows, "
+        f"{pair.num_rows} pair(s)" + (f" ({len(kept)} kept: neither shard changed)" if kept else "")
+    )
     summary["groups"] += 1
 
 
 def _write_ranges(wh: Warehouse, ranges) -> None:
     edges = list(ranges)
     labels = [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])] + [f"{edges[-1]}+"]
-    wh.write_table("metrics_ranges", "ranges", pa.table({
-        "lo": pa.array(edges, pa.int32()), "hi": pa.array(edges[1:] + [2**31 - 1], pa.int32()), "range": labels}))
+    wh.write_table(
+        "metrics_ranges",
+        "ranges",
+        pa.table(
+            {"lo": pa.array(edges, pa.int32()), "hi": pa.array(edges[1:] + [2**31 - 1], pa.int32()), "range": labels}
+        ),
+    )

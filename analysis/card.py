@@ -43,29 +43,39 @@ def calibration(cell: dict) -> str | None:
         im = recipe.get("imatrix")
         if im is None:
             return "none: llama.cpp round-to-nearest quantisation, no importance matrix"
-        return (f"importance matrix (sha256 {im['sha256']}) from calibration text {im['calibration']} "
-                f"(sha256 {im['calibration_sha256']}, {im['tokens']} tokens, {im['chunks']} chunks of "
-                f"{im['ctx']} = {im['tokens_used']} tokens used), {im['tool']} {im['llama_cpp_python']}")
+        return (
+            f"importance matrix (sha256 {im['sha256']}) from calibration text {im['calibration']} "
+            f"(sha256 {im['calibration_sha256']}, {im['tokens']} tokens, {im['chunks']} chunks of "
+            f"{im['ctx']} = {im['tokens_used']} tokens used), {im['tool']} {im['llama_cpp_python']}"
+        )
     if tool in ("torchao", "optimum-quanto"):
         return f"none: {tool} {recipe.get('weights')} weight-only round-to-nearest at load, {recipe.get('config')}"
     if tool == "convert_hf_to_gguf.py":
         return "none: float conversion of the reference weights"
     if tool == "mlx_lm.convert":
-        return (f"none: mlx_lm affine round-to-nearest, {recipe['q_bits']}-bit, group {recipe['q_group_size']}"
-                if recipe.get("q_bits") else "none: float conversion of the reference weights")
+        return (
+            f"none: mlx_lm affine round-to-nearest, {recipe['q_bits']}-bit, group {recipe['q_group_size']}"
+            if recipe.get("q_bits")
+            else "none: float conversion of the reference weights"
+        )
     if tool is None and cell["engine"] == "hf":
         return f"none: the reference checkpoint's weights at {cell['dtype']}"
     if tool == "published artifact" and recipe.get("kind") == "hf checkpoint":
         q = recipe.get("quantization_config")
-        return (f"per the checkpoint's config: quantization_config {q}" if q else
-                "none recorded: the checkpoint's config has no quantization_config; declare `calibration:` on the "
-                "candidate if the publisher says otherwise")
+        return (
+            f"per the checkpoint's config: quantization_config {q}"
+            if q
+            else "none recorded: the checkpoint's config has no quantization_config; declare `calibration:` on the "
+            "candidate if the publisher says otherwise"
+        )
     if tool == "published artifact":  # what the file's own header says llama-quantize used
         im = recipe.get("imatrix")
         if im:
             return "importance matrix, per the file's header: " + ", ".join(f"{k} {v}" for k, v in sorted(im.items()))
-        return ("no importance matrix recorded in the file's header (llama-quantize writes quantize.imatrix.* "
-                "when it uses one); declare `calibration:` on the candidate if the publisher says otherwise")
+        return (
+            "no importance matrix recorded in the file's header (llama-quantize writes quantize.imatrix.* "
+            "when it uses one); declare `calibration:` on the candidate if the publisher says otherwise"
+        )
     return None  # e.g. a file used as shipped: only its publisher knows
 
 
@@ -73,21 +83,33 @@ def artifact(cell: dict) -> dict:
     """What the candidate ran: a published file (its hash and where it came from), or what built it."""
     recipe = _json(cell.get("artifact_recipe"))
     if recipe.get("tool") == "published artifact" and recipe.get("kind") == "hf checkpoint":
-        return {"kind": "published artifact (HF checkpoint)", "source": recipe.get("source"),
-                "sha256": cell.get("artifact_sha256") or "none: loaded from the hub by id and revision",
-                "hash_of": "the safetensors files (name + sha256, in name order)", "dtype": cell["dtype"],
-                "config_dtype": recipe.get("config_dtype"), "quantization_config": recipe.get("quantization_config") or "none",
-                **({"label": recipe["label"]} if recipe.get("label") else {})}
+        return {
+            "kind": "published artifact (HF checkpoint)",
+            "source": recipe.get("source"),
+            "sha256": cell.get("artifact_sha256") or "none: loaded from the hub by id and revision",
+            "hash_of": "the safetensors files (name + sha256, in name order)",
+            "dtype": cell["dtype"],
+            "config_dtype": recipe.get("config_dtype"),
+            "quantization_config": recipe.get("quantization_config") or "none",
+            **({"label": recipe["label"]} if recipe.get("label") else {}),
+        }
     if recipe.get("tool") == "published artifact":
-        return {"kind": "published artifact", "file": recipe.get("file"), "sha256": cell.get("artifact_sha256"),
-                "source": recipe.get("source"), "declared_quant": recipe.get("declared_quant"),
-                **({"label": recipe["label"]} if recipe.get("label") else {})}
+        return {
+            "kind": "published artifact",
+            "file": recipe.get("file"),
+            "sha256": cell.get("artifact_sha256"),
+            "source": recipe.get("source"),
+            "declared_quant": recipe.get("declared_quant"),
+            **({"label": recipe["label"]} if recipe.get("label") else {}),
+        }
     if not recipe:  # HF, vLLM, TensorRT-LLM: the engine loads the reference checkpoint itself
         return {"kind": f"the reference checkpoint itself, loaded by {cell['engine']} at {cell['dtype']}"}
     in_memory = cell.get("artifact") is None  # torchao / quanto: quantised at load, no file
-    return {"kind": f"built by logit-matrix ({recipe.get('tool')})",
-            "sha256": cell.get("artifact_sha256") or ("none: quantised in memory at load from the reference weights"
-                                                      if in_memory else None)}
+    return {
+        "kind": f"built by logit-matrix ({recipe.get('tool')})",
+        "sha256": cell.get("artifact_sha256")
+        or ("none: quantised in memory at load from the reference weights" if in_memory else None),
+    }
 
 
 def _driver(cell: dict) -> str | None:
@@ -108,7 +130,9 @@ def hardware(cell: dict) -> str | None:
     if not fp:
         return None
     cpu = fp.get("cpu") or {}
-    flags = sorted(f for f, on in (cpu.get("flags") or {}).items() if on and f.startswith(("avx512", "amx", "sve", "sme")))
+    flags = sorted(
+        f for f, on in (cpu.get("flags") or {}).items() if on and f.startswith(("avx512", "amx", "sve", "sme"))
+    )
     out = f"{cpu.get('model')} ({cpu.get('logical_cores')} cores{', ' + ' '.join(flags) if flags else ''})"
     gpus = (fp.get("nvidia") or {}).get("gpus") or []
     if cell["device"] != "cpu" and gpus:
@@ -124,17 +148,38 @@ def _positions_rule(cell: dict) -> str:
 
 def _runtime(cell: dict) -> dict[str, Any]:
     s = _json(cell.get("settings"))
-    build = {k: s[k] for k in ("system_info", "cpu_capability", "mkldnn", "gguf_tensor_types", "kv_cache",
-                               "n_batch", "n_ubatch", "torch_dtype", "deterministic_algorithms", "activations",
-                               "quantized_matmul") if s.get(k) is not None}
+    build = {
+        k: s[k]
+        for k in (
+            "system_info",
+            "cpu_capability",
+            "mkldnn",
+            "gguf_tensor_types",
+            "kv_cache",
+            "n_batch",
+            "n_ubatch",
+            "torch_dtype",
+            "deterministic_algorithms",
+            "activations",
+            "quantized_matmul",
+        )
+        if s.get(k) is not None
+    }
     return {
-        "cell_id": cell["cell_id"], "engine": cell["engine"],
+        "cell_id": cell["cell_id"],
+        "engine": cell["engine"],
         "libraries": _json(cell.get("versions")) or None,
         "build": build or None,
-        "device": cell["device"], "hardware": hardware(cell), "driver": _driver(cell), "host": cell.get("host"),
-        "threads": cell.get("threads"), "dtype": cell["dtype"], "attention": cell["attention"], "tp": cell["tp"],
-        "artifact_sha256": cell.get("artifact_sha256") or ("none: the checkpoint itself" if cell["engine"] == "hf"
-                                                           else None),
+        "device": cell["device"],
+        "hardware": hardware(cell),
+        "driver": _driver(cell),
+        "host": cell.get("host"),
+        "threads": cell.get("threads"),
+        "dtype": cell["dtype"],
+        "attention": cell["attention"],
+        "tp": cell["tp"],
+        "artifact_sha256": cell.get("artifact_sha256")
+        or ("none: the checkpoint itself" if cell["engine"] == "hf" else None),
     }
 
 
@@ -153,16 +198,30 @@ def _query(warehouse: str, cell_id: str) -> tuple[dict, dict, dict, list, list, 
             raise UserError(f"card: cell {cell_id} has no metrics yet; run `matrix analyze --warehouse {warehouse}`")
         s = summ[0]
         if s["is_reference"]:
-            raise UserError(f"card: cell {cell_id} is the reference its model's stacks are measured against; "
-                            "a card measures a candidate against it")
+            raise UserError(
+                f"card: cell {cell_id} is the reference its model's stacks are measured against; "
+                "a card measures a candidate against it"
+            )
         ref = cells[s["reference_cell_id"]]
-        ranges = dict_rows(con, """SELECT range, lo, rows, kld_mean, kld_stderr, kld_p99, kld_max, top1_agreement
-                               FROM summary_by_range WHERE cell_id = ? AND category IS NULL ORDER BY lo""", [cell_id])
-        prompts = dict_rows(con, """SELECT DISTINCT p.prompt_id, p.name, p.category, p.n_tokens, p.ids_sha256, p.bos_policy,
+        ranges = dict_rows(
+            con,
+            """SELECT range, lo, rows, kld_mean, kld_stderr, kld_p99, kld_max, top1_agreement
+                               FROM summary_by_range WHERE cell_id = ? AND category IS NULL ORDER BY lo""",
+            [cell_id],
+        )
+        prompts = dict_rows(
+            con,
+            """SELECT DISTINCT p.prompt_id, p.name, p.category, p.n_tokens, p.ids_sha256, p.bos_policy,
                                        p.bos_added, p.corpus FROM prompts p JOIN metrics m USING (prompt_id)
-                                WHERE m.cell_id = ? AND m.repeat = 0 ORDER BY p.prompt_id""", [cell_id])
-        pos = dict_rows(con, """SELECT count(*) AS n, min(position) AS first, max(position) AS last
-                            FROM metrics WHERE cell_id = ? AND repeat = 0""", [cell_id])[0]
+                                WHERE m.cell_id = ? AND m.repeat = 0 ORDER BY p.prompt_id""",
+            [cell_id],
+        )
+        pos = dict_rows(
+            con,
+            """SELECT count(*) AS n, min(position) AS first, max(position) AS last
+                            FROM metrics WHERE cell_id = ? AND repeat = 0""",
+            [cell_id],
+        )[0]
     finally:
         con.close()
     return cell, ref, s, ranges, prompts, pos
@@ -175,42 +234,83 @@ def _disclosure(cell: dict, ref: dict, s: dict, prompts: list, pos: dict) -> dic
         cats[p["category"]] = cats.get(p["category"], 0) + 1
     ids_hash = hashlib.sha256("".join(p["ids_sha256"] for p in prompts).encode()).hexdigest()
     vocab, evocab = cell.get("vocab_size"), cell.get("engine_vocab_size")
-    trunc = (f"none: all {evocab} logits per row compared" if evocab == vocab or evocab is None
-             else f"none: the engine's {evocab} logits per row (tokenizer {vocab}) compared in full")
+    trunc = (
+        f"none: all {evocab} logits per row compared"
+        if evocab == vocab or evocab is None
+        else f"none: the engine's {evocab} logits per row (tokenizer {vocab}) compared in full"
+    )
     return {
-        "reference_checkpoint": {"identity": ref.get("model_identity"),
-                                 # a GGUF run as it is, never dequantised: the file is the checkpoint
-                                 "weights_sha256": ref.get("weights_sha256") or (
-                                     "none: the GGUF file itself (source_sha256)" if ref.get("source_sha256") else None),
-                                 # a GGUF-sourced checkpoint also names the file it was dequantised from
-                                 "source": ref.get("model_source"),
-                                 **({"source_sha256": ref["source_sha256"]} if ref.get("source_sha256") else {})},
+        "reference_checkpoint": {
+            "identity": ref.get("model_identity"),
+            # a GGUF run as it is, never dequantised: the file is the checkpoint
+            "weights_sha256": ref.get("weights_sha256")
+            or ("none: the GGUF file itself (source_sha256)" if ref.get("source_sha256") else None),
+            # a GGUF-sourced checkpoint also names the file it was dequantised from
+            "source": ref.get("model_source"),
+            **({"source_sha256": ref["source_sha256"]} if ref.get("source_sha256") else {}),
+        },
         "reference_runtime": _runtime(ref),
         "candidate_runtime": _runtime(cell),
-        "evaluation_text": {"corpus": cell.get("corpus"), "prompts": len(prompts), "categories": cats,
-                            "token_ids_sha256": ids_hash, "bos_policy": cell.get("bos_policy"),
-                            "tokenizer_parity": cell.get("tokenizer_parity")},
+        "evaluation_text": {
+            "corpus": cell.get("corpus"),
+            "prompts": len(prompts),
+            "categories": cats,
+            "token_ids_sha256": ids_hash,
+            "bos_policy": cell.get("bos_policy"),
+            "tokenizer_parity": cell.get("tokenizer_parity"),
+        },
         "candidate_artifact": artifact(cell),
         "calibration_data": calibration(cell),
-        "context_lengths": {"min": ctx[0] if ctx else None, "median": ctx[len(ctx) // 2] if ctx else None,
-                            "max": ctx[-1] if ctx else None, "fed_prefix_tokens": cell.get("max_tokens") or "whole prompts"},
-        "sampled_positions": {"stride": cell.get("stride"), "count": pos["n"], "first": pos["first"],
-                              "last": pos["last"], "rule": _positions_rule(cell),
-                              "teacher_forced": True},
+        "context_lengths": {
+            "min": ctx[0] if ctx else None,
+            "median": ctx[len(ctx) // 2] if ctx else None,
+            "max": ctx[-1] if ctx else None,
+            "fed_prefix_tokens": cell.get("max_tokens") or "whole prompts",
+        },
+        "sampled_positions": {
+            "stride": cell.get("stride"),
+            "count": pos["n"],
+            "first": pos["first"],
+            "last": pos["last"],
+            "rule": _positions_rule(cell),
+            "teacher_forced": True,
+        },
         "kl_direction": "KL(P_reference || P_candidate), natural log (nats); reverse KL and JS also reported",
         "vocabulary_truncation": trunc,
-        "aggregation": (f"arithmetic mean over {s['rows']} sampled rows (repeat 0) of per-row KL computed in float64 "
-                        "from full-vocabulary log-softmax; ± standard error of the mean; percentiles by linear "
-                        "interpolation; per output range as listed; rows with NaN/Inf excluded and counted"),
+        "aggregation": (
+            f"arithmetic mean over {s['rows']} sampled rows (repeat 0) of per-row KL computed in float64 "
+            "from full-vocabulary log-softmax; ± standard error of the mean; percentiles by linear "
+            "interpolation; per output range as listed; rows with NaN/Inf excluded and counted"
+        ),
         "storage_floor": s["storage_floor"],
-        "bit_reproducible": {"candidate": cell.get("bit_reproducible"), "reference": ref.get("bit_reproducible"),
-                             "repeats": cell.get("repeats")},
+        "bit_reproducible": {
+            "candidate": cell.get("bit_reproducible"),
+            "reference": ref.get("bit_reproducible"),
+            "repeats": cell.get("repeats"),
+        },
     }
 
 
-NUMBERS = ("kld_mean", "kld_stderr", "kld_median", "kld_p99", "kld_max", "kld_reverse_mean", "js_mean",
-           "top1_agreement", "nmse_mean", "max_abs_diff", "spearman_mean", "rows", "nonfinite_rows",
-           "below_resolution", "ppl", "ppl_ref", "ppl_ratio", "nll_correlation")
+NUMBERS = (
+    "kld_mean",
+    "kld_stderr",
+    "kld_median",
+    "kld_p99",
+    "kld_max",
+    "kld_reverse_mean",
+    "js_mean",
+    "top1_agreement",
+    "nmse_mean",
+    "max_abs_diff",
+    "spearman_mean",
+    "rows",
+    "nonfinite_rows",
+    "below_resolution",
+    "ppl",
+    "ppl_ref",
+    "ppl_ratio",
+    "nll_correlation",
+)
 
 
 def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False, *, extras) -> dict:
@@ -220,14 +320,23 @@ def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False, *,
     disclosure = _disclosure(cell, ref, s, prompts, pos)
     missing = sorted(_unknown(disclosure))
     if missing and not allow_undisclosed:
-        raise UserError(f"card: {missing[0]} is unknown for cell {cell_id}"
-                        + (f" (and {len(missing) - 1} more: {', '.join(missing[1:4])})" if len(missing) > 1 else "")
-                        + "; capture again with this version (older cells lack some fields), declare it in the spec "
-                        "where it is declarable (`calibration:` in an include entry), or pass --allow-undisclosed")
+        raise UserError(
+            f"card: {missing[0]} is unknown for cell {cell_id}"
+            + (f" (and {len(missing) - 1} more: {', '.join(missing[1:4])})" if len(missing) > 1 else "")
+            + "; capture again with this version (older cells lack some fields), declare it in the spec "
+            "where it is declarable (`calibration:` in an include entry), or pass --allow-undisclosed"
+        )
     _fill(disclosure)
-    return {"cell_id": cell_id, "reference_cell_id": ref["cell_id"], "model": cell["model"],
-            "numbers": numbers, "ranges": ranges, "disclosure": disclosure, "undisclosed": missing,
-            **{x.key: x.card(warehouse, cell) for x in extras}}
+    return {
+        "cell_id": cell_id,
+        "reference_cell_id": ref["cell_id"],
+        "model": cell["model"],
+        "numbers": numbers,
+        "ranges": ranges,
+        "disclosure": disclosure,
+        "undisclosed": missing,
+        **{x.key: x.card(warehouse, cell) for x in extras},
+    }
 
 
 def _unknown(d: Any, prefix: str = "") -> list[str]:
@@ -257,22 +366,30 @@ def fmt_value(v: Any) -> str:
 
 def markdown(card: dict, extras) -> str:
     n = card["numbers"]
-    out = [f"### KL divergence: `{card['cell_id']}` vs reference `{card['reference_cell_id']}`", "",
-           "| metric | value |", "|---|---|",
-           f"| mean KLD ± s.e. | {n['kld_mean']:.4g} ± {n['kld_stderr'] or 0:.2g} nats |",
-           f"| median / p99 / max KLD | {n['kld_median']:.4g} / {n['kld_p99']:.4g} / {n['kld_max']:.4g} |",
-           f"| mean reverse KLD / mean JS | {n['kld_reverse_mean']:.4g} / {n['js_mean']:.4g} |",
-           f"| top-1 agreement | {n['top1_agreement']:.4f} |",
-           f"| perplexity: candidate / reference (ratio; correlation of ln p) | {fmt_value(n['ppl'])} / "
-           f"{fmt_value(n['ppl_ref'])} ({fmt_value(n['ppl_ratio'])}; {fmt_value(n['nll_correlation'])}) |",
-           f"| raw logits: mean NMSE / max abs diff / mean Spearman (top-10) | {fmt_value(n['nmse_mean'])} / "
-           f"{fmt_value(n['max_abs_diff'])} / {fmt_value(n['spearman_mean'])} |",
-           f"| rows (NaN/Inf excluded) | {n['rows']} ({n['nonfinite_rows']}) |",
-           f"| below measurement resolution | {fmt_value(n['below_resolution'])} |", "",
-           "| output range | rows | mean KLD ± s.e. | p99 | max | top-1 |", "|---|---|---|---|---|---|"]
+    out = [
+        f"### KL divergence: `{card['cell_id']}` vs reference `{card['reference_cell_id']}`",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| mean KLD ± s.e. | {n['kld_mean']:.4g} ± {n['kld_stderr'] or 0:.2g} nats |",
+        f"| median / p99 / max KLD | {n['kld_median']:.4g} / {n['kld_p99']:.4g} / {n['kld_max']:.4g} |",
+        f"| mean reverse KLD / mean JS | {n['kld_reverse_mean']:.4g} / {n['js_mean']:.4g} |",
+        f"| top-1 agreement | {n['top1_agreement']:.4f} |",
+        f"| perplexity: candidate / reference (ratio; correlation of ln p) | {fmt_value(n['ppl'])} / "
+        f"{fmt_value(n['ppl_ref'])} ({fmt_value(n['ppl_ratio'])}; {fmt_value(n['nll_correlation'])}) |",
+        f"| raw logits: mean NMSE / max abs diff / mean Spearman (top-10) | {fmt_value(n['nmse_mean'])} / "
+        f"{fmt_value(n['max_abs_diff'])} / {fmt_value(n['spearman_mean'])} |",
+        f"| rows (NaN/Inf excluded) | {n['rows']} ({n['nonfinite_rows']}) |",
+        f"| below measurement resolution | {fmt_value(n['below_resolution'])} |",
+        "",
+        "| output range | rows | mean KLD ± s.e. | p99 | max | top-1 |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in card["ranges"]:
-        out.append(f"| {r['range']} | {r['rows']} | {r['kld_mean']:.4g} ± {r['kld_stderr'] or 0:.2g} | "
-                   f"{r['kld_p99']:.4g} | {r['kld_max']:.4g} | {r['top1_agreement']:.4f} |")
+        out.append(
+            f"| {r['range']} | {r['rows']} | {r['kld_mean']:.4g} ± {r['kld_stderr'] or 0:.2g} | "
+            f"{r['kld_p99']:.4g} | {r['kld_max']:.4g} | {r['top1_agreement']:.4f} |"
+        )
     out += ["", "| disclosure | value |", "|---|---|"]
     for k, v in card["disclosure"].items():
         if isinstance(v, dict) and k.endswith("runtime"):

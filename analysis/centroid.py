@@ -21,8 +21,16 @@ from common.errors import UserError
 from store import Warehouse
 from store.stream import Rows, shard_index
 
-CENTROID_COLS = ("cell_id", "prompt_id", "position", "n_stacks", "kld_centroid_stack", "kld_stack_centroid",
-                 "js_centroid", "nonfinite")
+CENTROID_COLS = (
+    "cell_id",
+    "prompt_id",
+    "position",
+    "n_stacks",
+    "kld_centroid_stack",
+    "kld_stack_centroid",
+    "js_centroid",
+    "nonfinite",
+)
 
 
 class Group:
@@ -93,28 +101,47 @@ class Group:
 
     def tables(self, ref_id: str, group: str | None) -> tuple[pa.Table, pa.Table]:
         n = len(self.cols["cell_id"])
-        cent = pa.table({**self.cols, "centroid": [self.how] * n, "is_reference": [c == ref_id for c in self.cols["cell_id"]],
-                         "centroid_group": [group] * n, "kernel_version": [M.KERNEL_VERSION] * n})
+        cent = pa.table(
+            {
+                **self.cols,
+                "centroid": [self.how] * n,
+                "is_reference": [c == ref_id for c in self.cols["cell_id"]],
+                "centroid_group": [group] * n,
+                "kernel_version": [M.KERNEL_VERSION] * n,
+            }
+        )
         items = sorted(self.pairs.items())
-        pair = pa.table({  # typed: a group whose every pair is kept computes none
-            "cell_a": pa.array([a for (a, _), _ in items], pa.string()),
-            "cell_b": pa.array([b for (_, b), _ in items], pa.string()),
-            "rows": pa.array([acc[2] for _, acc in items], pa.int64()),
-            "mean_js": pa.array([acc[0] / acc[2] if acc[2] else None for _, acc in items], pa.float64()),
-            "top1_agreement": pa.array([acc[1] / acc[2] if acc[2] else None for _, acc in items], pa.float64()),
-            "kernel_version": pa.array([M.KERNEL_VERSION] * len(items), pa.string())})
+        pair = pa.table(
+            {  # typed: a group whose every pair is kept computes none
+                "cell_a": pa.array([a for (a, _), _ in items], pa.string()),
+                "cell_b": pa.array([b for (_, b), _ in items], pa.string()),
+                "rows": pa.array([acc[2] for _, acc in items], pa.int64()),
+                "mean_js": pa.array([acc[0] / acc[2] if acc[2] else None for _, acc in items], pa.float64()),
+                "top1_agreement": pa.array([acc[1] / acc[2] if acc[2] else None for _, acc in items], pa.float64()),
+                "kernel_version": pa.array([M.KERNEL_VERSION] * len(items), pa.string()),
+            }
+        )
         return cent, pair
 
 
-def group_rows(wh: Warehouse, ids: list[str], how: str, group: str | None, prompts: list[str] | None = None,
-               pairs: list[tuple[str, str]] | None = None, budget: int = BUDGET_BYTES) -> Group:
+def group_rows(
+    wh: Warehouse,
+    ids: list[str],
+    how: str,
+    group: str | None,
+    prompts: list[str] | None = None,
+    pairs: list[tuple[str, str]] | None = None,
+    budget: int = BUDGET_BYTES,
+) -> Group:
     """One group's centroid rows and pair sums over `prompts` (default all), from the members'
     repeat-0 shards; Group.merge joins pieces and .tables() makes the files."""
     idx = {c: shard_index(wh, c, 0) for c in ids}
     vocabs = {i.vocab for i in idx.values() if i.vocab}
     if len(vocabs) > 1:
-        raise UserError(f"centroid group {group}: its stacks have vocabularies {sorted(vocabs)}; "
-                        f"a centroid needs one (put the stacks in different centroid groups)")
+        raise UserError(
+            f"centroid group {group}: its stacks have vocabularies {sorted(vocabs)}; "
+            f"a centroid needs one (put the stacks in different centroid groups)"
+        )
     step = chunk_rows(len(ids), vocabs.pop() if vocabs else 1, budget)
     acc, only = Group(ids, how, pairs), None if prompts is None else set(prompts)
     for pid in sorted(set().union(*(i.prompts for i in idx.values()))):
@@ -125,19 +152,22 @@ def group_rows(wh: Warehouse, ids: list[str], how: str, group: str | None, promp
         readers = {c: Rows(wh, idx[c], pid, step) for c in have}
         positions = sorted(set().union(*(a.keys() for a in at.values())))
         for s in range(0, len(positions), step):
-            qs = positions[s:s + step]
+            qs = positions[s : s + step]
             rows = {}
             for c in have:
                 hit = [q for q in qs if q in at[c]]
                 if hit:
-                    rows[c] = ({(pid, q): j for j, q in enumerate(hit)},
-                               readers[c].take(np.array([at[c][q] for q in hit], np.int64)))
+                    rows[c] = (
+                        {(pid, q): j for j, q in enumerate(hit)},
+                        readers[c].take(np.array([at[c][q] for q in hit], np.int64)),
+                    )
             acc.add([(pid, q) for q in qs], rows)
     return acc
 
 
-def centroid_tables(shards: dict[str, tuple[list[tuple[str, int]], np.ndarray]], ref_id: str, how: str,
-                    group: str | None = None) -> tuple[pa.Table, pa.Table]:
+def centroid_tables(
+    shards: dict[str, tuple[list[tuple[str, int]], np.ndarray]], ref_id: str, how: str, group: str | None = None
+) -> tuple[pa.Table, pa.Table]:
     """The same tables from rows already in memory: shards[cell] = (keys, (rows, vocab) logits)."""
     acc = Group(list(shards), how)
     keys = sorted(set().union(*(set(k) for k, _ in shards.values())))

@@ -32,6 +32,7 @@ class CellResult:
     """One cell's metrics over some of its prompts (a piece), or all of them once merged: small,
     whatever the corpus. Per repeat: its metrics table and [unaligned, rows, NaN/Inf rows, first
     unaligned, first NaN/Inf] (the firsts as (prompt, position) text)."""
+
     tables: dict[int, pa.Table] = field(default_factory=dict)
     counts: dict[int, list] = field(default_factory=dict)
     damaged: dict[int, str] = field(default_factory=dict)  # repeat -> why: that repeat is left out whole
@@ -71,12 +72,16 @@ class CellResult:
         for r, (unaligned, rows, nonfinite, first, first_bad) in sorted(self.counts.items()):
             n = len(self.tables[r])
             if unaligned:
-                out.append(f"{'NOTE' if n else 'WARNING'} cell {cell_id} repeat {r}: {unaligned} of {rows} row(s) "
-                           f"have no row of reference {ref_id} at the same (prompt, position), first {first}: "
-                           "left out" + ("" if n else "; nothing to compare"))
+                out.append(
+                    f"{'NOTE' if n else 'WARNING'} cell {cell_id} repeat {r}: {unaligned} of {rows} row(s) "
+                    f"have no row of reference {ref_id} at the same (prompt, position), first {first}: "
+                    "left out" + ("" if n else "; nothing to compare")
+                )
             if nonfinite:
-                out.append(f"WARNING cell {cell_id} repeat {r}: {nonfinite} row(s) with NaN/Inf logits, first "
-                           f"(prompt, position) {first_bad}: flagged (metrics.nonfinite), left out of every mean")
+                out.append(
+                    f"WARNING cell {cell_id} repeat {r}: {nonfinite} row(s) with NaN/Inf logits, first "
+                    f"(prompt, position) {first_bad}: flagged (metrics.nonfinite), left out of every mean"
+                )
         return out
 
 
@@ -105,11 +110,14 @@ class RepeatMetrics:
     `reference_metrics: in_actor`). Both feed the same rows (bf16 as stored, other dtypes widened),
     so the numbers are the same."""
 
-    def __init__(self, wh: Warehouse, ref: ShardIndex, cell_id: str, repeat: int, vocab: int,
-                 budget: int = BUDGET_BYTES):
+    def __init__(
+        self, wh: Warehouse, ref: ShardIndex, cell_id: str, repeat: int, vocab: int, budget: int = BUDGET_BYTES
+    ):
         if vocab and ref.vocab and vocab != ref.vocab:
-            raise UserError(f"cell {cell_id} has vocabulary {vocab}, reference {ref.cell_id} has "
-                            f"{ref.vocab}: they cannot be compared row for row")
+            raise UserError(
+                f"cell {cell_id} has vocabulary {vocab}, reference {ref.cell_id} has "
+                f"{ref.vocab}: they cannot be compared row for row"
+            )
         self.wh, self.ref, self.cell_id, self.repeat = wh, ref, cell_id, repeat
         self.step = chunk_rows(2, vocab or 1, budget)
         self.cols: dict[str, list] = {k: [] for k in ("prompt_id", "position", "metrics")}
@@ -133,10 +141,10 @@ class RepeatMetrics:
         nxt = self.ref.prompts[pid].next_ids
         self.out = room(self.out, step * self.ref.vocab)
         for s in range(0, len(si), step):
-            m = M.row_metrics(a.take(ri[s:s + step], self.out), take(si[s:s + step]), nxt[ri[s:s + step]])
+            m = M.row_metrics(a.take(ri[s : s + step], self.out), take(si[s : s + step]), nxt[ri[s : s + step]])
             self.cols["metrics"].append(m)
             self.cols["prompt_id"] += [pid] * len(m["kld"])
-            self.cols["position"] += np.asarray(positions)[si[s:s + step]].tolist()
+            self.cols["position"] += np.asarray(positions)[si[s : s + step]].tolist()
 
     def result(self, floor: float) -> tuple[pa.Table, list]:
         """(metrics rows, counts as in CellResult)."""
@@ -144,19 +152,28 @@ class RepeatMetrics:
         merged = {k: np.concatenate([m[k] for m in ms]) for k in ms[0]} if ms else {}
         nonfinite = merged.pop("nonfinite", np.array([], dtype=object))
         bad = np.array([v is not None for v in nonfinite], dtype=bool)
-        table = pa.table({
-            "cell_id": [self.cell_id] * n, "reference_cell_id": [self.ref.cell_id] * n,
-            "prompt_id": self.cols["prompt_id"], "position": pa.array(self.cols["position"], pa.int32()),
-            "repeat": pa.array([self.repeat] * n, pa.int32()),
-            **{k: _nullable(v, bad) for k, v in merged.items()},
-            "storage_floor": pa.array(np.full(n, floor)),
-            "nonfinite": pa.array(list(nonfinite), pa.string()),
-            "kernel_version": [M.KERNEL_VERSION] * n,
-        })
+        table = pa.table(
+            {
+                "cell_id": [self.cell_id] * n,
+                "reference_cell_id": [self.ref.cell_id] * n,
+                "prompt_id": self.cols["prompt_id"],
+                "position": pa.array(self.cols["position"], pa.int32()),
+                "repeat": pa.array([self.repeat] * n, pa.int32()),
+                **{k: _nullable(v, bad) for k, v in merged.items()},
+                "storage_floor": pa.array(np.full(n, floor)),
+                "nonfinite": pa.array(list(nonfinite), pa.string()),
+                "kernel_version": [M.KERNEL_VERSION] * n,
+            }
+        )
         at = np.flatnonzero(bad)
         first_bad = f"{(self.cols['prompt_id'][at[0]], int(self.cols['position'][at[0]]))}" if len(at) else None
-        return table, [self.unaligned, self.total, int(bad.sum()), None if self.first is None else f"{self.first}",
-                       first_bad]
+        return table, [
+            self.unaligned,
+            self.total,
+            int(bad.sum()),
+            None if self.first is None else f"{self.first}",
+            first_bad,
+        ]
 
 
 def with_floor(table: pa.Table, floor: float) -> pa.Table:
@@ -166,8 +183,14 @@ def with_floor(table: pa.Table, floor: float) -> pa.Table:
     return table.set_column(i, "storage_floor", pa.array(np.full(table.num_rows, floor)))
 
 
-def repeat_metrics(wh: Warehouse, ref: ShardIndex, stk: ShardIndex, floor: float, prompts: list[str] | None = None,
-                   budget: int = BUDGET_BYTES) -> tuple[pa.Table, list]:
+def repeat_metrics(
+    wh: Warehouse,
+    ref: ShardIndex,
+    stk: ShardIndex,
+    floor: float,
+    prompts: list[str] | None = None,
+    budget: int = BUDGET_BYTES,
+) -> tuple[pa.Table, list]:
     """Metrics of every row of one stack shard (of `prompts`, default all) that the reference's
     repeat 0 also has. Returns (rows, counts as in CellResult)."""
     acc = RepeatMetrics(wh, ref, stk.cell_id, stk.repeat, stk.vocab, budget)
@@ -177,8 +200,16 @@ def repeat_metrics(wh: Warehouse, ref: ShardIndex, stk: ShardIndex, floor: float
     return acc.result(floor)
 
 
-def cell_metrics(wh: Warehouse, cell_id: str, repeats: int, ref_id: str, floor: float, skip_damaged: bool,
-                 prompts: list[str] | None = None, budget: int = BUDGET_BYTES) -> CellResult:
+def cell_metrics(
+    wh: Warehouse,
+    cell_id: str,
+    repeats: int,
+    ref_id: str,
+    floor: float,
+    skip_damaged: bool,
+    prompts: list[str] | None = None,
+    budget: int = BUDGET_BYTES,
+) -> CellResult:
     """metrics rows of every repeat of one cell (of `prompts`, default all) against the reference's repeat 0
     (the reference's own repeats 1.. give its repeat-to-repeat noise; its repeat 0 is the yardstick itself)."""
     out = CellResult()

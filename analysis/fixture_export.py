@@ -23,22 +23,57 @@ from common.errors import UserError
 from store import Warehouse, fixture_file
 from store.warehouse import logits_matrix, unshift
 
-PROMPT_KEYS = ("prompt_id", "name", "category", "text", "token_ids", "ids_sha256", "bos_policy", "bos_added",
-               "tokenizer_sha256")
-PRODUCER_KEYS = ("cell_id", "engine", "dtype", "attention", "tp", "device", "threads", "logits_dtype",
-                 "bit_reproducible", "artifact_sha256", "build", "host")
+PROMPT_KEYS = (
+    "prompt_id",
+    "name",
+    "category",
+    "text",
+    "token_ids",
+    "ids_sha256",
+    "bos_policy",
+    "bos_added",
+    "tokenizer_sha256",
+)
+PRODUCER_KEYS = (
+    "cell_id",
+    "engine",
+    "dtype",
+    "attention",
+    "tp",
+    "device",
+    "threads",
+    "logits_dtype",
+    "bit_reproducible",
+    "artifact_sha256",
+    "build",
+    "host",
+)
 
 
 def _header(cell: dict, k: int, vocab: int, prompts: list[dict]) -> dict:
     return {
-        "k": k, "vocab_size": vocab, "kl_direction": "KL(P_fixture || P_stack), natural log",
-        "sampling": {"mode": "teacher-forced prefill: raw logits at sampled positions of the given ids",
-                     "temperature": None, "top_k": None, "top_p": None, "seed": None},
-        "model": {"name": cell["model"], "identity": cell.get("model_identity"),
-                  "weights_sha256": cell.get("weights_sha256"), "source_sha256": cell.get("source_sha256")},
+        "k": k,
+        "vocab_size": vocab,
+        "kl_direction": "KL(P_fixture || P_stack), natural log",
+        "sampling": {
+            "mode": "teacher-forced prefill: raw logits at sampled positions of the given ids",
+            "temperature": None,
+            "top_k": None,
+            "top_p": None,
+            "seed": None,
+        },
+        "model": {
+            "name": cell["model"],
+            "identity": cell.get("model_identity"),
+            "weights_sha256": cell.get("weights_sha256"),
+            "source_sha256": cell.get("source_sha256"),
+        },
         "produced_by": {key: cell.get(key) for key in PRODUCER_KEYS}
-        | {"settings": json.loads(cell.get("settings") or "{}"), "versions": json.loads(cell.get("versions") or "{}"),
-           "hardware": hardware(cell)},
+        | {
+            "settings": json.loads(cell.get("settings") or "{}"),
+            "versions": json.loads(cell.get("versions") or "{}"),
+            "hardware": hardware(cell),
+        },
         "stride": cell.get("stride"),
         "prompts": [{key: p.get(key) for key in PROMPT_KEYS} for p in prompts],
     }
@@ -62,10 +97,24 @@ def export_fixture(warehouse: str, cell_id: str, out: str, k: int = 64, log: Cal
     pids = t.column("prompt_id").to_pylist()
     prompts = {p["prompt_id"]: p for p in wh.read_all("prompts")}
     header = _header(cell, k, logits.shape[1], [prompts[p] for p in sorted(set(pids))])
-    fixture_file.write(out, header, {
-        "prompt_id": pids, "position": t.column("position").to_pylist(),
-        "next_token_id": t.column("next_token_id").to_pylist(), "topk_ids": top.astype(np.int32).tolist(),
-        "topk_logits": top_vals.tolist(), "logsumexp": lse.tolist(), "row_hash": t.column("row_hash").to_pylist()})
+    fixture_file.write(
+        out,
+        header,
+        {
+            "prompt_id": pids,
+            "position": t.column("position").to_pylist(),
+            "next_token_id": t.column("next_token_id").to_pylist(),
+            "topk_ids": top.astype(np.int32).tolist(),
+            "topk_logits": top_vals.tolist(),
+            "logsumexp": lse.tolist(),
+            "row_hash": t.column("row_hash").to_pylist(),
+        },
+    )
     log(f"wrote {out}: {len(pids)} rows, top-{k} of {logits.shape[1]}, from {cell_id}")
-    return {"path": str(out), "rows": len(pids), "k": k, "vocab_size": int(logits.shape[1]),
-            "prompts": len(header["prompts"])}
+    return {
+        "path": str(out),
+        "rows": len(pids),
+        "k": k,
+        "vocab_size": int(logits.shape[1]),
+        "prompts": len(header["prompts"]),
+    }

@@ -22,26 +22,51 @@ GATES = {
     "mean_kld": ("kld_mean", "<=", "mean KL(P_ref || P_stack) over sampled rows", "kld"),
     "p99_kld": ("kld_p99", "<=", "99th percentile of per-row KL", "kld"),
     "max_kld": ("kld_max", "<=", "largest single-row KL (an isolated spike rejects)", "kld"),
-    "top1_agreement": ("top1_agreement", ">=", "share of rows whose argmax matches the reference",
-                       "CASE WHEN top1_match THEN 0 ELSE 1 + kld END"),
+    "top1_agreement": (
+        "top1_agreement",
+        ">=",
+        "share of rows whose argmax matches the reference",
+        "CASE WHEN top1_match THEN 0 ELSE 1 + kld END",
+    ),
     "cosine_min": ("cosine_min", ">=", "smallest per-row cosine of raw logits", "-cosine"),
-    "norm_ratio_tol": ("norm_ratio_dev", "<=", "largest |‖stack‖/‖ref‖ − 1| over rows (what cosine misses)",
-                       "abs(norm_ratio - 1)"),
+    "norm_ratio_tol": (
+        "norm_ratio_dev",
+        "<=",
+        "largest |‖stack‖/‖ref‖ − 1| over rows (what cosine misses)",
+        "abs(norm_ratio - 1)",
+    ),
     "mean_js": ("js_mean", "<=", "mean Jensen-Shannon divergence", "js"),
     # softmax hides a shift or a scale of the raw logits; these see it
     "max_abs_diff": ("max_abs_diff_max", "<=", "largest |Δlogit| of any row (raw logits)", "max_abs_diff"),
     "mean_nmse": ("nmse_mean", "<=", "mean NMSE of raw logits", "nmse"),
     "max_nmse": ("nmse_max", "<=", "largest per-row NMSE of raw logits", "nmse"),
-    "spearman_mean": ("spearman_mean", ">=", "mean Spearman rank correlation over the reference's top-10",
-                      "-spearman_top10"),
+    "spearman_mean": (
+        "spearman_mean",
+        ">=",
+        "mean Spearman rank correlation over the reference's top-10",
+        "-spearman_top10",
+    ),
     "spearman_min": ("spearman_min", ">=", "smallest per-row Spearman over the reference's top-10", "-spearman_top10"),
 }
 DEFAULT_CLASSES = {  # a cell dtype -> its quant class, unless the gates file says otherwise
-    "fp32": "fp16", "bf16": "fp16", "f16": "fp16", "f32": "fp16", "fp16": "fp16",
-    "q8_0": "8bit", "q8_g64": "8bit", "fp8": "8bit",
-    "q6_k": "8bit", "q5_0": "4bit", "q5_1": "4bit", "q5_k_m": "4bit",
-    "q4_0": "4bit", "q4_1": "4bit", "q4_k_m": "4bit", "q4_g64": "4bit",
-    "q3_k_m": "2bit", "q2_k": "2bit",
+    "fp32": "fp16",
+    "bf16": "fp16",
+    "f16": "fp16",
+    "f32": "fp16",
+    "fp16": "fp16",
+    "q8_0": "8bit",
+    "q8_g64": "8bit",
+    "fp8": "8bit",
+    "q6_k": "8bit",
+    "q5_0": "4bit",
+    "q5_1": "4bit",
+    "q5_k_m": "4bit",
+    "q4_0": "4bit",
+    "q4_1": "4bit",
+    "q4_k_m": "4bit",
+    "q4_g64": "4bit",
+    "q3_k_m": "2bit",
+    "q2_k": "2bit",
 }
 
 
@@ -67,8 +92,12 @@ def load_gates(path: str) -> dict[str, Any]:
     for d, cls in dtypes.items():
         if cls not in data["classes"]:
             raise UserError(f"{p}: dtypes.{d}: unknown class {cls!r}; classes are {', '.join(data['classes'])}")
-    return {"path": str(p), "classes": data["classes"], "dtypes": {**DEFAULT_CLASSES, **dtypes},
-            "layers": _layer_gates(p, data.get("layers") or {})}
+    return {
+        "path": str(p),
+        "classes": data["classes"],
+        "dtypes": {**DEFAULT_CLASSES, **dtypes},
+        "layers": _layer_gates(p, data.get("layers") or {}),
+    }
 
 
 def _layer_gates(p: Path, raw: Any) -> dict[str, dict[str, float]]:
@@ -95,33 +124,47 @@ def pick_class(gates: dict, dtype: str, asked: str | None) -> str:
 
 def evaluate(measured: dict[str, float | None], thresholds: dict[str, float], nonfinite: int) -> list[dict]:
     """One row per gate: gate, threshold, measured, pass. NaN/Inf rows always reject."""
-    out = [{"gate": "finite", "comparison": "==", "threshold": 0, "measured": nonfinite, "pass": nonfinite == 0,
-            "meaning": "rows with NaN/Inf logits (any rejects)"}]
+    out = [
+        {
+            "gate": "finite",
+            "comparison": "==",
+            "threshold": 0,
+            "measured": nonfinite,
+            "pass": nonfinite == 0,
+            "meaning": "rows with NaN/Inf logits (any rejects)",
+        }
+    ]
     for g, thr in thresholds.items():
         key, cmp, meaning, _ = GATES[g]
         v = measured.get(key)
         ok = v is not None and (v <= thr if cmp == "<=" else v >= thr)
-        out.append({"gate": g, "comparison": cmp, "threshold": thr, "measured": v, "pass": bool(ok),
-                    "meaning": meaning})
+        out.append(
+            {"gate": g, "comparison": cmp, "threshold": thr, "measured": v, "pass": bool(ok), "meaning": meaning}
+        )
     return out
 
 
 def measured_from_warehouse(con, cell_id: str) -> tuple[dict, int, str]:
     """The gated quantities of a cell vs its reference, from the metrics table (repeat 0)."""
-    rel = con.execute("""
+    rel = con.execute(
+        """
         SELECT avg(kld) AS kld_mean, quantile_cont(kld, 0.99) AS kld_p99, max(kld) AS kld_max,
                avg(top1_match::INT) AS top1_agreement, min(cosine) AS cosine_min,
                max(abs(norm_ratio - 1)) AS norm_ratio_dev, avg(js) AS js_mean,
                max(max_abs_diff) AS max_abs_diff_max, avg(nmse) AS nmse_mean, max(nmse) AS nmse_max,
                avg(spearman_top10) AS spearman_mean, min(spearman_top10) AS spearman_min,
                count(nonfinite) AS nonfinite, count(*) AS rows, any_value(reference_cell_id) AS ref
-        FROM metrics WHERE cell_id = ? AND repeat = 0""", [cell_id])
+        FROM metrics WHERE cell_id = ? AND repeat = 0""",
+        [cell_id],
+    )
     cols = [d[0] for d in rel.description]
     row = dict(zip(cols, rel.fetchone()))
     if not row["rows"]:
         if con.execute("SELECT count(*) FROM metrics WHERE reference_cell_id = ?", [cell_id]).fetchone()[0]:
-            raise UserError(f"admit: cell {cell_id} is the reference its model's stacks are measured against: "
-                            "there is nothing to gate it against (admit a candidate)")
+            raise UserError(
+                f"admit: cell {cell_id} is the reference its model's stacks are measured against: "
+                "there is nothing to gate it against (admit a candidate)"
+            )
         raise UserError(f"admit: cell {cell_id} has no metrics; run `matrix analyze` first")
     return row, int(row["nonfinite"]), row["ref"]
 
@@ -131,10 +174,16 @@ def parity_gate(parity: str | None, allowed: bool) -> dict:
     itself (a tokenizer or BOS difference changes the input, not the arithmetic, and moves every logit):
     that rejects unless allowed."""
     bad = parity == "mismatch"
-    return {"gate": "tokenizer_parity", "comparison": "==", "threshold": "ok", "measured": parity or "not_checked",
-            "pass": not bad or allowed, "allowed": bad and allowed,
-            "meaning": "the engine's own tokenizer gives the canonical ids" + (" (mismatch allowed)" if bad and allowed
-                                                                               else "")}
+    return {
+        "gate": "tokenizer_parity",
+        "comparison": "==",
+        "threshold": "ok",
+        "measured": parity or "not_checked",
+        "pass": not bad or allowed,
+        "allowed": bad and allowed,
+        "meaning": "the engine's own tokenizer gives the canonical ids"
+        + (" (mismatch allowed)" if bad and allowed else ""),
+    }
 
 
 def worst_rows(con, cell_id: str, rows: list[dict]) -> None:
@@ -148,7 +197,9 @@ def worst_rows(con, cell_id: str, rows: list[dict]) -> None:
             where, value, rank = "nonfinite IS NULL", GATES[r["gate"]][3], GATES[r["gate"]][3]
         else:  # tokenizer parity: not a property of a row
             continue
-        hit = con.execute(f"SELECT prompt_id, position, {value} FROM metrics WHERE cell_id = ? AND repeat = 0 "
-                          f"AND {where} ORDER BY {rank} DESC NULLS LAST, prompt_id, position LIMIT 1",
-                          [cell_id]).fetchone()
+        hit = con.execute(
+            f"SELECT prompt_id, position, {value} FROM metrics WHERE cell_id = ? AND repeat = 0 "
+            f"AND {where} ORDER BY {rank} DESC NULLS LAST, prompt_id, position LIMIT 1",
+            [cell_id],
+        ).fetchone()
         r["worst"] = {"prompt_id": hit[0], "position": hit[1], "value": hit[2]} if hit else None

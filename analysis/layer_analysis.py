@@ -25,8 +25,9 @@ LAYER_KERNEL = "layers-1"  # bump when row_metrics' arithmetic changes: every fi
 
 
 def _open(wh: Warehouse, cell_id: str, repeat: int) -> pq.ParquetFile:
-    return pq.ParquetFile(wh.shard_path(cell_id, repeat, "layer_states"), filesystem=wh.loc.fs,
-                          page_checksum_verification=True)
+    return pq.ParquetFile(
+        wh.shard_path(cell_id, repeat, "layer_states"), filesystem=wh.loc.fs, page_checksum_verification=True
+    )
 
 
 def _groups(pf: pq.ParquetFile) -> tuple[dict[str, list[int]], str]:
@@ -44,8 +45,11 @@ def _groups(pf: pq.ParquetFile) -> tuple[dict[str, list[int]], str]:
 
 def _prompt_rows(pf: pq.ParquetFile, groups: list[int], prompt: str) -> pa.Table:
     t = pf.read_row_groups(groups)
-    return t.filter(pc.equal(t.column("prompt_id"), prompt)) if len(groups) > 1 or \
-        set(t.column("prompt_id").to_pylist()) != {prompt} else t
+    return (
+        t.filter(pc.equal(t.column("prompt_id"), prompt))
+        if len(groups) > 1 or set(t.column("prompt_id").to_pylist()) != {prompt}
+        else t
+    )
 
 
 def compare(cell: dict, ref_id: str, repeat: int, mine: tuple, ref: tuple) -> tuple[pa.Table, int]:
@@ -76,24 +80,36 @@ def compare(cell: dict, ref_id: str, repeat: int, mine: tuple, ref: tuple) -> tu
 def _rows(cell_id: str, ref_id: str, repeat: int, layer: str, index: int, keys: list, m: dict | None) -> pa.Table:
     n = len(keys)
     m = m or {k: np.zeros(0) for k in ("cosine", "norm_ratio", "rel_l2", "max_abs_diff", "allclose")}
-    return pa.table({
-        "cell_id": [cell_id] * n, "reference_cell_id": [ref_id] * n, "prompt_id": [k[0] for k in keys],
-        "position": pa.array([k[1] for k in keys], pa.int32()), "repeat": pa.array([repeat] * n, pa.int32()),
-        "layer": [layer] * n, "layer_index": pa.array([index] * n, pa.int32()),
-        **{k: pa.array(m[k], pa.float64()) for k in ("cosine", "norm_ratio", "rel_l2", "max_abs_diff")},
-        "allclose": pa.array(m["allclose"], pa.bool_()), "kernel_version": [LAYER_KERNEL] * n})
+    return pa.table(
+        {
+            "cell_id": [cell_id] * n,
+            "reference_cell_id": [ref_id] * n,
+            "prompt_id": [k[0] for k in keys],
+            "position": pa.array([k[1] for k in keys], pa.int32()),
+            "repeat": pa.array([repeat] * n, pa.int32()),
+            "layer": [layer] * n,
+            "layer_index": pa.array([index] * n, pa.int32()),
+            **{k: pa.array(m[k], pa.float64()) for k in ("cosine", "norm_ratio", "rel_l2", "max_abs_diff")},
+            "allclose": pa.array(m["allclose"], pa.bool_()),
+            "kernel_version": [LAYER_KERNEL] * n,
+        }
+    )
 
 
-def analyze_layers(wh: Warehouse, done: list[dict], reference: str | None, force: bool,
-                   log: Callable[[str], None]) -> dict[str, Any]:
+def analyze_layers(
+    wh: Warehouse, done: list[dict], reference: str | None, force: bool, log: Callable[[str], None]
+) -> dict[str, Any]:
     """Every cell with layer states vs its reference's (or --reference's, same model)."""
     by_id = {c["cell_id"]: c for c in done}
     out = {"cells": 0, "reused": 0, "rows": 0, "unaligned_rows": {}, "missing_reference": []}
     for cell in done:
         if not cell.get("layers"):
             continue
-        ref_id = reference if reference and by_id.get(reference, {}).get("model") == cell["model"] \
+        ref_id = (
+            reference
+            if reference and by_id.get(reference, {}).get("model") == cell["model"]
             else cell.get("reference_cell_id")
+        )
         if ref_id == cell["cell_id"] or ref_id is None:
             continue
         if not (by_id.get(ref_id) or {}).get("layers"):
@@ -109,9 +125,17 @@ def _one(wh: Warehouse, cell: dict, ref_id: str, force: bool, out: dict, log) ->
     ref_groups, ref_digest = _groups(ref_pf)
     shards = {r: _open(wh, cell["cell_id"], r) for r in sorted(wh.completed_repeats(cell["cell_id"], "layer_states"))}
     indexed = {r: (pf, *_groups(pf)) for r, pf in shards.items()}  # repeat -> (file, groups, digest)
-    key = hashlib.sha256(json.dumps({"kernel": LAYER_KERNEL, "ref": ref_id, "ref_digest": ref_digest,
-                                     "shards": {r: x[2] for r, x in indexed.items()}},
-                                    sort_keys=True).encode()).hexdigest()
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "kernel": LAYER_KERNEL,
+                "ref": ref_id,
+                "ref_digest": ref_digest,
+                "shards": {r: x[2] for r, x in indexed.items()},
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()
     meta = wh.table_meta("layer_metrics", cell["cell_id"]) or {}
     if not force and meta.get("key") == key:
         out["reused"] += 1
@@ -124,8 +148,9 @@ def _one(wh: Warehouse, cell: dict, ref_id: str, force: bool, out: dict, log) ->
         tables.append(t)
         unaligned += u
     table = pa.concat_tables(tables)
-    wh.write_table("layer_metrics", cell["cell_id"], table,
-                   {"key": key, "kernel_version": LAYER_KERNEL, "rows": table.num_rows})
+    wh.write_table(
+        "layer_metrics", cell["cell_id"], table, {"key": key, "kernel_version": LAYER_KERNEL, "rows": table.num_rows}
+    )
     out["cells"] += 1
     out["rows"] += table.num_rows
     if unaligned:
@@ -136,10 +161,12 @@ def _one(wh: Warehouse, cell: dict, ref_id: str, force: bool, out: dict, log) ->
 def layer_table(wh: Warehouse, cell_id: str) -> tuple[list[dict[str, Any]], str]:
     """(per-layer summary of repeat 0, shallowest first, with the worst row of each gate; reference id)."""
     if not wh.has_rows("layer_metrics", cell_id):
-        raise UserError(f"layers: no layer metrics for {cell_id} in {wh.where} (a cell with `layers:`, "
-                        "after `matrix analyze`)")
-    t = pq.read_table(wh.loc.path(f"layer_metrics/{cell_id}.parquet"), filesystem=wh.loc.fs,
-                      filters=[("repeat", "=", 0)])
+        raise UserError(
+            f"layers: no layer metrics for {cell_id} in {wh.where} (a cell with `layers:`, after `matrix analyze`)"
+        )
+    t = pq.read_table(
+        wh.loc.path(f"layer_metrics/{cell_id}.parquet"), filesystem=wh.loc.fs, filters=[("repeat", "=", 0)]
+    )
     d = t.to_pydict()
     per: dict[str, dict[str, list]] = {}
     keys: dict[str, list] = {}
@@ -148,10 +175,11 @@ def layer_table(wh: Warehouse, cell_id: str) -> tuple[list[dict[str, Any]], str]
         for k in m:
             m[k].append(d[k][i])
         keys.setdefault(layer, []).append((d["prompt_id"][i], d["position"][i]))
-    arrays = {layer: {k: np.array(v, np.float64 if k != "allclose" else bool) for k, v in m.items()}
-              for layer, m in per.items()}
-    summary = [dict(row, layer_index=_index(row["layer"], d)) for row in
-               _summaries(arrays, keys)]
+    arrays = {
+        layer: {k: np.array(v, np.float64 if k != "allclose" else bool) for k, v in m.items()}
+        for layer, m in per.items()
+    }
+    summary = [dict(row, layer_index=_index(row["layer"], d)) for row in _summaries(arrays, keys)]
     return summary, (d["reference_cell_id"][0] if d["cell_id"] else "")
 
 

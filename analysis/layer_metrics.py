@@ -24,8 +24,13 @@ def row_metrics(ref: np.ndarray, got: np.ndarray, atol: float = ATOL, rtol: floa
         cos = (a * b).sum(-1) / (na * nb)
         ratio = nb / na
         rel = np.linalg.norm(b - a, axis=-1) / na
-    return {"cosine": cos, "norm_ratio": ratio, "rel_l2": rel, "max_abs_diff": np.abs(b - a).max(-1),
-            "allclose": np.isclose(b, a, atol=atol, rtol=rtol).all(-1)}
+    return {
+        "cosine": cos,
+        "norm_ratio": ratio,
+        "rel_l2": rel,
+        "max_abs_diff": np.abs(b - a).max(-1),
+        "allclose": np.isclose(b, a, atol=atol, rtol=rtol).all(-1),
+    }
 
 
 def depth(name: str) -> float:
@@ -41,19 +46,35 @@ def summarize(per_layer: dict[str, dict[str, np.ndarray]], keys: list[Any]) -> l
         m = per_layer[name]
         dev = np.abs(m["norm_ratio"] - 1.0)
         ic, ir = int(np.nanargmin(m["cosine"])), int(np.nanargmax(dev))
-        out.append({"layer": name, "rows": len(keys), "cosine_min": float(m["cosine"][ic]), "cosine_worst_at": keys[ic],
-                    "cosine_mean": float(np.nanmean(m["cosine"])), "norm_ratio_dev_max": float(dev[ir]),
-                    "norm_ratio_worst_at": keys[ir], "norm_ratio_at_worst": float(m["norm_ratio"][ir]),
-                    "rel_l2_max": float(np.nanmax(m["rel_l2"])), "max_abs_diff": float(m["max_abs_diff"].max()),
-                    "allclose_share": float(m["allclose"].mean())})
+        out.append(
+            {
+                "layer": name,
+                "rows": len(keys),
+                "cosine_min": float(m["cosine"][ic]),
+                "cosine_worst_at": keys[ic],
+                "cosine_mean": float(np.nanmean(m["cosine"])),
+                "norm_ratio_dev_max": float(dev[ir]),
+                "norm_ratio_worst_at": keys[ir],
+                "norm_ratio_at_worst": float(m["norm_ratio"][ir]),
+                "rel_l2_max": float(np.nanmax(m["rel_l2"])),
+                "max_abs_diff": float(m["max_abs_diff"].max()),
+                "allclose_share": float(m["allclose"].mean()),
+            }
+        )
     return out
 
 
 def verdict(summary: list[dict[str, Any]], cosine_min: float, norm_ratio_tol: float) -> dict[str, Any]:
     """The first layer (shallowest) that fails a gate, and which gates; None where all pass."""
     for row in summary:
-        failed = [g for g, bad in (("cosine_min", not row["cosine_min"] >= cosine_min),
-                                   ("norm_ratio_tol", not row["norm_ratio_dev_max"] <= norm_ratio_tol)) if bad]
+        failed = [
+            g
+            for g, bad in (
+                ("cosine_min", not row["cosine_min"] >= cosine_min),
+                ("norm_ratio_tol", not row["norm_ratio_dev_max"] <= norm_ratio_tol),
+            )
+            if bad
+        ]
         if failed:
             return {"pass": False, "first_failing_layer": row["layer"], "failed": failed, "row": row}
     return {"pass": True, "first_failing_layer": None, "failed": [], "row": None}

@@ -24,7 +24,6 @@ measures pays no torch import and no JIT. benchmarks/analysis_throughput.py prin
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from analysis import metrics_native
@@ -52,20 +51,24 @@ def _reduce_numpy(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     (rows, blocks) block maxima of each). The reference arithmetic the C kernel follows."""
     out, bmaxes = [], []
     for i in range(0, x.shape[0], ROWS):
-        o, bx, by = _reduce_block(x[i:i + ROWS], y[i:i + ROWS])
+        o, bx, by = _reduce_block(x[i : i + ROWS], y[i : i + ROWS])
         out.append(o)
         bmaxes.append((bx, by))
-    return (np.concatenate(out) if out else np.empty((0, len(OUTS))),
-            *(np.concatenate([b[j] for b in bmaxes]) if bmaxes else np.empty((0, x.shape[1] // BLOCK), x.dtype)
-              for j in (0, 1)))
+    return (
+        np.concatenate(out) if out else np.empty((0, len(OUTS))),
+        *(
+            np.concatenate([b[j] for b in bmaxes]) if bmaxes else np.empty((0, x.shape[1] // BLOCK), x.dtype)
+            for j in (0, 1)
+        ),
+    )
 
 
 def _reduce_block(x: np.ndarray, y: np.ndarray):
     n, vocab = x.shape
     r, s = x.astype(np.float64), y.astype(np.float64)  # (rows, vocab)
     nb = vocab // BLOCK
-    bmax_r = x[:, :nb * BLOCK].reshape(n, nb, BLOCK).max(-1)  # (rows, blocks), for top-k
-    bmax_s = y[:, :nb * BLOCK].reshape(n, nb, BLOCK).max(-1)
+    bmax_r = x[:, : nb * BLOCK].reshape(n, nb, BLOCK).max(-1)  # (rows, blocks), for top-k
+    bmax_s = y[:, : nb * BLOCK].reshape(n, nb, BLOCK).max(-1)
     mr, ms = x.max(-1, keepdims=True).astype(np.float64), y.max(-1, keepdims=True).astype(np.float64)  # (rows, 1)
     with np.errstate(all="ignore"):  # a masked (-inf) or broken row: its sums say so (finite flags)
         er, es = np.exp(r - mr), np.exp(s - ms)  # (rows, vocab)
@@ -77,9 +80,20 @@ def _reduce_block(x: np.ndarray, y: np.ndarray):
         m = 0.5 * (p + q)
         mlm = np.where(m > 0, m * np.log(m), 0.0)  # 0 log 0 = 0
         diff = s - r
-        cols = [(q - p - p * d).sum(-1), (p - q + q * d).sum(-1), (0.5 * (p * lp + q * lq) - mlm).sum(-1),
-                -(p * lp).sum(-1), -(q * lq).sum(-1), (r * s).sum(-1), (r * r).sum(-1), (s * s).sum(-1),
-                (diff * diff).sum(-1), np.abs(diff).max(-1), lser[:, 0], lses[:, 0]]
+        cols = [
+            (q - p - p * d).sum(-1),
+            (p - q + q * d).sum(-1),
+            (0.5 * (p * lp + q * lq) - mlm).sum(-1),
+            -(p * lp).sum(-1),
+            -(q * lq).sum(-1),
+            (r * s).sum(-1),
+            (r * r).sum(-1),
+            (s * s).sum(-1),
+            (diff * diff).sum(-1),
+            np.abs(diff).max(-1),
+            lser[:, 0],
+            lses[:, 0],
+        ]
     return np.stack(cols, -1), bmax_r, bmax_s
 
 
@@ -126,7 +140,7 @@ def _topk(x: np.ndarray | Bf16Rows, bmax: np.ndarray) -> np.ndarray:
     tail = np.broadcast_to(np.arange(nb * BLOCK, vocab), (rows, vocab - nb * BLOCK))
     cand = np.concatenate([cand, tail], 1)
     vals = _gather(x, cand)
-    order = np.lexsort((cand, -vals), axis=-1)[:, :min(K, cand.shape[1])]  # value descending, then lower id
+    order = np.lexsort((cand, -vals), axis=-1)[:, : min(K, cand.shape[1])]  # value descending, then lower id
     return np.take_along_axis(cand, order, 1)
 
 
@@ -172,17 +186,26 @@ def _metrics(ref: np.ndarray | Bf16Rows, stk: np.ndarray | Bf16Rows, nxt: np.nda
         p_next, q_next = np.exp(ref_next - lser), np.exp(stk_next - lses)
         rn, sn = np.sqrt(rr), np.sqrt(sq)
         return {
-            "kld": kld.copy(), "kld_reverse": kldr.copy(), "js": js.copy(),
+            "kld": kld.copy(),
+            "kld_reverse": kldr.copy(),
+            "js": js.copy(),
             "top1_match": tr[:, 0] == ts[:, 0],
-            "top5_overlap": _overlap(tr, ts, 5), "top10_overlap": _overlap(tr, ts, 10),
+            "top5_overlap": _overlap(tr, ts, 5),
+            "top10_overlap": _overlap(tr, ts, 10),
             "spearman_top10": spear,
-            "cosine": rs / (rn * sn), "norm_ratio": sn / rn, "nmse": dsq / rr, "max_abs_diff": mad.copy(),
+            "cosine": rs / (rn * sn),
+            "norm_ratio": sn / rn,
+            "nmse": dsq / rr,
+            "max_abs_diff": mad.copy(),
             "delta_p": np.where(has, q_next - p_next, np.nan),
             # -log p(next token) of each side, from the same log-sum-exp: a prompt's perplexity is
             # exp(mean nll) over its rows (llama-perplexity's PPL of its scored half)
-            "nll_ref": np.where(has, lser - ref_next, np.nan), "nll_stack": np.where(has, lses - stk_next, np.nan),
-            "entropy_ref": h_ref.copy(), "entropy_stack": h_stk.copy(),
-            "_finite_ref": np.isfinite(rr), "_finite_stk": np.isfinite(sq),  # a NaN/Inf poisons the sums
+            "nll_ref": np.where(has, lser - ref_next, np.nan),
+            "nll_stack": np.where(has, lses - stk_next, np.nan),
+            "entropy_ref": h_ref.copy(),
+            "entropy_stack": h_stk.copy(),
+            "_finite_ref": np.isfinite(rr),
+            "_finite_stk": np.isfinite(sq),  # a NaN/Inf poisons the sums
         }
 
 
@@ -194,8 +217,9 @@ def _floats(ref: np.ndarray, stk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(ref), np.ascontiguousarray(stk)
 
 
-def row_metrics(ref: np.ndarray | Bf16Rows, stk: np.ndarray | Bf16Rows,
-                next_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def row_metrics(
+    ref: np.ndarray | Bf16Rows, stk: np.ndarray | Bf16Rows, next_ids: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
     """ref, stk: (rows, vocab) raw logits (float32 widened from the native type, or float64), or
     stored bf16 rows with their shift (Bf16Rows: the same values, without a widened copy);
     next_ids: (rows,) the token that follows each position, -1 at the last position.
@@ -227,10 +251,11 @@ def row_metrics(ref: np.ndarray | Bf16Rows, stk: np.ndarray | Bf16Rows,
         if bad.any():  # cannot happen: the terms are >= 0 up to ~1e-16 * p each
             raise MetricError(f"{k} {v[bad].min():.3e} < 0 in rows {np.flatnonzero(bad)[:5].tolist()}")
         v[v < 0] = 0.0  # rounding only (> -1e-12, vs a ~1e-15 error bound)
-    nonfinite = np.array([None if a and b else "stack" if a else "reference" if b else "both"
-                          for a, b in zip(fr, fs)], dtype=object)
+    nonfinite = np.array(
+        [None if a and b else "stack" if a else "reference" if b else "both" for a, b in zip(fr, fs)], dtype=object
+    )
     if not (fr & fs).all():
-        for k, v in out.items():
+        for v in out.values():
             if v.dtype.kind == "f":
                 v[~(fr & fs)] = np.nan
         out["top1_match"][~(fr & fs)] = False

@@ -62,8 +62,9 @@ def reduce_bf16(x: Bf16Rows, y: Bf16Rows, block: int) -> tuple[np.ndarray, np.nd
     bx, by = (np.empty((rows, vocab // block), np.float32) for _ in range(2))
     ins = [a.ctypes.data for a in (x.bits, x.shift, y.bits, y.shift)]
     outs = [a.ctypes.data for a in (out, bx, by)]
-    native.spread(lambda first, last: _check(lib.reduce_bf16(*ins, first, last, vocab, block, *outs)), rows,
-                  ROWS_PER_TASK)
+    native.spread(
+        lambda first, last: _check(lib.reduce_bf16(*ins, first, last, vocab, block, *outs)), rows, ROWS_PER_TASK
+    )
     return out, bx, by
 
 

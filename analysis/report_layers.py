@@ -24,8 +24,9 @@ def layer_lines(rows: list[dict], key: str, ident: str, label: str, names: dict)
         s = series.setdefault(_label(names, r["cell_id"]), ([], []))
         s[0].append(xs.index(r["layer_index"]))
         s[1].append(r[key])
-    return P.lines([(lab, x, y) for lab, (x, y) in sorted(series.items())], ident, "state", label,
-                   xticks=[order[x] for x in xs])
+    return P.lines(
+        [(lab, x, y) for lab, (x, y) in sorted(series.items())], ident, "state", label, xticks=[order[x] for x in xs]
+    )
 
 
 def per_model(rows: list[dict], model_of: dict | None, ident: str) -> list[tuple[str, list[dict]]]:
@@ -47,18 +48,27 @@ def layers_section(rows: list[dict], names: dict | None = None, model_of: dict |
         r["cosine_deficit"] = None if r["cosine_mean"] is None else 1.0 - r["cosine_mean"]
     charts = "".join(
         layer_lines(mine, "cosine_deficit", ident, "1 − cosine (mean over rows)", names)
-        + layer_lines(mine, "norm_ratio_dev_max", ident.replace("layers-cosine", "layers-norm-ratio"),
-                      "|norm ratio − 1| (max over rows)", names)
-        for ident, mine in per_model(rows, model_of, "layers-cosine"))
-    return ("<h2>Where divergence starts: per-layer agreement with the reference</h2>"
-            "<p>Each stack's residual stream after each decoder layer (and the final norm's output) against the "
-            "reference's same rows: 1 &#8722; mean cosine, and the largest |&#8214;stack&#8214; / &#8214;ref&#8214; "
-            "&#8722; 1| (the two gates: cosine is blind to a scale factor, the norm ratio is not; "
-            "<code>matrix layers STACK</code> gives the verdict). One chart per model.</p>" + charts)
+        + layer_lines(
+            mine,
+            "norm_ratio_dev_max",
+            ident.replace("layers-cosine", "layers-norm-ratio"),
+            "|norm ratio − 1| (max over rows)",
+            names,
+        )
+        for ident, mine in per_model(rows, model_of, "layers-cosine")
+    )
+    return (
+        "<h2>Where divergence starts: per-layer agreement with the reference</h2>"
+        "<p>Each stack's residual stream after each decoder layer (and the final norm's output) against the "
+        "reference's same rows: 1 &#8722; mean cosine, and the largest |&#8214;stack&#8214; / &#8214;ref&#8214; "
+        "&#8722; 1| (the two gates: cosine is blind to a scale factor, the norm ratio is not; "
+        "<code>matrix layers STACK</code> gives the verdict). One chart per model.</p>" + charts
+    )
 
 
-def paths_figure(rows: list[dict], path: str, ident: str, names: dict | None = None,
-                 model_of: dict | None = None) -> str:
+def paths_figure(
+    rows: list[dict], path: str, ident: str, names: dict | None = None, model_of: dict | None = None
+) -> str:
     """One d-file path's charts, one per model (each stack's KL to the reference on its prefill rows and on
     `path`'s, log scale), and its table (rows: summary_by_path rows of that rows_of)."""
     names = names or {}
@@ -67,11 +77,22 @@ def paths_figure(rows: list[dict], path: str, ident: str, names: dict | None = N
         by: dict[str, dict[str, float]] = {}
         for r in mine:
             by.setdefault(_label(names, r["cell_id"]), {})[r["path"]] = r["kld_mean"]
-        charts.append(P.dots([(lab, {"prefill": d.get("prefill"), path: d.get(path)}) for lab, d in sorted(by.items())],
-                             chart, "KL(reference ‖ stack) mean, nats"))
+        charts.append(
+            P.dots(
+                [(lab, {"prefill": d.get("prefill"), path: d.get(path)}) for lab, d in sorted(by.items())],
+                chart,
+                "KL(reference ‖ stack) mean, nats",
+            )
+        )
     body = "".join(
-        f"<tr><td>{html.escape(_label(names, r['cell_id']))}</td><td>{r['rows']}</td><td>{r['kld_vs_prefill_mean']:.3g}</td>"
+        f"<tr><td>{html.escape(_label(names, r['cell_id']))}</td><td>{r['rows']}</td>"
+        f"<td>{r['kld_vs_prefill_mean']:.3g}</td>"
         f"<td>{r['max_abs_diff_vs_prefill']:.3g}</td><td>{r['identical_share']:.0%}</td></tr>"
-        for r in rows if r["path"] == path)
-    return ("".join(charts) + f"<table id=\"{path}\"><tr><th>stack</th><th>{path} rows</th><th>KL(prefill || {path}) mean</th>"
-                              f"<th>max |{path} - prefill|</th><th>bit-identical</th></tr>" + body + "</table>")
+        for r in rows
+        if r["path"] == path
+    )
+    return (
+        "".join(charts)
+        + f'<table id="{path}"><tr><th>stack</th><th>{path} rows</th><th>KL(prefill || {path}) mean</th>'
+        f"<th>max |{path} - prefill|</th><th>bit-identical</th></tr>" + body + "</table>"
+    )

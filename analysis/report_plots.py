@@ -17,12 +17,42 @@ import re
 from contextlib import contextmanager
 from functools import lru_cache
 
-RC = {"svg.fonttype": "none", "svg.hashsalt": "logit-matrix", "font.family": "DejaVu Sans", "font.size": 9,
-      "axes.titlesize": 9, "axes.labelsize": 9, "legend.fontsize": 8, "xtick.labelsize": 8, "ytick.labelsize": 8,
-      "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True, "grid.color": "#e8e8e8",
-      "text.parse_math": False}
-COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-           "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354"]
+RC = {
+    "svg.fonttype": "none",
+    "svg.hashsalt": "logit-matrix",
+    "font.family": "DejaVu Sans",
+    "font.size": 9,
+    "axes.titlesize": 9,
+    "axes.labelsize": 9,
+    "legend.fontsize": 8,
+    "xtick.labelsize": 8,
+    "ytick.labelsize": 8,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.color": "#e8e8e8",
+    "text.parse_math": False,
+}
+COLOURS = [
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+    "#393b79",
+    "#637939",
+    "#8c6d31",
+    "#843c39",
+    "#7b4173",
+    "#3182bd",
+    "#e6550d",
+    "#31a354",
+]
 DASHES = ["-", "--", ":", "-."]  # past the colours, series differ by dash as well
 GLYPHS = "".join(chr(c) for c in range(32, 127)) + "±‖×·–—−≤≥…µσΔ°²³√"  # what labels may hold
 
@@ -53,7 +83,7 @@ def svg(fig, ident: str) -> str:
     buf = io.StringIO()
     fig.savefig(buf, format="svg", metadata={"Date": None}, bbox_inches="tight", pad_inches=0.04)
     text = buf.getvalue()
-    text = text[text.index("<svg"):]
+    text = text[text.index("<svg") :]
     text = re.sub(r"\s*<metadata>.*?</metadata>", "", text, flags=re.S)  # RDF naming the tool: URLs, no content
     text = re.sub(r'\bid="([^"]+)"', lambda m: f'id="{ident}-{m.group(1)}"', text)
     text = re.sub(r'(url\(#|href="#)([^")]+)', lambda m: f"{m.group(1)}{ident}-{m.group(2)}", text)
@@ -78,7 +108,7 @@ def _sci(v: float, _pos=None) -> str:
     if v <= 0:
         return ""
     e = math.floor(math.log10(v) + 1e-9)
-    m = round(v / 10 ** e, 6)
+    m = round(v / 10**e, 6)
     return f"1e{e}" if m == 1 else f"{m:g}e{e}"
 
 
@@ -103,8 +133,10 @@ def font_face() -> str:
         out = io.BytesIO()
         font.save(out)
         data = base64.b64encode(out.getvalue()).decode()
-        rules.append(f"@font-face{{font-family:'DejaVu Sans';font-weight:{weight};"
-                     f"src:url(data:font/ttf;base64,{data}) format('truetype')}}")
+        rules.append(
+            f"@font-face{{font-family:'DejaVu Sans';font-weight:{weight};"
+            f"src:url(data:font/ttf;base64,{data}) format('truetype')}}"
+        )
     return "".join(rules)
 
 
@@ -114,8 +146,13 @@ def no_data(text: str) -> str:
     return f'<p class="empty">{html.escape(text)}</p>'
 
 
-def dots(rows: list[tuple[str, dict[str, float | None]]], ident: str, xlabel: str, log: bool = True,
-         err: dict[str, float] | None = None) -> str:
+def dots(
+    rows: list[tuple[str, dict[str, float | None]]],
+    ident: str,
+    xlabel: str,
+    log: bool = True,
+    err: dict[str, float] | None = None,
+) -> str:
     """One row per label, one marker per key of its dict (a legend names the keys); err: ± half-widths
     of the first key. A dot plot, not bars: on a log or a cut axis a bar's length would mean nothing."""
     keys = list(dict.fromkeys(k for _, d in rows for k, v in d.items() if v is not None and (v > 0 or not log)))
@@ -129,12 +166,24 @@ def _dots(fig, rows, keys, ident, xlabel, log, err) -> str:
     ax = fig.subplots()
     ys = list(range(len(rows)))[::-1]
     for i, k in enumerate(keys):
-        pts = [(y, d[k], err.get(lab, 0.0) if i == 0 else 0.0) for y, (lab, d) in zip(ys, rows)
-               if d.get(k) is not None and (d[k] > 0 or not log)]
+        pts = [
+            (y, d[k], err.get(lab, 0.0) if i == 0 else 0.0)
+            for y, (lab, d) in zip(ys, rows)
+            if d.get(k) is not None and (d[k] > 0 or not log)
+        ]
         lo = [min(e, v * 0.999) if log else e for _, v, e in pts]  # a log axis has no room below 0
-        ax.errorbar([v for _, v, _ in pts], [y for y, _, _ in pts], xerr=[lo, [e for *_, e in pts]],
-                    fmt="os^D"[i % 4], ms=4, capsize=2, color=COLOURS[i % len(COLOURS)], label=k,
-                    gid=f"series-{i}", linestyle="none")
+        ax.errorbar(
+            [v for _, v, _ in pts],
+            [y for y, _, _ in pts],
+            xerr=[lo, [e for *_, e in pts]],
+            fmt="os^D"[i % 4],
+            ms=4,
+            capsize=2,
+            color=COLOURS[i % len(COLOURS)],
+            label=k,
+            gid=f"series-{i}",
+            linestyle="none",
+        )
     ax.set_yticks(ys, [lab for lab, _ in rows])
     ax.set_ylim(-0.7, len(rows) - 0.3)
     ax.grid(axis="y", visible=False)
@@ -147,10 +196,18 @@ def _dots(fig, rows, keys, ident, xlabel, log, err) -> str:
     return svg(fig, ident)
 
 
-def lines(series: list[tuple[str, list[float], list[float]]], ident: str, xlabel: str, ylabel: str,
-          xticks: list[str] | None = None, title: str | None = None) -> str:
+def lines(
+    series: list[tuple[str, list[float], list[float]]],
+    ident: str,
+    xlabel: str,
+    ylabel: str,
+    xticks: list[str] | None = None,
+    title: str | None = None,
+) -> str:
     """One line with markers per (label, xs, ys), log y; xticks: names for x = 0, 1, ... (categorical)."""
-    series = [(lab, [x for x, y in zip(xs, ys) if y and y > 0], [y for y in ys if y and y > 0]) for lab, xs, ys in series]
+    series = [
+        (lab, [x for x, y in zip(xs, ys) if y and y > 0], [y for y in ys if y and y > 0]) for lab, xs, ys in series
+    ]
     series = [s for s in series if s[1]]
     if not series:
         return no_data(f"No positive values of {ylabel}.")
@@ -208,9 +265,9 @@ def by_position(panels: list[dict], ident: str) -> str:
         axes = fig.subplots(nrows, cols, sharex=True, sharey=True, squeeze=False).ravel()
         for i, (ax, p) in enumerate(zip(axes, shown)):
             _position_panel(ax, p, i)
-        for ax in axes[len(shown):]:
+        for ax in axes[len(shown) :]:
             ax.set_visible(False)
-        for i, ax in enumerate(axes[:len(shown)]):
+        for i, ax in enumerate(axes[: len(shown)]):
             ax.label_outer()
             if i + cols >= len(shown):  # the lowest panel of its column, whatever row it is in
                 ax.tick_params(labelbottom=True)
@@ -267,8 +324,9 @@ def heatmap(labels: list[str], values: dict[tuple[str, str], float], ident: str,
     with drawing(side + longest + 1.4, side + longest + 0.4) as fig:
         ax = fig.subplots()
         lo, hi = np.nanmin(grid), np.nanmax(grid)
-        im = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", norm=LogNorm(lo, hi if hi > lo else lo * 10),
-                       gid="series-0")
+        im = ax.imshow(
+            np.ma.masked_invalid(grid), cmap="viridis", norm=LogNorm(lo, hi if hi > lo else lo * 10), gid="series-0"
+        )
         ax.set_xticks(range(n), labels, rotation=90)
         ax.set_yticks(range(n), labels)
         ax.grid(False)

@@ -10,7 +10,7 @@ from collections import Counter
 CENTROID_MEANS = {
     "mean_prob": "the normalised mean of the stacks' probabilities at that row",
     "mean_logprob": "the normalised geometric mean of the stacks' probabilities (the mean of their "
-                    "log-probabilities, renormalised)",
+    "log-probabilities, renormalised)",
 }
 
 
@@ -41,11 +41,13 @@ def _table(ident: str, head: list[str], rows: list[list[str]]) -> str:
 
 
 def intro(data: dict, warehouse: str) -> str:
-    return (f"<p>Warehouse <code>{_e(warehouse)}</code>. A stack's KL is KL(P<sub>ref</sub> ‖ P<sub>stack</sub>) "
-            "in nats of each captured row (repeat 0) against its model's reference cell, from log-softmax in float64. "
-            "Each stack is named by what tells it apart from the others here (engine and dtype, then attention, "
-            "options such as fp32 activations, ...); the stacks table gives each one's cell id.</p>"
-            f"<p id=\"centroid-definition\">{centroid_text(data)}</p>")
+    return (
+        f"<p>Warehouse <code>{_e(warehouse)}</code>. A stack's KL is KL(P<sub>ref</sub> ‖ P<sub>stack</sub>) "
+        "in nats of each captured row (repeat 0) against its model's reference cell, from log-softmax in float64. "
+        "Each stack is named by what tells it apart from the others here (engine and dtype, then attention, "
+        "options such as fp32 activations, ...); the stacks table gives each one's cell id.</p>"
+        f'<p id="centroid-definition">{centroid_text(data)}</p>'
+    )
 
 
 def centroid_text(data: dict) -> str:
@@ -53,25 +55,61 @@ def centroid_text(data: dict) -> str:
     used = sorted({c["centroid"] for c in data["centroids"] if c["centroid"]})
     if not used:
         asked = sorted({c.get("centroid") or "" for c in data["stacks"]} - {""})
-        return ("No centroid was computed" + (f" (the spec asked for centroid: {_e(', '.join(asked))})" if asked else "")
-                + ": the charts compare each stack with its reference only.")
+        return (
+            "No centroid was computed"
+            + (f" (the spec asked for centroid: {_e(', '.join(asked))})" if asked else "")
+            + ": the charts compare each stack with its reference only."
+        )
     groups = sorted({c["centroid_group"] for c in data["centroids"]})
     means = "; ".join(f"{_e(u)}: {CENTROID_MEANS.get(u, 'see docs/analysis.md')}" for u in used)
-    return (f"The centroid of a group of stacks, at each row, is {means}; it is formed by the stacks that captured "
-            f"that row. Groups here: {_e(', '.join(groups))}.")
+    return (
+        f"The centroid of a group of stacks, at each row, is {means}; it is formed by the stacks that captured "
+        f"that row. Groups here: {_e(', '.join(groups))}."
+    )
 
 
 def metadata(data: dict) -> str:
-    return ("<h2>Runs, hosts and versions</h2>" + _runs(data["runs"]) + _hosts(data["stacks"], data["names"])
-            + _engines(data["stacks"]) + _models(data["stacks"]))
+    return (
+        "<h2>Runs, hosts and versions</h2>"
+        + _runs(data["runs"])
+        + _hosts(data["stacks"], data["names"])
+        + _engines(data["stacks"])
+        + _models(data["stacks"])
+    )
 
 
 def _runs(runs: list[dict]) -> str:
-    rows = [[_e(r["run_id"]), _e(r["status"]), _e(r["started_at"]), _e(r["finished_at"]), _e(r["spec_name"]),
-             _e((r["spec_sha256"] or "")[:12]), _e(r["executor"]), _e(r["host"]), _e(r["logit_matrix_version"]),
-             f"{r['cells_done']}/{r['cells_total']}"] for r in runs]
-    return _table("runs", ["run", "status", "started", "finished", "spec", "spec sha256", "executor", "driver host",
-                           "logit-matrix", "cells done"], rows)
+    rows = [
+        [
+            _e(r["run_id"]),
+            _e(r["status"]),
+            _e(r["started_at"]),
+            _e(r["finished_at"]),
+            _e(r["spec_name"]),
+            _e((r["spec_sha256"] or "")[:12]),
+            _e(r["executor"]),
+            _e(r["host"]),
+            _e(r["logit_matrix_version"]),
+            f"{r['cells_done']}/{r['cells_total']}",
+        ]
+        for r in runs
+    ]
+    return _table(
+        "runs",
+        [
+            "run",
+            "status",
+            "started",
+            "finished",
+            "spec",
+            "spec sha256",
+            "executor",
+            "driver host",
+            "logit-matrix",
+            "cells done",
+        ],
+        rows,
+    )
 
 
 def _hosts(cells: list[dict], names: dict) -> str:
@@ -82,18 +120,30 @@ def _hosts(cells: list[dict], names: dict) -> str:
             continue
         fp = json.loads(c.get("fingerprint") or "{}")
         cpu = fp.get("cpu") or {}
-        flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "asimd", "sme") if (cpu.get("flags") or {}).get(f)]
+        flags = [
+            f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "asimd", "sme") if (cpu.get("flags") or {}).get(f)
+        ]
         gpus = _gpus(fp)
-        h = by.setdefault(c["host"] or "?", {"cpu": f"{cpu.get('model', '?')}, {cpu.get('logical_cores', '?')} cores "
-                                                     f"({' '.join(flags) or 'no vector flags recorded'})",
-                                              "gpu": gpus, "stacks": []})
+        h = by.setdefault(
+            c["host"] or "?",
+            {
+                "cpu": f"{cpu.get('model', '?')}, {cpu.get('logical_cores', '?')} cores "
+                f"({' '.join(flags) or 'no vector flags recorded'})",
+                "gpu": gpus,
+                "stacks": [],
+            },
+        )
         h["stacks"].append(names.get(c["cell_id"], c["cell_id"]))
-    rows = [[_e(host), _e(h["cpu"]), _e(h["gpu"]), _e(", ".join(sorted(set(h["stacks"]))))] for host, h in sorted(by.items())]
+    rows = [
+        [_e(host), _e(h["cpu"]), _e(h["gpu"]), _e(", ".join(sorted(set(h["stacks"]))))]
+        for host, h in sorted(by.items())
+    ]
     return _table("hosts", ["host", "CPU", "GPU", "stacks"], rows)
 
 
 def _gpus(fp: dict) -> str:
-    """The host's GPUs by name, NVIDIA or AMD (actors/fingerprint.py), else Apple's Metal device, else what NVML said."""
+    """The host's GPUs by name, NVIDIA or AMD (actors/fingerprint.py), else Apple's
+    Metal device, else what NVML said."""
     for vendor in ("nvidia", "rocm"):
         found = (fp.get(vendor) or {}).get("gpus") or []
         if found:
@@ -117,22 +167,59 @@ def _engines(cells: list[dict]) -> str:
 def _models(cells: list[dict]) -> str:
     by: dict[str, dict] = {}
     for c in cells:
-        by.setdefault(c["model"], {"vocab": c.get("vocab_size"), "weights": (c.get("weights_sha256") or "")[:16],
-                                   "source": c.get("model_source"), "license": c.get("model_license")})
+        by.setdefault(
+            c["model"],
+            {
+                "vocab": c.get("vocab_size"),
+                "weights": (c.get("weights_sha256") or "")[:16],
+                "source": c.get("model_source"),
+                "license": c.get("model_license"),
+            },
+        )
     rows = [[_e(m), _g(d["vocab"]), _e(d["source"]), _e(d["weights"]), _e(d["license"])] for m, d in sorted(by.items())]
     return _table("models", ["model", "vocabulary", "source", "weights sha256", "license"], rows)
 
 
 def stacks_table(data: dict, model: str) -> str:
     name = data["names"]
-    rows = [[f"{_e(name.get(c['cell_id'], c['cell_id']))}", _g(c["rows"]), _g(c["kld_mean"]), _g(c["kld_stderr"], 2),
-             _g(c["kld_p99"]), _g(c["top1_agreement"]), _g(c["js_mean"]), _g(c["ppl_ratio"], 5),
-             _g(c["kld_centroid_stack"]), _g(c["rank_closest"]), _g(c["bit_reproducible"]),
-             "reference" if c["is_reference"] else _g(c["below_resolution"]), f'<span class="id">{_e(c["cell_id"])}</span>']
-            for c in data["cells"] if c["model"] == model]
-    return _table(f"stacks-{_slug(model)}", ["stack", "rows", "KLD mean", "± s.e.", "KLD p99", "top-1", "JS",
-                                             "PPL ratio", "KL to centroid", "rank", "bit-reproducible",
-                                             "below resolution", "cell id"], rows)
+    rows = [
+        [
+            f"{_e(name.get(c['cell_id'], c['cell_id']))}",
+            _g(c["rows"]),
+            _g(c["kld_mean"]),
+            _g(c["kld_stderr"], 2),
+            _g(c["kld_p99"]),
+            _g(c["top1_agreement"]),
+            _g(c["js_mean"]),
+            _g(c["ppl_ratio"], 5),
+            _g(c["kld_centroid_stack"]),
+            _g(c["rank_closest"]),
+            _g(c["bit_reproducible"]),
+            "reference" if c["is_reference"] else _g(c["below_resolution"]),
+            f'<span class="id">{_e(c["cell_id"])}</span>',
+        ]
+        for c in data["cells"]
+        if c["model"] == model
+    ]
+    return _table(
+        f"stacks-{_slug(model)}",
+        [
+            "stack",
+            "rows",
+            "KLD mean",
+            "± s.e.",
+            "KLD p99",
+            "top-1",
+            "JS",
+            "PPL ratio",
+            "KL to centroid",
+            "rank",
+            "bit-reproducible",
+            "below resolution",
+            "cell id",
+        ],
+        rows,
+    )
 
 
 def ranges_tables(data: dict, model: str) -> str:
@@ -140,16 +227,35 @@ def ranges_tables(data: dict, model: str) -> str:
     ids = {c["cell_id"] for c in data["cells"] if c["model"] == model and not c["is_reference"]}
     name = data["names"]
     out = []
-    for title, pick, ident in (("By position range", lambda r: r["category"] is None, "ranges"),
-                               ("By position range and prompt category", lambda r: r["category"] is not None, "categories")):
-        rows = [[_e(name.get(r["cell_id"], r["cell_id"])), _e(r["range"]), _e(r["category"] or ""), _g(r["rows"]),
-                 _g(r["kld_mean"]), _g(r["kld_stderr"], 2), _g(r["kld_p99"]), _g(r["top1_agreement"])]
-                for r in data["ranges"] if r["cell_id"] in ids and pick(r)]
+    for title, pick, ident in (
+        ("By position range", lambda r: r["category"] is None, "ranges"),
+        ("By position range and prompt category", lambda r: r["category"] is not None, "categories"),
+    ):
+        rows = [
+            [
+                _e(name.get(r["cell_id"], r["cell_id"])),
+                _e(r["range"]),
+                _e(r["category"] or ""),
+                _g(r["rows"]),
+                _g(r["kld_mean"]),
+                _g(r["kld_stderr"], 2),
+                _g(r["kld_p99"]),
+                _g(r["top1_agreement"]),
+            ]
+            for r in data["ranges"]
+            if r["cell_id"] in ids and pick(r)
+        ]
         if rows:
-            t = _table(f"{ident}-{_slug(model)}", ["stack", "positions", "category", "rows", "KLD mean", "± s.e.",
-                                                     "KLD p99", "top-1"], rows)
-            out.append(f"<h3>{title}</h3>{t}" if ident == "ranges" else
-                       f"<details><summary>{title} ({len(rows)} rows)</summary>{t}</details>")
+            t = _table(
+                f"{ident}-{_slug(model)}",
+                ["stack", "positions", "category", "rows", "KLD mean", "± s.e.", "KLD p99", "top-1"],
+                rows,
+            )
+            out.append(
+                f"<h3>{title}</h3>{t}"
+                if ident == "ranges"
+                else f"<details><summary>{title} ({len(rows)} rows)</summary>{t}</details>"
+            )
     return "".join(out)
 
 

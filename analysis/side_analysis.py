@@ -49,8 +49,12 @@ def _read(wh: Warehouse, cell_id: str, repeat: int, paths: tuple[str, ...]) -> d
     """{path: {(prompt, position, step): row index}, "values": (rows, vocab) float32, "hash"}."""
     t = wh.read_shard(cell_id, repeat, ["prompt_id", "position", "step", "path", "row_hash", "logits"], "side")
     d = t.select(["prompt_id", "position", "step", "path", "row_hash"]).to_pydict()
-    out: dict[str, Any] = {"prefill": {}, **{p: {} for p in paths}, "hash": d["row_hash"],
-                           "values": logits_matrix(t.column("logits"))}  # (rows, vocab) float32, exact
+    out: dict[str, Any] = {
+        "prefill": {},
+        **{p: {} for p in paths},
+        "hash": d["row_hash"],
+        "values": logits_matrix(t.column("logits")),
+    }  # (rows, vocab) float32, exact
     for i, (p, q, s, path) in enumerate(zip(d["prompt_id"], d["position"], d["step"], d["path"])):
         if path in out:  # a path of an extra not registered here is left out, not an error
             out[path][(p, q, s)] = i
@@ -93,8 +97,9 @@ class Reference:
         return out
 
 
-def compare(cell_id: str, repeat: int, mine: dict, ref: Reference | None, hits: dict[str, int],
-            rules: dict[str, PathRule]) -> pa.Table:
+def compare(
+    cell_id: str, repeat: int, mine: dict, ref: Reference | None, hits: dict[str, int], rules: dict[str, PathRule]
+) -> pa.Table:
     keys = [(path, k) for path in rules for k in sorted(mine[path])]
     other = np.array([mine[path][k] for path, k in keys], np.int64)
     pre = np.array([mine["prefill"][k] for _, k in keys], np.int64)
@@ -109,32 +114,50 @@ def compare(cell_id: str, repeat: int, mine: dict, ref: Reference | None, hits: 
         j = np.array(hit)
         vs_other, vs_pre = M.row_metrics(r, v[other[j]]), M.row_metrics(r, v[pre[j]])
         for x, jj in enumerate(hit):
-            kld[jj], kld_pre[jj], top1[jj] = (float(vs_other["kld"][x]), float(vs_pre["kld"][x]),
-                                              bool(vs_other["top1_match"][x]))
+            kld[jj], kld_pre[jj], top1[jj] = (
+                float(vs_other["kld"][x]),
+                float(vs_pre["kld"][x]),
+                bool(vs_other["top1_match"][x]),
+            )
     same = [mine["hash"][a] == mine["hash"][b] for a, b in zip(other, pre)]
-    return pa.table({
-        "cell_id": [cell_id] * n, "reference_cell_id": [ref.ref_id if ref else None] * n,
-        "prompt_id": [k[0] for _, k in keys], "position": pa.array([k[1] for _, k in keys], pa.int32()),
-        "step": pa.array([k[2] for _, k in keys], pa.int32()), "repeat": pa.array([repeat] * n, pa.int32()),
-        "path": [p for p, _ in keys],
-        "cached_tokens": pa.array([hits.get(k[0]) if rules[p].hits else None for p, k in keys], pa.int32()),
-        "kld_vs_prefill": pa.array(own["kld"], pa.float64()), "max_abs_diff_vs_prefill": pa.array(own["max_abs_diff"], pa.float64()),
-        "top1_match_prefill": pa.array(own["top1_match"], pa.bool_()), "identical_to_prefill": pa.array(same, pa.bool_()),
-        "kld": pa.array(kld, pa.float64()), "top1_match": pa.array(top1, pa.bool_()),
-        "kld_prefill": pa.array(kld_pre, pa.float64()), "kernel_version": [DECODE_KERNEL] * n})
+    return pa.table(
+        {
+            "cell_id": [cell_id] * n,
+            "reference_cell_id": [ref.ref_id if ref else None] * n,
+            "prompt_id": [k[0] for _, k in keys],
+            "position": pa.array([k[1] for _, k in keys], pa.int32()),
+            "step": pa.array([k[2] for _, k in keys], pa.int32()),
+            "repeat": pa.array([repeat] * n, pa.int32()),
+            "path": [p for p, _ in keys],
+            "cached_tokens": pa.array([hits.get(k[0]) if rules[p].hits else None for p, k in keys], pa.int32()),
+            "kld_vs_prefill": pa.array(own["kld"], pa.float64()),
+            "max_abs_diff_vs_prefill": pa.array(own["max_abs_diff"], pa.float64()),
+            "top1_match_prefill": pa.array(own["top1_match"], pa.bool_()),
+            "identical_to_prefill": pa.array(same, pa.bool_()),
+            "kld": pa.array(kld, pa.float64()),
+            "top1_match": pa.array(top1, pa.bool_()),
+            "kld_prefill": pa.array(kld_pre, pa.float64()),
+            "kernel_version": [DECODE_KERNEL] * n,
+        }
+    )
 
 
 def _key(wh: Warehouse, cell: dict, ref: Reference | None, repeats: list[int], rules: dict[str, PathRule]) -> str:
     """Content key: this cell's side files, the reference's side file and capture shard."""
     shard = any(r.reference_shard and r.active(cell) for r in rules.values())
-    parts = {"kernel": DECODE_KERNEL, "ref": ref and ref.ref_id, "ref_digest": ref and ref.digest,
-             "ref_shard": ref.index.digest if ref and shard else None,
-             "shards": {r: _digest(wh, cell["cell_id"], r) for r in repeats}}
+    parts = {
+        "kernel": DECODE_KERNEL,
+        "ref": ref and ref.ref_id,
+        "ref_digest": ref and ref.digest,
+        "ref_shard": ref.index.digest if ref and shard else None,
+        "shards": {r: _digest(wh, cell["cell_id"], r) for r in repeats},
+    }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def analyze_side(wh: Warehouse, done: list[dict], force: bool, log: Callable[[str], None],
-                   rules: dict[str, PathRule]) -> dict[str, Any]:
+def analyze_side(
+    wh: Warehouse, done: list[dict], force: bool, log: Callable[[str], None], rules: dict[str, PathRule]
+) -> dict[str, Any]:
     """rules: path -> PathRule, for every path a per-cell extra writes (in the order compared)."""
     by_id = {c["cell_id"]: c for c in done}
     out = {"cells": 0, "reused": 0, "rows": 0, "no_reference_rows": []}
@@ -148,8 +171,10 @@ def analyze_side(wh: Warehouse, done: list[dict], force: bool, log: Callable[[st
         ref_file = bool(ref_id and any(r.reference_file and r.active(by_id[ref_id]) for r in rules.values()))
         if any(r.reference_file for r in active) and not ref_file:
             out["no_reference_rows"].append(cell["cell_id"])
-            log(f"{cell['cell_id']}: its reference {ref_id} recorded no side file; "
-                "its rows off the prefill are compared with this cell's own prefill only")
+            log(
+                f"{cell['cell_id']}: its reference {ref_id} recorded no side file; "
+                "its rows off the prefill are compared with this cell's own prefill only"
+            )
         repeats = sorted(wh.completed_repeats(cell["cell_id"], "side"))
         ref = refs.setdefault(ref_id, Reference(wh, ref_id, ref_file, paths)) if ref_id else None
         key = _key(wh, cell, ref, repeats, rules)
@@ -160,9 +185,14 @@ def analyze_side(wh: Warehouse, done: list[dict], force: bool, log: Callable[[st
             out["rows"] += meta.get("rows", 0)
             continue
         hits = {k: v for r in active if r.hits for k, v in r.hits(cell).items()}
-        table = pa.concat_tables([compare(cell["cell_id"], r, _read(wh, cell["cell_id"], r, paths), ref, hits, rules)
-                                  for r in repeats])
-        wh.write_table("decode_metrics", cell["cell_id"], table,
-                       {"key": key, "kernel_version": DECODE_KERNEL, "rows": table.num_rows})
+        table = pa.concat_tables(
+            [compare(cell["cell_id"], r, _read(wh, cell["cell_id"], r, paths), ref, hits, rules) for r in repeats]
+        )
+        wh.write_table(
+            "decode_metrics",
+            cell["cell_id"],
+            table,
+            {"key": key, "kernel_version": DECODE_KERNEL, "rows": table.num_rows},
+        )
         out["rows"] += table.num_rows
     return out

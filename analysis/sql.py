@@ -41,8 +41,10 @@ def connect(warehouse: str) -> duckdb.DuckDBPyConnection:
             con.execute(f"CREATE VIEW {table} AS SELECT {cols} FROM _files_{table}")
         elif files:
             paths = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
-            con.execute(f"CREATE VIEW {table} AS SELECT {cols} FROM (SELECT * FROM _empty_{table} UNION ALL BY NAME "
-                        f"SELECT * FROM read_parquet([{paths}], union_by_name = true))")
+            con.execute(
+                f"CREATE VIEW {table} AS SELECT {cols} FROM (SELECT * FROM _empty_{table} UNION ALL BY NAME "
+                f"SELECT * FROM read_parquet([{paths}], union_by_name = true))"
+            )
         else:
             con.execute(f"CREATE VIEW {table} AS SELECT * FROM _empty_{table}")
     register_functions(con)
@@ -60,8 +62,11 @@ def export_views(warehouse: str, out: str) -> dict:
     The row functions (kld, js, top1, ...) are Python: analysis.sql.connect() registers them."""
     wh = Warehouse(warehouse).require()
     con = connect(warehouse)  # for the column types DuckDB gives each table
-    lines = [f"-- logit-matrix views over {wh.where} (schema v{getattr(wh, 'version', SCHEMA_VERSION)}); made by `matrix sql --export-views`.",
-             "-- Open with: duckdb -init THIS_FILE   (or .read THIS_FILE in a DuckDB session)."]
+    lines = [
+        f"-- logit-matrix views over {wh.where} (schema v{getattr(wh, 'version', SCHEMA_VERSION)}); "
+        "made by `matrix sql --export-views`.",
+        "-- Open with: duckdb -init THIS_FILE   (or .read THIS_FILE in a DuckDB session).",
+    ]
     if wh.remote:
         lines.append("-- An object-store warehouse: load DuckDB's httpfs and give it the store's credentials first.")
     damaged = {}
@@ -111,8 +116,10 @@ def _readable(files: list[str], table: str) -> list[str]:
             pq.read_metadata(f)
         except Exception as e:
             why = first_line(str(e), type(e).__name__)
-            print(f"matrix: warning: {f}: damaged ({why}); left out of the {table} view "
-                  "(run `matrix verify`)", file=sys.stderr)
+            print(
+                f"matrix: warning: {f}: damaged ({why}); left out of the {table} view (run `matrix verify`)",
+                file=sys.stderr,
+            )
             continue
         ok.append(f)
     return ok
@@ -158,7 +165,8 @@ VIEWS = {
         -- up to the rounding of its own comparison's sums (a stored bf16 pair sums in another order)
         LEFT JOIN (SELECT reference_cell_id, exp(avg(nll_ref)) AS ppl FROM (
                        SELECT reference_cell_id, prompt_id, position, min(nll_ref) AS nll_ref FROM metrics
-                       WHERE nll_ref IS NOT NULL GROUP BY ALL) GROUP BY ALL) ref_ppl ON ref_ppl.reference_cell_id = c.cell_id
+                       WHERE nll_ref IS NOT NULL GROUP BY ALL) GROUP BY ALL) ref_ppl
+                  ON ref_ppl.reference_cell_id = c.cell_id
         WHERE c.cell_id IN (SELECT DISTINCT reference_cell_id FROM metrics)
           AND c.cell_id NOT IN (SELECT cell_id FROM m)""",
     "summary_by_range": """
@@ -250,16 +258,18 @@ VIEWS = {
 # What each view answers, one line each (docs/warehouse.md is generated from these and the views' columns).
 VIEW_ABOUT = {
     "summary": "one row per measured cell against its reference: KL (mean, s.e., median, p90-p99.9, max), reverse "
-               "KL, JS, top-1 agreement, NMSE, max |Δlogit|, Spearman, perplexity of both and their ratio, the "
-               "storage floor, flagged rows, and the reference's repeat-to-repeat KL (its resolution)",
+    "KL, JS, top-1 agreement, NMSE, max |Δlogit|, Spearman, perplexity of both and their ratio, the "
+    "storage floor, flagged rows, and the reference's repeat-to-repeat KL (its resolution)",
     "summary_by_range": "the summary's KL figures per position range (`--ranges`), and per range and prompt category",
-    "disagreement_clusters": "runs of consecutive sampled positions where a cell's top-1 token differs from its reference's",
+    "disagreement_clusters": (
+        "runs of consecutive sampled positions where a cell's top-1 token differs from its reference's"
+    ),
     "centroid_summary": "each cell against the centroid of its group: KL both ways, JS, and its rank by closeness",
     "layer_summary": "per (cell, layer) of a `layers:` cell: cosine and norm ratio against the reference's hidden "
-                     "states, with the rows where each is worst",
+    "states, with the rows where each is worst",
     "ppl_by_prompt": "perplexity of each cell and of its reference over each prompt's scored rows",
     "summary_by_path": "rows off the plain prefill (decoded from a KV cache, recomputed from a warm cache) against "
-                       "the reference's prefill rows and against the same cell's own prefill rows",
+    "the reference's prefill rows and against the same cell's own prefill rows",
     "stack_identity": "every pair of captured cells of one stack (replicas, builds): how many rows are byte-identical",
 }
 
@@ -284,6 +294,7 @@ def _pair_udf(fn):
         if ra.shape != rb.shape:
             raise ValueError(f"logits of different shapes {ra.shape} vs {rb.shape}")
         return pa.array(fn(ra, rb))
+
     return udf
 
 

@@ -4,7 +4,8 @@ A cell id pins everything (`model.engine.dtype.attention.tpN.device-<hash>@<buil
 stacks that differ only in an option differ only in that hash. A name is the facets that tell
 the warehouse's stacks apart: engine and dtype always, then each of attention, tp, device and
 model that varies among its stacks; stacks still alike get the options that differ between
-them (key=value), then a candidate's label, then their stack hash. Names are a function of the warehouse, so a new stack can
+them (key=value), then a candidate's label, then their stack hash.
+Names are a function of the warehouse, so a new stack can
 lengthen the others' names; a cell id never changes.
 
 `resolve` turns what a user typed into one cell id: a cell id as it is, a whole name, or any
@@ -20,15 +21,22 @@ from typing import Any
 
 from common.errors import UserError
 
+
 def facets(cell: dict[str, Any]) -> dict[str, list[str]]:
     """A cells row -> {facet: its words}; options are one word each, `key=value`."""
     opts = json.loads(cell.get("options") or "{}")
     recipe = json.loads(cell.get("artifact_recipe") or "{}")
     label = recipe.get("label") if recipe.get("tool") == "published artifact" else None
-    return {"engine": [cell["engine"]], "dtype": [cell["dtype"]], "attention": [cell["attention"]],
-            "tp": [f"tp{cell['tp']}"], "device": [cell["device"]], "model": [cell["model"]],
-            "options": [f"{k}={_word(v)}" for k, v in sorted(opts.items())],
-            "candidate": [label] if label else []}
+    return {
+        "engine": [cell["engine"]],
+        "dtype": [cell["dtype"]],
+        "attention": [cell["attention"]],
+        "tp": [f"tp{cell['tp']}"],
+        "device": [cell["device"]],
+        "model": [cell["model"]],
+        "options": [f"{k}={_word(v)}" for k, v in sorted(opts.items())],
+        "candidate": [label] if label else [],
+    }
 
 
 def _word(v: Any) -> str:
@@ -39,8 +47,10 @@ def names(cells: list[dict[str, Any]]) -> dict[str, str]:
     """{stack_id: its name} for every stack of these cells rows, unique among them."""
     stacks = {c["stack_id"]: facets(c) for c in cells}
     varies = [f for f in ("attention", "tp", "device", "model") if len({tuple(v[f]) for v in stacks.values()}) > 1]
-    out = {s: "/".join(w for f in ("engine", "dtype", *varies) for w in v[f] if not (f == "attention" and w == "default"))
-           for s, v in stacks.items()}  # "default": the engine's own attention, said by saying nothing
+    out = {
+        s: "/".join(w for f in ("engine", "dtype", *varies) for w in v[f] if not (f == "attention" and w == "default"))
+        for s, v in stacks.items()
+    }  # "default": the engine's own attention, said by saying nothing
     for extra in (_options_apart, _candidates_apart, _hashes_apart):
         for same in _alike(out):
             for s, more in extra(same, stacks).items():
@@ -82,7 +92,9 @@ def resolve(cells: list[dict[str, Any]], asked: str, where: str = "cell") -> str
         return asked
     by_stack = names(cells)
     words = [w for w in asked.split("/") if w]
-    exact = [c for c in cells if by_stack[c["stack_id"]] == asked]  # a whole name: that stack, whatever else shares its words
+    exact = [
+        c for c in cells if by_stack[c["stack_id"]] == asked
+    ]  # a whole name: that stack, whatever else shares its words
     hits = exact or [c for c in cells if words and _matches(words, c, by_stack[c["stack_id"]])]
     stacks = sorted({by_stack[c["stack_id"]] for c in hits})
     if not stacks:
@@ -103,8 +115,18 @@ def listing(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         mine = sorted((c for c in cells if c["stack_id"] == stack), key=lambda c: str(c["finished_at"]))
         done = [c for c in mine if c["status"] == "done"]
         latest = (done or mine)[-1]
-        out.append({"name": name, "cell_id": latest["cell_id"], "status": latest["status"],
-                    "cells": len(mine), "is_reference": any(c["is_reference"] for c in mine),
-                    "engine": latest["engine"], "dtype": latest["dtype"], "attention": latest["attention"],
-                    "model": latest["model"], "device": latest["device"]})
+        out.append(
+            {
+                "name": name,
+                "cell_id": latest["cell_id"],
+                "status": latest["status"],
+                "cells": len(mine),
+                "is_reference": any(c["is_reference"] for c in mine),
+                "engine": latest["engine"],
+                "dtype": latest["dtype"],
+                "attention": latest["attention"],
+                "model": latest["model"],
+                "device": latest["device"],
+            }
+        )
     return out

@@ -17,9 +17,11 @@ import numpy as np
 
 from analysis import metrics as M
 
-NOTE = ("KL over the top-k plus one tail bucket: a lower bound of the full KL; upper_bound adds the "
-        "largest the tail can contribute (every tail p <= the k-th probability). cosine, norm ratio, max |diff| "
-        "and NMSE are over the top-k logits only; Spearman over the reference's top-10.")
+NOTE = (
+    "KL over the top-k plus one tail bucket: a lower bound of the full KL; upper_bound adds the "
+    "largest the tail can contribute (every tail p <= the k-th probability). cosine, norm ratio, max |diff| "
+    "and NMSE are over the top-k logits only; Spearman over the reference's top-10."
+)
 
 
 def topk_rows(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -27,13 +29,14 @@ def topk_rows(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.nd
     and the float64 logsumexp of each full row (rows,)."""
     x = logits.astype(np.float64)
     mx = x.max(-1, keepdims=True)
-    lse = (mx[:, 0] + np.log(np.exp(x - mx).sum(-1)))  # (rows,)
+    lse = mx[:, 0] + np.log(np.exp(x - mx).sum(-1))  # (rows,)
     top = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # (rows, k)
     return top, np.take_along_axis(logits, top, -1), lse
 
 
-def truncated_metrics(topk_ids: np.ndarray, topk_logits: np.ndarray, lse: np.ndarray,
-                      stack: np.ndarray) -> dict[str, np.ndarray]:
+def truncated_metrics(
+    topk_ids: np.ndarray, topk_logits: np.ndarray, lse: np.ndarray, stack: np.ndarray
+) -> dict[str, np.ndarray]:
     """Fixture rows (top-k ids (rows, k), their logits, full-row logsumexp) vs a stack's full logits
     (rows, vocab). Returns per-row coarse KL (a lower bound), its upper bound, JS of the coarse
     distributions, top-1 match, cosine / norm ratio / max |diff| / NMSE over the top-k logits, and
@@ -52,8 +55,9 @@ def truncated_metrics(topk_ids: np.ndarray, topk_logits: np.ndarray, lse: np.nda
         mask = np.ones_like(lq, dtype=bool)
         np.put_along_axis(mask, topk_ids, False, -1)
         q_min_tail = np.where(mask, np.exp(lq), np.inf).min(-1)
-        gap = np.where(tail_p > 0, tail_p * np.maximum(0.0, np.log(p_k.min(-1) / tail_p) + np.log(tail_q / q_min_tail)),
-                       0.0)
+        gap = np.where(
+            tail_p > 0, tail_p * np.maximum(0.0, np.log(p_k.min(-1) / tail_p) + np.log(tail_q / q_min_tail)), 0.0
+        )
         pm = np.concatenate([p_k, tail_p[:, None]], 1)
         qm = np.concatenate([q_k, tail_q[:, None]], 1)
         mm = 0.5 * (pm + qm)
@@ -61,12 +65,15 @@ def truncated_metrics(topk_ids: np.ndarray, topk_logits: np.ndarray, lse: np.nda
     sv = np.take_along_axis(s, topk_ids, -1)
     rv = topk_logits.astype(np.float64)
     return {
-        "kld": np.maximum(kl, 0.0), "kld_upper": np.maximum(kl, 0.0) + gap, "tail_mass": tail_p, "js": js,
+        "kld": np.maximum(kl, 0.0),
+        "kld_upper": np.maximum(kl, 0.0) + gap,
+        "tail_mass": tail_p,
+        "js": js,
         "top1_match": topk_ids[:, 0] == stack.argmax(-1),
         "cosine_topk": (rv * sv).sum(-1) / np.linalg.norm(rv, axis=-1) / np.linalg.norm(sv, axis=-1),
         "norm_ratio_topk": np.linalg.norm(sv, axis=-1) / np.linalg.norm(rv, axis=-1),
         "max_abs_diff_topk": np.abs(sv - rv).max(-1),
-        "nmse_topk": ((sv - rv) ** 2).sum(-1) / (rv ** 2).sum(-1),
+        "nmse_topk": ((sv - rv) ** 2).sum(-1) / (rv**2).sum(-1),
         # the kernel's own Spearman, over the reference's top-10
         "spearman_top10": M.spearman(rv[:, :10], sv[:, :10]),
     }
@@ -75,15 +82,25 @@ def truncated_metrics(topk_ids: np.ndarray, topk_logits: np.ndarray, lse: np.nda
 def gate_values(m: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """Per-row metrics -> (values the gates read, from the lower bound; the upper bounds of the KL
     gates; the reference's tail mass)."""
-    measured = {"kld_mean": float(m["kld"].mean()), "kld_p99": float(np.quantile(m["kld"], 0.99)),
-                "kld_max": float(m["kld"].max()), "top1_agreement": float(m["top1_match"].mean()),
-                "cosine_min": float(m["cosine_topk"].min()),
-                "norm_ratio_dev": float(np.abs(m["norm_ratio_topk"] - 1).max()), "js_mean": float(m["js"].mean()),
-                # over the reference's top-k logits only (the fixture holds no more)
-                "max_abs_diff_max": float(m["max_abs_diff_topk"].max()), "nmse_mean": float(m["nmse_topk"].mean()),
-                "nmse_max": float(m["nmse_topk"].max()), "spearman_mean": float(np.nanmean(m["spearman_top10"])),
-                "spearman_min": float(np.nanmin(m["spearman_top10"]))}
-    upper = {"mean_kld": float(m["kld_upper"].mean()), "p99_kld": float(np.quantile(m["kld_upper"], 0.99)),
-             "max_kld": float(m["kld_upper"].max())}
+    measured = {
+        "kld_mean": float(m["kld"].mean()),
+        "kld_p99": float(np.quantile(m["kld"], 0.99)),
+        "kld_max": float(m["kld"].max()),
+        "top1_agreement": float(m["top1_match"].mean()),
+        "cosine_min": float(m["cosine_topk"].min()),
+        "norm_ratio_dev": float(np.abs(m["norm_ratio_topk"] - 1).max()),
+        "js_mean": float(m["js"].mean()),
+        # over the reference's top-k logits only (the fixture holds no more)
+        "max_abs_diff_max": float(m["max_abs_diff_topk"].max()),
+        "nmse_mean": float(m["nmse_topk"].mean()),
+        "nmse_max": float(m["nmse_topk"].max()),
+        "spearman_mean": float(np.nanmean(m["spearman_top10"])),
+        "spearman_min": float(np.nanmin(m["spearman_top10"])),
+    }
+    upper = {
+        "mean_kld": float(m["kld_upper"].mean()),
+        "p99_kld": float(np.quantile(m["kld_upper"], 0.99)),
+        "max_kld": float(m["kld_upper"].max()),
+    }
     tail = {"tail_mass_mean": float(m["tail_mass"].mean()), "tail_mass_max": float(m["tail_mass"].max())}
     return measured, upper, tail

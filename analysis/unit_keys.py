@@ -23,8 +23,9 @@ def cell_key(ref_id: str, ref_digest: str, floor: float, shards: dict[int, str],
     return unit_key(kernel, ref=ref_id, ref_digest=ref_digest, floor=floor, shards=shards)
 
 
-def as_measured(wh: Warehouse, cell_id: str, parts: tuple, meta: dict | None,
-                log: Callable[[str], None]) -> dict | None:
+def as_measured(
+    wh: Warehouse, cell_id: str, parts: tuple, meta: dict | None, log: Callable[[str], None]
+) -> dict | None:
     """A cell whose shards keep no values (keep_rows: references) cannot be measured again: its
     metrics stay as its actor measured them, under their own kernel version, where they were
     measured from these very rows and this reference (parts: cell_key's inputs now; meta: its
@@ -33,12 +34,18 @@ def as_measured(wh: Warehouse, cell_id: str, parts: tuple, meta: dict | None,
         return None
     path = wh.shard_path(cell_id, 0)
     if meta is None:
-        raise UserError(f"{path}: no metrics, and its rows' values were not kept (keep_rows: references); "
-                        "`matrix run` of its spec captures it again")
+        raise UserError(
+            f"{path}: no metrics, and its rows' values were not kept (keep_rows: references); "
+            "`matrix run` of its spec captures it again"
+        )
     if meta.get("key") != cell_key(*parts, kernel=meta.get("kernel_version")):
-        raise UserError(f"{path}: its metrics were measured against another reference or other rows of it, "
-                        f"and its rows' values were not kept (keep_rows: references); analyze with the "
-                        "reference it was measured against, or capture it again")
-    log(f"cell {cell_id}: its metrics stay as measured where it was captured (kernel "
-        f"{meta.get('kernel_version')}): its rows' values were not kept (keep_rows: references)")
+        raise UserError(
+            f"{path}: its metrics were measured against another reference or other rows of it, "
+            f"and its rows' values were not kept (keep_rows: references); analyze with the "
+            "reference it was measured against, or capture it again"
+        )
+    log(
+        f"cell {cell_id}: its metrics stay as measured where it was captured (kernel "
+        f"{meta.get('kernel_version')}): its rows' values were not kept (keep_rows: references)"
+    )
     return meta

@@ -28,8 +28,15 @@ from typing import Any, Callable
 from common.files import cache_root, sha256_file
 
 PATH_FIELDS = ("source",)  # recipe fields that say where the source was, not what it was
-SOURCE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
+SOURCE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
 _HELD: dict[str, int] = {}  # artifact directory -> the fd holding its shared lock in this process
 
 
@@ -85,8 +92,9 @@ def _hold(d: Path) -> bool:
     return True
 
 
-def ensure(kind: str, name: str, recipe: dict[str, Any], build: Callable[[Path], None],
-           content: str | None = None) -> dict[str, Any]:
+def ensure(
+    kind: str, name: str, recipe: dict[str, Any], build: Callable[[Path], None], content: str | None = None
+) -> dict[str, Any]:
     """Return {path, sha256, recipe} for the artifact, building it once if needed, and hold it
     (shared) for the rest of this process. content: content_key of the source, when the recipe
     names it by path.
@@ -102,8 +110,9 @@ def ensure(kind: str, name: str, recipe: dict[str, Any], build: Callable[[Path],
                 build(tmp)
                 digest = _digest(tmp)
                 os.replace(tmp, d / name)
-                meta.write_text(json.dumps({**recipe, "kind": kind, "sha256": digest, "file": name},
-                                           indent=1, sort_keys=True))
+                meta.write_text(
+                    json.dumps({**recipe, "kind": kind, "sha256": digest, "file": name}, indent=1, sort_keys=True)
+                )
     (d / ".last-used").write_text(f"{time.time():.0f}\n")
     data = json.loads((d / "recipe.json").read_text())
     return {"path": str(d / name), "sha256": data["sha256"], "recipe": recipe}
@@ -130,9 +139,16 @@ class Artifact:
     last_used: float  # seconds since the epoch: its last load, else when it was built
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "dir": str(self.dir), "file": self.file, "sha256": self.sha256,
-                "bytes": self.bytes, "last_used": self.last_used, "tool": self.recipe.get("tool"),
-                "recipe": self.recipe}
+        return {
+            "kind": self.kind,
+            "dir": str(self.dir),
+            "file": self.file,
+            "sha256": self.sha256,
+            "bytes": self.bytes,
+            "last_used": self.last_used,
+            "tool": self.recipe.get("tool"),
+            "recipe": self.recipe,
+        }
 
 
 def listing() -> list[Artifact]:
@@ -142,9 +158,17 @@ def listing() -> list[Artifact]:
         d = meta.parent
         recipe = json.loads(meta.read_text())
         used = d / ".last-used"
-        out.append(Artifact(d.parent.name, d, recipe.get("file", ""), recipe.get("sha256", ""), recipe,
-                            sum(f.stat().st_size for f in d.rglob("*") if f.is_file()),
-                            float(used.read_text()) if used.is_file() else meta.stat().st_mtime))
+        out.append(
+            Artifact(
+                d.parent.name,
+                d,
+                recipe.get("file", ""),
+                recipe.get("sha256", ""),
+                recipe,
+                sum(f.stat().st_size for f in d.rglob("*") if f.is_file()),
+                float(used.read_text()) if used.is_file() else meta.stat().st_mtime,
+            )
+        )
     return sorted(out, key=lambda a: (a.last_used, str(a.dir)))
 
 

@@ -77,13 +77,16 @@ class Backend:
         artifact = getattr(cell, "artifact", None)
         if artifact and not cls.runs_files:
             return f"engine {cls.engine} does not run a given artifact"
-        if (not artifact or "gguf" not in cls.runs_files) and cell.dtype not in cls.dtypes:  # a GGUF runs what it declares
+        if (
+            not artifact or "gguf" not in cls.runs_files
+        ) and cell.dtype not in cls.dtypes:  # a GGUF runs what it declares
             return f"engine {cls.engine} does not run dtype {cell.dtype} (runs: {', '.join(sorted(cls.dtypes))})"
         if cell.attention not in cls.attention:
-            return (f"engine {cls.engine} has no attention '{cell.attention}' "
-                    f"(has: {', '.join(sorted(cls.attention))})")
+            return f"engine {cls.engine} has no attention '{cell.attention}' (has: {', '.join(sorted(cls.attention))})"
         if cell.device not in cls.devices:
-            return f"engine {cls.engine} does not run on device {cell.device} (runs on: {', '.join(sorted(cls.devices))})"
+            return (
+                f"engine {cls.engine} does not run on device {cell.device} (runs on: {', '.join(sorted(cls.devices))})"
+            )
         if cell.tp > cls.max_tp:
             return f"engine {cls.engine} supports tp up to {cls.max_tp} in this version (asked tp={cell.tp})"
         return None

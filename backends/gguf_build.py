@@ -27,16 +27,29 @@ from common.files import cache_root, check_gguf, pip_download
 FLOAT_TYPES = {"fp32": "f32", "f16": "f16", "bf16": "bf16"}
 # dtype -> llama_ftype name (llama.h)
 QUANT_TYPES = {
-    "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
-    "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0",
-    "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
-    "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
+    "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+    "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
+    "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+    "q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0",
+    "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+    "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+    "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
+    "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
     "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K",
 }
 # The ggml type a quant is named after. K-quants need rows that are a multiple of 256;
 # llama.cpp silently substitutes another type for a tensor that is not (e.g. Q4_K -> Q5_0).
-PRIMARY_TYPE = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k_m": "Q5_K", "q5_0": "Q5_0", "q4_k_m": "Q4_K",
-                "q4_0": "Q4_0", "q4_1": "Q4_1", "q3_k_m": "Q3_K", "q2_k": "Q2_K"}
+PRIMARY_TYPE = {
+    "q8_0": "Q8_0",
+    "q6_k": "Q6_K",
+    "q5_k_m": "Q5_K",
+    "q5_0": "Q5_0",
+    "q4_k_m": "Q4_K",
+    "q4_0": "Q4_0",
+    "q4_1": "Q4_1",
+    "q3_k_m": "Q3_K",
+    "q2_k": "Q2_K",
+}
 
 
 def tools_dir() -> Path:
@@ -65,8 +78,9 @@ def vendor_tree(version: str, d: Path, want: tuple[str, ...] | None = None) -> N
     with tempfile.TemporaryDirectory(dir=d.parent) as tmp:
         # --no-binary for this package only: ":all:" would also force every build dependency
         # of pip's metadata step to build from source (minutes of needless work).
-        sdist = pip_download(f"llama-cpp-python=={version}", Path(tmp),
-                             extra=("--no-binary", "llama-cpp-python"), pattern="*.tar.gz")
+        sdist = pip_download(
+            f"llama-cpp-python=={version}", Path(tmp), extra=("--no-binary", "llama-cpp-python"), pattern="*.tar.gz"
+        )
         out = Path(tmp) / "out"
         with tarfile.open(sdist) as tf:
             for m in tf.getmembers():
@@ -82,13 +96,25 @@ def convert(hf_dir: str, weights_sha256: str | None, outtype: str) -> dict[str, 
     import llama_cpp
 
     tools = tools_dir()
-    recipe = {"tool": "convert_hf_to_gguf.py", "llama_cpp_python": llama_cpp.__version__,
-              "source": hf_dir, "source_weights_sha256": weights_sha256, "outtype": outtype}
+    recipe = {
+        "tool": "convert_hf_to_gguf.py",
+        "llama_cpp_python": llama_cpp.__version__,
+        "source": hf_dir,
+        "source_weights_sha256": weights_sha256,
+        "outtype": outtype,
+    }
 
     def build(tmp: Path) -> None:
         env = {**os.environ, "PYTHONPATH": f"{tools / 'gguf-py'}{os.pathsep}{tools}"}
-        cmd = [sys.executable, str(tools / "convert_hf_to_gguf.py"), hf_dir, "--outtype", outtype,
-               "--outfile", str(tmp)]
+        cmd = [
+            sys.executable,
+            str(tools / "convert_hf_to_gguf.py"),
+            hf_dir,
+            "--outtype",
+            outtype,
+            "--outfile",
+            str(tmp),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["failed"]
@@ -105,9 +131,13 @@ def quantize(f32: dict[str, Any], dtype: str, threads: int, imatrix: dict[str, A
     import llama_cpp
 
     ftype_name = QUANT_TYPES[dtype]
-    recipe = {"tool": "llama_model_quantize", "llama_cpp_python": llama_cpp.__version__,
-              "source_sha256": f32["sha256"], "ftype": ftype_name,
-              "imatrix": None if imatrix is None else {"sha256": imatrix["sha256"], **imatrix["recipe"]}}
+    recipe = {
+        "tool": "llama_model_quantize",
+        "llama_cpp_python": llama_cpp.__version__,
+        "source_sha256": f32["sha256"],
+        "ftype": ftype_name,
+        "imatrix": None if imatrix is None else {"sha256": imatrix["sha256"], **imatrix["recipe"]},
+    }
 
     def build(tmp: Path) -> None:
         params = llama_cpp.llama_model_quantize_default_params()
@@ -148,21 +178,33 @@ def published(path: str, sha256: str | None, source: str | None = None) -> dict[
     got = file_sha256(Path(path))
     if sha256 and got != sha256:
         raise RuntimeError(f"{path}: sha256 {got}, but the driver recorded {sha256} for this candidate")
-    return {"path": path, "sha256": got,
-            "recipe": {"tool": "published artifact", "source": source or path, "file": Path(path).name}}
+    return {
+        "path": path,
+        "sha256": got,
+        "recipe": {"tool": "published artifact", "source": source or path, "file": Path(path).name},
+    }
 
 
-def build_for(dtype: str, hf_dir: str, weights_sha256: str | None, threads: int,
-              original: str | None = None, original_quant: str | None = None,
-              imatrix: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_for(
+    dtype: str,
+    hf_dir: str,
+    weights_sha256: str | None,
+    threads: int,
+    original: str | None = None,
+    original_quant: str | None = None,
+    imatrix: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The GGUF for a cell dtype. A catalog model's own file serves its own quant type (unless an
     imatrix is asked for: then llama.cpp quantises the reference with it)."""
     if original and original_quant == dtype and imatrix is None:
         from common.files import file_sha256
 
         check_gguf(original)
-        return {"path": original, "sha256": file_sha256(Path(original)),
-                "recipe": {"tool": "as shipped", "source": original}}
+        return {
+            "path": original,
+            "sha256": file_sha256(Path(original)),
+            "recipe": {"tool": "as shipped", "source": original},
+        }
     if dtype in FLOAT_TYPES:
         return convert(hf_dir, weights_sha256, FLOAT_TYPES[dtype])
     if dtype in QUANT_TYPES:
@@ -171,12 +213,15 @@ def build_for(dtype: str, hf_dir: str, weights_sha256: str | None, threads: int,
         if imatrix is not None:
             from backends.gguf_imatrix import collect
 
-            weights = collect(f32, imatrix["text"], imatrix["corpus"], imatrix["sha256"], imatrix["chunks"],
-                              imatrix["ctx"], threads)
+            weights = collect(
+                f32, imatrix["text"], imatrix["corpus"], imatrix["sha256"], imatrix["chunks"], imatrix["ctx"], threads
+            )
         art = quantize(f32, dtype, threads, weights)
         types = tensor_types(art["path"])
         if PRIMARY_TYPE[dtype] not in types:
-            raise SkipCell(f"the tensor shapes do not allow {dtype}: llama.cpp stored no tensor as "
-                           f"{PRIMARY_TYPE[dtype]} (got {', '.join(f'{k} x{v}' for k, v in types.items())})")
+            raise SkipCell(
+                f"the tensor shapes do not allow {dtype}: llama.cpp stored no tensor as "
+                f"{PRIMARY_TYPE[dtype]} (got {', '.join(f'{k} x{v}' for k, v in types.items())})"
+            )
         return art
     raise UserError(f"llama.cpp has no dtype {dtype!r}")

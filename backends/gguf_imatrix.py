@@ -112,7 +112,7 @@ def chunks_of(ids: list[int], ctx: int, chunks: int | None, bos: int | None) -> 
     n = len(ids) // ctx if not chunks else min(chunks, len(ids) // ctx)
     out = []
     for i in range(n):
-        c = list(ids[i * ctx:(i + 1) * ctx])
+        c = list(ids[i * ctx : (i + 1) * ctx])
         if bos is not None:
             c[0] = bos
         out.append(c)
@@ -149,16 +149,24 @@ def _run_chunks(lc, model, chunks: list[list[int]], ctx: int, threads: int, col:
             lc.llama_free(lctx)
 
 
-def collect(gguf: dict[str, Any], text: str, label: str, text_sha256: str, chunks: int | None, ctx: int,
-            threads: int) -> dict[str, Any]:
+def collect(
+    gguf: dict[str, Any], text: str, label: str, text_sha256: str, chunks: int | None, ctx: int, threads: int
+) -> dict[str, Any]:
     """The imatrix of `gguf` (the F32 file quantisation starts from) on a calibration text, as an
     artifact in llama.cpp's GGUF imatrix format; its recipe says what it was computed on."""
     import llama_cpp as lc
 
     from backends.llama_binding import quiet_logs, tokenize_with
 
-    recipe = {"tool": COLLECTOR, "llama_cpp_python": lc.__version__, "source_sha256": gguf["sha256"],
-              "calibration": label, "calibration_sha256": text_sha256, "chunks_asked": chunks, "ctx": ctx}
+    recipe = {
+        "tool": COLLECTOR,
+        "llama_cpp_python": lc.__version__,
+        "source_sha256": gguf["sha256"],
+        "calibration": label,
+        "calibration_sha256": text_sha256,
+        "chunks_asked": chunks,
+        "ctx": ctx,
+    }
 
     def build(tmp: Path) -> None:
         quiet_logs()
@@ -184,13 +192,24 @@ def collect(gguf: dict[str, Any], text: str, label: str, text_sha256: str, chunk
 
     art = ensure("imatrix", "imatrix.gguf", recipe, build)
     meta = read(art["path"])
-    art["recipe"] = {**recipe, "chunks": meta["chunk_count"], "entries": len(meta["entries"]),
-                     "tokens": meta["tokens"], "tokens_used": meta["chunk_count"] * ctx}
+    art["recipe"] = {
+        **recipe,
+        "chunks": meta["chunk_count"],
+        "entries": len(meta["entries"]),
+        "tokens": meta["tokens"],
+        "tokens_used": meta["chunk_count"] * ctx,
+    }
     return art
 
 
-def write(path: Path, stats: dict[str, list], datasets: list[str], chunk_count: int, chunk_size: int,
-          tokens: int | None = None) -> None:
+def write(
+    path: Path,
+    stats: dict[str, list],
+    datasets: list[str],
+    chunk_count: int,
+    chunk_size: int,
+    tokens: int | None = None,
+) -> None:
     """save_imatrix's GGUF layout: <w>.in_sum2 (cols, n_mat) and <w>.counts (1, n_mat), f32, sorted by name
     (plus the calibration text's token count, a key llama.cpp's loader ignores)."""
     from gguf import GGUFWriter
@@ -229,13 +248,18 @@ def read(path: str) -> dict[str, Any]:
     for t in r.tensors:
         arr = np.asarray(t.data, dtype=np.float32).reshape(-1, int(t.shape[0]))  # (n_mat, cols)
         if t.name.endswith(".in_sum2"):
-            sums[t.name[:-len(".in_sum2")]] = arr
+            sums[t.name[: -len(".in_sum2")]] = arr
         elif t.name.endswith(".counts"):
-            counts[t.name[:-len(".counts")]] = arr.reshape(-1)
+            counts[t.name[: -len(".counts")]] = arr.reshape(-1)
     if set(sums) != set(counts):
         raise UserError(f"{path}: sums and counts name different tensors")
-    return {"datasets": list(val("imatrix.datasets", [])), "chunk_count": int(val("imatrix.chunk_count", 0)),
-            "chunk_size": int(val("imatrix.chunk_size", 0)), "tokens": val(TOKENS_KEY), "entries": {k: (sums[k], counts[k]) for k in sums}}
+    return {
+        "datasets": list(val("imatrix.datasets", [])),
+        "chunk_count": int(val("imatrix.chunk_count", 0)),
+        "chunk_size": int(val("imatrix.chunk_size", 0)),
+        "tokens": val(TOKENS_KEY),
+        "entries": {k: (sums[k], counts[k]) for k in sums},
+    }
 
 
 def quantize_inputs(path: str, label: str) -> tuple[Any, Any, list]:
@@ -254,9 +278,12 @@ def quantize_inputs(path: str, label: str) -> tuple[Any, Any, list]:
         arr[i].name, arr[i].size = bname, vals.size
         arr[i].data = vals.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
     kv = (lc.llama_model_kv_override * 5)()
-    items = [("quantize.imatrix.file", Path(path).name), ("quantize.imatrix.dataset", label),
-             ("quantize.imatrix.entries_count", len(im["entries"])),
-             ("quantize.imatrix.chunks_count", im["chunk_count"])]
+    items = [
+        ("quantize.imatrix.file", Path(path).name),
+        ("quantize.imatrix.dataset", label),
+        ("quantize.imatrix.entries_count", len(im["entries"])),
+        ("quantize.imatrix.chunks_count", im["chunk_count"]),
+    ]
     for o, (key, v) in zip(kv, items):
         o.key = key.encode()
         if isinstance(v, int):

@@ -78,19 +78,28 @@ class HFBackend(Backend):
         tp_kw = self._init_tp(torch, transformers) if self.dist else {}
         # Load with dtype= (not .to()): .to(bf16) would also cast the rotary inv_freq buffer.
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=dtype, attn_implementation=hf_sdpa.implementation(self.stack.attention),
-            output_loading_info=True, **tp_kw, **quant, **self._src)
+            self.model_dir,
+            dtype=dtype,
+            attn_implementation=hf_sdpa.implementation(self.stack.attention),
+            output_loading_info=True,
+            **tp_kw,
+            **quant,
+            **self._src,
+        )
         problems = []
         for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
             keys = sorted(str(k) for k in info.get(kind) or ())
             if keys:
-                problems.append(f"{kind.replace('_', ' ')}: {', '.join(keys[:8])}"
-                                + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else ""))
+                problems.append(
+                    f"{kind.replace('_', ' ')}: {', '.join(keys[:8])}"
+                    + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else "")
+                )
         if info.get("error_msgs"):
             problems.append("errors: " + "; ".join(map(str, info["error_msgs"]))[:300])
         if problems:
-            raise OracleError(f"{self.model_dir}: refusing to run, weights not loaded from the checkpoint: "
-                              + "; ".join(problems))
+            raise OracleError(
+                f"{self.model_dir}: refusing to run, weights not loaded from the checkpoint: " + "; ".join(problems)
+            )
         if not quant:  # quantised weights cannot equal the checkpoint's; the loading report above stands
             verify_against_checkpoint(model, self.model_dir)
         self.model = (model if self.dist else model.to(self.torch_device)).eval()
@@ -118,14 +127,25 @@ class HFBackend(Backend):
             # Every rank sees the group's GPUs instead, and picks its own by index (as Ray Train does).
             visible, local = shared_devices(d["own_gpus"], d["node_gpus"])
             os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before CUDA initialises in this process
-        os.environ.update(MASTER_ADDR=d["master_addr"], MASTER_PORT=str(d["master_port"]), RANK=str(d["rank"]),
-                          WORLD_SIZE=str(d["world_size"]), LOCAL_RANK=str(local))
+        os.environ.update(
+            MASTER_ADDR=d["master_addr"],
+            MASTER_PORT=str(d["master_port"]),
+            RANK=str(d["rank"]),
+            WORLD_SIZE=str(d["world_size"]),
+            LOCAL_RANK=str(local),
+        )
         backend = "gloo" if self.torch_device == "cpu" else "nccl"
         if self.torch_device == "cuda":
             torch.cuda.set_device(local)
         torch.distributed.init_process_group(backend, rank=d["rank"], world_size=d["world_size"])
-        self._tp = {"world_size": d["world_size"], "rank": d["rank"], "backend": backend, "tp_plan": "auto",
-                    "cuda_visible_devices": visible, "local_device": local}
+        self._tp = {
+            "world_size": d["world_size"],
+            "rank": d["rank"],
+            "backend": backend,
+            "tp_plan": "auto",
+            "cuda_visible_devices": visible,
+            "local_device": local,
+        }
         return {"tp_plan": "auto"}
 
     def settings(self) -> dict[str, Any]:
@@ -138,7 +158,11 @@ class HFBackend(Backend):
             "dtype": self.stack.dtype,
             "torch_dtype": str(next(self.model.parameters()).dtype),
             "attention": cfg._attn_implementation,
-            **({"sdpa_kernel": hf_sdpa.KERNELS[self.stack.attention]} if self.stack.attention in hf_sdpa.KERNELS else {}),
+            **(
+                {"sdpa_kernel": hf_sdpa.KERNELS[self.stack.attention]}
+                if self.stack.attention in hf_sdpa.KERNELS
+                else {}
+            ),
             "threads": torch.get_num_threads(),
             "interop_threads": torch.get_num_interop_threads(),
             "torch_device": self.torch_device,
@@ -151,11 +175,19 @@ class HFBackend(Backend):
             "cuda": torch.version.cuda,
             "gpu": torch.cuda.get_device_name(0) if self.torch_device == "cuda" else None,
             "machine": platform.machine(),
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                         **_accelerate(), "safetensors": safetensors.__version__,
-                         "numpy": np.__version__, **({self.recipe["tool"]: self.recipe["version"]} if self.recipe else {})},
-            **({"quantizer": self.recipe["tool"], "artifact": {"path": None, "sha256": None, "recipe": self.recipe}}
-               if self.recipe else {}),
+            "versions": {
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                **_accelerate(),
+                "safetensors": safetensors.__version__,
+                "numpy": np.__version__,
+                **({self.recipe["tool"]: self.recipe["version"]} if self.recipe else {}),
+            },
+            **(
+                {"quantizer": self.recipe["tool"], "artifact": {"path": None, "sha256": None, "recipe": self.recipe}}
+                if self.recipe
+                else {}
+            ),
             **({"artifact": self.artifact} if self.artifact else {}),
             "model_facts": model_facts(self.model),
         }
@@ -172,7 +204,6 @@ class HFBackend(Backend):
             return logits.view(torch.int16).numpy().view(np.uint16)  # raw bf16 bits
         return logits.numpy()
 
-
     def _grad_off(self):
         # optimum-quanto 0.2.7's int4 weights unpack with in-place ops that inference_mode forbids
         # ("Cannot set version_counter for inference tensor"): no_grad is the same arithmetic
@@ -185,11 +216,14 @@ class HFBackend(Backend):
         dev = self.torch_device
         rows = []
         with torch.inference_mode(), hf_sdpa.pinned(torch, self.model, self.stack.attention, at + 1):
-            out = self.model(input_ids=torch.tensor([token_ids[:at + 1]], device=dev), use_cache=True, logits_to_keep=1)
+            out = self.model(
+                input_ids=torch.tensor([token_ids[: at + 1]], device=dev), use_cache=True, logits_to_keep=1
+            )
             cache = out.past_key_values
             for s in range(1, steps + 1):
-                out = self.model(input_ids=torch.tensor([[token_ids[at + s]]], device=dev), past_key_values=cache,
-                                 use_cache=True)
+                out = self.model(
+                    input_ids=torch.tensor([[token_ids[at + s]]], device=dev), past_key_values=cache, use_cache=True
+                )
                 cache = out.past_key_values
                 rows.append(out.logits[0, -1].detach().to("cpu"))  # (vocab,), native dtype
         logits = torch.stack(rows)  # (steps, vocab)
@@ -197,7 +231,10 @@ class HFBackend(Backend):
             return logits.view(torch.int16).numpy().view(np.uint16)
         return logits.numpy()
 
-    layer_sources = {"layer": "model.layers.{i} output (forward hook)", "final_norm": "model.norm output (forward hook)"}
+    layer_sources = {
+        "layer": "model.layers.{i} output (forward hook)",
+        "final_norm": "model.norm output (forward hook)",
+    }
 
     def n_layers(self) -> int:
         return len(self.model.model.layers)
@@ -205,8 +242,9 @@ class HFBackend(Backend):
     def layer_states(self, token_ids: list[int], positions: list[int], layers: list[int]) -> dict[str, np.ndarray]:
         return self.forward_and_layers(token_ids, positions, layers)[1]
 
-    def forward_and_layers(self, token_ids: list[int], positions: list[int],
-                           layers: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def forward_and_layers(
+        self, token_ids: list[int], positions: list[int], layers: list[int]
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """forward() with forward hooks on the decoder layers asked for and on the final norm (HF's
         own output_hidden_states would give the last layer after the norm, not before it); the
         hooks only copy rows out, so the logits are forward()'s."""
@@ -218,6 +256,7 @@ class HFBackend(Backend):
             def f(_mod, _args, out):
                 h = out[0] if isinstance(out, tuple) else out  # (1, T, hidden)
                 got[name] = h[0, keep].detach().to("cpu")  # (rows, hidden), native dtype
+
             return f
 
         stack = self.model.model
@@ -229,8 +268,10 @@ class HFBackend(Backend):
         finally:
             for h in handles:
                 h.remove()
-        return logits, {k: (v.view(torch.int16).numpy().view(np.uint16) if v.dtype == torch.bfloat16 else v.numpy())
-                        for k, v in got.items()}
+        return logits, {
+            k: (v.view(torch.int16).numpy().view(np.uint16) if v.dtype == torch.bfloat16 else v.numpy())
+            for k, v in got.items()
+        }
 
     def _tok(self):
         if getattr(self, "_tokenizer", None) is None:
@@ -244,8 +285,7 @@ class HFBackend(Backend):
 
     def special_tokens(self) -> dict[str, Any]:
         t = self._tok()
-        return {"bos": t.bos_token_id, "eos": t.eos_token_id,
-                "add_bos": bool(getattr(t, "add_bos_token", False))}
+        return {"bos": t.bos_token_id, "eos": t.eos_token_id, "add_bos": bool(getattr(t, "add_bos_token", False))}
 
     def close(self) -> None:
         self.model = None
@@ -281,8 +321,7 @@ def verify_against_checkpoint(model, model_dir: str) -> None:
                 full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a TP shard: compare the whole
                 if not torch.equal(full.detach(), fh.get_tensor(key).to(p.dtype)):
                     bad.append(key)
-    tied = {k for k, p in params.items() if k not in seen and any(
-        p is q for k2, q in params.items() if k2 in seen)}
+    tied = {k for k, p in params.items() if k not in seen and any(p is q for k2, q in params.items() if k2 in seen)}
     missing = sorted(k for k in params if k not in seen and k not in tied)
     if missing or bad:
         parts = []
@@ -301,8 +340,11 @@ def model_facts(model) -> dict[str, Any]:
     emb = model.get_input_embeddings()
     scale = getattr(emb, "embed_scale", None)
     types = list(getattr(cfg, "layer_types", None) or [])
-    return {"model_type": cfg.model_type, "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
-            "embed_scale": None if scale is None else float(scale.to(emb.weight.dtype)),
-            "sliding_window": getattr(cfg, "sliding_window", None),
-            "layer_types": {t: types.count(t) for t in dict.fromkeys(types)} or None,
-            "final_logit_softcapping": getattr(cfg, "final_logit_softcapping", None)}
+    return {
+        "model_type": cfg.model_type,
+        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+        "embed_scale": None if scale is None else float(scale.to(emb.weight.dtype)),
+        "sliding_window": getattr(cfg, "sliding_window", None),
+        "layer_types": {t: types.count(t) for t in dict.fromkeys(types)} or None,
+        "final_logit_softcapping": getattr(cfg, "final_logit_softcapping", None),
+    }

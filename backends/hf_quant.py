@@ -37,8 +37,10 @@ def unsupported(dtype: str, opts: dict, device: str) -> str | None:
     if not found:
         return f"dtype {dtype} with quantizer {q} needs the Python package {REQUIRES[q].split('.')[-1]}, not installed"
     if q == "torchao" and dtype == "int4" and device == "cpu":
-        return ("torchao has no CPU kernel for int4 weight-only (its packings are for CUDA / XPU); "
-                "use quantizer: quanto on CPU")
+        return (
+            "torchao has no CPU kernel for int4 weight-only (its packings are for CUDA / XPU); "
+            "use quantizer: quanto on CPU"
+        )
     return None
 
 
@@ -51,13 +53,23 @@ def config(dtype: str, opts: dict) -> tuple[Any, dict[str, Any]]:
         from transformers import TorchAoConfig
 
         cfg = Int8WeightOnlyConfig() if dtype == "int8" else Int4WeightOnlyConfig(group_size=128)
-        return TorchAoConfig(cfg), {"tool": "torchao", "version": torchao.__version__, "config": repr(cfg),
-                                    "weights": dtype, "activations": "fp32", "calibration": None}
+        return TorchAoConfig(cfg), {
+            "tool": "torchao",
+            "version": torchao.__version__,
+            "config": repr(cfg),
+            "weights": dtype,
+            "activations": "fp32",
+            "calibration": None,
+        }
     import importlib.metadata
 
     from transformers import QuantoConfig
 
-    return QuantoConfig(weights=dtype), {"tool": "optimum-quanto",
-                                         "version": importlib.metadata.version("optimum-quanto"),
-                                         "config": f"QuantoConfig(weights={dtype!r})", "weights": dtype,
-                                         "activations": "fp32", "calibration": None}
+    return QuantoConfig(weights=dtype), {
+        "tool": "optimum-quanto",
+        "version": importlib.metadata.version("optimum-quanto"),
+        "config": f"QuantoConfig(weights={dtype!r})",
+        "weights": dtype,
+        "activations": "fp32",
+        "calibration": None,
+    }

@@ -14,8 +14,12 @@ import contextlib
 
 from backends.base import SkipCell
 
-KERNELS = {"sdpa_math": "MATH", "sdpa_flash": "FLASH_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION",
-           "sdpa_cudnn": "CUDNN_ATTENTION"}
+KERNELS = {
+    "sdpa_math": "MATH",
+    "sdpa_flash": "FLASH_ATTENTION",
+    "sdpa_efficient": "EFFICIENT_ATTENTION",
+    "sdpa_cudnn": "CUDNN_ATTENTION",
+}
 CUDA_ONLY = {"sdpa_efficient", "sdpa_cudnn"}  # PyTorch builds these kernels for CUDA devices only
 
 
@@ -50,8 +54,10 @@ def pinned(torch, model, attention: str, tokens: int):
         if "No viable backend" in text or "No available kernel" in text:
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
             device = next(model.parameters()).device.type
-            raise SkipCell(f"attention {attention}: PyTorch {torch.__version__} has no {KERNELS[attention]} "
-                           f"SDPA kernel for this model on {device} ({dtype}) at {tokens} token{'s' if tokens != 1 else ''}") from None
+            raise SkipCell(
+                f"attention {attention}: PyTorch {torch.__version__} has no {KERNELS[attention]} "
+                f"SDPA kernel for this model on {device} ({dtype}) at {tokens} token{'s' if tokens != 1 else ''}"
+            ) from None
         raise
 
 

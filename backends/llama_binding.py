@@ -27,6 +27,7 @@ def quiet_logs() -> None:
 
     with _LOG_LOCK:
         if _LOG_CB is None:
+
             def cb(level, text, _user):
                 if level == 4:  # GGML_LOG_LEVEL_ERROR
                     sys.stderr.write(text.decode(errors="replace"))
@@ -132,13 +133,20 @@ class GgmlTensor(ctypes.Structure):
 
 
 GgmlTensor._fields_ = [
-    ("type", ctypes.c_int), ("buffer", ctypes.c_void_p),
-    ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4),
-    ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16), ("flags", ctypes.c_int32),
+    ("type", ctypes.c_int),
+    ("buffer", ctypes.c_void_p),
+    ("ne", ctypes.c_int64 * 4),
+    ("nb", ctypes.c_size_t * 4),
+    ("op", ctypes.c_int),
+    ("op_params", ctypes.c_int32 * 16),
+    ("flags", ctypes.c_int32),
     ("src", ctypes.POINTER(GgmlTensor) * 10),
-    ("view_src", ctypes.c_void_p), ("view_offs", ctypes.c_size_t),
-    ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64),
-    ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8),
+    ("view_src", ctypes.c_void_p),
+    ("view_offs", ctypes.c_size_t),
+    ("data", ctypes.c_void_p),
+    ("name", ctypes.c_char * 64),
+    ("extra", ctypes.c_void_p),
+    ("padding", ctypes.c_char * 8),
 ]
 
 
@@ -219,7 +227,7 @@ class LayerTaps:
     def _take(self, name: str, x: np.ndarray) -> None:
         if name in self.outputs_only:  # output rows: the next x.shape[0] sampled positions, in order
             done = self._outputs.get(name, 0)
-            pos = self.positions[done:done + x.shape[0]]
+            pos = self.positions[done : done + x.shape[0]]
             self._outputs[name] = done + x.shape[0]
         else:  # every token of the decode's next ubatch
             k = self._seen.get(name, 0)

@@ -47,8 +47,23 @@ class LlamaCppBackend(Backend):
     engine = "llamacpp"
     dtypes = frozenset(FLOAT_TYPES) | frozenset(QUANT_TYPES)
     attention = frozenset({"default", "flash_attn", "eager"})  # eager = flash attention off
-    devices = frozenset({"cpu", "cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm",
-                         "apple-m1", "apple-m2", "apple-m3", "apple-m4", "mps"})
+    devices = frozenset(
+        {
+            "cpu",
+            "cuda",
+            "h100",
+            "h200",
+            "b200",
+            "sm120",
+            "mi300x",
+            "rocm",
+            "apple-m1",
+            "apple-m2",
+            "apple-m3",
+            "apple-m4",
+            "mps",
+        }
+    )
     options = frozenset({"kv_cache", "n_batch", "n_ubatch", "imatrix"})
     libraries = ("llama_cpp_python", "gguf")  # gguf-py writes the converted and quantised files
     runs_files = frozenset({"gguf"})
@@ -73,9 +88,15 @@ class LlamaCppBackend(Backend):
         if st.artifact:  # a candidate: the published file as it is
             self.artifact = gguf_build.published(st.artifact, st.artifact_sha256, st.artifact_source)
         else:
-            self.artifact = gguf_build.build_for(st.dtype, self.model_dir, st.weights_sha256, self.threads,
-                                                 original=st.source_gguf, original_quant=st.source_quant,
-                                                 imatrix=self._imatrix())
+            self.artifact = gguf_build.build_for(
+                st.dtype,
+                self.model_dir,
+                st.weights_sha256,
+                self.threads,
+                original=st.source_gguf,
+                original_quant=st.source_quant,
+                imatrix=self._imatrix(),
+            )
         quiet_logs()
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
@@ -111,7 +132,9 @@ class LlamaCppBackend(Backend):
 
         text = self.stack.calibration_text
         if text is None or hashlib.sha256(text.encode()).hexdigest() != im["sha256"]:
-            raise RuntimeError(f"the calibration text for {im['corpus']} did not arrive intact (want sha256 {im['sha256']})")
+            raise RuntimeError(
+                f"the calibration text for {im['corpus']} did not arrive intact (want sha256 {im['sha256']})"
+            )
         return {**im, "text": text}
 
     def vocab_size(self) -> int:
@@ -119,23 +142,33 @@ class LlamaCppBackend(Backend):
 
     def _flash(self) -> int:
         lc = self._lc
-        return {"default": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "flash_attn": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-                "eager": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}[self.stack.attention]
+        return {
+            "default": lc.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            "flash_attn": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            "eager": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        }[self.stack.attention]
 
     def settings(self) -> dict[str, Any]:
         import llama_cpp
 
         info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
         return {
-            "dtype": self.stack.dtype, "gguf_tensor_types": self.tensor_types,
-            "n_batch": self.n_batch, "n_ubatch": self.n_ubatch, "kv_cache": self.kv_cache,
-            "n_ctx": "prompt length", "flash_attn": self.stack.attention, "threads": self.threads,
+            "dtype": self.stack.dtype,
+            "gguf_tensor_types": self.tensor_types,
+            "n_batch": self.n_batch,
+            "n_ubatch": self.n_ubatch,
+            "kv_cache": self.kv_cache,
+            "n_ctx": "prompt length",
+            "flash_attn": self.stack.attention,
+            "threads": self.threads,
             "context_per_prompt": "kept per prompt length, KV cache cleared before each prompt",
             "omp_wait_policy": self.wait_policy,
             "use_extra_bufts": self.extra_bufts,
             "n_gpu_layers": 0 if self.stack.device == "cpu" else 999,
-            "system_info": info, "machine": platform.machine(),
-            "artifact": self.artifact, "model_facts": self._facts(),
+            "system_info": info,
+            "machine": platform.machine(),
+            "artifact": self.artifact,
+            "model_facts": self._facts(),
             "versions": {"llama_cpp_python": llama_cpp.__version__, "numpy": np.__version__},
         }
 
@@ -148,11 +181,15 @@ class LlamaCppBackend(Backend):
             return buf.value.decode() if lc.llama_model_meta_val_str(self.model, key.encode(), buf, 256) >= 0 else None
 
         arch = meta("general.architecture")
-        return {"architecture": arch, "n_swa": int(lc.llama_model_n_swa(self.model)),
-                "sliding_window": meta(f"{arch}.attention.sliding_window"),
-                # llama.cpp's Gemma graphs scale the embeddings by sqrt(n_embd) in fp32
-                "embed_scale": float(np.float32(lc.llama_model_n_embd(self.model)) ** np.float32(0.5))
-                if arch and arch.startswith("gemma") else None}
+        return {
+            "architecture": arch,
+            "n_swa": int(lc.llama_model_n_swa(self.model)),
+            "sliding_window": meta(f"{arch}.attention.sliding_window"),
+            # llama.cpp's Gemma graphs scale the embeddings by sqrt(n_embd) in fp32
+            "embed_scale": float(np.float32(lc.llama_model_n_embd(self.model)) ** np.float32(0.5))
+            if arch and arch.startswith("gemma")
+            else None,
+        }
 
     layer_sources = {"layer": "l_out-{i}", "final_norm": "result_norm"}  # the graph's tensor names
 
@@ -164,8 +201,9 @@ class LlamaCppBackend(Backend):
         eval callback in the same prefill forward() runs (same batch and ubatch split)."""
         return self.forward_and_layers(token_ids, positions, layers)[1]
 
-    def forward_and_layers(self, token_ids: list[int], positions: list[int],
-                           layers: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def forward_and_layers(
+        self, token_ids: list[int], positions: list[int], layers: list[int]
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """One prefill: reading the taps leaves the logits bit for bit (tests/test_layer_states.py)."""
         from backends.llama_binding import LayerTaps
 
@@ -194,13 +232,23 @@ class LlamaCppBackend(Backend):
             raise RuntimeError("llama.cpp could not create a context")
         return ctx, cp
 
-    def _feed(self, ctx, batch, n_batch: int, tokens: list[int], first: int, want: dict[int, int],
-              out: np.ndarray | None, taps=None, n_ubatch: int = 0) -> None:
+    def _feed(
+        self,
+        ctx,
+        batch,
+        n_batch: int,
+        tokens: list[int],
+        first: int,
+        want: dict[int, int],
+        out: np.ndarray | None,
+        taps=None,
+        n_ubatch: int = 0,
+    ) -> None:
         """Decode tokens at positions first.. in batches of n_batch; the logits of each position in
         want go to out[want[position]]."""
         lc = self._lc
         for start in range(0, len(tokens), n_batch):
-            chunk = tokens[start:start + n_batch]
+            chunk = tokens[start : start + n_batch]
             batch.n_tokens = len(chunk)
             for j, tok in enumerate(chunk):
                 batch.token[j] = tok
@@ -214,8 +262,9 @@ class LlamaCppBackend(Backend):
             if taps is not None and taps.error is not None:
                 raise taps.error
             if rc != 0:
-                raise RuntimeError(f"llama_decode returned {rc} at positions {first + start}.."
-                                   f"{first + start + len(chunk) - 1}")
+                raise RuntimeError(
+                    f"llama_decode returned {rc} at positions {first + start}..{first + start + len(chunk) - 1}"
+                )
             for j in range(len(chunk)):
                 if (first + start + j) in want:
                     ptr = lc.llama_get_logits_ith(ctx, j)
@@ -257,7 +306,6 @@ class LlamaCppBackend(Backend):
                 self._lc.llama_free(ctx)
         return out
 
-
     def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
         """The prefill into the context's KV cache, then one llama_decode of one token per step
         (n_tokens = 1: the kernels a server's decode runs)."""
@@ -265,7 +313,7 @@ class LlamaCppBackend(Backend):
         out = np.empty((steps, self._n_vocab), dtype=np.float32)  # (steps, vocab)
         batch = self._lc.llama_batch_init(cp.n_batch, 0, 1)
         try:
-            self._feed(ctx, batch, cp.n_batch, token_ids[:at + 1], 0, {}, None)
+            self._feed(ctx, batch, cp.n_batch, token_ids[: at + 1], 0, {}, None)
             for s in range(1, steps + 1):
                 self._feed(ctx, batch, 1, [token_ids[at + s]], at + s, {at + s: s - 1}, out)
         finally:
@@ -273,10 +321,11 @@ class LlamaCppBackend(Backend):
             self._lc.llama_free(ctx)
         return out
 
-
     # how warm_rows reuses a cache, recorded in the settings of a cell that checks it
-    warm_rule = ("check: state saved, restored into a fresh context, all but the last token "
-                 "kept (llama_memory_seq_rm), the last one evaluated alone")
+    warm_rule = (
+        "check: state saved, restored into a fresh context, all but the last token "
+        "kept (llama_memory_seq_rm), the last one evaluated alone"
+    )
 
     def warm_rows(self, token_ids: list[int], positions: list[int]) -> tuple[int, np.ndarray]:
         """A prompt cache serving the same request again (llama-server's cache_prompt, llama-cpp-python's
@@ -314,8 +363,11 @@ class LlamaCppBackend(Backend):
 
     def special_tokens(self) -> dict[str, Any]:
         lc = self._lc
-        return {"bos": lc.llama_vocab_bos(self.vocab), "eos": lc.llama_vocab_eos(self.vocab),
-                "add_bos": bool(lc.llama_vocab_get_add_bos(self.vocab))}
+        return {
+            "bos": lc.llama_vocab_bos(self.vocab),
+            "eos": lc.llama_vocab_eos(self.vocab),
+            "add_bos": bool(lc.llama_vocab_get_add_bos(self.vocab)),
+        }
 
     def close(self) -> None:
         if getattr(self, "_kept", None) is not None:

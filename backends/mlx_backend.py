@@ -28,8 +28,13 @@ from backends.base import Backend, check_layers
 from common.errors import OracleError, UserError
 
 # dtype -> (weights dtype for mlx_lm.convert, quantisation bits or None). Group size 64, affine.
-MLX_DTYPES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "f16": ("float16", None),
-              "q8_g64": ("bfloat16", 8), "q4_g64": ("bfloat16", 4)}
+MLX_DTYPES = {
+    "fp32": ("float32", None),
+    "bf16": ("bfloat16", None),
+    "f16": ("float16", None),
+    "q8_g64": ("bfloat16", 8),
+    "q4_g64": ("bfloat16", 4),
+}
 GROUP_SIZE = 64
 QMM_TOLERANCE = 1e-2  # above this, the quantised matmul is not summing in fp32 (fp32 gives 0, bf16 ~3e-2)
 
@@ -45,8 +50,12 @@ def qmm_probe(mx, dtype, bits: int) -> dict[str, Any]:
     got = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=GROUP_SIZE, bits=bits).astype(mx.float32)
     want = x.astype(mx.float32) @ mx.dequantize(wq, s, b, group_size=GROUP_SIZE, bits=bits).astype(mx.float32).T
     err = float(mx.max(mx.abs(got - want)) / mx.max(mx.abs(want)))
-    return {"activation_dtype": str(dtype).split(".")[-1], "device": str(mx.default_device()), "rel_err": err,
-            "sums_in": "float32" if err <= QMM_TOLERANCE else "the activation dtype"}
+    return {
+        "activation_dtype": str(dtype).split(".")[-1],
+        "device": str(mx.default_device()),
+        "rel_err": err,
+        "sums_in": "float32" if err <= QMM_TOLERANCE else "the activation dtype",
+    }
 
 
 def fix_rope_theta(config_path: Path) -> float | None:
@@ -69,17 +78,30 @@ def convert(hf_dir: str, weights_sha256: str | None, dtype: str) -> dict[str, An
     from backends.artifacts import content_key, ensure
 
     wdtype, bits = MLX_DTYPES[dtype]
-    recipe = {"tool": "mlx_lm.convert", "mlx_lm": mlx_lm.__version__, "source": hf_dir,
-              "source_weights_sha256": weights_sha256, "dtype": wdtype, "q_bits": bits,
-              "q_group_size": GROUP_SIZE if bits else None, "q_mode": "affine" if bits else None,
-              "rope_theta_fix": True}
+    recipe = {
+        "tool": "mlx_lm.convert",
+        "mlx_lm": mlx_lm.__version__,
+        "source": hf_dir,
+        "source_weights_sha256": weights_sha256,
+        "dtype": wdtype,
+        "q_bits": bits,
+        "q_group_size": GROUP_SIZE if bits else None,
+        "q_mode": "affine" if bits else None,
+        "rope_theta_fix": True,
+    }
 
     def build(tmp: Path) -> None:
         from mlx_lm import convert as mlx_convert
 
         try:
-            mlx_convert(hf_dir, str(tmp), quantize=bits is not None, q_bits=bits,
-                        q_group_size=GROUP_SIZE if bits else None, dtype=wdtype)
+            mlx_convert(
+                hf_dir,
+                str(tmp),
+                quantize=bits is not None,
+                q_bits=bits,
+                q_group_size=GROUP_SIZE if bits else None,
+                dtype=wdtype,
+            )
         except (ValueError, KeyError, ImportError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise UserError(f"{hf_dir}: mlx_lm cannot convert this model: {str(e).splitlines()[0]}") from None
@@ -118,8 +140,10 @@ class MLXBackend(Backend):
         want = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
         got = getattr(getattr(self.model, "args", None), "rope_theta", None)
         if want is not None and got is not None and float(got) != float(want):
-            raise OracleError(f"{self.artifact['path']}: mlx-lm loaded rope_theta={got}, the checkpoint "
-                              f"says {want}; refusing to run (logits would be silently wrong)")
+            raise OracleError(
+                f"{self.artifact['path']}: mlx-lm loaded rope_theta={got}, the checkpoint "
+                f"says {want}; refusing to run (logits would be silently wrong)"
+            )
 
     def vocab_size(self) -> int:
         return self._vocab
@@ -129,11 +153,17 @@ class MLXBackend(Backend):
         import mlx_lm
 
         return {
-            "dtype": self.stack.dtype, "weights_dtype": MLX_DTYPES[self.stack.dtype][0],
-            "q_bits": MLX_DTYPES[self.stack.dtype][1], "q_group_size": GROUP_SIZE,
-            "device": str(mx.default_device()), "rope_theta": getattr(self.model.args, "rope_theta", None),
-            "threads": self.threads, "machine": platform.machine(), "artifact": self.artifact,
-            "activations": self.activations, "quantized_matmul": self._qmm(),
+            "dtype": self.stack.dtype,
+            "weights_dtype": MLX_DTYPES[self.stack.dtype][0],
+            "q_bits": MLX_DTYPES[self.stack.dtype][1],
+            "q_group_size": GROUP_SIZE,
+            "device": str(mx.default_device()),
+            "rope_theta": getattr(self.model.args, "rope_theta", None),
+            "threads": self.threads,
+            "machine": platform.machine(),
+            "artifact": self.artifact,
+            "activations": self.activations,
+            "quantized_matmul": self._qmm(),
             "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "numpy": np.__version__},
             "embed_scale": self._embed_scale(),
         }
@@ -145,7 +175,7 @@ class MLXBackend(Backend):
         if not str(getattr(args, "model_type", "")).startswith("gemma"):
             return None
         mx = self._mx
-        return float(mx.array(args.hidden_size ** 0.5, mx.bfloat16).astype(mx.float32).item())
+        return float(mx.array(args.hidden_size**0.5, mx.bfloat16).astype(mx.float32).item())
 
     def _qmm(self) -> dict[str, Any] | None:
         bits = MLX_DTYPES[self.stack.dtype][1]
@@ -188,14 +218,13 @@ class MLXBackend(Backend):
             out[name] = np.array(rows.view(mx.uint16)) if rows.dtype == mx.bfloat16 else np.array(rows)
         return out
 
-
     def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
         """mlx-lm's own prompt cache (the cache generate() uses), one token per call after the prefill."""
         from mlx_lm.models.cache import make_prompt_cache
 
         mx = self._mx
         cache = make_prompt_cache(self.model)
-        mx.eval(self.model(mx.array([token_ids[:at + 1]]), cache=cache))
+        mx.eval(self.model(mx.array([token_ids[: at + 1]]), cache=cache))
         rows = []
         for s in range(1, steps + 1):
             logits = self.model(mx.array([[token_ids[at + s]]]), cache=cache)  # (1, 1, vocab)
@@ -224,8 +253,11 @@ class MLXBackend(Backend):
 
     def special_tokens(self) -> dict[str, Any]:
         t = self.tokenizer
-        return {"bos": t.bos_token_id, "eos": t.eos_token_id,
-                "add_bos": bool(getattr(t._tokenizer, "add_bos_token", False))}
+        return {
+            "bos": t.bos_token_id,
+            "eos": t.eos_token_id,
+            "add_bos": bool(getattr(t._tokenizer, "add_bos_token", False)),
+        }
 
 
 class _Tap:

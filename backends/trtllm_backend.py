@@ -31,17 +31,25 @@ def llm_kwargs(stack: StackDesc, model_dir: str, max_seq_len: int) -> dict[str, 
     """Arguments for tensorrt_llm.LLM, as plain data (recorded verbatim in the cell's settings)."""
     engine_backend = stack.opts.get("trt_backend", "pytorch")
     kw: dict[str, Any] = {
-        "model": model_dir, "backend": engine_backend, "dtype": TRT_DTYPES[stack.dtype],
-        "tensor_parallel_size": stack.tp, "max_batch_size": 1,
-        "max_seq_len": max_seq_len, "max_num_tokens": max_seq_len,
+        "model": model_dir,
+        "backend": engine_backend,
+        "dtype": TRT_DTYPES[stack.dtype],
+        "tensor_parallel_size": stack.tp,
+        "max_batch_size": 1,
+        "max_seq_len": max_seq_len,
+        "max_num_tokens": max_seq_len,
         "kv_cache_config": {"enable_block_reuse": False},  # reuse would drop the shared prefix's logits
         "enable_chunked_prefill": False,  # one prefill per prompt: chunking changes the arithmetic
     }
     if stack.dtype in QUANT_ALGOS:
         kw["quant_config"] = {"quant_algo": QUANT_ALGOS[stack.dtype]}
     if engine_backend == "tensorrt":
-        kw["build_config"] = {"gather_context_logits": True, "max_seq_len": max_seq_len,
-                              "max_batch_size": 1, "max_num_tokens": max_seq_len}
+        kw["build_config"] = {
+            "gather_context_logits": True,
+            "max_seq_len": max_seq_len,
+            "max_batch_size": 1,
+            "max_num_tokens": max_seq_len,
+        }
     else:
         kw["attn_backend"] = ATTN_BACKENDS[stack.attention]
     return kw
@@ -55,8 +63,10 @@ def sampling_kwargs() -> dict[str, Any]:
 def slice_context(context: np.ndarray, n_tokens: int, positions: list[int]) -> np.ndarray:
     """(n_tokens, vocab) context logits -> (len(positions), vocab) rows at the sampled positions."""
     if context.ndim != 2 or context.shape[0] != n_tokens:
-        raise ValueError(f"context logits of shape {context.shape} for {n_tokens} prompt tokens: "
-                         "was KV-cache block reuse on, or gather_context_logits off?")
+        raise ValueError(
+            f"context logits of shape {context.shape} for {n_tokens} prompt tokens: "
+            "was KV-cache block reuse on, or gather_context_logits off?"
+        )
     return np.ascontiguousarray(context[positions])
 
 
@@ -109,9 +119,14 @@ class TrtllmBackend(Backend):
     def settings(self) -> dict[str, Any]:
         import torch
 
-        return {"dtype": self.stack.dtype, "attention": self.stack.attention, "llm_args": self._kw,
-                "sampling": sampling_kwargs(), "gpu": torch.cuda.get_device_name(0),
-                "versions": {"tensorrt_llm": self._version, "torch": torch.__version__}}
+        return {
+            "dtype": self.stack.dtype,
+            "attention": self.stack.attention,
+            "llm_args": self._kw,
+            "sampling": sampling_kwargs(),
+            "gpu": torch.cuda.get_device_name(0),
+            "versions": {"tensorrt_llm": self._version, "torch": torch.__version__},
+        }
 
     def close(self) -> None:
         self._llm.shutdown()

@@ -55,8 +55,13 @@ FP8_DEVICES = frozenset({"cuda", "h100", "h200", "b200", "sm120", "mi300x"})  # 
 # checkpoint's quantization_config (nvfp4: ModelOpt's FP4, Blackwell only).
 CHECKPOINT_QUANTS = frozenset({"awq", "gptq", "nvfp4"})
 NVFP4_DEVICES = frozenset({"b200", "sm120"})
-ATTENTION = {"default": None, "flash_attn": "FLASH_ATTN", "flashinfer": "FLASHINFER",
-             "triton_attn": "TRITON_ATTN", "flex": "FLEX_ATTENTION"}
+ATTENTION = {
+    "default": None,
+    "flash_attn": "FLASH_ATTN",
+    "flashinfer": "FLASHINFER",
+    "triton_attn": "TRITON_ATTN",
+    "flex": "FLEX_ATTENTION",
+}
 MAX_MODEL_LEN = 8192
 TEACHER_FORCE = "backends.vllm_teacher_force:TeacherForce"  # vLLM's <module>:<class> form
 REPO = Path(__file__).resolve().parent.parent
@@ -77,13 +82,16 @@ def engine_kwargs(stack: StackDesc, model_dir: str, max_len: int, threads: int) 
     """Arguments for vllm.LLM, as plain data (recorded in the cell's settings)."""
     kw: dict[str, Any] = {
         # a checkpoint's own quantisation sets its activation dtype ("auto": its config's torch_dtype)
-        "model": model_dir, "dtype": VLLM_DTYPES.get(stack.dtype, "bfloat16" if stack.dtype in LOAD_QUANT else "auto"),
+        "model": model_dir,
+        "dtype": VLLM_DTYPES.get(stack.dtype, "bfloat16" if stack.dtype in LOAD_QUANT else "auto"),
         "seed": 0,
         "tensor_parallel_size": stack.tp,
         # a cached prefix is not recomputed: on only for `prefix_cache: check`, reset before each fresh prefill
         "enable_prefix_caching": stack.extra("prefix_cache") is not None,
-        "max_model_len": max_len, "max_num_batched_tokens": max_len,  # the whole prompt in one prefill chunk
-        "max_num_seqs": 1, "enforce_eager": True,
+        "max_model_len": max_len,
+        "max_num_batched_tokens": max_len,  # the whole prompt in one prefill chunk
+        "max_num_seqs": 1,
+        "enforce_eager": True,
         "compilation_config": {"mode": 0},  # no torch.compile: the norm hook must see the real forward
     }
     if stack.extra("decode") is not None:  # teacher forcing: each decode step is fed the canonical next id
@@ -117,8 +125,10 @@ def prefill_logits(model, n_tokens: int, positions: list[int]):
     states, model._logit_matrix_states = model._logit_matrix_states, []
     prefill = [h for h in states if h.shape[0] == n_tokens]
     if len(prefill) != 1:
-        raise RuntimeError(f"expected one prefill of {n_tokens} tokens, saw hidden states of shapes "
-                           f"{[tuple(h.shape) for h in states]} (chunked prefill or prefix caching on?)")
+        raise RuntimeError(
+            f"expected one prefill of {n_tokens} tokens, saw hidden states of shapes "
+            f"{[tuple(h.shape) for h in states]} (chunked prefill or prefix caching on?)"
+        )
     keep = torch.tensor(positions, dtype=torch.long, device=prefill[0].device)
     return model.compute_logits(prefill[0][keep]).detach().cpu()
 
@@ -161,9 +171,13 @@ def install_layer_taps(model, layers: list[int]) -> None:
 
     def hook(name):
         def f(_mod, _args, out):
-            h = out[0] + out[1] if isinstance(out, tuple) and len(out) > 1 and out[1] is not None else \
-                (out[0] if isinstance(out, tuple) else out)
+            h = (
+                out[0] + out[1]
+                if isinstance(out, tuple) and len(out) > 1 and out[1] is not None
+                else (out[0] if isinstance(out, tuple) else out)
+            )
             model._logit_matrix_layers.setdefault(name, []).append(h.detach())
+
         return f
 
     model._logit_matrix_taps = [model.model.layers[i].register_forward_hook(hook(f"layer.{i}")) for i in layers]
@@ -183,7 +197,9 @@ def take_layer_states(model, n_tokens: int, positions: list[int]):
     for name, states in got.items():
         prefill = [h for h in states if h.shape[0] == n_tokens]
         if len(prefill) != 1:
-            raise RuntimeError(f"{name}: expected one prefill of {n_tokens} tokens, saw {[tuple(h.shape) for h in states]}")
+            raise RuntimeError(
+                f"{name}: expected one prefill of {n_tokens} tokens, saw {[tuple(h.shape) for h in states]}"
+            )
         keep = keep if keep is not None else torch.tensor(positions, dtype=torch.long, device=prefill[0].device)
         out[name] = prefill[0][keep].detach().cpu()
     return out
@@ -195,8 +211,13 @@ def worker_env(stack: StackDesc, threads: int) -> dict[str, str]:
     # apply_model sends the two functions above to every rank, which needs pickle over vLLM's RPC.
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     if stack.device == "cpu":  # CPU-platform knobs only where they mean something
-        env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads),
-                    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
+        env.update(
+            {
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                "OMP_NUM_THREADS": str(threads),
+                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            }
+        )
     if executor(stack.opts) == "ray":
         # one device per worker, worker i in bundle i of our group (not "the first bundles with a GPU")
         tp = stack.tp
@@ -250,26 +271,34 @@ class VLLMBackend(Backend):
     def quant_problem(cls, cell) -> str | None:
         """Why this dtype cannot run on this cell's device (or without a checkpoint), or None."""
         if cell.dtype in CHECKPOINT_QUANTS and not getattr(cell, "artifact", None):
-            return (f"dtype {cell.dtype} is the format of a pre-quantised checkpoint: give one as a candidate "
-                    f"({{model: ..., engine: vllm, path: DIR | hub: ID, dtype: {cell.dtype}}})")
+            return (
+                f"dtype {cell.dtype} is the format of a pre-quantised checkpoint: give one as a candidate "
+                f"({{model: ..., engine: vllm, path: DIR | hub: ID, dtype: {cell.dtype}}})"
+            )
         if cell.dtype == "fp8" and cell.device not in FP8_DEVICES:
-            return (f"vLLM's fp8 needs fp8 tensor cores (compute capability 8.9+: {', '.join(sorted(FP8_DEVICES))}); "
-                    f"device {cell.device} has none")
+            return (
+                f"vLLM's fp8 needs fp8 tensor cores (compute capability 8.9+: {', '.join(sorted(FP8_DEVICES))}); "
+                f"device {cell.device} has none"
+            )
         if cell.dtype == "nvfp4" and cell.device not in NVFP4_DEVICES:
             return f"nvfp4 needs a Blackwell GPU ({', '.join(sorted(NVFP4_DEVICES))}); device {cell.device} is not one"
         if cell.dtype in CHECKPOINT_QUANTS and cell.device not in GPU_DEVICES:
-            return f"vLLM runs {cell.dtype} checkpoints with CUDA / ROCm kernels only in this project; device {cell.device}"
+            return (
+                f"vLLM runs {cell.dtype} checkpoints with CUDA / ROCm kernels only in this project; "
+                f"device {cell.device}"
+            )
         return None
 
     @classmethod
     def unsupported(cls, cell) -> str | None:
         reason = super().unsupported(cell) or cls.quant_problem(cell)
         if reason is None and executor(cell.opts) == "ray" and cell.device == "cpu":
-            reason = ("vllm_executor ray needs a GPU: vLLM's CPU platform has no Ray device key "
-                      "(use vllm_executor mp)")
+            reason = "vllm_executor ray needs a GPU: vLLM's CPU platform has no Ray device key (use vllm_executor mp)"
         if reason is None and vllm_python() is None:
-            reason = ("engine vllm needs its own environment: run `make vllm-env` "
-                      "or set LOGIT_MATRIX_VLLM_PYTHON to a Python that has vllm")
+            reason = (
+                "engine vllm needs its own environment: run `make vllm-env` "
+                "or set LOGIT_MATRIX_VLLM_PYTHON to a Python that has vllm"
+            )
         return reason
 
     @classmethod
@@ -303,17 +332,22 @@ class VLLMBackend(Backend):
 
         if fresh and self._kw["enable_prefix_caching"]:
             self._llm.reset_prefix_cache()
-        return self._llm.generate(TokensPrompt(prompt_token_ids=token_ids),
-                                  params or SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        return self._llm.generate(
+            TokensPrompt(prompt_token_ids=token_ids),
+            params or SamplingParams(max_tokens=1, temperature=0.0),
+            use_tqdm=False,
+        )
 
     def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
         import functools
 
         self._generate(token_ids)
         # every rank computes the (gathered) rows; rank 0's are kept
-        return _native(self._llm.apply_model(functools.partial(prefill_logits, n_tokens=len(token_ids),
-                                                                positions=list(positions)))[0])
-
+        return _native(
+            self._llm.apply_model(
+                functools.partial(prefill_logits, n_tokens=len(token_ids), positions=list(positions))
+            )[0]
+        )
 
     def warm_rows(self, token_ids: list[int], positions: list[int]) -> tuple[int, np.ndarray]:
         """vLLM's automatic prefix caching: the second request of the same ids takes the cached
@@ -323,10 +357,10 @@ class VLLMBackend(Backend):
         self._generate(token_ids)  # warm: the prompt's blocks are cached
         self._llm.apply_model(drop_states)
         self._generate(token_ids, fresh=False)
-        hit, rows = self._llm.apply_model(functools.partial(cached_logits, n_tokens=len(token_ids),
-                                                            positions=list(positions)))[0]
+        hit, rows = self._llm.apply_model(
+            functools.partial(cached_logits, n_tokens=len(token_ids), positions=list(positions))
+        )[0]
         return int(hit), _native(rows)
-
 
     def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
         """A request of token_ids[:at + 1] that generates steps + 1 tokens, teacher-forced to the
@@ -337,16 +371,19 @@ class VLLMBackend(Backend):
 
         from backends.vllm_teacher_force import FORCE
 
-        forced = list(token_ids[at + 1:at + steps + 1])
+        forced = list(token_ids[at + 1 : at + steps + 1])
         params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, extra_args={FORCE: forced})
-        out = self._generate(token_ids[:at + 1], params)
+        out = self._generate(token_ids[: at + 1], params)
         got = list(out[0].outputs[0].token_ids[:steps])
         if got != forced:
             raise RuntimeError(f"teacher forcing failed: vLLM sampled {got[:8]}, the canonical ids are {forced[:8]}")
         return _native(self._llm.apply_model(functools.partial(decode_logits, n_prefill=at + 1, steps=steps))[0])
 
     # vLLM's decoder layers return (hidden, residual) with the add deferred: the state is their sum
-    layer_sources = {"layer": "model.layers.{i} hidden + residual (forward hook)", "final_norm": "model.norm output (forward hook)"}
+    layer_sources = {
+        "layer": "model.layers.{i} hidden + residual (forward hook)",
+        "final_norm": "model.norm output (forward hook)",
+    }
 
     def n_layers(self) -> int:
         return int(self._llm.llm_engine.model_config.hf_config.num_hidden_layers)
@@ -360,10 +397,12 @@ class VLLMBackend(Backend):
         check_layers(layers, n_layers)
         self._llm.apply_model(functools.partial(install_layer_taps, layers=list(layers)))
         self._generate(token_ids)
-        got = self._llm.apply_model(functools.partial(take_layer_states, n_tokens=len(token_ids),
-                                                      positions=list(positions)))[0]
-        return {k: _native(v) if v.dtype in (torch.bfloat16, torch.float32) else v.float().numpy()
-                for k, v in got.items()}
+        got = self._llm.apply_model(
+            functools.partial(take_layer_states, n_tokens=len(token_ids), positions=list(positions))
+        )[0]
+        return {
+            k: _native(v) if v.dtype in (torch.bfloat16, torch.float32) else v.float().numpy() for k, v in got.items()
+        }
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._llm.get_tokenizer().encode(text))  # vLLM's default: special tokens added
@@ -373,12 +412,20 @@ class VLLMBackend(Backend):
         return {"bos": t.bos_token_id, "eos": t.eos_token_id, "add_bos": bool(getattr(t, "add_bos_token", False))}
 
     def settings(self) -> dict[str, Any]:
-        return {"dtype": self.stack.dtype, "attention": self.stack.attention, "engine_args": self._kw,
-                "logits_path": "forward hook on model.model.norm + model.compute_logits (no prompt_logprobs dicts)",
-                "executor": executor(self.stack.opts), "env_held_back_from_workers": self._held_back,
-                "prefix_caching": self._kw["enable_prefix_caching"], "chunked_prefill": "one chunk (max_num_batched_tokens = max_model_len)",
-                "threads": self.threads, "versions": self._versions,
-                "quantization": self._quantization(), **({"artifact": self.artifact} if self.artifact else {})}
+        return {
+            "dtype": self.stack.dtype,
+            "attention": self.stack.attention,
+            "engine_args": self._kw,
+            "logits_path": "forward hook on model.model.norm + model.compute_logits (no prompt_logprobs dicts)",
+            "executor": executor(self.stack.opts),
+            "env_held_back_from_workers": self._held_back,
+            "prefix_caching": self._kw["enable_prefix_caching"],
+            "chunked_prefill": "one chunk (max_num_batched_tokens = max_model_len)",
+            "threads": self.threads,
+            "versions": self._versions,
+            "quantization": self._quantization(),
+            **({"artifact": self.artifact} if self.artifact else {}),
+        }
 
     def _quantization(self) -> str | None:
         """What vLLM quantised with: its method name, from the model config it built."""

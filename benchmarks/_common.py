@@ -27,7 +27,9 @@ def gpu() -> str | None:
         import pynvml
 
         pynvml.nvmlInit()
-        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())]
+        names = [
+            pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())
+        ]
         return ", ".join(n.decode() if isinstance(n, bytes) else n for n in names) or None
     except Exception:  # noqa: BLE001 - no NVIDIA driver or library: a CPU-only figure
         return None
@@ -51,9 +53,23 @@ def save_result(name: str, rows: list[dict], target: str, met: bool | None) -> P
     now = datetime.datetime.now(datetime.timezone.utc)
     out = repo / "benchmarks" / "results" / name / f"{now:%Y%m%dT%H%M%SZ}-{commit}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": name, "date": f"{now:%Y-%m-%d}", "commit": commit + ("+" if dirty else ""),
-                               "cpu": cpu(), "gpu": gpu(), "command": " ".join(["python", *sys.argv]),
-                               "target": target, "met": met, "rows": rows}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": name,
+                "date": f"{now:%Y-%m-%d}",
+                "commit": commit + ("+" if dirty else ""),
+                "cpu": cpu(),
+                "gpu": gpu(),
+                "command": " ".join(["python", *sys.argv]),
+                "target": target,
+                "met": met,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     return out
 
 
@@ -74,7 +90,6 @@ def load_backend(model_dir: str, dtype: str, attention: str):
     from backends.hf_backend import HFBackend
     from common.stack import StackDesc
 
-    be = HFBackend(StackDesc("hf", dtype, attention), model_dir,
-                   int(os.environ.get("THREADS", os.cpu_count() or 1)))
+    be = HFBackend(StackDesc("hf", dtype, attention), model_dir, int(os.environ.get("THREADS", os.cpu_count() or 1)))
     be.load()
     return be

@@ -76,7 +76,7 @@ def group_floor(wh: Path, k: int, sample: int = 2) -> tuple[float, int]:
     from store.stream import shard_index
 
     w = Warehouse(wh)
-    ids = [c["cell_id"] for c in sorted(w.read_all("cells"), key=lambda c: c["attention"])[:k + 1]]
+    ids = [c["cell_id"] for c in sorted(w.read_all("cells"), key=lambda c: c["attention"])[: k + 1]]
     idx = shard_index(w, ids[0], 0)
     counts = {p: len(v.positions) for p, v in idx.prompts.items()}
     some, pairs = list(counts)[:sample], [sorted([ids[k], o]) for o in ids[:k]]
@@ -95,14 +95,20 @@ def incremental(base: Path, where: Path, k: int) -> tuple[dict, dict, float, flo
     add_stack(base, inc, k)
     second = analyze(inc, "--workers", "1")
     frac = second["seconds"] / first["seconds"]
-    print(f"  one stack added to {k}: first analyze {first['seconds']} s (peak RSS {first['peak_rss_gb']:.2f} GB), "
-          f"second {second['seconds']} s = {frac:.2f} of the first (target <= {TARGET_INCREMENT}); computed "
-          f"{second['summary']['computed']}", flush=True)
+    print(
+        f"  one stack added to {k}: first analyze {first['seconds']} s (peak RSS {first['peak_rss_gb']:.2f} GB), "
+        f"second {second['seconds']} s = {frac:.2f} of the first (target <= {TARGET_INCREMENT}); computed "
+        f"{second['summary']['computed']}",
+        flush=True,
+    )
     floor, positions = group_floor(inc, k)
-    print(f"  beside it, the group's own work alone (its {k + 1} members' rows read, the float64 centroid, the "
-          f"{k} new pairs; in this process, sampled): {floor:.1f} s for {positions} positions = "
-          f"{floor / first['seconds']:.2f} of the first analyze: the floor under the increment while the "
-          f"centroid is computed over every member again", flush=True)
+    print(
+        f"  beside it, the group's own work alone (its {k + 1} members' rows read, the float64 centroid, the "
+        f"{k} new pairs; in this process, sampled): {floor:.1f} s for {positions} positions = "
+        f"{floor / first['seconds']:.2f} of the first analyze: the floor under the increment while the "
+        f"centroid is computed over every member again",
+        flush=True,
+    )
     return first, second, frac, floor
 
 
@@ -117,8 +123,14 @@ def analyze(wh: Path, *extra: str, threads: int | None = None) -> dict:
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    p = subprocess.Popen([sys.executable, "-m", "matrix", "analyze", "--warehouse", str(wh), "--json", *extra],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "matrix", "analyze", "--warehouse", str(wh), "--json", *extra],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=sys.stderr,
+        text=True,
+        env=env,
+    )
     out = p.stdout.read()
     _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
@@ -136,10 +148,23 @@ def ray_head(tmp: Path):
     ray = str(Path(sys.executable).with_name("ray"))
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # nothing listens beyond 127.0.0.1
     tmp.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([ray, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-                             f"--num-cpus={os.cpu_count() or 1}", "--include-dashboard=false", "--disable-usage-stats"],
-                            env=env, start_new_session=True, stdout=open(tmp / "ray-head.log", "w"),
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            ray,
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={os.cpu_count() or 1}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=open(tmp / "ray-head.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     address = f"127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -164,11 +189,14 @@ def workers(base: Path, where: Path, k: int) -> dict:
     with ray_head(where) as address:
         one = analyze(w, "--force", "--address", address, "--workers", "1")
         two = analyze(w, "--force", "--address", address, "--workers", "2")
-    print(f"  --force at {k} stacks on a running Ray cluster: 1 worker {one['seconds']} s, 2 workers "
-          f"{two['seconds']} s (speed-up {one['seconds'] / two['seconds']:.2f}x; target >= {TARGET_SPEEDUP}x); one "
-          f"core in this process without Ray {core['seconds']} s, 2 workers on a cluster analyze starts itself "
-          f"{local['seconds']} s ({core['seconds'] / local['seconds']:.2f}x: Ray's start and each worker's "
-          f"kernel load included)", flush=True)
+    print(
+        f"  --force at {k} stacks on a running Ray cluster: 1 worker {one['seconds']} s, 2 workers "
+        f"{two['seconds']} s (speed-up {one['seconds'] / two['seconds']:.2f}x; target >= {TARGET_SPEEDUP}x); one "
+        f"core in this process without Ray {core['seconds']} s, 2 workers on a cluster analyze starts itself "
+        f"{local['seconds']} s ({core['seconds'] / local['seconds']:.2f}x: Ray's start and each worker's "
+        f"kernel load included)",
+        flush=True,
+    )
     return {"one": one, "two": two, "core": core, "local": local}
 
 
@@ -176,23 +204,50 @@ def record(a, sizes: list[dict], wk: dict | None, inc: tuple | None) -> None:
     """One row per measured configuration; met over the parts this run measured."""
     common, rows, targets, checks = {"rows": a.rows, "vocab": a.vocab}, [], [], []
     for r in sizes:
-        rows.append({"config": "analyze", "stacks": r["stacks"], "seconds": r["seconds"],
-                     "peak_rss_gb": r["peak_rss_gb"], "metric_rows": r["summary"]["metric_rows"], **common})
+        rows.append(
+            {
+                "config": "analyze",
+                "stacks": r["stacks"],
+                "seconds": r["seconds"],
+                "peak_rss_gb": r["peak_rss_gb"],
+                "metric_rows": r["summary"]["metric_rows"],
+                **common,
+            }
+        )
     if sizes:
         targets.append(f"peak RSS <= {TARGET_RSS_GB} GB at every size")
         checks.append(max(r["peak_rss_gb"] for r in sizes) <= TARGET_RSS_GB)
     if wk:
         sec = {k: v["seconds"] for k, v in wk.items()}
-        rows.append({"config": "2 vs 1 Ray workers", "stacks": a.workers_at, "seconds": sec["two"],
-                     "ratio": sec["one"] / sec["two"], "one_worker_s": sec["one"], "one_core_in_process_s": sec["core"],
-                     "two_own_cluster_s": sec["local"], "own_cluster_ratio": sec["core"] / sec["local"], **common})
+        rows.append(
+            {
+                "config": "2 vs 1 Ray workers",
+                "stacks": a.workers_at,
+                "seconds": sec["two"],
+                "ratio": sec["one"] / sec["two"],
+                "one_worker_s": sec["one"],
+                "one_core_in_process_s": sec["core"],
+                "two_own_cluster_s": sec["local"],
+                "own_cluster_ratio": sec["core"] / sec["local"],
+                **common,
+            }
+        )
         targets.append(f"2 Ray workers >= {TARGET_SPEEDUP}x 1 worker")
         checks.append(rows[-1]["ratio"] >= TARGET_SPEEDUP)
     if inc:
         first, second, frac, floor = inc
-        rows.append({"config": "one stack added", "stacks": a.incremental_at, "seconds": second["seconds"],
-                     "peak_rss_gb": second["peak_rss_gb"], "ratio": frac, "first_s": first["seconds"],
-                     "floor_ratio": floor / first["seconds"], **common})
+        rows.append(
+            {
+                "config": "one stack added",
+                "stacks": a.incremental_at,
+                "seconds": second["seconds"],
+                "peak_rss_gb": second["peak_rss_gb"],
+                "ratio": frac,
+                "first_s": first["seconds"],
+                "floor_ratio": floor / first["seconds"],
+                **common,
+            }
+        )
         targets.append(f"the second analyze <= {TARGET_INCREMENT} of the first")
         checks.append(frac <= TARGET_INCREMENT)
     met = all(checks) if checks else None
@@ -220,20 +275,40 @@ def main() -> None:
         subset(base, a.dir / f"n{n}", n)
         r = analyze(a.dir / f"n{n}", "--workers", "1")
         rows.append({"stacks": n, **r})
-        print(f"  {n:3d} stacks: {r['seconds']:7.1f} s, peak RSS {r['peak_rss_gb']:.2f} GB, "
-              f"{r['summary']['metric_rows']} metric rows", flush=True)
+        print(
+            f"  {n:3d} stacks: {r['seconds']:7.1f} s, peak RSS {r['peak_rss_gb']:.2f} GB, "
+            f"{r['summary']['metric_rows']} metric rows",
+            flush=True,
+        )
     wk = workers(base, a.dir, a.workers_at) if a.workers_at else None
     one, two, core, local = (wk[k] if wk else {"seconds": None} for k in ("one", "two", "core", "local"))
     inc = incremental(base, a.dir, a.incremental_at) if a.incremental_at else None
     first, second, frac = inc[:3] if inc else ({"seconds": None}, {"seconds": None}, None)
     if rows:
         print(f"peak RSS over every size: {max(r['peak_rss_gb'] for r in rows):.2f} GB (target <= {TARGET_RSS_GB} GB)")
-    print(json.dumps({"cpu": cpu(), "rows": a.rows, "vocab": a.vocab, "sizes": [{k: v for k, v in r.items() if k != "summary"}
-                                                                                for r in rows],
-                      "workers": {"stacks": a.workers_at, "one": one["seconds"], "two": two["seconds"],
-                                  "one_core_in_process": core["seconds"], "two_own_cluster": local["seconds"]},
-                      "incremental": {"stacks": a.incremental_at, "first": first["seconds"], "second": second["seconds"],
-                                      "fraction": frac and round(frac, 3)}}))
+    print(
+        json.dumps(
+            {
+                "cpu": cpu(),
+                "rows": a.rows,
+                "vocab": a.vocab,
+                "sizes": [{k: v for k, v in r.items() if k != "summary"} for r in rows],
+                "workers": {
+                    "stacks": a.workers_at,
+                    "one": one["seconds"],
+                    "two": two["seconds"],
+                    "one_core_in_process": core["seconds"],
+                    "two_own_cluster": local["seconds"],
+                },
+                "incremental": {
+                    "stacks": a.incremental_at,
+                    "first": first["seconds"],
+                    "second": second["seconds"],
+                    "fraction": frac and round(frac, 3),
+                },
+            }
+        )
+    )
     record(a, rows, wk, inc)
 
 

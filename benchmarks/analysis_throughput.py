@@ -36,7 +36,7 @@ def real_rows(warehouse: str, n: int, cells: str = "") -> tuple[np.ndarray, np.n
         sys.exit(f"{warehouse}: needs at least two captured cells (run `make demo` first)")
     big = [f for f in files if pq.read_metadata(f).num_rows >= n] or files
     a = logits_matrix(pq.read_table(big[0], columns=["logits"])["logits"])[:n]
-    b = logits_matrix(pq.read_table(big[1], columns=["logits"])["logits"])[:len(a)]
+    b = logits_matrix(pq.read_table(big[1], columns=["logits"])["logits"])[: len(a)]
     return a, b
 
 
@@ -77,16 +77,28 @@ def main() -> None:
         for mode in ("native", "numpy"):
             if mode == "numpy":
                 M._KERNEL = M._reduce_numpy
-            ts = timed(lambda: M.row_metrics(x, y, nxt), args.repeat if mode == "native" else 1)
+            ts = timed(lambda x=x, y=y, nxt=nxt: M.row_metrics(x, y, nxt), args.repeat if mode == "native" else 1)
             res[mode] = (mb / min(ts), mb / statistics.median(ts), len(x) / statistics.median(ts))
         M._KERNEL = None
         best, med, rps = res["native"]
-        print(f"vocab {vocab:>7}: {med:6.0f} MB/s per core median ({best:.0f} best), {rps:6.0f} rows/s; "
-              f"numpy {res['numpy'][1]:.0f} MB/s -> native/numpy {med / res['numpy'][1]:.1f}x; "
-              f"{'meets' if med >= TARGET else 'MISSES'} the {TARGET:.0f} MB/s target")
-        rows.append({"vocab": int(vocab), "columns": "real" if vocab == a.shape[1] else "resampled", "rows": len(x),
-                     "mb_s": med, "mb_s_best": best, "rows_s": rps, "numpy_mb_s": res["numpy"][1],
-                     "native_vs_numpy": med / res["numpy"][1], "kernel": kernel})
+        print(
+            f"vocab {vocab:>7}: {med:6.0f} MB/s per core median ({best:.0f} best), {rps:6.0f} rows/s; "
+            f"numpy {res['numpy'][1]:.0f} MB/s -> native/numpy {med / res['numpy'][1]:.1f}x; "
+            f"{'meets' if med >= TARGET else 'MISSES'} the {TARGET:.0f} MB/s target"
+        )
+        rows.append(
+            {
+                "vocab": int(vocab),
+                "columns": "real" if vocab == a.shape[1] else "resampled",
+                "rows": len(x),
+                "mb_s": med,
+                "mb_s_best": best,
+                "rows_s": rps,
+                "numpy_mb_s": res["numpy"][1],
+                "native_vs_numpy": med / res["numpy"][1],
+                "kernel": kernel,
+            }
+        )
     met = all(r["mb_s"] >= TARGET for r in rows)
     target = f">= {TARGET:.0f} MB/s of stored logits per core (median), full metric set"
     print(f"recorded: {save_result('analysis_throughput', rows, target, met)}")

@@ -32,7 +32,7 @@ def main() -> None:
     from store.warehouse import ShardWriter
 
     resolved, prompts = model_and_prompts(args.model)
-    prompts = [(pid, ids[:args.max_tokens]) for pid, ids in prompts]
+    prompts = [(pid, ids[: args.max_tokens]) for pid, ids in prompts]
     print(f"{args.model} on {cpu()}")
     be = load_backend(resolved.hf_dir, args.dtype, args.attention)
     plan = [(ids, Positions.every(args.stride).of(len(ids))) for _, ids in prompts]
@@ -47,15 +47,28 @@ def main() -> None:
             t0 = time.perf_counter()
             m = capture_shard(be, ShardWriter(d, "bench", "cell", r), prompts, args.stride)
             full.append(time.perf_counter() - t0)
-            print(f"round {r + 1}/{args.rounds}: bare forward {bare[-1]:.2f}s, "
-                  f"capture + store {full[-1]:.2f}s ({m['rows']} rows)", flush=True)
+            print(
+                f"round {r + 1}/{args.rounds}: bare forward {bare[-1]:.2f}s, "
+                f"capture + store {full[-1]:.2f}s ({m['rows']} rows)",
+                flush=True,
+            )
     ratio = statistics.median(full) / statistics.median(bare)
     ok = "meets" if ratio <= TARGET else "MISSES"
-    print(f"\nhf {args.dtype} {args.attention}, {be.threads} threads, built-in corpus: "
-          f"capture+store / bare forward = {ratio:.3f} -> {ok} the <= {TARGET} target")
-    row = {"model": args.model, "dtype": args.dtype, "attention": args.attention, "threads": be.threads,
-           "rows": m["rows"], "rounds": args.rounds, "ratio": ratio, "bare_s": statistics.median(bare),
-           "capture_s": statistics.median(full)}
+    print(
+        f"\nhf {args.dtype} {args.attention}, {be.threads} threads, built-in corpus: "
+        f"capture+store / bare forward = {ratio:.3f} -> {ok} the <= {TARGET} target"
+    )
+    row = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "attention": args.attention,
+        "threads": be.threads,
+        "rows": m["rows"],
+        "rounds": args.rounds,
+        "ratio": ratio,
+        "bare_s": statistics.median(bare),
+        "capture_s": statistics.median(full),
+    }
     target = f"capture + store <= {TARGET}x the bare forward on the same loaded stack"
     print(f"recorded: {save_result('capture_overhead', [row], target, ratio <= TARGET)}")
 

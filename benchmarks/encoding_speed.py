@@ -35,14 +35,26 @@ def rows_of(n: int) -> np.ndarray:
 
 def encode(values: np.ndarray, level: int, bss: bool) -> tuple[int, float]:
     n, vocab = values.shape
-    t = pa.table({"logits": pa.ListArray.from_arrays(pa.array(np.arange(0, (n + 1) * vocab, vocab, dtype=np.int32)),
-                                                     pa.array(values.reshape(-1)))})
+    t = pa.table(
+        {
+            "logits": pa.ListArray.from_arrays(
+                pa.array(np.arange(0, (n + 1) * vocab, vocab, dtype=np.int32)), pa.array(values.reshape(-1))
+            )
+        }
+    )
     best = float("inf")
     for _ in range(3):
         sink = pa.BufferOutputStream()
         t0 = time.perf_counter()
-        w = pq.ParquetWriter(sink, t.schema, compression="zstd", compression_level=level, use_dictionary=False,
-                             use_byte_stream_split=[LEAF] if bss else False, write_page_checksum=True)
+        w = pq.ParquetWriter(
+            sink,
+            t.schema,
+            compression="zstd",
+            compression_level=level,
+            use_dictionary=False,
+            use_byte_stream_split=[LEAF] if bss else False,
+            write_page_checksum=True,
+        )
         w.write_table(t)
         w.close()
         best = min(best, time.perf_counter() - t0)
@@ -65,9 +77,20 @@ def main() -> None:
         for level in (1, 3, 6):
             for bss in (True, False):
                 size, s = encode(v, level, bss)
-                print(f"{name:<20} {level:>4} {'yes' if bss else 'no':>4} {size / v.size:>8.3f} {v.nbytes / s / 1e6:>8.0f}")
-                rows.append({"rows": name.split()[0], "zstd": level, "bss": bss, "writer": level == ZSTD_LEVEL and bss,
-                             "bytes_per_logit": size / v.size, "mb_s": v.nbytes / s / 1e6})
+                print(
+                    f"{name:<20} {level:>4} {'yes' if bss else 'no':>4} {size / v.size:>8.3f} "
+                    f"{v.nbytes / s / 1e6:>8.0f}"
+                )
+                rows.append(
+                    {
+                        "rows": name.split()[0],
+                        "zstd": level,
+                        "bss": bss,
+                        "writer": level == ZSTD_LEVEL and bss,
+                        "bytes_per_logit": size / v.size,
+                        "mb_s": v.nbytes / s / 1e6,
+                    }
+                )
     record(rows)
 
 

@@ -23,8 +23,9 @@ def binding_flags() -> list[str]:
     recorded = Path(sys.prefix) / ".llama-cmake-args"
     if recorded.is_file():  # the flags, then the version pin the Makefile built
         return [f for f in shlex.split(recorded.read_text()) if f.startswith("-")]
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "llama_cmake_args.py")], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "llama_cmake_args.py")], check=True, capture_output=True, text=True
+    ).stdout
     return shlex.split(out)
 
 
@@ -50,15 +51,35 @@ def build_tool(target: str, log) -> Path:
     if binary.is_file():
         return binary
     if not (build / "CMakeCache.txt").is_file():
-        log(f"configuring llama.cpp from {root.name} with {' '.join(flags)} (the first tool build takes ~12-35 min "
-            "on 2 cores)")
+        log(
+            f"configuring llama.cpp from {root.name} with {' '.join(flags)} (the first tool build takes ~12-35 min "
+            "on 2 cores)"
+        )
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-        subprocess.run(["cmake", "-S", str(root), "-B", str(build), *gen, *flags,
-                        "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                        "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "cmake",
+                "-S",
+                str(root),
+                "-B",
+                str(build),
+                *gen,
+                *flags,
+                "-DBUILD_SHARED_LIBS=OFF",
+                "-DLLAMA_CURL=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_SERVER=OFF",
+                "-DCMAKE_BUILD_TYPE=Release",
+            ],
+            check=True,
+            capture_output=True,
+        )
     log(f"building {target}")
-    subprocess.run(["cmake", "--build", str(build), "--target", target, "-j", str(os.cpu_count() or 2)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["cmake", "--build", str(build), "--target", target, "-j", str(os.cpu_count() or 2)],
+        check=True,
+        capture_output=True,
+    )
     return binary
 
 

@@ -29,12 +29,20 @@ def alt_layout(path: Path, rows: list[np.ndarray], dtype, bss: bool) -> int:
     w = None
     for native in rows:  # (rows, vocab)
         n, vocab = native.shape
-        arr = pa.ListArray.from_arrays(pa.array(np.arange(0, (n + 1) * vocab, vocab, dtype=np.int32)),
-                                       pa.array(native.reshape(-1).astype(dtype, copy=False)))
+        arr = pa.ListArray.from_arrays(
+            pa.array(np.arange(0, (n + 1) * vocab, vocab, dtype=np.int32)),
+            pa.array(native.reshape(-1).astype(dtype, copy=False)),
+        )
         t = pa.table({"logits": arr})
         if w is None:
-            w = pq.ParquetWriter(path, t.schema, compression="zstd", compression_level=3,
-                                 use_dictionary=False, use_byte_stream_split=[leaf] if bss else False)
+            w = pq.ParquetWriter(
+                path,
+                t.schema,
+                compression="zstd",
+                compression_level=3,
+                use_dictionary=False,
+                use_byte_stream_split=[leaf] if bss else False,
+            )
         w.write_table(t)
     w.close()
     return path.stat().st_size
@@ -58,20 +66,41 @@ def one_stack(be, dtype: str, prompts, stride: int) -> list[dict]:
         natives = [be.forward(ids, Positions.every(stride).of(len(ids))) for _, ids in prompts]
         rows = [("production: float32-widened, BSS + zstd (schema v1)", "production", prod)]
         if dtype == "bf16":
-            rows.append(("uint16 bits, BSS + zstd", "uint16 bss+zstd",
-                         alt_layout(Path(d) / "a.parquet", natives, np.uint16, True)))
-            rows.append(("uint16 bits, zstd only", "uint16 zstd",
-                         alt_layout(Path(d) / "b.parquet", natives, np.uint16, False)))
+            rows.append(
+                (
+                    "uint16 bits, BSS + zstd",
+                    "uint16 bss+zstd",
+                    alt_layout(Path(d) / "a.parquet", natives, np.uint16, True),
+                )
+            )
+            rows.append(
+                ("uint16 bits, zstd only", "uint16 zstd", alt_layout(Path(d) / "b.parquet", natives, np.uint16, False))
+            )
         else:
-            rows.append(("float32, zstd only (no BSS)", "float32 zstd",
-                         alt_layout(Path(d) / "c.parquet", natives, np.float32, False)))
+            rows.append(
+                (
+                    "float32, zstd only (no BSS)",
+                    "float32 zstd",
+                    alt_layout(Path(d) / "c.parquet", natives, np.float32, False),
+                )
+            )
         raw = 2.0 if dtype == "bf16" else 4.0  # bytes per logit of the stack's own dtype, uncompressed
         for name, short, size in rows:
             print(f"{dtype:<10} {name:<52} {size:>12,} {size / logits:>8.3f}")
-            out.append({"stack": dtype, "layout": short, "logits": logits, "bytes": size,
-                        "bytes_per_logit": size / logits, "vs_raw": size / logits / raw})
-        print(f"{'':<10} ({m['rows']} rows x {be.vocab_size()} vocab = {logits:,} logits; "
-              f"capture {time.perf_counter() - t0:.1f}s)")
+            out.append(
+                {
+                    "stack": dtype,
+                    "layout": short,
+                    "logits": logits,
+                    "bytes": size,
+                    "bytes_per_logit": size / logits,
+                    "vs_raw": size / logits / raw,
+                }
+            )
+        print(
+            f"{'':<10} ({m['rows']} rows x {be.vocab_size()} vocab = {logits:,} logits; "
+            f"capture {time.perf_counter() - t0:.1f}s)"
+        )
     return out
 
 
@@ -82,10 +111,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None, help="feed only each prompt's first N tokens")
     args = ap.parse_args()
     resolved, prompts = model_and_prompts(args.model)
-    prompts = [(pid, ids[:args.max_tokens]) for pid, ids in prompts]
+    prompts = [(pid, ids[: args.max_tokens]) for pid, ids in prompts]
     print(f"{args.model} on {cpu()}")
-    print(f"corpus: built-in, {len(prompts)} prompts, {sum(len(i) for _, i in prompts)} tokens, "
-          f"stride {args.stride}")
+    print(f"corpus: built-in, {len(prompts)} prompts, {sum(len(i) for _, i in prompts)} tokens, stride {args.stride}")
     print(f"{'stack':<10} {'layout':<52} {'bytes':>12} {'B/logit':>8}")
     results, recorded = {}, []
     for dtype in ("bf16", "fp32"):
@@ -95,9 +123,11 @@ def main() -> None:
         recorded += rows
         be.close()
     ok = "meets" if results["bf16"] <= TARGET_BF16 else "MISSES"
-    print(f"\nbf16 stacks: {results['bf16']:.3f} B/logit ({results['bf16'] / 2.0:.1%} of raw bf16) "
-          f"-> {ok} the <= {TARGET_BF16} target;  fp32 stacks: {results['fp32']:.3f} B/logit "
-          f"({results['fp32'] / 4.0:.1%} of raw fp32)")
+    print(
+        f"\nbf16 stacks: {results['bf16']:.3f} B/logit ({results['bf16'] / 2.0:.1%} of raw bf16) "
+        f"-> {ok} the <= {TARGET_BF16} target;  fp32 stacks: {results['fp32']:.3f} B/logit "
+        f"({results['fp32'] / 4.0:.1%} of raw fp32)"
+    )
     target = f"production layout <= {TARGET_BF16} B/logit for bf16 stacks (raw bf16: 2.0)"
     print(f"recorded: {save_result('storage_bytes', recorded, target, results['bf16'] <= TARGET_BF16)}")
 

@@ -82,12 +82,20 @@ def kl_targets(stacks: int, lo: float, hi: float) -> list[float]:
 
 
 def cell_id(k: int, kl: float, rows: int, vocab: int) -> str:
-    coords = {"model": MODEL, "engine": "synthetic", "dtype": "bf16", "attention": f"s{k:03d}", "tp": 1, "device": "cpu"}
+    coords = {
+        "model": MODEL,
+        "engine": "synthetic",
+        "dtype": "bf16",
+        "attention": f"s{k:03d}",
+        "tp": 1,
+        "device": "cpu",
+    }
     return ids.cell_id(ids.stack_id(coords, {"k": k, "kl": kl, "rows": rows, "vocab": vocab}), "0" * 8)
 
 
-def write_stack(out: str, run_id: str, cid: str, k: int, kl: float, base: np.ndarray, rows: int, prompts: int,
-                seed: int) -> tuple[int, float]:
+def write_stack(
+    out: str, run_id: str, cid: str, k: int, kl: float, base: np.ndarray, rows: int, prompts: int, seed: int
+) -> tuple[int, float]:
     """One stack's repeat-0 shard. base: (REAL_ROWS, vocab) float32. Returns (rows, seconds)."""
     t0 = time.perf_counter()
     vocab = base.shape[1]
@@ -113,8 +121,18 @@ def write_stack(out: str, run_id: str, cid: str, k: int, kl: float, base: np.nda
     return rows, time.perf_counter() - t0
 
 
-def build(out: Path, stacks: int, rows: int, vocab: int, prompts: int, kl: tuple[float, float], jobs: int,
-          reference_rows: str, seed: int = 0, log=print) -> dict:
+def build(
+    out: Path,
+    stacks: int,
+    rows: int,
+    vocab: int,
+    prompts: int,
+    kl: tuple[float, float],
+    jobs: int,
+    reference_rows: str,
+    seed: int = 0,
+    log=print,
+) -> dict:
     wh = Warehouse(out)
     wh.create()
     have = {c["cell_id"] for c in wh.read_all("cells")} if wh.check() else set()
@@ -135,23 +153,65 @@ def build(out: Path, stacks: int, rows: int, vocab: int, prompts: int, kl: tuple
         for f in as_completed(futures):
             k = futures[f]
             f.result()
-            wh.write_rows("cells", cids[k], [R.cell_row(
-                cids[k], run_id, "done", model=MODEL, engine="synthetic", dtype="bf16", attention=f"s{k:03d}", tp=1,
-                device="cpu", repeats=1, rows_per_repeat=rows, n_prompts=prompts, stride=STRIDE, is_reference=k == 0,
-                reference_cell_id=cids[0], vocab_size=vocab, logits_dtype="bf16", bit_reproducible=True,
-                settings=json.dumps({"synthetic": True, "target_kl": kls[k], "reference_rows": reference_rows}),
-                versions=json.dumps({"numpy": np.__version__}))])
+            wh.write_rows(
+                "cells",
+                cids[k],
+                [
+                    R.cell_row(
+                        cids[k],
+                        run_id,
+                        "done",
+                        model=MODEL,
+                        engine="synthetic",
+                        dtype="bf16",
+                        attention=f"s{k:03d}",
+                        tp=1,
+                        device="cpu",
+                        repeats=1,
+                        rows_per_repeat=rows,
+                        n_prompts=prompts,
+                        stride=STRIDE,
+                        is_reference=k == 0,
+                        reference_cell_id=cids[0],
+                        vocab_size=vocab,
+                        logits_dtype="bf16",
+                        bit_reproducible=True,
+                        settings=json.dumps({"synthetic": True, "target_kl": kls[k], "reference_rows": reference_rows}),
+                        versions=json.dumps({"numpy": np.__version__}),
+                    )
+                ],
+            )
             done += 1
             el = time.perf_counter() - t0
             gb = done * rows * vocab * 2 / 1e9
-            log(f"[synthetic {done}/{len(todo)}] stack {k} (target KL {kls[k]:.1e}) | {gb / el * 1e3:.0f} MB/s bf16 "
-                f"| ETA {(len(todo) - done) * el / done:.0f}s")
+            log(
+                f"[synthetic {done}/{len(todo)}] stack {k} (target KL {kls[k]:.1e}) | {gb / el * 1e3:.0f} MB/s bf16 "
+                f"| ETA {(len(todo) - done) * el / done:.0f}s"
+            )
     el = time.perf_counter() - t0
-    wh.write_rows("runs", run_id, [R.run_row(run_id, "done", started_at=R.now(), finished_at=R.now(),
-                                             spec_name=f"synthetic {stacks}x{rows}x{vocab}", cells_total=len(todo),
-                                             cells_done=len(todo), rows_written=len(todo) * rows)])
-    return {"stacks": stacks, "written": len(todo), "seconds": round(el, 1),
-            "bf16_gb": round(len(todo) * rows * vocab * 2 / 1e9, 2), "disk_gb": round(_du(out / "logits") / 1e9, 2)}
+    wh.write_rows(
+        "runs",
+        run_id,
+        [
+            R.run_row(
+                run_id,
+                "done",
+                started_at=R.now(),
+                finished_at=R.now(),
+                spec_name=f"synthetic {stacks}x{rows}x{vocab}",
+                cells_total=len(todo),
+                cells_done=len(todo),
+                rows_written=len(todo) * rows,
+            )
+        ],
+    )
+    return {
+        "stacks": stacks,
+        "written": len(todo),
+        "seconds": round(el, 1),
+        "bf16_gb": round(len(todo) * rows * vocab * 2 / 1e9, 2),
+        "disk_gb": round(_du(out / "logits") / 1e9, 2),
+    }
 
 
 def _du(p: Path) -> int:
@@ -170,8 +230,21 @@ def main() -> None:
     ap.add_argument("--reference-rows", choices=("real", "synthetic"), default="real")
     a = ap.parse_args()
     lo, hi = (float(v) for v in a.kl.split(","))
-    print(json.dumps(build(a.out, a.stacks, a.rows, a.vocab, a.prompts, (lo, hi), a.jobs, a.reference_rows,
-                           log=lambda m: print(m, file=sys.stderr))))
+    print(
+        json.dumps(
+            build(
+                a.out,
+                a.stacks,
+                a.rows,
+                a.vocab,
+                a.prompts,
+                (lo, hi),
+                a.jobs,
+                a.reference_rows,
+                log=lambda m: print(m, file=sys.stderr),
+            )
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -108,12 +108,21 @@ def one_dtype(wh, rows, dtype: str, mib: float, tries: int) -> dict:
     t_sha = timed(lambda c, r: hashlib.sha256(Path(wh.shard_path(c, r)).read_bytes()).hexdigest(), shards, tries)
     mb = size / 1e6
     v = mb / t_verify
-    print(f"{dtype:6} {size / 2**20:9.0f} {v:12.0f} {mb / t_decode:12.0f} {mb / t_floor:11.0f} "
-          f"{mb / t_sha:12.0f} {t_decode / t_verify:12.2f}x {t_floor / t_verify:11.2f}x "
-          f"{'ok' if v >= TARGET_MB_S else 'MISSED':>8}")
-    return {"dtype": dtype, "files_mib": size / 2**20, "verify_mb_s": v, "decode_mb_s": mb / t_decode,
-            "floor_mb_s": mb / t_floor, "sha256_mb_s": mb / t_sha, "verify_vs_decode": t_decode / t_verify,
-            "verify_vs_floor": t_floor / t_verify}
+    print(
+        f"{dtype:6} {size / 2**20:9.0f} {v:12.0f} {mb / t_decode:12.0f} {mb / t_floor:11.0f} "
+        f"{mb / t_sha:12.0f} {t_decode / t_verify:12.2f}x {t_floor / t_verify:11.2f}x "
+        f"{'ok' if v >= TARGET_MB_S else 'MISSED':>8}"
+    )
+    return {
+        "dtype": dtype,
+        "files_mib": size / 2**20,
+        "verify_mb_s": v,
+        "decode_mb_s": mb / t_decode,
+        "floor_mb_s": mb / t_floor,
+        "sha256_mb_s": mb / t_sha,
+        "verify_vs_decode": t_decode / t_verify,
+        "verify_vs_floor": t_floor / t_verify,
+    }
 
 
 def main() -> None:
@@ -127,10 +136,14 @@ def main() -> None:
     rows = capture(args.stride)
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
-    print(f"CPU: {cpu()}; one core (Arrow: 1 thread); {sum(len(p) for _, p, _ in rows)} rows per shard, "
-          f"vocab {rows[0][2].shape[1]}")
-    print(f"{'dtype':6} {'files MiB':>9} {'verify MB/s':>12} {'decode MB/s':>12} {'floor MB/s':>11} "
-          f"{'sha256 MB/s':>12} {'verify/decode':>13} {'verify/floor':>12} {'target':>8}")
+    print(
+        f"CPU: {cpu()}; one core (Arrow: 1 thread); {sum(len(p) for _, p, _ in rows)} rows per shard, "
+        f"vocab {rows[0][2].shape[1]}"
+    )
+    print(
+        f"{'dtype':6} {'files MiB':>9} {'verify MB/s':>12} {'decode MB/s':>12} {'floor MB/s':>11} "
+        f"{'sha256 MB/s':>12} {'verify/decode':>13} {'verify/floor':>12} {'target':>8}"
+    )
     with tempfile.TemporaryDirectory() as d:
         wh = Warehouse(Path(d) / "wh")
         wh.create()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -72,12 +71,38 @@ def compare_with_tool(threads: int, d: Path) -> dict:
     text = TEXT.read_text()
     t0 = time.perf_counter()
     tool_out = d / "tool-imatrix.gguf"
-    subprocess.run([str(imatrix_bin), "-m", f32["path"], "-f", str(TEXT), "-o", str(tool_out), "-c", "512",
-                    "-b", "512", "--no-ppl", "-t", str(threads)], check=True, capture_output=True, env=tool_env(imatrix_bin))
+    subprocess.run(
+        [
+            str(imatrix_bin),
+            "-m",
+            f32["path"],
+            "-f",
+            str(TEXT),
+            "-o",
+            str(tool_out),
+            "-c",
+            "512",
+            "-b",
+            "512",
+            "--no-ppl",
+            "-t",
+            str(threads),
+        ],
+        check=True,
+        capture_output=True,
+        env=tool_env(imatrix_bin),
+    )
     t_tool = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ours = gi.collect({**f32, "sha256": f"{f32['sha256']}-bench-{time.time()}"}, text, "builtin",
-                      hashlib.sha256(text.encode()).hexdigest(), None, 512, threads)  # a fresh key: timed, not cached
+    ours = gi.collect(
+        {**f32, "sha256": f"{f32['sha256']}-bench-{time.time()}"},
+        text,
+        "builtin",
+        hashlib.sha256(text.encode()).hexdigest(),
+        None,
+        512,
+        threads,
+    )  # a fresh key: timed, not cached
     t_ours = time.perf_counter() - t0
     a, b = gi.read(str(tool_out)), gi.read(ours["path"])
     same = worst = 0
@@ -86,24 +111,42 @@ def compare_with_tool(threads: int, d: Path) -> dict:
         same += bool(np.array_equal(sa, sb) and np.array_equal(ca, cb))
         worst = max(worst, float(np.max(np.abs(sa - sb) / np.maximum(np.abs(sa), 1e-30))))
     print(f"\nimatrix of {Path(f32['path']).name} on {TEXT.name} ({a['chunk_count']} chunks of {a['chunk_size']}):")
-    print(f"  tensors: tool {len(a['entries'])}, logit-matrix {len(b['entries'])}, names equal: "
-          f"{set(a['entries']) == set(b['entries'])}")
-    print(f"  sums and counts equal bit for bit: {same} of {len(a['entries'])}; largest relative difference {worst:.3g}")
+    print(
+        f"  tensors: tool {len(a['entries'])}, logit-matrix {len(b['entries'])}, names equal: "
+        f"{set(a['entries']) == set(b['entries'])}"
+    )
+    print(
+        f"  sums and counts equal bit for bit: {same} of {len(a['entries'])}; largest relative difference {worst:.3g}"
+    )
     print(f"  time: llama-imatrix {t_tool:.1f} s, logit-matrix {t_ours:.1f} s (load included) = {t_ours / t_tool:.2f}x")
     q_tool, q_ours = d / "q4km-tool.gguf", d / "q4km-ours.gguf"
-    subprocess.run([str(quantize_bin), "--imatrix", str(tool_out), f32["path"], str(q_tool), "Q4_K_M", str(threads)],
-                   check=True, capture_output=True, env=tool_env(quantize_bin))
+    subprocess.run(
+        [str(quantize_bin), "--imatrix", str(tool_out), f32["path"], str(q_tool), "Q4_K_M", str(threads)],
+        check=True,
+        capture_output=True,
+        env=tool_env(quantize_bin),
+    )
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, threads
     arr, kv, _keep = gi.quantize_inputs(ours["path"], "builtin")
     params.imatrix, params.kv_overrides = arr, kv
     assert llama_cpp.llama_model_quantize(f32["path"].encode(), str(q_ours).encode(), ctypes.byref(params)) == 0
     identical = tensor_bytes(str(q_tool)) == tensor_bytes(str(q_ours))
-    print(f"  Q4_K_M tensor bytes, llama-quantize --imatrix tool file vs llama_model_quantize with ours: "
-          f"{'identical' if identical else 'DIFFERENT'}")
-    return {"part": "imatrix", "tensors": len(a["entries"]), "equal_tensors": same,
-            "names_equal": set(a["entries"]) == set(b["entries"]), "max_rel_diff": float(worst), "tool_s": t_tool,
-            "ours_s": t_ours, "ratio": t_ours / t_tool, "q4_k_m_identical": identical}
+    print(
+        f"  Q4_K_M tensor bytes, llama-quantize --imatrix tool file vs llama_model_quantize with ours: "
+        f"{'identical' if identical else 'DIFFERENT'}"
+    )
+    return {
+        "part": "imatrix",
+        "tensors": len(a["entries"]),
+        "equal_tensors": same,
+        "names_equal": set(a["entries"]) == set(b["entries"]),
+        "max_rel_diff": float(worst),
+        "tool_s": t_tool,
+        "ours_s": t_ours,
+        "ratio": t_ours / t_tool,
+        "q4_k_m_identical": identical,
+    }
 
 
 def ladder(d: Path) -> list[dict]:
@@ -111,34 +154,55 @@ def ladder(d: Path) -> list[dict]:
     wh = d / "wh"
     t0 = time.perf_counter()
     for cmd in (["run", str(REPO / "configs" / "imatrix.yaml")], ["analyze"]):
-        r = subprocess.run([sys.executable, "-m", "matrix", *cmd, "--warehouse", str(wh)], env=env,
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-m", "matrix", *cmd, "--warehouse", str(wh)], env=env, capture_output=True, text=True
+        )
         if r.returncode != 0:
             raise SystemExit(f"matrix {cmd[0]} failed: {r.stderr.strip().splitlines()[-1:]}")
     wall = time.perf_counter() - t0
     from analysis.sql import connect
 
     con = connect(str(wh))
-    rows = con.execute("select c.dtype, c.options like '%imatrix%' as im, s.kld_mean, s.kld_stderr, s.top1_agreement, "
-                       "s.rows from cells c join summary s using (cell_id) where c.engine = 'llamacpp'").fetchall()
-    others = con.execute("select dtype, options like '%imatrix%', status, coalesce(error, skip_reason) from cells "
-                         "where engine = 'llamacpp' and status <> 'done'").fetchall()
+    rows = con.execute(
+        "select c.dtype, c.options like '%imatrix%' as im, s.kld_mean, s.kld_stderr, s.top1_agreement, "
+        "s.rows from cells c join summary s using (cell_id) where c.engine = 'llamacpp'"
+    ).fetchall()
+    others = con.execute(
+        "select dtype, options like '%imatrix%', status, coalesce(error, skip_reason) from cells "
+        "where engine = 'llamacpp' and status <> 'done'"
+    ).fetchall()
     con.close()
     got = {(r[0], bool(r[1])): r[2:] for r in rows}
     for dtype, im, status, error in others:
         print(f"  {dtype} {'imatrix' if im else 'round-to-nearest'}: {status}: {error}")
-    print(f"\nKL(HF fp32 || llama.cpp) on the builtin corpus, first 1,024 tokens, stride 8 ({rows[0][5]} rows); "
-          f"imatrix: builtin calibration text; {wall:.0f} s for run + analyze")
+    print(
+        f"\nKL(HF fp32 || llama.cpp) on the builtin corpus, first 1,024 tokens, stride 8 ({rows[0][5]} rows); "
+        f"imatrix: builtin calibration text; {wall:.0f} s for run + analyze"
+    )
     print(f"  {'type':8} {'round-to-nearest':>22} {'imatrix':>22} {'imatrix / rtn':>14} {'top-1 rtn / imatrix':>20}")
     out = []
     for q in ("q5_k_m", "q4_k_m", "q4_0"):
         if (q, False) not in got or (q, True) not in got:
             continue
         a, b = got[(q, False)], got[(q, True)]
-        print(f"  {q:8} {a[0]:>12.5f} ± {a[1]:.5f} {b[0]:>12.5f} ± {b[1]:.5f} {b[0] / a[0]:>14.3f} "
-              f"{a[2]:>10.3f} / {b[2]:.3f}")
-        out.append({"part": "ladder", "type": q, "ratio": b[0] / a[0], "kld_rtn": a[0], "kld_rtn_se": a[1],
-                    "kld_imatrix": b[0], "kld_imatrix_se": b[1], "top1_rtn": a[2], "top1_imatrix": b[2], "rows": a[3]})
+        print(
+            f"  {q:8} {a[0]:>12.5f} ± {a[1]:.5f} {b[0]:>12.5f} ± {b[1]:.5f} {b[0] / a[0]:>14.3f} "
+            f"{a[2]:>10.3f} / {b[2]:.3f}"
+        )
+        out.append(
+            {
+                "part": "ladder",
+                "type": q,
+                "ratio": b[0] / a[0],
+                "kld_rtn": a[0],
+                "kld_rtn_se": a[1],
+                "kld_imatrix": b[0],
+                "kld_imatrix_se": b[1],
+                "top1_rtn": a[2],
+                "top1_imatrix": b[2],
+                "rows": a[3],
+            }
+        )
     return out
 
 
@@ -164,10 +228,15 @@ def record(rows: list[dict]) -> None:
     """The pass/fail target is the tool comparison's: the same sums bit for bit and the same Q4_K_M
     bytes; the ladder's KL ratios are figures beside it (with no tool run, no target: met None)."""
     tool = [r for r in rows if r["part"] == "imatrix"]
-    met = all(r["equal_tensors"] == r["tensors"] and r["names_equal"] and r["q4_k_m_identical"] for r in tool) \
-        if tool else None
-    target = ("every tensor's imatrix sums and counts equal llama-imatrix's bit for bit, and Q4_K_M quantised with "
-              "either has identical tensor bytes; ladder: KL with the imatrix over round-to-nearest per type")
+    met = (
+        all(r["equal_tensors"] == r["tensors"] and r["names_equal"] and r["q4_k_m_identical"] for r in tool)
+        if tool
+        else None
+    )
+    target = (
+        "every tensor's imatrix sums and counts equal llama-imatrix's bit for bit, and Q4_K_M quantised with "
+        "either has identical tensor bytes; ladder: KL with the imatrix over round-to-nearest per type"
+    )
     print(f"recorded: {save_result('vs_llama_imatrix', rows, target, met)}")
 
 

@@ -35,6 +35,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -72,8 +76,11 @@ def ggufs(model: str, threads: int) -> tuple[dict, dict, object]:
     from matrix.spec.parse import ModelRef
 
     m = fetch(ModelRef(model, "catalog", model), log=lambda s: print(s, file=sys.stderr))
-    return (build_for("f16", m.hf_dir, m.weights_sha256, threads), build_for("q4_k_m", m.hf_dir, m.weights_sha256,
-                                                                              threads), m)
+    return (
+        build_for("f16", m.hf_dir, m.weights_sha256, threads),
+        build_for("q4_k_m", m.hf_dir, m.weights_sha256, threads),
+        m,
+    )
 
 
 def cut_text(text: str, vocab: str, chunks: int, d: Path) -> str:
@@ -85,9 +92,9 @@ def cut_text(text: str, vocab: str, chunks: int, d: Path) -> str:
     if not chunks:
         return text
     n = len(gguf_tokenize(vocab, whole)[0])
-    cut = whole[:int(len(whole) * min(1.0, (chunks * 512 + 64) / n))]
+    cut = whole[: int(len(whole) * min(1.0, (chunks * 512 + 64) / n))]
     while len(gguf_tokenize(vocab, cut)[0]) // 512 > chunks:
-        cut = cut[:int(len(cut) * 0.98)]
+        cut = cut[: int(len(cut) * 0.98)]
     out = d / f"text-{chunks}x512.txt"
     out.write_text(cut)
     return str(out)
@@ -103,8 +110,16 @@ def run_llama(binary: Path, f16: str, q4: str, text: str, d: Path, threads: int)
     ratio = re.search(r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([0-9.eE+-]+)\s+±\s+([0-9.eE+-]+)", out)
     if not kl or not ratio:
         raise SystemExit(f"llama-perplexity printed no 'Mean KLD' or PPL ratio line:\n{out[-2000:]}")
-    return {"kl": float(kl[1]), "se": float(kl[2]), "ppl_ratio": (float(ratio[1]), float(ratio[2])),
-            "wall": w1 + w2, "walls": (w1, w2), "peak_gb": max(m1, m2), "disk": base.stat().st_size, "base": base}
+    return {
+        "kl": float(kl[1]),
+        "se": float(kl[2]),
+        "ppl_ratio": (float(ratio[1]), float(ratio[2])),
+        "wall": w1 + w2,
+        "walls": (w1, w2),
+        "peak_gb": max(m1, m2),
+        "disk": base.stat().st_size,
+        "base": base,
+    }
 
 
 class ActorPeak:
@@ -141,11 +156,30 @@ def run_kld(f16: dict, q4: dict, text: str, d: Path, threads: int, executor: str
     for old in (wh, d / "wh.kld.yaml", d / "wh.kld-corpus.yaml"):  # a kept directory's last job: captured again
         shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
     env = {**USER_ENV, "RAY_AUTH_MODE": USER_ENV.get("RAY_AUTH_MODE", "disabled")}
-    cmd = [sys.executable, "-m", "matrix", "kld", "--reference", f16["path"], "--candidate", q4["path"], "--text", text,
-           "--n-ctx", "512", "--threads", str(threads), "--warehouse", str(wh), "--executor", executor, "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "matrix",
+        "kld",
+        "--reference",
+        f16["path"],
+        "--candidate",
+        q4["path"],
+        "--text",
+        text,
+        "--n-ctx",
+        "512",
+        "--threads",
+        str(threads),
+        "--warehouse",
+        str(wh),
+        "--executor",
+        executor,
+        "--json",
+    ]
     with ActorPeak() as actors:
         wall, driver_gb, out = timed(cmd, env, d / "kld.log")
-    res = json.loads(out[out.index("{\n"):])["results"][0]
+    res = json.loads(out[out.index("{\n") :])["results"][0]
     from analysis.sql import connect
 
     con = connect(str(wh))
@@ -154,11 +188,19 @@ def run_kld(f16: dict, q4: dict, text: str, d: Path, threads: int, executor: str
     con.close()
     ids = [t for _, t in sorted(names, key=lambda r: int(r[0].rsplit("-c", 1)[1]))]  # chunk order
     st = res["statistics"]
-    return {"kl": st["kld"][0], "se": st["kld"][1], "ppl_ratio": tuple(st["ppl_ratio"]), "rows": st["rows"],
-            "wall": wall, "peak_gb": actors.peak_kb * 1024 / 1e9, "driver_gb": driver_gb,
-            "disk": sum(f.stat().st_size for f in (wh / "logits" / ref).glob("*.parquet")),
-            "cand_disk": sum(f.stat().st_size for f in (wh / "logits" / res["cell_id"]).glob("*.parquet")),
-            "floor": res["card"]["disclosure"]["storage_floor"], "ids": ids}
+    return {
+        "kl": st["kld"][0],
+        "se": st["kld"][1],
+        "ppl_ratio": tuple(st["ppl_ratio"]),
+        "rows": st["rows"],
+        "wall": wall,
+        "peak_gb": actors.peak_kb * 1024 / 1e9,
+        "driver_gb": driver_gb,
+        "disk": sum(f.stat().st_size for f in (wh / "logits" / ref).glob("*.parquet")),
+        "cand_disk": sum(f.stat().st_size for f in (wh / "logits" / res["cell_id"]).glob("*.parquet")),
+        "floor": res["card"]["disclosure"]["storage_floor"],
+        "ids": ids,
+    }
 
 
 def forwards_alone(model, artifacts: dict[str, dict], ids: list[list[int]], threads: int):
@@ -171,8 +213,9 @@ def forwards_alone(model, artifacts: dict[str, dict], ids: list[list[int]], thre
 
     keep, out, last = parse("llama_perplexity", "positions", print), {}, {}
     for dtype, art in artifacts.items():
-        be = LlamaCppBackend(StackDesc("llamacpp", dtype, "default", weights_sha256=model.weights_sha256),
-                             model.hf_dir, threads)
+        be = LlamaCppBackend(
+            StackDesc("llamacpp", dtype, "default", weights_sha256=model.weights_sha256), model.hf_dir, threads
+        )
         be.load()
         if be.artifact["path"] != art["path"]:  # the cells' own file, or the figure means nothing
             raise SystemExit(f"forwards alone: {dtype} loaded {be.artifact['path']}, not {art['path']}")
@@ -198,9 +241,11 @@ def per_row_costs(ref: "np.ndarray", stk: "np.ndarray", next_ids: list[int]) -> 
     n = stk.shape[0]
     stored, shift = Storage("bf16").keep(stk)
     nxt = np.asarray(next_ids, np.int64)
-    steps = {"rounding and floor": lambda: Storage("bf16").keep(stk),
-             "encoding": lambda: encode_rows(rows_table("r", "c", 0, "p", list(range(n)), next_ids, stored, shift)),
-             "comparison": lambda: row_metrics(ref, stk, nxt)}
+    steps = {
+        "rounding and floor": lambda: Storage("bf16").keep(stk),
+        "encoding": lambda: encode_rows(rows_table("r", "c", 0, "p", list(range(n)), next_ids, stored, shift)),
+        "comparison": lambda: row_metrics(ref, stk, nxt),
+    }
     steps["comparison"]()  # the kernel is built or loaded once per process, as in a cell
     out = {}
     for k, fn in steps.items():
@@ -220,8 +265,9 @@ def best_of(runs: list[dict]) -> dict:
     return {**runs[-1], "wall": best["wall"], "walls": best.get("walls"), "runs": [x["wall"] for x in runs]}
 
 
-def one_model(model: str, binary: Path, text: str, chunks: int, d: Path, threads: int, executor: str,
-              repeat: int) -> dict:
+def one_model(
+    model: str, binary: Path, text: str, chunks: int, d: Path, threads: int, executor: str, repeat: int
+) -> dict:
     f16, q4, resolved = ggufs(model, threads)
     text = cut_text(text, f16["path"], chunks, d)
     lps, lms = [], []
@@ -241,51 +287,89 @@ def one_model(model: str, binary: Path, text: str, chunks: int, d: Path, threads
     bos = gguf_tokenize(f16["path"], "a")[1]
     ids = [[bos] + list(map(int, t[1:])) if bos is not None else list(map(int, t)) for t in base["tokens"]]
     alone, last, nxt = forwards_alone(resolved, {"f16": f16, "q4_k_m": q4}, ids, threads)
-    return {"model": model, "vocab": int(base["n_vocab"]), "chunks": int(base["n_chunk"]), "lp": lp, "lm": lm,
-            "alone": alone, "costs": per_row_costs(last["f16"], last["q4_k_m"], nxt),
-            "same_ids": ids == [list(t) for t in lm["ids"]]}
+    return {
+        "model": model,
+        "vocab": int(base["n_vocab"]),
+        "chunks": int(base["n_chunk"]),
+        "lp": lp,
+        "lm": lm,
+        "alone": alone,
+        "costs": per_row_costs(last["f16"], last["q4_k_m"], nxt),
+        "same_ids": ids == [list(t) for t in lm["ids"]],
+    }
 
 
 def report(r: dict, threads: int, executor: str) -> None:
     lp, lm, alone = r["lp"], r["lm"], r["alone"]
     floor = sum(alone.values())
-    print(f"\n{r['model']} ({r['vocab']:,} logits a row): {r['chunks']} chunks of 512, {lm['rows']:,} scored rows; "
-          f"chunk ids identical to llama-perplexity's: {'yes' if r['same_ids'] else 'NO'}")
-    rows = [("", "llama-perplexity", f"matrix kld ({executor} executor)"),
-            ("KL(F16 || Q4_K_M) mean ± s.e.", f"{lp['kl']:.6f} ± {lp['se']:.6f}",
-             f"{lm['kl']:.6f} ± {lm['se']:.6f} ({abs(lp['kl'] - lm['kl']) / max(lp['se'], lm['se']):.2f} s.e. apart)"),
-            ("PPL(Q4_K_M) / PPL(F16)", f"{lp['ppl_ratio'][0]:.6f} ± {lp['ppl_ratio'][1]:.6f}",
-             f"{lm['ppl_ratio'][0]:.6f} ± {lm['ppl_ratio'][1]:.6f}"),
-            (f"wall time (s), best of {len(lp['runs'])}", f"{lp['wall']:.1f} ({lp['walls'][0]:.1f} + {lp['walls'][1]:.1f})",
-             f"{lm['wall']:.1f} = {lm['wall'] / lp['wall']:.2f}x"),
-            ("  every run (s)", " ".join(f"{w:.1f}" for w in lp["runs"]), " ".join(f"{w:.1f}" for w in lm["runs"])),
-            ("the forwards alone (s)", "", f"{floor:.1f} = {floor / lp['wall']:.2f}x (F16 {alone['f16']:.1f} + "
-                                            f"Q4_K_M {alone['q4_k_m']:.1f}; in-process, {threads} threads)"),
-            ("disk, reference rows (MB)", f"{lp['disk'] / 1e6:.1f} (uint16 base file)",
-             f"{lm['disk'] / 1e6:.1f} = {lm['disk'] / lp['disk']:.2f}x (bf16, floor {lm['floor']:.1e})"),
-            ("disk, candidate's rows (MB)", "none kept", f"{lm['cand_disk'] / 1e6:.2f} (row hashes; values not kept)"),
-            ("peak memory (GB)", f"{lp['peak_gb']:.2f}",
-             f"{lm['peak_gb']:.2f} (the largest cell worker; {lm['driver_gb']:.2f} the kld process or a worker it waited for)")]
+    print(
+        f"\n{r['model']} ({r['vocab']:,} logits a row): {r['chunks']} chunks of 512, {lm['rows']:,} scored rows; "
+        f"chunk ids identical to llama-perplexity's: {'yes' if r['same_ids'] else 'NO'}"
+    )
+    rows = [
+        ("", "llama-perplexity", f"matrix kld ({executor} executor)"),
+        (
+            "KL(F16 || Q4_K_M) mean ± s.e.",
+            f"{lp['kl']:.6f} ± {lp['se']:.6f}",
+            f"{lm['kl']:.6f} ± {lm['se']:.6f} ({abs(lp['kl'] - lm['kl']) / max(lp['se'], lm['se']):.2f} s.e. apart)",
+        ),
+        (
+            "PPL(Q4_K_M) / PPL(F16)",
+            f"{lp['ppl_ratio'][0]:.6f} ± {lp['ppl_ratio'][1]:.6f}",
+            f"{lm['ppl_ratio'][0]:.6f} ± {lm['ppl_ratio'][1]:.6f}",
+        ),
+        (
+            f"wall time (s), best of {len(lp['runs'])}",
+            f"{lp['wall']:.1f} ({lp['walls'][0]:.1f} + {lp['walls'][1]:.1f})",
+            f"{lm['wall']:.1f} = {lm['wall'] / lp['wall']:.2f}x",
+        ),
+        ("  every run (s)", " ".join(f"{w:.1f}" for w in lp["runs"]), " ".join(f"{w:.1f}" for w in lm["runs"])),
+        (
+            "the forwards alone (s)",
+            "",
+            f"{floor:.1f} = {floor / lp['wall']:.2f}x (F16 {alone['f16']:.1f} + "
+            f"Q4_K_M {alone['q4_k_m']:.1f}; in-process, {threads} threads)",
+        ),
+        (
+            "disk, reference rows (MB)",
+            f"{lp['disk'] / 1e6:.1f} (uint16 base file)",
+            f"{lm['disk'] / 1e6:.1f} = {lm['disk'] / lp['disk']:.2f}x (bf16, floor {lm['floor']:.1e})",
+        ),
+        ("disk, candidate's rows (MB)", "none kept", f"{lm['cand_disk'] / 1e6:.2f} (row hashes; values not kept)"),
+        (
+            "peak memory (GB)",
+            f"{lp['peak_gb']:.2f}",
+            f"{lm['peak_gb']:.2f} (the largest cell worker; "
+            f"{lm['driver_gb']:.2f} the kld process or a worker it waited for)",
+        ),
+    ]
     w = [max(len(x[i]) for x in rows) for i in range(3)]
     for x in rows:
         print("  " + "  ".join(f"{c:{w[i]}}" for i, c in enumerate(x)).rstrip())
     c = r["costs"]
-    print(f"  per stored row, beyond its forward (ms): rounding and floor {c['rounding and floor']:.3f}, "
-          f"encoding {c['encoding']:.3f}, comparison {c['comparison']:.3f}; total {sum(c.values()):.3f} "
-          f"(x {lm['rows']:,} rows = {sum(c.values()) * lm['rows'] / 1000:.1f} s)")
+    print(
+        f"  per stored row, beyond its forward (ms): rounding and floor {c['rounding and floor']:.3f}, "
+        f"encoding {c['encoding']:.3f}, comparison {c['comparison']:.3f}; total {sum(c.values()):.3f} "
+        f"(x {lm['rows']:,} rows = {sum(c.values()) * lm['rows'] / 1000:.1f} s)"
+    )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
     ap.add_argument("--text", default=DEFAULT_TEXT)
-    ap.add_argument("--chunks", default=",".join(f"{k}={v}" for k, v in DEFAULT_CHUNKS.items()),
-                    help="MODEL=N,...: the first N chunks of the text for that model (0: all)")
+    ap.add_argument(
+        "--chunks",
+        default=",".join(f"{k}={v}" for k, v in DEFAULT_CHUNKS.items()),
+        help="MODEL=N,...: the first N chunks of the text for that model (0: all)",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--executor", choices=("local", "ray"), default="local")
     ap.add_argument("--llama-perplexity", help="a built binary (default: build it from the sdist once)")
     ap.add_argument("--keep", help="keep the work directory here")
-    ap.add_argument("--repeat", type=int, default=2, help="runs of each tool, in turn; the best wall time of each counts")
+    ap.add_argument(
+        "--repeat", type=int, default=2, help="runs of each tool, in turn; the best wall time of each counts"
+    )
     args = ap.parse_args()
     if args.repeat < 1:
         raise SystemExit(f"--repeat {args.repeat}: must be >= 1")
@@ -302,25 +386,48 @@ def main() -> int:
     results = []
     for model in filter(None, args.models.split(",")):
         (d / model).mkdir(parents=True, exist_ok=True)
-        results.append(one_model(model, binary, args.text, chunks.get(model, 0), d / model, args.threads, args.executor,
-                                 args.repeat))
+        results.append(
+            one_model(
+                model, binary, args.text, chunks.get(model, 0), d / model, args.threads, args.executor, args.repeat
+            )
+        )
     import llama_cpp
 
-    print(f"\nCPU: {cpu()}; both tools {args.threads} threads; llama.cpp of llama-cpp-python {llama_cpp.__version__} "
-          f"({llama_cpp.llama_print_system_info().decode().strip()}); text {args.text}")
+    print(
+        f"\nCPU: {cpu()}; both tools {args.threads} threads; llama.cpp of llama-cpp-python {llama_cpp.__version__} "
+        f"({llama_cpp.llama_print_system_info().decode().strip()}); text {args.text}"
+    )
     for r in results:
         report(r, args.threads, args.executor)
-    print("\nwall time / llama-perplexity's: " + ", ".join(
-        f"{r['model']} {r['lm']['wall'] / r['lp']['wall']:.2f}x (forwards alone {sum(r['alone'].values()) / r['lp']['wall']:.2f}x)"
-        for r in results))
+    print(
+        "\nwall time / llama-perplexity's: "
+        + ", ".join(
+            f"{r['model']} {r['lm']['wall'] / r['lp']['wall']:.2f}x "
+            f"(forwards alone {sum(r['alone'].values()) / r['lp']['wall']:.2f}x)"
+            for r in results
+        )
+    )
     print("targets: KL within 1 s.e.; wall <= 1.15x llama-perplexity's")
-    rows = [{"model": r["model"], "vocab": r["vocab"], "rows": r["lm"]["rows"], "wall_ratio": r["lm"]["wall"] / r["lp"]["wall"],
-             "forwards_alone_ratio": sum(r["alone"].values()) / r["lp"]["wall"],
-             "wall_s": [r["lp"]["wall"], r["lm"]["wall"]], "wall_runs_s": [r["lp"]["runs"], r["lm"]["runs"]], "kld": [[r["lp"]["kl"], r["lp"]["se"]], [r["lm"]["kl"], r["lm"]["se"]]],
-             "kld_se_apart": abs(r["lp"]["kl"] - r["lm"]["kl"]) / max(r["lp"]["se"], r["lm"]["se"]),
-             "ppl_ratio": [r["lp"]["ppl_ratio"][0], r["lm"]["ppl_ratio"][0]], "per_row_ms": r["costs"]} for r in results]
+    rows = [
+        {
+            "model": r["model"],
+            "vocab": r["vocab"],
+            "rows": r["lm"]["rows"],
+            "wall_ratio": r["lm"]["wall"] / r["lp"]["wall"],
+            "forwards_alone_ratio": sum(r["alone"].values()) / r["lp"]["wall"],
+            "wall_s": [r["lp"]["wall"], r["lm"]["wall"]],
+            "wall_runs_s": [r["lp"]["runs"], r["lm"]["runs"]],
+            "kld": [[r["lp"]["kl"], r["lp"]["se"]], [r["lm"]["kl"], r["lm"]["se"]]],
+            "kld_se_apart": abs(r["lp"]["kl"] - r["lm"]["kl"]) / max(r["lp"]["se"], r["lm"]["se"]),
+            "ppl_ratio": [r["lp"]["ppl_ratio"][0], r["lm"]["ppl_ratio"][0]],
+            "per_row_ms": r["costs"],
+        }
+        for r in results
+    ]
     met = all(x["wall_ratio"] <= 1.15 and x["kld_se_apart"] <= 1 for x in rows)
-    print(f"recorded: {save_result('vs_llama_perplexity', rows, 'KL within 1 s.e.; wall <= 1.15x llama-perplexity', met)}")
+    print(
+        f"recorded: {save_result('vs_llama_perplexity', rows, 'KL within 1 s.e.; wall <= 1.15x llama-perplexity', met)}"
+    )
     if not args.keep:
         shutil.rmtree(d, ignore_errors=True)
     return 0

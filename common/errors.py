@@ -34,9 +34,11 @@ def read_text_file(path, what: str = "file") -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise UserError(f"{path}: {what} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} "
-                        f"(line {line}); save it as UTF-8") from None
+        line = data[: e.start].count(b"\n") + 1
+        raise UserError(
+            f"{path}: {what} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} "
+            f"(line {line}); save it as UTF-8"
+        ) from None
 
 
 def read_yaml_file(path, what: str):
@@ -54,8 +56,14 @@ def read_yaml_file(path, what: str):
         raise UserError(f"{p}: malformed YAML: {str(e).splitlines()[0]}") from None
 
 
-SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECURITY_TOKEN",
-              "CLOUDSDK_AUTH_ACCESS_TOKEN", "GOOGLE_OAUTH_ACCESS_TOKEN")
+SECRET_ENV = (
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECURITY_TOKEN",
+    "CLOUDSDK_AUTH_ACCESS_TOKEN",
+    "GOOGLE_OAUTH_ACCESS_TOKEN",
+)
 # the secret fields of a Google credentials file (service account, authorized user, external account)
 SECRET_FIELDS = ("private_key", "private_key_id", "client_secret", "refresh_token", "access_token")
 

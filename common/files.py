@@ -82,8 +82,19 @@ def ids_sha256(ids: list[int]) -> str:
 
 def pip_download(requirement: str, dest: Path, extra: tuple[str, ...] = (), pattern: str = "*.whl") -> Path:
     """One distribution file from the package index (no dependencies) into dest."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-q", *extra, "-d", str(dest), requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-q",
+        *extra,
+        "-d",
+        str(dest),
+        requirement,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]

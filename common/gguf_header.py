@@ -25,7 +25,7 @@ class _Walk:
 
     def string(self) -> str:
         (n,) = struct.unpack_from("<Q", self.m, self.at)
-        s = self.m[self.at + 8:self.at + 8 + n].decode("utf-8", errors="replace")
+        s = self.m[self.at + 8 : self.at + 8 + n].decode("utf-8", errors="replace")
         self.at += 8 + n
         return s
 
@@ -37,7 +37,7 @@ class _Walk:
         for _ in range(count):
             (n,) = length(m, at)
             if keep:
-                out.append(m[at + 8:at + 8 + n].decode("utf-8", errors="replace"))
+                out.append(m[at + 8 : at + 8 + n].decode("utf-8", errors="replace"))
             at += 8 + n
         if at > len(m):
             raise struct.error("a string runs past the end of the file")
@@ -89,8 +89,9 @@ def _open(path: str | Path):
     return f, m
 
 
-def read_header(path: str | Path, keep=lambda key: True,
-                tensors: bool = False) -> tuple[dict[str, Any], list[tuple[str, int]]]:
+def read_header(
+    path: str | Path, keep=lambda key: True, tensors: bool = False
+) -> tuple[dict[str, Any], list[tuple[str, int]]]:
     """({key: value} of the fields keep(key) asks for, [(tensor name, ggml type id)] when tensors,
     else [])."""
     f, m = _open(path)

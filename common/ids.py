@@ -24,8 +24,10 @@ def stack_id(coords: dict[str, Any], key: dict[str, Any], replica: int = 0) -> S
     """A stack as the spec names it. coords: model, engine, dtype, attention, tp, device; key:
     everything in the spec that changes the rows; replica i > 0 (another node) gets `.r<i>`."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
-    return StackId(f"{coords['model']}.{coords['engine']}.{coords['dtype']}.{coords['attention']}"
-                   f".tp{coords['tp']}.{coords['device']}-{digest}" + (f".r{replica}" if replica else ""))
+    return StackId(
+        f"{coords['model']}.{coords['engine']}.{coords['dtype']}.{coords['attention']}"
+        f".tp{coords['tp']}.{coords['device']}-{digest}" + (f".r{replica}" if replica else "")
+    )
 
 
 def cell_id(stack: StackId, build: str) -> CellId:

@@ -33,8 +33,11 @@ BASE = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-shared
 WIDE = ["-mprefer-vector-width=512"] if platform.machine().lower() in ("x86_64", "amd64") else []
 # Tried in order: glibc's vector exp/log (libmvec); scalar exp/log where there is no libmvec
 # (macOS, musl); and without -march=native for a compiler that refuses it (clang before 15).
-VARIANTS = (["-march=native", *WIDE, *BASE, "-lmvec", "-lm"], ["-march=native", *WIDE, *BASE, "-DNO_LIBMVEC", "-lm"],
-            [*BASE, "-DNO_LIBMVEC", "-lm"])
+VARIANTS = (
+    ["-march=native", *WIDE, *BASE, "-lmvec", "-lm"],
+    ["-march=native", *WIDE, *BASE, "-DNO_LIBMVEC", "-lm"],
+    [*BASE, "-DNO_LIBMVEC", "-lm"],
+)
 
 _build_lock = threading.Lock()
 _pool_lock = threading.Lock()
@@ -76,8 +79,12 @@ def _build(source: Path) -> ctypes.CDLL:
         raise OSError("no C compiler (cc, gcc or $CC)")
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
     base = [source.read_text(), ver, _machine_key()]
-    built = [cache_root() / "kernels" / f"{source.stem}-{hashlib.sha256(chr(10).join(base + v).encode()).hexdigest()[:16]}.so"
-             for v in VARIANTS]
+    built = [
+        cache_root()
+        / "kernels"
+        / f"{source.stem}-{hashlib.sha256(chr(10).join(base + v).encode()).hexdigest()[:16]}.so"
+        for v in VARIANTS
+    ]
     errors = []
     for so in filter(Path.exists, built):  # a variant built before: no compile in every new process
         try:
@@ -122,8 +129,11 @@ def load(source: Path, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | 
                     declare(lib)
                 except (OSError, subprocess.SubprocessError, AttributeError) as e:
                     lib, _failed[name] = None, f"{type(e).__name__}: {str(e).strip()[:300]}"
-                    print(f"logit-matrix: {source.name} could not be built ({_failed[name]}); the same arithmetic "
-                          "runs in numpy (~10x slower)", file=sys.stderr)
+                    print(
+                        f"logit-matrix: {source.name} could not be built ({_failed[name]}); the same arithmetic "
+                        "runs in numpy (~10x slower)",
+                        file=sys.stderr,
+                    )
             _loaded[name] = lib
     return _loaded[name]
 

@@ -52,7 +52,7 @@ class Positions:
         positions = self.of(len(ids))
         if max_tokens is not None:
             positions = [p for p in positions if p < max_tokens]
-        return (ids[:positions[-1] + 1], positions) if positions else ([], [])
+        return (ids[: positions[-1] + 1], positions) if positions else ([], [])
 
     def to_dict(self) -> dict:
         return {"from": self.start, "to": self.stop, "stride": self.stride, "last": self.last}
@@ -78,8 +78,9 @@ def parse(raw, fld: str, err) -> Positions:
     """A spec's `positions:` value (a preset name or a mapping); err(field, message, value) -> exception."""
     if isinstance(raw, str):
         if raw not in PRESETS:
-            raise err(fld, f"unknown preset; expected one of {', '.join(PRESETS)} or a mapping of {', '.join(KEYS)}",
-                      raw)
+            raise err(
+                fld, f"unknown preset; expected one of {', '.join(PRESETS)} or a mapping of {', '.join(KEYS)}", raw
+            )
         return PRESETS[raw]
     if not isinstance(raw, dict) or not raw:
         raise err(fld, f"must be a preset name or a mapping of {', '.join(KEYS)}", raw)
@@ -108,4 +109,3 @@ def from_dict(d: dict | None, stride: int) -> Positions:
     if not d:
         return Positions.every(stride)
     return Positions(stride=d["stride"], start=d["from"], stop=d["to"], last=d["last"])
-

@@ -117,9 +117,17 @@ def analyses() -> list[tuple[str, Callable, Callable]]:
                 return None
             return analyze_side(wh, done, force, log, rules)
 
-        out.append(("decode", paths, lambda dc: (
-            f"decode metrics: {dc['cells']} cell(s), {dc['rows']} rows off the prefill path ({dc['reused']} up to "
-            "date); the summary_by_path view compares them with the prefill")))
+        out.append(
+            (
+                "decode",
+                paths,
+                lambda dc: (
+                    f"decode metrics: {dc['cells']} cell(s), {dc['rows']} rows off the prefill path "
+                    f"({dc['reused']} up to "
+                    "date); the summary_by_path view compares them with the prefill"
+                ),
+            )
+        )
     return out
 
 
@@ -241,8 +249,9 @@ def loads(text: str | None) -> dict:
     return json.loads(text) if text else {}
 
 
-def add_pairs(writer, prompt_id: str, whole: list[int], positions: list[int], prefill, other, path: str,
-              steps: list[int]) -> tuple[int, float]:
+def add_pairs(
+    writer, prompt_id: str, whole: list[int], positions: list[int], prefill, other, path: str, steps: list[int]
+) -> tuple[int, float]:
     """Each row `other` recomputed at `positions` into a side file beside the same position's prefill
     row (path 'prefill'), both with the whole prompt's next token; steps: each pair's step.
     -> agreement(prefill, other): (rows byte-identical, max |prefill - other|)."""
@@ -250,8 +259,15 @@ def add_pairs(writer, prompt_id: str, whole: list[int], positions: list[int], pr
 
     nxt = [whole[p + 1] if p + 1 < len(whole) else None for p in positions]
     n = len(positions)
-    writer.add(prompt_id, positions + positions, nxt + nxt, np.concatenate([prefill, other.astype(prefill.dtype)]),
-               None, ["prefill"] * n + [path] * n, steps * 2)
+    writer.add(
+        prompt_id,
+        positions + positions,
+        nxt + nxt,
+        np.concatenate([prefill, other.astype(prefill.dtype)]),
+        None,
+        ["prefill"] * n + [path] * n,
+        steps * 2,
+    )
     return agreement(prefill, other)
 
 

@@ -24,8 +24,10 @@ from extras import Capturer, Extra, loads
 def sources(backend, layers: list[int]) -> dict[str, str]:
     """{state name: the engine's name for that tensor} ("{i}" in its layer_sources is the index)."""
     src = getattr(backend, "layer_sources", {})
-    return {**{f"layer.{i}": src.get("layer", "layer {i}").format(i=i) for i in layers},
-            "final_norm": src.get("final_norm", "final norm")}
+    return {
+        **{f"layer.{i}": src.get("layer", "layer {i}").format(i=i) for i in layers},
+        "final_norm": src.get("final_norm", "final norm"),
+    }
 
 
 class LayersCapturer(Capturer):
@@ -61,8 +63,12 @@ class Layers(Extra):
     order = 10  # it replaces the forward the others read rows from
     rank = 10
     about = "record hidden states after these decoder layers: a list of indices, first-N or all"
-    json_schema = {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-                             {"type": "string", "pattern": "^(first-[0-9]*[1-9][0-9]*|all)$"}]}
+    json_schema = {
+        "anyOf": [
+            {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            {"type": "string", "pattern": "^(first-[0-9]*[1-9][0-9]*|all)$"},
+        ]
+    }
 
     def parse(self, v: Any, fail) -> tuple | str | None:
         """[i, ...] | first-N | all -> sorted indices, or "all" (the depth is known at plan time)."""
@@ -91,13 +97,15 @@ class Layers(Extra):
         return list(value) if isinstance(value, tuple) else value
 
     def resolve(self, value, cell, facts: dict, prompts: list, fail):
-        """"all" becomes 0..depth-1; an index past the depth is exit 2 before anything runs."""
+        """ "all" becomes 0..depth-1; an index past the depth is exit 2 before anything runs."""
         depth = facts["depth"]
         if value == "all":
             return tuple(range(depth))
         if max(value) >= depth:
-            raise fail(f"layers: layer {max(value)} of cell {cell.cell_id}: model {cell.model} has "
-                       f"{depth} decoder layers (0..{depth - 1})")
+            raise fail(
+                f"layers: layer {max(value)} of cell {cell.cell_id}: model {cell.model} has "
+                f"{depth} decoder layers (0..{depth - 1})"
+            )
         return value
 
     def side_rows(self, value, fed_positions: list[list[int]], prompt_lengths: list[int]) -> tuple[int, bool]:
@@ -110,8 +118,15 @@ class Layers(Extra):
     def record(self, parts: list[dict]) -> str | None:
         """cells.layers: indices, depth, the engine's tensor names, rows per repeat."""
         got = parts[-1]
-        return json.dumps({"layers": got["layers"], "depth": got["depth"], "rows_per_repeat": got["rows"],
-                           "sources": got.get("sources")}, sort_keys=True)
+        return json.dumps(
+            {
+                "layers": got["layers"],
+                "depth": got["depth"],
+                "rows_per_repeat": got["rows"],
+                "sources": got.get("sources"),
+            },
+            sort_keys=True,
+        )
 
     def analyze(self, wh, done: list[dict], reference: str | None, force: bool, log) -> dict | None:
         if not any(self.active_in(c) for c in done):
@@ -121,8 +136,10 @@ class Layers(Extra):
         return analyze_layers(wh, done, reference, force, log)
 
     def analysis_line(self, la: dict) -> str:
-        return (f"layer metrics: {la['cells']} cell(s), {la['rows']} layer rows ({la['reused']} up to date); "
-                "`matrix layers CELL` for the table and the first failing layer")
+        return (
+            f"layer metrics: {la['cells']} cell(s), {la['rows']} layer rows ({la['reused']} up to date); "
+            "`matrix layers CELL` for the table and the first failing layer"
+        )
 
     def card(self, warehouse: str, cell: dict) -> dict | None:
         """The cell's per-layer agreement with its reference (null for a cell without layers)."""
@@ -130,21 +147,34 @@ class Layers(Extra):
             return None
         from analysis.card import query_rows
 
-        rows = query_rows(warehouse, """SELECT layer, layer_index, rows, cosine_min, cosine_mean, norm_ratio_dev_max,
+        rows = query_rows(
+            warehouse,
+            """SELECT layer, layer_index, rows, cosine_min, cosine_mean, norm_ratio_dev_max,
                                         rel_l2_max FROM layer_summary WHERE cell_id = ? ORDER BY layer_index""",
-                          [cell["cell_id"]])
+            [cell["cell_id"]],
+        )
         recorded = loads(cell["layers"])
-        return {"recorded": recorded.get("layers"), "depth": recorded.get("depth"), "sources": recorded.get("sources"),
-                "comparison": "each state vs the reference's same (prompt, position, layer), repeat 0; float64",
-                "by_layer": rows}
+        return {
+            "recorded": recorded.get("layers"),
+            "depth": recorded.get("depth"),
+            "sources": recorded.get("sources"),
+            "comparison": "each state vs the reference's same (prompt, position, layer), repeat 0; float64",
+            "by_layer": rows,
+        }
 
     def card_lines(self, lay: dict) -> list[str]:
-        return (["", f"Per-layer agreement with the reference (layers {lay['recorded']} of {lay['depth']}, "
-                     "and the final norm's output):", "",
-                 "| state | rows | cosine min | cosine mean | max abs(norm ratio - 1) | max rel L2 |",
-                 "|---|---|---|---|---|---|"]
-                + [f"| {r['layer']} | {r['rows']} | {r['cosine_min']:.6f} | {r['cosine_mean']:.6f} | "
-                   f"{r['norm_ratio_dev_max']:.3g} | {r['rel_l2_max']:.3g} |" for r in lay["by_layer"]])
+        return [
+            "",
+            f"Per-layer agreement with the reference (layers {lay['recorded']} of {lay['depth']}, "
+            "and the final norm's output):",
+            "",
+            "| state | rows | cosine min | cosine mean | max abs(norm ratio - 1) | max rel L2 |",
+            "|---|---|---|---|---|---|",
+        ] + [
+            f"| {r['layer']} | {r['rows']} | {r['cosine_min']:.6f} | {r['cosine_mean']:.6f} | "
+            f"{r['norm_ratio_dev_max']:.3g} | {r['rel_l2_max']:.3g} |"
+            for r in lay["by_layer"]
+        ]
 
     def report(self, data: dict) -> str:
         from analysis.report_layers import layers_section
@@ -160,8 +190,13 @@ class Layers(Extra):
         (llama.cpp's graph and fp32 stacks: 4 B; bf16/f16 activations: 2 B; zstd barely shrinks hidden
         states: 3.5 B/value on disk for fp32 ones, 1.5 for bf16)."""
         states = len(value) + 1
-        return {"layers": list(value), "rows": rows, "states_per_row": states, "hidden": hidden,
-                "bytes_estimate": rows * states * hidden * (4 if wide else 2)}
+        return {
+            "layers": list(value),
+            "rows": rows,
+            "states_per_row": states,
+            "hidden": hidden,
+            "bytes_estimate": rows * states * hidden * (4 if wide else 2),
+        }
 
 
 EXTRA = Layers

@@ -14,7 +14,6 @@ import json
 import time
 from typing import Any
 
-
 from extras import Capturer, Extra, add_pairs, loads
 
 PATH = "prefix_cached"
@@ -82,17 +81,23 @@ class PrefixCache(Extra):
 
     def record(self, d: list[dict]) -> str | None:
         """cells.prefix_cache: per prompt the tokens the warm cache served, and how far its rows were."""
-        return json.dumps({"rows_per_repeat": d[0]["rows"], "hits": d[0]["hits"],
-                           "identical_rows": sum(x["identical_rows"] for x in d), "rows": sum(x["rows"] for x in d) // 2,
-                           "max_abs_diff_vs_prefill": max(x["max_abs_diff_vs_prefill"] for x in d),
-                           "seconds": sum(x["seconds"] for x in d)}, sort_keys=True)
+        return json.dumps(
+            {
+                "rows_per_repeat": d[0]["rows"],
+                "hits": d[0]["hits"],
+                "identical_rows": sum(x["identical_rows"] for x in d),
+                "rows": sum(x["rows"] for x in d) // 2,
+                "max_abs_diff_vs_prefill": max(x["max_abs_diff_vs_prefill"] for x in d),
+                "seconds": sum(x["seconds"] for x in d),
+            },
+            sort_keys=True,
+        )
 
     def path_rules(self) -> dict:
         from analysis.side_analysis import PathRule
 
         # its rows sit at sampled positions: the reference's capture shard holds the rows to compare with
-        return {PATH: PathRule(active=self.active_in, hits=lambda c: loads(c[self.key])["hits"],
-                               reference_shard=True)}
+        return {PATH: PathRule(active=self.active_in, hits=lambda c: loads(c[self.key])["hits"], reference_shard=True)}
 
     def card(self, warehouse: str, cell: dict) -> dict | None:
         """The rows recomputed from a warm cache against the fresh prefill (null without)."""
@@ -100,26 +105,37 @@ class PrefixCache(Extra):
             return None
         from analysis.card import query_rows
 
-        r = (query_rows(warehouse, "SELECT * FROM summary_by_path WHERE cell_id = ? AND path = ?",
-                        [cell["cell_id"], PATH]) or [{}])[0]
+        r = (
+            query_rows(
+                warehouse, "SELECT * FROM summary_by_path WHERE cell_id = ? AND path = ?", [cell["cell_id"], PATH]
+            )
+            or [{}]
+        )[0]
         rec = loads(cell[self.key])
-        return {"rows": r.get("rows"), "cached_tokens_mean": r.get("cached_tokens_mean"),
-                "method": "the same prompt evaluated again with the engine's prefix cache warm from the first",
-                "kld_prefill_vs_cached_mean": r.get("kld_vs_prefill_mean"),
-                "max_abs_diff_vs_prefill": r.get("max_abs_diff_vs_prefill"),
-                "bit_identical_share": r.get("identical_share"),
-                "kld_cached_mean": r.get("kld_mean"), "recorded_max_abs_diff": rec.get("max_abs_diff_vs_prefill")}
+        return {
+            "rows": r.get("rows"),
+            "cached_tokens_mean": r.get("cached_tokens_mean"),
+            "method": "the same prompt evaluated again with the engine's prefix cache warm from the first",
+            "kld_prefill_vs_cached_mean": r.get("kld_vs_prefill_mean"),
+            "max_abs_diff_vs_prefill": r.get("max_abs_diff_vs_prefill"),
+            "bit_identical_share": r.get("identical_share"),
+            "kld_cached_mean": r.get("kld_mean"),
+            "recorded_max_abs_diff": rec.get("max_abs_diff_vs_prefill"),
+        }
 
     def card_lines(self, pc: dict) -> list[str]:
         if not pc["rows"]:
             return []
         from analysis.card import fmt_value as g
 
-        return ["", f"Prefix cache ({pc['method']}; {pc['rows']} recomputed rows, "
-                    f"{g(pc['cached_tokens_mean'])} tokens from the cache on average): against the fresh prefill "
-                    f"mean KL {g(pc['kld_prefill_vs_cached_mean'])}, max abs diff {g(pc['max_abs_diff_vs_prefill'])}, "
-                    f"bit-identical rows {g(pc['bit_identical_share'])}; against the reference mean KLD "
-                    f"{g(pc['kld_cached_mean'])}."]
+        return [
+            "",
+            f"Prefix cache ({pc['method']}; {pc['rows']} recomputed rows, "
+            f"{g(pc['cached_tokens_mean'])} tokens from the cache on average): against the fresh prefill "
+            f"mean KL {g(pc['kld_prefill_vs_cached_mean'])}, max abs diff {g(pc['max_abs_diff_vs_prefill'])}, "
+            f"bit-identical rows {g(pc['bit_identical_share'])}; against the reference mean KLD "
+            f"{g(pc['kld_cached_mean'])}.",
+        ]
 
     def report(self, data: dict) -> str:
         import html
@@ -128,15 +144,21 @@ class PrefixCache(Extra):
         if not cached:
             return ""
         body = "".join(
-            f"<tr><td>{html.escape((data.get('names') or {}).get(r['cell_id'], r['cell_id']))}</td><td>{r['rows']}</td><td>{r['cached_tokens_mean']:.1f}</td>"
+            f"<tr><td>{html.escape((data.get('names') or {}).get(r['cell_id'], r['cell_id']))}</td>"
+            f"<td>{r['rows']}</td><td>{r['cached_tokens_mean']:.1f}</td>"
             f"<td>{r['kld_vs_prefill_mean']:.3g}</td><td>{r['max_abs_diff_vs_prefill']:.3g}</td>"
-            f"<td>{r['identical_share']:.0%}</td></tr>" for r in cached)
-        return ("<h2>Prefix cache against a fresh prefill</h2><p>Each prompt evaluated a second time with the "
-                "engine's prefix cache warm from the first; the rows it recomputed against the fresh prefill's "
-                "(a cached prefix may not equal a fresh prefill).</p>"
-                "<table id=\"prefix-cache\"><tr><th>stack</th><th>rows</th><th>tokens from the cache (mean)</th>"
-                "<th>KL(prefill || cached) mean</th><th>max |cached - prefill|</th><th>bit-identical</th></tr>"
-                + body + "</table>")
+            f"<td>{r['identical_share']:.0%}</td></tr>"
+            for r in cached
+        )
+        return (
+            "<h2>Prefix cache against a fresh prefill</h2><p>Each prompt evaluated a second time with the "
+            "engine's prefix cache warm from the first; the rows it recomputed against the fresh prefill's "
+            "(a cached prefix may not equal a fresh prefill).</p>"
+            '<table id="prefix-cache"><tr><th>stack</th><th>rows</th><th>tokens from the cache (mean)</th>'
+            "<th>KL(prefill || cached) mean</th><th>max |cached - prefill|</th><th>bit-identical</th></tr>"
+            + body
+            + "</table>"
+        )
 
     def brief(self, value) -> list[str]:
         return ["prefix cache check"]

@@ -51,8 +51,10 @@ def main() -> int:
                 link.symlink_to(src)
         kept.append(name)
     missing = sorted(drop - set(dropped))
-    print(f"{args.dest}: {len(kept)} distributions linked, left out: {', '.join(sorted(dropped))}"
-          + (f" (not installed here: {', '.join(missing)})" if missing else ""))
+    print(
+        f"{args.dest}: {len(kept)} distributions linked, left out: {', '.join(sorted(dropped))}"
+        + (f" (not installed here: {', '.join(missing)})" if missing else "")
+    )
     return 0
 
 

@@ -21,10 +21,17 @@ COMMON = ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
 # GGML option -> the /proc/cpuinfo flags it needs (ggml/src/ggml-cpu/CMakeLists.txt maps each
 # option to its -m flags; GGML_AVX512 means -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw)
 X86 = {
-    "GGML_SSE42": ["sse4_2"], "GGML_AVX": ["avx"], "GGML_AVX2": ["avx2"], "GGML_FMA": ["fma"],
-    "GGML_F16C": ["f16c"], "GGML_BMI2": ["bmi2"], "GGML_AVX_VNNI": ["avx_vnni"],
+    "GGML_SSE42": ["sse4_2"],
+    "GGML_AVX": ["avx"],
+    "GGML_AVX2": ["avx2"],
+    "GGML_FMA": ["fma"],
+    "GGML_F16C": ["f16c"],
+    "GGML_BMI2": ["bmi2"],
+    "GGML_AVX_VNNI": ["avx_vnni"],
     "GGML_AVX512": ["avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"],
-    "GGML_AVX512_VBMI": ["avx512vbmi"], "GGML_AVX512_VNNI": ["avx512_vnni"], "GGML_AVX512_BF16": ["avx512_bf16"],
+    "GGML_AVX512_VBMI": ["avx512vbmi"],
+    "GGML_AVX512_VNNI": ["avx512_vnni"],
+    "GGML_AVX512_BF16": ["avx512_bf16"],
 }
 NEVER = ["GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"]
 

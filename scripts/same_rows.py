@@ -40,8 +40,10 @@ def rows(con, name: str) -> list[tuple]:
     cols = [c[0] for c in con.execute(f"SELECT * FROM {name} LIMIT 0").description if c[0] not in VOLATILE]
     got = con.execute(f"SELECT {', '.join(cols)} FROM {name} ORDER BY ALL").fetchall()
     # ordered again without the timings (they may have ordered two rows); arrays left out of the key
-    return sorted((tuple(steady(v) for v in r) for r in got),
-                  key=lambda r: repr(tuple(v for v in r if not isinstance(v, (list, bytes)))))
+    return sorted(
+        (tuple(steady(v) for v in r) for r in got),
+        key=lambda r: repr(tuple(v for v in r if not isinstance(v, (list, bytes)))),
+    )
 
 
 def main(a: str, b: str) -> int:
@@ -51,8 +53,14 @@ def main(a: str, b: str) -> int:
         ra, rb = rows(ca, name), rows(cb, name)
         ok = ra == rb
         same &= ok
-        first = "" if ok else next((f", first difference at row {i}" for i, (x, y) in enumerate(zip(ra, rb)) if x != y),
-                                   f", {len(ra)} vs {len(rb)} rows")
+        first = (
+            ""
+            if ok
+            else next(
+                (f", first difference at row {i}" for i, (x, y) in enumerate(zip(ra, rb)) if x != y),
+                f", {len(ra)} vs {len(rb)} rows",
+            )
+        )
         print(f"{name:18} {len(ra):7} rows  {'same' if ok else 'DIFFERENT' + first}")
     return 0 if same else 1
 

@@ -28,8 +28,11 @@ SUFFIXES = (".json", ".parquet")
 
 
 def checksum(ids: list[int], logits: list[float], lse: float) -> str:
-    payload = np.asarray(ids, dtype=np.int32).tobytes() + np.asarray(logits, dtype=np.float32).tobytes() \
+    payload = (
+        np.asarray(ids, dtype=np.int32).tobytes()
+        + np.asarray(logits, dtype=np.float32).tobytes()
         + np.float64(lse).tobytes()
+    )
     return hashlib.sha256(payload).hexdigest()
 
 
@@ -41,22 +44,28 @@ def header_checksum(header: dict) -> str:
 
 def write(out: str, header: dict, rows: dict[str, list]) -> None:
     """rows: every ROW_KEYS column but checksum, which is computed here."""
-    rows = {**rows, "checksum": [checksum(i, v, s) for i, v, s in
-                                 zip(rows["topk_ids"], rows["topk_logits"], rows["logsumexp"])]}
+    rows = {
+        **rows,
+        "checksum": [checksum(i, v, s) for i, v, s in zip(rows["topk_ids"], rows["topk_logits"], rows["logsumexp"])],
+    }
     header = json.loads(json.dumps({"format": FORMAT, "version": VERSION, **header}, default=str))  # as it reads back
     header["header_sha256"] = header_checksum(header)
     if Path(out).suffix == ".json":
         body = {**header, "rows": [dict(zip(rows, vals)) for vals in zip(*rows.values())]}
         Path(out).write_text(json.dumps(body, indent=1))
         return
-    table = pa.table({
-        "prompt_id": rows["prompt_id"], "position": pa.array(rows["position"], pa.int32()),
-        "next_token_id": pa.array(rows["next_token_id"], pa.int32()),
-        "topk_ids": pa.array(rows["topk_ids"], pa.list_(pa.int32())),
-        "topk_logits": pa.array(rows["topk_logits"], pa.list_(pa.float32())),
-        "logsumexp": pa.array(rows["logsumexp"], pa.float64()),
-        "row_hash": rows["row_hash"], "checksum": rows["checksum"],
-    })
+    table = pa.table(
+        {
+            "prompt_id": rows["prompt_id"],
+            "position": pa.array(rows["position"], pa.int32()),
+            "next_token_id": pa.array(rows["next_token_id"], pa.int32()),
+            "topk_ids": pa.array(rows["topk_ids"], pa.list_(pa.int32())),
+            "topk_logits": pa.array(rows["topk_logits"], pa.list_(pa.float32())),
+            "logsumexp": pa.array(rows["logsumexp"], pa.float64()),
+            "row_hash": rows["row_hash"],
+            "checksum": rows["checksum"],
+        }
+    )
     pq.write_table(table.replace_schema_metadata({META_KEY: json.dumps(header).encode()}), out, compression="zstd")
 
 
@@ -84,15 +93,22 @@ def load(path: str) -> tuple[dict, dict[str, list]]:
     except (json.JSONDecodeError, pa.ArrowInvalid, UnicodeDecodeError) as e:
         raise UserError(f"{p}: not a readable fixture ({str(e).splitlines()[0][:120]})") from None
     if header.get("format") != FORMAT or header.get("version") not in READABLE:
-        raise UserError(f"{p}: format {header.get('format')!r} version {header.get('version')!r}; "
-                        f"expected {FORMAT!r} version {' or '.join(map(str, READABLE))}")
+        raise UserError(
+            f"{p}: format {header.get('format')!r} version {header.get('version')!r}; "
+            f"expected {FORMAT!r} version {' or '.join(map(str, READABLE))}"
+        )
     if header["version"] >= 2 and header.get("header_sha256") != header_checksum(header):
-        raise UserError(f"{p}: header_sha256: the header (prompts, ids, k, vocabulary, producer) does not match its "
-                        "checksum: the fixture was altered or damaged")
+        raise UserError(
+            f"{p}: header_sha256: the header (prompts, ids, k, vocabulary, producer) does not match its "
+            "checksum: the fixture was altered or damaged"
+        )
     header["header_checked"] = header["version"] >= 2
-    for i, (ids, vals, lse, ck) in enumerate(zip(rows["topk_ids"], rows["topk_logits"], rows["logsumexp"],
-                                                  rows["checksum"])):
+    for i, (ids, vals, lse, ck) in enumerate(
+        zip(rows["topk_ids"], rows["topk_logits"], rows["logsumexp"], rows["checksum"])
+    ):
         if checksum(ids, vals, lse) != ck:
-            raise UserError(f"{p}: row {i} (prompt {rows['prompt_id'][i]} position {rows['position'][i]}) "
-                            "fails its checksum: the fixture was altered or damaged")
+            raise UserError(
+                f"{p}: row {i} (prompt {rows['prompt_id'][i]} position {rows['position'][i]}) "
+                "fails its checksum: the fixture was altered or damaged"
+            )
     return header, rows

@@ -33,7 +33,7 @@ def kld_base_floor(scale: np.ndarray, min_log_prob: np.ndarray, n_clamped: np.nd
     dropped (at most e^min_log_prob per clamped token; dropping mass m costs KL ~ m)."""
     scale, mlp = scale.astype(np.float64), min_log_prob.astype(np.float64)  # (rows,)
     dropped = n_clamped * np.exp(mlp)
-    return scale ** 2 / 24 + np.minimum(dropped, 1.0)
+    return scale**2 / 24 + np.minimum(dropped, 1.0)
 
 
 ROWS = 64  # rows per pass: (64, 262144) float32 temporaries stay ~64 MB
@@ -46,7 +46,7 @@ def bf16_floor(z: np.ndarray, s: np.ndarray) -> np.ndarray:
     sums in float64: ~1e-5 relative, enough for a floor. NaN where a row is not finite."""
     out = np.empty(z.shape[0])
     for i in range(0, z.shape[0], ROWS):
-        zz, ss = z[i:i + ROWS], s[i:i + ROWS]
+        zz, ss = z[i : i + ROWS], s[i : i + ROWS]
         e = np.exp(zz)  # (rows, vocab); <= 1: z <= 0
         total = e.sum(-1, dtype=np.float64)
         d = ss - zz
@@ -55,9 +55,8 @@ def bf16_floor(z: np.ndarray, s: np.ndarray) -> np.ndarray:
         b = np.einsum("ij,ij->i", e, d, dtype=np.float64) / total
         kl = np.log1p(a) - b
         broken = np.isnan(zz).any(-1) | np.isposinf(zz).any(-1)
-        out[i:i + ROWS] = np.where(np.isfinite(kl) & ~broken, np.maximum(kl, 0.0), np.nan)
+        out[i : i + ROWS] = np.where(np.isfinite(kl) & ~broken, np.maximum(kl, 0.0), np.nan)
     return out
-
 
 
 CACHE_VALUES = 1 << 18  # values per fused pass: a block's five float32 buffers stay within L2 (~5 MB)
@@ -70,7 +69,7 @@ def _fused_keep(x: np.ndarray, m: np.ndarray, stored: np.ndarray, bufs: tuple) -
     KL = log1p(b + c) - b with b = sum p d and c = sum p (e^d - 1 - d), d = stored - z (exact in
     float32), e^d - 1 - d = d^2 (1/2 + d/6 + d^2/24) (|d| <= 2^-9 |z|: the next term is below
     1e-5 relative where p is not negligible); NaN where a token is masked (-inf), for the caller."""
-    z, u, e, d, c = (b[:x.shape[0]] for b in bufs)  # (block, vocab) each
+    z, u, e, d, c = (b[: x.shape[0]] for b in bufs)  # (block, vocab) each
     np.subtract(x, m[:, None], out=z)
     bits = z.view(np.uint32)
     np.right_shift(bits, 16, out=u)  # round to nearest even, as to_bf16
@@ -132,11 +131,12 @@ class Storage:
         x = x.astype(np.float32, copy=False)
         if self.bufs is None or self.bufs[0].shape[1] != x.shape[1]:
             rows = max(1, CACHE_VALUES // x.shape[1])
-            self.bufs = tuple(np.empty((rows, x.shape[1]), t) for t in (np.float32, np.uint32, np.float32,
-                                                                          np.float32, np.float32))
+            self.bufs = tuple(
+                np.empty((rows, x.shape[1]), t) for t in (np.float32, np.uint32, np.float32, np.float32, np.float32)
+            )
         out = []
         for i in range(0, x.shape[0], self.bufs[0].shape[0]):
-            xx, ss = x[i:i + self.bufs[0].shape[0]], stored[i:i + self.bufs[0].shape[0]]
+            xx, ss = x[i : i + self.bufs[0].shape[0]], stored[i : i + self.bufs[0].shape[0]]
             m = xx.max(-1)  # (block,)
             fused = bool(np.isfinite(m).all())
             kl = _fused_keep(xx, m, ss, self.bufs) if fused else None
@@ -159,7 +159,9 @@ class Storage:
             shift, kl = fast
             redo = np.flatnonzero(~np.isfinite(kl))  # rows that are not finite: the general way
             if len(redo):
-                shift[redo], kl[redo] = self._block(native[redo], part := np.empty((len(redo), native.shape[1]), np.uint16))
+                shift[redo], kl[redo] = self._block(
+                    native[redo], part := np.empty((len(redo), native.shape[1]), np.uint16)
+                )
                 stored[redo] = part
         shift = shift.astype(np.float32)
         ok = np.isfinite(kl)
@@ -173,12 +175,17 @@ class Storage:
         if self.out is None:
             return np.empty(shape, np.uint16)
         self.out = room(self.out, shape[0] * shape[1], np.uint16)
-        return self.out[:shape[0] * shape[1]].reshape(shape)
+        return self.out[: shape[0] * shape[1]].reshape(shape)
 
     def summary(self) -> dict[str, Any]:
         """One capture's part of its cell's StorageFloor (plain values: it travels back from an actor)."""
-        return {"store": self.store, "rows_rounded": self.rows, "floor_sum": self.floor_sum,
-                "floor_max": self.floor_max, "nonfinite_rows": self.nonfinite}
+        return {
+            "store": self.store,
+            "rows_rounded": self.rows,
+            "floor_sum": self.floor_sum,
+            "floor_max": self.floor_max,
+            "nonfinite_rows": self.nonfinite,
+        }
 
 
 @dataclass(frozen=True)
@@ -197,17 +204,23 @@ class StorageFloor:
         if store == "native":
             return cls()
         rows = sum(p["rows_rounded"] for p in parts)
-        return cls(store, rows, sum(p["floor_sum"] for p in parts) / rows if rows else 0.0,
-                   max(p["floor_max"] for p in parts))
+        return cls(
+            store, rows, sum(p["floor_sum"] for p in parts) / rows if rows else 0.0, max(p["floor_max"] for p in parts)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The cells row's `storage` (its JSON)."""
         if self.store == "native":
             return {"store": "native", "lossless": True}
-        return {"store": self.store, "lossless": self.rows == 0,
-                "rounding": "bf16 round-to-nearest-even of (logit - row max)", "storage_floor": self.mean,
-                "storage_floor_max": self.max, "rows_measured": self.rows,
-                "floor_definition": "per row KL(P_native || P_stored), float64, natural log"}
+        return {
+            "store": self.store,
+            "lossless": self.rows == 0,
+            "rounding": "bf16 round-to-nearest-even of (logit - row max)",
+            "storage_floor": self.mean,
+            "storage_floor_max": self.max,
+            "rows_measured": self.rows,
+            "floor_definition": "per row KL(P_native || P_stored), float64, natural log",
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

@@ -92,7 +92,7 @@ class GcsDir(ObjectDir):
         base = self._key("")
         with self._errors(f"cannot list {prefix}"):
             names = [b.name for b in self.client.list_blobs(self.bucket, prefix=self._key(prefix))]
-        return sorted(n[len(base):] for n in names if n.endswith(suffix))
+        return sorted(n[len(base) :] for n in names if n.endswith(suffix))
 
     def delete(self, key: str) -> None:
         from google.api_core.exceptions import NotFound

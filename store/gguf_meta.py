@@ -57,8 +57,14 @@ def read_info(path: str | Path) -> GgufInfo:
 
 
 _ARCH_KEYS = (".block_count", ".embedding_length", ".attention.head_count")
-_KEYS = {"general.architecture", "general.name", "general.file_type", "tokenizer.ggml.tokens",
-         "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"}
+_KEYS = {
+    "general.architecture",
+    "general.name",
+    "general.file_type",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+}
 
 
 @functools.lru_cache(maxsize=64)
@@ -70,9 +76,15 @@ def _read_info(path: str, _size: int, _mtime_ns: int) -> GgufInfo:
     if not arch:
         raise UserError(f"{path}: GGUF header has no general.architecture")
     return GgufInfo(
-        path=str(path), architecture=arch, name=f.get("general.name"),
-        block_count=f.get(f"{arch}.block_count"), embedding_length=f.get(f"{arch}.embedding_length"),
-        head_count=f.get(f"{arch}.attention.head_count"), tokens=tuple(f.get("tokenizer.ggml.tokens") or ()),
-        bos=f.get("tokenizer.ggml.bos_token_id"), eos=f.get("tokenizer.ggml.eos_token_id"),
+        path=str(path),
+        architecture=arch,
+        name=f.get("general.name"),
+        block_count=f.get(f"{arch}.block_count"),
+        embedding_length=f.get(f"{arch}.embedding_length"),
+        head_count=f.get(f"{arch}.attention.head_count"),
+        tokens=tuple(f.get("tokenizer.ggml.tokens") or ()),
+        bos=f.get("tokenizer.ggml.bos_token_id"),
+        eos=f.get("tokenizer.ggml.eos_token_id"),
         declared=declared_quant(f.get("general.file_type")),
-        imatrix={k.removeprefix("quantize.imatrix."): v for k, v in f.items() if k.startswith("quantize.imatrix.")})
+        imatrix={k.removeprefix("quantize.imatrix."): v for k, v in f.items() if k.startswith("quantize.imatrix.")},
+    )

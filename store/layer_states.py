@@ -19,8 +19,16 @@ def state_index(name: str, depth: int) -> int:
     return depth if name == "final_norm" else int(name.split(".", 1)[1])
 
 
-def layer_rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, positions: list[int],
-                     states: dict[str, np.ndarray], depth: int, sources: dict[str, str]) -> pa.Table:
+def layer_rows_table(
+    run_id: str,
+    cell_id: str,
+    repeat: int,
+    prompt_id: str,
+    positions: list[int],
+    states: dict[str, np.ndarray],
+    depth: int,
+    sources: dict[str, str],
+) -> pa.Table:
     """One prompt's states as a LAYER_STATES table, layer-major (shallowest first).
     states: {"layer.N" | "final_norm": (rows, hidden) native}; sources: the engine's tensor names."""
     names = sorted(states, key=lambda s: state_index(s, depth))
@@ -34,24 +42,35 @@ def layer_rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, pos
     values = pa.array(widen(native).reshape(-1), type=pa.float32())
     offsets = pa.array(np.arange(0, (total + 1) * hidden, hidden, dtype=np.int32))
     layer = [s for s in names for _ in range(n)]
-    return pa.table({
-        "run_id": pa.array([run_id] * total), "cell_id": pa.array([cell_id] * total),
-        "prompt_id": pa.array([prompt_id] * total), "position": pa.array(list(positions) * len(names), pa.int32()),
-        "repeat": pa.array([repeat] * total, pa.int32()), "layer": pa.array(layer),
-        "layer_index": pa.array([state_index(s, depth) for s in layer], pa.int32()),
-        "source": pa.array([sources.get(s, s) for s in layer]),
-        "dtype": pa.array([native_dtype_of(native)] * total),
-        "values": pa.ListArray.from_arrays(offsets, values),
-        "row_hash": pa.array([row_hash(native[i]) for i in range(total)]),
-    }, schema=LAYER_STATES)
+    return pa.table(
+        {
+            "run_id": pa.array([run_id] * total),
+            "cell_id": pa.array([cell_id] * total),
+            "prompt_id": pa.array([prompt_id] * total),
+            "position": pa.array(list(positions) * len(names), pa.int32()),
+            "repeat": pa.array([repeat] * total, pa.int32()),
+            "layer": pa.array(layer),
+            "layer_index": pa.array([state_index(s, depth) for s in layer], pa.int32()),
+            "source": pa.array([sources.get(s, s) for s in layer]),
+            "dtype": pa.array([native_dtype_of(native)] * total),
+            "values": pa.ListArray.from_arrays(offsets, values),
+            "row_hash": pa.array([row_hash(native[i]) for i in range(total)]),
+        },
+        schema=LAYER_STATES,
+    )
 
 
 def layer_writer(where) -> pq.ParquetWriter:
     return pq.ParquetWriter(
-        where, LAYER_STATES, compression="zstd", compression_level=ZSTD_LEVEL,
+        where,
+        LAYER_STATES,
+        compression="zstd",
+        compression_level=ZSTD_LEVEL,
         use_dictionary=["run_id", "cell_id", "prompt_id", "layer", "source", "dtype"],
-        use_byte_stream_split=[VALUES_LEAF], write_statistics=["position", "repeat", "layer_index"],
-        write_page_checksum=True)
+        use_byte_stream_split=[VALUES_LEAF],
+        write_statistics=["position", "repeat", "layer_index"],
+        write_page_checksum=True,
+    )
 
 
 def native_states(rows: pa.Table) -> np.ndarray:

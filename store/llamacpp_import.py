@@ -18,13 +18,13 @@ from typing import Callable
 
 import numpy as np
 
-from store.floors import kld_base_floor
 from common import ids
 from common.errors import UserError
 from common.files import ids_sha256, sha256_file
 from store import Warehouse
 from store import llamacpp_kld as K
 from store import rows as R
+from store.floors import kld_base_floor
 from store.warehouse import ShardWriter, logits_matrix
 
 ENGINE = "llama.cpp-kld-base"
@@ -43,26 +43,36 @@ def export_kld_base(warehouse: str, cell_id: str, n_ctx: int, out: str, log: Cal
         raise UserError(f"kld-base export: --n-ctx {n_ctx}: must be an even number >= 4")
     chunks = [p for p in _prompts(wh, cells[cell_id]["model"]) if p["n_tokens"] >= n_ctx]
     if not chunks:
-        raise UserError(f"kld-base export: no prompt of {cells[cell_id]['model']} has {n_ctx} tokens; "
-                        "use a smaller --n-ctx")
+        raise UserError(
+            f"kld-base export: no prompt of {cells[cell_id]['model']} has {n_ctx} tokens; use a smaller --n-ctx"
+        )
     wh.require_values(cell_id, 0)
     t = wh.read_shard(cell_id, 0, ["prompt_id", "position", "logits"])
-    index = {(p, q): i for i, (p, q) in enumerate(zip(t.column("prompt_id").to_pylist(),
-                                                     t.column("position").to_pylist()))}
+    index = {
+        (p, q): i for i, (p, q) in enumerate(zip(t.column("prompt_id").to_pylist(), t.column("position").to_pylist()))
+    }
     want = list(K.scored_positions(n_ctx))
     missing = [(c["prompt_id"], j) for c in chunks for j in want if (c["prompt_id"], j) not in index]
     if missing:
         first = missing[0]
-        raise UserError(f"kld-base export: cell {cell_id} lacks {len(missing)} of the {len(chunks) * len(want)} rows "
-                        f"llama.cpp scores (positions {want[0]}..{want[-1]} of each {n_ctx}-token chunk), first "
-                        f"prompt {first[0]} position {first[1]}; capture with `stride: 1` (and max_tokens >= {n_ctx})")
+        raise UserError(
+            f"kld-base export: cell {cell_id} lacks {len(missing)} of the {len(chunks) * len(want)} rows "
+            f"llama.cpp scores (positions {want[0]}..{want[-1]} of each {n_ctx}-token chunk), first "
+            f"prompt {first[0]} position {first[1]}; capture with `stride: 1` (and max_tokens >= {n_ctx})"
+        )
     logits = logits_matrix(t.column("logits"))  # (rows, vocab)
     per_chunk = [logits[[index[(c["prompt_id"], j)] for j in want]] for c in chunks]  # each (n_scored, vocab)
     tokens = np.array([c["token_ids"][:n_ctx] for c in chunks], dtype=np.int32)
     K.write(out, n_ctx, tokens, per_chunk)
     log(f"wrote {out}: {len(chunks)} chunk(s) x {len(want)} scored rows, n_ctx {n_ctx}, vocab {logits.shape[1]}")
-    return {"path": str(out), "n_ctx": n_ctx, "n_chunk": len(chunks), "rows": len(chunks) * len(want),
-            "n_vocab": int(logits.shape[1]), "prompts": [c["prompt_id"] for c in chunks]}
+    return {
+        "path": str(out),
+        "n_ctx": n_ctx,
+        "n_chunk": len(chunks),
+        "rows": len(chunks) * len(want),
+        "n_vocab": int(logits.shape[1]),
+        "prompts": [c["prompt_id"] for c in chunks],
+    }
 
 
 def _read(path: str) -> dict:
@@ -78,17 +88,22 @@ def _model_vocab(wh: Warehouse, cells: list[dict], model: str, path: str, n_voca
     """The warehouse model's vocabulary; the file (which carries no hash) must have the same."""
     mine = [c for c in cells if c["model"] == model and c["status"] == "done" and c.get("vocab_size")]
     if not mine:
-        raise UserError(f"kld-base import: --model {model}: no captured cell of that model in {wh.where} "
-                        "(the file carries no model hash; name the warehouse model it belongs to)")
+        raise UserError(
+            f"kld-base import: --model {model}: no captured cell of that model in {wh.where} "
+            "(the file carries no model hash; name the warehouse model it belongs to)"
+        )
     vocab = mine[0]["vocab_size"]
     if n_vocab not in {c.get("engine_vocab_size") or vocab for c in mine} | {vocab}:
-        raise UserError(f"{path}: n_vocab {n_vocab} does not match model {model} (vocab {vocab}): "
-                        "a base file from another model or tokenizer")
+        raise UserError(
+            f"{path}: n_vocab {n_vocab} does not match model {model} (vocab {vocab}): "
+            "a base file from another model or tokenizer"
+        )
     return vocab
 
 
-def _chunk_prompt(prompts: list[dict], toks: list[int], n_ctx: int, model: str, path: str, sha: str,
-                  c: int) -> tuple[dict, bool]:
+def _chunk_prompt(
+    prompts: list[dict], toks: list[int], n_ctx: int, model: str, path: str, sha: str, c: int
+) -> tuple[dict, bool]:
     """The warehouse prompt a chunk was cut from, else a new prompt row for it; and whether it matched."""
     # llama-perplexity feeds BOS in place of each chunk's first token: match on the rest
     hit = next((p for p in prompts if len(p["token_ids"]) >= n_ctx and p["token_ids"][1:n_ctx] == toks[1:]), None)
@@ -96,10 +111,21 @@ def _chunk_prompt(prompts: list[dict], toks: list[int], n_ctx: int, model: str, 
         return hit, True
     ids_sha = ids_sha256(toks)
     return R.prompt_row(
-        prompt_id=ids.prompt_id("kldbase", ids_sha), model=model, corpus=f"kld-base:{sha[:12]}",
-        name=f"{Path(path).name} chunk {c}", category="kld-base", source=str(path), text=None, token_ids=toks,
-        n_tokens=n_ctx, ids_sha256=ids_sha, bos_policy=None, bos_added=None, starts_with_bos=None,
-        tokenizer_sha256=None), False
+        prompt_id=ids.prompt_id("kldbase", ids_sha),
+        model=model,
+        corpus=f"kld-base:{sha[:12]}",
+        name=f"{Path(path).name} chunk {c}",
+        category="kld-base",
+        source=str(path),
+        text=None,
+        token_ids=toks,
+        n_tokens=n_ctx,
+        ids_sha256=ids_sha,
+        bos_policy=None,
+        bos_added=None,
+        starts_with_bos=None,
+        tokenizer_sha256=None,
+    ), False
 
 
 def _write_rows(f: dict, writer: ShardWriter, prompts: list[dict], model: str, path: str, sha: str):
@@ -118,11 +144,18 @@ def _write_rows(f: dict, writer: ShardWriter, prompts: list[dict], model: str, p
 
 
 def _settings(f: dict, sha: str, floor: float) -> dict:
-    return {"format": "llama.cpp kl-divergence-base (uint16 log-probs)", "lossy": True,
-            "step_nats_max": float(np.asarray(f["rows"][:, :, :2]).view(np.float32)[..., 0].max()),
-            "clamp_nats_below_top": K.CLAMP_NATS, "storage_floor": floor,
-            "model_hash": None, "tokenizer_hash": None, "file_sha256": sha, "n_ctx": f["n_ctx"],
-            "first_token_of_chunk": "llama-perplexity feeds BOS in its place when the model adds BOS"}
+    return {
+        "format": "llama.cpp kl-divergence-base (uint16 log-probs)",
+        "lossy": True,
+        "step_nats_max": float(np.asarray(f["rows"][:, :, :2]).view(np.float32)[..., 0].max()),
+        "clamp_nats_below_top": K.CLAMP_NATS,
+        "storage_floor": floor,
+        "model_hash": None,
+        "tokenizer_hash": None,
+        "file_sha256": sha,
+        "n_ctx": f["n_ctx"],
+        "first_token_of_chunk": "llama-perplexity feeds BOS in its place when the model adds BOS",
+    }
 
 
 def import_kld_base(warehouse: str, path: str, model: str, log: Callable[[str], None] = print) -> dict:
@@ -149,20 +182,72 @@ def import_kld_base(warehouse: str, path: str, model: str, log: Callable[[str], 
             if not wh.has_rows("prompts", p["prompt_id"]):
                 wh.write_rows("prompts", p["prompt_id"], [p])
         settings = _settings(f, sha, floor)
-        wh.write_rows("cells", cell_id, [R.cell_row(
-            cell_id, run_id, "done", model=model, engine=ENGINE, dtype="uint16-logprob", attention="unknown",
-            tp=None, device="unknown", bit_reproducible=None, repeats=1, rows_per_repeat=writer.rows,
-            n_prompts=f["n_chunk"], stride=1, corpus=f"kld-base:{Path(path).name}", is_reference=True,
-            reference_cell_id=None, model_identity=None, model_source=str(path), vocab_size=vocab,
-            engine_vocab_size=f["n_vocab"], logits_dtype="float32", artifact=str(path), artifact_sha256=sha,
-            tokenizer_parity="not_checked", settings=json.dumps(settings), versions=json.dumps({}))])
+        wh.write_rows(
+            "cells",
+            cell_id,
+            [
+                R.cell_row(
+                    cell_id,
+                    run_id,
+                    "done",
+                    model=model,
+                    engine=ENGINE,
+                    dtype="uint16-logprob",
+                    attention="unknown",
+                    tp=None,
+                    device="unknown",
+                    bit_reproducible=None,
+                    repeats=1,
+                    rows_per_repeat=writer.rows,
+                    n_prompts=f["n_chunk"],
+                    stride=1,
+                    corpus=f"kld-base:{Path(path).name}",
+                    is_reference=True,
+                    reference_cell_id=None,
+                    model_identity=None,
+                    model_source=str(path),
+                    vocab_size=vocab,
+                    engine_vocab_size=f["n_vocab"],
+                    logits_dtype="float32",
+                    artifact=str(path),
+                    artifact_sha256=sha,
+                    tokenizer_parity="not_checked",
+                    settings=json.dumps(settings),
+                    versions=json.dumps({}),
+                )
+            ],
+        )
         started = R.now()
-        wh.write_rows("runs", run_id, [R.run_row(
-            run_id, "done", started_at=started, finished_at=started, spec_name=f"import {Path(path).name}",
-            spec_path=str(path), spec_sha256=sha, cells_total=1, cells_done=1, rows_written=writer.rows)])
-    log(f"imported {path} as {cell_id}: {f['n_chunk']} chunk(s), {writer.rows} rows ({matched} chunk(s) matched "
+        wh.write_rows(
+            "runs",
+            run_id,
+            [
+                R.run_row(
+                    run_id,
+                    "done",
+                    started_at=started,
+                    finished_at=started,
+                    spec_name=f"import {Path(path).name}",
+                    spec_path=str(path),
+                    spec_sha256=sha,
+                    cells_total=1,
+                    cells_done=1,
+                    rows_written=writer.rows,
+                )
+            ],
+        )
+    log(
+        f"imported {path} as {cell_id}: {f['n_chunk']} chunk(s), {writer.rows} rows ({matched} chunk(s) matched "
         f"warehouse prompts). LOSSY format: uint16 log-probs (step <= {settings['step_nats_max']:.2e} nats), "
         f"clamped 16 nats below the top; estimated KL floor {floor:.2e}. The file carries no model or tokenizer "
-        f"hash: only n_vocab ({f['n_vocab']}) was checked against {model}.")
-    return {"cell_id": cell_id, "imported": True, "rows": writer.rows, "chunks": f["n_chunk"],
-            "matched_prompts": matched, "storage_floor": floor, "lossy": True}
+        f"hash: only n_vocab ({f['n_vocab']}) was checked against {model}."
+    )
+    return {
+        "cell_id": cell_id,
+        "imported": True,
+        "rows": writer.rows,
+        "chunks": f["n_chunk"],
+        "matched_prompts": matched,
+        "storage_floor": floor,
+        "lossy": True,
+    }

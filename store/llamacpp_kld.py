@@ -60,14 +60,14 @@ def encode_rows(logits: np.ndarray) -> np.ndarray:
         t = inv * (x[i] - mn[i])  # float32
         # nearest_int() adds 1.5*2^23: round half to even, as np.rint
         q = np.where(x[i] > mn[i], np.rint(t), 0)
-        out[i, 4:4 + vocab] = np.clip(q, 0, 65535).astype(np.uint16)
+        out[i, 4 : 4 + vocab] = np.clip(q, 0, 65535).astype(np.uint16)
     return out
 
 
 def decode_rows(rows: np.ndarray, n_vocab: int) -> np.ndarray:
     """(rows, nv) uint16 -> (rows, n_vocab) float32 log-probabilities (clamped tail included)."""
     head = np.ascontiguousarray(rows[:, :4]).view(np.float32)  # (rows, 2): scale, min_log_prob
-    q = rows[:, 4:4 + n_vocab].astype(np.float32)
+    q = rows[:, 4 : 4 + n_vocab].astype(np.float32)
     return (head[:, :1] * q + head[:, 1:2]).astype(np.float32)
 
 
@@ -79,7 +79,7 @@ def row_heads(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def clamped(rows: np.ndarray, n_vocab: int) -> np.ndarray:
     """(rows, n_vocab) bool: entries at or below min_logit, i.e. 16+ nats below the top (q = 0)."""
-    return rows[:, 4:4 + n_vocab] == 0
+    return rows[:, 4 : 4 + n_vocab] == 0
 
 
 # Where an imported clamped entry is put: this many nats below min_log_prob.
@@ -137,9 +137,10 @@ def read(path: str | os.PathLike) -> dict:
     nv = row_width(n_vocab)
     want = 20 + 4 * n_chunk * n_ctx + 2 * n_chunk * n_scored * nv
     if size != want:
-        raise FormatError(f"{path}: {size} bytes, but n_ctx={n_ctx}, n_vocab={n_vocab}, n_chunk={n_chunk} "
-                          f"need {want}: the sizes do not add up (truncated or foreign file)")
+        raise FormatError(
+            f"{path}: {size} bytes, but n_ctx={n_ctx}, n_vocab={n_vocab}, n_chunk={n_chunk} "
+            f"need {want}: the sizes do not add up (truncated or foreign file)"
+        )
     tokens = np.fromfile(path, dtype=np.int32, count=n_chunk * n_ctx, offset=20).reshape(n_chunk, n_ctx)
-    rows = np.memmap(path, dtype=np.uint16, mode="r", offset=20 + 4 * n_chunk * n_ctx,
-                     shape=(n_chunk, n_scored, nv))
+    rows = np.memmap(path, dtype=np.uint16, mode="r", offset=20 + 4 * n_chunk * n_ctx, shape=(n_chunk, n_scored, nv))
     return {"n_ctx": n_ctx, "n_vocab": n_vocab, "n_chunk": n_chunk, "tokens": tokens, "rows": rows}

@@ -26,9 +26,15 @@ TMP_PREFIX = ".tmp-"
 PROBE = ".probe"  # a run's nonce: which nodes reach the warehouse themselves (Warehouse.reaches)
 
 
-STORES = {"s3": ("store.s3", "S3Dir", "the AWS environment or config (AWS_PROFILE, AWS_ENDPOINT_URL, ...)"),
-          "gs": ("store.gcs", "GcsDir", "Google's application-default credentials (GOOGLE_APPLICATION_CREDENTIALS, "
-                 "gcloud auth application-default login)")}
+STORES = {
+    "s3": ("store.s3", "S3Dir", "the AWS environment or config (AWS_PROFILE, AWS_ENDPOINT_URL, ...)"),
+    "gs": (
+        "store.gcs",
+        "GcsDir",
+        "Google's application-default credentials (GOOGLE_APPLICATION_CREDENTIALS, "
+        "gcloud auth application-default login)",
+    ),
+}
 
 
 def open_location(where: str | os.PathLike) -> "LocalDir | ObjectDir":
@@ -39,14 +45,17 @@ def open_location(where: str | os.PathLike) -> "LocalDir | ObjectDir":
     if scheme == "file":
         return LocalDir(Path(rest))
     if scheme not in STORES:
-        raise UserError(f"--warehouse {scheme}://...: the scheme {scheme!r} is not supported "
-                        "(a directory, file://DIR, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX)")
+        raise UserError(
+            f"--warehouse {scheme}://...: the scheme {scheme!r} is not supported "
+            "(a directory, file://DIR, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX)"
+        )
     module, cls, chain = STORES[scheme]
     bucket, _, prefix = rest.partition("/")
     if "@" in bucket or ":" in bucket or "?" in rest:
         # never echo it: the URI may hold a key
-        raise UserError(f"--warehouse {scheme}://...: credentials or options in the URI are refused; give them "
-                        f"through {chain}")
+        raise UserError(
+            f"--warehouse {scheme}://...: credentials or options in the URI are refused; give them through {chain}"
+        )
     if not bucket:
         raise UserError(f"--warehouse {where}: no bucket named")
     import importlib
@@ -102,8 +111,11 @@ class LocalDir:
         d = self.root / prefix
         if not d.is_dir():
             return []
-        return sorted(str(p.relative_to(self.root)) for p in d.rglob(f"*{suffix}")
-                      if p.is_file() and not p.name.startswith(TMP_PREFIX))
+        return sorted(
+            str(p.relative_to(self.root))
+            for p in d.rglob(f"*{suffix}")
+            if p.is_file() and not p.name.startswith(TMP_PREFIX)
+        )
 
     def delete(self, key: str) -> None:
         (self.root / key).unlink(missing_ok=True)

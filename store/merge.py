@@ -24,9 +24,11 @@ from store.schema import SCHEMA_VERSION
 from store.verify import verify_shard
 from store.warehouse import MARKER, Warehouse
 
-HASH_COLUMNS = {"logits": ["repeat", "prompt_id", "position", "path", "step", "row_hash"],
-                "side": ["repeat", "prompt_id", "position", "path", "step", "row_hash"],
-                "layer_states": ["repeat", "prompt_id", "position", "layer", "row_hash"]}
+HASH_COLUMNS = {
+    "logits": ["repeat", "prompt_id", "position", "path", "step", "row_hash"],
+    "side": ["repeat", "prompt_id", "position", "path", "step", "row_hash"],
+    "layer_states": ["repeat", "prompt_id", "position", "layer", "row_hash"],
+}
 
 
 @dataclass
@@ -46,8 +48,10 @@ def open_source(where: str) -> Warehouse:
         raise UserError(f"{where}: no warehouse here")
     version = getattr(src, "version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
-        raise UserError(f"{where}/{MARKER}: schema_version {version}, this logit-matrix merges "
-                        f"{SCHEMA_VERSION}: `matrix analyze --warehouse {where}` brings it up to date first")
+        raise UserError(
+            f"{where}/{MARKER}: schema_version {version}, this logit-matrix merges "
+            f"{SCHEMA_VERSION}: `matrix analyze --warehouse {where}` brings it up to date first"
+        )
     return src
 
 
@@ -86,21 +90,24 @@ def check_models(dest_cells: list[dict], sources: list[tuple[Warehouse, list[dic
                     continue
                 have, where = seen.setdefault((c["model"], key), (c[key], str(src.where)))
                 if c[key] != have:
-                    raise UserError(f"{src.where}/cells/{c['cell_id']}.parquet: {key} {c[key]} "
-                                    f"for model {c['model']!r}, {where} has {have} for that name")
+                    raise UserError(
+                        f"{src.where}/cells/{c['cell_id']}.parquet: {key} {c[key]} "
+                        f"for model {c['model']!r}, {where} has {have} for that name"
+                    )
 
 
 def _check_prompts(src: Warehouse, dest: Warehouse) -> None:
     ours = {p["prompt_id"]: p["ids_sha256"] for p in dest.read_all("prompts")} if dest.check() else {}
     for p in src.read_all("prompts"):
         if p["prompt_id"] in ours and ours[p["prompt_id"]] != p["ids_sha256"]:
-            raise UserError(f"{src.where}/prompts/{p['prompt_id']}.parquet: ids_sha256 {p['ids_sha256']}, the "
-                            f"destination's prompt of that id has {ours[p['prompt_id']]}")
+            raise UserError(
+                f"{src.where}/prompts/{p['prompt_id']}.parquet: ids_sha256 {p['ids_sha256']}, the "
+                f"destination's prompt of that id has {ours[p['prompt_id']]}"
+            )
 
 
 def plan_source(src: Warehouse, dest: Warehouse, side_tables: Callable, log: Callable[[str], None]) -> Incoming:
-    """Every check of one source against the destination; raises UserError for a refusal.
-    """
+    """Every check of one source against the destination; raises UserError for a refusal."""
     inc = Incoming(src)
     cells = src.read_all("cells")
     dest_cells = {c["cell_id"]: c for c in (dest.read_all("cells") if dest.check() else [])}
@@ -116,11 +123,17 @@ def plan_source(src: Warehouse, dest: Warehouse, side_tables: Callable, log: Cal
             theirs, ours = row_keys(src, cid, shards), row_keys(dest, cid, shard_list(dest, mine, side_tables))
             if theirs != ours:
                 diff = len(set(theirs.items()) ^ set(ours.items()))
-                raise UserError(f"{src.where}/cells/{cid}.parquet: cell {cid} is in the destination with different "
-                                f"rows ({len(theirs)} rows there, {len(ours)} here, {diff} differ); merge refused")
+                raise UserError(
+                    f"{src.where}/cells/{cid}.parquet: cell {cid} is in the destination with different "
+                    f"rows ({len(theirs)} rows there, {len(ours)} here, {diff} differ); merge refused"
+                )
             inc.present.append(cid)
             continue
-        damage = [d for t, r in shards for d in verify_shard(src, cid, r, c["rows_per_repeat"] if t == "logits" else None, t)[0]]
+        damage = [
+            d
+            for t, r in shards
+            for d in verify_shard(src, cid, r, c["rows_per_repeat"] if t == "logits" else None, t)[0]
+        ]
         if damage:
             inc.left_out[cid] = f"damaged: {damage[0].path}: {damage[0].detail()}"
             log(f"{cid}: not merged: {inc.left_out[cid]}")
@@ -135,7 +148,7 @@ def copy_file(src: Warehouse, dest: Warehouse, key: str) -> None:
     path = src.loc.path(key)
 
     def write(tmp) -> None:
-        with (src.loc.fs.open_input_stream(path) if src.loc.fs else open(path, "rb")) as f, open(tmp, "wb") as out:
+        with src.loc.fs.open_input_stream(path) if src.loc.fs else open(path, "rb") as f, open(tmp, "wb") as out:
             shutil.copyfileobj(f, out, 8 << 20)
 
     write_whole(dest.loc, key, write)
@@ -210,9 +223,19 @@ def _copy(plans: list[Incoming], dest: Warehouse, log) -> dict:
         files = 0
         for i, cell in enumerate(inc.copy, 1):
             files += copy_cell(inc, dest, cell, have)
-            log(f"[merge {i}/{len(inc.copy)}] {inc.src.where}: {cell['cell_id']} ({len(inc.shards[cell['cell_id']])} shard(s))")
-        report["sources"].append({"source": inc.src.where, "merged": [c["cell_id"] for c in inc.copy],
-                                  "already_present": inc.present, "left_out": inc.left_out, "files": files})
+            log(
+                f"[merge {i}/{len(inc.copy)}] {inc.src.where}: {cell['cell_id']} "
+                f"({len(inc.shards[cell['cell_id']])} shard(s))"
+            )
+        report["sources"].append(
+            {
+                "source": inc.src.where,
+                "merged": [c["cell_id"] for c in inc.copy],
+                "already_present": inc.present,
+                "left_out": inc.left_out,
+                "files": files,
+            }
+        )
     return report
 
 
@@ -227,7 +250,9 @@ def _check_between(plans: list[Incoming]) -> None:
                 continue
             first = seen[cid]
             if row_keys(first.src, cid, first.shards[cid]) != row_keys(inc.src, cid, inc.shards[cid]):
-                raise UserError(f"{inc.src.where}/cells/{cid}.parquet: cell {cid} is also in {first.src.where} "
-                                "with different rows; merge refused")
+                raise UserError(
+                    f"{inc.src.where}/cells/{cid}.parquet: cell {cid} is also in {first.src.where} "
+                    "with different rows; merge refused"
+                )
             inc.copy.remove(cell)
             inc.present.append(cid)

@@ -79,8 +79,17 @@ def m013_values_not_kept(loc) -> None:
 
 
 # target version -> migration
-MIGRATIONS = {2: m002_tokenizer_parity, 3: m003_nonfinite_and_centroid_groups, 4: m004_rows_delivery,
-              5: m005_builds_and_replicas, 6: m006_failed_cells, 7: m007_analysis_kernel_version,
-              8: m008_positions_and_storage, 9: m009_layer_states,
-              10: m010_prefix_cache, 11: m011_executor,
-              12: m012_perplexity, 13: m013_values_not_kept}
+MIGRATIONS = {
+    2: m002_tokenizer_parity,
+    3: m003_nonfinite_and_centroid_groups,
+    4: m004_rows_delivery,
+    5: m005_builds_and_replicas,
+    6: m006_failed_cells,
+    7: m007_analysis_kernel_version,
+    8: m008_positions_and_storage,
+    9: m009_layer_states,
+    10: m010_prefix_cache,
+    11: m011_executor,
+    12: m012_perplexity,
+    13: m013_values_not_kept,
+}

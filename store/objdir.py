@@ -80,20 +80,28 @@ class ObjectDir:
             raise
         lease.release()
         if lease.error is not None:  # the work finished, but another writer may have overlapped it
-            raise UserError(redact(f"{self}: the writer lease could not be renewed during the run "
-                                   f"({type(lease.error).__name__}: {str(lease.error).splitlines()[0]})"))
+            raise UserError(
+                redact(
+                    f"{self}: the writer lease could not be renewed during the run "
+                    f"({type(lease.error).__name__}: {str(lease.error).splitlines()[0]})"
+                )
+            )
 
 
 def _machine() -> dict:
     """What names this process's machine and process table: the host, this boot, the pid namespace."""
+
     def read(path: str, how=lambda p: Path(p).read_text().strip()) -> str | None:
         try:
             return how(path)
         except OSError:
             return None
 
-    return {"host": socket.gethostname(), "boot_id": read("/proc/sys/kernel/random/boot_id"),
-            "pid_ns": read("/proc/self/ns/pid", os.readlink)}
+    return {
+        "host": socket.gethostname(),
+        "boot_id": read("/proc/sys/kernel/random/boot_id"),
+        "pid_ns": read("/proc/self/ns/pid", os.readlink),
+    }
 
 
 def _started(pid: int) -> str | None:
@@ -134,8 +142,15 @@ class Lease:
 
     def _body(self) -> bytes:
         pid = os.getpid()
-        return json.dumps({"holder": self.holder, "expires_at": time.time() + LEASE_S, "pid": pid,
-                           "pid_started": _started(pid), **_machine()}).encode()
+        return json.dumps(
+            {
+                "holder": self.holder,
+                "expires_at": time.time() + LEASE_S,
+                "pid": pid,
+                "pid_started": _started(pid),
+                **_machine(),
+            }
+        ).encode()
 
     def take(self) -> None:
         with self.where._errors("cannot take the writer lease"):
@@ -155,11 +170,15 @@ class Lease:
         where = f" on {held['host']}" if held.get("host") else ""
         if held.get("expires_at", 0) > time.time():
             if not dead_here(held):
-                raise UserError(f"{self.where}: another matrix run is writing to this warehouse "
-                                f"({held.get('holder', 'unknown')}{where}, lease valid for "
-                                f"{held['expires_at'] - time.time():.0f}s more)")
-            self.log(f"{self.where}: taking over the writer lease of {held.get('holder', 'unknown')}{where}: "
-                     "that process is gone")
+                raise UserError(
+                    f"{self.where}: another matrix run is writing to this warehouse "
+                    f"({held.get('holder', 'unknown')}{where}, lease valid for "
+                    f"{held['expires_at'] - time.time():.0f}s more)"
+                )
+            self.log(
+                f"{self.where}: taking over the writer lease of {held.get('holder', 'unknown')}{where}: "
+                "that process is gone"
+            )
         try:
             self.token = self.where.lease_replace(self._body(), token)
         except Taken:  # someone else took it over between our read and our write

@@ -72,7 +72,7 @@ class _Thrift:
         if ttype == 8:
             n = self.varint()
             self.pos += n
-            return bytes(self.buf[self.pos - n:self.pos])
+            return bytes(self.buf[self.pos - n : self.pos])
         if ttype in (9, 10):
             head = self.buf[self.pos]
             self.pos += 1
@@ -116,18 +116,18 @@ def _level_runs(buf: memoryview, width: int, count: int, small: int = 0):
         head = t.varint()
         if head & 1 and width == 1 and head >> 1 <= small:
             n = head >> 1
-            yield have, min(8 * n, count - have), (int.from_bytes(buf[t.pos:t.pos + n], "little"), 8 * n)
+            yield have, min(8 * n, count - have), (int.from_bytes(buf[t.pos : t.pos + n], "little"), 8 * n)
             t.pos += n
             have += 8 * n
         elif head & 1:  # bit-packed: groups of 8 values, `width` bytes per group
             n = (head >> 1) * width
-            bits = np.unpackbits(np.frombuffer(buf[t.pos:t.pos + n], np.uint8), bitorder="little")
+            bits = np.unpackbits(np.frombuffer(buf[t.pos : t.pos + n], np.uint8), bitorder="little")
             vals = bits.reshape(-1, width) @ (1 << np.arange(width)) if width > 1 else bits
             t.pos += n
-            yield have, min(len(vals), count - have), vals[:count - have]
+            yield have, min(len(vals), count - have), vals[: count - have]
             have += len(vals)
         else:
-            v = int.from_bytes(buf[t.pos:t.pos + nbytes], "little")
+            v = int.from_bytes(buf[t.pos : t.pos + nbytes], "little")
             t.pos += nbytes
             yield have, min(head >> 1, count - have), v
             have += head >> 1
@@ -155,8 +155,9 @@ def _zeros(buf: memoryview, count: int) -> np.ndarray:
 
 
 def _all_equal(buf: memoryview, width: int, count: int, value: int) -> bool:
-    return all((v == value).all() if isinstance(v, np.ndarray) else v == value
-               for _, _, v in _level_runs(buf, width, count))
+    return all(
+        (v == value).all() if isinstance(v, np.ndarray) else v == value for _, _, v in _level_runs(buf, width, count)
+    )
 
 
 def _split_levels(body: memoryview, has_rep: bool, n: int, max_def: int) -> tuple[np.ndarray, memoryview]:
@@ -164,11 +165,11 @@ def _split_levels(body: memoryview, has_rep: bool, n: int, max_def: int) -> tupl
     starts, pos = None, 0
     if has_rep:
         (size,) = struct.unpack_from("<I", body, pos)
-        starts = _zeros(body[pos + 4:pos + 4 + size], n)
+        starts = _zeros(body[pos + 4 : pos + 4 + size], n)
         pos += 4 + size
     if max_def:
         (size,) = struct.unpack_from("<I", body, pos)
-        if not _all_equal(body[pos + 4:pos + 4 + size], max_def.bit_length(), n, max_def):
+        if not _all_equal(body[pos + 4 : pos + 4 + size], max_def.bit_length(), n, max_def):
             raise Unsupported("a null or an empty list")
         pos += 4 + size
     return (np.arange(n) if starts is None else starts), body[pos:]  # no repetition: a value is a row
@@ -177,6 +178,7 @@ def _split_levels(body: memoryview, has_rep: bool, n: int, max_def: int) -> tupl
 @dataclass
 class Leaf:
     """One row group's float leaf: each page's byte streams, and where each row starts."""
+
     pages: list[np.ndarray]  # per page (4, n) uint8: byte k of each of its n values (little-endian)
     starts: np.ndarray  # (rows,) index of each row's first value
     values: int
@@ -192,12 +194,12 @@ class Leaf:
         if kind == "bf16" and into is not None:
             if into.dtype != np.uint16 or into.size < self.values or not into.flags.c_contiguous:
                 raise ValueError(f"a buffer for {self.values} bf16 values, not {into.dtype} x {into.size}")
-            out = into.reshape(-1)[:self.values]
+            out = into.reshape(-1)[: self.values]
         else:
             out = np.empty(self.values, np.uint16 if kind == "bf16" else np.uint32)
         at = 0
         for s in self.pages:  # shifts and ors over whole streams: 5x faster than a uint8 transpose
-            o = out[at:at + s.shape[1]]
+            o = out[at : at + s.shape[1]]
             if kind == "bf16":
                 if np.count_nonzero(s[:2]):  # count_nonzero is SIMD; any() on uint8 is not
                     raise Corrupt("values are not bf16 (the low bits of a widened value are set)")
@@ -234,9 +236,12 @@ def _page_values(kind: int, hdr: dict, body: memoryview, codec, has_rep: bool, m
         if nulls:
             raise Unsupported("a null or an empty list")
         rep = _zeros(body[:rep_len], n) if has_rep else np.arange(n)
-        rest = body[rep_len + def_len:]
-        vals = _bytes(codec.decompress(rest, decompressed_size=hdr[2] - rep_len - def_len, memory_pool=POOL)) \
-            if codec and dph.get(7, True) else rest
+        rest = body[rep_len + def_len :]
+        vals = (
+            _bytes(codec.decompress(rest, decompressed_size=hdr[2] - rep_len - def_len, memory_pool=POOL))
+            if codec and dph.get(7, True)
+            else rest
+        )
     if enc not in (PLAIN, BYTE_STREAM_SPLIT):
         raise Unsupported(f"encoding {enc}")
     if len(vals) != 4 * n:
@@ -270,7 +275,7 @@ def data_pages(read, start: int, end: int):
 def chunk_pages(chunk: pa.Buffer | bytes):
     """data_pages of a whole column chunk already in memory."""
     buf = _bytes(chunk)
-    return data_pages(lambda n, pos: buf[pos:pos + n], 0, len(buf))
+    return data_pages(lambda n, pos: buf[pos : pos + n], 0, len(buf))
 
 
 def _header(read, pos: int, end: int) -> tuple[dict, int]:
@@ -330,8 +335,13 @@ def read_row_group_leaf(f, metadata, schema, group: int, leaf: int) -> Leaf:
     c, col = _float_leaf(metadata, schema, group, leaf)
     if col.max_repetition_level > 1:
         raise Unsupported("a nested list")
-    return read_leaf(column_chunk(f, metadata, group, leaf), c.compression,
-                     col.max_repetition_level == 1, col.max_definition_level, c.num_values)
+    return read_leaf(
+        column_chunk(f, metadata, group, leaf),
+        c.compression,
+        col.max_repetition_level == 1,
+        col.max_definition_level,
+        c.num_values,
+    )
 
 
 def _float_leaf(metadata, schema, group: int, leaf: int):

@@ -26,9 +26,13 @@ def _checked(table: str, row: dict[str, Any]) -> dict[str, Any]:
 
 def model_fields(model) -> dict[str, Any]:
     """Where a cell's reference weights came from (model: matrix.spec.models.ResolvedModel)."""
-    return {"model_identity": model.identity, "model_source": model.source,
-            "source_sha256": model.source_sha256, "weights_sha256": model.weights_sha256,
-            "model_license": getattr(model, "license", None)}
+    return {
+        "model_identity": model.identity,
+        "model_source": model.source,
+        "source_sha256": model.source_sha256,
+        "weights_sha256": model.weights_sha256,
+        "model_license": getattr(model, "license", None),
+    }
 
 
 def run_row(run_id: str, status: str, **fields: Any) -> dict[str, Any]:
@@ -43,8 +47,17 @@ def run_finished(run: dict[str, Any], status: str, **fields: Any) -> dict[str, A
 def cell_row(cell_id: str, run_id: str, status: str, **fields: Any) -> dict[str, Any]:
     """A `cells` row: done (captured or imported) or skipped (with skip_reason). host: the node
     that ran the cell; this machine's when not given."""
-    return _checked("cells", {"cell_id": cell_id, "run_id": run_id, "status": status,
-                              "host": socket.gethostname(), **fields, "finished_at": now()})
+    return _checked(
+        "cells",
+        {
+            "cell_id": cell_id,
+            "run_id": run_id,
+            "status": status,
+            "host": socket.gethostname(),
+            **fields,
+            "finished_at": now(),
+        },
+    )
 
 
 def prompt_row(**fields: Any) -> dict[str, Any]:

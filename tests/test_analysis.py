@@ -140,7 +140,17 @@ def test_identical_rows_give_exact_zeros_and_native_equals_numpy(monkeypatch):
         monkeypatch.setattr(M, "_KERNEL", M._reduce_numpy)
         numpy = M.row_metrics(a, b, np.arange(len(a)))
         monkeypatch.setattr(M, "_KERNEL", M._reduce_native)
-        for k in ("kld", "kld_reverse", "js", "cosine", "nmse", "entropy_ref", "entropy_stack", "nll_ref", "max_abs_diff"):
+        for k in (
+            "kld",
+            "kld_reverse",
+            "js",
+            "cosine",
+            "nmse",
+            "entropy_ref",
+            "entropy_stack",
+            "nll_ref",
+            "max_abs_diff",
+        ):
             np.testing.assert_allclose(native[k], numpy[k], rtol=1e-12, atol=1e-15, err_msg=k)
         np.testing.assert_allclose(native["delta_p"], numpy["delta_p"], rtol=1e-9, atol=1e-15)
         for k in ("top1_match", "top10_overlap", "spearman_top10"):
@@ -155,8 +165,11 @@ def test_identical_rows_give_exact_zeros_and_native_equals_numpy(monkeypatch):
         monkeypatch.setattr(M, "_KERNEL", kernel)
         got[kernel] = M.row_metrics(a, b, np.arange(6))
     native, numpy = got.values()
-    assert list(native["nonfinite"]) == list(numpy["nonfinite"]) == ["stack", "reference", "reference", "both",
-                                                                      "reference", "stack"]
+    assert (
+        list(native["nonfinite"])
+        == list(numpy["nonfinite"])
+        == ["stack", "reference", "reference", "both", "reference", "stack"]
+    )
     for k, v in native.items():
         if k != "nonfinite":
             np.testing.assert_array_equal(v, numpy[k], err_msg=k)
@@ -164,7 +177,7 @@ def test_identical_rows_give_exact_zeros_and_native_equals_numpy(monkeypatch):
 
 def test_kl_is_never_negative():
     for seed in range(6):
-        a, b = _random_pair(seed=seed, noise=10.0 ** -seed)
+        a, b = _random_pair(seed=seed, noise=10.0**-seed)
         m = M.row_metrics(a, b)
         assert (m["kld"] >= 0).all() and (m["kld_reverse"] >= 0).all() and (m["js"] >= 0).all()
 
@@ -195,8 +208,11 @@ def test_centroid_of_one_stack_is_that_stack_and_rank_includes_the_reference():
         per.setdefault(cid, []).append(k)
     assert all(v > 0 for ks in per.values() for v in ks)
     assert np.mean(per["b"]) > np.mean(per["a"])  # two of three stacks agree: b is the outlier
-    assert {(x, y) for x, y in zip(pairs["cell_a"].to_pylist(), pairs["cell_b"].to_pylist())} == \
-        {("a", "b"), ("a", "c"), ("b", "c")}
+    assert {(x, y) for x, y in zip(pairs["cell_a"].to_pylist(), pairs["cell_b"].to_pylist())} == {
+        ("a", "b"),
+        ("a", "c"),
+        ("b", "c"),
+    }
 
 
 def test_analyze_and_report_end_to_end(swept, tmp_path):
@@ -207,8 +223,11 @@ def test_analyze_and_report_end_to_end(swept, tmp_path):
     # every repeat of every cell, except the reference's repeat 0: it is the yardstick, not measured against itself
     total = sql(wh, "select sum((repeats - is_reference::int) * rows_per_repeat) as n from cells")[0]["n"]
     assert out["metric_rows"] == total == sql(wh, "select count(*) as n from metrics")[0]["n"]
-    ref = sql(wh, "select max(kld) as k, min(top1_match::int) as t, min(repeat) as r from metrics "
-                  "where cell_id = reference_cell_id")[0]
+    ref = sql(
+        wh,
+        "select max(kld) as k, min(top1_match::int) as t, min(repeat) as r from metrics "
+        "where cell_id = reference_cell_id",
+    )[0]
     assert ref == {"k": 0.0, "t": 1, "r": 1}  # the reference's repeat 1 against its repeat 0: exact zeros
     summary = {s["dtype"] + "." + s["attention"]: s for s in sql(wh, "select * from summary")}
     assert summary["bf16.eager"]["is_reference"] and not summary["fp32.eager"]["below_resolution"]
@@ -218,12 +237,15 @@ def test_analyze_and_report_end_to_end(swept, tmp_path):
     cs = sql(wh, "select cell_id, rank_closest from centroid_summary")
     assert sorted(c["rank_closest"] for c in cs) == [1, 2, 3, 4]
     # SQL functions over logits columns agree with the metrics table
-    k = sql(wh, """select max(abs(kld(r.logits, s.logits) - m.kld)) as d from metrics m
+    k = sql(
+        wh,
+        """select max(abs(kld(r.logits, s.logits) - m.kld)) as d from metrics m
                    join logits s on s.cell_id = m.cell_id and s.prompt_id = m.prompt_id and s.position = m.position
                         and s.repeat = m.repeat
                    join logits r on r.cell_id = m.reference_cell_id and r.prompt_id = m.prompt_id
                         and r.position = m.position and r.repeat = 0
-                   where m.repeat = 0 and m.cell_id <> m.reference_cell_id""")[0]["d"]
+                   where m.repeat = 0 and m.cell_id <> m.reference_cell_id""",
+    )[0]["d"]
     assert k < 1e-12
 
     r = run_cli("report", "--warehouse", str(wh), "--out", str(tmp_path / "rep"))
@@ -280,8 +302,12 @@ def test_centroid_groups_from_the_spec_relabel_without_recapturing(swept, tiny_m
     _, wh, _, _ = swept
     wh2 = tmp_path / "wh"
     shutil.copytree(wh, wh2)
-    spec = write_spec(tmp_path / "grouped.yaml", tiny_model, short_corpus, centroid={
-        "definition": "mean_logprob", "groups": {"fp32": {"dtype": "fp32"}}})
+    spec = write_spec(
+        tmp_path / "grouped.yaml",
+        tiny_model,
+        short_corpus,
+        centroid={"definition": "mean_logprob", "groups": {"fp32": {"dtype": "fp32"}}},
+    )
     rows_before = sql(wh2, "select count(*) as n from logits")[0]["n"]
     r = run_cli("run", str(spec), "--warehouse", str(wh2))
     assert r.returncode == 0 and "relabelled 4 captured cell(s)" in r.stderr, r.stderr[-2000:]
@@ -289,8 +315,11 @@ def test_centroid_groups_from_the_spec_relabel_without_recapturing(swept, tiny_m
     r = run_cli("analyze", "--warehouse", str(wh2), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["centroid"] == "mean_logprob" and json.loads(r.stdout)["groups"] == 2
-    got = sql(wh2, """select c.dtype, s.centroid_group, s.rank_closest from centroid_summary s
-                      join cells c using (cell_id) order by all""")
+    got = sql(
+        wh2,
+        """select c.dtype, s.centroid_group, s.rank_closest from centroid_summary s
+                      join cells c using (cell_id) order by all""",
+    )
     assert {(g["dtype"], g["centroid_group"]) for g in got} == {("bf16", "tiny"), ("fp32", "fp32")}
     assert sorted(g["rank_closest"] for g in got) == [1, 1, 2, 2]  # ranked within each group
     assert {m["centroid"] for m in sql(wh2, "select distinct centroid from centroid_metrics")} == {"mean_logprob"}

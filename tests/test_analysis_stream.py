@@ -38,9 +38,11 @@ def _copy(src: Path, dst: Path) -> None:
 
 
 def _rows(wh: Path, table: str) -> dict[tuple, dict]:
-    keys = {"metrics": ("cell_id", "repeat", "prompt_id", "position"),
-            "centroid_metrics": ("centroid_group", "cell_id", "prompt_id", "position"),
-            "pairwise": ("cell_a", "cell_b")}[table]
+    keys = {
+        "metrics": ("cell_id", "repeat", "prompt_id", "position"),
+        "centroid_metrics": ("centroid_group", "cell_id", "prompt_id", "position"),
+        "pairwise": ("cell_a", "cell_b"),
+    }[table]
     out = {}
     for f in sorted((wh / table).glob("*.parquet")):
         for r in pq.read_table(f).to_pylist():
@@ -75,7 +77,9 @@ def test_streaming_analysis_equals_the_oracle_then_redoes_only_what_changed(swep
         for k, row in want.items():
             bad = [c for c in row if not _same(row[c], got[k][c])]
             assert not bad, (table, k, {c: (row[c], got[k][c]) for c in bad})
-    assert {r["kernel_version"] for r in sql(new, "select distinct kernel_version from metrics")} == {A.M.KERNEL_VERSION}
+    assert {r["kernel_version"] for r in sql(new, "select distinct kernel_version from metrics")} == {
+        A.M.KERNEL_VERSION
+    }
     pieces = int(next(m for m in logs if "piece(s)" in m).split(" in ")[1].split()[0])
     assert pieces > 5, logs  # 4 cells and a group, cut by prompt
     cells = first["computed"]["cells"]
@@ -129,8 +133,14 @@ def test_a_killed_analyze_leaves_no_partial_file_and_the_next_one_finishes_the_r
         shutil.rmtree(wh / t, ignore_errors=True)
         (wh / t).mkdir()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGIT_MATRIX_COMPILE": "0"}
-    p = subprocess.Popen([sys.executable, "-m", "matrix", "analyze", "--warehouse", str(wh)], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "matrix", "analyze", "--warehouse", str(wh)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 600
     while not list((wh / "metrics").glob("*.parquet")):  # the first unit has finished
         assert p.poll() is None and time.time() < deadline, p.stderr.read()[-2000:] if p.poll() is not None else "slow"
@@ -158,7 +168,9 @@ def test_bad_input_is_one_line(swept, tmp_path):
     shard = wh / "logits" / cell / "r0.parquet"
     t = pq.read_table(shard)
     rows = [r[:-1] for r in t["logits"].to_pylist()]  # one logit fewer: another vocabulary
-    pq.write_table(t.set_column(t.schema.get_field_index("logits"), "logits", pa.array(rows, t.schema.field("logits").type)), shard)
+    pq.write_table(
+        t.set_column(t.schema.get_field_index("logits"), "logits", pa.array(rows, t.schema.field("logits").type)), shard
+    )
     r = run_cli("analyze", "--warehouse", str(wh))
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
@@ -172,8 +184,9 @@ def test_analyze_follows_the_last_runs_cluster_only_while_it_is_there(swept, tmp
     _, src, _, _ = swept
     wh = tmp_path / "wh"
     shutil.copytree(src, wh)
-    Warehouse(wh).write_rows("runs", "zz-cluster-run", [R.run_row("zz-cluster-run", "done", started_at=R.now(),
-                                                                  ray_address="127.0.0.1:9")])
+    Warehouse(wh).write_rows(
+        "runs", "zz-cluster-run", [R.run_row("zz-cluster-run", "done", started_at=R.now(), ray_address="127.0.0.1:9")]
+    )
     r = run_cli("analyze", "--warehouse", str(wh))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "the last run's cluster is not reachable (--address 127.0.0.1:9: cannot reach" in r.stderr, r.stderr[-2000:]

@@ -40,12 +40,24 @@ def test_the_same_model_in_two_directories_converts_once(tiny_model, tmp_path, m
 def test_prune_spares_what_a_running_sweep_holds(tiny_model, short_corpus, tmp_path):
     cache = tmp_path / "cache"
     env = {**os.environ, "LOGIT_MATRIX_CACHE": str(cache), "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"], repeats=2,
-                      reference={"engine": "hf", "dtype": "fp32"},
-                      include=[{"engine": "mlx", "dtype": "fp32", "attention": "default"}])
-    p = subprocess.Popen([sys.executable, "-m", "matrix", "run", str(spec), "--warehouse", str(tmp_path / "wh"),
-                          "--executor", "local"], cwd=REPO, env=env, text=True, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE)
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        repeats=2,
+        reference={"engine": "hf", "dtype": "fp32"},
+        include=[{"engine": "mlx", "dtype": "fp32", "attention": "default"}],
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-m", "matrix", "run", str(spec), "--warehouse", str(tmp_path / "wh"), "--executor", "local"],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     lines, paused = [], None
     for line in p.stderr:
         lines.append(line)
@@ -66,13 +78,18 @@ def test_prune_spares_what_a_running_sweep_holds(tiny_model, short_corpus, tmp_p
         os.kill(paused, signal.SIGCONT)
     lines += p.stderr.readlines()
     assert p.wait(timeout=300) == 0, "".join(lines)[-3000:]
-    listed = run_cli("cache", "list", "--warehouse", str(tmp_path / "wh"), "--json", env={"LOGIT_MATRIX_CACHE": str(cache)})
+    listed = run_cli(
+        "cache", "list", "--warehouse", str(tmp_path / "wh"), "--json", env={"LOGIT_MATRIX_CACHE": str(cache)}
+    )
     items = json.loads(listed.stdout)["artifacts"]
     assert [len(a["cells"]) for a in items if a["kind"] == "mlx"] == [1], items
-    r = run_cli("cache", "prune", "--keep-used-by", str(tmp_path / "wh"), "--json", env={"LOGIT_MATRIX_CACHE": str(cache)})
+    r = run_cli(
+        "cache", "prune", "--keep-used-by", str(tmp_path / "wh"), "--json", env={"LOGIT_MATRIX_CACHE": str(cache)}
+    )
     assert json.loads(r.stdout)["removed"] == []  # the warehouse's cell ran it
     r = run_cli("cache", "prune", "--json", env={"LOGIT_MATRIX_CACHE": str(cache)})
     assert [a["kind"] for a in json.loads(r.stdout)["removed"]] == ["mlx"] and not os.path.isdir(held[0]["dir"])
     bad = run_cli("cache", "prune", "--older-than", "soon", env={"LOGIT_MATRIX_CACHE": str(cache)})
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "matrix: error: --older-than: expected a duration like 30d, 12h or 90m, got 'soon'"]
+        "matrix: error: --older-than: expected a duration like 30d, 12h or 90m, got 'soon'"
+    ]

@@ -21,18 +21,34 @@ from tests.conftest import run_cli, sql, write_spec
 
 RAY = str(Path(sys.executable).with_name("ray"))
 CONFIG = {
-    "cluster_name": "fake_multinode", "max_workers": 1,
-    "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
-                 "disable_launch_config_check": True},
+    "cluster_name": "fake_multinode",
+    "max_workers": 1,
+    "provider": {
+        "type": "fake_multinode",
+        "use_node_id_as_ip": True,
+        "disable_node_updaters": True,
+        "disable_launch_config_check": True,
+    },
     "available_node_types": {
         "ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "max_workers": 0},
         "mac": {"resources": {"CPU": 2, "apple-m3": 1}, "node_config": {}, "min_workers": 0, "max_workers": 1},
     },
-    "head_node_type": "ray.head.default", "auth": {}, "upscaling_speed": 1.0, "idle_timeout_minutes": 0.1,
-    "docker": {}, "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
-    "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
-    "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
-    "rsync_exclude": [], "rsync_filter": [],
+    "head_node_type": "ray.head.default",
+    "auth": {},
+    "upscaling_speed": 1.0,
+    "idle_timeout_minutes": 0.1,
+    "docker": {},
+    "initialization_commands": [],
+    "setup_commands": [],
+    "head_setup_commands": [],
+    "worker_setup_commands": [],
+    "head_start_ray_commands": [],
+    "worker_start_ray_commands": [],
+    "file_mounts": {},
+    "cluster_synced_files": [],
+    "file_mounts_sync_continuously": False,
+    "rsync_exclude": [],
+    "rsync_filter": [],
 }
 
 
@@ -56,8 +72,13 @@ def autoscaling_head(tmp_path):
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text(yaml.safe_dump(CONFIG))
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_FAKE_CLUSTER": "1"}
-    subprocess.run([RAY, "start", "--head", f"--autoscaling-config={cfg}", "--num-cpus=1",
-                    "--include-dashboard=false"], env=env, check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [RAY, "start", "--head", f"--autoscaling-config={cfg}", "--num-cpus=1", "--include-dashboard=false"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     try:
         yield cfg
     finally:
@@ -65,26 +86,49 @@ def autoscaling_head(tmp_path):
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
-def test_a_cell_waits_for_the_node_type_the_autoscaler_starts(autoscaling_head, tiny_model, short_corpus,
-                                                              tmp_path, monkeypatch):
+def test_a_cell_waits_for_the_node_type_the_autoscaler_starts(
+    autoscaling_head, tiny_model, short_corpus, tmp_path, monkeypatch
+):
     pytest.importorskip("mlx_lm")
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      devices=["cpu"], reference={"engine": "hf", "dtype": "fp32", "device": "cpu"}, repeats=1,
-                      include=[{"engine": "mlx", "dtype": "fp32", "attention": "default", "device": "apple-m3"}])
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        devices=["cpu"],
+        reference={"engine": "hf", "dtype": "fp32", "device": "cpu"},
+        repeats=1,
+        include=[{"engine": "mlx", "dtype": "fp32", "attention": "default", "device": "apple-m3"}],
+    )
     wh = tmp_path / "wh"
     # live nodes only: no Apple node exists yet, so the cell is refused up front, nothing captured
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--address", "auto")
     assert r.returncode == 2 and "apple-m3: no node of the cluster is one" in r.stderr, r.stderr[-2000:]
     # with the launcher config the cell waits for the "mac" node type, which the autoscaler starts
     monkeypatch.setenv("LOGIT_MATRIX_HEARTBEAT_S", "1")  # the progress line while the node starts
-    r = run_cli("run", str(spec), "--warehouse", str(wh), "--address", "auto",
-                "--cluster-config", str(autoscaling_head), "--json", timeout=900)
+    r = run_cli(
+        "run",
+        str(spec),
+        "--warehouse",
+        str(wh),
+        "--address",
+        "auto",
+        "--cluster-config",
+        str(autoscaling_head),
+        "--json",
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "waits for the autoscaler to start mac" in r.stderr
     beats = [ln for ln in r.stderr.splitlines() if ln.startswith("waiting ")]
     # the cell's build is asked on the node the autoscaler starts for it, before the cell is placed
-    assert any(" for engine builds: " in ln and "tiny.mlx.fp32.default.tp1.apple-m3-" in ln
-               and "(for the autoscaler to start a node)" in ln for ln in beats), beats
+    assert any(
+        " for engine builds: " in ln
+        and "tiny.mlx.fp32.default.tp1.apple-m3-" in ln
+        and "(for the autoscaler to start a node)" in ln
+        for ln in beats
+    ), beats
     assert any("running: tiny.mlx.fp32.default.tp1.apple-m3-" in ln and " capture r0 for " in ln for ln in beats), beats
 
     assert json.loads(r.stdout)["cells_done"] == 2

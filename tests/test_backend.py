@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.positions import Positions
 from backends.base import SkipCell
 from backends.hf_backend import HFBackend
 from common.errors import OracleError
+from common.positions import Positions
 from common.stack import StackDesc
 from store.warehouse import widen
 from tests.conftest import run_cli, write_spec
@@ -69,7 +69,9 @@ def test_each_sdpa_kernel_pinned_on_cpu(reference_model):
     assert not np.array_equal(out["sdpa_math"], out["sdpa_flash"])  # two kernels, two arithmetics
     for attention in ("sdpa_efficient", "sdpa_cudnn"):
         cell = StackDesc("hf", "fp32", attention)
-        assert HFBackend.unsupported(cell) == f"attention {attention}: PyTorch has that SDPA kernel on CUDA devices only"
+        assert (
+            HFBackend.unsupported(cell) == f"attention {attention}: PyTorch has that SDPA kernel on CUDA devices only"
+        )
 
 
 def test_full_model_bf16_returns_bits_that_widen_close_to_fp32(reference_model):
@@ -104,8 +106,15 @@ def test_oracle_refuses_missing_weight_in_process(tiny_model, tmp_path):
 def test_oracle_refusal_through_the_cli_exits_2(tiny_model, short_corpus, tmp_path):
     broken = tmp_path / "broken"
     _drop_tensor(tiny_model, broken, "model.norm.weight")
-    spec = write_spec(tmp_path / "spec.yaml", broken, short_corpus, dtypes=["fp32"],
-                      attention=["eager"], repeats=1, reference={"dtype": "fp32"})
+    spec = write_spec(
+        tmp_path / "spec.yaml",
+        broken,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        repeats=1,
+        reference={"dtype": "fp32"},
+    )
     r = run_cli("run", str(spec), "--warehouse", str(tmp_path / "wh"))
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
@@ -129,10 +138,16 @@ def test_a_kernel_refusing_a_prompts_length_skips_the_cell_at_that_forward(tiny_
     be = backend(tiny_model, "fp32", "sdpa_math")  # load()'s probe: 4 tokens, before the stand-in
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", cudnn_like)
     assert be.forward(IDS[:4], [3]).shape == (1, be.vocab_size())
-    with pytest.raises(SkipCell, match=rf"attention sdpa_math: PyTorch .* has no MATH SDPA kernel for this model "
-                                       rf"on cpu \(float32\) at {len(IDS)} tokens"):
+    with pytest.raises(
+        SkipCell,
+        match=rf"attention sdpa_math: PyTorch .* has no MATH SDPA kernel for this model "
+        rf"on cpu \(float32\) at {len(IDS)} tokens",
+    ):
         be.forward(IDS, Positions.every(8).of(len(IDS)))
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("CUDA error: out of memory")))
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("CUDA error: out of memory")),
+    )
     with pytest.raises(RuntimeError, match="out of memory"):  # any other failure stays the cell's failure
         be.forward(IDS[:4], [3])

@@ -55,16 +55,27 @@ def rebuilt_safetensors(tmp_path_factory) -> Path:
 def _build_with(pythonpath: Path | None) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(pythonpath or ""), str(REPO)) if p)}
     code = f"from common.builds import engine_build; print(engine_build({HF_LIBS!r})['build'])"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def _wheel(path: Path, version: str, body: bytes) -> Path:
     """A real (pure-Python) wheel of distribution `buildprobe`, with a console script."""
-    files = {"buildprobe/__init__.py": body,
-             f"buildprobe-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: buildprobe\nVersion: {version}\n".encode(),
-             f"buildprobe-{version}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-             f"buildprobe-{version}.dist-info/entry_points.txt": b"[console_scripts]\nbuildprobe = buildprobe:main\n"}
-    record = "".join(f"{n},{_record_hash(d)},{len(d)}\n" for n, d in files.items()) + f"buildprobe-{version}.dist-info/RECORD,,\n"
+    files = {
+        "buildprobe/__init__.py": body,
+        f"buildprobe-{version}.dist-info/METADATA": (
+            f"Metadata-Version: 2.1\nName: buildprobe\nVersion: {version}\n".encode()
+        ),
+        f"buildprobe-{version}.dist-info/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+        f"buildprobe-{version}.dist-info/entry_points.txt": b"[console_scripts]\nbuildprobe = buildprobe:main\n",
+    }
+    record = (
+        "".join(f"{n},{_record_hash(d)},{len(d)}\n" for n, d in files.items())
+        + f"buildprobe-{version}.dist-info/RECORD,,\n"
+    )
     whl = path / f"buildprobe-{version}-py3-none-any.whl"
     with zipfile.ZipFile(whl, "w") as z:
         for n, d in files.items():
@@ -84,17 +95,39 @@ def test_build_is_the_installed_files_not_the_install_location(tmp_path):
     builds = {}
     for name, whl in [("a", wheels["a"]), ("a2", wheels["a"]), ("b", wheels["b"]), ("c", wheels["c"])]:
         target = tmp_path / f"site-{name}"
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-                        "--target", str(target), str(whl)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--no-index",
+                "--target",
+                str(target),
+                str(whl),
+            ],
+            check=True,
+        )
         code = "import json; from common.builds import engine_build; print(json.dumps(engine_build(['buildprobe'])))"
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{REPO}"}).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{REPO}"},
+        ).stdout
         builds[name] = json.loads(out)
     assert (tmp_path / "site-a" / "bin" / "buildprobe").exists()  # a script whose shebang names the interpreter
     assert builds["a"] == builds["a2"]
-    assert builds["a"]["libraries"]["buildprobe"]["version"] == builds["b"]["libraries"]["buildprobe"]["version"] == "1.0"
+    assert (
+        builds["a"]["libraries"]["buildprobe"]["version"] == builds["b"]["libraries"]["buildprobe"]["version"] == "1.0"
+    )
     assert len({builds[k]["build"] for k in ("a", "b", "c")}) == 3
-    assert engine_build(["no-such-distribution"])["libraries"] == {"no-such-distribution": {"version": None, "files": None}}
+    assert engine_build(["no-such-distribution"])["libraries"] == {
+        "no-such-distribution": {"version": None, "files": None}
+    }
 
 
 def _run(spec: Path, wh: Path, *extra: str, pythonpath: Path | None = None, address: str | None = None):
@@ -102,15 +135,23 @@ def _run(spec: Path, wh: Path, *extra: str, pythonpath: Path | None = None, addr
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     args = ["run", str(spec), "--warehouse", str(wh), "--json", *extra] + (["--address", address] if address else [])
-    r = subprocess.run([sys.executable, "-m", "matrix", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "matrix", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout), r.stderr
 
 
 def test_a_new_build_captures_new_cells_unless_told_to_reuse(tiny_model, short_corpus, rebuilt_safetensors, tmp_path):
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"}, repeats=1)
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        repeats=1,
+    )
     wh = tmp_path / "wh"
     old, new = _build_with(None), _build_with(rebuilt_safetensors)
     assert old != new
@@ -123,8 +164,14 @@ def test_a_new_build_captures_new_cells_unless_told_to_reuse(tiny_model, short_c
 
     # this machine's safetensors is now the rebuilt one: `matrix cells` says what a run would do
     env = {**os.environ, "PYTHONPATH": f"{rebuilt_safetensors}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-m", "matrix", "cells", str(spec), "--warehouse", str(wh), "--json"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "matrix", "cells", str(spec), "--warehouse", str(wh), "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     (c,) = json.loads(r.stdout)["cells"]
     assert c["build"] == new and [b["build"] for b in c["captured"]] == [old]
@@ -137,8 +184,10 @@ def test_a_new_build_captures_new_cells_unless_told_to_reuse(tiny_model, short_c
     second, _ = _run(spec, wh, pythonpath=rebuilt_safetensors)
     assert second["cells_run"] == 1
     cells = sql(wh, "select cell_id, build, stack_id, status from cells order by finished_at")
-    assert [(c["cell_id"], c["build"], c["stack_id"]) for c in cells] == \
-        [(f"{stack}@{old[:8]}", old, stack), (f"{stack}@{new[:8]}", new, stack)]
+    assert [(c["cell_id"], c["build"], c["stack_id"]) for c in cells] == [
+        (f"{stack}@{old[:8]}", old, stack),
+        (f"{stack}@{new[:8]}", new, stack),
+    ]
     (pair,) = sql(wh, "select * from stack_identity")
     assert {pair["build_a"], pair["build_b"]} == {old, new}
     assert pair["rows"] == cell["rows_per_repeat"] > 0 and pair["identical"]  # a comment changes no logit
@@ -170,15 +219,29 @@ def two_builds(rebuilt_safetensors):
             os.environ["PYTHONPATH"] = saved
     c.wait_for_nodes()
     try:
-        yield c, {"plain": (plain.node_id, _build_with(None)), "rebuilt": (rebuilt.node_id, _build_with(rebuilt_safetensors))}
+        yield (
+            c,
+            {
+                "plain": (plain.node_id, _build_with(None)),
+                "rebuilt": (rebuilt.node_id, _build_with(rebuilt_safetensors)),
+            },
+        )
     finally:
         c.shutdown()
 
 
 def test_replicas_run_on_distinct_nodes_with_their_own_builds(two_builds, tiny_model, short_corpus, tmp_path):
     c, nodes = two_builds
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"}, repeats=1, replicas=2)
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        repeats=1,
+        replicas=2,
+    )
     wh = tmp_path / "wh"
     first, _ = _run(spec, wh, address=c.address)
     assert first["cells_run"] == 2
@@ -191,8 +254,15 @@ def test_replicas_run_on_distinct_nodes_with_their_own_builds(two_builds, tiny_m
     assert pair["node_a"] != pair["node_b"] and pair["identical"] and pair["identical_rows"] == pair["rows"] > 0
 
     # one replica now: replica 0's stack is captured by one of the two builds, so nothing to do
-    one = write_spec(tmp_path / "one.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                     reference={"engine": "hf", "dtype": "fp32"}, repeats=1)
+    one = write_spec(
+        tmp_path / "one.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        repeats=1,
+    )
     again, log = _run(one, wh, address=c.address)
     assert again["cells_run"] == 0, log[-2000:]
     assert "differ in hf build" in log and "(already captured)" in log
@@ -200,8 +270,16 @@ def test_replicas_run_on_distinct_nodes_with_their_own_builds(two_builds, tiny_m
 
 def test_a_cell_on_nodes_of_two_builds_is_pinned_to_one(two_builds, tiny_model, short_corpus, tmp_path):
     c, nodes = two_builds
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32", "bf16"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"}, repeats=1, max_tokens=24)
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32", "bf16"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        repeats=1,
+        max_tokens=24,
+    )
     wh = tmp_path / "wh"
     out, log = _run(spec, wh, address=c.address)
     assert out["cells_run"] == 2

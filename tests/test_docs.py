@@ -12,8 +12,9 @@ from tests.conftest import REPO, run_cli
 
 def test_the_committed_reference_pages_are_what_the_code_generates():
     r = run_cli("docs", "--check", "--json")
-    assert r.returncode == 0 and json.loads(r.stdout) == {"stale": []}, \
+    assert r.returncode == 0 and json.loads(r.stdout) == {"stale": []}, (
         f"{r.stdout}{r.stderr[-2000:]}\nrun `matrix docs` and commit docs/"
+    )
 
 
 def test_a_change_in_the_code_without_regenerating_is_caught(tmp_path, monkeypatch):
@@ -22,13 +23,17 @@ def test_a_change_in_the_code_without_regenerating_is_caught(tmp_path, monkeypat
     out = tmp_path / "docs"
     shutil.copytree(REPO / "docs", out)
     assert docs.cmd_docs(_args(out, check=True)) == 0
-    import store.schema as schema
     import pyarrow as pa
+
+    import store.schema as schema
 
     grown = schema.RUNS.append(pa.field("new_column", pa.string()))
     monkeypatch.setitem(schema.TABLES, "runs", grown)
     assert docs.cmd_docs(_args(out, check=True)) == 1  # a new column
-    assert docs.cmd_docs(_args(out, check=False)) == 0 and "| `new_column` | string |" in (out / "warehouse.md").read_text()
+    assert (
+        docs.cmd_docs(_args(out, check=False)) == 0
+        and "| `new_column` | string |" in (out / "warehouse.md").read_text()
+    )
     assert docs.cmd_docs(_args(out, check=True)) == 0  # regenerated: current again
 
     def more():
@@ -76,13 +81,33 @@ def test_the_scoreboard_shows_each_recorded_run_newest_first(tmp_path):
     runs = tmp_path / "vs_llama_perplexity"
     runs.mkdir()
     for date, commit, ratio in (("2026-11-30", "aaaa", 2.34), ("2026-12-03", "bbbb+", 1.54)):
-        (runs / f"{date}-{commit}.json").write_text(json.dumps({
-            "benchmark": "vs_llama_perplexity", "date": date, "commit": commit, "cpu": "Xeon (AMX), 2 cores", "gpu": None,
-            "command": "python benchmarks/vs_llama_perplexity.py", "target": "wall <= 1.15x", "met": False,
-            "rows": [{"model": "smollm2-135m", "wall_ratio": ratio, "forwards_alone_ratio": 0.95, "kld_se_apart": 0.16}]}))
+        (runs / f"{date}-{commit}.json").write_text(
+            json.dumps(
+                {
+                    "benchmark": "vs_llama_perplexity",
+                    "date": date,
+                    "commit": commit,
+                    "cpu": "Xeon (AMX), 2 cores",
+                    "gpu": None,
+                    "command": "python benchmarks/vs_llama_perplexity.py",
+                    "target": "wall <= 1.15x",
+                    "met": False,
+                    "rows": [
+                        {
+                            "model": "smollm2-135m",
+                            "wall_ratio": ratio,
+                            "forwards_alone_ratio": 0.95,
+                            "kld_se_apart": 0.16,
+                        }
+                    ],
+                }
+            )
+        )
     page = benchmarks_page(tmp_path)
     rows = [line for line in page.splitlines() if line.startswith("| 2026")]
-    assert rows == ["| 2026-12-03 | bbbb+ | Xeon (AMX), 2 cores | none | smollm2-135m | 1.54 | 0.95 | 0.16 | no | "
-                    "`python benchmarks/vs_llama_perplexity.py` |",
-                    "| 2026-11-30 | aaaa | Xeon (AMX), 2 cores | none | smollm2-135m | 2.34 | 0.95 | 0.16 | no | "
-                    "`python benchmarks/vs_llama_perplexity.py` |"]
+    assert rows == [
+        "| 2026-12-03 | bbbb+ | Xeon (AMX), 2 cores | none | smollm2-135m | 1.54 | 0.95 | 0.16 | no | "
+        "`python benchmarks/vs_llama_perplexity.py` |",
+        "| 2026-11-30 | aaaa | Xeon (AMX), 2 cores | none | smollm2-135m | 2.34 | 0.95 | 0.16 | no | "
+        "`python benchmarks/vs_llama_perplexity.py` |",
+    ]

@@ -14,8 +14,15 @@ def _job(ggufs, text, wh: Path):  # noqa: F811 - the fixture, passed in
     from matrix.spec import kld
     from matrix.spec.cells import load_spec
 
-    spec_path, _, _ = kld.write_job(kld.classify(ggufs["f16"], "--reference"), [kld.classify(ggufs["q8_0"], "--candidate")],
-                                    Path(text), N_CTX, 2, str(wh), lambda line: None)
+    spec_path, _, _ = kld.write_job(
+        kld.classify(ggufs["f16"], "--reference"),
+        [kld.classify(ggufs["q8_0"], "--candidate")],
+        Path(text),
+        N_CTX,
+        2,
+        str(wh),
+        lambda line: None,
+    )
     return load_spec(spec_path)
 
 
@@ -26,7 +33,7 @@ def test_the_first_host_starts_ahead_and_the_run_takes_it_over(ggufs, text, tmp_
 
     spec, wh, ex, lines = _job(ggufs, text, tmp_path / "wh"), Warehouse(str(tmp_path / "wh")), LocalExecutor(), []
     nonce = early.start_first_host(spec, wh, ex, lines.append)
-    (ref, (host, _)), = ex.early.items()
+    ((ref, (host, _)),) = ex.early.items()
     assert nonce and ref.startswith(early.first_cell(spec).stack_id) and host.proc is not None  # spawned at once
     plan = runner.prepare(spec, wh, lines.append)
     wh.create()
@@ -50,7 +57,7 @@ def test_a_host_started_ahead_for_a_cell_the_run_does_not_start_is_stopped(ggufs
 
     spec, ex = _job(ggufs, text, tmp_path / "wh"), LocalExecutor()
     assert early.start_first_host(spec, Warehouse(str(tmp_path / "wh")), ex, print) is not None
-    (host, load), = ex.early.values()
+    ((host, load),) = ex.early.values()
     assert ex.free_cpus == ex.cpus - host.cpus
     ex.keep_early(set())  # e.g. the reference was captured by another build the run reuses
     assert host.gone and not ex.early and ex.free_cpus == ex.cpus

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from backends.base import SkipCell
-from common.positions import Positions
 from common.errors import OracleError, UserError
+from common.positions import Positions
 from common.stack import StackDesc
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -56,10 +56,19 @@ def hf_fp32(reference_model, prompts):
 def llama(reference_model, dtype, **opts):
     from backends.llamacpp_backend import LlamaCppBackend
 
-    be = LlamaCppBackend(StackDesc("llamacpp", dtype, "default", options=tuple(sorted(opts.items())),
-                                   weights_sha256=reference_model.weights_sha256,
-                                   source_gguf=reference_model.gguf_path, source_quant=reference_model.gguf_quant),
-                         reference_model.hf_dir, 2)
+    be = LlamaCppBackend(
+        StackDesc(
+            "llamacpp",
+            dtype,
+            "default",
+            options=tuple(sorted(opts.items())),
+            weights_sha256=reference_model.weights_sha256,
+            source_gguf=reference_model.gguf_path,
+            source_quant=reference_model.gguf_quant,
+        ),
+        reference_model.hf_dir,
+        2,
+    )
     be.load()
     return be
 
@@ -79,8 +88,7 @@ def test_llamacpp_f32_matches_hf_fp32(reference_model, prompts, hf_fp32):
 
 
 def test_quant_ladder_is_ordered_by_kl(reference_model, prompts, hf_fp32):
-    kls = {d: kl_rows(hf_fp32, run_all(llama(reference_model, d), prompts))
-           for d in ("f16", "q8_0", "q4_k_m", "q4_0")}
+    kls = {d: kl_rows(hf_fp32, run_all(llama(reference_model, d), prompts)) for d in ("f16", "q8_0", "q4_k_m", "q4_0")}
     assert kls["f16"] < kls["q8_0"] < kls["q4_k_m"] < kls["q4_0"], kls
     assert kls["f16"] < 1e-4 and kls["q4_0"] < 2.0, kls
 
@@ -110,7 +118,7 @@ def _prefix_rows(prompts, n, which=None):
         pos = Positions.every(STRIDE).of(len(p.token_ids))
         if which is None or k in which:
             keep = [i for i, q in enumerate(pos) if q < n]
-            out.append((p.token_ids[:pos[keep[-1]] + 1], [pos[i] for i in keep]))
+            out.append((p.token_ids[: pos[keep[-1]] + 1], [pos[i] for i in keep]))
             index += [offset + i for i in keep]
         offset += len(pos)
     return out, index
@@ -119,8 +127,9 @@ def _prefix_rows(prompts, n, which=None):
 def _mlx(reference_model, dtype):
     from backends.mlx_backend import MLXBackend
 
-    be = MLXBackend(StackDesc("mlx", dtype, "default", weights_sha256=reference_model.weights_sha256),
-                    reference_model.hf_dir, 2)
+    be = MLXBackend(
+        StackDesc("mlx", dtype, "default", weights_sha256=reference_model.weights_sha256), reference_model.hf_dir, 2
+    )
     be.load()
     return be
 
@@ -135,8 +144,7 @@ def test_mlx_fp32_matches_hf_fp32_and_quants_move_away(reference_model, prompts,
     bf16 = _mlx(reference_model, "bf16").forward(*plan[3])
     assert bf16.dtype == np.uint16  # native bf16 bits, stored as such
     short, sidx = _prefix_rows(prompts, 17, which={3})  # the code prompt, positions 0, 8, 16
-    kls = [kl_rows(hf_fp32[sidx], widen(_mlx(reference_model, d).forward(*short[0])))
-           for d in ("q8_g64", "q4_g64")]
+    kls = [kl_rows(hf_fp32[sidx], widen(_mlx(reference_model, d).forward(*short[0]))) for d in ("q8_g64", "q4_g64")]
     assert 0 < kls[0] < kls[1] < 2.0, kls
 
 
@@ -201,7 +209,8 @@ def test_mlx_quantized_matmul_sums_bf16_activations_in_bf16_here():
         bf16 = qmm_probe(mx, mx.bfloat16, bits)
         assert bf16["rel_err"] > QMM_TOLERANCE, (
             f"mlx {mx.__version__} now sums bf16 activations in fp32 on {mx.default_device()} "
-            f"(rel err {bf16['rel_err']:.1e}): its quantised stacks measure the quantisation again")
+            f"(rel err {bf16['rel_err']:.1e}): its quantised stacks measure the quantisation again"
+        )
         assert bf16["sums_in"] == "the activation dtype"
 
 
@@ -212,8 +221,17 @@ def test_mlx_fp32_activations_measure_the_quantisation_not_the_kernel(reference_
     ref = hf_fp32[sidx]
     kls, settings = {}, {}
     for act in ("native", "fp32"):
-        be = MLXBackend(StackDesc("mlx", "q8_g64", "default", options=(("activations", act),),
-                                  weights_sha256=reference_model.weights_sha256), reference_model.hf_dir, 2)
+        be = MLXBackend(
+            StackDesc(
+                "mlx",
+                "q8_g64",
+                "default",
+                options=(("activations", act),),
+                weights_sha256=reference_model.weights_sha256,
+            ),
+            reference_model.hf_dir,
+            2,
+        )
         be.load()
         rows = be.forward(*short[0])
         from store.warehouse import widen
@@ -278,8 +296,14 @@ be.load()
 np.save(sys.argv[1], be.forward({list(ids)!r}, Positions.every({STRIDE}).of({len(ids)})))
 print(json.dumps([be.settings()["omp_wait_policy"], be.rows_beside_forward()]))
 """
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "rows.npy")], cwd=REPO, capture_output=True,
-                       text=True, env={k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "rows.npy")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"},
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == ["passive", True]
     there = np.load(tmp_path / "rows.npy")

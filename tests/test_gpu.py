@@ -16,16 +16,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 MODEL = os.environ.get("LOGIT_MATRIX_GPU_MODEL")
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (MODEL and torch.cuda.is_available()),
-                                 reason="needs CUDA and LOGIT_MATRIX_GPU_MODEL")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (MODEL and torch.cuda.is_available()), reason="needs CUDA and LOGIT_MATRIX_GPU_MODEL"),
+]
 
 IDS = [1, 504, 3365, 8187, 418, 3732, 28, 564, 260, 9726, 5001, 15407, 1326, 1069, 9043, 31, 2] * 40
 
 
 def run(dtype, attention, device, threads=8):
-    from common.positions import Positions
     from backends.hf_backend import HFBackend
+    from common.positions import Positions
     from common.stack import StackDesc
 
     be = HFBackend(StackDesc("hf", dtype, attention, device=device), MODEL, threads)
@@ -46,8 +47,11 @@ def test_cuda_stacks_are_bit_reproducible_and_drift_from_cpu_is_measured():
             _, c1, _ = run(dtype, attention, "cpu")
             m = row_metrics(widen(c1), widen(g1), np.full(len(g1), -1))
             report[f"{dtype}.{attention}"] = {
-                "gpu": be.settings()["gpu"], "max_abs_diff": float(m["max_abs_diff"].max()),
-                "kld_mean": float(m["kld"].mean()), "top1": float(m["top1_match"].mean())}
+                "gpu": be.settings()["gpu"],
+                "max_abs_diff": float(m["max_abs_diff"].max()),
+                "kld_mean": float(m["kld"].mean()),
+                "top1": float(m["top1_match"].mean()),
+            }
             if dtype == "fp32":
                 assert m["max_abs_diff"].max() < 5e-3, report  # TF32 is off by default for matmul
             else:
@@ -59,16 +63,26 @@ def test_cuda_stacks_are_bit_reproducible_and_drift_from_cpu_is_measured():
             json.dump(report, f, indent=1)
 
 
-@pytest.mark.skipif(not (MODEL and torch.cuda.is_available() and torch.cuda.device_count() >= 2),
-                    reason="needs 2 CUDA GPUs and LOGIT_MATRIX_GPU_MODEL (heads divisible by 2)")
+@pytest.mark.skipif(
+    not (MODEL and torch.cuda.is_available() and torch.cuda.device_count() >= 2),
+    reason="needs 2 CUDA GPUs and LOGIT_MATRIX_GPU_MODEL (heads divisible by 2)",
+)
 def test_hf_tp2_over_nccl_matches_tp1(tmp_path, short_corpus):
     from pathlib import Path
 
     from tests.conftest import run_cli, sql, write_spec
 
-    spec = write_spec(tmp_path / "tp.yaml", Path(MODEL), short_corpus, dtypes=["fp32"], attention=["sdpa"],
-                      devices=["cuda"], tp=[1, 2], repeats=2,
-                      reference={"engine": "hf", "dtype": "fp32", "device": "cuda", "tp": 1})
+    spec = write_spec(
+        tmp_path / "tp.yaml",
+        Path(MODEL),
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["sdpa"],
+        devices=["cuda"],
+        tp=[1, 2],
+        repeats=2,
+        reference={"engine": "hf", "dtype": "fp32", "device": "cuda", "tp": 1},
+    )
     wh = tmp_path / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -77,6 +91,7 @@ def test_hf_tp2_over_nccl_matches_tp1(tmp_path, short_corpus):
     tp = json.loads(tp2["settings"])["tensor_parallel"]
     assert tp["backend"] == "nccl" and len(tp["cuda_visible_devices"].split(",")) == 2, tp  # both GPUs, P2P
     assert run_cli("analyze", "--warehouse", str(wh)).returncode == 0
-    m = sql(wh, f"select max(max_abs_diff) as d, min(top1_match::int) as t from metrics "
-                f"where cell_id = '{tp2['cell_id']}'")[0]
+    m = sql(
+        wh, f"select max(max_abs_diff) as d, min(top1_match::int) as t from metrics where cell_id = '{tp2['cell_id']}'"
+    )[0]
     assert m["d"] < 1e-2 and m["t"] == 1, m

@@ -9,37 +9,60 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, run_cli, sql
 
-BARE_DROPS = ["ray", "duckdb", "llama-cpp-python", "vllm", "mlx", "mlx-lm", "mlx-cpu", "gguf", "accelerate",
-              "psutil", "logit-matrix"]
+BARE_DROPS = [
+    "ray",
+    "duckdb",
+    "llama-cpp-python",
+    "vllm",
+    "mlx",
+    "mlx-lm",
+    "mlx-cpu",
+    "gguf",
+    "accelerate",
+    "psutil",
+    "logit-matrix",
+]
 
 
 @pytest.fixture(scope="module")
 def gpu_check(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu-check")
-    subprocess.run([sys.executable, "scripts/bare_env.py", str(d / "bare"), "--drop", *BARE_DROPS], cwd=REPO,
-                   check=True, capture_output=True)
-    w = subprocess.run(["make", "gpu-wheels", f"GPU_WHEELS_DIR={d / 'wheels'}"], cwd=REPO, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "scripts/bare_env.py", str(d / "bare"), "--drop", *BARE_DROPS],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    w = subprocess.run(
+        ["make", "gpu-wheels", f"GPU_WHEELS_DIR={d / 'wheels'}"], cwd=REPO, capture_output=True, text=True
+    )
     assert w.returncode == 0, w.stderr[-2000:]
     cut = run_cli("models", "cut", "smollm2-135m", "--layers", "1", "--gguf", "--out", str(d / "m1.gguf"))
     assert cut.returncode == 0, cut.stderr[-2000:]
     subprocess.run(["xz", "-0", "-T2", str(d / "m1.gguf")], check=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(PYTHON=str(d / "bare" / "bin" / "python"), GPU_CHECK_WHEELS=str(d / "wheels"), CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run(["bash", "scripts/gpu-check.sh", str(d / "m1.gguf.xz"), str(d / "out")], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=1200)
+    r = subprocess.run(
+        ["bash", "scripts/gpu-check.sh", str(d / "m1.gguf.xz"), str(d / "out")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return d, r.stdout + r.stderr
 
 
 def test_the_bare_environment_lacks_what_the_image_lacks(gpu_check):
     d, _ = gpu_check
-    probe = "import importlib.util as u; print([m for m in ('ray', 'duckdb', 'llama_cpp', 'mlx', 'gguf', 'accelerate') if u.find_spec(m)])"
+    mods = "('ray', 'duckdb', 'llama_cpp', 'mlx', 'gguf', 'accelerate')"
+    probe = f"import importlib.util as u; print([m for m in {mods} if u.find_spec(m)])"
     out = subprocess.run([str(d / "bare" / "bin" / "python"), "-c", probe], capture_output=True, text=True, cwd=d)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -64,9 +87,14 @@ def test_cpu_path_captures_every_kernel_within_the_size_limits(gpu_check):
 
 def test_merged_into_the_cpu_reference_and_analysed(gpu_check):
     d, _ = gpu_check
-    ref = subprocess.run(["bash", "scripts/gpu-check.sh", "--reference", str(d / "m1.gguf.xz"), str(d / "ref")],
-                         cwd=REPO, env={**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(d / "wheels")},
-                         capture_output=True, text=True, timeout=600)
+    ref = subprocess.run(
+        ["bash", "scripts/gpu-check.sh", "--reference", str(d / "m1.gguf.xz"), str(d / "ref")],
+        cwd=REPO,
+        env={**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(d / "wheels")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
     wh = d / "ref" / "warehouse"
     m = run_cli("merge", str(d / "out" / "warehouse"), "--into", str(wh), "--json")
@@ -74,9 +102,14 @@ def test_merged_into_the_cpu_reference_and_analysed(gpu_check):
     reference = (d / "ref" / "reference-cell").read_text().strip()
     a = run_cli("analyze", "--warehouse", str(wh), "--reference", reference)
     assert a.returncode == 0, a.stderr[-2000:]
-    kl = {(r["dtype"], r["attention"]): r["kld_mean"] for r in sql(
-        wh, f"select c.dtype, c.attention, s.kld_mean from summary s join cells c using (cell_id) "
-            f"where s.cell_id <> '{reference}'")}
+    kl = {
+        (r["dtype"], r["attention"]): r["kld_mean"]
+        for r in sql(
+            wh,
+            f"select c.dtype, c.attention, s.kld_mean from summary s join cells c using (cell_id) "
+            f"where s.cell_id <> '{reference}'",
+        )
+    }
     assert len(kl) == 9 and kl[("fp32", "eager")] == 0.0  # the same stack on the same CPU: bit-identical
     for a_ in ("eager", "sdpa_math", "sdpa_flash"):
         assert kl[("fp32", a_)] < 1e-8 < kl[("f16", a_)] < kl[("bf16", a_)] < 1e-2, kl

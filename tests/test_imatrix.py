@@ -19,12 +19,22 @@ BUILTIN_CAL = REPO / "configs" / "corpus" / "calibration.txt"
 
 
 def _spec(tmp_path, tiny_model, short_corpus, imatrix, f16=True):
-    include = [{"engine": "llamacpp", "dtype": "q4_k_m", "attention": "default"},
-               {"engine": "llamacpp", "dtype": "q4_k_m", "attention": "default", "imatrix": imatrix}]
+    include = [
+        {"engine": "llamacpp", "dtype": "q4_k_m", "attention": "default"},
+        {"engine": "llamacpp", "dtype": "q4_k_m", "attention": "default", "imatrix": imatrix},
+    ]
     if f16:  # nothing to weight: listed as skipped with the reason
         include.append({"engine": "llamacpp", "dtype": "f16", "attention": "default", "imatrix": imatrix})
-    return write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=1, include=include)
+    return write_spec(
+        tmp_path / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
+        repeats=1,
+        include=include,
+    )
 
 
 def test_q4_k_m_with_and_without_imatrix(tmp_path, tiny_model, short_corpus):
@@ -40,8 +50,11 @@ def test_q4_k_m_with_and_without_imatrix(tmp_path, tiny_model, short_corpus):
     r = run_cli("run", str(spec), "--warehouse", str(wh))
     assert r.returncode == 0, r.stderr[-3000:]
     assert run_cli("analyze", "--warehouse", str(wh)).returncode == 0
-    rows = sql(wh, "select c.cell_id, c.options, c.artifact_recipe, c.artifact, c.artifact_sha256, s.kld_mean, s.top1_agreement "
-                   "from cells c join summary s using (cell_id) where c.engine = 'llamacpp'")
+    rows = sql(
+        wh,
+        "select c.cell_id, c.options, c.artifact_recipe, c.artifact, c.artifact_sha256, s.kld_mean, s.top1_agreement "
+        "from cells c join summary s using (cell_id) where c.engine = 'llamacpp'",
+    )
     by = {("imatrix" in json.loads(r["options"])): r for r in rows}
     assert set(by) == {True, False}
     rtn, imx = json.loads(by[False]["artifact_recipe"]), json.loads(by[True]["artifact_recipe"])
@@ -58,7 +71,9 @@ def test_q4_k_m_with_and_without_imatrix(tmp_path, tiny_model, short_corpus):
     k_rtn, k_imx = by[False]["kld_mean"], by[True]["kld_mean"]
     assert 0 < k_rtn < 0.5 and 0 < k_imx < 0.5 and k_rtn != k_imx, (k_rtn, k_imx)
     card = json.loads(run_cli("card", by[True]["cell_id"], "--warehouse", str(wh), "--json").stdout)["disclosure"]
-    assert card["calibration_data"].startswith(f"importance matrix (sha256 {im['sha256']}) from calibration text builtin")
+    assert card["calibration_data"].startswith(
+        f"importance matrix (sha256 {im['sha256']}) from calibration text builtin"
+    )
     assert "2 chunks of 512" in card["calibration_data"]
     _check_sums_against_hf(tiny_model, files[True], im)
 
@@ -79,10 +94,14 @@ def _check_sums_against_hf(tiny_model: Path, art: dict, im: dict) -> None:
     chunks = gguf_imatrix.chunks_of(ids, 512, 2, bos)
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
     seen = {}
-    hooks = [model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(
-                 lambda m, a: seen.setdefault("blk.0.attn_q.weight", []).append(a[0][0])),
-             model.model.layers[1].mlp.down_proj.register_forward_pre_hook(
-                 lambda m, a: seen.setdefault("blk.1.ffn_down.weight", []).append(a[0][0]))]
+    hooks = [
+        model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(
+            lambda m, a: seen.setdefault("blk.0.attn_q.weight", []).append(a[0][0])
+        ),
+        model.model.layers[1].mlp.down_proj.register_forward_pre_hook(
+            lambda m, a: seen.setdefault("blk.1.ffn_down.weight", []).append(a[0][0])
+        ),
+    ]
     with torch.no_grad():
         for c in chunks:
             model(torch.tensor([c]))
@@ -98,8 +117,11 @@ def _check_sums_against_hf(tiny_model: Path, art: dict, im: dict) -> None:
 def _imatrix_path(im: dict) -> str:
     from common.files import cache_root
 
-    hits = [p for p in (cache_root() / "artifacts" / "imatrix").glob("*/imatrix.gguf")
-            if json.loads((p.parent / "recipe.json").read_text())["sha256"] == im["sha256"]]
+    hits = [
+        p
+        for p in (cache_root() / "artifacts" / "imatrix").glob("*/imatrix.gguf")
+        if json.loads((p.parent / "recipe.json").read_text())["sha256"] == im["sha256"]
+    ]
     assert hits, im["sha256"]
     return str(hits[0])
 
@@ -107,16 +129,20 @@ def _imatrix_path(im: dict) -> str:
 def _f32_path(sha: str) -> str:
     from common.files import cache_root
 
-    hits = [p for p in (cache_root() / "artifacts" / "gguf").glob("*/model-f32.gguf")
-            if json.loads((p.parent / "recipe.json").read_text())["sha256"] == sha]
+    hits = [
+        p
+        for p in (cache_root() / "artifacts" / "gguf").glob("*/model-f32.gguf")
+        if json.loads((p.parent / "recipe.json").read_text())["sha256"] == sha
+    ]
     assert hits, sha
     return str(hits[0])
 
 
 def test_a_calibration_text_quoting_the_corpus_is_refused(tmp_path, tiny_model, short_corpus):
     # the short corpus's prose prompt is the first 1,500 characters of long_prose.txt
-    spec = _spec(tmp_path, tiny_model, short_corpus,
-                 {"corpus": str(REPO / "configs" / "corpus" / "long_prose.txt")}, f16=False)
+    spec = _spec(
+        tmp_path, tiny_model, short_corpus, {"corpus": str(REPO / "configs" / "corpus" / "long_prose.txt")}, f16=False
+    )
     wh = tmp_path / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh))
     assert r.returncode == 2, r.stderr[-2000:]
@@ -125,12 +151,15 @@ def test_a_calibration_text_quoting_the_corpus_is_refused(tmp_path, tiny_model, 
     assert not list(wh.rglob("*.parquet"))
 
 
-@pytest.mark.parametrize("imatrix, field", [
-    ({"corpus": "builtin", "chunks": 0}, "imatrix.chunks"),
-    ({"corpus": "builtin", "nchunks": 4}, "imatrix.nchunks"),
-    ({"corpus": "no-such-file.txt"}, "imatrix.corpus"),
-    ({"chunks": 4}, "imatrix"),
-])
+@pytest.mark.parametrize(
+    "imatrix, field",
+    [
+        ({"corpus": "builtin", "chunks": 0}, "imatrix.chunks"),
+        ({"corpus": "builtin", "nchunks": 4}, "imatrix.nchunks"),
+        ({"corpus": "no-such-file.txt"}, "imatrix.corpus"),
+        ({"chunks": 4}, "imatrix"),
+    ],
+)
 def test_imatrix_spec_errors(tmp_path, tiny_model, short_corpus, imatrix, field):
     spec = _spec(tmp_path, tiny_model, short_corpus, imatrix, f16=False)
     r = run_cli("cells", str(spec))

@@ -21,10 +21,18 @@ def _tables(wh: Path) -> dict[str, tuple[dict, list[dict]]]:
 
 
 def test_in_actor_metrics_equal_analyzes_and_analyze_reuses_them(tmp_path, tiny_model, short_corpus):
-    spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32", "bf16"],
-                      attention=["eager", "sdpa"], exclude=[{"dtype": "bf16", "attention": "sdpa"}],
-                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=2, store="bf16",
-                      reference_metrics="in_actor")
+    spec = write_spec(
+        tmp_path / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32", "bf16"],
+        attention=["eager", "sdpa"],
+        exclude=[{"dtype": "bf16", "attention": "sdpa"}],
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
+        repeats=2,
+        store="bf16",
+        reference_metrics="in_actor",
+    )
     wh = tmp_path / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--json")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -38,8 +46,11 @@ def test_in_actor_metrics_equal_analyzes_and_analyze_reuses_them(tmp_path, tiny_
     assert set(inline) == {c["cell_id"] for c in sql(wh, "select cell_id from cells")}
     assert {m["computed_in"] for m, _ in inline.values()} == {"actor"}
     n = sql(wh, "select count(*) as n from metrics")[0]["n"]
-    assert n == 3 * sql(wh, "select rows_per_repeat from cells limit 1")[0]["rows_per_repeat"] * 2 - \
-        sql(wh, "select rows_per_repeat from cells limit 1")[0]["rows_per_repeat"]  # 2 stacks x 2 repeats + ref r1
+    assert (
+        n
+        == 3 * sql(wh, "select rows_per_repeat from cells limit 1")[0]["rows_per_repeat"] * 2
+        - sql(wh, "select rows_per_repeat from cells limit 1")[0]["rows_per_repeat"]
+    )  # 2 stacks x 2 repeats + ref r1
 
     r = run_cli("analyze", "--warehouse", str(wh), "--json")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -61,18 +72,26 @@ def test_reference_metrics_takes_only_its_values(tmp_path, tiny_model, short_cor
     spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, reference_metrics="inline")
     r = run_cli("run", str(spec), "--warehouse", str(tmp_path / "wh"))
     assert r.returncode == 2
-    assert r.stderr.strip() == (f"matrix: error: {spec}: reference_metrics: expected one of analyze, in_actor "
-                                "(got 'inline')"), r.stderr
+    assert r.stderr.strip() == (
+        f"matrix: error: {spec}: reference_metrics: expected one of analyze, in_actor (got 'inline')"
+    ), r.stderr
     assert not (tmp_path / "wh").exists()
 
 
 def test_a_skipped_reference_releases_the_cells_waiting_for_it(tmp_path, tiny_model, short_corpus):
     # Q2_K: the 2-layer cut's shapes let llama.cpp store no tensor as Q2_K, so the reference is
     # skipped at load; its model's other cells must still run (measured later, by analyze)
-    spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager", "sdpa"],
-                      reference={"engine": "llamacpp", "dtype": "q2_k", "attention": "default"}, repeats=1,
-                      include=[{"engine": "llamacpp", "dtype": "q2_k", "attention": "default"}],
-                      reference_metrics="in_actor")
+    spec = write_spec(
+        tmp_path / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager", "sdpa"],
+        reference={"engine": "llamacpp", "dtype": "q2_k", "attention": "default"},
+        repeats=1,
+        include=[{"engine": "llamacpp", "dtype": "q2_k", "attention": "default"}],
+        reference_metrics="in_actor",
+    )
     wh = tmp_path / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--json")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -32,23 +32,41 @@ def text(tmp_path_factory) -> str:
     """About a sixth of configs/corpus/long_prose.txt: a dozen chunks of N_CTX tokens."""
     prose = (REPO / "configs/corpus/long_prose.txt").read_text()
     f = tmp_path_factory.mktemp("text") / "prose.txt"
-    f.write_text(prose[:len(prose) // 6])
+    f.write_text(prose[: len(prose) // 6])
     return str(f)
 
 
 @pytest.fixture(scope="module")
 def job(ggufs, text, tmp_path_factory):
     wh = tmp_path_factory.mktemp("kld") / "wh"
-    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q8_0"], "--candidate", ggufs["q4_k_m"],
-                "--text", text, "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh), "--json",
-                "--keep-rows")  # every stack's values: the statistics are checked against them below
+    r = run_cli(
+        "kld",
+        "--reference",
+        ggufs["f16"],
+        "--candidate",
+        ggufs["q8_0"],
+        "--candidate",
+        ggufs["q4_k_m"],
+        "--text",
+        text,
+        "--n-ctx",
+        str(N_CTX),
+        "--threads",
+        "2",
+        "--warehouse",
+        str(wh),
+        "--json",
+        "--keep-rows",
+    )  # every stack's values: the statistics are checked against them below
     assert r.returncode == 0, r.stderr[-3000:]
     return wh, json.loads(r.stdout), r.stderr
 
 
 def _rows(wh: Path, cell_id: str):
     """A cell's stored rows in float64 (repeat 0), keyed by (chunk, position), with the next ids."""
-    t = pq.read_table(wh / "logits" / cell_id / "r0.parquet", columns=["prompt_id", "position", "next_token_id", "logits"])
+    t = pq.read_table(
+        wh / "logits" / cell_id / "r0.parquet", columns=["prompt_id", "position", "next_token_id", "logits"]
+    )
     rows = np.asarray(t["logits"].to_pylist(), dtype=np.float64)  # (rows, vocab)
     keys = list(zip(t["prompt_id"].to_pylist(), t["position"].to_pylist()))
     return dict(zip(keys, rows)), dict(zip(keys, t["next_token_id"].to_pylist()))
@@ -78,11 +96,21 @@ def _own(wh: Path, ref_cell: str, cell: str) -> dict:
         return float(np.std(x) / math.sqrt(n - 1))  # E[x^2] - E[x]^2 over n - 1, as perplexity.cpp
 
     cov = float(np.cov(nll, nll_ref, bias=True)[0, 1]) / (n - 1)
-    return {"rows": n, "kld": (kl.mean(), se(kl)), "kld_p99": np.percentile(kl, 99), "kld_max": kl.max(),
-            "kld_median": np.median(kl), "delta_p": (dp.mean(), se(dp)), "delta_p_p5": np.percentile(dp, 5),
-            "rms": math.sqrt(np.mean(dp ** 2)), "same": float(np.mean(same)),
-            "ppl": math.exp(nll.mean()), "ppl_ref": math.exp(nll_ref.mean()),
-            "ratio": math.exp(nll.mean() - nll_ref.mean()), "cor": cov / (se(nll) * se(nll_ref))}
+    return {
+        "rows": n,
+        "kld": (kl.mean(), se(kl)),
+        "kld_p99": np.percentile(kl, 99),
+        "kld_max": kl.max(),
+        "kld_median": np.median(kl),
+        "delta_p": (dp.mean(), se(dp)),
+        "delta_p_p5": np.percentile(dp, 5),
+        "rms": math.sqrt(np.mean(dp**2)),
+        "same": float(np.mean(same)),
+        "ppl": math.exp(nll.mean()),
+        "ppl_ref": math.exp(nll_ref.mean()),
+        "ratio": math.exp(nll.mean() - nll_ref.mean()),
+        "cor": cov / (se(nll) * se(nll_ref)),
+    }
 
 
 def test_statistics_match_a_float64_computation_from_the_stored_rows(job, ggufs):
@@ -119,7 +147,9 @@ def test_card_and_admit_take_a_stack_by_its_readable_name(job):
     assert r.returncode == 0, r.stderr[-2000:]
     stacks = {s["name"]: s for s in json.loads(r.stdout)["stacks"]}
     cells = {res["candidate"].rsplit("-", 1)[-1].split(".")[0]: res["cell_id"] for res in out["results"]}
-    assert set(stacks) == {"llamacpp/f16", "llamacpp/q8_0", "llamacpp/q4_k_m"} and stacks["llamacpp/f16"]["is_reference"]
+    assert (
+        set(stacks) == {"llamacpp/f16", "llamacpp/q8_0", "llamacpp/q4_k_m"} and stacks["llamacpp/f16"]["is_reference"]
+    )
     assert stacks["llamacpp/q4_k_m"]["cell_id"] == cells["q4_k_m"]
     r = run_cli("card", "llamacpp/q4_k_m", "--warehouse", str(wh), "--allow-undisclosed", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["cell_id"] == cells["q4_k_m"], r.stderr[-2000:]
@@ -143,9 +173,23 @@ def test_the_spec_is_beside_the_warehouse_and_a_new_candidate_alone_is_captured(
     assert spec == wh.with_name("wh.kld.yaml") and spec.is_file()
     before = {c["cell_id"]: c["run_id"] for c in sql(wh, "select cell_id, run_id from cells")}
     assert len(before) == 3
-    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q4_0"], "--keep-rows",
-                "--text", text, "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh),
-                env={"PYTHONPATH": os.pathsep.join(filter(None, [str(blocked.parent), os.environ.get("PYTHONPATH")]))})
+    r = run_cli(
+        "kld",
+        "--reference",
+        ggufs["f16"],
+        "--candidate",
+        ggufs["q4_0"],
+        "--keep-rows",
+        "--text",
+        text,
+        "--n-ctx",
+        str(N_CTX),
+        "--threads",
+        "2",
+        "--warehouse",
+        str(wh),
+        env={"PYTHONPATH": os.pathsep.join(filter(None, [str(blocked.parent), os.environ.get("PYTHONPATH")]))},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     after = {c["cell_id"]: c["run_id"] for c in sql(wh, "select cell_id, run_id from cells")}
     new = set(after) - set(before)
@@ -158,8 +202,17 @@ def test_the_spec_is_beside_the_warehouse_and_a_new_candidate_alone_is_captured(
 
 
 def test_a_bad_candidate_is_one_line_and_exit_2(ggufs, text, tmp_path):
-    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", str(tmp_path / "missing.gguf"),
-                "--text", text, "--warehouse", str(tmp_path / "wh"))
+    r = run_cli(
+        "kld",
+        "--reference",
+        ggufs["f16"],
+        "--candidate",
+        str(tmp_path / "missing.gguf"),
+        "--text",
+        text,
+        "--warehouse",
+        str(tmp_path / "wh"),
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "--candidate" in r.stderr and "missing.gguf" in r.stderr
     assert not (tmp_path / "wh").exists()
@@ -170,9 +223,24 @@ def test_a_candidate_that_fails_where_it_runs_leaves_the_others_reported(ggufs, 
     refuses it in its worker. That cell fails, the other candidate's statistics still print, exit 2."""
     whole = Path(ggufs["q8_0"]).read_bytes()
     broken = tmp_path / "broken-q8_0.gguf"
-    broken.write_bytes(whole[:len(whole) // 2])
-    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", str(broken), "--candidate", ggufs["q4_k_m"],
-                "--text", text, "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(tmp_path / "wh"))
+    broken.write_bytes(whole[: len(whole) // 2])
+    r = run_cli(
+        "kld",
+        "--reference",
+        ggufs["f16"],
+        "--candidate",
+        str(broken),
+        "--candidate",
+        ggufs["q4_k_m"],
+        "--text",
+        text,
+        "--n-ctx",
+        str(N_CTX),
+        "--threads",
+        "2",
+        "--warehouse",
+        str(tmp_path / "wh"),
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     assert r.stdout.count("====== KL divergence statistics ======") == 1
     assert f"### {Path(ggufs['q4_k_m']).name} against" in r.stdout
@@ -187,8 +255,22 @@ def test_another_text_for_the_same_warehouse_is_refused(job, ggufs, tmp_path):
     other = tmp_path / "other.txt"
     other.write_text("Another text entirely. " * 400)
     before = (wh.parent / "wh.kld.yaml").read_text()
-    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q8_0"], "--text", str(other),
-                "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh), "--keep-rows")
+    r = run_cli(
+        "kld",
+        "--reference",
+        ggufs["f16"],
+        "--candidate",
+        ggufs["q8_0"],
+        "--text",
+        str(other),
+        "--n-ctx",
+        str(N_CTX),
+        "--threads",
+        "2",
+        "--warehouse",
+        str(wh),
+        "--keep-rows",
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "corpus: this warehouse's job has" in r.stderr and "(--text / --n-ctx)" in r.stderr
     assert (wh.parent / "wh.kld.yaml").read_text() == before
@@ -205,8 +287,24 @@ def test_by_default_only_the_reference_keeps_its_values_and_the_rest_is_the_same
     and a spec that asks for every stack's values captures the candidates again, to the same bits."""
     kept_wh, kept, _ = job
     wh = tmp_path / "wh"
-    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q8_0"], "--candidate", ggufs["q4_k_m"],
-                "--text", text, "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh), "--json")
+    r = run_cli(
+        "kld",
+        "--reference",
+        ggufs["f16"],
+        "--candidate",
+        ggufs["q8_0"],
+        "--candidate",
+        ggufs["q4_k_m"],
+        "--text",
+        text,
+        "--n-ctx",
+        str(N_CTX),
+        "--threads",
+        "2",
+        "--warehouse",
+        str(wh),
+        "--json",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert [x["statistics"] for x in out["results"]] == [x["statistics"] for x in kept["results"]]
@@ -231,8 +329,22 @@ def test_by_default_only_the_reference_keeps_its_values_and_the_rest_is_the_same
     cid = out["results"][0]["cell_id"]
     r = run_cli("fixture", "export", cid, "--warehouse", str(wh), "--out", str(tmp_path / "f.json"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "values not kept" in r.stderr, r.stderr
-    r = run_cli("kld", "--reference", ggufs["f16"], "--candidate", ggufs["q8_0"], "--keep-rows", "--text", text,
-                "--n-ctx", str(N_CTX), "--threads", "2", "--warehouse", str(wh))
+    r = run_cli(
+        "kld",
+        "--reference",
+        ggufs["f16"],
+        "--candidate",
+        ggufs["q8_0"],
+        "--keep-rows",
+        "--text",
+        text,
+        "--n-ctx",
+        str(N_CTX),
+        "--threads",
+        "2",
+        "--warehouse",
+        str(wh),
+    )
     assert r.returncode == 2 and "keep_rows: this warehouse's job has references, not all (--keep-rows)" in r.stderr
     spec = Path(out["spec"])
     (wh / "metrics" / f"{cid}.parquet").unlink()  # as if the run had stopped before this cell completed
@@ -260,7 +372,7 @@ def test_a_text_tokenised_ahead_gives_the_ids_of_a_plain_call_once(ggufs, text, 
     lb.tokenize_ahead(ggufs["f16"], words)
     assert lb.gguf_tokenize(ggufs["f16"], words) == want
     assert len(lb._AHEAD) == 1  # taken once; the other text's result still waits for its own call
-    assert lb.gguf_tokenize(ggufs["f16"], words + " and more")[0][:len(want[0]) - 1] == want[0][:-1]
+    assert lb.gguf_tokenize(ggufs["f16"], words + " and more")[0][: len(want[0]) - 1] == want[0][:-1]
     assert not lb._AHEAD
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(Path(ggufs["f16"]).read_bytes()[:4096])

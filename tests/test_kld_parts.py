@@ -34,20 +34,26 @@ def test_statistics_follow_perplexity_cpp_on_known_values():
     assert s["ppl"][0] == pytest.approx(math.exp(nll.mean()), rel=1e-12)
     assert s["ppl_ratio"][0] == pytest.approx(math.exp(nll.mean() - nll_ref.mean()), rel=1e-12)
     assert s["ln_ppl_correlation"] == pytest.approx(np.corrcoef(nll, nll_ref)[0, 1], rel=1e-9)
-    assert s["rms_delta_p"][0] == pytest.approx(math.sqrt(np.mean(dp ** 2)), rel=1e-12)
+    assert s["rms_delta_p"][0] == pytest.approx(math.sqrt(np.mean(dp**2)), rel=1e-12)
     p = same.mean()
     assert s["same_top_p"] == pytest.approx([p, math.sqrt(p * (1 - p) / (n - 1))], rel=1e-12)
     lines = text({**s, "nonfinite_rows": 0})
     assert lines[0] == "====== Perplexity statistics ======"
     assert f"Mean    KLD: {kld.mean():10.6f} ± {s['kld'][1]:10.6f}" in lines
-    assert any(line.startswith(" 0.1%   KLD:") for line in lines) and any(line.startswith("99.9%   Δp:") for line in lines)
+    assert any(line.startswith(" 0.1%   KLD:") for line in lines) and any(
+        line.startswith("99.9%   Δp:") for line in lines
+    )
 
 
 def test_few_or_no_rows_say_so():
     assert stats(*(np.array([]),) * 4, np.array([], dtype=bool)) == {"rows": 0}
-    assert text({"rows": 0, "nonfinite_rows": 3}) == ["3 row(s) left out: non-finite logits", "no scored rows to measure"]
-    s = stats(np.array([0.1, 0.2]), np.array([0.0, 0.1]), np.array([1.0, 2.0]), np.array([1.0, 2.5]),
-              np.array([True, False]))
+    assert text({"rows": 0, "nonfinite_rows": 3}) == [
+        "3 row(s) left out: non-finite logits",
+        "no scored rows to measure",
+    ]
+    s = stats(
+        np.array([0.1, 0.2]), np.array([0.0, 0.1]), np.array([1.0, 2.0]), np.array([1.0, 2.5]), np.array([True, False])
+    )
     assert s["kld"] == [pytest.approx(0.15), 0.0]  # perplexity.cpp gives no error below 11 values
     assert "only 2 scored rows" in text({**s, "nonfinite_rows": 0})[0]
 
@@ -110,11 +116,15 @@ def test_llama_cpp_flags_follow_the_cpu_and_leave_amx_out():
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("flags", Path(__file__).parent.parent / "scripts" / "llama_cmake_args.py")
+    spec = importlib.util.spec_from_file_location(
+        "flags", Path(__file__).parent.parent / "scripts" / "llama_cmake_args.py"
+    )
     flags = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(flags)
-    sapphire = "flags\t\t: fpu sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd avx512vl avx512dq avx512bw " \
-               "avx512vbmi avx512_vnni avx512_bf16 avx_vnni amx_tile amx_int8 amx_bf16\n"
+    sapphire = (
+        "flags\t\t: fpu sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd avx512vl avx512dq avx512bw "
+        "avx512vbmi avx512_vnni avx512_bf16 avx_vnni amx_tile amx_int8 amx_bf16\n"
+    )
     got = flags.cmake_args("x86_64", sapphire)
     assert "-DGGML_NATIVE=OFF" in got and "-DGGML_AVX512=ON" in got and "-DGGML_AVX512_BF16=ON" in got
     assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(got)

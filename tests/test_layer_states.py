@@ -76,8 +76,10 @@ def test_a_layer_past_the_models_depth_is_refused_and_mlx_says_it_cannot(tiny_mo
     layers = extras.get("layers")
     cell = StackDesc("nolayers", "fp32", "default", extras=(("layers", (0,)),))
     assert layers.unsupported(HFBackend, cell, (0,)) is None
-    assert layers.unsupported(NoLayers, cell, (0,)) == \
-        "engine nolayers cannot give per-layer states (the cell asks for layers)"
+    assert (
+        layers.unsupported(NoLayers, cell, (0,))
+        == "engine nolayers cannot give per-layer states (the cell asks for layers)"
+    )
 
 
 def test_mlx_layer_states_match_hf_fp32(tiny_model):
@@ -110,7 +112,9 @@ def test_a_rescaled_stack_passes_cosine_and_fails_the_norm_ratio(tiny_model):
     keys = [("p", p) for p in POS]
     scaled = summarize({k: row_metrics(v, v * 1.05) for k, v in ref.items()}, keys)
     assert [r["layer"] for r in scaled] == ["layer.0", "layer.1", "final_norm"]
-    assert all(r["cosine_min"] > 1 - 1e-12 and abs(r["norm_ratio_dev_max"] - 0.05) < 1e-6 for r in scaled)  # float32 x 1.05
+    assert all(
+        r["cosine_min"] > 1 - 1e-12 and abs(r["norm_ratio_dev_max"] - 0.05) < 1e-6 for r in scaled
+    )  # float32 x 1.05
     from analysis.gates import load_gates
     from tests.conftest import REPO
 

@@ -45,8 +45,13 @@ def layer(module: str) -> str:
     """The layer a module belongs to: its package, or matrix's subpackage (matrix.__main__ is the CLI's)."""
     parts = module.split(".")
     if parts[0] == "matrix" and len(parts) > 1:
-        return "matrix.cli" if parts[1] == "__main__" else f"matrix.{parts[1]}" \
-            if f"matrix.{parts[1]}" in MAY_IMPORT else "matrix"
+        return (
+            "matrix.cli"
+            if parts[1] == "__main__"
+            else f"matrix.{parts[1]}"
+            if f"matrix.{parts[1]}" in MAY_IMPORT
+            else "matrix"
+        )
     return parts[0]
 
 
@@ -66,8 +71,9 @@ def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
-                     for a in node.names]
+            names = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names
+            ]
         else:
             continue
         for n in names:
@@ -84,8 +90,12 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_every_import_goes_down_a_layer():
-    upward = [f"{m} imports {d}" for m, deps in graph().items() for d in sorted(deps)
-              if layer(d) != layer(m) and layer(d) not in MAY_IMPORT[layer(m)]]
+    upward = [
+        f"{m} imports {d}"
+        for m, deps in graph().items()
+        for d in sorted(deps)
+        if layer(d) != layer(m) and layer(d) not in MAY_IMPORT[layer(m)]
+    ]
     assert upward == [], "\n".join(upward)
 
 
@@ -126,8 +136,9 @@ def test_backends_never_import_ray():
     for m, f in modules().items():
         if m.startswith("backends"):
             tree = ast.parse(f.read_text())
-            mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} \
-                | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+            mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
+                n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+            }
             assert not any(x == "ray" or x.startswith("ray.") for x in mods), m
     assert g  # the walk found the packages
 
@@ -137,7 +148,10 @@ def test_no_function_is_longer_than_60_lines():
     for pkg in [*PACKAGES, "benchmarks", "scripts"]:
         for f in sorted((REPO / pkg).rglob("*.py")):
             for n in ast.walk(ast.parse(f.read_text())):
-                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno >= MAX_FUNCTION_LINES:
+                if (
+                    isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and n.end_lineno - n.lineno >= MAX_FUNCTION_LINES
+                ):
                     long.append(f"{f.relative_to(REPO)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)")
     assert long == [], "\n".join(long)
 
@@ -149,8 +163,13 @@ def test_every_project_import_names_a_module():
     for pkg in [*PACKAGES, "benchmarks", "scripts", "tests"]:
         for f in sorted((REPO / pkg).rglob("*.py")):
             for n in ast.walk(ast.parse(f.read_text())):
-                names = [n.module] if isinstance(n, ast.ImportFrom) and n.module and not n.level else \
-                    [a.name for a in n.names] if isinstance(n, ast.Import) else []
+                names = (
+                    [n.module]
+                    if isinstance(n, ast.ImportFrom) and n.module and not n.level
+                    else [a.name for a in n.names]
+                    if isinstance(n, ast.Import)
+                    else []
+                )
                 for name in names:
                     if name.split(".")[0] in PACKAGES:
                         where = REPO / name.replace(".", "/")
@@ -160,8 +179,12 @@ def test_every_project_import_names_a_module():
 
 
 def test_no_source_file_is_longer_than_400_lines():
-    long = [f"{f.relative_to(REPO)} ({n} lines)" for pkg in [*PACKAGES, "benchmarks", "scripts"]
-            for f in sorted((REPO / pkg).rglob("*.py")) if (n := len(f.read_text().splitlines())) > MAX_FILE_LINES]
+    long = [
+        f"{f.relative_to(REPO)} ({n} lines)"
+        for pkg in [*PACKAGES, "benchmarks", "scripts"]
+        for f in sorted((REPO / pkg).rglob("*.py"))
+        if (n := len(f.read_text().splitlines())) > MAX_FILE_LINES
+    ]
     assert long == [], "\n".join(long)
 
 

@@ -20,10 +20,17 @@ LADDER = ["f16", "q8_0", "q4_0"]
 @pytest.fixture(scope="module")
 def layered(tiny_model, short_corpus, tmp_path_factory):
     d = tmp_path_factory.mktemp("layered")
-    spec = write_spec(d / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32", "bf16"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"}, repeats=1,
-                      include=[{"engine": "hf", "dtype": "bf16", "attention": "eager", "layers": "first-1"}]
-                      + [{"engine": "llamacpp", "dtype": q, "attention": "default", "layers": "all"} for q in LADDER])
+    spec = write_spec(
+        d / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32", "bf16"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        repeats=1,
+        include=[{"engine": "hf", "dtype": "bf16", "attention": "eager", "layers": "first-1"}]
+        + [{"engine": "llamacpp", "dtype": q, "attention": "default", "layers": "all"} for q in LADDER],
+    )
     wh = d / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--json")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -44,8 +51,11 @@ def test_layer_states_are_recorded_for_what_each_cell_asks(layered):
     assert json.loads(cells[("hf", "bf16")]["layers"])["layers"] == [0]
     lc = json.loads(cells[("llamacpp", "q8_0")]["layers"])
     assert lc["layers"] == [0, 1] and lc["depth"] == 2 and lc["sources"]["layer.1"] == "l_out-1"
-    got = sql(wh, "select cell_id, layer, layer_index, any_value(dtype) as dtype, count(*) as n, "
-                  "min(len(values)) as w from layer_states group by all")
+    got = sql(
+        wh,
+        "select cell_id, layer, layer_index, any_value(dtype) as dtype, count(*) as n, "
+        "min(len(values)) as w from layer_states group by all",
+    )
     by = {(g["cell_id"], g["layer"]): g for g in got}
     for c in cells.values():
         want = json.loads(c["layers"])["layers"]
@@ -131,13 +141,26 @@ def test_a_second_analyze_reuses_the_layer_metrics(layered):
 
 
 def test_bad_layers_are_refused_before_anything_runs(tiny_model, short_corpus, tmp_path):
-    spec = write_spec(tmp_path / "a.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"}, layers="first-x")
+    spec = write_spec(
+        tmp_path / "a.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        layers="first-x",
+    )
     r = run_cli("cells", str(spec))
     assert r.returncode == 2 and "layers: expected a list of layer indices, first-N or all (got 'first-x')" in r.stderr
-    spec = write_spec(tmp_path / "b.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"},
-                      include=[{"engine": "hf", "dtype": "fp32", "attention": "eager", "layers": [0, 5]}])
+    spec = write_spec(
+        tmp_path / "b.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        include=[{"engine": "hf", "dtype": "fp32", "attention": "eager", "layers": [0, 5]}],
+    )
     r = run_cli("run", str(spec), "--warehouse", str(tmp_path / "wh"))
     assert r.returncode == 2, r.stderr[-2000:]
     line = r.stderr.strip().splitlines()[-1]
@@ -163,7 +186,7 @@ def test_card_and_report_show_the_layers(layered, tmp_path):
     assert not console, console
     for ident in ("layers-cosine", "layers-norm-ratio"):
         start = dom.index(f'id="{ident}"')
-        plot = dom[start:dom.index("</svg>", start)]
+        plot = dom[start : dom.index("</svg>", start)]
         assert len(set(re.findall(rf'id="({ident}-series-\d+)"', plot))) == 4  # one line per stack
         assert ">layer.1<" in plot and ">final_norm<" in plot  # the states on the x axis
 
@@ -187,8 +210,9 @@ def test_verify_checks_layer_states_row_by_row(layered, tmp_path):
     t = pq.read_table(path)
     vals = t.column("values").to_pylist()
     vals[3][0] += 1.0  # one value of one state, its row_hash kept
-    pq.write_table(t.set_column(t.schema.get_field_index("values"), "values",
-                                pa.array(vals, t.schema.field("values").type)), path)
+    pq.write_table(
+        t.set_column(t.schema.get_field_index("values"), "values", pa.array(vals, t.schema.field("values").type)), path
+    )
     r = run_cli("verify", "--warehouse", str(copy), "--json")
     assert r.returncode == 1, r.stderr[-2000:]
     rep = json.loads(r.stdout)

@@ -42,8 +42,16 @@ def plan_for(tiny_model, short_corpus, tmp_path_factory):
     from store import Warehouse
 
     d = tmp_path_factory.mktemp("race")
-    spec_path = write_spec(d / "spec.yaml", tiny_model, short_corpus, engines=["llamacpp"], dtypes=["fp32", "q2_k"],
-                           attention=["default"], reference={"engine": "llamacpp", "dtype": "fp32"}, repeats=2)
+    spec_path = write_spec(
+        d / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        engines=["llamacpp"],
+        dtypes=["fp32", "q2_k"],
+        attention=["default"],
+        reference={"engine": "llamacpp", "dtype": "fp32"},
+        repeats=2,
+    )
 
     def make(i: int):
         spec = load_spec(spec_path)
@@ -73,8 +81,9 @@ def test_calls_queued_behind_a_skipped_load_raise_the_loads_skip(local_ray, plan
     texts = [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]]
     ids = [(p.prompt_id, p.token_ids) for p in plan.prompts[cell.model]]
     for _ in range(ACTOR_REPEATS):
-        actor = StackActor.options(num_cpus=1).remote(desc, model_copy(model), 1,
-                                                        Delivery("/nonexistent-warehouse", "nonce", None))
+        actor = StackActor.options(num_cpus=1).remote(
+            desc, model_copy(model), 1, Delivery("/nonexistent-warehouse", "nonce", None)
+        )
         load = actor.load.remote()
         parity = actor.parity.remote(texts, plan.special[cell.model], plan.vocab[cell.model])
         captures = [actor.capture.remote("run", r, ids, 16) for r in range(2)]

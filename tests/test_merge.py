@@ -18,8 +18,11 @@ from tests.conftest import run_cli, sql
 
 def snapshot(wh: Path) -> dict[str, str]:
     """Every file of a warehouse and its sha256 (the lock file aside: taking it rewrites it)."""
-    return {str(p.relative_to(wh)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(wh.rglob("*")) if p.is_file() and p.name != ".lock"}
+    return {
+        str(p.relative_to(wh)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(wh.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 def rows(wh: Path) -> list[dict]:
@@ -36,8 +39,9 @@ def rewrite(path: Path, column: str, value) -> None:
     t = pq.read_table(path)
     col = t.column(column).to_pylist()
     col[0] = value
-    pq.write_table(t.set_column(t.schema.get_field_index(column), column, pa.array(col, t.schema.field(column).type)),
-                   path)
+    pq.write_table(
+        t.set_column(t.schema.get_field_index(column), column, pa.array(col, t.schema.field(column).type)), path
+    )
 
 
 def test_merge_then_again_then_each_refusal(merge_sources, tmp_path):
@@ -47,7 +51,9 @@ def test_merge_then_again_then_each_refusal(merge_sources, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     assert [len(s["merged"]) for s in report["sources"]] == [1, 1]
-    assert rows(dest) == sorted(rows(a) + rows(b), key=lambda x: (x["cell_id"], x["repeat"], x["prompt_id"], x["position"]))
+    assert rows(dest) == sorted(
+        rows(a) + rows(b), key=lambda x: (x["cell_id"], x["repeat"], x["prompt_id"], x["position"])
+    )
     assert len(rows(dest)) == len(rows(a)) + len(rows(b)) > 0
     v = run_cli("verify", "--warehouse", str(dest), "--json")
     assert v.returncode == 0 and json.loads(v.stdout)["shards"] == 4, v.stderr[-2000:]
@@ -59,7 +65,10 @@ def test_merge_then_again_then_each_refusal(merge_sources, tmp_path):
 
     again = run_cli("merge", str(a), str(b), "--into", str(dest), "--json")
     assert again.returncode == 0, again.stderr[-2000:]
-    assert [(len(s["merged"]), len(s["already_present"])) for s in json.loads(again.stdout)["sources"]] == [(0, 1), (0, 1)]
+    assert [(len(s["merged"]), len(s["already_present"])) for s in json.loads(again.stdout)["sources"]] == [
+        (0, 1),
+        (0, 1),
+    ]
     assert snapshot(dest) == before
 
     old = tmp_path / "old"
@@ -72,9 +81,11 @@ def test_merge_then_again_then_each_refusal(merge_sources, tmp_path):
     other_weights = tmp_path / "other-weights"
     shutil.copytree(c, other_weights)
     rewrite(other_weights / "cells" / f"{one_cell(c)}.parquet", "weights_sha256", "f" * 64)
-    for src, needle in ((old, f"schema_version {SCHEMA_VERSION - 1}, this logit-matrix merges {SCHEMA_VERSION}"),
-                        (other_rows, f"cell {one_cell(a)} is in the destination with different rows"),
-                        (other_weights, f"weights_sha256 {'f' * 64} for model 'tiny'")):
+    for src, needle in (
+        (old, f"schema_version {SCHEMA_VERSION - 1}, this logit-matrix merges {SCHEMA_VERSION}"),
+        (other_rows, f"cell {one_cell(a)} is in the destination with different rows"),
+        (other_weights, f"weights_sha256 {'f' * 64} for model 'tiny'"),
+    ):
         bad = run_cli("merge", str(src), "--into", str(dest))
         lines = bad.stderr.strip().splitlines()
         assert bad.returncode == 2 and len(lines) == 1 and needle in lines[0], bad.stderr[-2000:]

@@ -30,8 +30,14 @@ print(json.dumps({"mode": M.kernel_mode(), "kld": m["kld"].tolist(), "js": m["js
 
 
 def probe(tmp_path: Path, **env) -> tuple[dict, str]:
-    run = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "LOGIT_MATRIX_CACHE": str(tmp_path), **env})
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "LOGIT_MATRIX_CACHE": str(tmp_path), **env},
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
 
@@ -60,8 +66,14 @@ def test_the_scalar_build_without_libmvec_gives_the_same_metrics(tmp_path):
     vector, _ = probe(tmp_path / "vector")
     # the scalar variants alone, as where glibc's libmvec is missing (macOS, musl)
     only_scalar = "from common import native; native.VARIANTS = native.VARIANTS[1:]\n"
-    run = subprocess.run([sys.executable, "-c", only_scalar + PROBE], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "LOGIT_MATRIX_CACHE": str(tmp_path / "s")})
+    run = subprocess.run(
+        [sys.executable, "-c", only_scalar + PROBE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "LOGIT_MATRIX_CACHE": str(tmp_path / "s")},
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     scalar = json.loads(run.stdout.strip().splitlines()[-1])
     assert scalar["mode"] == "native"

@@ -70,12 +70,20 @@ class S3:
         self.boto3 = pytest.importorskip("boto3")
         pytest.importorskip("moto")
         self.port, self.log = _free_port(), open(tmp / "moto.log", "w")
-        self.env = {"AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
-                    "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}", "AWS_EC2_METADATA_DISABLED": "true"}
+        self.env = {
+            "AWS_ACCESS_KEY_ID": KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
 
     def start(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         _wait(self.proc, "moto server", lambda: self.boto3.client("s3").create_bucket(Bucket=BUCKET))
         self.client = self.boto3.client("s3")
 
@@ -98,18 +106,47 @@ class GCS:
         self.binary, self.root = str(wrapper._get_binary_path()), tmp / "gcs"
         self.port, self.log = _free_port(), open(tmp / "fake-gcs.log", "w")
         adc = tmp / "adc.json"  # a credentials file of the standard chain, never used by the emulator
-        adc.write_text(json.dumps({"type": "authorized_user", "client_id": "lm-test.apps.googleusercontent.com",
-                                   "client_secret": GOOGLE_SECRET, "refresh_token": GOOGLE_REFRESH}))
-        self.env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{self.port}", "GOOGLE_APPLICATION_CREDENTIALS": str(adc),
-                    "GOOGLE_CLOUD_PROJECT": "lm-test", **NO_METADATA}
+        adc.write_text(
+            json.dumps(
+                {
+                    "type": "authorized_user",
+                    "client_id": "lm-test.apps.googleusercontent.com",
+                    "client_secret": GOOGLE_SECRET,
+                    "refresh_token": GOOGLE_REFRESH,
+                }
+            )
+        )
+        self.env = {
+            "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{self.port}",
+            "GOOGLE_APPLICATION_CREDENTIALS": str(adc),
+            "GOOGLE_CLOUD_PROJECT": "lm-test",
+            **NO_METADATA,
+        }
 
     def start(self):
         from google.cloud import storage
 
-        self.proc = subprocess.Popen([self.binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
-                                      "-backend", "filesystem", "-filesystem-root", str(self.root),
-                                      "-external-url", f"http://127.0.0.1:{self.port}", "-log-level", "warn"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                "-scheme",
+                "http",
+                "-host",
+                "127.0.0.1",
+                "-port",
+                str(self.port),
+                "-backend",
+                "filesystem",
+                "-filesystem-root",
+                str(self.root),
+                "-external-url",
+                f"http://127.0.0.1:{self.port}",
+                "-log-level",
+                "warn",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         _wait(self.proc, "fake-gcs-server", lambda: storage.Client().create_bucket(BUCKET))
         self.client = storage.Client()
 
@@ -142,8 +179,13 @@ def lease(store, prefix: str, holder: str, expires_in: float) -> None:
 
 def test_sweep_analysis_and_sql_on_the_store(store, tiny_model, short_corpus, swept, tmp_path):
     uri = f"{store.scheme}://{BUCKET}/sweep"
-    spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"],
-                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"})
+    spec = write_spec(
+        tmp_path / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
+    )
     lease(store, "sweep", "pid 1 on a-crashed-box", expires_in=-5)  # stale: the run takes it over
     logs = []
     r = run_cli("run", str(spec), "--warehouse", uri, "--json")
@@ -156,8 +198,10 @@ def test_sweep_analysis_and_sql_on_the_store(store, tiny_model, short_corpus, sw
     assert sum(k.startswith("sweep/logits/") for k in listed) == 4
     cells = sql(uri, "select cell_id, status, bit_reproducible, rows_via from cells order by cell_id")
     assert [(c["status"], c["bit_reproducible"], c["rows_via"]) for c in cells] == [("done", True, "node")] * 2
-    q = ("select l.cell_id, l.repeat, l.prompt_id, l.position, l.row_hash from logits l join cells c using (cell_id) "
-         "where c.dtype = 'fp32' order by all")
+    q = (
+        "select l.cell_id, l.repeat, l.prompt_id, l.position, l.row_hash from logits l join cells c using (cell_id) "
+        "where c.dtype = 'fp32' order by all"
+    )
     assert sql(uri, q) == sql(swept[1], q)  # the same rows as the local sweep, byte for byte
     # resume: nothing left to do
     again = run_cli("run", str(spec), "--warehouse", uri)
@@ -179,16 +223,25 @@ def test_sweep_analysis_and_sql_on_the_store(store, tiny_model, short_corpus, sw
     assert (report["shards"], report["rows"], report["damage"]) == (4, rows, []) and rows > 0
     sdpa = next(c["cell_id"] for c in cells if ".sdpa." in c["cell_id"])
     eager = next(c["cell_id"] for c in cells if ".eager." in c["cell_id"])
-    for cmd, ok in ((["card", sdpa, "--json", "--allow-undisclosed"], {0}), (["admit", sdpa], {0, 1}),
-                    (["fixture", "export", eager, "--out", str(tmp_path / "fixture.json")], {0})):
+    for cmd, ok in (
+        (["card", sdpa, "--json", "--allow-undisclosed"], {0}),
+        (["admit", sdpa], {0, 1}),
+        (["fixture", "export", eager, "--out", str(tmp_path / "fixture.json")], {0}),
+    ):
         out = run_cli(*cmd, "--warehouse", uri)
         logs.append(out.stdout + out.stderr)
         assert out.returncode in ok, (cmd, out.stderr[-2000:])
     # a live lease: a second writer is refused, naming the holder, and nothing changes
     lease(store, "sweep", "pid 4242 on the-other-driver", expires_in=600)
     before = store.keys("sweep/")
-    spec2 = write_spec(tmp_path / "spec2.yaml", tiny_model, short_corpus, dtypes=["fp32"], repeats=3,
-                       reference={"engine": "hf", "dtype": "fp32", "attention": "eager"})
+    spec2 = write_spec(
+        tmp_path / "spec2.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        repeats=3,
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
+    )
     busy = run_cli("run", str(spec2), "--warehouse", uri)
     logs.append(busy.stdout + busy.stderr)
     assert busy.returncode == 2, busy.stderr[-2000:]
@@ -225,11 +278,22 @@ def test_a_dead_writers_lease_on_this_machine_is_taken_over_at_once(store, tiny_
     from store.location import open_location
 
     uri = f"{store.scheme}://{BUCKET}/killed"
-    spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"})
+    spec = write_spec(
+        tmp_path / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+    )
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    p = subprocess.Popen([sys.executable, "-m", "matrix", "run", str(spec), "--warehouse", uri, "--executor", "local"],
-                         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "matrix", "run", str(spec), "--warehouse", uri, "--executor", "local"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while "killed/.lease.json" not in store.keys("killed/") and time.time() < deadline and p.poll() is None:
         time.sleep(0.2)
@@ -241,8 +305,10 @@ def test_a_dead_writers_lease_on_this_machine_is_taken_over_at_once(store, tiny_
     r = run_cli("run", str(spec), "--warehouse", uri, "--executor", "local")
     assert r.returncode == 0, r.stderr[-2000:]
     took = [ln for ln in r.stderr.splitlines() if "taking over the writer lease" in ln]
-    assert took == [f"{store.scheme}://{BUCKET}/killed: taking over the writer lease of pid {p.pid} "
-                    f"on {socket.gethostname()}: that process is gone"], r.stderr[-2000:]
+    assert took == [
+        f"{store.scheme}://{BUCKET}/killed: taking over the writer lease of pid {p.pid} "
+        f"on {socket.gethostname()}: that process is gone"
+    ], r.stderr[-2000:]
     assert time.time() - t0 < held["expires_at"] - t0 and "killed/.lease.json" not in store.keys("killed/")
     # a holder on this machine that is alive (this test's own process) still blocks
     with open_location(uri).lock(f"pid {os.getpid()}"):
@@ -275,12 +341,16 @@ def test_merge_into_and_out_of_the_store(store, merge_sources, tmp_path):
         assert not any(s in text for s in SECRETS)
 
 
-@pytest.mark.parametrize("where, needle", [
-    ("az://bucket/wh", "scheme 'az' is not supported"),
-    (f"s3://{KEY_ID}:{SECRET}@{BUCKET}/wh", "credentials or options in the URI are refused"),
-    (f"gs://{KEY_ID}:{GOOGLE_SECRET}@{BUCKET}/wh", "credentials or options in the URI are refused"),
-    ("{scheme}://no-such-bucket-here/wh", "{missing}"),
-], ids=["unknown-scheme", "s3-key-in-uri", "gs-key-in-uri", "missing-bucket"])  # ids: no secret in the test log
+@pytest.mark.parametrize(
+    "where, needle",
+    [
+        ("az://bucket/wh", "scheme 'az' is not supported"),
+        (f"s3://{KEY_ID}:{SECRET}@{BUCKET}/wh", "credentials or options in the URI are refused"),
+        (f"gs://{KEY_ID}:{GOOGLE_SECRET}@{BUCKET}/wh", "credentials or options in the URI are refused"),
+        ("{scheme}://no-such-bucket-here/wh", "{missing}"),
+    ],
+    ids=["unknown-scheme", "s3-key-in-uri", "gs-key-in-uri", "missing-bucket"],
+)  # ids: no secret in the test log
 def test_bad_locations_are_one_line_exit_2(store, where, needle):
     where = where.format(scheme=store.scheme)
     needle = needle.format(missing="NoSuchBucket" if store.scheme == "s3" else "not found")

@@ -11,8 +11,7 @@ import pytest
 
 from store import pages
 from store.verify import verify_shard
-from store.warehouse import (LOGITS_LEAF, Warehouse, _writer, by_row, encode_rows, logits_matrix, row_hash,
-                             rows_table)
+from store.warehouse import LOGITS_LEAF, Warehouse, _writer, by_row, encode_rows, logits_matrix, row_hash, rows_table
 
 VOCAB = 4099  # odd on purpose: rows do not line up with pages or with bit-packed level groups
 
@@ -52,7 +51,9 @@ def write(tables: list[pa.Table], **options) -> bytes:
 def test_shard_pages_give_back_the_native_rows_exactly(kind):
     # 70 rows of 4,099 floats span several 1 MiB pages, with rows cut across page boundaries
     groups = [native(kind, 70, seed=1), native(kind, 3, seed=2)]
-    tables = [rows_table("run", "cell", 0, f"p{i}", list(range(len(g))), [None] * len(g), g) for i, g in enumerate(groups)]
+    tables = [
+        rows_table("run", "cell", 0, f"p{i}", list(range(len(g))), [None] * len(g), g) for i, g in enumerate(groups)
+    ]
     got = leaves(shard_bytes(tables))  # one row group per prompt, as ShardWriter writes them
     assert len(got) == 2 and len(got[0].pages) > 1
     for leaf, want, t in zip(got, groups, tables):
@@ -67,8 +68,10 @@ def test_rows_written_one_row_at_a_time_and_through_a_reused_buffer_are_the_same
     # the shard writer hands Parquet a prompt's rows as one-row chunks and widens them into a
     # buffer it reuses: neither may change a byte of the file
     first, second = native(kind, 9, seed=3), native(kind, 5, seed=4)
-    plain = [rows_table("run", "cell", 0, f"p{i}", list(range(len(g))), [7] * len(g), g)
-             for i, g in enumerate((first, second))]
+    plain = [
+        rows_table("run", "cell", 0, f"p{i}", list(range(len(g))), [7] * len(g), g)
+        for i, g in enumerate((first, second))
+    ]
     chunked = by_row(plain[0])
     assert chunked.column("logits").num_chunks == 9 and plain[0].column("logits").num_chunks == 1
     assert chunked.equals(plain[0])
@@ -78,18 +81,29 @@ def test_rows_written_one_row_at_a_time_and_through_a_reused_buffer_are_the_same
     sink = pa.BufferOutputStream()
     w = _writer(sink)
     for i, g in enumerate((first, second)):  # each prompt written before the next one reuses the buffer
-        w.write_table(by_row(rows_table("run", "cell", 0, f"p{i}", list(range(len(g))), [7] * len(g), g, buffer=buffer)))
+        w.write_table(
+            by_row(rows_table("run", "cell", 0, f"p{i}", list(range(len(g))), [7] * len(g), g, buffer=buffer))
+        )
     w.close()
     assert sink.getvalue().to_pybytes() == want
     assert pq.read_table(pa.BufferReader(encode_rows(plain[1]))).equals(plain[1])
 
 
-@pytest.mark.parametrize("options", [
-    {"compression": "none", "use_byte_stream_split": [LOGITS_LEAF]},
-    {"compression": "zstd", "use_byte_stream_split": False, "use_dictionary": False},  # PLAIN values
-    {"compression": "snappy", "use_byte_stream_split": [LOGITS_LEAF], "data_page_version": "2.0"},
-    {"compression": "zstd", "use_byte_stream_split": [LOGITS_LEAF], "data_page_version": "2.0", "data_page_size": 5000},
-], ids=["uncompressed", "plain", "v2-snappy", "v2-small-pages"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"compression": "none", "use_byte_stream_split": [LOGITS_LEAF]},
+        {"compression": "zstd", "use_byte_stream_split": False, "use_dictionary": False},  # PLAIN values
+        {"compression": "snappy", "use_byte_stream_split": [LOGITS_LEAF], "data_page_version": "2.0"},
+        {
+            "compression": "zstd",
+            "use_byte_stream_split": [LOGITS_LEAF],
+            "data_page_version": "2.0",
+            "data_page_size": 5000,
+        },
+    ],
+    ids=["uncompressed", "plain", "v2-snappy", "v2-small-pages"],
+)
 def test_other_writers_settings_read_the_same_as_arrow(options):
     x = native("fp32", 9, seed=3)
     t = rows_table("run", "cell", 0, "p", list(range(9)), [None] * 9, x)
@@ -104,8 +118,11 @@ def test_what_it_does_not_handle_is_unsupported_not_misread():
     t = rows_table("run", "cell", 0, "p", list(range(4)), [None] * 4, x)
     with pytest.raises(pages.Unsupported, match="dictionary"):
         leaves(write([t], use_dictionary=True))
-    nulls = t.set_column(t.schema.get_field_index("logits"), "logits",
-                         pa.array([list(x[0]), None, list(x[2]), list(x[3])], pa.list_(pa.float32())))
+    nulls = t.set_column(
+        t.schema.get_field_index("logits"),
+        "logits",
+        pa.array([list(x[0]), None, list(x[2]), list(x[3])], pa.list_(pa.float32())),
+    )
     with pytest.raises(pages.Unsupported, match="null"):
         leaves(write([nulls], use_dictionary=False))
 
@@ -124,9 +141,11 @@ def test_damage_is_named_not_misread(tmp_path):
     # a widened bf16 with a low bit set is not bf16, whatever its hash says
     wide = (x.astype(np.uint32) << 16).view(np.float32).copy()  # (rows, vocab)
     wide.view(np.uint32)[5, 7] |= 1
-    lossy = t.set_column(t.schema.get_field_index("logits"), "logits",
-                         pa.ListArray.from_arrays(pa.array(np.arange(0, 41 * VOCAB, VOCAB, dtype=np.int32)),
-                                                  pa.array(wide.reshape(-1))))
+    lossy = t.set_column(
+        t.schema.get_field_index("logits"),
+        "logits",
+        pa.ListArray.from_arrays(pa.array(np.arange(0, 41 * VOCAB, VOCAB, dtype=np.int32)), pa.array(wide.reshape(-1))),
+    )
     with pytest.raises(pages.Corrupt, match="not bf16"):
         leaves(encode_rows(lossy))[0].rows("bf16")
 
@@ -149,8 +168,10 @@ def test_verify_checks_hashes_by_pages_and_by_arrow_alike(tmp_path):
     hashes = t.column("row_hash").to_pylist()
     hashes[4] = row_hash(x[3])
     t = t.set_column(t.schema.get_field_index("row_hash"), "row_hash", pa.array(hashes))
-    for options in ({"use_byte_stream_split": [LOGITS_LEAF], "use_dictionary": False},  # pages
-                    {"use_dictionary": True}):  # a dictionary page: Arrow
+    for options in (
+        {"use_byte_stream_split": [LOGITS_LEAF], "use_dictionary": False},  # pages
+        {"use_dictionary": True},
+    ):  # a dictionary page: Arrow
         _shard(wh, t, compression="zstd", **options)
         damage, rows, size = verify_shard(wh, "cell", 0, 6)
         assert rows == 6 and size > 6 * VOCAB  # fp32 noise barely compresses
@@ -201,4 +222,6 @@ def test_rows_taken_into_a_reused_buffer_are_the_rows_taken_fresh(tmp_path):
         want = fresh.take(idx)
         got = reused.take(idx, out)
         assert got.shape == want.shape and np.array_equal(got, want)
-        np.testing.assert_allclose(got, raw[idx], atol=0.07 * np.abs(raw[idx]).max())  # bf16 of (row - max), max added back
+        np.testing.assert_allclose(
+            got, raw[idx], atol=0.07 * np.abs(raw[idx]).max()
+        )  # bf16 of (row - max), max added back

@@ -47,11 +47,13 @@ def test_spec_positions_forms_and_their_errors(tmp_path):
     s = parse_spec(_spec(tmp_path, "models: [smollm2-135m]\npositions: {from: 256, to: 510, stride: 1}\n"))
     assert s.positions.of(512) == list(range(256, 511))
     assert parse_spec(_spec(tmp_path, "models: [smollm2-135m]\nstride: 8\n")).positions == Positions.every(8)
-    bad = {"positions: {from: 9, to: 3}": "positions.to: must not be before from (9) (got 3)",
-           "positions: {form: 3}": "positions.form: unknown key",
-           "positions: {stride: 0}": "positions.stride: must be a positive integer (got 0)",
-           "positions: scored": "positions: unknown preset",
-           "stride: 4\npositions: {from: 1}": "stride: give the step inside positions"}
+    bad = {
+        "positions: {from: 9, to: 3}": "positions.to: must not be before from (9) (got 3)",
+        "positions: {form: 3}": "positions.form: unknown key",
+        "positions: {stride: 0}": "positions.stride: must be a positive integer (got 0)",
+        "positions: scored": "positions: unknown preset",
+        "stride: 4\npositions: {from: 1}": "stride: give the step inside positions",
+    }
     for line, msg in bad.items():
         p = _spec(tmp_path, f"models: [smollm2-135m]\n{line}\n")
         with pytest.raises(UserError) as e:
@@ -63,13 +65,16 @@ def test_spec_positions_forms_and_their_errors(tmp_path):
 
 
 def _vocab_tests(tools: Path, name: str) -> list[tuple[str, list[int]]]:
-    inp = (tools / "models" / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    inp = (
+        (tools / "models" / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    )
     out = (tools / "models" / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
     return [(t, [int(v) for v in o.split()]) for t, o in zip(inp, out)]
 
 
 class _NoTokenizer:
     """tokenize() asks the reference tokenizer only for its BOS id when `vocab:` tokenises."""
+
     bos_token_id = None
 
 
@@ -84,7 +89,9 @@ def test_chunks_equal_llama_perplexity_on_a_ggml_vocab_file(tmp_path, vocab, bos
     lines = ["name: chunked", "prompts:"]
     for i, (text, _) in enumerate(cases):
         (tmp_path / f"t{i}.txt").write_text(text, encoding="utf-8")
-        lines.append(f"  - {{id: t{i}, file: t{i}.txt, chunks: {n_ctx}, vocab: {tools}/models/ggml-vocab-{vocab}.gguf}}")
+        lines.append(
+            f"  - {{id: t{i}, file: t{i}.txt, chunks: {n_ctx}, vocab: {tools}/models/ggml-vocab-{vocab}.gguf}}"
+        )
     (tmp_path / "c.yaml").write_text("\n".join(lines) + "\n")
     got = C.tokenize(str(tmp_path / "c.yaml"), "m", _NoTokenizer(), "tokenizer")
     want = []
@@ -93,7 +100,7 @@ def test_chunks_equal_llama_perplexity_on_a_ggml_vocab_file(tmp_path, vocab, bos
         # evaluated with BOS in place of its first token when the vocabulary adds BOS
         tokens = ([bos] if bos is not None else []) + ids
         for c in range(len(tokens) // n_ctx):
-            chunk = tokens[c * n_ctx:(c + 1) * n_ctx]
+            chunk = tokens[c * n_ctx : (c + 1) * n_ctx]
             want.append((f"t{i}-c{c}", ([bos] + chunk[1:]) if bos is not None else chunk))
     assert [(p.name, p.token_ids) for p in got] == want
     assert all(p.text is None and p.bos_added == (bos is not None) for p in got)
@@ -108,9 +115,11 @@ def test_ids_corpora_inline_npy_parquet_and_a_base_file(tmp_path, reference_mode
     np.save(tmp_path / "two.npy", np.array([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=np.int64))
     pq.write_table(pa.table({"name": ["a", "b"], "token_ids": [[9, 10, 11], [12, 13]]}), tmp_path / "ids.parquet")
     base_tokens = np.arange(100, 100 + 3 * 8, dtype=np.int32).reshape(3, 8)
-    K.write(tmp_path / "base.kld", 8, base_tokens,
-            [np.random.default_rng(0).normal(size=(3, 50)).astype(np.float32)] * 3)
-    (tmp_path / "c.yaml").write_text(dedent("""
+    K.write(
+        tmp_path / "base.kld", 8, base_tokens, [np.random.default_rng(0).normal(size=(3, 50)).astype(np.float32)] * 3
+    )
+    (tmp_path / "c.yaml").write_text(
+        dedent("""
         name: ids
         prompts:
           - {id: inline, ids: [42, 43, 44, 45, 46]}
@@ -119,7 +128,8 @@ def test_ids_corpora_inline_npy_parquet_and_a_base_file(tmp_path, reference_mode
           - {id: pq, ids_file: ids.parquet}
           - {id: kld, ids_file: base.kld}
           - {id: text, text: "Plain text still tokenises."}
-    """))
+    """)
+    )
     got = {p.name: p for p in C.tokenize(str(tmp_path / "c.yaml"), "smollm2", tok, "tokenizer")}
     assert got["inline"].token_ids == [42, 43, 44, 45, 46] and got["inline"].bos_policy == "ids"
     assert [got["cut-c0"].token_ids, got["cut-c1"].token_ids] == [[1, 2, 3], [4, 5, 6]] and "cut-c2" not in got
@@ -128,8 +138,11 @@ def test_ids_corpora_inline_npy_parquet_and_a_base_file(tmp_path, reference_mode
     assert got["text"].text == "Plain text still tokenises." and got["text"].bos_policy == "tokenizer"
     assert len({p.prompt_id for p in got.values()}) == len(got)
     (tmp_path / "bad.yaml").write_text("prompts:\n  - {id: big, ids: [1, 49152]}\n")
-    with pytest.raises(UserError, match=r"bad.yaml: prompts big: token id 49152 is outside the vocabulary of "
-                                        r"smollm2 \(0..49151\)"):
+    with pytest.raises(
+        UserError,
+        match=r"bad.yaml: prompts big: token id 49152 is outside the vocabulary of "
+        r"smollm2 \(0..49151\)",
+    ):
         C.tokenize(str(tmp_path / "bad.yaml"), "smollm2", tok, "tokenizer")
     (tmp_path / "bad2.yaml").write_text("prompts:\n  - {id: x, ids: [1, 2], text: hi}\n")
     with pytest.raises(UserError, match=r"prompts\[0\]: needs exactly one of text, file, chat, ids, ids_file"):
@@ -140,16 +153,25 @@ def test_ids_corpora_inline_npy_parquet_and_a_base_file(tmp_path, reference_mode
 
 
 def test_a_window_over_an_ids_corpus_captures_exactly_those_rows(tmp_path, tiny_model):
-    (tmp_path / "c.yaml").write_text(dedent("""
+    (tmp_path / "c.yaml").write_text(
+        dedent("""
         name: window
         prompts:
           - {id: ids, ids: [504, 3458, 314, 260, 1881, 28, 7110, 30, 506, 3119, 2051, 1049, 1928, 346, 429, 47, 29]}
-          - {id: long, text: "The museum opens at nine, but the queue starts forming long before that, and by half past eight it reaches the corner.", chunks: 12}
+          - {id: long, text: "The museum opens at nine, but the queue starts forming long before that,
+            and by half past eight it reaches the corner.", chunks: 12}
           - {id: short, ids: [1, 2, 3]}
-    """))
-    spec = write_spec(tmp_path / "spec.yaml", tiny_model, tmp_path / "c.yaml", dtypes=["fp32"],
-                      attention=["eager", "sdpa"], reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
-                      repeats=1)
+    """)
+    )
+    spec = write_spec(
+        tmp_path / "spec.yaml",
+        tiny_model,
+        tmp_path / "c.yaml",
+        dtypes=["fp32"],
+        attention=["eager", "sdpa"],
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
+        repeats=1,
+    )
     body = spec.read_text().replace("stride: 16\n", "positions: {from: 4, to: -2, stride: 3}\n")
     spec.write_text(body)
     wh = tmp_path / "wh"
@@ -176,8 +198,8 @@ def test_a_window_over_an_ids_corpus_captures_exactly_those_rows(tmp_path, tiny_
 def test_round_bf16_matches_torch_and_its_floor_matches_the_metric_kernel():
     import torch
 
-    from store.floors import bf16_floor
     from analysis.metrics import row_metrics
+    from store.floors import bf16_floor
     from store.warehouse import round_bf16, shift_by_max, widen
 
     rng = np.random.default_rng(1)
@@ -201,8 +223,16 @@ def test_round_bf16_matches_torch_and_its_floor_matches_the_metric_kernel():
 
 
 def test_store_bf16_records_each_rows_floor_and_analysis_carries_it(tmp_path, tiny_model, short_corpus):
-    spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager", "sdpa"],
-                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=2, store="bf16")
+    spec = write_spec(
+        tmp_path / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager", "sdpa"],
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
+        repeats=2,
+        store="bf16",
+    )
     wh = tmp_path / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -230,7 +260,7 @@ def test_store_bf16_records_each_rows_floor_and_analysis_carries_it(tmp_path, ti
     be = HFBackend(StackDesc("hf", "fp32", "eager"), str(tiny_model), 1)
     be.load()
     want = be.forward(p["token_ids"], idx.prompts[p["prompt_id"]].positions.tolist())  # (rows, vocab)
-    step = np.abs(want - want.max(-1, keepdims=True)) * 2.0 ** -8 + 1e-4  # bf16: 8 significant bits
+    step = np.abs(want - want.max(-1, keepdims=True)) * 2.0**-8 + 1e-4  # bf16: 8 significant bits
     assert got.shape == want.shape and (np.abs(got - want) <= step).all()
     r = run_cli("analyze", "--warehouse", str(wh))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -243,10 +273,10 @@ def test_store_bf16_records_each_rows_floor_and_analysis_carries_it(tmp_path, ti
 
 def test_the_fast_bf16_floor_agrees_with_the_float64_one_on_real_rows(reference_model):
     """bf16_floor (float32 elementwise, what the actor runs) against the float64 metric kernel on real SmolLM2 rows."""
-    from store.floors import bf16_floor
     from analysis.metrics import row_metrics
     from backends.hf_backend import HFBackend
     from common.stack import StackDesc
+    from store.floors import bf16_floor
     from store.warehouse import round_bf16, shift_by_max, to_bf16, widen
 
     be = HFBackend(StackDesc("hf", "fp32", "sdpa"), reference_model.hf_dir, 2)

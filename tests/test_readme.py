@@ -26,17 +26,26 @@ def blocks(heading: str, lang: str) -> list[str]:
 
 def sh(script: str, cwd: Path) -> subprocess.CompletedProcess:
     """A recipe block in bash, `matrix` the checkout's (as `make` installs it), Ray auth off for a local run."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=900)
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+        "RAY_AUTH_MODE": "disabled",
+    }
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+    )
 
 
 def test_the_readme_is_one_screen_per_job():
     lines = README.splitlines()
     assert len(lines) <= 250 and max(map(len, lines)) <= 200, (len(lines), max(map(len, lines)))
-    assert lines[2:6] == ["```sh", "make demo   # sets up .venv, runs the embedded default sweep end to end into ./warehouse",
-                          "make test   # sets up .venv (and .venv-vllm for vLLM on CPU), runs the test suite", "```"]
+    assert lines[2:6] == [
+        "```sh",
+        "make demo   # sets up .venv, runs the embedded default sweep end to end into ./warehouse",
+        "make test   # sets up .venv (and .venv-vllm for vLLM on CPU), runs the test suite",
+        "```",
+    ]
     for link in re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)\)", README):
         assert (REPO / link).is_file(), link
 
@@ -52,7 +61,7 @@ def recipe_dir(tiny_model, tmp_path_factory):
     for dtype in ("f16", "q4_k_m", "q8_0"):
         os.symlink(build_for(dtype, str(tiny_model), sha, 2)["path"], d / f"model-{dtype}.gguf")
     prose = (REPO / "configs/corpus/long_prose.txt").read_text()
-    (d / "wiki.test.raw").write_text(prose[:len(prose) // 3])  # a few chunks of 512
+    (d / "wiki.test.raw").write_text(prose[: len(prose) // 3])  # a few chunks of 512
     return d
 
 
@@ -60,8 +69,9 @@ def test_my_gguf_against_my_reference_as_written(recipe_dir):
     (block,) = blocks("My GGUF against my reference", "sh")
     r = sh(block, recipe_dir)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("Mean    KLD:") == 2 and "model-q8_0.gguf" in r.stdout and "model-q4_k_m.gguf" in r.stdout, \
+    assert r.stdout.count("Mean    KLD:") == 2 and "model-q8_0.gguf" in r.stdout and "model-q4_k_m.gguf" in r.stdout, (
         r.stdout[-3000:]
+    )
     assert (recipe_dir / "kld-wh.kld.yaml").is_file()
     admit = re.search(r"`(matrix admit [^`]+)`", README.split("## My GGUF against my reference", 1)[1]).group(1)
     r = sh(admit + " --json", recipe_dir)
@@ -103,6 +113,8 @@ def test_sql_over_a_warehouse_as_written(recipe_dir):
 
 
 def test_the_gpu_recipes_spec_expands():
-    spec = re.search(r"`(configs/[\w-]+\.yaml)`", README.split("## A cross-hardware sweep on a GPU cluster", 1)[1]).group(1)
+    spec = re.search(
+        r"`(configs/[\w-]+\.yaml)`", README.split("## A cross-hardware sweep on a GPU cluster", 1)[1]
+    ).group(1)
     r = run_cli("cells", spec, "--json")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -27,9 +27,13 @@ from tests.conftest import REPO, run_cli, write_spec
 from tests.test_object_warehouse import BUCKET, S3, _environ, _free_port
 from tests.test_readme import blocks
 
-pytestmark = [pytest.mark.serial,
-              pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
-                                 reason="needs root and unshare for the joined node's namespaces")]
+pytestmark = [
+    pytest.mark.serial,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not shutil.which("unshare"),
+        reason="needs root and unshare for the joined node's namespaces",
+    ),
+]
 
 
 JOINED = "logit-matrix-test-node-joined"  # printed by the node's shell once its lines ran
@@ -50,8 +54,9 @@ def _env(home: Path, extra: dict) -> dict:
 
 
 def _bash(script: str, env: dict, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @contextlib.contextmanager
@@ -60,9 +65,14 @@ def joined_node(script: str, env: dict, hidden: list[Path], log: Path):
     stays until the test ends, and its end ends every process of the node."""
     mounts = " && ".join(f"mkdir -p {d} && mount -t tmpfs tmpfs {d}" for d in [*hidden, Path(env["HOME"])])
     inner = f"set -euo pipefail; {mounts}; cd {REPO}\n{script}\necho {JOINED}; exec sleep infinity"
-    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc",
-                             "bash", "-c", inner], env=env, cwd=REPO, start_new_session=True,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc", "bash", "-c", inner],
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         yield proc
     finally:
@@ -86,24 +96,42 @@ def test_two_machines_as_written(tiny_model, short_corpus, tmp_path_factory):
     head_home, node_home = Path(os.environ.get("TMPDIR", "/tmp")) / f"lm-head-{os.getpid()}", base / "node-home"
     shutil.rmtree(head_home, ignore_errors=True)
     head_home.mkdir()
-    spec = write_spec(base / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager", "sdpa"],
-                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=1)
+    spec = write_spec(
+        base / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager", "sdpa"],
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
+        repeats=1,
+    )
     s3 = S3(base)
     with _environ(s3.env):  # boto3 finds the local server through the environment
         s3.start()
     p = parts()
-    head = p["head"].replace("HEAD_IP", "127.0.0.1").replace("--include-dashboard=false",
-                                                             "--include-dashboard=false --num-cpus 0")
+    head = (
+        p["head"]
+        .replace("HEAD_IP", "127.0.0.1")
+        .replace("--include-dashboard=false", "--include-dashboard=false --num-cpus 0")
+    )
     ports = {"6380": _free_port(), "6381": _free_port(), "10002": 20002, "10200": 20200}
     node = re.sub(r"\b(6380|6381|10002|10200)\b", lambda m: str(ports[m.group(1)]), p["node"])
-    agent = " ".join(f"--{k}={_free_port()}" for k in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                       "metrics-export-port", "runtime-env-agent-port"))
+    agent = " ".join(
+        f"--{k}={_free_port()}"
+        for k in (
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "metrics-export-port",
+            "runtime-env-agent-port",
+        )
+    )
     node = node.replace('RAY_START_ARGS="', f'RAY_START_ARGS="--node-ip-address 127.0.0.1 {agent} ')
     wire = Path(f"{head_home}-wire")  # what scp carries: the token, the only file the node gets from the head
     node = node.replace("scp -p HEAD_IP:.ray/auth_token", f"cp -p {wire}/auth_token").replace("HEAD_IP", "127.0.0.1")
     # the driver's lines run in the head's shell, where the venv is active
-    driver = ". .venv/bin/activate\n" + p["driver"].replace("HEAD_IP", "127.0.0.1").replace("configs/smoke.yaml", str(spec)) \
-        .replace("BUCKET", BUCKET)
+    driver = ". .venv/bin/activate\n" + p["driver"].replace("HEAD_IP", "127.0.0.1").replace(
+        "configs/smoke.yaml", str(spec)
+    ).replace("BUCKET", BUCKET)
     try:
         r = _bash(head, _env(head_home, {}), timeout=600)
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
@@ -128,6 +156,7 @@ def test_two_machines_as_written(tiny_model, short_corpus, tmp_path_factory):
 
 def _check_warehouse(uri: str, env: dict) -> None:
     """Both cells done on the joined node (not the head), the model shipped to it, the run on the cluster."""
+
     def sql(q: str) -> list[dict]:
         r = run_cli("sql", q, "--warehouse", uri, "--format", "json", env=env)
         assert r.returncode == 0, r.stderr[-2000:]

@@ -16,9 +16,18 @@ import pytest
 from tests.conftest import REPO, run_cli, sql
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--enable-logging=stderr", "--v=0"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--enable-logging=stderr",
+    "--v=0",
+]
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (.ci/run installs it)")
 
 # Run in the page once its fonts are loaded: each chart's size, its series, its labels, and every
@@ -57,8 +66,12 @@ def rendered(page: Path, profile: Path) -> tuple[str, list[str]]:
     (.ci/run installs it) the page as written and no console."""
     if CHROMIUM is None:
         return page.read_text(), []
-    out = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--dump-dom", page.as_uri()],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--dump-dom", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout, [ln for ln in out.stderr.splitlines() if "CONSOLE" in ln]
 
@@ -68,9 +81,20 @@ def layout(page: Path, work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     probe = work / "probe.html"
     probe.write_text(page.read_text().replace("</body>", f"<script>{LAYOUT_JS}</script></body>"))
-    out = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={work / 'profile'}", "--window-size=1300,2000",
-                          "--virtual-time-budget=20000", "--dump-dom", probe.as_uri()],
-                         capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [
+            CHROMIUM,
+            *FLAGS,
+            f"--user-data-dir={work / 'profile'}",
+            "--window-size=1300,2000",
+            "--virtual-time-budget=20000",
+            "--dump-dom",
+            probe.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     found = re.search(r'<pre id="layout-check">(.*?)</pre>', out.stdout, re.S)
     assert found, "the layout probe never ran (fonts never loaded?)"
@@ -113,12 +137,24 @@ def test_report_renders_in_headless_chromium(swept, tmp_path):
     assert run_cli("analyze", "--warehouse", str(d)).returncode == 0
     got = check_report(d, tmp_path, [c.format(k=0) for c in MODEL_CHARTS])
     charts = {c["id"]: c for c in got["charts"]}
-    assert charts["kld-position-0"]["series"] == 3 and charts["kld-cdf-0"]["series"] == 3  # the stacks but the reference
+    assert (
+        charts["kld-position-0"]["series"] == 3 and charts["kld-cdf-0"]["series"] == 3
+    )  # the stacks but the reference
     assert {"hf/fp32/eager", "hf/fp32/sdpa", "hf/bf16/sdpa"} <= set(charts["pairwise-js-0"]["labels"])
     shot = tmp_path / "shot.png"
-    s = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'u2'}", "--window-size=1200,2000",
-                        f"--screenshot={shot}", (tmp_path / "rep" / "report.html").as_uri()],
-                       capture_output=True, text=True, timeout=120)
+    s = subprocess.run(
+        [
+            CHROMIUM,
+            *FLAGS,
+            f"--user-data-dir={tmp_path / 'u2'}",
+            "--window-size=1200,2000",
+            f"--screenshot={shot}",
+            (tmp_path / "rep" / "report.html").as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert s.returncode == 0 and shot.stat().st_size > 20_000  # a page with plots, not a blank one
 
 
@@ -130,8 +166,9 @@ def test_the_demo_warehouse_report(tmp_path):
     r = run_cli("run", str(REPO / "configs" / "smoke.yaml"), "--warehouse", str(wh), timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     assert run_cli("analyze", "--warehouse", str(wh)).returncode == 0
-    got = check_report(wh, tmp_path, [c.format(k=0) for c in MODEL_CHARTS]
-                       + ["layers-cosine", "layers-norm-ratio", "prefill-decode"])
+    got = check_report(
+        wh, tmp_path, [c.format(k=0) for c in MODEL_CHARTS] + ["layers-cosine", "layers-norm-ratio", "prefill-decode"]
+    )
     charts = {c["id"]: c for c in got["charts"]}
     stacks = sql(wh, "select count(*) as n from summary where not is_reference")[0]["n"]
     assert charts["kld-summary-0"]["series"] == 2 and charts["kld-cdf-0"]["series"] >= stacks - 1
@@ -148,11 +185,17 @@ def test_the_layout_probe_sees_overlapping_labels(tmp_path):
     from analysis.report_plots import font_face
 
     page = tmp_path / "p.html"
-    page.write_text(f"<!doctype html><html><head><style>{font_face()}</style></head><body>"
-                    '<svg class="chart" id="a" width="300" height="80"><g id="a-series-0"><text x="10" y="20" '
-                    'style="font: 9px \'DejaVu Sans\'">hf/fp32/eager</text><text x="40" y="24" '
-                    'style="font: 9px \'DejaVu Sans\'">llamacpp/q4_k_m</text><text x="10" y="60" '
-                    'style="font: 9px \'DejaVu Sans\'">apart</text></g></svg></body></html>')
+    page.write_text(
+        f"<!doctype html><html><head><style>{font_face()}</style></head><body>"
+        '<svg class="chart" id="a" width="300" height="80"><g id="a-series-0"><text x="10" y="20" '
+        'style="font: 9px \'DejaVu Sans\'">hf/fp32/eager</text><text x="40" y="24" '
+        'style="font: 9px \'DejaVu Sans\'">llamacpp/q4_k_m</text><text x="10" y="60" '
+        "style=\"font: 9px 'DejaVu Sans'\">apart</text></g></svg></body></html>"
+    )
     got = layout(page, tmp_path)
     assert got["font"] and [o[1:4:2] for o in got["overlaps"]] == [["hf/fp32/eager", "llamacpp/q4_k_m"]], got
-    assert got["charts"][0]["series"] == 1 and got["charts"][0]["labels"] == ["hf/fp32/eager", "llamacpp/q4_k_m", "apart"]
+    assert got["charts"][0]["series"] == 1 and got["charts"][0]["labels"] == [
+        "hf/fp32/eager",
+        "llamacpp/q4_k_m",
+        "apart",
+    ]

@@ -36,8 +36,11 @@ def test_sweep_writes_every_row_once(swept):
 def test_positions_and_next_tokens_line_up_with_prompt_ids(swept):
     _, wh, _, _ = swept
     prompts = {p["prompt_id"]: p for p in sql(wh, "select prompt_id, token_ids from prompts")}
-    rows = sql(wh, "select prompt_id, position, next_token_id from logits where repeat = 0 "
-                   "and cell_id = (select min(cell_id) from cells)")
+    rows = sql(
+        wh,
+        "select prompt_id, position, next_token_id from logits where repeat = 0 "
+        "and cell_id = (select min(cell_id) from cells)",
+    )
     for r in rows:
         ids = prompts[r["prompt_id"]]["token_ids"]
         assert r["position"] % 16 == 0 or r["position"] == len(ids) - 1
@@ -47,8 +50,7 @@ def test_positions_and_next_tokens_line_up_with_prompt_ids(swept):
 
 def test_every_cell_is_bit_reproducible_and_records_settings(swept):
     _, wh, _, _ = swept
-    cells = sql(wh, "select dtype, attention, bit_reproducible, logits_dtype, settings, versions, threads "
-                    "from cells")
+    cells = sql(wh, "select dtype, attention, bit_reproducible, logits_dtype, settings, versions, threads from cells")
     for c in cells:
         assert c["bit_reproducible"] is True
         settings, versions = json.loads(c["settings"]), json.loads(c["versions"])
@@ -56,17 +58,22 @@ def test_every_cell_is_bit_reproducible_and_records_settings(swept):
         assert {"torch", "transformers"} <= set(versions)
         assert c["logits_dtype"] == c["dtype"]
     # and the hashes really are equal across repeats, row by row
-    diff = sql(wh, """select count(*) as n from logits a join logits b
+    diff = sql(
+        wh,
+        """select count(*) as n from logits a join logits b
                       using (cell_id, prompt_id, position) where a.repeat = 0 and b.repeat = 1
-                      and a.row_hash <> b.row_hash""")
+                      and a.row_hash <> b.row_hash""",
+    )
     assert diff[0]["n"] == 0
 
 
 def _logits(wh: Path, dtype: str, attention: str) -> dict:
     cell = sql(wh, f"select cell_id from cells where dtype='{dtype}' and attention='{attention}'")[0]["cell_id"]
     t = pq.read_table(wh / "logits" / cell / "r0.parquet")
-    return {(p, q): np.asarray(v, dtype=np.float32) for p, q, v in
-            zip(t["prompt_id"].to_pylist(), t["position"].to_pylist(), t["logits"].to_pylist())}
+    return {
+        (p, q): np.asarray(v, dtype=np.float32)
+        for p, q, v in zip(t["prompt_id"].to_pylist(), t["position"].to_pylist(), t["logits"].to_pylist())
+    }
 
 
 def test_fp32_eager_and_sdpa_agree_within_1e5(swept):
@@ -97,8 +104,11 @@ def test_bf16_bits_round_trip_exactly(swept, tiny_model):
     be.load()
     pos = Positions.every(16).of(len(prompt["token_ids"]))
     native = be.forward(prompt["token_ids"], pos)  # (rows, vocab) uint16
-    stored = {q: h for p, q, h in zip(t["prompt_id"].to_pylist(), t["position"].to_pylist(),
-                                      t["row_hash"].to_pylist()) if p == prompt["prompt_id"]}
+    stored = {
+        q: h
+        for p, q, h in zip(t["prompt_id"].to_pylist(), t["position"].to_pylist(), t["row_hash"].to_pylist())
+        if p == prompt["prompt_id"]
+    }
     assert [row_hash(native[i]) for i in range(len(pos))] == [stored[q] for q in pos]
 
 
@@ -132,9 +142,14 @@ def test_killed_run_resumes_without_duplicates_or_gaps(tiny_model, short_corpus,
     spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, repeats=3)
     wh = tmp_path / "wh"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.Popen([sys.executable, "-m", "matrix", "run", str(spec), "--warehouse", str(wh)],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "matrix", "run", str(spec), "--warehouse", str(wh)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and not list((wh / "logits").glob("*/r*.parquet")):
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]

@@ -23,8 +23,9 @@ import pytest
 
 from tests.conftest import run_cli, sql, write_spec
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
-                                reason="needs root and unshare for per-node mount namespaces")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for per-node mount namespaces"
+)
 RAY = str(Path(sys.executable).parent / "ray")
 
 
@@ -35,10 +36,16 @@ def _free_port() -> int:
 
 
 def _alive_nodes(address: str) -> int:
-    code = ("import ray; ray.init(address=%r, log_to_driver=False); "
-            "print(sum(n['Alive'] for n in ray.nodes()))" % address)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    code = (
+        "import ray; ray.init(address=%r, log_to_driver=False); print(sum(n['Alive'] for n in ray.nodes()))" % address
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
     return int(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else 0
 
 
@@ -84,10 +91,25 @@ def _cluster(tmp: Path, hidden: list[Path], workers: int, prepare: str):
     port = _free_port()
     address = f"127.0.0.1:{port}"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # loopback only: nothing listens outside
-    procs = [subprocess.Popen([RAY, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-                               "--num-cpus=0", "--include-dashboard=false", "--disable-usage-stats"],
-                              env=env, start_new_session=True, stdout=open(tmp / "head.log", "w"),
-                              stderr=subprocess.STDOUT)]
+    procs = [
+        subprocess.Popen(
+            [
+                RAY,
+                "start",
+                "--head",
+                "--block",
+                f"--port={port}",
+                "--node-ip-address=127.0.0.1",
+                "--num-cpus=0",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+            ],
+            env=env,
+            start_new_session=True,
+            stdout=open(tmp / "head.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
+    ]
     try:
         _wait_for(address, 1, procs, tmp)
         for i in range(workers):
@@ -95,15 +117,30 @@ def _cluster(tmp: Path, hidden: list[Path], workers: int, prepare: str):
             home.mkdir()
             mounts = " && ".join(f"mkdir -p {d} && mount -t tmpfs tmpfs {d}" for d in [*hidden, home])
             # nodes on one machine: each agent needs its own ports (Ray's defaults collide)
-            ports = " ".join(f"--{p}={_free_port()}" for p in (
-                "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
-                "runtime-env-agent-port", "node-manager-port", "object-manager-port"))
-            script = (f"set -e; {mounts}; {prepare or 'true'}; exec {RAY} start --address={address} "
-                      f"--node-ip-address=127.0.0.1 --num-cpus=1 --block --disable-usage-stats {ports}")
-            procs.append(subprocess.Popen(
-                ["unshare", "--mount", "--propagation", "private", "bash", "-c", script],
-                env={**env, "HOME": str(home), "LOGIT_MATRIX_CACHE": str(home / "cache")},
-                start_new_session=True, stdout=open(tmp / f"node{i}.log", "w"), stderr=subprocess.STDOUT))
+            ports = " ".join(
+                f"--{p}={_free_port()}"
+                for p in (
+                    "dashboard-agent-listen-port",
+                    "dashboard-agent-grpc-port",
+                    "metrics-export-port",
+                    "runtime-env-agent-port",
+                    "node-manager-port",
+                    "object-manager-port",
+                )
+            )
+            script = (
+                f"set -e; {mounts}; {prepare or 'true'}; exec {RAY} start --address={address} "
+                f"--node-ip-address=127.0.0.1 --num-cpus=1 --block --disable-usage-stats {ports}"
+            )
+            procs.append(
+                subprocess.Popen(
+                    ["unshare", "--mount", "--propagation", "private", "bash", "-c", script],
+                    env={**env, "HOME": str(home), "LOGIT_MATRIX_CACHE": str(home / "cache")},
+                    start_new_session=True,
+                    stdout=open(tmp / f"node{i}.log", "w"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
             _wait_for(address, i + 2, procs, tmp)  # one at a time: simultaneous registrations time out here
         yield address
     finally:
@@ -127,11 +164,23 @@ def _hidden(tmp_path_factory) -> list[Path]:
 def test_sweep_on_nodes_without_the_drivers_disk(tiny_model, short_corpus, swept, tmp_path_factory):
     base = tmp_path_factory.mktemp("isolated")
     mine = shutil.copytree(tiny_model, base / "my-checkpoint")  # a candidate checkpoint only the driver has
-    spec = write_spec(base / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"],
-                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
-                      include=[{"engine": "llamacpp", "dtype": "f16", "attention": "default", "layers": [1],
-                                "decode": {"steps": 2, "at": [3]}}],
-                      candidates=[{"model": "tiny", "path": str(mine), "dtype": "fp32", "attention": "sdpa"}])
+    spec = write_spec(
+        base / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
+        include=[
+            {
+                "engine": "llamacpp",
+                "dtype": "f16",
+                "attention": "default",
+                "layers": [1],
+                "decode": {"steps": 2, "at": [3]},
+            }
+        ],
+        candidates=[{"model": "tiny", "path": str(mine), "dtype": "fp32", "attention": "sdpa"}],
+    )
     wh = base / "wh"
     with isolated_cluster(Path(tmp_path_factory.mktemp("cluster")), _hidden(tmp_path_factory), 2) as address:
         r = run_cli("run", str(spec), "--warehouse", str(wh), "--address", address, "--json", timeout=1200)
@@ -139,8 +188,11 @@ def test_sweep_on_nodes_without_the_drivers_disk(tiny_model, short_corpus, swept
     summary = json.loads(r.stdout)
     assert summary["cells_done"] == 4 and summary["rows_delivery"]["node"] == 0
     assert summary["rows_delivery"]["driver"] == 8 and summary["rows_delivery"]["bytes_to_driver"] > 0
-    cells = sql(wh, "select cell_id, engine, status, rows_via, model_via, bit_reproducible, rows_per_repeat, repeats, "
-                    "artifact, artifact_sha256 from cells order by cell_id")
+    cells = sql(
+        wh,
+        "select cell_id, engine, status, rows_via, model_via, bit_reproducible, rows_per_repeat, repeats, "
+        "artifact, artifact_sha256 from cells order by cell_id",
+    )
     assert [c["status"] for c in cells] == ["done"] * 4
     # the candidate's directory reached its node through the depot, checked by its weights digest
     (cand,) = [c for c in cells if c["engine"] == "hf" and c["artifact"]]
@@ -148,8 +200,9 @@ def test_sweep_on_nodes_without_the_drivers_disk(tiny_model, short_corpus, swept
     assert {(c["rows_via"], c["model_via"]) for c in cells} == {("driver", "shipped")}
     assert all(c["bit_reproducible"] for c in cells)
     # every row landed exactly once, as many as the cells say
-    dup = sql(wh, "select cell_id, repeat, prompt_id, position, path, step from logits group by all "
-                  "having count(*) <> 1")
+    dup = sql(
+        wh, "select cell_id, repeat, prompt_id, position, path, step from logits group by all having count(*) <> 1"
+    )
     assert dup == []
     n = sql(wh, "select count(*) as n from logits where path is null")[0]["n"]
     assert n == sum(c["rows_per_repeat"] * c["repeats"] for c in cells) > 0
@@ -162,21 +215,35 @@ def test_sweep_on_nodes_without_the_drivers_disk(tiny_model, short_corpus, swept
     _, local_wh, _, _ = swept
     # (by attention, not cell id: this run's reference also records layers and decode rows, which
     # gives it another id and leaves its rows' bytes as they are)
-    q = ("select c.attention, l.repeat, l.prompt_id, l.position, l.row_hash from logits l join cells c using (cell_id) "
-         "where c.engine = 'hf' and c.dtype = 'fp32' and c.artifact_sha256 is null and l.path is null order by all")
+    q = (
+        "select c.attention, l.repeat, l.prompt_id, l.position, l.row_hash from logits l join cells c using (cell_id) "
+        "where c.engine = 'hf' and c.dtype = 'fp32' and c.artifact_sha256 is null and l.path is null order by all"
+    )
     mine, local = sql(wh, q), sql(local_wh, q)
     assert mine and mine == local
     # the layer states of the llama.cpp cell (and of its reference, which records the layers its
     # model's cells ask for) came through the depot too: layer 1 and the final norm at every row
-    states = sql(wh, "select c.engine, count(*) as n, count(distinct s.layer) as layers, any_value(c.rows_per_repeat) "
-                     "* any_value(c.repeats) as rows from layer_states s join cells c using (cell_id) group by all")
-    assert sorted((s["engine"], s["layers"], s["n"] == 2 * s["rows"]) for s in states) == \
-        [("hf", 2, True), ("llamacpp", 2, True)]
+    states = sql(
+        wh,
+        "select c.engine, count(*) as n, count(distinct s.layer) as layers, any_value(c.rows_per_repeat) "
+        "* any_value(c.repeats) as rows from layer_states s join cells c using (cell_id) group by all",
+    )
+    assert sorted((s["engine"], s["layers"], s["n"] == 2 * s["rows"]) for s in states) == [
+        ("hf", 2, True),
+        ("llamacpp", 2, True),
+    ]
     # and so did the side files (a decode and a prefill row per prompt, step and repeat)
-    dec = sql(wh, "select c.engine, l.path, count(*) as n, any_value(c.n_prompts) * any_value(c.repeats) * 2 as want "
-                  "from logits l join cells c using (cell_id) where l.path is not null group by all")
-    assert sorted((d["engine"], d["path"], d["n"] == d["want"]) for d in dec) == \
-        [("hf", "decode", True), ("hf", "prefill", True), ("llamacpp", "decode", True), ("llamacpp", "prefill", True)]
+    dec = sql(
+        wh,
+        "select c.engine, l.path, count(*) as n, any_value(c.n_prompts) * any_value(c.repeats) * 2 as want "
+        "from logits l join cells c using (cell_id) where l.path is not null group by all",
+    )
+    assert sorted((d["engine"], d["path"], d["n"] == d["want"]) for d in dec) == [
+        ("hf", "decode", True),
+        ("hf", "prefill", True),
+        ("llamacpp", "decode", True),
+        ("llamacpp", "prefill", True),
+    ]
     # analysis and the report see every cell
     a = run_cli("analyze", "--warehouse", str(wh))
     assert a.returncode == 0, a.stderr[-2000:]
@@ -203,13 +270,21 @@ def test_a_node_whose_copy_of_the_weights_differs_is_refused(tiny_model, short_c
     t = load_file(other / "model.safetensors")
     t["model.norm.weight"] = t["model.norm.weight"] * 1.01
     save_file(t, other / "model.safetensors", metadata={"format": "pt"})
-    spec = write_spec(base / "spec.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}, repeats=1)
+    spec = write_spec(
+        base / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
+        repeats=1,
+    )
     wh = base / "wh"
     plant = f"mkdir -p {tiny_model} && cp -r {other}/. {tiny_model}/"
     try:
-        with isolated_cluster(Path(tmp_path_factory.mktemp("cluster")), _hidden(tmp_path_factory), 1,
-                              prepare=plant) as address:
+        with isolated_cluster(
+            Path(tmp_path_factory.mktemp("cluster")), _hidden(tmp_path_factory), 1, prepare=plant
+        ) as address:
             r = run_cli("run", str(spec), "--warehouse", str(wh), "--address", address, timeout=600)
     finally:
         want, got = weights_digest(tiny_model), weights_digest(other)

@@ -23,7 +23,7 @@ def vocab_dir():
 
 def vectors(vocab_dir, name):
     inp = (vocab_dir / f"ggml-vocab-{name}.gguf.inp").read_text().split("\n__ggml_vocab_test__\n")[:-1]
-    out = (vocab_dir / f"ggml-vocab-{name}.gguf.out").read_text().split("\n")[:len(inp)]
+    out = (vocab_dir / f"ggml-vocab-{name}.gguf.out").read_text().split("\n")[: len(inp)]
     return list(zip(inp, ([int(x) for x in line.split()] for line in out)))
 
 
@@ -54,8 +54,9 @@ def test_llamacpp_tokenizer_reproduces_its_own_vectors(vocab_dir, name):
 def test_hf_tokenizer_from_the_same_gguf_agrees_and_the_gate_names_each_miss(vocab_dir, name, min_agree):
     tok = hf_tokenizer(vocab_dir, name)
     cases = vectors(vocab_dir, name)
-    verdicts = [diagnose(ids, tok(t, add_special_tokens=False).input_ids, tok.bos_token_id, len(tok))
-                for t, ids in cases]
+    verdicts = [
+        diagnose(ids, tok(t, add_special_tokens=False).input_ids, tok.bos_token_id, len(tok)) for t, ids in cases
+    ]
     assert sum(v.match for v in verdicts) >= min_agree
     # a miss is a real tokenisation difference, never mistaken for a BOS slip
     assert {v.diagnosis for v in verdicts if not v.match} <= {"different ids"}
@@ -99,8 +100,12 @@ def test_a_different_tokenizer_is_caught(vocab_dir):
     qwen = tokenize_with(llama_vocab(vocab_dir, "qwen2"), text)
     v = diagnose(canonical, qwen, gpt2.bos_token_id, len(gpt2))
     assert not v.match and v.diagnosis in {"vocab mismatch", "different ids"}
-    v2 = diagnose(canonical, tokenize_with(llama_vocab(vocab_dir, "llama-bpe"), text, add_special=False),
-                  gpt2.bos_token_id, len(gpt2))
+    v2 = diagnose(
+        canonical,
+        tokenize_with(llama_vocab(vocab_dir, "llama-bpe"), text, add_special=False),
+        gpt2.bos_token_id,
+        len(gpt2),
+    )
     assert v2.diagnosis == "vocab mismatch"  # llama-bpe ids run past gpt-2's 50257
 
 

@@ -15,8 +15,18 @@ from tests.conftest import run_cli, write_spec
 
 
 def _cell(options=None, **over):
-    return StackDesc(**{"model": "m", "engine": "trtllm", "dtype": "bf16", "attention": "default", "tp": 1,
-                        "device": "h200", "options": tuple(sorted((options or {}).items())), **over})
+    return StackDesc(
+        **{
+            "model": "m",
+            "engine": "trtllm",
+            "dtype": "bf16",
+            "attention": "default",
+            "tp": 1,
+            "device": "h200",
+            "options": tuple(sorted((options or {}).items())),
+            **over,
+        }
+    )
 
 
 def test_llm_arguments_turn_block_reuse_off_and_ask_for_context_logits():
@@ -29,8 +39,12 @@ def test_llm_arguments_turn_block_reuse_off_and_ask_for_context_logits():
     assert eng["quant_config"] == {"quant_algo": "FP8"} and eng["tensor_parallel_size"] == 2
     assert "attn_backend" not in eng
     assert T.llm_kwargs(_cell(attention="flashinfer"), "/m", 64)["attn_backend"] == "FLASHINFER"
-    assert T.sampling_kwargs() == {"max_tokens": 1, "return_context_logits": True, "temperature": 0.0,
-                                   "detokenize": False}
+    assert T.sampling_kwargs() == {
+        "max_tokens": 1,
+        "return_context_logits": True,
+        "temperature": 0.0,
+        "detokenize": False,
+    }
 
 
 def test_context_logits_are_sliced_at_the_sampled_positions_in_native_dtype():
@@ -45,11 +59,18 @@ def test_context_logits_are_sliced_at_the_sampled_positions_in_native_dtype():
 
 
 def test_trtllm_cells_without_the_library_are_skipped_with_the_reason(tiny_model, short_corpus, tmp_path):
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"},
-                      include=[{"engine": "trtllm", "dtype": "bf16", "attention": "default", "device": "h200",
-                                "trt_backend": "tensorrt"},
-                               {"engine": "trtllm", "dtype": "bf16", "attention": "default", "device": "cpu"}])
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        include=[
+            {"engine": "trtllm", "dtype": "bf16", "attention": "default", "device": "h200", "trt_backend": "tensorrt"},
+            {"engine": "trtllm", "dtype": "bf16", "attention": "default", "device": "cpu"},
+        ],
+    )
     r = run_cli("cells", str(spec), "--json")
     assert r.returncode == 0, r.stderr
     import json

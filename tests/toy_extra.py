@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-
 from extras import Capturer, Extra, add_pairs, loads
 
 
@@ -17,8 +16,9 @@ class EchoCapturer(Capturer):
 
     def after(self, prompt_id, whole, fed, positions, rows) -> None:
         again = self.backend.forward(fed, positions)  # (rows, vocab), native dtype
-        self.identical += add_pairs(self.writer, prompt_id, whole, positions, rows, again, "echo",
-                                    [0] * len(positions))[0]
+        self.identical += add_pairs(
+            self.writer, prompt_id, whole, positions, rows, again, "echo", [0] * len(positions)
+        )[0]
         self.rows += 2 * len(positions)
 
     def summary(self):

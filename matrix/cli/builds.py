@@ -23,8 +23,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _local_build(cell) -> str | None:
     cls = backend_class(cell.engine)
-    desc = StackDesc(engine=cell.engine, dtype=cell.dtype, attention=cell.attention, device=cell.device,
-                     tp=cell.tp, model=cell.model, cell_id=cell.cell_id, options=cell.options)
+    desc = StackDesc(
+        engine=cell.engine,
+        dtype=cell.dtype,
+        attention=cell.attention,
+        device=cell.device,
+        tp=cell.tp,
+        model=cell.model,
+        cell_id=cell.cell_id,
+        options=cell.options,
+    )
     env = cls.runtime_env(desc, cell.threads or 1) or {}
     return _interpreter_build(env.get("py_executable"), cls.libraries, cell.engine)
 
@@ -38,11 +46,17 @@ def _interpreter_build(python: str | None, libraries: tuple[str, ...], engine: s
     if not os.access(python, os.X_OK):
         return None
     code = "import json, sys; from common.builds import engine_build; print(json.dumps(engine_build(sys.argv[1:])))"
-    r = subprocess.run([python, "-c", code, *libraries], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    r = subprocess.run(
+        [python, "-c", code, *libraries],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
     if r.returncode != 0:
-        raise UserError(f"{python}: could not read the {engine} build: "
-                        f"{(r.stderr.strip().splitlines() or ['no output'])[-1]}")
+        raise UserError(
+            f"{python}: could not read the {engine} build: {(r.stderr.strip().splitlines() or ['no output'])[-1]}"
+        )
     return json.loads(r.stdout)["build"]
 
 
@@ -58,8 +72,14 @@ def build_columns(spec, warehouse: str, answers: dict | None) -> dict[str, dict]
     for r in sorted(rows, key=lambda r: r["finished_at"]):
         libs = json.loads(r["build_libraries"]) if r.get("build_libraries") else None
         by_stack.setdefault(r["cell_id"].partition("@")[0], []).append(
-            {"cell_id": r["cell_id"], "build": r.get("build"), "host": r["host"], "repeats": r["repeats"],
-             "libraries": describe(libs) if libs else None})
+            {
+                "cell_id": r["cell_id"],
+                "build": r.get("build"),
+                "host": r["host"],
+                "repeats": r["repeats"],
+                "libraries": describe(libs) if libs else None,
+            }
+        )
     if answers is not None:
         bound, _, _ = builds.bind(spec.cells, answers, builds.captured_builds(rows), lambda m: None)
         current = {c.stack_id: c.build for c in bound}
@@ -72,7 +92,9 @@ def build_columns(spec, warehouse: str, answers: dict | None) -> dict[str, dict]
         if build and any(g["build"] == build for g in full):
             action = "complete"
         elif full:
-            action = f"capture again as build {build or '?'} (or --reuse-cells-from-other-builds: {full[-1]['cell_id']})"
+            action = (
+                f"capture again as build {build or '?'} (or --reuse-cells-from-other-builds: {full[-1]['cell_id']})"
+            )
         else:
             action = "capture"
         out[c.cell_id] = {"build": build, "captured": got, "action": action}

@@ -41,16 +41,32 @@ def cmd_cache(args) -> int:
             emit_json({"root": str(artifacts.root()), "artifacts": items, "bytes": sum(a["bytes"] for a in items)})
             return 0
         now = time.time()
-        print(table(["kind", "file", "tool", "size", "last used", "cells", "dir"],
-                    [[a["kind"], a["file"], a["tool"] or "", human(a["bytes"]),
-                      f"{(now - a['last_used']) / 86400:.1f} d ago", str(len(a["cells"])) if args.warehouse else "-",
-                      a["dir"]] for a in items]))
+        print(
+            table(
+                ["kind", "file", "tool", "size", "last used", "cells", "dir"],
+                [
+                    [
+                        a["kind"],
+                        a["file"],
+                        a["tool"] or "",
+                        human(a["bytes"]),
+                        f"{(now - a['last_used']) / 86400:.1f} d ago",
+                        str(len(a["cells"])) if args.warehouse else "-",
+                        a["dir"],
+                    ]
+                    for a in items
+                ],
+            )
+        )
         print(f"\n{len(items)} artifact(s), {human(sum(a['bytes'] for a in items))} in {artifacts.root()}")
         return 0
     keep = set(_users(args.keep_used_by or []))
     removed, busy = artifacts.prune(duration(args.older_than), keep)
     for a in removed:
-        log(f"removed {a.kind} {a.file} ({human(a.bytes)}, last used {(time.time() - a.last_used) / 86400:.1f} d ago): {a.dir}")
+        log(
+            f"removed {a.kind} {a.file} ({human(a.bytes)}, "
+            f"last used {(time.time() - a.last_used) / 86400:.1f} d ago): {a.dir}"
+        )
     for a in busy:
         log(f"kept {a.dir}: a running cell holds it")
     log(f"pruned {len(removed)} artifact(s), {human(sum(a.bytes for a in removed))}; {len(busy)} in use")
@@ -63,10 +79,16 @@ def add_parsers(sub) -> None:
     c = sub.add_parser("cache", help="the engine artifacts (GGUF, MLX conversions, imatrices) built on this machine")
     csub = c.add_subparsers(dest="action", required=True)
     cl = csub.add_parser("list", help="each artifact: what it is, its size, its last use (and the cells that ran it)")
-    cl.add_argument("--warehouse", action="append", metavar="WH", help="name the cells of this warehouse that ran each one")
+    cl.add_argument(
+        "--warehouse", action="append", metavar="WH", help="name the cells of this warehouse that ran each one"
+    )
     cl.add_argument("--json", action="store_true")
     cp = csub.add_parser("prune", help="remove artifacts not used lately; one a running cell holds is never removed")
-    cp.add_argument("--older-than", default="0", metavar="DURATION", help="only those unused this long (30d, 12h; default: all)")
-    cp.add_argument("--keep-used-by", action="append", metavar="WH", help="keep every artifact a cell of this warehouse ran")
+    cp.add_argument(
+        "--older-than", default="0", metavar="DURATION", help="only those unused this long (30d, 12h; default: all)"
+    )
+    cp.add_argument(
+        "--keep-used-by", action="append", metavar="WH", help="keep every artifact a cell of this warehouse ran"
+    )
     cp.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_cache)

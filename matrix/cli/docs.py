@@ -43,8 +43,11 @@ def _parsers(p: argparse.ArgumentParser, prefix: str = "matrix"):
 def _option(a: argparse.Action) -> tuple[str, str, str]:
     names = ", ".join(a.option_strings) if a.option_strings else a.dest.upper()
     if not a.option_strings:
-        takes = "positional" + (", repeatable" if a.nargs in ("*", "+") else "") + \
-            (", optional" if a.nargs in ("?", "*") else "")
+        takes = (
+            "positional"
+            + (", repeatable" if a.nargs in ("*", "+") else "")
+            + (", optional" if a.nargs in ("?", "*") else "")
+        )
     elif a.choices:
         takes = " \\| ".join(map(str, a.choices))
     elif a.nargs == 0:
@@ -53,16 +56,19 @@ def _option(a: argparse.Action) -> tuple[str, str, str]:
         takes = (a.metavar or a.dest).upper() + (" ..." if a.nargs in ("*", "+") else "")
     shown = str(a.default)
     if shown.startswith(str(REPO) + "/") or shown == str(REPO):  # a path of this checkout: as the repository names it
-        shown = shown[len(str(REPO)) + 1:] or "."
+        shown = shown[len(str(REPO)) + 1 :] or "."
     default = "" if a.default in (None, False, argparse.SUPPRESS) or a.required else f"`{shown}`"
     return names, takes, default
 
 
 def cli_page(build_parser) -> str:
-    out = [HEADER.format(src="matrix/cli/*.py (the argument parsers)"), "# The `matrix` command\n",
-           "Every command, its arguments and their defaults. Bad input is one line naming the file, field and "
-           "value, exit 2; an operational failure one line, exit 1; `--debug` anywhere on the line shows the "
-           "traceback.\n"]
+    out = [
+        HEADER.format(src="matrix/cli/*.py (the argument parsers)"),
+        "# The `matrix` command\n",
+        "Every command, its arguments and their defaults. Bad input is one line naming the file, field and "
+        "value, exit 2; an operational failure one line, exit 1; `--debug` anywhere on the line shows the "
+        "traceback.\n",
+    ]
     for line, about, p in _parsers(build_parser()):
         out.append(f"## `{line}`\n")
         if about:
@@ -114,10 +120,14 @@ def warehouse_page() -> str:
 
     notes = _column_notes(inspect.getsource(schema))
     consts = {id(v): k for k, v in vars(schema).items() if isinstance(v, pa.Schema)}
-    out = [HEADER.format(src="store/schema.py and analysis/sql.py"), "# The warehouse\n",
-           f"Schema version {schema.SCHEMA_VERSION}. Every table is Parquet under the warehouse (`logits` and "
-           "`layer_states` one directory per cell); `matrix sql` and `matrix sql --export-views` give a view of "
-           "each table, named like it, and the derived views below.\n", "## Tables\n"]
+    out = [
+        HEADER.format(src="store/schema.py and analysis/sql.py"),
+        "# The warehouse\n",
+        f"Schema version {schema.SCHEMA_VERSION}. Every table is Parquet under the warehouse (`logits` and "
+        "`layer_states` one directory per cell); `matrix sql` and `matrix sql --export-views` give a view of "
+        "each table, named like it, and the derived views below.\n",
+        "## Tables\n",
+    ]
     for table, sch in schema.TABLES.items():
         mine = notes.get(consts.get(id(sch), ""), {})
         out.append(f"### `{table}`\n\n| column | type | what |\n| --- | --- | --- |")
@@ -133,20 +143,49 @@ def warehouse_page() -> str:
 
 # What the scoreboard shows of a benchmark's rows (others: every number of the row)
 SCOREBOARD = {
-    "vs_llama_perplexity": [("model", "model"), ("wall vs llama-perplexity", "wall_ratio"),
-                            ("forwards alone", "forwards_alone_ratio"), ("KL s.e. apart", "kld_se_apart")],
-    "analysis_scale": [("config", "config"), ("stacks", "stacks"), ("seconds", "seconds"),
-                       ("peak RSS GB", "peak_rss_gb"), ("ratio", "ratio")],
-    "row_shipping": [("part", "part"), ("N/actor", "prompts_per_actor"), ("ratio", "ratio"), ("identical", "identical"),
-                     ("depot peak MiB", "peak_mib")],
-    "vs_llama_imatrix": [("part", "part"), ("type", "type"), ("ratio", "ratio"), ("equal tensors", "equal_tensors"),
-                         ("Q4_K_M identical", "q4_k_m_identical")],
+    "vs_llama_perplexity": [
+        ("model", "model"),
+        ("wall vs llama-perplexity", "wall_ratio"),
+        ("forwards alone", "forwards_alone_ratio"),
+        ("KL s.e. apart", "kld_se_apart"),
+    ],
+    "analysis_scale": [
+        ("config", "config"),
+        ("stacks", "stacks"),
+        ("seconds", "seconds"),
+        ("peak RSS GB", "peak_rss_gb"),
+        ("ratio", "ratio"),
+    ],
+    "row_shipping": [
+        ("part", "part"),
+        ("N/actor", "prompts_per_actor"),
+        ("ratio", "ratio"),
+        ("identical", "identical"),
+        ("depot peak MiB", "peak_mib"),
+    ],
+    "vs_llama_imatrix": [
+        ("part", "part"),
+        ("type", "type"),
+        ("ratio", "ratio"),
+        ("equal tensors", "equal_tensors"),
+        ("Q4_K_M identical", "q4_k_m_identical"),
+    ],
     "analysis_throughput": [("vocab", "vocab"), ("MB/s per core", "mb_s"), ("kernel", "kernel")],
-    "verify_throughput": [("dtype", "dtype"), ("verify MB/s", "verify_mb_s"), ("verify/decode", "verify_vs_decode"),
-                          ("verify/floor", "verify_vs_floor")],
+    "verify_throughput": [
+        ("dtype", "dtype"),
+        ("verify MB/s", "verify_mb_s"),
+        ("verify/decode", "verify_vs_decode"),
+        ("verify/floor", "verify_vs_floor"),
+    ],
     "storage_bytes": [("stack", "stack"), ("layout", "layout"), ("B/logit", "bytes_per_logit")],
-    "encoding_speed": [("rows", "rows"), ("zstd", "zstd"), ("BSS", "bss"), ("B/logit", "bytes_per_logit"),
-                       ("vs smallest", "vs_smallest"), ("MB/s", "mb_s")],
+    "encoding_speed": [
+        ("rows", "rows"),
+        ("zstd", "zstd"),
+        ("BSS", "bss"),
+        ("B/logit", "bytes_per_logit"),
+        ("vs smallest", "vs_smallest"),
+        ("MB/s", "mb_s"),
+    ],
     "capture_overhead": [("model", "model"), ("dtype", "dtype"), ("ratio", "ratio")],
 }
 MET = {True: "yes", False: "no", None: "n/a"}  # n/a: a run with figures and no pass/fail target
@@ -166,15 +205,21 @@ def benchmarks_page(results: Path) -> str:
     """The scoreboard: one table per benchmark, a row per recorded run and row, newest first."""
     import json
 
-    out = [HEADER.format(src="benchmarks/results/*/*.json (what each benchmark script records)"), "# Benchmarks\n",
-           "Each recorded run of a benchmark script: when, at which commit (`+`: with uncommitted changes), on what "
-           "CPU and GPU, by which command, and whether the run met its target (the run's verdict, on each of its "
-           "rows). Ratios are against a peer measured in the same run. How each is measured, and figures measured "
-           "by hand: "
-           "[benchmark-notes.md](benchmark-notes.md).\n"]
+    out = [
+        HEADER.format(src="benchmarks/results/*/*.json (what each benchmark script records)"),
+        "# Benchmarks\n",
+        "Each recorded run of a benchmark script: when, at which commit (`+`: with uncommitted changes), on what "
+        "CPU and GPU, by which command, and whether the run met its target (the run's verdict, on each of its "
+        "rows). Ratios are against a peer measured in the same run. How each is measured, and figures measured "
+        "by hand: "
+        "[benchmark-notes.md](benchmark-notes.md).\n",
+    ]
     for bench in sorted(p.name for p in results.iterdir() if p.is_dir()) if results.is_dir() else []:
-        runs = sorted((json.loads(f.read_text()) for f in (results / bench).glob("*.json")),
-                      key=lambda r: (r["date"], r["commit"]), reverse=True)
+        runs = sorted(
+            (json.loads(f.read_text()) for f in (results / bench).glob("*.json")),
+            key=lambda r: (r["date"], r["commit"]),
+            reverse=True,
+        )
         if not runs:
             continue
         cols = SCOREBOARD.get(bench) or [(k, k) for k in runs[0]["rows"][0]] if runs[0]["rows"] else []
@@ -183,9 +228,11 @@ def benchmarks_page(results: Path) -> str:
         out.append("|" + " --- |" * (len(cols) + 6))
         for r in runs:
             for row in r["rows"]:
-                out.append(f"| {r['date']} | {r['commit']} | {_cell(r['cpu'])} | {_cell(r['gpu'] or 'none')} | "
-                           + " | ".join(_figure(row.get(k)) for _, k in cols)
-                           + f" | {MET[r['met']]} | `{_cell(r['command'])}` |")
+                out.append(
+                    f"| {r['date']} | {r['commit']} | {_cell(r['cpu'])} | {_cell(r['gpu'] or 'none')} | "
+                    + " | ".join(_figure(row.get(k)) for _, k in cols)
+                    + f" | {MET[r['met']]} | `{_cell(r['command'])}` |"
+                )
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 
@@ -195,11 +242,15 @@ def spec_page() -> str:
     from matrix.spec import schema as S
 
     S._check()
-    out = [HEADER.format(src="matrix/spec/schema.py"), "# Spec reference\n",
-           "Every key of a sweep spec. Unknown keys are refused (one line naming the file, the key and what is "
-           "allowed, exit 2). `exclude` entries and `reference` take the axis keys of `include[]` only; "
-           "`matrix spec --schema` prints this as JSON Schema. How the keys combine: [spec.md](spec.md).\n",
-           "| key | type | default | what |", "| --- | --- | --- | --- |"]
+    out = [
+        HEADER.format(src="matrix/spec/schema.py"),
+        "# Spec reference\n",
+        "Every key of a sweep spec. Unknown keys are refused (one line naming the file, the key and what is "
+        "allowed, exit 2). `exclude` entries and `reference` take the axis keys of `include[]` only; "
+        "`matrix spec --schema` prints this as JSON Schema. How the keys combine: [spec.md](spec.md).\n",
+        "| key | type | default | what |",
+        "| --- | --- | --- | --- |",
+    ]
     for r in rows():
         default = "required" if r["required"] else f"`{shown(r['default'])}`" if r["default"] is not None else ""
         out.append(f"| `{r['key']}` | {_cell(r['type'])} | {default} | {_cell(r['about'])} |")
@@ -208,16 +259,22 @@ def spec_page() -> str:
 
 def cmd_docs(args) -> int:
     where = Path(args.out)
-    pages = {"cli.md": lambda: cli_page(args.build_parser), "warehouse.md": warehouse_page, "spec-reference.md": spec_page,
-             "benchmarks.md": lambda: benchmarks_page(REPO / "benchmarks" / "results")}
+    pages = {
+        "cli.md": lambda: cli_page(args.build_parser),
+        "warehouse.md": warehouse_page,
+        "spec-reference.md": spec_page,
+        "benchmarks.md": lambda: benchmarks_page(REPO / "benchmarks" / "results"),
+    }
     made = {name: make() for name, make in pages.items()}
     stale = [name for name, text in made.items() if not (where / name).is_file() or (where / name).read_text() != text]
     if args.check:
         if args.json:
             emit_json({"stale": stale})
         elif stale:
-            print(f"matrix docs: {', '.join(str(where / n) for n in stale)} differ from what the code generates; "
-                  "run `matrix docs`")
+            print(
+                f"matrix docs: {', '.join(str(where / n) for n in stale)} differ from what the code generates; "
+                "run `matrix docs`"
+            )
         return 1 if stale else 0
     where.mkdir(parents=True, exist_ok=True)
     for name in stale:
@@ -229,8 +286,11 @@ def cmd_docs(args) -> int:
 
 def add_parser(sub, build_parser) -> None:
     """build_parser: the whole command line's (matrix/cli/main.py), whose parsers docs/cli.md shows."""
-    d = sub.add_parser("docs", help="write the pages generated from the code (docs/cli.md, docs/warehouse.md, "
-                                           "docs/spec-reference.md, docs/benchmarks.md)")
+    d = sub.add_parser(
+        "docs",
+        help="write the pages generated from the code (docs/cli.md, docs/warehouse.md, "
+        "docs/spec-reference.md, docs/benchmarks.md)",
+    )
     d.add_argument("--out", default=str(DOCS), help="where the pages go (default: this checkout's docs/)")
     d.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page differs from the code's")
     d.add_argument("--json", action="store_true")

@@ -17,9 +17,19 @@ def _run(spec_path: Path, args) -> int:
     from matrix.cli.sweep import cmd_run
 
     executor = args.executor or ("ray" if args.address else "local")
-    return cmd_run(argparse.Namespace(
-        spec=str(spec_path), warehouse=args.warehouse, address=args.address, executor=executor, cluster_config=None,
-        reuse_cells_from_other_builds=False, recapture_damaged=False, skip_failed=False, json=False))
+    return cmd_run(
+        argparse.Namespace(
+            spec=str(spec_path),
+            warehouse=args.warehouse,
+            address=args.address,
+            executor=executor,
+            cluster_config=None,
+            reuse_cells_from_other_builds=False,
+            recapture_damaged=False,
+            skip_failed=False,
+            json=False,
+        )
+    )
 
 
 def _candidate_stacks(spec_path: Path, asked: list[dict]) -> list[tuple[dict, str]]:
@@ -75,20 +85,32 @@ def _results(warehouse: str, cells: list[tuple[dict, str]], ref_label: str) -> l
         out = []
         for a, cid in cells:
             chunks = con.execute("SELECT count(DISTINCT prompt_id) FROM metrics WHERE cell_id = ?", [cid]).fetchone()[0]
-            out.append({"candidate": file_of(a), "label": a["name"], "reference": ref_label,
-                        "cell_id": cid, "chunks": chunks, "statistics": cell_stats(con, cid)})
+            out.append(
+                {
+                    "candidate": file_of(a),
+                    "label": a["name"],
+                    "reference": ref_label,
+                    "cell_id": cid,
+                    "chunks": chunks,
+                    "statistics": cell_stats(con, cid),
+                }
+            )
     finally:
         con.close()
-    return [{**r, "card": build_card(warehouse, r["cell_id"], allow_undisclosed=True, extras=extras.registered())}
-            for r in out]
+    return [
+        {**r, "card": build_card(warehouse, r["cell_id"], allow_undisclosed=True, extras=extras.registered())}
+        for r in out
+    ]
 
 
 def _threads(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads {args.threads}: must be >= 1")
     if args.threads is None and args.address:
-        raise UserError("--threads: give the threads each cell takes on the cluster's nodes (this machine's core "
-                        "count says nothing of theirs)")
+        raise UserError(
+            "--threads: give the threads each cell takes on the cluster's nodes (this machine's core "
+            "count says nothing of theirs)"
+        )
     return args.threads or os.cpu_count() or 1
 
 
@@ -101,8 +123,9 @@ def cmd_kld(args) -> int:
     text_file = Path(os.path.expanduser(args.text)).resolve()
     if not text_file.is_file():
         raise UserError(f"--text {args.text}: no such file")
-    spec_path, asked, new = kld.write_job(ref, cands, text_file, args.n_ctx, threads, args.warehouse, log,
-                                          args.keep_rows)
+    spec_path, asked, new = kld.write_job(
+        ref, cands, text_file, args.n_ctx, threads, args.warehouse, log, args.keep_rows
+    )
     log(f"the job's spec: {spec_path} (`matrix run {spec_path} --warehouse {args.warehouse}` repeats it)")
     bad = None
     try:  # one candidate's failure is its own: the others are still reported
@@ -124,11 +147,20 @@ def cmd_kld(args) -> int:
         _measured(args.warehouse, done)
     results = _results(args.warehouse, done, ref.label) if done else []
     if failed:
-        log(f"no statistics for {', '.join(a['name'] for a in asked if kld.file_of(a) in failed)}: its cell did not "
-            "complete (the run says why above), and it is left out of the job's spec")
+        log(
+            f"no statistics for {', '.join(a['name'] for a in asked if kld.file_of(a) in failed)}: its cell did not "
+            "complete (the run says why above), and it is left out of the job's spec"
+        )
     if args.json:
-        emit_json({"spec": str(spec_path), "warehouse": args.warehouse, "n_ctx": args.n_ctx, "results": results,
-                   "incomplete": sorted(failed)})
+        emit_json(
+            {
+                "spec": str(spec_path),
+                "warehouse": args.warehouse,
+                "n_ctx": args.n_ctx,
+                "results": results,
+                "incomplete": sorted(failed),
+            }
+        )
     else:
         _print(results, args.n_ctx)
     if bad is not None:
@@ -142,30 +174,55 @@ def _print(results: list[dict], n_ctx: int) -> None:
     from analysis.kld_stats import text
 
     for r in results:
-        print(f"\n### {r['label']} against {r['reference']}: {r['chunks']} chunks of {n_ctx}, "
-              f"{r['statistics']['rows']} scored tokens (cell {r['cell_id']})\n")
+        print(
+            f"\n### {r['label']} against {r['reference']}: {r['chunks']} chunks of {n_ctx}, "
+            f"{r['statistics']['rows']} scored tokens (cell {r['cell_id']})\n"
+        )
         print("\n".join(text(r["statistics"])))
         print()
         print(markdown(r["card"], extras.registered()), end="")
 
 
 def add_parser(sub) -> None:
-    k = sub.add_parser("kld", help="llama-perplexity --kl-divergence's job: each candidate file against a "
-                                   "reference over one text, with its model card")
-    k.add_argument("--reference", required=True, help="a GGUF file, a Hugging Face checkpoint directory or a catalog model")
-    k.add_argument("--candidate", action="append", required=True,
-                   help="a GGUF file, an HF checkpoint directory or a catalog model (repeat for several)")
+    k = sub.add_parser(
+        "kld",
+        help="llama-perplexity --kl-divergence's job: each candidate file against a "
+        "reference over one text, with its model card",
+    )
+    k.add_argument(
+        "--reference", required=True, help="a GGUF file, a Hugging Face checkpoint directory or a catalog model"
+    )
+    k.add_argument(
+        "--candidate",
+        action="append",
+        required=True,
+        help="a GGUF file, an HF checkpoint directory or a catalog model (repeat for several)",
+    )
     k.add_argument("--text", required=True, help="the evaluation text (UTF-8)")
     k.add_argument("--n-ctx", type=int, default=512, help="llama-perplexity's -c: chunk length in tokens (default 512)")
-    k.add_argument("--threads", type=int, default=None,
-                   help="threads per cell (default: every core of this machine; required with --address)")
-    k.add_argument("--warehouse", default="kld-warehouse",
-                   help="where the rows go; the job's spec is written beside it as WAREHOUSE.kld.yaml")
-    k.add_argument("--keep-rows", action="store_true",
-                   help="keep the candidates' rows too (default: only the reference's, as llama-perplexity keeps only "
-                        "its base logits; a candidate's rows are measured and hashed as they are captured)")
+    k.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads per cell (default: every core of this machine; required with --address)",
+    )
+    k.add_argument(
+        "--warehouse",
+        default="kld-warehouse",
+        help="where the rows go; the job's spec is written beside it as WAREHOUSE.kld.yaml",
+    )
+    k.add_argument(
+        "--keep-rows",
+        action="store_true",
+        help="keep the candidates' rows too (default: only the reference's, as llama-perplexity keeps only "
+        "its base logits; a candidate's rows are measured and hashed as they are captured)",
+    )
     k.add_argument("--address", default=None, help="a Ray cluster to run the cells on (default: this machine, no Ray)")
-    k.add_argument("--executor", choices=("ray", "local"), default=None,
-                   help="where cells run (default: local, or ray with --address)")
+    k.add_argument(
+        "--executor",
+        choices=("ray", "local"),
+        default=None,
+        help="where cells run (default: local, or ray with --address)",
+    )
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=cmd_kld)

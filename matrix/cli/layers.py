@@ -28,17 +28,53 @@ def cmd_layers(args) -> int:
     rows, ref = layer_table(wh, args.cell)
     v = verdict(rows, g["cosine_min"], g["norm_ratio_tol"])
     if args.json:
-        emit_json({"cell_id": args.cell, "reference_cell_id": ref, "class": cls, "gates_file": gates["path"],
-                   "gates": g, "layers": rows, **v})
+        emit_json(
+            {
+                "cell_id": args.cell,
+                "reference_cell_id": ref,
+                "class": cls,
+                "gates_file": gates["path"],
+                "gates": g,
+                "layers": rows,
+                **v,
+            }
+        )
     else:
-        print(f"{args.cell} vs {ref}: class {cls} ({gates['path']}): cosine >= {g['cosine_min']}, "
-              f"|norm ratio - 1| <= {g['norm_ratio_tol']}")
-        print(table(["layer", "rows", "cosine min", "cosine mean", "worst (prompt@pos)", "|ratio-1| max",
-                     "worst (prompt@pos)", "rel L2 max", "max |Δ|", "allclose"],
-                    [[r["layer"], r["rows"], f"{r['cosine_min']:.6f}", f"{r['cosine_mean']:.6f}",
-                      "@".join(map(str, r["cosine_worst_at"])), fmt_number(r["norm_ratio_dev_max"]),
-                      "@".join(map(str, r["norm_ratio_worst_at"])), fmt_number(r["rel_l2_max"]),
-                      fmt_number(r["max_abs_diff"]), f"{r['allclose_share']:.0%}"] for r in rows]))
+        print(
+            f"{args.cell} vs {ref}: class {cls} ({gates['path']}): cosine >= {g['cosine_min']}, "
+            f"|norm ratio - 1| <= {g['norm_ratio_tol']}"
+        )
+        print(
+            table(
+                [
+                    "layer",
+                    "rows",
+                    "cosine min",
+                    "cosine mean",
+                    "worst (prompt@pos)",
+                    "|ratio-1| max",
+                    "worst (prompt@pos)",
+                    "rel L2 max",
+                    "max |Δ|",
+                    "allclose",
+                ],
+                [
+                    [
+                        r["layer"],
+                        r["rows"],
+                        f"{r['cosine_min']:.6f}",
+                        f"{r['cosine_mean']:.6f}",
+                        "@".join(map(str, r["cosine_worst_at"])),
+                        fmt_number(r["norm_ratio_dev_max"]),
+                        "@".join(map(str, r["norm_ratio_worst_at"])),
+                        fmt_number(r["rel_l2_max"]),
+                        fmt_number(r["max_abs_diff"]),
+                        f"{r['allclose_share']:.0%}",
+                    ]
+                    for r in rows
+                ],
+            )
+        )
         if v["pass"]:
             print(f"\nPASS: every layer within the gates ({len(rows)} states)")
         else:
@@ -47,8 +83,11 @@ def cmd_layers(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("layers", help="per-layer agreement of a layers: cell with its reference, and the "
-                                      "first failing layer (exit 0 pass, 1 fail, 2 error)")
+    p = sub.add_parser(
+        "layers",
+        help="per-layer agreement of a layers: cell with its reference, and the "
+        "first failing layer (exit 0 pass, 1 fail, 2 error)",
+    )
     p.add_argument("cell", help=CELL_HELP)
     p.add_argument("--warehouse", default="warehouse")
     p.add_argument("--gates", default=str(GATES))
@@ -77,8 +116,9 @@ def layer_sizes(spec) -> dict[str, dict]:
     for c in plan.spec.cells:
         if c.extra("layers"):
             wide = c.engine == "llamacpp" or c.dtype in ("fp32", "f32") or c.opts.get("activations") == "fp32"
-            out[c.cell_id] = layers.bytes_estimate(c.extra("layers"), expected_rows(plan, c) * plan.spec.repeats,
-                                                   plan.hidden.get(c.model, 0), wide)
+            out[c.cell_id] = layers.bytes_estimate(
+                c.extra("layers"), expected_rows(plan, c) * plan.spec.repeats, plan.hidden.get(c.model, 0), wide
+            )
     return out
 
 

@@ -11,7 +11,9 @@ from common.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from matrix.cli import cache, docs, kld, layers as cli_layers, models, quant as cli_quant, spec, sweep, warehouse
+    from matrix.cli import cache, docs, kld, models, spec, sweep, warehouse
+    from matrix.cli import layers as cli_layers
+    from matrix.cli import quant as cli_quant
 
     p = argparse.ArgumentParser(prog="matrix", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -55,8 +57,13 @@ def main(argv: list[str] | None = None) -> int:
 
         full = storage_error(e)
         cause = getattr(e, "cause", None) or e
-        line = storage_line(full, "") if full is not None else \
-            str(e) if isinstance(e, StorageError) else f"{type(cause).__name__}: {first_line(str(cause))}"
+        line = (
+            storage_line(full, "")
+            if full is not None
+            else str(e)
+            if isinstance(e, StorageError)
+            else f"{type(cause).__name__}: {first_line(str(cause))}"
+        )
         print(redact(f"matrix: error: {line} (--debug for the traceback)"), file=sys.stderr)
         return 1
 

@@ -41,8 +41,14 @@ def cmd_models(args) -> int:
         else:
             models.cut_layers(Path(resolved.hf_dir), out, args.layers, bf16=args.bf16)
             size = sum(f.stat().st_size for f in out.iterdir())
-        info = {"name": args.name, "layers": args.layers, "bf16": args.bf16, "gguf": args.gguf,
-                "path": str(out), "bytes": size}
+        info = {
+            "name": args.name,
+            "layers": args.layers,
+            "bf16": args.bf16,
+            "gguf": args.gguf,
+            "path": str(out),
+            "bytes": size,
+        }
         if args.json:
             emit_json(info)
         else:
@@ -51,10 +57,12 @@ def cmd_models(args) -> int:
     if args.json:
         emit_json(resolved.to_dict())
     else:
-        print(f"{resolved.name}: {resolved.hf_dir}\n  source {resolved.source}\n"
-              f"  source sha256 {resolved.source_sha256}\n  weights sha256 {resolved.weights_sha256}"
-              + (f"\n  license {resolved.license}" if resolved.license else "")
-              + "".join(f"\n  notice {n}" for n in resolved.notices))
+        print(
+            f"{resolved.name}: {resolved.hf_dir}\n  source {resolved.source}\n"
+            f"  source sha256 {resolved.source_sha256}\n  weights sha256 {resolved.weights_sha256}"
+            + (f"\n  license {resolved.license}" if resolved.license else "")
+            + "".join(f"\n  notice {n}" for n in resolved.notices)
+        )
     return 0
 
 
@@ -66,14 +74,20 @@ def add_parsers(sub) -> None:
     mf = msub.add_parser("fetch", help="download and dequantise a catalog model into the cache")
     mf.add_argument("name")
     mf.add_argument("--json", action="store_true")
-    mc = msub.add_parser("cut", help="a catalog model with only its first N layers (real weights; "
-                                     "small enough to carry to a GPU box without a model hub)")
+    mc = msub.add_parser(
+        "cut",
+        help="a catalog model with only its first N layers (real weights; "
+        "small enough to carry to a GPU box without a model hub)",
+    )
     mc.add_argument("name")
     mc.add_argument("--layers", type=int, required=True)
     mc.add_argument("--out", required=True)
     mc.add_argument("--bf16", action="store_true", help="store the weights in bf16 (half the bytes)")
-    mc.add_argument("--gguf", action="store_true",
-                    help="write OUT as a GGUF holding the source GGUF's own quantised tensors of those layers "
-                         "(no requantisation; a spec names it with {gguf: OUT})")
+    mc.add_argument(
+        "--gguf",
+        action="store_true",
+        help="write OUT as a GGUF holding the source GGUF's own quantised tensors of those layers "
+        "(no requantisation; a spec names it with {gguf: OUT})",
+    )
     mc.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)

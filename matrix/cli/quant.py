@@ -38,9 +38,17 @@ def print_gates(rows: list[dict], title: str, upper: bool = False) -> None:
     """One line per gate; upper: also the upper bound a fixture's truncated KL allows."""
     print(title)
     cols = ["gate", "threshold", "measured (lower bound)" if upper else "measured"] + (["upper bound"] if upper else [])
-    print(table(cols + ["result"], [
-        [r["gate"], f"{r['comparison']} {fmt_number(r['threshold'])}", fmt_number(r["measured"])]
-        + ([fmt_number(r["upper_bound"])] if upper else []) + ["pass" if r["pass"] else "FAIL"] for r in rows]))
+    print(
+        table(
+            cols + ["result"],
+            [
+                [r["gate"], f"{r['comparison']} {fmt_number(r['threshold'])}", fmt_number(r["measured"])]
+                + ([fmt_number(r["upper_bound"])] if upper else [])
+                + ["pass" if r["pass"] else "FAIL"]
+                for r in rows
+            ],
+        )
+    )
 
 
 def cmd_admit(args) -> int:
@@ -51,7 +59,9 @@ def cmd_admit(args) -> int:
     args.cell = cell_arg(args, "admit")
     con = connect(args.warehouse)
     try:
-        cell = con.execute("SELECT dtype, status, tokenizer_parity FROM cells WHERE cell_id = ?", [args.cell]).fetchone()
+        cell = con.execute(
+            "SELECT dtype, status, tokenizer_parity FROM cells WHERE cell_id = ?", [args.cell]
+        ).fetchone()
         if cell is None:
             raise UserError(f"admit: no cell {args.cell} in {args.warehouse}")
         measured, nonfinite, ref = measured_from_warehouse(con, args.cell)
@@ -63,14 +73,26 @@ def cmd_admit(args) -> int:
         con.close()
     ok = all(r["pass"] for r in rows)
     if args.json:
-        emit_json({"cell_id": args.cell, "reference_cell_id": ref, "class": cls, "gates_file": gates["path"],
-                   "rows": measured["rows"], "pass": ok, "gates": rows})
+        emit_json(
+            {
+                "cell_id": args.cell,
+                "reference_cell_id": ref,
+                "class": cls,
+                "gates_file": gates["path"],
+                "rows": measured["rows"],
+                "pass": ok,
+                "gates": rows,
+            }
+        )
     else:
         print_gates(rows, f"{args.cell} vs {ref}: class {cls} ({gates['path']}), {measured['rows']} rows")
         for r in rows:
             if not r["pass"] and r.get("worst"):
                 w = r["worst"]
-                print(f"  {r['gate']}: worst row prompt {w['prompt_id']} position {w['position']} ({fmt_number(w['value'])})")
+                print(
+                    f"  {r['gate']}: worst row prompt {w['prompt_id']} position {w['position']} "
+                    f"({fmt_number(w['value'])})"
+                )
         print(f"\n{'ADMITTED' if ok else 'REJECTED'}: {sum(r['pass'] for r in rows)}/{len(rows)} gates pass")
     return 0 if ok else 1
 
@@ -81,15 +103,23 @@ def _check(args) -> dict:
     from matrix.run.fixture_check import check_fixture
 
     if not args.address and args.device == "cpu":
-        return check_fixture(args.fixture, args.engine, args.model, args.dtype, args.attention, args.threads,
-                             log=log)
+        return check_fixture(args.fixture, args.engine, args.model, args.dtype, args.attention, args.threads, log=log)
     from matrix.run import cluster, placement
 
     ray = cluster.init_ray(args.address)
     try:
         nodes = placement.known_nodes(placement.cluster_nodes(), placement.default_cluster_config(args.address))
-        return check_fixture(args.fixture, args.engine, args.model, args.dtype, args.attention, args.threads,
-                             log=log, device=args.device, nodes=nodes)
+        return check_fixture(
+            args.fixture,
+            args.engine,
+            args.model,
+            args.dtype,
+            args.attention,
+            args.threads,
+            log=log,
+            device=args.device,
+            nodes=nodes,
+        )
     finally:
         ray.shutdown()
 
@@ -111,31 +141,62 @@ def cmd_fixture(args) -> int:
     measured, upper, tail = gate_values(res["metrics"])
     rows = evaluate(measured, gates["classes"][cls], res["nonfinite"])
     weights = next((d for d in res["differences"] if d["what"] in ("weights_sha256", "source_sha256")), None)
-    rows.insert(1, {"gate": "same_weights", "comparison": "==", "threshold": "the fixture's",
-                    "measured": f"other weights: {weights['stack']} (fixture: {weights['fixture']})" if weights
-                    else "same", "pass": weights is None or args.allow_other_weights,
-                    "meaning": "the stack is built from the weights the fixture was made from"
-                               + (" (other weights allowed)" if weights and args.allow_other_weights else "")})
+    rows.insert(
+        1,
+        {
+            "gate": "same_weights",
+            "comparison": "==",
+            "threshold": "the fixture's",
+            "measured": f"other weights: {weights['stack']} (fixture: {weights['fixture']})" if weights else "same",
+            "pass": weights is None or args.allow_other_weights,
+            "meaning": "the stack is built from the weights the fixture was made from"
+            + (" (other weights allowed)" if weights and args.allow_other_weights else ""),
+        },
+    )
     for r in rows:
         r["upper_bound"] = upper.get(r["gate"])
     ok = all(r["pass"] for r in rows)
     k = res["header"]["k"]
     trunc = {"k": k, "vocab_size": res["header"]["vocab_size"], **tail, "note": NOTE}
     if args.json:
-        emit_json({"fixture": args.fixture, "engine": args.engine, "model": args.model, "dtype": args.dtype,
-                   "class": cls, "rows": res["rows"], "pass": ok, "truncation": trunc, "gates": rows,
-                   "differences": res["differences"], "header_checked": res["header"]["header_checked"],
-                   "ran_on": res["ran_on"]})
+        emit_json(
+            {
+                "fixture": args.fixture,
+                "engine": args.engine,
+                "model": args.model,
+                "dtype": args.dtype,
+                "class": cls,
+                "rows": res["rows"],
+                "pass": ok,
+                "truncation": trunc,
+                "gates": rows,
+                "differences": res["differences"],
+                "header_checked": res["header"]["header_checked"],
+                "ran_on": res["ran_on"],
+            }
+        )
         return 0 if ok else 1
     ran = res["ran_on"]
-    print(f"ran on {ran['host']}" + (f" (Ray node {ran['node_id'][:12]}, weights {ran['model_via']})"
-                                     if ran["where"] == "ray" else " (this process)"))
+    print(
+        f"ran on {ran['host']}"
+        + (
+            f" (Ray node {ran['node_id'][:12]}, weights {ran['model_via']})"
+            if ran["where"] == "ray"
+            else " (this process)"
+        )
+    )
     for d in res["differences"]:
         print(f"differs from the fixture's producer: {d['what']}: fixture {d['fixture']}, this stack {d['stack']}")
-    print_gates(rows, f"{args.engine} {args.dtype} {args.attention} vs fixture {args.fixture} "
-                      f"(from {res['header']['produced_by']['cell_id']}): class {cls}, {res['rows']} rows", upper=True)
-    print(f"\ntop-{k} of {trunc['vocab_size']}: reference tail mass mean {trunc['tail_mass_mean']:.3g}, "
-          f"max {trunc['tail_mass_max']:.3g}; KL is quoted as [lower, upper] because of that tail")
+    print_gates(
+        rows,
+        f"{args.engine} {args.dtype} {args.attention} vs fixture {args.fixture} "
+        f"(from {res['header']['produced_by']['cell_id']}): class {cls}, {res['rows']} rows",
+        upper=True,
+    )
+    print(
+        f"\ntop-{k} of {trunc['vocab_size']}: reference tail mass mean {trunc['tail_mass_mean']:.3g}, "
+        f"max {trunc['tail_mass_max']:.3g}; KL is quoted as [lower, upper] because of that tail"
+    )
     print(f"{'ADMITTED' if ok else 'REJECTED'}: {sum(r['pass'] for r in rows)}/{len(rows)} gates pass")
     return 0 if ok else 1
 
@@ -158,8 +219,9 @@ def add_parsers(sub) -> None:
     c.add_argument("--warehouse", default="warehouse")
     c.add_argument("--format", choices=["md", "json"], default="md")
     c.add_argument("--json", action="store_true", help="the card as JSON (same as --format json)")
-    c.add_argument("--allow-undisclosed", action="store_true",
-                   help="print unknown fields as 'undisclosed' instead of failing")
+    c.add_argument(
+        "--allow-undisclosed", action="store_true", help="print unknown fields as 'undisclosed' instead of failing"
+    )
     c.set_defaults(func=cmd_card)
 
     a = sub.add_parser("admit", help="gate a cell against its reference (exit 0 pass, 1 fail, 2 error)")
@@ -167,8 +229,11 @@ def add_parsers(sub) -> None:
     a.add_argument("--gates", default=str(GATES))
     a.add_argument("--class", dest="quant_class", default=None, help="quant class (default: from the cell's dtype)")
     a.add_argument("--warehouse", default="warehouse")
-    a.add_argument("--allow-tokenizer-mismatch", action="store_true",
-                   help="admit a stack whose own tokenizer disagrees with the canonical ids (the gate says so)")
+    a.add_argument(
+        "--allow-tokenizer-mismatch",
+        action="store_true",
+        help="admit a stack whose own tokenizer disagrees with the canonical ids (the gate says so)",
+    )
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_admit)
 
@@ -187,14 +252,24 @@ def add_parsers(sub) -> None:
     fc.add_argument("--dtype", default="bf16")
     fc.add_argument("--attention", default="default")
     fc.add_argument("--threads", type=int, default=2)
-    fc.add_argument("--device", default="cpu", help="run the stack on a node of this device class (h200, b200, "
-                                                    "mi300x, apple-m3, ...) through matrix run's placement")
-    fc.add_argument("--address", default=None, help="the Ray cluster to run it on (default: in this process for "
-                                                     "cpu, else a local cluster of this machine)")
+    fc.add_argument(
+        "--device",
+        default="cpu",
+        help="run the stack on a node of this device class (h200, b200, "
+        "mi300x, apple-m3, ...) through matrix run's placement",
+    )
+    fc.add_argument(
+        "--address",
+        default=None,
+        help="the Ray cluster to run it on (default: in this process for cpu, else a local cluster of this machine)",
+    )
     fc.add_argument("--gates", default=str(GATES))
     fc.add_argument("--class", dest="quant_class", default=None)
-    fc.add_argument("--allow-other-weights", action="store_true",
-                    help="check a stack built from other weights than the fixture's (the gate row says so)")
+    fc.add_argument(
+        "--allow-other-weights",
+        action="store_true",
+        help="check a stack built from other weights than the fixture's (the gate row says so)",
+    )
     fc.add_argument("--json", action="store_true")
     fx.set_defaults(func=cmd_fixture)
 

@@ -44,8 +44,15 @@ def rows() -> list[dict]:
 
     def walk(keys, prefix=""):
         for k in keys:
-            out.append({"key": prefix + k.name, "type": kind(k.json) if k.json else "",
-                        "default": k.default, "required": k.required, "about": k.about})
+            out.append(
+                {
+                    "key": prefix + k.name,
+                    "type": kind(k.json) if k.json else "",
+                    "default": k.default,
+                    "required": k.required,
+                    "about": k.about,
+                }
+            )
             walk(k.keys, f"{prefix}{k.name}.")
 
     walk(S.top())
@@ -72,9 +79,15 @@ def cmd_spec(args) -> int:
         emit_json({"keys": got})
         return 0
     short = lambda t: t if len(t) <= 48 else t[:47] + "…"  # noqa: E731 - --json and docs/spec-reference.md: whole
-    print(table(["key", "type", "default", "what"],
-                [[r["key"], short(r["type"]), "required" if r["required"] else shown(r["default"]), r["about"]]
-                 for r in got]))
+    print(
+        table(
+            ["key", "type", "default", "what"],
+            [
+                [r["key"], short(r["type"]), "required" if r["required"] else shown(r["default"]), r["about"]]
+                for r in got
+            ],
+        )
+    )
     return 0
 
 

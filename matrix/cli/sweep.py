@@ -14,33 +14,48 @@ DEFAULT_SPEC = CONFIGS / "smoke.yaml"
 
 def _brief(opts: dict) -> str:
     """Options in one cell of a table: an imatrix by its text and chunks."""
+
     def one(k, v):
         if k == "imatrix":
             return f"imatrix={v['corpus']}" + (f" x{v['chunks']}" if v.get("chunks") else "")
         return f"{k}={v}"
+
     return " ".join(one(k, v) for k, v in opts.items())
 
 
 def cmd_cells(args) -> int:
-    from matrix.spec.cells import load_spec
     from common.output import human
-    from matrix.cli.layers import layer_brief, layer_sizes, off_prefill
     from matrix.cli.builds import build_columns
+    from matrix.cli.layers import layer_brief, layer_sizes, off_prefill
+    from matrix.spec.cells import load_spec
 
     spec = load_spec(args.spec)
     sizes = layer_sizes(spec)
-    cells = [{**c.axes(), "threads": c.threads, "options": c.opts, "max_tokens": c.max_tokens, "cell_id": c.cell_id,
-              "layer_states": sizes.get(c.cell_id),
-              **{x.key: None if c.extra(x.key) is None else x.describe(c.extra(x.key)) for x in extras.registered()},
-              "replica": c.replica, "reference": c.cell_id in spec.reference_cells.values(),
-              "candidate": None if c.artifact is None else {"file": c.artifact, "sha256": c.artifact_sha256,
-                                                            "label": c.label}} for c in spec.cells]
+    cells = [
+        {
+            **c.axes(),
+            "threads": c.threads,
+            "options": c.opts,
+            "max_tokens": c.max_tokens,
+            "cell_id": c.cell_id,
+            "layer_states": sizes.get(c.cell_id),
+            **{x.key: None if c.extra(x.key) is None else x.describe(c.extra(x.key)) for x in extras.registered()},
+            "replica": c.replica,
+            "reference": c.cell_id in spec.reference_cells.values(),
+            "candidate": None
+            if c.artifact is None
+            else {"file": c.artifact, "sha256": c.artifact_sha256, "label": c.label},
+        }
+        for c in spec.cells
+    ]
     nodes, answers = _known_nodes(args.address, args.cluster_config, spec if args.warehouse else None)
     placed = None
     if nodes is not None:
         from matrix.run import placement
 
-        placed = {c.cell_id: placement.where(c.device, c.tp, placement.cell_threads(c, nodes), nodes) for c in spec.cells}
+        placed = {
+            c.cell_id: placement.where(c.device, c.tp, placement.cell_threads(c, nodes), nodes) for c in spec.cells
+        }
     for c in cells:
         if placed:
             c["placement"] = str(placed[c["cell_id"]])
@@ -49,29 +64,68 @@ def cmd_cells(args) -> int:
         if builds:
             c.update(builds[c["cell_id"]])
     if args.json:
-        emit_json({"spec": str(spec.path), "cells": cells, "skipped": spec.skipped,
-                   "stride": spec.stride, "positions": spec.positions.to_dict(), "repeats": spec.repeats,
-                   "corpus": spec.corpus})
+        emit_json(
+            {
+                "spec": str(spec.path),
+                "cells": cells,
+                "skipped": spec.skipped,
+                "stride": spec.stride,
+                "positions": spec.positions.to_dict(),
+                "repeats": spec.repeats,
+                "corpus": spec.corpus,
+            }
+        )
     else:
         decoding = any(off_prefill(c) != "-" for c in cells)
-        cols = ["cell_id", "role", "options"] + (["layer states"] if sizes else []) + (["off prefill"] if decoding else []) \
-            + (["placement"] if placed else []) + (["build", "captured by", "a run"] if builds else [])
-        print(table(cols, [[c["cell_id"], "reference" if c["reference"] else
-                            f"candidate: {c['candidate']['label']}" if c["candidate"] else "", _brief(c["options"])]
-                           + ([layer_brief(c["layer_states"])] if sizes else [])
-                           + ([off_prefill(c)] if decoding else [])
-                           + ([placed[c["cell_id"]].brief()] if placed else [])
-                           + ([c["build"] or "?", ", ".join(b["build"] or "unrecorded" for b in c["captured"]) or "-",
-                               c["action"]] if builds else []) for c in cells]))
+        cols = (
+            ["cell_id", "role", "options"]
+            + (["layer states"] if sizes else [])
+            + (["off prefill"] if decoding else [])
+            + (["placement"] if placed else [])
+            + (["build", "captured by", "a run"] if builds else [])
+        )
+        print(
+            table(
+                cols,
+                [
+                    [
+                        c["cell_id"],
+                        "reference"
+                        if c["reference"]
+                        else f"candidate: {c['candidate']['label']}"
+                        if c["candidate"]
+                        else "",
+                        _brief(c["options"]),
+                    ]
+                    + ([layer_brief(c["layer_states"])] if sizes else [])
+                    + ([off_prefill(c)] if decoding else [])
+                    + ([placed[c["cell_id"]].brief()] if placed else [])
+                    + (
+                        [
+                            c["build"] or "?",
+                            ", ".join(b["build"] or "unrecorded" for b in c["captured"]) or "-",
+                            c["action"],
+                        ]
+                        if builds
+                        else []
+                    )
+                    for c in cells
+                ],
+            )
+        )
         if spec.skipped:
             print(f"\nskipped ({len(spec.skipped)}):")
             print(table(["combination", "reason"], [[s["cell_id"], s["reason"]] for s in spec.skipped]))
-        print(f"\n{len(cells)} cell(s), {len(spec.skipped)} skipped; {spec.positions.describe()} (stride {spec.stride}), "
-              f"repeats {spec.repeats}")
+        print(
+            f"\n{len(cells)} cell(s), {len(spec.skipped)} skipped; {spec.positions.describe()} (stride {spec.stride}), "
+            f"repeats {spec.repeats}"
+        )
         if sizes:
             total = sum(v["bytes_estimate"] for v in sizes.values())
-            print(f"layer states: {human(total)} over {len(sizes)} cell(s) (states x hidden x rows at the "
-                  "engine's native width; hidden states barely compress)")
+            print(
+                f"layer states: {human(total)} over {len(sizes)} cell(s) (states x hidden x rows at the "
+                "engine's native width; hidden states barely compress)"
+            )
     if nodes is not None:
         placement.check_placement(spec.cells, nodes, lambda msg: None)  # the same exit 2 as `matrix run`
     return 0
@@ -107,7 +161,9 @@ def _known_nodes(address: str | None, cluster_config: str | None, probe_spec=Non
 def _executor(args) -> str:
     """--executor, or Ray when it can be imported (said in one line when it cannot)."""
     if args.executor == "local" and (args.address or args.cluster_config):
-        raise UserError(f"--executor local runs on this machine alone: drop {'--address' if args.address else '--cluster-config'}")
+        raise UserError(
+            f"--executor local runs on this machine alone: drop {'--address' if args.address else '--cluster-config'}"
+        )
     if args.executor:
         return args.executor
     import importlib.util
@@ -194,9 +250,19 @@ def _run(args, spec, wh, executor: str, early: tuple | None) -> tuple[dict | Non
             if args.cluster_config or (executor == "ray" and ex.cluster_config):
                 log(f"node types from {ex.cluster_config}: " + ", ".join(n.node_type for n in nodes if n.node_type))
             placement.check_placement(spec.cells, nodes, log)
-            plan = runner.bind(plan, wh, ex, log, runner.Resume(args.reuse_cells_from_other_builds, args.skip_failed,
-                                                                args.recapture_damaged, own_cluster=not args.address),
-                               nodes)
+            plan = runner.bind(
+                plan,
+                wh,
+                ex,
+                log,
+                runner.Resume(
+                    args.reuse_cells_from_other_builds,
+                    args.skip_failed,
+                    args.recapture_damaged,
+                    own_cluster=not args.address,
+                ),
+                nodes,
+            )
             runner.regroup_complete_cells(plan, wh, log)
             if early:
                 ex.keep_early(set(plan.todo))
@@ -210,13 +276,24 @@ def _run(args, spec, wh, executor: str, early: tuple | None) -> tuple[dict | Non
 
 def _summarise(args, spec, wh, summary: dict | None, plan) -> int:
     if summary is not None:
-        log(f"run {summary['run_id']}: {summary['cells_done']}/{summary['cells_total']} cells complete, "
-            f"{summary['rows_written']} rows in {summary['seconds']}s ({summary['rows_per_second']} rows/s)")
+        log(
+            f"run {summary['run_id']}: {summary['cells_done']}/{summary['cells_total']} cells complete, "
+            f"{summary['rows_written']} rows in {summary['seconds']}s ({summary['rows_per_second']} rows/s)"
+        )
     else:
-        summary = {"cells_total": len(plan.cells), "cells_done": len(plan.complete), "cells_run": 0,
-                   "rows_written": 0, "skipped": spec.skipped, "left_out": plan.left_out, "reused": plan.reused}
-        log(f"nothing to do: all {len(plan.cells)} cell(s) are complete in {wh.where}"
-            + (f" ({len(plan.left_out)} left out this time)" if plan.left_out else ""))
+        summary = {
+            "cells_total": len(plan.cells),
+            "cells_done": len(plan.complete),
+            "cells_run": 0,
+            "rows_written": 0,
+            "skipped": spec.skipped,
+            "left_out": plan.left_out,
+            "reused": plan.reused,
+        }
+        log(
+            f"nothing to do: all {len(plan.cells)} cell(s) are complete in {wh.where}"
+            + (f" ({len(plan.left_out)} left out this time)" if plan.left_out else "")
+        )
     if args.json:
         emit_json(summary)
     if summary.get("failed"):
@@ -234,31 +311,56 @@ def add_parsers(sub) -> None:
     r.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC))
     r.add_argument("--warehouse", default="warehouse")
     r.add_argument("--address", default=None, help="Ray cluster address (default: start a local cluster)")
-    r.add_argument("--executor", choices=("ray", "local"), default=None,
-                   help="where cells run: ray (a cluster: --address's, or one started here) or local "
-                        "(worker processes of this machine, no Ray); default ray, local when ray is not installed")
-    r.add_argument("--cluster-config", default=None, metavar="YAML",
-                   help="Ray launcher config whose node types count as hosts the autoscaler can start "
-                        "(default with --address: ~/ray_bootstrap_config.yaml where it exists)")
-    r.add_argument("--reuse-cells-from-other-builds", action="store_true",
-                   help="count a stack captured by another engine build (or before builds were recorded) "
-                        "as done instead of capturing it again with this cluster's build")
-    r.add_argument("--recapture-damaged", action="store_true",
-                   help="check every row of the spec's shards against its hash; move a damaged shard aside "
-                        "(WAREHOUSE/damaged/...) and capture it again (default: refuse to resume over one)")
-    r.add_argument("--skip-failed", action="store_true",
-                   help="leave cells an earlier run recorded as failed alone (default: try them again)")
+    r.add_argument(
+        "--executor",
+        choices=("ray", "local"),
+        default=None,
+        help="where cells run: ray (a cluster: --address's, or one started here) or local "
+        "(worker processes of this machine, no Ray); default ray, local when ray is not installed",
+    )
+    r.add_argument(
+        "--cluster-config",
+        default=None,
+        metavar="YAML",
+        help="Ray launcher config whose node types count as hosts the autoscaler can start "
+        "(default with --address: ~/ray_bootstrap_config.yaml where it exists)",
+    )
+    r.add_argument(
+        "--reuse-cells-from-other-builds",
+        action="store_true",
+        help="count a stack captured by another engine build (or before builds were recorded) "
+        "as done instead of capturing it again with this cluster's build",
+    )
+    r.add_argument(
+        "--recapture-damaged",
+        action="store_true",
+        help="check every row of the spec's shards against its hash; move a damaged shard aside "
+        "(WAREHOUSE/damaged/...) and capture it again (default: refuse to resume over one)",
+    )
+    r.add_argument(
+        "--skip-failed",
+        action="store_true",
+        help="leave cells an earlier run recorded as failed alone (default: try them again)",
+    )
     r.add_argument("--json", action="store_true", help="print the run summary as JSON on stdout")
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("cells", help="list the cells a spec expands to, and the skipped combinations")
     c.add_argument("spec")
-    c.add_argument("--address", default=None,
-                   help="also say where each cell would run on this Ray cluster (exit 2 if one cannot)")
-    c.add_argument("--cluster-config", default=None, metavar="YAML",
-                   help="also say where each cell would run on the node types of this launcher config")
-    c.add_argument("--warehouse", default=None,
-                   help="also say which engine builds captured each stack there, and whether a run "
-                        "would capture it again (the build: this machine's, or --address's nodes')")
+    c.add_argument(
+        "--address", default=None, help="also say where each cell would run on this Ray cluster (exit 2 if one cannot)"
+    )
+    c.add_argument(
+        "--cluster-config",
+        default=None,
+        metavar="YAML",
+        help="also say where each cell would run on the node types of this launcher config",
+    )
+    c.add_argument(
+        "--warehouse",
+        default=None,
+        help="also say which engine builds captured each stack there, and whether a run "
+        "would capture it again (the build: this machine's, or --address's nodes')",
+    )
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_cells)

@@ -18,8 +18,10 @@ def cmd_sql(args) -> int:
         if args.query:
             raise UserError("matrix sql: give a query or --export-views, not both")
         out = export_views(args.warehouse, args.export_views)
-        log(f"wrote {out['file']}: {out['tables']} table views and {out['views']} derived views; "
-            f"open it with `duckdb -init {out['file']}`")
+        log(
+            f"wrote {out['file']}: {out['tables']} table views and {out['views']} derived views; "
+            f"open it with `duckdb -init {out['file']}`"
+        )
         return 0
     if not args.query:
         raise UserError("matrix sql: give a query (or --export-views FILE.sql)")
@@ -48,8 +50,16 @@ def cmd_analyze(args) -> int:
         from matrix.run.analyze_ray import ray_runner
 
         kw["run_units"] = ray_runner(address, args.workers or 0, log)
-    summary = analyze(args.warehouse, args.reference, centroid=args.centroid, log=log,
-                      skip_damaged=args.skip_damaged, force=args.force, side=[s[:2] for s in side], **kw)
+    summary = analyze(
+        args.warehouse,
+        args.reference,
+        centroid=args.centroid,
+        log=log,
+        skip_damaged=args.skip_damaged,
+        force=args.force,
+        side=[s[:2] for s in side],
+        **kw,
+    )
     log(f"analyzed {summary['cells']} cell(s), {summary['metric_rows']} rows in {summary['seconds']}s")
     for name, _, line in side:
         if summary.get(name):
@@ -61,15 +71,20 @@ def cmd_analyze(args) -> int:
 
 def _last_cluster(warehouse: str, log) -> str | None:
     """The cluster the newest `matrix run` ran on, when it is still there: analyze runs on it by
-    default. None for a run on this machine (a local cluster or the local executor), or a cluster that is gone (then analyze stays in this process)."""
+    default. None for a run on this machine (a local cluster or the local executor), or a cluster that is gone
+    (then analyze stays in this process)."""
+    import socket
+
     from matrix.run.cluster import check_reachable
     from store import Warehouse
 
-    import socket
-
-    runs = [r for r in Warehouse(warehouse).require().read_all("runs")  # sweeps driven from here, not imports
-            if r.get("started_at") and r.get("host") == socket.gethostname()  # nor runs merged from elsewhere
-            and (r.get("ray_address") or r.get("executor") == "local")]
+    runs = [
+        r
+        for r in Warehouse(warehouse).require().read_all("runs")  # sweeps driven from here, not imports
+        if r.get("started_at")
+        and r.get("host") == socket.gethostname()  # nor runs merged from elsewhere
+        and (r.get("ray_address") or r.get("executor") == "local")
+    ]
     last = max(runs, key=lambda r: r["started_at"], default=None)
     if last is None or last.get("executor") == "local" or last["ray_address"] == "local":
         return None
@@ -111,9 +126,11 @@ def cmd_verify(args) -> int:
     for path in report["damaged_files"]:
         hits = [d for d in report["damage"] if d["path"] == path]
         log(f"DAMAGED {path}: {len(hits)} problem(s); first: " + Damage(**hits[0]).detail())
-    log(f"verified {report['shards']} shard(s), {report['rows']} rows, {report['bytes'] / 2**20:.1f} MiB in "
+    log(
+        f"verified {report['shards']} shard(s), {report['rows']} rows, {report['bytes'] / 2**20:.1f} MiB in "
         f"{report['seconds']}s ({report['mib_per_s']} MiB/s): "
-        + (f"{len(report['damaged_files'])} damaged file(s)" if report["damage"] else "no damage"))
+        + (f"{len(report['damaged_files'])} damaged file(s)" if report["damage"] else "no damage")
+    )
     if args.json:
         emit_json(report)
     return 1 if report["damage"] else 0
@@ -126,8 +143,10 @@ def cmd_merge(args) -> int:
     left = {cid: why for s in report["sources"] for cid, why in s["left_out"].items()}
     damaged = {cid: why for cid, why in left.items() if why.startswith("damaged")}
     for s in report["sources"]:
-        log(f"{s['source']}: {len(s['merged'])} cell(s) merged, {len(s['already_present'])} already in "
-            f"{report['into']}, {len(s['left_out'])} left out")
+        log(
+            f"{s['source']}: {len(s['merged'])} cell(s) merged, {len(s['already_present'])} already in "
+            f"{report['into']}, {len(s['left_out'])} left out"
+        )
     if args.json:
         emit_json(report)
     if damaged:
@@ -141,22 +160,33 @@ def cmd_merge(args) -> int:
 def cmd_status(args) -> int:
     from analysis.sql import query
 
-    _, cells = query(args.warehouse, """
+    _, cells = query(
+        args.warehouse,
+        """
         select c.cell_id, c.status, c.repeats, c.rows_per_repeat, c.bit_reproducible, c.is_reference,
                coalesce(c.error_class || ': ' || c.error, c.skip_reason) as why
-        from cells c order by c.cell_id""")
-    _, runs = query(args.warehouse, """
-        select run_id, status, started_at, cells_done, cells_total, rows_written from runs order by started_at""")
+        from cells c order by c.cell_id""",
+    )
+    _, runs = query(
+        args.warehouse,
+        """
+        select run_id, status, started_at, cells_done, cells_total, rows_written from runs order by started_at""",
+    )
     if args.json:
         keys_c = ["cell_id", "status", "repeats", "rows_per_repeat", "bit_reproducible", "is_reference", "why"]
         keys_r = ["run_id", "status", "started_at", "cells_done", "cells_total", "rows_written"]
         emit_json({"cells": [dict(zip(keys_c, r)) for r in cells], "runs": [dict(zip(keys_r, r)) for r in runs]})
         return 0
-    print(table(["cell_id", "status", "repeats", "rows/repeat", "bit_reproducible", "reference", "why"],
-                [list(r) for r in cells]))
+    print(
+        table(
+            ["cell_id", "status", "repeats", "rows/repeat", "bit_reproducible", "reference", "why"],
+            [list(r) for r in cells],
+        )
+    )
     print()
-    print(table(["run_id", "status", "started_at", "cells_done", "cells_total", "rows_written"],
-                [list(r) for r in runs]))
+    print(
+        table(["run_id", "status", "started_at", "cells_done", "cells_total", "rows_written"], [list(r) for r in runs])
+    )
     return 0
 
 
@@ -169,8 +199,12 @@ def cmd_stacks(args) -> int:
     if args.json:
         emit_json({"stacks": rows})
         return 0
-    print(table(["name", "status", "cells", "reference", "latest cell"],
-                [[r["name"], r["status"], r["cells"], "yes" if r["is_reference"] else "", r["cell_id"]] for r in rows]))
+    print(
+        table(
+            ["name", "status", "cells", "reference", "latest cell"],
+            [[r["name"], r["status"], r["cells"], "yes" if r["is_reference"] else "", r["cell_id"]] for r in rows],
+        )
+    )
     return 0
 
 
@@ -178,8 +212,12 @@ def add_parsers(sub) -> None:
     q = sub.add_parser("sql", help="run a read-only DuckDB query over the warehouse views")
     q.add_argument("query", nargs="?")
     q.add_argument("--warehouse", default="warehouse")
-    q.add_argument("--export-views", metavar="FILE.sql", default=None,
-                   help="write the views as a SQL script for any DuckDB client (duckdb -init FILE.sql) and exit")
+    q.add_argument(
+        "--export-views",
+        metavar="FILE.sql",
+        default=None,
+        help="write the views as a SQL script for any DuckDB client (duckdb -init FILE.sql) and exit",
+    )
     q.add_argument("--format", choices=["table", "csv", "json"], default="table")
     q.set_defaults(func=cmd_sql)
 
@@ -187,18 +225,35 @@ def add_parsers(sub) -> None:
     a.add_argument("--warehouse", default="warehouse")
     a.add_argument("--reference", default=None, help="cell_id to compare against (default: each model's reference)")
     a.add_argument("--ranges", default=None, help="position bucket edges, e.g. 512,2048,8192")
-    a.add_argument("--centroid", choices=["mean_prob", "mean_logprob", "none"], default=None,
-                   help="centroid definition (default: the spec's centroid.definition, else mean_prob; "
-                        "none: no centroid or pairwise tables)")
-    a.add_argument("--skip-damaged", action="store_true",
-                   help="leave out shards that fail their row hashes or do not parse (default: refuse them)")
-    a.add_argument("--force", action="store_true",
-                   help="recompute every output (default: only those whose inputs or metric kernel changed)")
-    a.add_argument("--workers", type=int, default=None,
-                   help="pieces computed at once as Ray tasks (1: in this process; 0: one per CPU of the cluster; "
-                        "default: on the cluster the last run used if it is reachable, else 1)")
-    a.add_argument("--address", default=None,
-                   help="Ray cluster to spread the pieces over (an object-store warehouse is read from every node)")
+    a.add_argument(
+        "--centroid",
+        choices=["mean_prob", "mean_logprob", "none"],
+        default=None,
+        help="centroid definition (default: the spec's centroid.definition, else mean_prob; "
+        "none: no centroid or pairwise tables)",
+    )
+    a.add_argument(
+        "--skip-damaged",
+        action="store_true",
+        help="leave out shards that fail their row hashes or do not parse (default: refuse them)",
+    )
+    a.add_argument(
+        "--force",
+        action="store_true",
+        help="recompute every output (default: only those whose inputs or metric kernel changed)",
+    )
+    a.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="pieces computed at once as Ray tasks (1: in this process; 0: one per CPU of the cluster; "
+        "default: on the cluster the last run used if it is reachable, else 1)",
+    )
+    a.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to spread the pieces over (an object-store warehouse is read from every node)",
+    )
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_analyze)
 
@@ -208,11 +263,19 @@ def add_parsers(sub) -> None:
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=cmd_report)
 
-    v = sub.add_parser("verify", help="check every row against its row_hash, every shard's row count and "
-                                      "every table file; exit 1 on damage (reads only)")
+    v = sub.add_parser(
+        "verify",
+        help="check every row against its row_hash, every shard's row count and "
+        "every table file; exit 1 on damage (reads only)",
+    )
     v.add_argument("--warehouse", default="warehouse")
-    v.add_argument("--cells", nargs="+", default=None, metavar="CELL",
-                   help="only these cells' shards (a cell id, or the start of one, e.g. a stack id)")
+    v.add_argument(
+        "--cells",
+        nargs="+",
+        default=None,
+        metavar="CELL",
+        help="only these cells' shards (a cell id, or the start of one, e.g. a stack id)",
+    )
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_verify)
 
@@ -227,7 +290,9 @@ def add_parsers(sub) -> None:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
 
-    st = sub.add_parser("stacks", help="each stack's readable name (card, admit, fixture and layers take it) and its latest cell")
+    st = sub.add_parser(
+        "stacks", help="each stack's readable name (card, admit, fixture and layers take it) and its latest cell"
+    )
     st.add_argument("--warehouse", default="warehouse")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_stacks)

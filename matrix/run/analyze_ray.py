@@ -60,8 +60,10 @@ def ray_runner(address: str | None, workers: int, log: Callable[[str], None]) ->
             return run_locally(where, units, skip_damaged, done)
         task = ray.remote(**opts)(_task)
         width = workers or int(cpus)
-        log(f"analyze on Ray: {len(units)} piece(s), {width} at a time"
-            + ("" if Warehouse(where).remote else " (a local warehouse: on this node only)"))
+        log(
+            f"analyze on Ray: {len(units)} piece(s), {width} at a time"
+            + ("" if Warehouse(where).remote else " (a local warehouse: on this node only)")
+        )
         queue, pending = sorted(units, key=lambda t: -t.work), {}  # largest first: no long piece left for last
         while queue or pending:
             while queue and len(pending) < width:
@@ -78,4 +80,3 @@ def ray_runner(address: str | None, workers: int, log: Callable[[str], None]) ->
                 done(u, value)
 
     return run
-

@@ -28,8 +28,8 @@ from common import ids
 from common.builds import describe, engine_build
 from common.stack import Cell
 from matrix.run import placement
-from matrix.spec.cells import stack_desc
 from matrix.run.sweep import HEARTBEAT_S
+from matrix.spec.cells import stack_desc
 
 
 def _probe_keys(cell: Cell, model, nodes: list) -> tuple[list[tuple], dict, dict | None]:
@@ -40,15 +40,20 @@ def _probe_keys(cell: Cell, model, nodes: list) -> tuple[list[tuple], dict, dict
     env_key = json.dumps(env, sort_keys=True, default=str)
     live = sorted({n.node_id for n, _ in placement.hosts(cell.device, cell.tp, threads, nodes) if n.node_type is None})
     if live:
-        return [(n, env_key, cls.libraries) for n in live], {n: {"label_selector": placement.pinned([n])} for n in live}, env
+        return (
+            [(n, env_key, cls.libraries) for n in live],
+            {n: {"label_selector": placement.pinned([n])} for n in live},
+            env,
+        )
     # Only node types the autoscaler can start: ask for what the cell asks for, so one is started.
     where = "autoscaler:" + cell.stack_id
     opts = placement.actor_options(cell.device, 1, threads, nodes)
     return [(where, env_key, cls.libraries)], {where: opts}, env
 
 
-def probe(cells: list[Cell], models: dict, nodes: list, log: Callable[[str], None], ex,
-          own_cluster: bool = False) -> dict[str, list]:
+def probe(
+    cells: list[Cell], models: dict, nodes: list, log: Callable[[str], None], ex, own_cluster: bool = False
+) -> dict[str, list]:
     """stack id -> [probe result or the exception it raised, one per node that can host it].
     ex: the executor (matrix/run/launch.py Executor) whose nodes will run the cells.
 
@@ -84,11 +89,19 @@ def _gather(ex, futures: dict, log: Callable[[str], None]) -> dict:
             except Exception as e:  # kept as this node's answer: the cells that needed it are left out
                 out[key] = e
         if pending and not ready:
-            waiting = sorted({f"{k[0][11:]} (for the autoscaler to start a node)" if k[0].startswith("autoscaler:")
-                              else f"node {k[0][:12]}" for k in pending.values()})
-            log(f"waiting {time.perf_counter() - t0:.0f}s for engine builds: {len(futures) - len(pending)}/"
+            waiting = sorted(
+                {
+                    f"{k[0][11:]} (for the autoscaler to start a node)"
+                    if k[0].startswith("autoscaler:")
+                    else f"node {k[0][:12]}"
+                    for k in pending.values()
+                }
+            )
+            log(
+                f"waiting {time.perf_counter() - t0:.0f}s for engine builds: {len(futures) - len(pending)}/"
                 f"{len(futures)} answered; not yet: {', '.join(waiting[:3])}"
-                + (f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""))
+                + (f" and {len(waiting) - 3} more" if len(waiting) > 3 else "")
+            )
     return out
 
 
@@ -114,15 +127,21 @@ def _choose(cell: Cell, answers: list[dict], captured: set[str], log: Callable[[
         return answers[0]["build"]
     have = sorted(captured & set(by_build))
     pick = have[0] if have else sorted(by_build, key=lambda b: (-len(by_build[b]), b))[0]
-    log(f"{cell.stack_id}: the nodes that can host it differ in {cell.engine} build ("
-        + "; ".join(f"{b}: {describe(v[0]['libraries'])} on {', '.join(sorted({a['host'] for a in v}))}"
-                    for b, v in sorted(by_build.items()))
-        + f"); it runs on build {pick}" + (" (already captured)" if have else " (most nodes)"))
+    log(
+        f"{cell.stack_id}: the nodes that can host it differ in {cell.engine} build ("
+        + "; ".join(
+            f"{b}: {describe(v[0]['libraries'])} on {', '.join(sorted({a['host'] for a in v}))}"
+            for b, v in sorted(by_build.items())
+        )
+        + f"); it runs on build {pick}"
+        + (" (already captured)" if have else " (most nodes)")
+    )
     return pick
 
 
-def bind(cells: list[Cell], answers: dict[str, list], captured: dict[str, set[str]],
-         log: Callable[[str], None]) -> tuple[list[Cell], dict[str, dict], dict[str, str]]:
+def bind(
+    cells: list[Cell], answers: dict[str, list], captured: dict[str, set[str]], log: Callable[[str], None]
+) -> tuple[list[Cell], dict[str, dict], dict[str, str]]:
     """(bound cells, cell id -> its build's libraries, stack id -> why it is left out)."""
     bound, libs, left_out = [], {}, {}
     groups: dict[str, list[Cell]] = {}
@@ -145,12 +164,12 @@ def bind(cells: list[Cell], answers: dict[str, list], captured: dict[str, set[st
         for c in group:
             i = 0 if len(group) == 1 else c.replica
             if i >= len(places):
-                left_out[c.stack_id] = (f"replicas: {len(group)} needs {len(group)} nodes that can host it; "
-                                        f"{len(places)} can")
+                left_out[c.stack_id] = (
+                    f"replicas: {len(group)} needs {len(group)} nodes that can host it; {len(places)} can"
+                )
                 continue
             at = places[i]
             cid = ids.cell_id(c.stack_id, at[0]["build"])
-            bound.append(dataclasses.replace(c, build=at[0]["build"],
-                                             pin=tuple(sorted(a["node_id"] for a in at))))
+            bound.append(dataclasses.replace(c, build=at[0]["build"], pin=tuple(sorted(a["node_id"] for a in at))))
             libs[cid] = at[0]["libraries"]
     return bound, libs, left_out

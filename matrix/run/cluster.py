@@ -43,8 +43,11 @@ def _token_file() -> Path:
 
 def _has_token() -> bool:
     """Whether Ray would find a token where it looks (env, token file, ~/.ray/auth_token)."""
-    return bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
-                or (Path.home() / ".ray" / "auth_token").is_file())
+    return bool(
+        os.environ.get("RAY_AUTH_TOKEN")
+        or os.environ.get("RAY_AUTH_TOKEN_PATH")
+        or (Path.home() / ".ray" / "auth_token").is_file()
+    )
 
 
 def init_ray(address: str | None):
@@ -68,14 +71,23 @@ def init_ray(address: str | None):
             # Ray's "Connecting to existing Ray cluster" INFO lines would break the one-line error rule
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         except (ConnectionError, ray.exceptions.AuthenticationError) as e:
-            hint = "" if os.environ.get("RAY_AUTH_MODE") == "token" else \
-                " (a cluster with token auth needs RAY_AUTH_MODE=token and its token: RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+            hint = (
+                ""
+                if os.environ.get("RAY_AUTH_MODE") == "token"
+                else " (a cluster with token auth needs RAY_AUTH_MODE=token and its token: "
+                "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+            )
             raise UserError(f"--address {address}: {str(e).splitlines()[0]}{hint}") from None
     else:
         # address "local": a new cluster of our own, even when `ray start` left one on this machine
         # (ray.init() would join that one, with whatever nodes and settings it has)
-        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        ray.init(
+            address="local",
+            num_cpus=os.cpu_count(),
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
     sigterm_interrupts()
     return ray
 

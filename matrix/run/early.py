@@ -38,8 +38,13 @@ def start_first_host(spec: Spec, wh: Warehouse, ex, log: Callable[[str], None]) 
     from matrix.spec.models import fetch
 
     cell = first_cell(spec)
-    if cell is None or cell.tp != 1 or cell.extras or placement.NEEDS[cell.device].gpu \
-            or not gguf_model.hf_free(spec, cell.model):
+    if (
+        cell is None
+        or cell.tp != 1
+        or cell.extras
+        or placement.NEEDS[cell.device].gpu
+        or not gguf_model.hf_free(spec, cell.model)
+    ):
         return None
     model = fetch(spec.models[cell.model], log=log, dequantise=False)
     rows = wh.read_all("cells") if wh.check() else []

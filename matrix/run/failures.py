@@ -63,9 +63,19 @@ def _infrastructure_types() -> tuple[type, ...]:
     rx = _ray_exceptions()
     if rx is None:
         return (WorkerDied,)
-    names = ("RayActorError", "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError",
-             "WorkerCrashedError", "ObjectFetchTimedOutError", "ReferenceCountingAssertionError",
-             "LocalRayletDiedError", "RaySystemError", "OutOfMemoryError")
+    names = (
+        "RayActorError",
+        "ActorUnavailableError",
+        "NodeDiedError",
+        "ObjectLostError",
+        "OwnerDiedError",
+        "WorkerCrashedError",
+        "ObjectFetchTimedOutError",
+        "ReferenceCountingAssertionError",
+        "LocalRayletDiedError",
+        "RaySystemError",
+        "OutOfMemoryError",
+    )
     return (WorkerDied,) + tuple(getattr(rx, n) for n in names if hasattr(rx, n))
 
 
@@ -86,9 +96,13 @@ def classify(exc: BaseException) -> Failure:
 def _infra_message(exc: BaseException) -> str:
     """Ray's infrastructure messages start with boilerplate; keep the line that says what died."""
     text = ANSI.sub("", str(exc))
-    for pattern in (r"The actor died because of an error raised in its creation task[^\n]*",
-                    r"The actor died unexpectedly before finishing this task[^\n]*",
-                    r"The actor is dead because[^\n]*", r"The node[^\n]*died[^\n]*", r"[^\n]*was killed[^\n]*"):
+    for pattern in (
+        r"The actor died because of an error raised in its creation task[^\n]*",
+        r"The actor died unexpectedly before finishing this task[^\n]*",
+        r"The actor is dead because[^\n]*",
+        r"The node[^\n]*died[^\n]*",
+        r"[^\n]*was killed[^\n]*",
+    ):
         m = re.search(pattern, text)
         if m:
             return m.group(0).strip()[:500]

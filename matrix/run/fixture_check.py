@@ -19,20 +19,25 @@ from store import fixture_file
 def _check_prompts(path: str, header: dict, model: str, tok, vocab: int) -> None:
     """The fixture's ids must be what this model's tokenizer makes of its texts."""
     if vocab != header["vocab_size"]:
-        raise UserError(f"{path}: vocabulary {header['vocab_size']} but model {model} has {vocab}: "
-                        "the fixture belongs to another model")
+        raise UserError(
+            f"{path}: vocabulary {header['vocab_size']} but model {model} has {vocab}: "
+            "the fixture belongs to another model"
+        )
     for pr in header["prompts"]:
         fixture_ids = pr["token_ids"]
         if pr.get("text") is not None:
             plain = list(tok(pr["text"], add_special_tokens=False).input_ids)
             mine = plain if not pr.get("bos_added") else [tok.bos_token_id] + plain
             if mine != fixture_ids:
-                i = next((j for j, (a, b) in enumerate(zip(mine, fixture_ids)) if a != b),
-                         min(len(mine), len(fixture_ids)))
-                raise UserError(f"{path}: prompt {pr['prompt_id']}: token ids do not match model {model}'s tokenizer "
-                                f"(first difference at position {i}: fixture "
-                                f"{fixture_ids[i] if i < len(fixture_ids) else 'end'}, "
-                                f"model {mine[i] if i < len(mine) else 'end'})")
+                i = next(
+                    (j for j, (a, b) in enumerate(zip(mine, fixture_ids)) if a != b), min(len(mine), len(fixture_ids))
+                )
+                raise UserError(
+                    f"{path}: prompt {pr['prompt_id']}: token ids do not match model {model}'s tokenizer "
+                    f"(first difference at position {i}: fixture "
+                    f"{fixture_ids[i] if i < len(fixture_ids) else 'end'}, "
+                    f"model {mine[i] if i < len(mine) else 'end'})"
+                )
         if max(fixture_ids) >= vocab:
             raise UserError(f"{path}: prompt {pr['prompt_id']} has token id {max(fixture_ids)} >= vocab {vocab}")
 
@@ -46,8 +51,17 @@ def _fixture_prompts(header: dict, rows: dict[str, list]) -> list[tuple[list[int
     return [(ids_of[pid], idx, [rows["position"][i] for i in idx]) for pid, idx in by_prompt.items()]
 
 
-def differences(header: dict, engine: str, dtype: str, attention: str, weights: str | None, artifact: str | None,
-                build: str | None, hw: str | None, source: str | None = None) -> list[dict]:
+def differences(
+    header: dict,
+    engine: str,
+    dtype: str,
+    attention: str,
+    weights: str | None,
+    artifact: str | None,
+    build: str | None,
+    hw: str | None,
+    source: str | None = None,
+) -> list[dict]:
     """What differs between the fixture's producing stack and the stack under check."""
     made = header.get("produced_by") or {}
     fixture_weights = (header.get("model") or {}).get("weights_sha256")
@@ -55,14 +69,28 @@ def differences(header: dict, engine: str, dtype: str, attention: str, weights: 
         pairs = [("source_sha256", (header.get("model") or {}).get("source_sha256"), source)]
     else:
         pairs = [("weights_sha256", fixture_weights, weights)]
-    pairs += [("artifact_sha256", made.get("artifact_sha256"), artifact), ("engine", made.get("engine"), engine),
-             ("dtype", made.get("dtype"), dtype), ("attention", made.get("attention"), attention),
-             ("build", made.get("build"), build), ("hardware", made.get("hardware"), hw)]
+    pairs += [
+        ("artifact_sha256", made.get("artifact_sha256"), artifact),
+        ("engine", made.get("engine"), engine),
+        ("dtype", made.get("dtype"), dtype),
+        ("attention", made.get("attention"), attention),
+        ("build", made.get("build"), build),
+        ("hardware", made.get("hardware"), hw),
+    ]
     return [{"what": w, "fixture": a, "stack": b} for w, a, b in pairs if a != b]
 
 
-def check_fixture(path: str, engine: str, model: str, dtype: str, attention: str, threads: int,
-                  log: Callable[[str], None] = print, device: str = "cpu", nodes: list | None = None) -> dict[str, Any]:
+def check_fixture(
+    path: str,
+    engine: str,
+    model: str,
+    dtype: str,
+    attention: str,
+    threads: int,
+    log: Callable[[str], None] = print,
+    device: str = "cpu",
+    nodes: list | None = None,
+) -> dict[str, Any]:
     """Run a stack on the fixture's prompts and measure it against the fixture: in this process,
     or (nodes: the Ray cluster's, as `matrix run` sees them) in a cell actor placed on a node of
     `device` exactly as `matrix run` places one, its weights shipped there when it lacks them."""
@@ -87,15 +115,35 @@ def check_fixture(path: str, engine: str, model: str, dtype: str, attention: str
     why = cls.unsupported(cell)
     if why:
         raise UserError(f"fixture check: {why}")
-    top = (_fixture_prompts(header, rows), np.asarray(rows["topk_ids"], dtype=np.int64),
-           np.asarray(rows["topk_logits"]), np.asarray(rows["logsumexp"]), vocab)
+    top = (
+        _fixture_prompts(header, rows),
+        np.asarray(rows["topk_ids"], dtype=np.int64),
+        np.asarray(rows["topk_logits"]),
+        np.asarray(rows["logsumexp"]),
+        vocab,
+    )
     run = _on_ray(cell, resolved, threads, nodes, top) if nodes is not None else _here(cell, resolved, threads, top)
     art = run["settings"].get("artifact") or {}
-    diff = differences(header, engine, dtype, attention, resolved.weights_sha256, art.get("sha256"), run["build"],
-                       hardware({"fingerprint": json.dumps(run["fingerprint"], default=str), "device": device}),
-                       resolved.source_sha256)
-    return {"header": header, "metrics": run["metrics"], "rows": run["rows"], "nonfinite": run["nonfinite"],
-            "settings": run["settings"], "differences": diff, "ran_on": run["ran_on"]}
+    diff = differences(
+        header,
+        engine,
+        dtype,
+        attention,
+        resolved.weights_sha256,
+        art.get("sha256"),
+        run["build"],
+        hardware({"fingerprint": json.dumps(run["fingerprint"], default=str), "device": device}),
+        resolved.source_sha256,
+    )
+    return {
+        "header": header,
+        "metrics": run["metrics"],
+        "rows": run["rows"],
+        "nonfinite": run["nonfinite"],
+        "settings": run["settings"],
+        "differences": diff,
+        "ran_on": run["ran_on"],
+    }
 
 
 def _here(cell: Cell, resolved, threads: int, top: tuple) -> dict[str, Any]:
@@ -115,8 +163,13 @@ def _here(cell: Cell, resolved, threads: int, top: tuple) -> dict[str, Any]:
         settings = backend.settings()
     finally:
         backend.close()
-    return {**out, "settings": settings, "build": engine_build(cls.libraries)["build"], "fingerprint": fingerprint(),
-            "ran_on": {"where": "this process", "host": socket.gethostname()}}
+    return {
+        **out,
+        "settings": settings,
+        "build": engine_build(cls.libraries)["build"],
+        "fingerprint": fingerprint(),
+        "ran_on": {"where": "this process", "host": socket.gethostname()},
+    }
 
 
 def _on_ray(cell: Cell, resolved, threads: int, nodes: list, top: tuple) -> dict[str, Any]:
@@ -147,6 +200,15 @@ def _on_ray(cell: Cell, resolved, threads: int, nodes: list, top: tuple) -> dict
         ray.kill(actor)
         ray.kill(depot)
     settings = {**loaded["settings"], **({"artifact": loaded["artifact"]} if loaded.get("artifact") else {})}
-    return {**out, "settings": settings, "build": loaded["build"], "fingerprint": loaded["fingerprint"],
-            "ran_on": {"where": "ray", "host": loaded["host"], "node_id": loaded["node_id"],
-                       "model_via": loaded["model_via"]}}
+    return {
+        **out,
+        "settings": settings,
+        "build": loaded["build"],
+        "fingerprint": loaded["fingerprint"],
+        "ran_on": {
+            "where": "ray",
+            "host": loaded["host"],
+            "node_id": loaded["node_id"],
+            "model_via": loaded["model_via"],
+        },
+    }

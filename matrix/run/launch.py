@@ -73,8 +73,9 @@ class Executor(Protocol):
 
     def nodes(self) -> list: ...  # placement.Node of every machine that can host a cell now
     def open(self, where: str, nonce: str) -> Any: ...  # the Delivery of this run's rows
-    def start(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list,
-              work: Work) -> Started: ...
+    def start(
+        self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, work: Work
+    ) -> Started: ...
     def stop(self, started: Started) -> None: ...  # kill the cell's hosts (their calls fail)
     def close(self, started: Started) -> None: ...  # close the engines, wait for them
     def wait(self, futures: list, timeout: float) -> list: ...  # the first ready future(s), or []
@@ -89,12 +90,15 @@ def queue_calls(started: Started, cell: Cell, work: Work, call: Callable[..., An
     ids = [(pid, toks) for pid, _, toks in work.prompts]
     for a in started.followers:
         for r in work.repeats:
-            started.calls[call(a, "capture", work.run_id, r, ids, work.keep, work.store)] = Call(Kind.RANK, cell.cell_id, r)
+            started.calls[call(a, "capture", work.run_id, r, ids, work.keep, work.store)] = Call(
+                Kind.RANK, cell.cell_id, r
+            )
     a = started.actor
     started.calls[call(a, "parity", work.prompts, work.special, work.vocab)] = Call(Kind.PARITY, cell.cell_id)
     for r in work.repeats:
-        started.calls[call(a, "capture", work.run_id, r, ids, work.keep, work.store, work.metrics_ref, work.values)] = \
+        started.calls[call(a, "capture", work.run_id, r, ids, work.keep, work.store, work.metrics_ref, work.values)] = (
             Call(Kind.CAPTURE, cell.cell_id, r)
+        )
     return started
 
 

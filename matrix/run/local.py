@@ -19,7 +19,8 @@ import socket
 import subprocess
 import sys
 import time
-from multiprocessing.connection import Connection, wait as wait_conns
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_conns
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,9 @@ from common.errors import UserError
 from common.files import cache_root
 from common.stack import Cell, ModelCopy, StackDesc
 from matrix.run import placement
-from matrix.run.local_node import NODE_ID, gpu_pool, local_node
 from matrix.run.failures import CallError, WorkerDied
 from matrix.run.launch import Call, Kind, Started, Work, measures_in_host, queue_calls
+from matrix.run.local_node import NODE_ID, gpu_pool, local_node
 
 ROOT = Path(__file__).resolve().parents[2]  # the project's import root, for a worker's other interpreter
 
@@ -108,9 +109,13 @@ class Worker:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log = log_dir / f"{self.cell_id.replace('/', '_')}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{n}.log"
         host = ROOT / "actors" / "local_host.py"
-        self.proc = subprocess.Popen([python, str(host), str(theirs.fileno()), str(self.log)],
-                                     pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)  # Ctrl-C reaches the driver, which stops it
+        self.proc = subprocess.Popen(
+            [python, str(host), str(theirs.fileno()), str(self.log)],
+            pass_fds=[theirs.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # Ctrl-C reaches the driver, which stops it
         theirs.close()
         self.conn, self.gpu_ids = Connection(ours.detach()), gpu_ids
         for msg in [("init", self.init)] + self.outbox:
@@ -135,7 +140,9 @@ class Worker:
         if self.proc is not None:
             if why is None:
                 self.proc.wait()
-                why = f"its worker process (pid {self.proc.pid}) died with {_exit(self.proc.returncode)}" + _tail(self.log)
+                why = f"its worker process (pid {self.proc.pid}) died with {_exit(self.proc.returncode)}" + _tail(
+                    self.log
+                )
             else:  # its whole session: an engine's own processes too (vLLM's engine core, compile workers)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
@@ -239,8 +246,13 @@ class LocalExecutor:
 
     def _worker(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, delivery) -> Worker:
         gpus = cell.tp if placement.NEEDS[cell.device].gpu else 0
-        return Worker(cell.cell_id, (desc, model, threads, delivery), min(self.cpus, threads * cell.tp), gpus,
-                      backend_class(cell.engine).runtime_env(desc, threads))
+        return Worker(
+            cell.cell_id,
+            (desc, model, threads, delivery),
+            min(self.cpus, threads * cell.tp),
+            gpus,
+            backend_class(cell.engine).runtime_env(desc, threads),
+        )
 
     def prestart(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, delivery) -> None:
         """Start a cell's host and its engine load before the run asks for the cell
@@ -279,10 +291,14 @@ class LocalExecutor:
 
     def _pump(self) -> None:
         """Start waiting hosts, first come first served, while their CPUs and GPUs are free."""
-        while not self.closing and self.line and self.line[0].cpus <= self.free_cpus \
-                and self.line[0].gpus <= len(self.free_gpus):
+        while (
+            not self.closing
+            and self.line
+            and self.line[0].cpus <= self.free_cpus
+            and self.line[0].gpus <= len(self.free_gpus)
+        ):
             w = self.line.pop(0)
-            gpu_ids, self.free_gpus = self.free_gpus[:w.gpus], self.free_gpus[w.gpus:]
+            gpu_ids, self.free_gpus = self.free_gpus[: w.gpus], self.free_gpus[w.gpus :]
             self.free_cpus -= w.cpus
             self.running.append(w)
             self.started += 1
@@ -354,12 +370,16 @@ class LocalExecutor:
     def node_build(self, opts: dict, env: dict | None, libraries: tuple[str, ...]) -> Future:
         """The engine build a host would see, in the interpreter it would run under (no engine import)."""
         f = Future(None)
-        code = ("import json, sys; from common.builds import engine_build; "
-                "print(json.dumps(engine_build(tuple(sys.argv[1:]))))")
+        code = (
+            "import json, sys; from common.builds import engine_build; "
+            "print(json.dumps(engine_build(tuple(sys.argv[1:]))))"
+        )
         python, penv = interpreter(env)
         r = subprocess.run([python, "-c", code, *libraries], capture_output=True, text=True, env=penv)
         if r.returncode != 0:
-            f.settle(False, RuntimeError(f"{python}: {(r.stderr.strip().splitlines() or ['exit ' + str(r.returncode)])[-1]}"))
+            f.settle(
+                False, RuntimeError(f"{python}: {(r.stderr.strip().splitlines() or ['exit ' + str(r.returncode)])[-1]}")
+            )
         else:
             import json
 

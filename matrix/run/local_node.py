@@ -52,7 +52,9 @@ def _nvidia_gpus() -> list[str]:
     except pynvml.NVMLError:  # no driver: a CPU machine
         return []
     try:
-        return [str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
-                for i in range(pynvml.nvmlDeviceGetCount())]
+        return [
+            str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
+            for i in range(pynvml.nvmlDeviceGetCount())
+        ]
     finally:
         pynvml.nvmlShutdown()

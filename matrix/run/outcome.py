@@ -20,28 +20,55 @@ from store import rows as R
 from store.floors import StorageFloor
 from store.warehouse import row_hashes
 
+
 def _cell_fields(plan: Plan, cell: Cell) -> dict:
     """The columns every cells row of this cell has, captured or skipped."""
-    return {**cell.axes(), **R.model_fields(plan.models[cell.model]), "stride": plan.spec.stride,
-            "positions": plan.spec.positions.to_json(),
-            "corpus": plan.spec.corpus, "options": json.dumps(cell.opts, sort_keys=True),
-            "centroid_group": cell.centroid_group, "centroid": plan.spec.centroid, "calibration": cell.calibration,
-            "stack_id": ids.base_stack(cell.stack_id), "replica": cell.replica, "build": cell.build}
+    return {
+        **cell.axes(),
+        **R.model_fields(plan.models[cell.model]),
+        "stride": plan.spec.stride,
+        "positions": plan.spec.positions.to_json(),
+        "corpus": plan.spec.corpus,
+        "options": json.dumps(cell.opts, sort_keys=True),
+        "centroid_group": cell.centroid_group,
+        "centroid": plan.spec.centroid,
+        "calibration": cell.calibration,
+        "stack_id": ids.base_stack(cell.stack_id),
+        "replica": cell.replica,
+        "build": cell.build,
+    }
 
 
 def skipped_row(plan: Plan, cell: Cell, run_id: str, reason: str) -> dict:
-    return R.cell_row(cell.cell_id, run_id, "skipped", **_cell_fields(plan, cell), skip_reason=reason, repeats=0,
-                      host=None, build_libraries=json.dumps(plan.builds.get(cell.cell_id), sort_keys=True))
+    return R.cell_row(
+        cell.cell_id,
+        run_id,
+        "skipped",
+        **_cell_fields(plan, cell),
+        skip_reason=reason,
+        repeats=0,
+        host=None,
+        build_libraries=json.dumps(plan.builds.get(cell.cell_id), sort_keys=True),
+    )
 
 
 def failed_row(plan: Plan, live: Live, run_id: str, failure: Failure, attempts: int) -> dict:
     """A cell that raised, or whose actor died more often than the spec's retries allow. Its
     complete shards stay (the next run captures only the missing repeats)."""
     loaded = live.loaded or {}
-    return R.cell_row(live.cell.cell_id, run_id, "failed", **_cell_fields(plan, live.cell), repeats=0,
-                      error_class=failure.error_class, error=failure.message, attempts=attempts,
-                      host=loaded.get("host"), node_id=loaded.get("node_id"),
-                      build_libraries=json.dumps(plan.builds.get(live.cell.cell_id), sort_keys=True))
+    return R.cell_row(
+        live.cell.cell_id,
+        run_id,
+        "failed",
+        **_cell_fields(plan, live.cell),
+        repeats=0,
+        error_class=failure.error_class,
+        error=failure.message,
+        attempts=attempts,
+        host=loaded.get("host"),
+        node_id=loaded.get("node_id"),
+        build_libraries=json.dumps(plan.builds.get(live.cell.cell_id), sort_keys=True),
+    )
 
 
 def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse, attempts: int = 1) -> dict:
@@ -53,28 +80,49 @@ def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse, attempts: int =
     hashes += [wh.shard_hashes(cell.cell_id, r) for r in range(1, spec.repeats)]
     ref = plan.reference_cells.get(cell.model)
     return R.cell_row(
-        cell.cell_id, run_id, "done", **_cell_fields(plan, cell),
+        cell.cell_id,
+        run_id,
+        "done",
+        **_cell_fields(plan, cell),
         bit_reproducible=all(h == hashes[0] for h in hashes[1:]),
-        repeats=spec.repeats, rows_per_repeat=first.num_rows, n_prompts=len(plan.prompts[cell.model]),
-        threads=loaded["settings"].get("threads"), bos_policy=spec.bos, is_reference=ref == cell.cell_id,
-        reference_cell_id=ref, vocab_size=plan.vocab[cell.model], engine_vocab_size=loaded["vocab_size"],
+        repeats=spec.repeats,
+        rows_per_repeat=first.num_rows,
+        n_prompts=len(plan.prompts[cell.model]),
+        threads=loaded["settings"].get("threads"),
+        bos_policy=spec.bos,
+        is_reference=ref == cell.cell_id,
+        reference_cell_id=ref,
+        vocab_size=plan.vocab[cell.model],
+        engine_vocab_size=loaded["vocab_size"],
         logits_dtype=first.column("logits_dtype")[0].as_py(),
-        artifact=art.get("path"), artifact_sha256=art.get("sha256"),
+        artifact=art.get("path"),
+        artifact_sha256=art.get("sha256"),
         artifact_recipe=json.dumps({**art["recipe"], **_candidate_facts(plan, cell)}, sort_keys=True) if art else None,
-        tokenizer_parity=live.parity["status"] if live.parity else "not_checked", max_tokens=cell.max_tokens,
+        tokenizer_parity=live.parity["status"] if live.parity else "not_checked",
+        max_tokens=cell.max_tokens,
         settings=json.dumps(loaded["settings"], sort_keys=True),
         fingerprint=json.dumps(loaded.get("fingerprint"), sort_keys=True, default=str),
-        versions=json.dumps(loaded["versions"], sort_keys=True), host=loaded["host"], node_id=loaded["node_id"],
-        rows_via=loaded["rows_via"], model_via=loaded["model_via"], load_seconds=loaded["load_seconds"],
-        storage=StorageFloor.of_captures(live.storage).to_json(), **extra_columns(live),
-        capture_seconds=live.capture_s, build_libraries=json.dumps(loaded["build_libraries"], sort_keys=True),
-        attempts=attempts)
+        versions=json.dumps(loaded["versions"], sort_keys=True),
+        host=loaded["host"],
+        node_id=loaded["node_id"],
+        rows_via=loaded["rows_via"],
+        model_via=loaded["model_via"],
+        load_seconds=loaded["load_seconds"],
+        storage=StorageFloor.of_captures(live.storage).to_json(),
+        **extra_columns(live),
+        capture_seconds=live.capture_s,
+        build_libraries=json.dumps(loaded["build_libraries"], sort_keys=True),
+        attempts=attempts,
+    )
 
 
 def extra_columns(live: Live) -> dict[str, str | None]:
     """Each per-cell extra's cells column, from its part of every capture's manifest (null without)."""
-    return {x.column: x.record(live.extras[x.key]) if live.extras.get(x.key) else None
-            for x in extras.registered() if x.column}
+    return {
+        x.column: x.record(live.extras[x.key]) if live.extras.get(x.key) else None
+        for x in extras.registered()
+        if x.column
+    }
 
 
 def _candidate_facts(plan: Plan, cell: Cell) -> dict:
@@ -102,9 +150,19 @@ class Outcomes:
 
     def progress(self) -> None:
         """The runs row follows the sweep, so an interrupted run still shows what it did."""
-        self.wh.write_rows("runs", self.run_id, [{**self.run, "cells_done": self.cells_done, "rows_written": self.rows,
-                                                  "cells_failed": len(self.failed),
-                                                  "rows_delivery": json.dumps(self.via)}])
+        self.wh.write_rows(
+            "runs",
+            self.run_id,
+            [
+                {
+                    **self.run,
+                    "cells_done": self.cells_done,
+                    "rows_written": self.rows,
+                    "cells_failed": len(self.failed),
+                    "rows_delivery": json.dumps(self.via),
+                }
+            ],
+        )
 
     def skipped(self, live: Live, reason: str) -> None:
         cid = live.cell.cell_id
@@ -117,7 +175,9 @@ class Outcomes:
         cid = live.cell.cell_id
         self.failed[cid] = failure
         self.wh.write_rows("cells", cid, [failed_row(self.plan, live, self.run_id, failure, attempt)])
-        self.log(f"[cells {self.cells_done}/{self.cells_total}] {cid} FAILED after {attempt} attempt(s): {failure.line()}")
+        self.log(
+            f"[cells {self.cells_done}/{self.cells_total}] {cid} FAILED after {attempt} attempt(s): {failure.line()}"
+        )
         self.progress()
 
     def done(self, live: Live, attempts: int, close) -> None:
@@ -137,8 +197,11 @@ class Outcomes:
 
     def loaded(self, live: Live, cid: str, result: dict) -> None:
         live.loaded = result
-        away = f"; weights {result['model_via']}, rows via the {result['rows_via']}" \
-            if result["model_via"] not in ("local", "gguf") or result["rows_via"] != "node" else ""
+        away = (
+            f"; weights {result['model_via']}, rows via the {result['rows_via']}"
+            if result["model_via"] not in ("local", "gguf") or result["rows_via"] != "node"
+            else ""
+        )
         self.log(f"loaded {cid} on {result['host']} (pid {result['pid']}) in {result['load_seconds']:.1f}s{away}")
 
     def parity(self, live: Live, cid: str, result: dict) -> None:
@@ -146,10 +209,13 @@ class Outcomes:
         self.wh.write_rows("tokenizer_parity", cid, R.parity_rows(cid, self.run_id, live.cell.engine, result["rows"]))
         if result["status"] == "mismatch":
             bad = [r for r in result["rows"] if not r["match"]]
-            what = "; ".join(f"{r['prompt_id']}: {r['diagnosis']} at position {r['first_diff']}"
-                             for r in bad[:3]) + "".join(f"; {p}" for p in result["problems"])
-            self.log(f"tokenizer parity MISMATCH for {cid} ({len(bad)}/{len(result['rows'])} prompts): {what}"
-                     " -- capture still uses the canonical ids")
+            what = "; ".join(
+                f"{r['prompt_id']}: {r['diagnosis']} at position {r['first_diff']}" for r in bad[:3]
+            ) + "".join(f"; {p}" for p in result["problems"])
+            self.log(
+                f"tokenizer parity MISMATCH for {cid} ({len(bad)}/{len(result['rows'])} prompts): {what}"
+                " -- capture still uses the canonical ids"
+            )
 
     def captured(self, live: Live, cid: str, repeat: int, result: dict) -> None:
         self.units_done += 1
@@ -164,11 +230,17 @@ class Outcomes:
         self.via[result["rows_via"]] += 1
         self.via["bytes_to_driver"] += result["bytes_sent"]
         rate = self.rows / max(time.perf_counter() - self.t0, 1e-9)
-        self.log(f"[cells {self.cells_done}/{self.cells_total} | captures {self.units_done}/{self.units_total}] "
-                 f"{cid} r{repeat}: {result['rows']} rows in {result['seconds']:.1f}s"
-                 + (f" (measured against the reference in {m['seconds']:.1f}s of it)"
-                    if (m := result.get("metrics")) and "seconds" in m else "") + " "
-                 f"| rows {self.rows} | {rate:.1f} rows/s")
+        self.log(
+            f"[cells {self.cells_done}/{self.cells_total} | captures {self.units_done}/{self.units_total}] "
+            f"{cid} r{repeat}: {result['rows']} rows in {result['seconds']:.1f}s"
+            + (
+                f" (measured against the reference in {m['seconds']:.1f}s of it)"
+                if (m := result.get("metrics")) and "seconds" in m
+                else ""
+            )
+            + " "
+            f"| rows {self.rows} | {rate:.1f} rows/s"
+        )
 
     def _store_inline(self, row: dict, live: Live) -> None:
         """The metrics the cell's actor measured, written as `matrix analyze` would write them."""
@@ -176,13 +248,18 @@ class Outcomes:
             return
         errors = sorted({f"{m['error']}" for m in live.inline.values() if "error" in m})
         if errors:
-            self.log(f"{row['cell_id']}: metrics not measured in the actor ({errors[0]}); `matrix analyze` measures them")
+            self.log(
+                f"{row['cell_id']}: metrics not measured in the actor ({errors[0]}); `matrix analyze` measures them"
+            )
             return
         from analysis.analyze import store_inline
 
         ref_id = next(iter(live.inline.values()))["reference"]
-        ref = row if ref_id == row["cell_id"] else \
-            next(r for r in self.wh.read_rows("cells", ref_id) if r["status"] == "done")
+        ref = (
+            row
+            if ref_id == row["cell_id"]
+            else next(r for r in self.wh.read_rows("cells", ref_id) if r["status"] == "done")
+        )
         if store_inline(self.wh, row, ref, live.inline, self.log):
             self.inline_written += 1
         else:

@@ -36,7 +36,9 @@ class Need:
 
 
 # Ray >= 2.5x types Apple Silicon itself (resource GPU: 1, ray.io/accelerator-type M3-Max, ...).
-APPLE = {f"apple-{m}": tuple(f"{m.upper()}{v}" for v in ("", "-Pro", "-Max", "-Ultra")) for m in ("m1", "m2", "m3", "m4")}
+APPLE = {
+    f"apple-{m}": tuple(f"{m.upper()}{v}" for v in ("", "-Pro", "-Max", "-Ultra")) for m in ("m1", "m2", "m3", "m4")
+}
 APPLE_ALL = tuple(a for v in APPLE.values() for a in v) + ("Apple-Silicon",)
 
 NEEDS: dict[str, Need] = {
@@ -46,8 +48,18 @@ NEEDS: dict[str, Need] = {
     "h200": Need(gpu=True, accel=("H200",)),
     "b200": Need(gpu=True, accel=("B200",)),
     # Ray's names: "NVIDIA RTX PRO 6000 ..." -> RTX-PRO-6000, "NVIDIA GeForce RTX 5090" -> GeForce-RTX-5090
-    "sm120": Need(gpu=True, accel=("RTX-PRO-6000", "RTX-PRO-6000-Blackwell", "RTX-PRO-5000", "RTX-PRO-4000",
-                                   "GeForce-RTX-5090", "GeForce-RTX-5080", "RTX-5090")),
+    "sm120": Need(
+        gpu=True,
+        accel=(
+            "RTX-PRO-6000",
+            "RTX-PRO-6000-Blackwell",
+            "RTX-PRO-5000",
+            "RTX-PRO-4000",
+            "GeForce-RTX-5090",
+            "GeForce-RTX-5080",
+            "RTX-5090",
+        ),
+    ),
     "mi300x": Need(gpu=True, accel=("AMD-Instinct-MI300X-OAM", "AMD-Instinct-MI300X-HF", "AMD-Instinct-MI300X")),
     "rocm": Need(gpu=True),
     **{d: Need(resource=d, accel=a) for d, a in APPLE.items()},
@@ -91,8 +103,15 @@ def node_types(path: str | Path) -> list[Node]:
             raise UserError(f"{path}: available_node_types.{name}.max_workers: expected an integer, got {most!r}")
         if name != data.get("head_node_type") and most < 1:
             continue  # the launcher will never start one
-        out.append(Node(f"type:{name}", f"node type {name}", {k: float(v) for k, v in res.items()},
-                        {str(k): str(v) for k, v in labels.items()}, node_type=name))
+        out.append(
+            Node(
+                f"type:{name}",
+                f"node type {name}",
+                {k: float(v) for k, v in res.items()},
+                {str(k): str(v) for k, v in labels.items()},
+                node_type=name,
+            )
+        )
     return out
 
 
@@ -109,8 +128,11 @@ def default_cluster_config(address: str | None) -> Path | None:
 def cluster_nodes() -> list[Node]:
     import ray
 
-    return [Node(n["NodeID"], n.get("NodeManagerHostname", ""), dict(n.get("Resources") or {}),
-                 dict(n.get("Labels") or {})) for n in ray.nodes() if n.get("Alive")]
+    return [
+        Node(n["NodeID"], n.get("NodeManagerHostname", ""), dict(n.get("Resources") or {}), dict(n.get("Labels") or {}))
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
 
 
 def selector(device: str, node: Node) -> dict[str, str] | None:
@@ -167,10 +189,14 @@ def _problem(device: str, tp: int, threads: int, nodes: list[Node]) -> tuple[str
     need = NEEDS[device]
     typed = [n for n, _ in typed_nodes(device, nodes)]
     if not typed:
-        how = [f"label {LABEL}={device}"] + [f"{RAY_ACCEL}={a}" for a in need.accel] \
+        how = (
+            [f"label {LABEL}={device}"]
+            + [f"{RAY_ACCEL}={a}" for a in need.accel]
             + ([f"resource {need.resource}"] if need.resource else [])
-        where = "no node of the cluster" + (" and no node type of its config" if any(
-            n.node_type for n in nodes) else "")
+        )
+        where = "no node of the cluster" + (
+            " and no node type of its config" if any(n.node_type for n in nodes) else ""
+        )
         return f"device {device}: {where} is one", f"looked for {' or '.join(how)}"
     if need.gpu:
         most = max(int(n.resources.get("GPU", 0)) for n in typed)
@@ -259,8 +285,11 @@ def placement_group_for(device: str, tp: int, threads: int, nodes: list[Node], p
     for k, v in (opts.get("resources") or {}).items():
         bundle[k] = float(v)
     sel = opts.get("label_selector")
-    return placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK",
-                           bundle_label_selector=[dict(sel) for _ in range(tp)] if sel else None)
+    return placement_group(
+        [dict(bundle) for _ in range(tp)],
+        strategy="STRICT_PACK",
+        bundle_label_selector=[dict(sel) for _ in range(tp)] if sel else None,
+    )
 
 
 def engine_driver_options(pg) -> dict[str, Any]:
@@ -271,8 +300,13 @@ def engine_driver_options(pg) -> dict[str, Any]:
     workers join it instead of a group of their own."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    return {"num_cpus": 1, "num_gpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-        pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
+    return {
+        "num_cpus": 1,
+        "num_gpus": 0,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+        ),
+    }
 
 
 def cell_threads(cell, nodes: list[Node]) -> int:
@@ -286,18 +320,21 @@ def cell_threads(cell, nodes: list[Node]) -> int:
 
 def check_placement(cells: list, nodes: list[Node], log: Callable[[str], None]) -> None:
     """Before anything is written: a cell no node (or node type) can host would wait forever."""
-    unplaceable = {c.cell_id: p for c in cells
-                   if (p := problem(c.device, c.tp, cell_threads(c, nodes), nodes))}
+    unplaceable = {c.cell_id: p for c in cells if (p := problem(c.device, c.tp, cell_threads(c, nodes), nodes))}
     if unplaceable:
         cid, why = next(iter(unplaceable.items()))
         more = f" (and {len(unplaceable) - 1} more cell(s))" if len(unplaceable) > 1 else ""
-        raise UserError(f"cannot place {cid}: {why}{more}; nodes: "
-                        + ", ".join(f"{n.host or n.node_id[:8]} {_node_desc(n)}" for n in nodes))
+        raise UserError(
+            f"cannot place {cid}: {why}{more}; nodes: "
+            + ", ".join(f"{n.host or n.node_id[:8]} {_node_desc(n)}" for n in nodes)
+        )
     for c in cells:
         w = where(c.device, c.tp, cell_threads(c, nodes), nodes)
         if w.waits_for_autoscaler:
-            log(f"{c.cell_id}: no live node can host it yet; it waits for the autoscaler to start "
-                + ", ".join(w.launchable))
+            log(
+                f"{c.cell_id}: no live node can host it yet; it waits for the autoscaler to start "
+                + ", ".join(w.launchable)
+            )
 
 
 def _node_desc(n) -> str:

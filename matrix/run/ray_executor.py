@@ -34,20 +34,28 @@ def _ranks(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: l
 
     pg = placement.placement_group_for(cell.device, cell.tp, threads, nodes, cell.pin)
     gpu = {"num_gpus": 1} if placement.NEEDS[cell.device].gpu else {}
-    ranks = [StackActor.options(num_cpus=threads, **gpu, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        pg, placement_group_bundle_index=i)).remote(desc, model, threads, delivery) for i in range(cell.tp)]
+    ranks = [
+        StackActor.options(
+            num_cpus=threads,
+            **gpu,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote(desc, model, threads, delivery)
+        for i in range(cell.tp)
+    ]
     started = Started(ranks[0], ranks[1:], pg)
     started.calls[ranks[0].__ray_ready__.remote()] = Call(Kind.READY, cell.cell_id)  # first in its queue
     rendezvous = ranks[0].rendezvous.remote()
     gpus = [a.gpu_ids.remote() for a in ranks] if gpu else []  # each rank sees them all (NCCL P2P)
     for i, a in enumerate(ranks):
-        started.calls[a.load.remote({"rank": i, "world_size": cell.tp}, rendezvous, *gpus)] = \
-            Call(Kind.LOAD if i == 0 else Kind.RANK, cell.cell_id)
+        started.calls[a.load.remote({"rank": i, "world_size": cell.tp}, rendezvous, *gpus)] = Call(
+            Kind.LOAD if i == 0 else Kind.RANK, cell.cell_id
+        )
     return started
 
 
-def _one_actor(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, delivery,
-               warm: int | None = None) -> Started:
+def _one_actor(
+    cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, delivery, warm: int | None = None
+) -> Started:
     """warm: the vocabulary of a cell that measures its rows in the actor (its kernel loads beside
     the model)."""
     from actors.ray_actor import StackActor
@@ -72,8 +80,11 @@ def _one_actor(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, node
     ready = actor.__ray_ready__.remote()  # first in its queue: returns once the actor is placed and started
     if warm:  # returns at once (a thread); its failure comes back with the first measurement
         actor.warm_metrics.remote(warm)
-    return Started(actor, group=pg, calls={ready: Call(Kind.READY, cell.cell_id),
-                                           actor.load.remote(): Call(Kind.LOAD, cell.cell_id)})
+    return Started(
+        actor,
+        group=pg,
+        calls={ready: Call(Kind.READY, cell.cell_id), actor.load.remote(): Call(Kind.LOAD, cell.cell_id)},
+    )
 
 
 class RayExecutor:
@@ -105,8 +116,13 @@ class RayExecutor:
     def start(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, work: Work) -> Started:
         """Start the cell's actors and queue load, parity and every missing capture."""
         ranks = cell.tp > 1 and backend_class(cell.engine).tp_workers == "ranks"
-        started = _ranks(cell, desc, model, threads, nodes, work.delivery) if ranks else \
-            _one_actor(cell, desc, model, threads, nodes, work.delivery, work.vocab if measures_in_host(cell, work) else None)
+        started = (
+            _ranks(cell, desc, model, threads, nodes, work.delivery)
+            if ranks
+            else _one_actor(
+                cell, desc, model, threads, nodes, work.delivery, work.vocab if measures_in_host(cell, work) else None
+            )
+        )
         return queue_calls(started, cell, work, lambda a, method, *args: getattr(a, method).remote(*args))
 
     def stop(self, started: Started) -> None:

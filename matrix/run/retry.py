@@ -69,5 +69,6 @@ def limit(phase: str, load_timeout_s: float, capture_limit_s: float) -> tuple[fl
 
 def timed_out(phase: str, lim: tuple[float, str]) -> Failure:
     """A cell whose engine ran past its limit: failed, and not retried (it would run as long again)."""
-    return Failure("Timeout", f"{phase} ran past {lim[0]:.0f}s ({lim[1]}); its engine was stopped",
-                   infrastructure=False)
+    return Failure(
+        "Timeout", f"{phase} ran past {lim[0]:.0f}s ({lim[1]}); its engine was stopped", infrastructure=False
+    )

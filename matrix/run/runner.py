@@ -1,7 +1,8 @@
 """`matrix run`: work out what is missing, start every unfinished cell, and record what comes back.
 
 Cells run on an executor (matrix/run/launch.py): Ray's or this machine's. With Ray the caller
-(the CLI) owns the connection: this module expects `ray` to be initialised and never shuts it down. The rows of the small tables
+(the CLI) owns the connection: this module expects `ray` to be initialised and never shuts it down.
+The rows of the small tables
 are built by store/rows.py.
 """
 
@@ -15,19 +16,19 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import extras
 from common import ids
 from common.errors import UserError, first_line
 from common.files import sha256_file
 from common.stack import Cell
-import extras
 from matrix import __version__
-from matrix.spec import calibration, candidates
 from matrix.run import failures
+from matrix.run.plan import Plan
+from matrix.run.sweep import Sweep
+from matrix.spec import calibration, candidates
 from matrix.spec.corpus import tokenize
 from matrix.spec.models import fetch
-from matrix.run.plan import Plan
 from matrix.spec.parse import Spec
-from matrix.run.sweep import Sweep
 from store import SCHEMA_VERSION, Warehouse
 from store import rows as R
 
@@ -36,8 +37,19 @@ def library_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version(), "logit-matrix": __version__}
-    for dist in ("numpy", "pyarrow", "duckdb", "ray", "pyyaml", "torch", "transformers",
-                 "accelerate", "safetensors", "gguf", "tokenizers"):
+    for dist in (
+        "numpy",
+        "pyarrow",
+        "duckdb",
+        "ray",
+        "pyyaml",
+        "torch",
+        "transformers",
+        "accelerate",
+        "safetensors",
+        "gguf",
+        "tokenizers",
+    ):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:
@@ -63,8 +75,10 @@ def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
             config = transformers.AutoConfig.from_pretrained(m.hf_dir)
         vocab[name] = int(getattr(config, "vocab_size", 0) or 0) or len(tok)
         if len(tok) > vocab[name]:
-            raise UserError(f"{m.hf_dir}: the tokenizer has {len(tok)} tokens but the model has "
-                            f"vocab_size {vocab[name]}: tokenizer and model do not match")
+            raise UserError(
+                f"{m.hf_dir}: the tokenizer has {len(tok)} tokens but the model has "
+                f"vocab_size {vocab[name]}: tokenizer and model do not match"
+            )
         special[name] = {"bos": tok.bos_token_id, "eos": tok.eos_token_id}
         tok_file = os.path.join(m.hf_dir, "tokenizer.json") if m.hf_dir else None
         tok_sha = sha256_file(tok_file) if tok_file and os.path.isfile(tok_file) else None
@@ -86,6 +100,7 @@ def _depth(config) -> int:
 def resolve_extras(spec: Spec, cells: tuple[Cell, ...], model: str, facts: dict, prompts: list) -> tuple[Cell, ...]:
     """Each per-cell extra of the model's cells resolved against the model and its prompts
     (Extra.resolve; what it cannot hold is exit 2), before anything runs."""
+
     def fail(msg: str) -> UserError:
         return UserError(f"{spec.path}: {msg}")
 
@@ -120,16 +135,18 @@ class Resume:
     own_cluster: bool = False  # this run started its Ray cluster (no --address), or runs locally: see builds.probe
 
 
-def bind(plan: Plan, wh: Warehouse, ex, log: Callable[[str], None], resume: Resume = Resume(),
-         nodes: list | None = None) -> Plan:
+def bind(
+    plan: Plan, wh: Warehouse, ex, log: Callable[[str], None], resume: Resume = Resume(), nodes: list | None = None
+) -> Plan:
     """Bind every cell to the engine build of the node(s) it will run on (matrix/run/builds.py), then
     work out what is left to do. Run under the writer lock; ex: the executor (launch.Executor);
     nodes: those of ex, with the node types a launcher config can start."""
     from matrix.run import builds
 
     rows = wh.read_all("cells") if wh.check() else []  # read once: the builds and find_todo use it
-    answers = builds.probe(plan.spec.cells, plan.models, ex.nodes() if nodes is None else nodes, log, ex,
-                           resume.own_cluster)
+    answers = builds.probe(
+        plan.spec.cells, plan.models, ex.nodes() if nodes is None else nodes, log, ex, resume.own_cluster
+    )
     cells, built, left_out = builds.bind(plan.spec.cells, answers, builds.captured_builds(rows), log)
     for sid, why in left_out.items():
         log(f"not run this time: {sid}: {why}")
@@ -142,8 +159,14 @@ def bind(plan: Plan, wh: Warehouse, ex, log: Callable[[str], None], resume: Resu
 def _other_build(cell: Cell, rows: dict[str, dict], repeats: int) -> dict | None:
     """The newest complete capture of this stack (and replica) by another engine build: one whose
     id is the stack at its recorded build (or the stack alone, captured before builds were recorded)."""
-    same = [r for cid, r in rows.items() if cid != cell.cell_id and r["status"] == "done"
-            and (r["repeats"] or 0) >= repeats and cid == dataclasses.replace(cell, build=r.get("build")).cell_id]
+    same = [
+        r
+        for cid, r in rows.items()
+        if cid != cell.cell_id
+        and r["status"] == "done"
+        and (r["repeats"] or 0) >= repeats
+        and cid == dataclasses.replace(cell, build=r.get("build")).cell_id
+    ]
     return max(same, key=lambda r: r["finished_at"]) if same else None
 
 
@@ -172,16 +195,20 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
         for table, (rows, exact) in side.items():  # the extras' shards, complete too
             why = why or _side_shard_problem(wh, cell, r, table, rows, exact)
         if why is None and (lost := _values_lost(plan, wh, cell.cell_id, r)):
-            log(f"{wh.shard_path(cell.cell_id, r)}: its rows' values were not kept (keep_rows: references) {lost}; "
-                "capturing it again")
+            log(
+                f"{wh.shard_path(cell.cell_id, r)}: its rows' values were not kept (keep_rows: references) {lost}; "
+                "capturing it again"
+            )
         elif why is None:
             done.add(r)
         elif resume.recapture_damaged:
             aside = wh.move_aside(cell.cell_id, r, plan.aside)
             log(f"{wh.shard_path(cell.cell_id, r)}: damaged ({why}); moved to {aside}, capturing it again")
         else:
-            raise UserError(f"{wh.shard_path(cell.cell_id, r)}: damaged ({why}); run `matrix verify`, or "
-                            "`matrix run --recapture-damaged` to move it aside and capture it again")
+            raise UserError(
+                f"{wh.shard_path(cell.cell_id, r)}: damaged ({why}); run `matrix verify`, or "
+                "`matrix run --recapture-damaged` to move it aside and capture it again"
+            )
     return done
 
 
@@ -196,8 +223,9 @@ def _values_lost(plan: Plan, wh: Warehouse, cell_id: str, repeat: int) -> str | 
     return None if wh.table_meta("metrics", cell_id) is not None else "and no metrics of them were stored"
 
 
-def _side_shard_problem(wh: Warehouse, cell: Cell, repeat: int, table: str, rows: int,
-                        exact: bool = True) -> str | None:
+def _side_shard_problem(
+    wh: Warehouse, cell: Cell, repeat: int, table: str, rows: int, exact: bool = True
+) -> str | None:
     try:
         n = wh.shard_rows(cell.cell_id, repeat, table)
     except FileNotFoundError:
@@ -209,8 +237,13 @@ def _side_shard_problem(wh: Warehouse, cell: Cell, repeat: int, table: str, rows
     return f"{table}: {n} rows, the cell has {'' if exact else 'at least '}{rows} per repeat"
 
 
-def find_todo(plan: Plan, wh: Warehouse, resume: Resume = Resume(), log: Callable[[str], None] = lambda m: None,
-              cell_rows: list[dict] | None = None) -> Plan:
+def find_todo(
+    plan: Plan,
+    wh: Warehouse,
+    resume: Resume = Resume(),
+    log: Callable[[str], None] = lambda m: None,
+    cell_rows: list[dict] | None = None,
+) -> Plan:
     """Which (cell, repeat) captures are missing for the bound cells. A cell is its stack run by
     one engine build: a capture by another build counts only when the user says so. A cell that
     failed is tried again (its complete shards kept), unless skip_failed."""
@@ -229,23 +262,39 @@ def find_todo(plan: Plan, wh: Warehouse, resume: Resume = Resume(), log: Callabl
         if row and row["status"] == "skipped":
             complete.append(cell.cell_id)  # deterministic: building it again fails the same way
         elif row and row["status"] == "failed" and skip_failed:
-            left_out[cell.stack_id] = f"failed in run {row['run_id']} ({row['error_class']}: {row['error']}); --skip-failed"
+            left_out[cell.stack_id] = (
+                f"failed in run {row['run_id']} ({row['error_class']}: {row['error']}); --skip-failed"
+            )
         elif not missing and row and row["status"] == "done" and row["repeats"] >= spec.repeats:
             complete.append(cell.cell_id)
-        elif reuse_other_builds and (other := _other_build(cell, rows, spec.repeats)) \
-                and (spec.keep_rows != "all" or all(wh.shard_keeps_values(other["cell_id"], r)
-                                                    for r in wh.completed_repeats(other["cell_id"]))):
+        elif (
+            reuse_other_builds
+            and (other := _other_build(cell, rows, spec.repeats))
+            and (
+                spec.keep_rows != "all"
+                or all(wh.shard_keeps_values(other["cell_id"], r) for r in wh.completed_repeats(other["cell_id"]))
+            )
+        ):
             cells[i] = dataclasses.replace(cell, build=other.get("build"))
             complete.append(other["cell_id"])
             reused[cell.stack_id] = other["cell_id"]
             if refs.get(cell.model) == cell.cell_id:
                 refs[cell.model] = other["cell_id"]
-            log(f"{cell.stack_id}: reusing {other['cell_id']}, captured by build {other.get('build') or 'unrecorded'} "
-                f"on {other['host']}, instead of capturing build {cell.build}")
+            log(
+                f"{cell.stack_id}: reusing {other['cell_id']}, captured by build {other.get('build') or 'unrecorded'} "
+                f"on {other['host']}, instead of capturing build {cell.build}"
+            )
         else:
             todo[cell.cell_id] = tuple(missing)
-    return dataclasses.replace(plan, cells=tuple(cells), todo=todo, complete=tuple(complete), reused=reused,
-                               left_out=left_out, reference_cells=refs)
+    return dataclasses.replace(
+        plan,
+        cells=tuple(cells),
+        todo=todo,
+        complete=tuple(complete),
+        reused=reused,
+        left_out=left_out,
+        reference_cells=refs,
+    )
 
 
 def regroup_complete_cells(plan: Plan, wh: Warehouse, log: Callable[[str], None]) -> None:
@@ -256,14 +305,19 @@ def regroup_complete_cells(plan: Plan, wh: Warehouse, log: Callable[[str], None]
     changed = 0
     for cid in plan.complete:
         rows = wh.read_rows("cells", cid)
-        want = {"centroid_group": cells[cid].centroid_group, "centroid": plan.spec.centroid,
-                "calibration": cells[cid].calibration}
+        want = {
+            "centroid_group": cells[cid].centroid_group,
+            "centroid": plan.spec.centroid,
+            "calibration": cells[cid].calibration,
+        }
         if rows and any(rows[0].get(k) != v for k, v in want.items()):
             wh.write_rows("cells", cid, [{**rows[0], **want}])
             changed += 1
     if changed:
-        log(f"centroid grouping / calibration changed: relabelled {changed} captured cell(s); "
-            "run `matrix analyze` again")
+        log(
+            f"centroid grouping / calibration changed: relabelled {changed} captured cell(s); "
+            "run `matrix analyze` again"
+        )
 
 
 def mark_interrupted_runs(wh: Warehouse, log: Callable[[str], None]) -> None:
@@ -272,12 +326,21 @@ def mark_interrupted_runs(wh: Warehouse, log: Callable[[str], None]) -> None:
     markers = failures.read_markers(wh.where)
     for run in wh.read_all("runs"):
         if run["status"] == "running":
-            m = markers.get(run["run_id"]) or {"status": "interrupted", "error": "the process ended before the run finished"}
-            wh.write_rows("runs", run["run_id"], [R.run_finished(run, m["status"], finished_at=run["finished_at"],
-                                                                 error=m["error"])])
+            m = markers.get(run["run_id"]) or {
+                "status": "interrupted",
+                "error": "the process ended before the run finished",
+            }
+            wh.write_rows(
+                "runs",
+                run["run_id"],
+                [R.run_finished(run, m["status"], finished_at=run["finished_at"], error=m["error"])],
+            )
             failures.drop_marker(wh.where, run["run_id"])
-            log(f"run {run['run_id']} ended {m['status']}" + (f" ({m['error']})" if m["error"] else "")
-                + "; resuming its work")
+            log(
+                f"run {run['run_id']} ended {m['status']}"
+                + (f" ({m['error']})" if m["error"] else "")
+                + "; resuming its work"
+            )
 
 
 def _record_end(wh: Warehouse, row: dict, log: Callable[[str], None]) -> OSError | None:
@@ -288,14 +351,23 @@ def _record_end(wh: Warehouse, row: dict, log: Callable[[str], None]) -> OSError
         return None
     except OSError as e:
         path = failures.leave_marker(wh.where, row["run_id"], row["status"], row["error"])
-        log(f"could not record the end of run {row['run_id']} in the warehouse "
+        log(
+            f"could not record the end of run {row['run_id']} in the warehouse "
             f"({failures.storage_line(e, wh.where) if failures.storage_error(e) else e}); kept in {path}, "
-            "for the next run to record")
+            "for the next run to record"
+        )
         return e
 
 
-def _begin(plan: Plan, wh: Warehouse, argv: list[str], address: str | None, executor: str,
-           log: Callable[[str], None], nonce: str) -> dict:
+def _begin(
+    plan: Plan,
+    wh: Warehouse,
+    argv: list[str],
+    address: str | None,
+    executor: str,
+    log: Callable[[str], None],
+    nonce: str,
+) -> dict:
     """Under the writer lock, before any cell starts: tidy what a killed run left, write the
     prompts, and the run's own row (status running)."""
     spec = plan.spec
@@ -309,12 +381,27 @@ def _begin(plan: Plan, wh: Warehouse, argv: list[str], address: str | None, exec
             if not wh.has_rows("prompts", p.prompt_id):
                 wh.write_rows("prompts", p.prompt_id, [R.prompt_row(**p.to_row(), n_tokens=len(p.token_ids))])
     run_id = ids.run_id()
-    run = R.run_row(run_id, "running", started_at=R.now(), finished_at=None, spec_name=spec.name,
-                    spec_path=str(spec.path), spec_sha256=spec.sha256, spec_yaml=spec.raw_text, argv=json.dumps(argv),
-                    pid=os.getpid(), ray_address=(address or "local") if executor == "ray" else None,
-                    executor=executor, logit_matrix_version=__version__,
-                    schema_version=SCHEMA_VERSION, versions=json.dumps(library_versions(), sort_keys=True),
-                    cells_total=len(plan.cells), cells_done=len(plan.complete), rows_written=0, error=None)
+    run = R.run_row(
+        run_id,
+        "running",
+        started_at=R.now(),
+        finished_at=None,
+        spec_name=spec.name,
+        spec_path=str(spec.path),
+        spec_sha256=spec.sha256,
+        spec_yaml=spec.raw_text,
+        argv=json.dumps(argv),
+        pid=os.getpid(),
+        ray_address=(address or "local") if executor == "ray" else None,
+        executor=executor,
+        logit_matrix_version=__version__,
+        schema_version=SCHEMA_VERSION,
+        versions=json.dumps(library_versions(), sort_keys=True),
+        cells_total=len(plan.cells),
+        cells_done=len(plan.complete),
+        rows_written=0,
+        error=None,
+    )
     wh.write_rows("runs", run_id, [run])
     return run
 
@@ -344,8 +431,15 @@ def _running(pid: int) -> bool:
         return True
 
 
-def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
-            log: Callable[[str], None], ex, nonce: str | None = None) -> dict:
+def execute(
+    plan: Plan,
+    wh: Warehouse,
+    argv: list[str],
+    address: str | None,
+    log: Callable[[str], None],
+    ex,
+    nonce: str | None = None,
+) -> dict:
     """Run every unfinished cell of a bound plan (bind()) on the executor ex (launch.Executor);
     returns a summary. nonce: this run's, when a host was started with it ahead of the run."""
     spec = plan.spec
@@ -359,8 +453,10 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
         for cell in todo:
             sweep.start(cell)
         waiting = sum(len(v) for v in sweep.waiting.values())
-        log(f"{len(todo)} cell(s) to run, {sweep.out.units_total} capture(s); {len(plan.complete)} already complete"
-            + (f"; {waiting} start once their reference is done (reference_metrics: in_actor)" if waiting else ""))
+        log(
+            f"{len(todo)} cell(s) to run, {sweep.out.units_total} capture(s); {len(plan.complete)} already complete"
+            + (f"; {waiting} start once their reference is done (reference_metrics: in_actor)" if waiting else "")
+        )
         sweep.loop()
         status = "done"
     except KeyboardInterrupt:
@@ -377,7 +473,9 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
         raise
     finally:
         stopped = [a for lv in sweep.live.values() for a in lv.started.actors]
-        here = [lv.loaded["pid"] for lv in sweep.live.values() if lv.loaded and lv.loaded.get("host") == platform.node()]
+        here = [
+            lv.loaded["pid"] for lv in sweep.live.values() if lv.loaded and lv.loaded.get("host") == platform.node()
+        ]
         ex.shutdown()  # first: no host still waiting for its turn starts while the others stop
         for cid in list(sweep.live):
             sweep.drop(cid)
@@ -386,15 +484,34 @@ def execute(plan: Plan, wh: Warehouse, argv: list[str], address: str | None,
             wait_exited(here)
             for p in wh.sweep_tmp():
                 log(f"removed the partial file of a stopped capture: {p}")
-        unrecorded = _record_end(wh, R.run_finished(run, status, cells_done=sweep.out.cells_done, rows_written=sweep.out.rows,
-                                                     rows_delivery=json.dumps(sweep.out.via), cells_failed=len(sweep.out.failed)), log)
+        unrecorded = _record_end(
+            wh,
+            R.run_finished(
+                run,
+                status,
+                cells_done=sweep.out.cells_done,
+                rows_written=sweep.out.rows,
+                rows_delivery=json.dumps(sweep.out.via),
+                cells_failed=len(sweep.out.failed),
+            ),
+            log,
+        )
     if unrecorded is not None:
         raise unrecorded
     elapsed = time.perf_counter() - sweep.out.t0
-    return {"run_id": run["run_id"], "cells_total": len(plan.cells), "cells_done": sweep.out.cells_done,
-            "cells_run": len(todo), "rows_written": sweep.out.rows, "seconds": round(elapsed, 2),
-            "rows_per_second": round(sweep.out.rows / max(elapsed, 1e-9), 2), "rows_delivery": sweep.out.via,
-            "metrics_in_actor": sweep.out.inline_written,
-            "skipped": spec.skipped, "left_out": plan.left_out, "reused": plan.reused,
-            "failed": {cid: f.line() for cid, f in sweep.out.failed.items()},
-            "bad_input": next((f.message for f in sweep.out.failed.values() if f.bad_input), None)}
+    return {
+        "run_id": run["run_id"],
+        "cells_total": len(plan.cells),
+        "cells_done": sweep.out.cells_done,
+        "cells_run": len(todo),
+        "rows_written": sweep.out.rows,
+        "seconds": round(elapsed, 2),
+        "rows_per_second": round(sweep.out.rows / max(elapsed, 1e-9), 2),
+        "rows_delivery": sweep.out.via,
+        "metrics_in_actor": sweep.out.inline_written,
+        "skipped": spec.skipped,
+        "left_out": plan.left_out,
+        "reused": plan.reused,
+        "failed": {cid: f.line() for cid, f in sweep.out.failed.items()},
+        "bad_input": next((f.message for f in sweep.out.failed.values() if f.bad_input), None),
+    }

@@ -28,8 +28,7 @@ HEARTBEAT_S = float(os.environ.get("LOGIT_MATRIX_HEARTBEAT_S", "60"))
 class Sweep:
     """Scheduling: which cells are in flight, which wait for their reference, which calls are out."""
 
-    def __init__(self, plan: Plan, wh: Warehouse, run: dict, ex: launch.Executor, log: Callable[[str], None],
-                 delivery):
+    def __init__(self, plan: Plan, wh: Warehouse, run: dict, ex: launch.Executor, log: Callable[[str], None], delivery):
         self.plan, self.wh, self.ex, self.log = plan, wh, ex, log
         self.nodes = ex.nodes()
         self.out = Outcomes(plan, wh, run, log)
@@ -58,24 +57,40 @@ class Sweep:
         ref = self.plan.reference_cells.get(model)
         waiting = self.waiting.pop(model, [])
         if waiting and ref not in self.out.finished:
-            self.log(f"{model}: its reference {ref} is not done: {len(waiting)} cell(s) capture without measuring "
-                     "against it, and keep their rows' values for `matrix analyze`")
+            self.log(
+                f"{model}: its reference {ref} is not done: {len(waiting)} cell(s) capture without measuring "
+                "against it, and keep their rows' values for `matrix analyze`"
+            )
         for cell in waiting:
             self.out.units_total -= len(self.todo[cell.cell_id])  # _start counts them again
             self._start(cell, ref if ref in self.out.finished else None)
 
     def _start(self, cell: Cell, metrics_ref: str | None) -> None:
         plan = self.plan
-        model, threads, repeats = plan.models[cell.model], placement.cell_threads(cell, self.nodes), self.todo[cell.cell_id]
+        model, threads, repeats = (
+            plan.models[cell.model],
+            placement.cell_threads(cell, self.nodes),
+            self.todo[cell.cell_id],
+        )
         # keep_rows: references drops the values of a cell's rows only where its host measures them
         values = plan.spec.keep_rows == "all" or metrics_ref in (None, cell.cell_id)
-        work = launch.Work(self.out.run_id, self.delivery, plan.spec.positions, repeats,
-                           [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]],
-                           plan.special[cell.model], plan.vocab[cell.model], plan.spec.store, metrics_ref, values)
+        work = launch.Work(
+            self.out.run_id,
+            self.delivery,
+            plan.spec.positions,
+            repeats,
+            [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]],
+            plan.special[cell.model],
+            plan.vocab[cell.model],
+            plan.spec.store,
+            metrics_ref,
+            values,
+        )
         started = self.ex.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
         limit = retry.capture_limit(plan.spec.capture_timeout_s, plan.prompts[cell.model], cell)
-        self.live[cell.cell_id] = Live(cell, started, threads, len(repeats), repeats=sorted(repeats),
-                                       capture_limit_s=limit)
+        self.live[cell.cell_id] = Live(
+            cell, started, threads, len(repeats), repeats=sorted(repeats), capture_limit_s=limit
+        )
         self.pending.update(started.calls)
         self.out.units_total += len(repeats)
 
@@ -93,8 +108,10 @@ class Sweep:
         self.drop(cid)
         attempt = self.attempts.get(cid, 1)
         if verdict is retry.Verdict.RETRY:
-            self.log(f"{cid}: {failure.line()} -- starting it again (attempt {attempt + 1} of at most "
-                     f"{failure.retries_allowed(self.plan.spec.retries) + 1})")
+            self.log(
+                f"{cid}: {failure.line()} -- starting it again (attempt {attempt + 1} of at most "
+                f"{failure.retries_allowed(self.plan.spec.retries) + 1})"
+            )
             # shards the dead actor finished are kept, but for one without values (keep_rows: references):
             # what its actor measured died with it, and only a capture measures it again
             done = {r for r in self.wh.completed_repeats(cid) if self.wh.shard_keeps_values(cid, r)}
@@ -165,9 +182,15 @@ class Sweep:
         if call.kind is Kind.CAPTURE and call.repeat in live.repeats:
             live.repeats.remove(call.repeat)
         # any call of rank 0 that came back means its actor exists: never "placing" again
-        phase = ("loading" if live.loaded is None
-                 else "tokenizer parity" if live.parity is None
-                 else f"capture r{live.repeats[0]}" if live.repeats else "closing")
+        phase = (
+            "loading"
+            if live.loaded is None
+            else "tokenizer parity"
+            if live.parity is None
+            else f"capture r{live.repeats[0]}"
+            if live.repeats
+            else "closing"
+        )
         if phase != live.phase:
             live.phase, live.since = phase, time.perf_counter()
 
@@ -201,16 +224,22 @@ class Sweep:
     def heartbeat(self, nodes: list) -> str:
         """One line while nothing finishes: which cells are not loaded yet, and where they can go now."""
         waiting = sorted(cid for cid, lv in self.live.items() if lv.loaded is None)
-        where = [f"{cid} ({placement.where(self.live[cid].cell.device, self.live[cid].cell.tp, self.live[cid].threads, nodes)})"
-                 for cid in waiting[:3]]
+        where = [
+            f"{cid} ({placement.where(live.cell.device, live.cell.tp, live.threads, nodes)})"
+            for cid, live in ((c, self.live[c]) for c in waiting[:3])
+        ]
         more = f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""
         state = (f"; {len(waiting)} cell(s) not loaded yet: " + ", ".join(where) + more) if waiting else ""
         now = time.perf_counter()
         busy = sorted((cid, lv) for cid, lv in self.live.items() if lv.loaded is not None)
         if busy:  # what each loaded cell's engine is doing, and for how long (its time limit applies)
-            state += "; running: " + ", ".join(f"{cid} {lv.phase} for {now - lv.since:.0f}s"
-                                                 for cid, lv in busy[:3]) \
+            state += (
+                "; running: "
+                + ", ".join(f"{cid} {lv.phase} for {now - lv.since:.0f}s" for cid, lv in busy[:3])
                 + (f" and {len(busy) - 3} more" if len(busy) > 3 else "")
+            )
         out = self.out
-        return (f"waiting {time.perf_counter() - out.t0:.0f}s in: captures {out.units_done}/{out.units_total}, "
-                f"rows {out.rows}{state}")
+        return (
+            f"waiting {time.perf_counter() - out.t0:.0f}s in: captures {out.units_done}/{out.units_total}, "
+            f"rows {out.rows}{state}"
+        )

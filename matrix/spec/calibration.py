@@ -45,9 +45,14 @@ def parse_option(v: Any, fld: str, base: Path, error: Callable[..., Exception]) 
         text_path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise error(f"{fld}.corpus", "is not UTF-8 text", corpus) from None
-    out = {"corpus": "builtin" if corpus == "builtin" else text_path.name, "path": str(text_path),
-           "sha256": sha256_file(text_path), "ctx": v.get("ctx", 512), "chunks": v.get("chunks"),
-           "max_overlap": v.get("max_overlap", MAX_OVERLAP)}
+    out = {
+        "corpus": "builtin" if corpus == "builtin" else text_path.name,
+        "path": str(text_path),
+        "sha256": sha256_file(text_path),
+        "ctx": v.get("ctx", 512),
+        "chunks": v.get("chunks"),
+        "max_overlap": v.get("max_overlap", MAX_OVERLAP),
+    }
     for k in ("ctx", "chunks"):
         if out[k] is not None and (isinstance(out[k], bool) or not isinstance(out[k], int) or out[k] < 1):
             raise error(f"{fld}.{k}", "must be a positive integer", out[k])
@@ -66,7 +71,7 @@ def option_identity(opts: dict) -> dict:
 
 
 def grams(ids: list[int], n: int = N) -> set[tuple[int, ...]]:
-    return {tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)}
+    return {tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)}
 
 
 def overlap(calibration_ids: list[int], prompts) -> tuple[float, str | None, float]:
@@ -99,4 +104,5 @@ def check(spec, cells, prompts, tokenizer) -> None:
             raise UserError(
                 f"{spec.path}: imatrix.corpus: the calibration text {im['path']} contains {share:.1%} of the "
                 f"evaluation corpus's token {N}-grams ({worst_share:.0%} of prompt {worst}); the limit is "
-                f"{im['max_overlap']:.1%} (imatrix.max_overlap). Calibrate on text the evaluation does not use")
+                f"{im['max_overlap']:.1%} (imatrix.max_overlap). Calibrate on text the evaluation does not use"
+            )

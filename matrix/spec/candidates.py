@@ -28,8 +28,20 @@ from store.gguf_meta import GgufInfo, read_info
 GGUF_ARCH = {"mistral": "llama"}
 
 
-CANDIDATE_KEYS = ("model", "engine", "gguf", "path", "hub", "revision", "dtype", "attention", "name", "device",
-                  "threads", "calibration")
+CANDIDATE_KEYS = (
+    "model",
+    "engine",
+    "gguf",
+    "path",
+    "hub",
+    "revision",
+    "dtype",
+    "attention",
+    "name",
+    "device",
+    "threads",
+    "calibration",
+)
 # what a candidate is given as -> the engine that runs it as it is
 CANDIDATE_KINDS = {"gguf": "llamacpp", "path": "hf", "hub": "hf"}  # (the default engine)
 CANDIDATE_ENGINES = {"gguf": ("llamacpp",), "path": ("hf", "vllm"), "hub": ("hf", "vllm")}
@@ -39,15 +51,23 @@ def _candidate_file(path: Path, fld: str, e: dict, models: dict) -> tuple[str, s
     """(kind, location) of a candidate: gguf FILE | source, path DIR (an HF checkpoint), hub org/name."""
     given = [k for k in CANDIDATE_KINDS if k in e]
     if len(given) != 1:
-        raise field_error(path, fld, "give exactly one of gguf (a GGUF file), path (an HF checkpoint directory) "
-                                     "or hub (an HF hub id)", e)
+        raise field_error(
+            path,
+            fld,
+            "give exactly one of gguf (a GGUF file), path (an HF checkpoint directory) or hub (an HF hub id)",
+            e,
+        )
     kind = given[0]
     loc = e[kind]
     if not isinstance(loc, str) or not loc:
         raise field_error(path, f"{fld}.{kind}", "must be a non-empty string", loc)
     if e.get("engine", CANDIDATE_KINDS[kind]) not in CANDIDATE_ENGINES[kind]:
-        raise field_error(path, f"{fld}.engine", f"a {kind} candidate runs on engine "
-                          + " or ".join(CANDIDATE_ENGINES[kind]), e.get("engine"))
+        raise field_error(
+            path,
+            f"{fld}.engine",
+            f"a {kind} candidate runs on engine " + " or ".join(CANDIDATE_ENGINES[kind]),
+            e.get("engine"),
+        )
     if "revision" in e and kind != "hub":
         raise field_error(path, f"{fld}.revision", "only a hub candidate has a revision", e["revision"])
     if kind == "gguf" and loc == "source":
@@ -57,8 +77,12 @@ def _candidate_file(path: Path, fld: str, e: dict, models: dict) -> tuple[str, s
         full = str((path.parent / os.path.expanduser(loc)).resolve())
         ok = os.path.isfile(full) if kind == "gguf" else os.path.isfile(os.path.join(full, "config.json"))
         if not ok:
-            raise field_error(path, f"{fld}.{kind}", "no such file" if kind == "gguf"
-                              else "not an HF checkpoint directory (no config.json)", loc)
+            raise field_error(
+                path,
+                f"{fld}.{kind}",
+                "no such file" if kind == "gguf" else "not an HF checkpoint directory (no config.json)",
+                loc,
+            )
         loc = full
     elif not re.fullmatch(r"[\w.-]+/[\w.-]+", loc):
         raise field_error(path, f"{fld}.hub", "must be an HF hub id like org/name", loc)
@@ -82,8 +106,9 @@ def parse_candidates(path: Path, data: dict, models: dict) -> list[dict]:
             if k not in CANDIDATE_KEYS:
                 raise field_error(path, f"{fld}.{k}", f"unknown key; expected one of {', '.join(CANDIDATE_KEYS)}")
         if e.get("model") not in models:
-            raise field_error(path, f"{fld}.model", f"expected one of the spec's models ({', '.join(models)})",
-                              e.get("model"))
+            raise field_error(
+                path, f"{fld}.model", f"expected one of the spec's models ({', '.join(models)})", e.get("model")
+            )
         kind, loc = _candidate_file(path, fld, e, models)
         for k in ("name", "calibration", "revision"):
             v = e.get(k)
@@ -95,11 +120,22 @@ def parse_candidates(path: Path, data: dict, models: dict) -> list[dict]:
                 if kind == "gguf":
                     raise field_error(path, f"{fld}.{k}", "a GGUF candidate runs what its file declares", e[k])
                 extra[k] = check_axis_value(path, f"{fld}.{k}", k, e[k], models)
-        out.append({"model": e["model"], "engine": e.get("engine", CANDIDATE_KINDS[kind]), "kind": kind, kind: loc,
-                    "revision": e.get("revision"), "name": e.get("name"), "calibration": e.get("calibration"),
-                    "device": check_axis_value(path, f"{fld}.device", "device", e["device"], models)
-                    if "device" in e else None,
-                    "threads": check_threads(path, f"{fld}.threads", e.get("threads")), **extra})
+        out.append(
+            {
+                "model": e["model"],
+                "engine": e.get("engine", CANDIDATE_KINDS[kind]),
+                "kind": kind,
+                kind: loc,
+                "revision": e.get("revision"),
+                "name": e.get("name"),
+                "calibration": e.get("calibration"),
+                "device": check_axis_value(path, f"{fld}.device", "device", e["device"], models)
+                if "device" in e
+                else None,
+                "threads": check_threads(path, f"{fld}.threads", e.get("threads")),
+                **extra,
+            }
+        )
     return out
 
 
@@ -111,8 +147,6 @@ def _source(spec, model: str) -> tuple[str | None, str]:
     if ref.kind == "gguf":
         return ref.location, read_info(ref.location).declared
     return None, CATALOG[ref.location].source_quant  # fetched later; the catalog pins the file
-
-
 
 
 def _what(spec, c: dict) -> tuple[str | None, str | None, dict, str, str]:
@@ -133,8 +167,10 @@ def _what(spec, c: dict) -> tuple[str | None, str | None, dict, str, str]:
             raise UserError(f"candidate {c['path']}: no *.safetensors files in this checkpoint directory")
         return c["path"], sha, {"weights_sha256": sha}, c.get("dtype") or _config_dtype(c["path"]), attention
     if not c.get("dtype"):
-        raise UserError(f"{spec.path}: candidates: hub candidate {c['hub']}: give its dtype (its config is read "
-                        "only when the run starts)")
+        raise UserError(
+            f"{spec.path}: candidates: hub candidate {c['hub']}: give its dtype (its config is read "
+            "only when the run starts)"
+        )
     hub = ids.hub_artifact(c["hub"], c["revision"])
     return hub, None, {"hub": hub}, c["dtype"], attention
 
@@ -168,20 +204,41 @@ def cells(spec, corpus_fp: str, make_cell_id, cell_options, cell_extras) -> list
     for c in spec.candidates:
         path, sha, pin, dtype, attention = _what(spec, c)
         device = c["device"] or (spec.axes["device"][0] if len(spec.axes["device"]) == 1 else "cpu")
-        combo = {"model": c["model"], "engine": c["engine"], "dtype": dtype, "attention": attention, "tp": 1,
-                 "device": device}
+        combo = {
+            "model": c["model"],
+            "engine": c["engine"],
+            "dtype": dtype,
+            "attention": attention,
+            "tp": 1,
+            "device": device,
+        }
         if c["threads"]:
             combo["threads"] = c["threads"]
         opts, _ = cell_options(spec, combo)
         cid = make_cell_id(spec, combo, opts, corpus_fp, extra={"candidate": pin})
-        group = next((g for g, sels in spec.centroid_groups
-                      if any(all(combo.get(k) == v for k, v in sel.items()) for sel in sels)), None)
-        out.append(Cell(**{k: combo[k] for k in ("model", "engine", "dtype", "attention", "tp", "device")},
-                        threads=combo.get("threads", spec.threads), stack_id=cid, extras=cell_extras(spec, combo),
-                        max_tokens=spec.max_tokens, options=tuple(opts.items()), centroid_group=group,
-                        calibration=c["calibration"],
-                        artifact=path or "source", artifact_sha256=sha,
-                        label=c["name"] or (Path(path).name if path else f"{c['model']}'s source GGUF")))
+        group = next(
+            (
+                g
+                for g, sels in spec.centroid_groups
+                if any(all(combo.get(k) == v for k, v in sel.items()) for sel in sels)
+            ),
+            None,
+        )
+        out.append(
+            Cell(
+                **{k: combo[k] for k in ("model", "engine", "dtype", "attention", "tp", "device")},
+                threads=combo.get("threads", spec.threads),
+                stack_id=cid,
+                extras=cell_extras(spec, combo),
+                max_tokens=spec.max_tokens,
+                options=tuple(opts.items()),
+                centroid_group=group,
+                calibration=c["calibration"],
+                artifact=path or "source",
+                artifact_sha256=sha,
+                label=c["name"] or (Path(path).name if path else f"{c['model']}'s source GGUF"),
+            )
+        )
     return out
 
 
@@ -210,10 +267,14 @@ def _hf_load(artifact: str):
         where, rev = ids.split_hub_artifact(artifact)
         kw = {"revision": rev}
     try:
-        return (transformers.AutoConfig.from_pretrained(where, **kw),
-                transformers.AutoTokenizer.from_pretrained(where, **kw))
+        return (
+            transformers.AutoConfig.from_pretrained(where, **kw),
+            transformers.AutoTokenizer.from_pretrained(where, **kw),
+        )
     except OSError as e:
-        raise UserError(f"candidate {artifact}: cannot read its config and tokenizer: {str(e).splitlines()[0]}") from None
+        raise UserError(
+            f"candidate {artifact}: cannot read its config and tokenizer: {str(e).splitlines()[0]}"
+        ) from None
 
 
 def _is_checkpoint(cell: Cell) -> bool:
@@ -229,9 +290,12 @@ def header_facts(cell: Cell, model) -> dict:
     if _is_checkpoint(cell):
         config, _ = _hf_load(resolve(cell, model).artifact)
         q = getattr(config, "quantization_config", None)
-        return {"kind": "hf checkpoint", "model_type": config.model_type,
-                "config_dtype": str(getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)),
-                "quantization_config": q if isinstance(q, dict) else (q.to_dict() if q is not None else None)}
+        return {
+            "kind": "hf checkpoint",
+            "model_type": config.model_type,
+            "config_dtype": str(getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)),
+            "quantization_config": q if isinstance(q, dict) else (q.to_dict() if q is not None else None),
+        }
     info = read_info(resolve(cell, model).artifact)
     return {"declared_quant": info.declared, "gguf_name": info.name, "imatrix": info.imatrix or None}
 
@@ -241,8 +305,12 @@ def hf_differences(cand_config, cand_tok, config, tok) -> list[str]:
     out = []
     if cand_config.model_type != config.model_type:
         out.append(f"architecture {cand_config.model_type} (reference: {config.model_type})")
-    for what, attr in (("layers", "num_hidden_layers"), ("hidden size", "hidden_size"),
-                       ("attention heads", "num_attention_heads"), ("vocab_size", "vocab_size")):
+    for what, attr in (
+        ("layers", "num_hidden_layers"),
+        ("hidden size", "hidden_size"),
+        ("attention heads", "num_attention_heads"),
+        ("vocab_size", "vocab_size"),
+    ):
         got, want = getattr(cand_config, attr, None), getattr(config, attr, None)
         if got is not None and want is not None and int(got) != int(want):
             out.append(f"{what} {got} (reference: {want})")
@@ -251,8 +319,13 @@ def hf_differences(cand_config, cand_tok, config, tok) -> list[str]:
     elif cand_tok.get_vocab() != tok.get_vocab():
         inv = {i: t for t, i in tok.get_vocab().items()}
         first = min(i for t, i in cand_tok.get_vocab().items() if inv.get(i) != t)
-        out.append(f"tokenizer: token {first} is {cand_tok.convert_ids_to_tokens(first)!r} (reference: {inv.get(first)!r})")
-    for what, got, want in (("BOS", cand_tok.bos_token_id, tok.bos_token_id), ("EOS", cand_tok.eos_token_id, tok.eos_token_id)):
+        out.append(
+            f"tokenizer: token {first} is {cand_tok.convert_ids_to_tokens(first)!r} (reference: {inv.get(first)!r})"
+        )
+    for what, got, want in (
+        ("BOS", cand_tok.bos_token_id, tok.bos_token_id),
+        ("EOS", cand_tok.eos_token_id, tok.eos_token_id),
+    ):
         if got != want:
             out.append(f"{what} id {got} (reference: {want})")
     return out
@@ -264,9 +337,11 @@ def differences(info: GgufInfo, config, tok, vocab: int) -> list[str]:
     want_arch = GGUF_ARCH.get(config.model_type, config.model_type)
     if info.architecture != want_arch:
         out.append(f"architecture {info.architecture} (reference: {config.model_type})")
-    for what, got, want in (("layers", info.block_count, getattr(config, "num_hidden_layers", None)),
-                            ("hidden size", info.embedding_length, getattr(config, "hidden_size", None)),
-                            ("attention heads", info.head_count, getattr(config, "num_attention_heads", None))):
+    for what, got, want in (
+        ("layers", info.block_count, getattr(config, "num_hidden_layers", None)),
+        ("hidden size", info.embedding_length, getattr(config, "hidden_size", None)),
+        ("attention heads", info.head_count, getattr(config, "num_attention_heads", None)),
+    ):
         if got is not None and want is not None and int(got) != int(want):
             out.append(f"{what} {got} (reference: {want})")
     if len(info.tokens) != vocab:

@@ -23,13 +23,25 @@ def load_spec(spec_path: str | os.PathLike) -> Spec:
 
 def stack_desc(cell: Cell, model) -> StackDesc:
     """What the cell's backend is given (model: matrix.spec.models.ResolvedModel)."""
-    return StackDesc(engine=cell.engine, dtype=cell.dtype, attention=cell.attention, device=cell.device,
-                     tp=cell.tp, model=cell.model, cell_id=cell.cell_id, options=cell.options,
-                     max_tokens=cell.max_tokens, weights_sha256=model.weights_sha256,
-                     extras=cell.extras, extra_targets=extras.targets(cell),
-                     source_gguf=model.gguf_path, source_quant=model.gguf_quant,
-                     build=cell.build,
-                     calibration_text=_calibration_text(cell), **_artifact(cell, model))
+    return StackDesc(
+        engine=cell.engine,
+        dtype=cell.dtype,
+        attention=cell.attention,
+        device=cell.device,
+        tp=cell.tp,
+        model=cell.model,
+        cell_id=cell.cell_id,
+        options=cell.options,
+        max_tokens=cell.max_tokens,
+        weights_sha256=model.weights_sha256,
+        extras=cell.extras,
+        extra_targets=extras.targets(cell),
+        source_gguf=model.gguf_path,
+        source_quant=model.gguf_quant,
+        build=cell.build,
+        calibration_text=_calibration_text(cell),
+        **_artifact(cell, model),
+    )
 
 
 def _calibration_text(cell: Cell) -> str | None:
@@ -56,16 +68,20 @@ def _artifact(cell: Cell, model) -> dict:
 
 def model_copy(model) -> ModelCopy:
     """What a node is told about the cell's reference weights (model: matrix.spec.models.ResolvedModel)."""
-    return ModelCopy(model.name, model.hf_dir, model.weights_sha256, model.gguf_path,
-                     model.source_sha256 if model.gguf_path else None)
+    return ModelCopy(
+        model.name,
+        model.hf_dir,
+        model.weights_sha256,
+        model.gguf_path,
+        model.source_sha256 if model.gguf_path else None,
+    )
 
 
 def _combos(spec: Spec) -> list[dict]:
     """GitHub Actions matrix semantics: product, minus exclude, plus include."""
     keys = list(names.CELL_AXES)
     combos = [dict(zip(keys, vals)) for vals in itertools.product(*(spec.axes[k] for k in keys))]
-    combos = [c for c in combos
-              if not any(all(c.get(k) == v for k, v in ex.items()) for ex in spec.exclude)]
+    combos = [c for c in combos if not any(all(c.get(k) == v for k, v in ex.items()) for ex in spec.exclude)]
     originals = [dict(c) for c in combos]  # the product's combinations only: as in GitHub Actions,
     for i, inc in enumerate(spec.include):  # an include never extends one an earlier include created
         added = False
@@ -79,8 +95,11 @@ def _combos(spec: Spec) -> list[dict]:
             for k in keys:
                 if k not in new:
                     if len(spec.axes[k]) != 1:
-                        raise field_error(spec.path, f"include[{i}].{k}",
-                                   "a new combination must name this axis (it has several values)")
+                        raise field_error(
+                            spec.path,
+                            f"include[{i}].{k}",
+                            "a new combination must name this axis (it has several values)",
+                        )
                     new[k] = spec.axes[k][0]
             combos.append(new)
     return combos
@@ -116,13 +135,20 @@ def cell_options(spec: Spec, combo: dict) -> tuple[dict, list[str]]:
     return dict(sorted(opts.items())), foreign
 
 
-def make_cell_id(spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: int = 0,
-                 extra: dict | None = None) -> str:
+def make_cell_id(
+    spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: int = 0, extra: dict | None = None
+) -> str:
     """Stable id: readable coordinates plus a hash of everything that changes the rows (extra:
     what else does, e.g. a candidate's file)."""
-    key = {**(extra or {}), **{k: combo[k] for k in names.CELL_AXES}, "model": spec.models[combo["model"]].identity,
-           "threads": combo.get("threads", spec.threads), "stride": spec.stride,
-           "bos": spec.bos, "corpus": corpus_fp}
+    key = {
+        **(extra or {}),
+        **{k: combo[k] for k in names.CELL_AXES},
+        "model": spec.models[combo["model"]].identity,
+        "threads": combo.get("threads", spec.threads),
+        "stride": spec.stride,
+        "bos": spec.bos,
+        "corpus": corpus_fp,
+    }
     if opts:  # only when set, so cells without options keep their ids
         key["options"] = option_identity(opts)
     if _runs_gguf_file(spec, combo):  # not a conversion of the dequantised weights: another capture
@@ -187,19 +213,31 @@ def _combo_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: li
         if cid in seen:
             continue
         seen.add(cid)
-        group = next((g for g, sels in spec.centroid_groups
-                      if any(all(combo[k] == v for k, v in sel.items()) for sel in sels)), None)
-        cell = Cell(**{k: combo[k] for k in names.CELL_AXES},
-                    threads=combo.get("threads", spec.threads), stack_id=cid,
-                    max_tokens=combo.get("max_tokens", spec.max_tokens), extras=cell_extras(spec, combo),
-                    options=tuple(opts.items()), centroid_group=group, calibration=combo.get("calibration"))
+        group = next(
+            (g for g, sels in spec.centroid_groups if any(all(combo[k] == v for k, v in sel.items()) for sel in sels)),
+            None,
+        )
+        cell = Cell(
+            **{k: combo[k] for k in names.CELL_AXES},
+            threads=combo.get("threads", spec.threads),
+            stack_id=cid,
+            max_tokens=combo.get("max_tokens", spec.max_tokens),
+            extras=cell_extras(spec, combo),
+            options=tuple(opts.items()),
+            centroid_group=group,
+            calibration=combo.get("calibration"),
+        )
         reason = unsupported(cell)
         if "_include" in combo and "attention" in spec.include[combo["_include"]]:
             cls = backend_class(cell.engine)
             if cls is not None and cell.attention not in cls.attention:  # asked for by name: an error, not a skip
-                raise field_error(spec.path, f"include[{combo['_include']}].attention",
-                           f"engine {cell.engine} has no attention {cell.attention!r} "
-                           f"(has: {', '.join(sorted(cls.attention))})", cell.attention)
+                raise field_error(
+                    spec.path,
+                    f"include[{combo['_include']}].attention",
+                    f"engine {cell.engine} has no attention {cell.attention!r} "
+                    f"(has: {', '.join(sorted(cls.attention))})",
+                    cell.attention,
+                )
         if reason is None and foreign:
             reason = f"engine {cell.engine} takes no option {foreign[0]}"
         if reason:
@@ -218,8 +256,9 @@ def expand(spec: Spec) -> Spec:
     _combo_cells(spec, corpus_fp, seen, cells, skipped)
     _candidate_cells(spec, corpus_fp, seen, cells, skipped)
     if not cells:
-        raise UserError(f"{spec.path}: no runnable cell: "
-                        + "; ".join(f"{s['cell_id']}: {s['reason']}" for s in skipped[:3]))
+        raise UserError(
+            f"{spec.path}: no runnable cell: " + "; ".join(f"{s['cell_id']}: {s['reason']}" for s in skipped[:3])
+        )
     refs = _references(spec, cells, skipped)
     if refs:
         cells, refs = _reference_extras(spec, corpus_fp, cells, refs)
@@ -235,15 +274,25 @@ def _references(spec: Spec, cells: list[Cell], skipped: list[dict]) -> dict[str,
         sel = {"model": model, **spec.reference}
         if sel["model"] != model:
             continue
-        hits = [c for c in cells if c.replica == 0 and c.artifact is None  # a candidate is never the reference
-                and all(getattr(c, k) == v for k, v in sel.items())]
+        hits = [
+            c
+            for c in cells
+            if c.replica == 0
+            and c.artifact is None  # a candidate is never the reference
+            and all(getattr(c, k) == v for k, v in sel.items())
+        ]
         missed = [s for s in skipped if all(s[k] == v for k, v in sel.items())]
         if not hits and missed:
-            raise field_error(spec.path, "reference", f"the reference stack cannot run: {missed[0]['reason']}",
-                       spec.reference)
+            raise field_error(
+                spec.path, "reference", f"the reference stack cannot run: {missed[0]['reason']}", spec.reference
+            )
         if len(hits) > 1:
-            raise field_error(spec.path, "reference", "matches several cells ("
-                       + ", ".join(c.cell_id for c in hits) + "); add keys to pick one", spec.reference)
+            raise field_error(
+                spec.path,
+                "reference",
+                "matches several cells (" + ", ".join(c.cell_id for c in hits) + "); add keys to pick one",
+                spec.reference,
+            )
         if hits:
             refs[model] = hits[0].cell_id
     if not refs:
@@ -270,8 +319,13 @@ def _reference_extras(spec: Spec, corpus_fp: str, cells: list[Cell], refs: dict[
         want = tuple(sorted(want.items()))
         if want == ref.extras:
             continue
-        combo = {**ref.axes(), "threads": ref.threads, "max_tokens": ref.max_tokens,
-                 **{k: None for k in extras.keys()}, **dict(want)}
+        combo = {
+            **ref.axes(),
+            "threads": ref.threads,
+            "max_tokens": ref.max_tokens,
+            **{k: None for k in extras.keys()},
+            **dict(want),
+        }
         for i, c in enumerate(cells):  # the reference stack and its replicas
             if ids.split_cell_id(c.stack_id)[0] == ref.stack_id:
                 cid = make_cell_id(spec, combo, ref.opts, corpus_fp, c.replica)

@@ -118,15 +118,23 @@ def _body(path: Path, fld: str, i: int, e: dict) -> dict:
         return {"text": read_text_file(f, f"the file of prompts[{i}] in {path}")}
     if kind == "chat":
         chat = e["chat"]
-        if not isinstance(chat, list) or not chat or not all(
+        if (
+            not isinstance(chat, list)
+            or not chat
+            or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in chat):
+                for m in chat
+            )
+        ):
             raise UserError(f"{fld}.chat: must be a list of {{role, content}} messages")
         return {"chat": chat}
     if kind == "ids":
         v = e["ids"]
-        if not isinstance(v, list) or not v or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                       for t in v):
+        if (
+            not isinstance(v, list)
+            or not v
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v)
+        ):
             raise UserError(f"{fld}.ids: must be a non-empty list of token ids >= 0 (got {str(v)[:80]})")
         return {"ids": [("", v)], "ids_kind": "inline"}
     kind, rows = read_ids_file(path.parent / str(e["ids_file"]))
@@ -172,8 +180,18 @@ def load_entries(corpus: str) -> tuple[str, list[Entry]]:
         if cat not in CATEGORIES:
             raise UserError(f"{fld}.category: expected one of {', '.join(CATEGORIES)} (got {cat!r})")
         body = _body(path, fld, i, e)
-        entries.append(Entry(pid, cat, str(e.get("source", "")), body.get("text"), body.get("chat"),
-                             body.get("ids"), ids_kind=body.get("ids_kind"), **_options(path, fld, e, body)))
+        entries.append(
+            Entry(
+                pid,
+                cat,
+                str(e.get("source", "")),
+                body.get("text"),
+                body.get("chat"),
+                body.get("ids"),
+                ids_kind=body.get("ids_kind"),
+                **_options(path, fld, e, body),
+            )
+        )
     return name, entries
 
 
@@ -182,7 +200,7 @@ def chunk_ids(tokens: list[int], n_ctx: int, bos: int | None) -> list[list[int]]
     tokens[i*n_ctx : (i+1)*n_ctx], its first token replaced by bos (None: kept) as it evaluates it."""
     out = []
     for c in range(len(tokens) // n_ctx):
-        chunk = list(tokens[c * n_ctx:(c + 1) * n_ctx])
+        chunk = list(tokens[c * n_ctx : (c + 1) * n_ctx])
         if bos is not None:
             chunk[0] = bos
         out.append(chunk)
@@ -216,11 +234,12 @@ def _sequences(e: Entry, tokenizer, bos_policy: str, model: str, where: str):
     """-> [(name, text or None, ids, bos added)] for one entry."""
     if e.ids is not None:
         n_vocab = len(tokenizer)
-        for sub, ids in e.ids:
+        for _sub, ids in e.ids:
             bad = next((v for v in ids if v >= n_vocab), None)
             if bad is not None:
-                raise UserError(f"{where}: prompts {e.id}: token id {bad} is outside the vocabulary of {model} "
-                                f"(0..{n_vocab - 1})")
+                raise UserError(
+                    f"{where}: prompts {e.id}: token id {bad} is outside the vocabulary of {model} (0..{n_vocab - 1})"
+                )
         if e.ids_kind == "kld-base":  # llama-perplexity put BOS in each chunk's place where the model takes it
             bos = _chunk_bos(tokenizer, bos_policy)
             return [(f"{e.id}-{sub}", None, chunk_ids(ids, len(ids), bos)[0], bos is not None) for sub, ids in e.ids]
@@ -251,8 +270,14 @@ def _chunk_bos(tokenizer, bos_policy: str) -> int | None:
     return tokenizer.bos_token_id if probe[:1] == [tokenizer.bos_token_id] else None
 
 
-def tokenize(corpus: str, model: str, tokenizer, bos_policy: str,
-             tokenizer_sha256: str | None = None, log: Callable[[str], None] = lambda m: None) -> list[Prompt]:
+def tokenize(
+    corpus: str,
+    model: str,
+    tokenizer,
+    bos_policy: str,
+    tokenizer_sha256: str | None = None,
+    log: Callable[[str], None] = lambda m: None,
+) -> list[Prompt]:
     """Render and tokenise every entry once (ids entries are taken as they are).
 
     bos_policy: ``tokenizer`` (whatever the tokenizer adds by default),
@@ -271,12 +296,23 @@ def tokenize(corpus: str, model: str, tokenizer, bos_policy: str,
             if not ids:
                 raise UserError(f"{model}: prompt {pname} tokenises to no tokens")
             h = ids_sha256(ids)
-            prompts.append(Prompt(
-                prompt_id=mint_prompt_id(pname, h), model=model, corpus=name, name=pname, category=e.category,
-                source=e.source, text=text, token_ids=[int(i) for i in ids], ids_sha256=h,
-                bos_policy=bos_policy if e.ids is None or e.ids_kind == "kld-base" else "ids",
-                bos_added=bool(added), starts_with_bos=bos is not None and ids[0] == bos,
-                tokenizer_sha256=tokenizer_sha256 if e.ids is None and e.vocab is None else None))
+            prompts.append(
+                Prompt(
+                    prompt_id=mint_prompt_id(pname, h),
+                    model=model,
+                    corpus=name,
+                    name=pname,
+                    category=e.category,
+                    source=e.source,
+                    text=text,
+                    token_ids=[int(i) for i in ids],
+                    ids_sha256=h,
+                    bos_policy=bos_policy if e.ids is None or e.ids_kind == "kld-base" else "ids",
+                    bos_added=bool(added),
+                    starts_with_bos=bos is not None and ids[0] == bos,
+                    tokenizer_sha256=tokenizer_sha256 if e.ids is None and e.vocab is None else None,
+                )
+            )
     if not prompts:
         raise UserError(f"{model}: no prompt of corpus {name} can be rendered for this model")
     return prompts

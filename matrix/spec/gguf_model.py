@@ -43,9 +43,14 @@ class GgufTokenizer:
 
 def config(info: GgufInfo) -> SimpleNamespace:
     """The config fields the driver reads, in transformers' names (model_type is the GGUF architecture)."""
-    return SimpleNamespace(model_type=info.architecture, num_hidden_layers=info.block_count,
-                           hidden_size=info.embedding_length, num_attention_heads=info.head_count,
-                           vocab_size=len(info.tokens), text_config=None)
+    return SimpleNamespace(
+        model_type=info.architecture,
+        num_hidden_layers=info.block_count,
+        hidden_size=info.embedding_length,
+        num_attention_heads=info.head_count,
+        vocab_size=len(info.tokens),
+        text_config=None,
+    )
 
 
 def hf_free(spec, model: str) -> bool:
@@ -63,8 +68,9 @@ def hf_free(spec, model: str) -> bool:
     else:
         return False
     cells = [c for c in spec.cells if c.model == model]
-    if not cells or any(c.engine not in GGUF_ENGINES or c.opts.get("imatrix") or (c.artifact is None and c.dtype != own)
-                        for c in cells):
+    if not cells or any(
+        c.engine not in GGUF_ENGINES or c.opts.get("imatrix") or (c.artifact is None and c.dtype != own) for c in cells
+    ):
         return False
     _, entries = load_entries(spec.corpus)
     return all(e.chat is None and (e.vocab is not None or e.ids is not None) for e in entries)

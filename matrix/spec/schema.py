@@ -38,11 +38,22 @@ def enum(*values) -> dict:
 
 POS_INT = {"type": "integer", "minimum": 1}
 SECONDS = {"type": ["number", "null"], "exclusiveMinimum": 0}
-AXES = {"model": {"type": "string"}, "engine": enum(*names.ENGINES), "dtype": enum(*names.DTYPES),
-        "attention": enum(*names.ATTENTION), "tp": POS_INT, "device": enum(*names.DEVICES)}
-AXIS_ABOUT = {"model": "a model's name (models[].name, or the catalog name)", "engine": "the engine",
-              "dtype": "the weights' dtype or quant type", "attention": "the attention implementation",
-              "tp": "tensor-parallel degree", "device": "the device class a node offers"}
+AXES = {
+    "model": {"type": "string"},
+    "engine": enum(*names.ENGINES),
+    "dtype": enum(*names.DTYPES),
+    "attention": enum(*names.ATTENTION),
+    "tp": POS_INT,
+    "device": enum(*names.DEVICES),
+}
+AXIS_ABOUT = {
+    "model": "a model's name (models[].name, or the catalog name)",
+    "engine": "the engine",
+    "dtype": "the weights' dtype or quant type",
+    "attention": "the attention implementation",
+    "tp": "tensor-parallel degree",
+    "device": "the device class a node offers",
+}
 
 MODEL = (
     Key("name", {"type": "string"}, "the model's name in cells and ids (default: from its source)"),
@@ -61,32 +72,55 @@ OPTIONS = (
     Key("vllm_executor", enum("mp", "ray"), "vLLM's distributed executor"),
     Key("activations", enum("native", "fp32"), "MLX: compute in float32 around quantised weights"),
     Key("quantizer", enum("torchao", "quanto"), "HF int8/int4 cells: the library that quantises at load"),
-    Key("imatrix", {"type": "object"}, "llama.cpp quant cells: quantise with an importance matrix of a "
-        "calibration text", keys=(
+    Key(
+        "imatrix",
+        {"type": "object"},
+        "llama.cpp quant cells: quantise with an importance matrix of a calibration text",
+        keys=(
             Key("corpus", {"type": "string"}, "builtin, or a text file", required=True),
             Key("chunks", POS_INT, "chunks of the text to use (default: all)"),
             Key("ctx", POS_INT, "context of each chunk", 512),
-            Key("max_overlap", {"type": "number", "minimum": 0, "maximum": 1},
-                "largest share of the evaluation corpus's token 8-grams the text may contain", 0.02))),
+            Key(
+                "max_overlap",
+                {"type": "number", "minimum": 0, "maximum": 1},
+                "largest share of the evaluation corpus's token 8-grams the text may contain",
+                0.02,
+            ),
+        ),
+    ),
 )
 
 POSITIONS = (
-    Key("from", {"anyOf": [{"type": "integer", "minimum": 0}, enum("half")]},
-        "first position kept, or `half` (n // 2 of each prompt)", 0),
+    Key(
+        "from",
+        {"anyOf": [{"type": "integer", "minimum": 0}, enum("half")]},
+        "first position kept, or `half` (n // 2 of each prompt)",
+        0,
+    ),
     Key("to", {"type": ["integer", "null"]}, "last position kept (inclusive; negative counts from the end)"),
     Key("stride", POS_INT, "keep every stride-th position of the window", 1),
     Key("last", {"type": "boolean"}, "also keep each prompt's last position", True),
 )
-CANDIDATE = {"model": "the model it is a quant of (default: the spec's only model)",
-             "engine": "the engine that runs it (default: llamacpp for gguf, hf otherwise)",
-             "gguf": "a GGUF file", "path": "a Hugging Face checkpoint directory", "hub": "a hub id",
-             "revision": "a hub revision", "dtype": "its quant type (default: what the file declares)",
-             "attention": "attention implementation", "name": "a label for cards and stack names",
-             "device": "device class", "threads": "CPU threads", "calibration": "calibration data, for its card"}
-CELL_EXTRA = {"threads": (POS_INT, "CPU threads for the engine (null: the engine's default)"),
-              "max_tokens": (POS_INT, "feed at most this many tokens of each prompt (rows below it only)"),
-              "calibration": ({"type": "string"}, "what the artefact was calibrated on, for its model card"),
-              "replicas": (POS_INT, "run the stack on this many distinct nodes of its device class")}
+CANDIDATE = {
+    "model": "the model it is a quant of (default: the spec's only model)",
+    "engine": "the engine that runs it (default: llamacpp for gguf, hf otherwise)",
+    "gguf": "a GGUF file",
+    "path": "a Hugging Face checkpoint directory",
+    "hub": "a hub id",
+    "revision": "a hub revision",
+    "dtype": "its quant type (default: what the file declares)",
+    "attention": "attention implementation",
+    "name": "a label for cards and stack names",
+    "device": "device class",
+    "threads": "CPU threads",
+    "calibration": "calibration data, for its card",
+}
+CELL_EXTRA = {
+    "threads": (POS_INT, "CPU threads for the engine (null: the engine's default)"),
+    "max_tokens": (POS_INT, "feed at most this many tokens of each prompt (rows below it only)"),
+    "calibration": ({"type": "string"}, "what the artefact was calibrated on, for its model card"),
+    "replicas": (POS_INT, "run the stack on this many distinct nodes of its device class"),
+}
 
 
 def _entry(extra_ok: bool) -> dict:
@@ -114,50 +148,113 @@ def _axis(key: str, default: list, about: str) -> Key:
 
 def top() -> tuple[Key, ...]:
     """The spec's top-level keys, the per-cell extras' included."""
-    model = {"anyOf": [{"type": "string"}, {"type": "object", "properties": {k.name: k.json for k in MODEL},
-                                                              "additionalProperties": False}]}
+    model = {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "object", "properties": {k.name: k.json for k in MODEL}, "additionalProperties": False},
+        ]
+    }
     keys = [
         Key("name", {"type": "string"}, "the spec's name in runs (default: the file's stem)"),
         Key("description", {"type": "string"}, "free text, kept with the run"),
-        Key("models", one_or_list(model), "the model axis: catalog names, directories, GGUF files, "
-            "hub ids, or mappings", required=True, keys=MODEL),
-        _axis("engines", ["hf"], "the engine axis"), _axis("dtypes", ["bf16"], "the dtype axis"),
-        _axis("attention", ["default"], "the attention axis"), _axis("tp", [1], "the tensor-parallel axis"),
+        Key(
+            "models",
+            one_or_list(model),
+            "the model axis: catalog names, directories, GGUF files, hub ids, or mappings",
+            required=True,
+            keys=MODEL,
+        ),
+        _axis("engines", ["hf"], "the engine axis"),
+        _axis("dtypes", ["bf16"], "the dtype axis"),
+        _axis("attention", ["default"], "the attention axis"),
+        _axis("tp", [1], "the tensor-parallel axis"),
         _axis("devices", ["cpu"], "the device axis"),
-        Key("include", {"type": "array", "items": _entry(True)}, "cells to add, with the singular axis keys "
-            "(model, engine, ...) and per-cell keys (threads, max_tokens, options, extras)"),
+        Key(
+            "include",
+            {"type": "array", "items": _entry(True)},
+            "cells to add, with the singular axis keys "
+            "(model, engine, ...) and per-cell keys (threads, max_tokens, options, extras)",
+        ),
         Key("exclude", {"type": "array", "items": _entry(False)}, "combinations to leave out (axis keys only)"),
         Key("reference", _entry(False), "the reference stack of each model (default: the first cell)"),
         Key("stride", POS_INT, "keep every stride-th position of each prompt, and its last", 32),
-        Key("positions", {"anyOf": [enum(*P.PRESETS), {"type": "object", "additionalProperties": False,
-                                                         "properties": {k.name: k.json for k in POSITIONS}}]},
+        Key(
+            "positions",
+            {
+                "anyOf": [
+                    enum(*P.PRESETS),
+                    {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {k.name: k.json for k in POSITIONS},
+                    },
+                ]
+            },
             "a window of positions instead of stride, or a preset (llama_perplexity: the scored half of each chunk)",
-            keys=POSITIONS),
+            keys=POSITIONS,
+        ),
         Key("repeats", POS_INT, "captures of each cell (bit-reproducibility is checked across them)", 1),
         Key("corpus", {"type": "string"}, "builtin, or a corpus YAML file", "builtin"),
         Key("bos", enum("tokenizer", "always", "never"), "BOS policy: the tokenizer's own, or forced", "tokenizer"),
         Key("threads", {"type": ["integer", "null"], "minimum": 1}, "CPU threads for every engine"),
         Key("max_tokens", {"type": ["integer", "null"], "minimum": 1}, "feed at most this many tokens of each prompt"),
-        Key("store", enum("native", "bf16"), "how rows are stored: lossless, or bf16 with each row's KL floor "
-            "measured", "native"),
-        Key("reference_metrics", enum("analyze", "in_actor"), "where metrics against the reference are "
-            "computed: by `matrix analyze`, or in the capturing process", "analyze"),
-        Key("keep_rows", enum("all", "references"), "whose rows keep their values: every stack's, or only each "
+        Key(
+            "store",
+            enum("native", "bf16"),
+            "how rows are stored: lossless, or bf16 with each row's KL floor measured",
+            "native",
+        ),
+        Key(
+            "reference_metrics",
+            enum("analyze", "in_actor"),
+            "where metrics against the reference are computed: by `matrix analyze`, or in the capturing process",
+            "analyze",
+        ),
+        Key(
+            "keep_rows",
+            enum("all", "references"),
+            "whose rows keep their values: every stack's, or only each "
             "model's reference (the others' rows are measured and hashed where they are captured, as "
-            "llama-perplexity keeps only its base logits; needs reference_metrics: in_actor and no centroid)", "all"),
-        Key("candidates", {"type": "array", "items": {"type": "object", "properties": {
-            k: {} for k in CANDIDATE}, "additionalProperties": False}}, "published files measured as they are",
-            keys=tuple(Key(k, {}, a) for k, a in CANDIDATE.items())),
-        Key("options", {"type": "object", "properties": {k.name: k.json for k in OPTIONS},
-                        "additionalProperties": False}, "engine options for every cell (include entries may "
-            "set them per cell)", keys=OPTIONS),
-        Key("centroid", {"type": "object", "properties": {"definition": enum("mean_prob", "mean_logprob", "none"),
-                                                          "groups": {"type": "object"}},
-                         "additionalProperties": False}, "how the centroid of the stacks is formed", keys=(
-            Key("definition", enum("mean_prob", "mean_logprob", "none"), "mean of probabilities, of "
-                "log-probabilities renormalised, or no centroid and no pairwise tables", "mean_prob"),
-            Key("groups", {"type": "object"}, "name -> selector(s): stacks that share a centroid "
-                "(default: one group per model)"))),
+            "llama-perplexity keeps only its base logits; needs reference_metrics: in_actor and no centroid)",
+            "all",
+        ),
+        Key(
+            "candidates",
+            {
+                "type": "array",
+                "items": {"type": "object", "properties": {k: {} for k in CANDIDATE}, "additionalProperties": False},
+            },
+            "published files measured as they are",
+            keys=tuple(Key(k, {}, a) for k, a in CANDIDATE.items()),
+        ),
+        Key(
+            "options",
+            {"type": "object", "properties": {k.name: k.json for k in OPTIONS}, "additionalProperties": False},
+            "engine options for every cell (include entries may set them per cell)",
+            keys=OPTIONS,
+        ),
+        Key(
+            "centroid",
+            {
+                "type": "object",
+                "properties": {"definition": enum("mean_prob", "mean_logprob", "none"), "groups": {"type": "object"}},
+                "additionalProperties": False,
+            },
+            "how the centroid of the stacks is formed",
+            keys=(
+                Key(
+                    "definition",
+                    enum("mean_prob", "mean_logprob", "none"),
+                    "mean of probabilities, of log-probabilities renormalised, or no centroid and no pairwise tables",
+                    "mean_prob",
+                ),
+                Key(
+                    "groups",
+                    {"type": "object"},
+                    "name -> selector(s): stacks that share a centroid (default: one group per model)",
+                ),
+            ),
+        ),
         Key("replicas", POS_INT, "copies of each stack, each on its own node", 1),
         Key("retries", {"type": "integer", "minimum": 0}, "restarts of a cell whose actor or node died", 2),
         Key("load_timeout_s", SECONDS, "seconds a cell may take to load (weights shipped, artefacts built)", 3600.0),
@@ -185,9 +282,14 @@ def json_schema() -> dict:
     props = {}
     for k in keys:
         props[k.name] = {**k.json, "description": k.about, **({"default": k.default} if k.default is not None else {})}
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "logit-matrix sweep spec",
-            "type": "object", "properties": props, "required": [k.name for k in keys if k.required],
-            "additionalProperties": False}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "logit-matrix sweep spec",
+        "type": "object",
+        "properties": props,
+        "required": [k.name for k in keys if k.required],
+        "additionalProperties": False,
+    }
 
 
 def _check() -> None:
@@ -195,12 +297,15 @@ def _check() -> None:
     from matrix.spec import calibration, candidates
 
     for what, accepted, described in (
-            ("positions", P.KEYS, POSITIONS), ("options.imatrix", calibration.KEYS, by_name(OPTIONS)["imatrix"].keys),
-            ("candidates", candidates.CANDIDATE_KEYS, CANDIDATE)):
+        ("positions", P.KEYS, POSITIONS),
+        ("options.imatrix", calibration.KEYS, by_name(OPTIONS)["imatrix"].keys),
+        ("candidates", candidates.CANDIDATE_KEYS, CANDIDATE),
+    ):
         got = {k.name for k in described} if isinstance(described, tuple) else set(described)
         if got != set(accepted):
-            raise AssertionError(f"matrix/spec/schema.py: {what} keys {sorted(set(accepted) ^ got)} are accepted "
-                                 "or described, not both")
+            raise AssertionError(
+                f"matrix/spec/schema.py: {what} keys {sorted(set(accepted) ^ got)} are accepted or described, not both"
+            )
     for x in extras.registered():
         if not x.about or not x.json_schema:
             raise AssertionError(f"extra {x.key}: no about or json_schema for the spec reference")

@@ -32,8 +32,13 @@ def check_axis_value(path: Path, fld: str, key: str, value: Any, models: dict) -
         return value
     if not isinstance(value, str):
         raise field_error(path, fld, f"{key} must be a string", value)
-    allowed = {"engine": names.ENGINES, "dtype": names.DTYPES, "attention": names.ATTENTION,
-               "device": names.DEVICES, "model": tuple(models)}[key]
+    allowed = {
+        "engine": names.ENGINES,
+        "dtype": names.DTYPES,
+        "attention": names.ATTENTION,
+        "device": names.DEVICES,
+        "model": tuple(models),
+    }[key]
     if value not in allowed:
         raise field_error(path, fld, f"unknown {key}; expected one of {', '.join(allowed)}", value)
     return value
