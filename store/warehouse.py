@@ -16,12 +16,17 @@ from common.buffers import room
 from common.errors import UserError
 from store.location import PROBE, named_io_errors, open_location, write_whole
 from store.schema import FORMAT, LOGITS, NOT_KEPT, SCHEMA_VERSION, TABLES, VALUES_KEY, keeps_values
-from store.values import (
-    ZSTD_LEVEL,
-    native_dtype_of,
-    native_values,  # noqa: F401
-    row_hash,
-    widen,
+from store.values import ZSTD_LEVEL, native_dtype_of, row_hash, widen
+
+# the row encoding's names, which readers import from here with the Warehouse
+from store.values import (  # noqa: F401
+    logits_matrix,
+    narrow_bf16,
+    native_values,
+    round_bf16,
+    shift_by_max,
+    to_bf16,
+    unshift,
 )
 
 MARKER = "WAREHOUSE.json"
