@@ -17,17 +17,13 @@ from common.errors import UserError
 from store.location import PROBE, named_io_errors, open_location, write_whole
 from store.schema import FORMAT, LOGITS, NOT_KEPT, SCHEMA_VERSION, TABLES, VALUES_KEY, keeps_values
 from store.values import ZSTD_LEVEL, native_dtype_of, row_hash, widen
-
-# the row encoding's names, which readers import from here with the Warehouse
-from store.values import (  # noqa: F401
-    logits_matrix,
-    narrow_bf16,
-    native_values,
-    round_bf16,
-    shift_by_max,
-    to_bf16,
-    unshift,
-)
+from store.values import logits_matrix as logits_matrix  # readers take the row encoding's names from here
+from store.values import narrow_bf16 as narrow_bf16
+from store.values import native_values as native_values
+from store.values import round_bf16 as round_bf16
+from store.values import shift_by_max as shift_by_max
+from store.values import to_bf16 as to_bf16
+from store.values import unshift as unshift
 
 MARKER = "WAREHOUSE.json"
 META_KEY = "logit_matrix"  # Parquet key-value metadata of analysis outputs
