@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-
 import extras
-from common.errors import UserError, first_line
+from common.errors import UserError
 from common.output import emit_json, log, table
 from matrix.spec.corpus import CONFIGS
 
@@ -158,152 +156,25 @@ def _known_nodes(address: str | None, cluster_config: str | None, probe_spec=Non
     return known, answers
 
 
-def _executor(args) -> str:
-    """--executor, or Ray when it can be imported (said in one line when it cannot)."""
-    if args.executor == "local" and (args.address or args.cluster_config):
-        raise UserError(
-            f"--executor local runs on this machine alone: drop {'--address' if args.address else '--cluster-config'}"
-        )
-    if args.executor:
-        return args.executor
-    import importlib.util
-
-    found = importlib.util.find_spec("ray")
-    if found is not None and found.origin is not None:  # not a bare `ray/` directory (Ray's session dir in /tmp)
-        return "ray"
-    if args.address or args.cluster_config:
-        raise UserError("--address / --cluster-config need Ray, and this interpreter cannot import ray")
-    log("ray is not installed here: running every cell on this machine (--executor local)")
-    return "local"
-
-
-def _connect(executor: str, args):
-    """(the executor, the ray module to shut down at the end or None)."""
-    from matrix.run import cluster, placement
-
-    if executor == "local":
-        from matrix.run.local import LocalExecutor
-
-        cluster.sigterm_interrupts()
-        return LocalExecutor(), None
-    config = args.cluster_config or placement.default_cluster_config(args.address)
-    ray = cluster.init_ray(args.address)  # first: Ray reads its auth settings when it is first imported
-    from matrix.run.ray_executor import RayExecutor
-
-    return RayExecutor(config), ray
-
-
 def cmd_run(args) -> int:
-    from matrix.run import placement
-    from matrix.spec.cells import load_spec
-    from store import Warehouse
+    from matrix import api
 
-    spec = load_spec(args.spec)
-    if args.cluster_config:
-        placement.node_types(args.cluster_config)  # a bad file fails here, before any work
-    wh = Warehouse(args.warehouse)
-    wh.check()  # an incompatible warehouse fails here, before anything is written
-    for s in spec.skipped:
-        log(f"skipping {s['cell_id']}: {s['reason']}")
-    executor = _executor(args)
-    early = _early(spec, wh, log) if executor == "local" else None
-    try:
-        summary, plan = _run(args, spec, wh, executor, early)
-    finally:
-        if early is not None:  # a host started ahead that the run did not take over (it stopped early)
-            early[0].shutdown()
-    return _summarise(args, spec, wh, summary, plan)
-
-
-def _early(spec, wh, log) -> tuple | None:
-    """(a local executor whose run's first host is already loading, the run's nonce), or None:
-    that host starts while the driver tokenises (matrix/run/early.py)."""
-    from matrix.run import cluster, early, local
-
-    local.check(spec.cells)
-    ex = local.LocalExecutor()
-    cluster.sigterm_interrupts()
-    try:
-        nonce = early.start_first_host(spec, wh, ex, log)
-    except UserError:  # bad input: the line the run itself would give
-        ex.shutdown()
-        raise
-    except Exception as e:  # noqa: BLE001 - said here; the run then starts that host itself
-        ex.shutdown()
-        log(f"the first cell's host starts with the run, not ahead of it: {first_line(str(e), type(e).__name__)}")
-        return None
-    return (ex, nonce) if nonce is not None else None
-
-
-def _run(args, spec, wh, executor: str, early: tuple | None) -> tuple[dict | None, object]:
-    from matrix.run import placement, runner
-
-    plan = runner.prepare(spec, wh, log)
-    summary = None
-    wh.create()
-    with wh.lock(log):
-        wh.migrate(log)
-        runner.mark_interrupted_runs(wh, log)  # even when nothing is left to do
-        ex, ray = (early[0], None) if early else _connect(executor, args)
-        try:
-            nodes = ex.nodes()
-            if args.cluster_config or (executor == "ray" and ex.cluster_config):
-                log(f"node types from {ex.cluster_config}: " + ", ".join(n.node_type for n in nodes if n.node_type))
-            placement.check_placement(spec.cells, nodes, log)
-            plan = runner.bind(
-                plan,
-                wh,
-                ex,
-                log,
-                runner.Resume(
-                    args.reuse_cells_from_other_builds,
-                    args.skip_failed,
-                    args.recapture_damaged,
-                    own_cluster=not args.address,
-                ),
-                nodes,
-            )
-            runner.regroup_complete_cells(plan, wh, log)
-            if early:
-                ex.keep_early(set(plan.todo))
-            if plan.todo:
-                summary = runner.execute(plan, wh, sys.argv, args.address, log, ex, early[1] if early else None)
-        finally:
-            if ray is not None:
-                ray.shutdown()
-    return summary, plan
-
-
-def _summarise(args, spec, wh, summary: dict | None, plan) -> int:
-    if summary is not None:
-        log(
-            f"run {summary['run_id']}: {summary['cells_done']}/{summary['cells_total']} cells complete, "
-            f"{summary['rows_written']} rows in {summary['seconds']}s ({summary['rows_per_second']} rows/s)"
-        )
-    else:
-        summary = {
-            "cells_total": len(plan.cells),
-            "cells_done": len(plan.complete),
-            "cells_run": 0,
-            "rows_written": 0,
-            "skipped": spec.skipped,
-            "left_out": plan.left_out,
-            "reused": plan.reused,
-        }
-        log(
-            f"nothing to do: all {len(plan.cells)} cell(s) are complete in {wh.where}"
-            + (f" ({len(plan.left_out)} left out this time)" if plan.left_out else "")
-        )
+    result = api.run(
+        args.spec,
+        args.warehouse,
+        executor=args.executor,
+        address=args.address,
+        cluster_config=args.cluster_config,
+        reuse_cells_from_other_builds=args.reuse_cells_from_other_builds,
+        skip_failed=args.skip_failed,
+        recapture_damaged=args.recapture_damaged,
+        log=log,
+    )
     if args.json:
-        emit_json(summary)
-    if summary.get("failed"):
-        log(f"{len(summary['failed'])} cell(s) FAILED (run again to retry them, or --skip-failed):")
-        for cid, why in summary["failed"].items():
-            log(f"  {cid}: {why}")
-        if summary.get("bad_input"):  # the input is at fault (e.g. a node's weights): exit 2, said last
-            raise UserError(summary["bad_input"])
-        return 1
-    return 0
+        emit_json(result.to_dict())
+    if result.bad_input:  # the input is at fault (e.g. a node's weights): exit 2, said last
+        raise UserError(result.bad_input)
+    return 0 if result.ok else 1
 
 
 def add_parsers(sub) -> None:

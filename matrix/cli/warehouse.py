@@ -40,61 +40,23 @@ def cmd_sql(args) -> int:
 
 
 def cmd_analyze(args) -> int:
-    from analysis.analyze import analyze
+    from matrix import api
 
-    side = extras.analyses()
-    ranges = [0] + sorted({int(x) for x in args.ranges.split(",") if x.strip()} - {0}) if args.ranges else None
-    kw = {"ranges": tuple(ranges)} if ranges else {}
-    address = args.address or (_last_cluster(args.warehouse, log) if args.workers is None else None)
-    if address or (args.workers or 1) != 1:
-        from matrix.run.analyze_ray import ray_runner
-
-        kw["run_units"] = ray_runner(address, args.workers or 0, log)
-    summary = analyze(
+    ranges = [int(x) for x in args.ranges.split(",") if x.strip()] if args.ranges else None
+    result = api.analyze(
         args.warehouse,
-        args.reference,
+        reference=args.reference,
         centroid=args.centroid,
-        log=log,
-        skip_damaged=args.skip_damaged,
+        ranges=ranges,
         force=args.force,
-        side=[s[:2] for s in side],
-        **kw,
+        skip_damaged=args.skip_damaged,
+        workers=args.workers,
+        address=args.address,
+        log=log,
     )
-    log(f"analyzed {summary['cells']} cell(s), {summary['metric_rows']} rows in {summary['seconds']}s")
-    for name, _, line in side:
-        if summary.get(name):
-            log(line(summary[name]))
     if args.json:
-        emit_json(summary)
+        emit_json(result.to_dict())
     return 0
-
-
-def _last_cluster(warehouse: str, log) -> str | None:
-    """The cluster the newest `matrix run` ran on, when it is still there: analyze runs on it by
-    default. None for a run on this machine (a local cluster or the local executor), or a cluster that is gone
-    (then analyze stays in this process)."""
-    import socket
-
-    from matrix.run.cluster import check_reachable
-    from store import Warehouse
-
-    runs = [
-        r
-        for r in Warehouse(warehouse).require().read_all("runs")  # sweeps driven from here, not imports
-        if r.get("started_at")
-        and r.get("host") == socket.gethostname()  # nor runs merged from elsewhere
-        and (r.get("ray_address") or r.get("executor") == "local")
-    ]
-    last = max(runs, key=lambda r: r["started_at"], default=None)
-    if last is None or last.get("executor") == "local" or last["ray_address"] == "local":
-        return None
-    try:
-        check_reachable(last["ray_address"], timeout=2.0)
-    except UserError as e:
-        log(f"the last run's cluster is not reachable ({e}); analyzing in this process")
-        return None
-    log(f"the last run ran on {last['ray_address']}: analyzing there (--workers 1 keeps it in this process)")
-    return last["ray_address"]
 
 
 def cmd_report(args) -> int:

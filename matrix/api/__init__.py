@@ -1,0 +1,22 @@
+"""The Python API under the `matrix` command: each verb of the CLI parses its arguments, calls one of
+these, and prints what it returns.
+
+    from matrix import api
+
+    result = api.run("configs/smoke.yaml", "warehouse", executor="local")   # -> RunResult
+    api.analyze("warehouse")                                                 # -> AnalyzeResult
+    con = api.connect("warehouse")                                           # DuckDB with the views
+    con.sql("SELECT cell_id, kld_mean, top1_agreement FROM summary").df()
+    job = api.kld("ref.gguf", ["q4_k_m.gguf"], "wiki.test.raw", "kld-wh")    # -> KldResult
+
+Bad input raises common.errors.UserError with one line naming the file, field and value; a cell's
+failure is the cell's own and is reported in the result. Progress goes to `log` (default: stderr).
+docs/python-api.md has a notebook example.
+"""
+
+from matrix.api.analysis import analyze, connect
+from matrix.api.kld import kld
+from matrix.api.results import AnalyzeResult, CandidateResult, KldResult, RunResult
+from matrix.api.sweep import run
+
+__all__ = ["AnalyzeResult", "CandidateResult", "KldResult", "RunResult", "analyze", "connect", "kld", "run"]

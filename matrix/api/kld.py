@@ -1,0 +1,166 @@
+"""`kld()`: llama-perplexity --kl-divergence's job, each candidate file against a reference over one
+text, with the statistics llama-perplexity prints and each candidate's model card, as values."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import extras
+from common.errors import UserError
+from common.output import log as stderr_log
+from matrix.api.results import CandidateResult, KldResult, RunResult
+from matrix.api.sweep import run
+
+
+def kld(
+    reference: str,
+    candidates: list[str],
+    text: str | os.PathLike,
+    warehouse: str = "kld-warehouse",
+    *,
+    n_ctx: int = 512,
+    threads: int | None = None,
+    keep_rows: bool = False,
+    address: str | None = None,
+    executor: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> KldResult:
+    """reference, candidates: a GGUF file, an HF checkpoint directory or a catalog model each; text: the
+    evaluation text (UTF-8), cut into chunks of n_ctx tokens whose second halves are scored.
+
+    The job's spec is written beside the warehouse (WAREHOUSE.kld.yaml) and run with the local executor
+    unless a cluster is named. One candidate's failure is its own: the others are still measured, and
+    it is listed in `incomplete`. Input refused before anything ran raises UserError."""
+    from matrix.spec import kld as job
+
+    log = log or stderr_log
+    threads = _threads(threads, address)
+    ref = job.classify(reference, "--reference")
+    cands = [job.classify(c, "--candidate") for c in candidates]
+    text_file = Path(os.path.expanduser(str(text))).resolve()
+    if not text_file.is_file():
+        raise UserError(f"--text {text}: no such file")
+    spec_path, asked, new = job.write_job(ref, cands, text_file, n_ctx, threads, warehouse, log, keep_rows)
+    log(f"the job's spec: {spec_path} (`matrix run {spec_path} --warehouse {warehouse}` repeats it)")
+    refused, result = None, None
+    try:  # one candidate's failure is its own: the others are still reported
+        result = run(
+            spec_path, warehouse, executor=executor or ("ray" if address else "local"), address=address, log=log
+        )
+        refused = result.bad_input
+    except UserError as e:  # refused before anything ran, or a file refused where it ran
+        refused = str(e)
+    stacks = _candidate_stacks(spec_path, asked, refused)
+    done, anything = _done_cells(warehouse, stacks)
+    failed = {job.file_of(a) for a in asked} - {job.file_of(a) for a, _ in done}
+    job.forget(warehouse, failed, drop_job=new and not anything)
+    if refused is not None and not done:
+        raise UserError(refused)
+    if done:
+        _measured(warehouse, done, log)
+    if failed:
+        names = ", ".join(a["name"] for a in asked if job.file_of(a) in failed)
+        log(
+            f"no statistics for {names}: its cell did not complete (the run says why above), "
+            "and it is left out of the job's spec"
+        )
+    results = _results(warehouse, done, ref.label) if done else ()
+    return KldResult(str(spec_path), warehouse, n_ctx, results, tuple(sorted(failed)), result, refused)
+
+
+def _threads(threads: int | None, address: str | None) -> int:
+    if threads is not None and threads < 1:
+        raise UserError(f"--threads {threads}: must be >= 1")
+    if threads is None and address:
+        raise UserError(
+            "--threads: give the threads each cell takes on the cluster's nodes (this machine's core "
+            "count says nothing of theirs)"
+        )
+    return threads or os.cpu_count() or 1
+
+
+def _candidate_stacks(spec_path: Path, asked: list[dict], refused: str | None) -> list[tuple[dict, str]]:
+    """(candidate entry, its stack id) for each candidate asked for, in the order given; none where
+    the job's spec itself was refused (said by `refused`)."""
+    from matrix.spec.cells import load_spec
+    from matrix.spec.kld import file_of
+
+    try:
+        spec = load_spec(spec_path)
+    except UserError:
+        if refused is None:
+            raise
+        return []
+    by_file = {c.artifact: c.stack_id for c in spec.cells if c.artifact is not None}
+    return [(a, by_file[file_of(a)]) for a in asked]
+
+
+def _done_cells(warehouse: str, stacks: list[tuple[dict, str]]) -> tuple[list[tuple[dict, str]], bool]:
+    """((entry, the cell of its stack this warehouse captured last) for each candidate that
+    completed (a stack captured by several engine builds has a cell per build), whether any cell
+    of the warehouse is complete)."""
+    from store import Warehouse
+
+    wh = Warehouse(warehouse)
+    rows = [c for c in (wh.read_all("cells") if wh.check() else []) if c["status"] == "done"]
+    out = []
+    for a, stack in stacks:
+        done = sorted((c for c in rows if c["stack_id"] == stack), key=lambda c: c["finished_at"])
+        if done:
+            out.append((a, done[-1]["cell_id"]))
+    return out, bool(rows)
+
+
+def _measured(warehouse: str, cells: list[tuple[dict, str]], log) -> None:
+    """Metrics for a completed candidate that has none: its capturing process could not measure it
+    (it says why in its cells row); `matrix analyze` does, here."""
+    from analysis.analyze import analyze
+    from analysis.sql import connect
+
+    con = connect(warehouse)
+    try:
+        have = {r[0] for r in con.execute("SELECT DISTINCT cell_id FROM metrics").fetchall()}
+    finally:
+        con.close()
+    if any(cid not in have for _, cid in cells):
+        log("measuring the candidates their capture did not measure (matrix analyze)")
+        analyze(warehouse, log=log, side=[s[:2] for s in extras.analyses()])
+
+
+def _results(warehouse: str, cells: list[tuple[dict, str]], ref_label: str) -> tuple[CandidateResult, ...]:
+    from analysis.card import build_card
+    from analysis.kld_stats import cell_stats
+    from analysis.sql import connect
+    from matrix.spec.kld import file_of
+
+    con = connect(warehouse)
+    try:
+        found = []
+        for a, cid in cells:
+            q = "SELECT count(DISTINCT prompt_id) FROM metrics WHERE cell_id = ?"
+            chunks = con.execute(q, [cid]).fetchone()[0]
+            found.append((file_of(a), a["name"], cid, chunks, cell_stats(con, cid)))
+    finally:
+        con.close()
+    return tuple(
+        CandidateResult(
+            file,
+            label,
+            ref_label,
+            cid,
+            chunks,
+            stats,
+            build_card(warehouse, cid, allow_undisclosed=True, extras=extras.registered()),
+        )
+        for file, label, cid, chunks, stats in found
+    )
+
+
+def exit_code(result: KldResult) -> int:
+    """What `matrix kld` exits with: 2 for input refused, 1 where a cell failed, else 0."""
+    if result.refused is not None:
+        return 2
+    run_result: RunResult | None = result.run
+    return 0 if run_result is None or run_result.ok else 1
