@@ -1,64 +1,14 @@
-"""What a sweep is made of: a Cell (one stack as the spec names it) and a StackDesc (what a
-backend is given to build and run that stack). Both live here, below spec and backends alike,
-so neither has to import the other's package to name them."""
+"""What a sweep is made of: a StackDesc (what a backend is given to build and run one stack) and
+the Cell that holds it (the stack as the spec names it, plus what the run and the analysis need).
+Both live here, below spec and backends alike, so neither has to import the other's package."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from common import ids, names
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One stack: a model run by one engine at one dtype / attention / TP / device."""
-
-    model: str
-    engine: str
-    dtype: str
-    attention: str
-    tp: int
-    device: str
-    threads: int | None
-    stack_id: ids.StackId  # the stack as the spec names it (common/ids.py)
-    # Feed only a prefix of each prompt (for slow stacks). Causal attention makes the
-    # rows it keeps identical in meaning to the full run's rows at the same positions.
-    max_tokens: int | None = None
-    options: tuple = ()  # sorted (key, value) pairs the engine takes
-    # The per-cell extras it asks for (extras/): sorted (key, value) pairs, values as the extra's
-    # parser gives them; the plan resolves them against the model (Extra.resolve)
-    extras: tuple = ()
-    # Analysis only (not in the cell id): whose centroid this stack joins. None: its model's.
-    centroid_group: str | None = None
-    calibration: str | None = None  # declared in the spec; model cards disclose it
-    # `replicas: N`: copy i of the stack, each on its own node (0: the stack itself)
-    replica: int = 0
-    # Set when the run binds the stack to a node's engine build (matrix/run/builds.py), or to the
-    # build of an earlier capture it reuses; None before, or for a capture that recorded none.
-    build: str | None = None
-    pin: tuple[str, ...] = ()  # Ray node ids the cell may run on (empty: any that fits)
-    # `candidates:` a published file measured as it is, against the model's reference: its path on
-    # the driver and its sha256 (the cell id hashes it), and the spec's label for it
-    artifact: str | None = None
-    artifact_sha256: str | None = None
-    label: str | None = None
-
-    @property
-    def cell_id(self) -> ids.CellId | ids.StackId:
-        """What the warehouse calls it: stack@build once bound to a build, the stack id before."""
-        return ids.cell_id(self.stack_id, self.build) if self.build else self.stack_id
-
-    @property
-    def opts(self) -> dict[str, Any]:
-        return dict(self.options)
-
-    def extra(self, key: str) -> Any:
-        """The value of one per-cell extra (None: the cell does not ask for it)."""
-        return dict(self.extras).get(key)
-
-    def axes(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in names.CELL_AXES}
 
 
 @dataclass(frozen=True)
@@ -73,16 +23,24 @@ class StackDesc:
     device: str = "cpu"
     tp: int = 1
     model: str = ""
-    cell_id: str = ""
-    options: tuple = ()  # sorted (key, value) pairs, as Cell.options
+    cell_id: str = ""  # set when the run hands the stack to its backend (matrix.spec.cells.stack_desc)
+    options: tuple = ()  # sorted (key, value) pairs the engine takes
+    # Feed only a prefix of each prompt (for slow stacks). Causal attention makes the rows it keeps
+    # identical in meaning to the full run's rows at the same positions.
     max_tokens: int | None = None
-    extras: tuple = ()  # sorted (key, value) of the per-cell extras each capture records (Cell.extras)
+    # The per-cell extras it asks for (extras/): sorted (key, value) pairs, values as the extra's parser
+    # gives them; the plan resolves them against the model (Extra.resolve)
+    extras: tuple = ()
     extra_targets: tuple = ()  # "key=module:Class" of those not built in (extras.targets)
     weights_sha256: str | None = None  # of the reference checkpoint the engine's weights are built from
     source_gguf: str | None = None  # the GGUF the reference weights were dequantised from, if any
     source_quant: str | None = None  # its quant type: a cell of that dtype runs the file itself
-    build: str | None = None  # the engine build the driver bound the cell to (common/builds.py)
-    artifact: str | None = None  # a published file to run as it is (`candidates:`), on this node
+    # the engine build the run bound the cell to (common/builds.py), or the build of an earlier capture
+    # it reuses; None before, or for a capture that recorded none
+    build: str | None = None
+    # `candidates:` a published file measured as it is, against the model's reference: its path (on the
+    # driver, then on this node) and its sha256 (the cell id hashes it)
+    artifact: str | None = None
     artifact_sha256: str | None = None
     artifact_source: str | None = None  # where it came from: the driver's path, or the model's source
     # `imatrix:` the calibration text itself (a node may not have the driver's file; text is small)
@@ -94,6 +52,70 @@ class StackDesc:
 
     def extra(self, key: str) -> Any:
         return dict(self.extras).get(key)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One stack of a sweep: what its backend is given (`stack`), the id the spec names it by, and
+    what only the run and the analysis need (threads, its node pins, its centroid group...).
+
+    The coordinates (model, engine, dtype, ...) live in `stack` alone; the properties below read
+    them there. A cell is bound to an engine build by the run (`bound`): only then has it a cell id."""
+
+    stack: StackDesc
+    stack_id: ids.StackId  # the stack as the spec names it (common/ids.py)
+    threads: int | None = None
+    # Analysis only (not in the cell id): whose centroid this stack joins. None: its model's.
+    centroid_group: str | None = None
+    calibration: str | None = None  # declared in the spec; model cards disclose it
+    # `replicas: N`: copy i of the stack, each on its own node (0: the stack itself)
+    replica: int = 0
+    pin: tuple[str, ...] = ()  # Ray node ids the cell may run on (empty: any that fits)
+    label: str | None = None  # `candidates:` the spec's label for a published file
+    is_bound: bool = False  # set by bound(): the run chose the engine build that captures it
+
+    @property
+    def cell_id(self) -> ids.CellId:
+        """What the warehouse calls it: stack@build (a capture that recorded no build: the stack id).
+        Only a cell the run bound to a build has one (`bound`)."""
+        if not self.is_bound:
+            raise ValueError(f"{self.stack_id} is not bound to an engine build yet: it has a stack id only")
+        return ids.cell_id(self.stack_id, self.stack.build) if self.stack.build else ids.CellId(self.stack_id)
+
+    def bound(self, build: str | None, pin: tuple[str, ...] | None = None) -> Cell:
+        """This cell as captured by `build` (None: a capture that recorded no build), on the nodes
+        `pin` names when given."""
+        stack = dataclasses.replace(self.stack, build=build)
+        return dataclasses.replace(self, stack=stack, is_bound=True, pin=self.pin if pin is None else pin)
+
+    def with_stack(self, **changes: Any) -> Cell:
+        """This cell with some of its stack's fields changed (its extras resolved, its file hashed...)."""
+        return dataclasses.replace(self, stack=dataclasses.replace(self.stack, **changes))
+
+    # the stack's coordinates, read where they live
+    model = property(lambda self: self.stack.model)
+    engine = property(lambda self: self.stack.engine)
+    dtype = property(lambda self: self.stack.dtype)
+    attention = property(lambda self: self.stack.attention)
+    tp = property(lambda self: self.stack.tp)
+    device = property(lambda self: self.stack.device)
+    max_tokens = property(lambda self: self.stack.max_tokens)
+    options = property(lambda self: self.stack.options)
+    extras = property(lambda self: self.stack.extras)
+    build = property(lambda self: self.stack.build)
+    artifact = property(lambda self: self.stack.artifact)
+    artifact_sha256 = property(lambda self: self.stack.artifact_sha256)
+
+    @property
+    def opts(self) -> dict[str, Any]:
+        return dict(self.stack.options)
+
+    def extra(self, key: str) -> Any:
+        """The value of one per-cell extra (None: the cell does not ask for it)."""
+        return self.stack.extra(key)
+
+    def axes(self) -> dict[str, Any]:
+        return {k: getattr(self.stack, k) for k in names.CELL_AXES}
 
 
 @dataclass(frozen=True)

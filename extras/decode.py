@@ -119,7 +119,7 @@ class Decode(Extra):
         longest = max(prompts, key=lambda p: len(p.token_ids))
         if at[-1] + steps >= len(longest.token_ids):
             raise fail(
-                f"decode: position {at[-1]} + {steps} steps of cell {cell.cell_id} passes the "
+                f"decode: position {at[-1]} + {steps} steps of cell {cell.stack_id} passes the "
                 f"end of every prompt (the longest, {longest.name}, has {len(longest.token_ids)} tokens: "
                 f"positions 0..{len(longest.token_ids) - 1})"
             )

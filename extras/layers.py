@@ -103,7 +103,7 @@ class Layers(Extra):
             return tuple(range(depth))
         if max(value) >= depth:
             raise fail(
-                f"layers: layer {max(value)} of cell {cell.cell_id}: model {cell.model} has "
+                f"layers: layer {max(value)} of cell {cell.stack_id}: model {cell.model} has "
                 f"{depth} decoder layers (0..{depth - 1})"
             )
         return value

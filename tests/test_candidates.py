@@ -111,8 +111,8 @@ def test_a_given_file_runs_as_it_is_and_another_file_is_another_cell(
         repeats=1,
         candidates=[{"model": "tiny", "gguf": str(other)}],
     )
-    ids = {c["cell_id"] for c in json.loads(run_cli("cells", str(spec2), "--json").stdout)["cells"] if c["candidate"]}
-    assert ids and not ids & {cand[0]["cell_id"]}
+    ids = {c["stack_id"] for c in json.loads(run_cli("cells", str(spec2), "--json").stdout)["cells"] if c["candidate"]}
+    assert ids and not ids & {cand[0]["stack_id"]}
 
 
 def test_a_file_of_another_model_is_refused_before_anything_runs(tmp_path, reference_model, short_corpus):

@@ -397,5 +397,5 @@ def test_the_run_takes_the_text_kld_tokenised_ahead(ggufs, text, tmp_path, monke
     spec_path, _, _ = kld.write_job(ref, [cand], Path(text), N_CTX, 2, str(tmp_path / "wh"), lambda m: None)
     plan = prepare(load_spec(spec_path), Warehouse(str(tmp_path / "wh")), lambda m: None)
     assert loads == [ggufs["f16"]] and not lb._AHEAD
-    (ids,) = plan.prompts.values()
+    (ids,) = [m.prompts for m in plan.models.values()]
     assert len(ids) > 10 and all(len(p.token_ids) == N_CTX for p in ids)  # the text cut in chunks of N_CTX

@@ -76,16 +76,17 @@ def test_calls_queued_behind_a_skipped_load_raise_the_loads_skip(local_ray, plan
     ray = local_ray
     plan, _ = plan_for(0)
     cell = next(c for c in plan.spec.cells if c.dtype == "q2_k")
-    model = plan.models[cell.model]
+    mp = plan.models[cell.model]
+    model = mp.resolved
     desc = stack_desc(cell, model)
-    texts = [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]]
-    ids = [(p.prompt_id, p.token_ids) for p in plan.prompts[cell.model]]
+    texts = [(p.prompt_id, p.text, p.token_ids) for p in mp.prompts]
+    ids = [(p.prompt_id, p.token_ids) for p in mp.prompts]
     for _ in range(ACTOR_REPEATS):
         actor = StackActor.options(num_cpus=1).remote(
             desc, model_copy(model), 1, Delivery("/nonexistent-warehouse", "nonce", None)
         )
         load = actor.load.remote()
-        parity = actor.parity.remote(texts, plan.special[cell.model], plan.vocab[cell.model])
+        parity = actor.parity.remote(texts, mp.special, mp.vocab)
         captures = [actor.capture.remote("run", r, ids, 16) for r in range(2)]
         # the bad order: the calls queued behind the load are taken first
         got = [skip_of(ray, f) for f in captures + [parity, load]]

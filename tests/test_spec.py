@@ -23,8 +23,8 @@ BASE = {"models": ["smollm2-135m"], "engines": ["hf"], "dtypes": ["fp32", "bf16"
 
 def test_two_models_spec_gives_each_model_its_own_reference_and_every_engine():
     spec = load_spec(REPO / "configs" / "two-models.yaml")
-    assert set(spec.reference_cells) == {"smollm2-135m", "gemma3-270m"}
-    for model, ref in spec.reference_cells.items():
+    assert set(spec.reference_stacks) == {"smollm2-135m", "gemma3-270m"}
+    for model, ref in spec.reference_stacks.items():
         assert ref.startswith(f"{model}.hf.fp32.eager")
         engines = {c.engine for c in spec.cells if c.model == model}
         from backends.vllm_backend import vllm_python
@@ -59,11 +59,11 @@ def test_smoke_spec_covers_hf_llamacpp_mlx_with_bf16_eager_reference():
     assert [c.opts.get("activations") for c in spec.cells if c.engine == "mlx"] == [None, None, None, "fp32", "fp32"]
     assert {c.max_tokens for c in spec.cells if c.engine != "mlx"} == {768}  # the demo reads 768-token prefixes
     assert {c.max_tokens for c in load_spec(REPO / "configs" / "long.yaml").cells} == {None}
-    assert spec.repeats == 2 and spec.stride == 32
-    ref = spec.reference_cells["smollm2-135m"]
+    assert spec.spec.repeats == 2 and spec.spec.stride == 32
+    ref = spec.reference_stacks["smollm2-135m"]
     assert ref.startswith("smollm2-135m.hf.bf16.eager.tp1.cpu-")
     # the demo's per-layer cell and decode cell; the reference records both as their yardstick
-    by = {c.cell_id: c for c in spec.cells}
+    by = {c.stack_id: c for c in spec.cells}
     q4, q8 = (next(c for c in spec.cells if c.dtype == d and not c.artifact) for d in ("q4_k_m", "q8_0"))
     assert q4.extra("layers") == (0, 1, 2, 3) and q8.extra("decode") == (8, (6, 128))
     assert by[ref].extra("layers") == (0, 1, 2, 3) and by[ref].extra("decode") == (8, (6, 128))
@@ -75,11 +75,11 @@ def test_smoke_spec_covers_hf_llamacpp_mlx_with_bf16_eager_reference():
 def test_cell_ids_are_stable_and_change_with_what_changes_rows(tmp_path):
     a = load_spec(spec_file(tmp_path, BASE, "a.yaml"))
     b = load_spec(spec_file(tmp_path, BASE, "b.yaml"))
-    assert [c.cell_id for c in a.cells] == [c.cell_id for c in b.cells]
+    assert [c.stack_id for c in a.cells] == [c.stack_id for c in b.cells]
     c = load_spec(spec_file(tmp_path, {**BASE, "stride": 16}, "c.yaml"))
-    assert not {x.cell_id for x in a.cells} & {x.cell_id for x in c.cells}
+    assert not {x.stack_id for x in a.cells} & {x.stack_id for x in c.cells}
     d = load_spec(spec_file(tmp_path, {**BASE, "bos": "always"}, "d.yaml"))
-    assert not {x.cell_id for x in a.cells} & {x.cell_id for x in d.cells}
+    assert not {x.stack_id for x in a.cells} & {x.stack_id for x in d.cells}
 
 
 def test_include_exclude_follow_github_actions_semantics(tmp_path):
@@ -130,7 +130,7 @@ def test_engine_options_and_max_tokens(tmp_path):
     assert [s["reason"] for s in spec.skipped] == ["engine hf takes no option kv_cache"]
     # an option changes the rows, so it changes the id
     plain = load_spec(spec_file(tmp_path, {**body, "options": {}}, "b.yaml"))
-    assert {c.cell_id for c in plain.cells} ^ {c.cell_id for c in spec.cells} != set()
+    assert {c.stack_id for c in plain.cells} ^ {c.stack_id for c in spec.cells} != set()
 
 
 def test_replicas_are_cells_of_one_stack_and_only_replica_0_is_the_reference(tmp_path):
@@ -143,8 +143,8 @@ def test_replicas_are_cells_of_one_stack_and_only_replica_0_is_the_reference(tmp
         "reference": {"dtype": "bf16"},
     }
     spec = load_spec(spec_file(tmp_path, body))
-    plain = {c.dtype: c.cell_id for c in one.cells}
-    got = sorted((c.dtype, c.replica, c.cell_id) for c in spec.cells)
+    plain = {c.dtype: c.stack_id for c in one.cells}
+    got = sorted((c.dtype, c.replica, c.stack_id) for c in spec.cells)
     assert got == [
         ("bf16", 0, plain["bf16"]),
         ("bf16", 1, plain["bf16"] + ".r1"),
@@ -152,7 +152,7 @@ def test_replicas_are_cells_of_one_stack_and_only_replica_0_is_the_reference(tmp
         ("fp32", 1, plain["fp32"] + ".r1"),
         ("fp32", 2, plain["fp32"] + ".r2"),
     ]
-    assert spec.reference_cells == {"smollm2-135m": plain["bf16"]}  # replica 0 keeps the stack's own id
+    assert spec.reference_stacks == {"smollm2-135m": plain["bf16"]}  # replica 0 keeps the stack's own id
     from common.ids import split_cell_id
 
     assert split_cell_id(plain["fp32"] + ".r2@0123abcd") == (plain["fp32"], 2, "0123abcd")
@@ -173,7 +173,7 @@ def test_cells_json_lists_cells_and_skipped(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["cells"]) == 2 and len(out["skipped"]) == 2
-    assert all(c["cell_id"].startswith("smollm2-135m.hf.") for c in out["cells"])
+    assert all(c["stack_id"].startswith("smollm2-135m.hf.") for c in out["cells"])
 
 
 @pytest.mark.parametrize(

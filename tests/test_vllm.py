@@ -292,7 +292,7 @@ def test_vllm_quant_dtypes_and_checkpoint_candidates_are_listed_where_they_can_r
     from common.stack import Cell
     from matrix.spec import candidates
 
-    cell = Cell("tiny", "vllm", "awq", "default", 1, "h200", 1, "c", artifact=str(awq))
+    cell = Cell(StackDesc("vllm", "awq", "default", "h200", 1, "tiny", artifact=str(awq)), "c", 1)
     config, tok = (
         transformers.AutoConfig.from_pretrained(tiny_model),
         transformers.AutoTokenizer.from_pretrained(tiny_model),

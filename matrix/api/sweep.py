@@ -37,7 +37,7 @@ def run(
     command: list[str] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> RunResult:
-    """Capture every cell of `spec` (a path, or a spec from matrix.spec.cells.load_spec) into
+    """Capture every cell of `spec` (a path, or a Matrix from matrix.spec.cells.load_spec) into
     `warehouse` (a directory or an s3:// / gs:// URI), resuming: complete cells are not captured again.
 
     executor: "ray" (a cluster: `address`'s, or one started here and stopped at the end) or "local"
@@ -51,22 +51,22 @@ def run(
 
     t0 = time.perf_counter()
     log = log or stderr_log
-    spec = load_spec(spec) if isinstance(spec, (str, os.PathLike)) else spec
+    matrix = load_spec(spec) if isinstance(spec, (str, os.PathLike)) else spec
     if cluster_config:
         placement.node_types(cluster_config)  # a bad file fails here, before any work
     wh = Warehouse(warehouse)
     wh.check()  # an incompatible warehouse fails here, before anything is written
-    for s in spec.skipped:
+    for s in matrix.skipped:
         log(f"skipping {s['cell_id']}: {s['reason']}")
     kind = choose_executor(executor, address, cluster_config, log)
-    early = _early(spec, wh, log) if kind == "local" else None
+    early = _early(matrix, wh, log) if kind == "local" else None
     resume = _resume(reuse_cells_from_other_builds, skip_failed, recapture_damaged, address)
     try:
-        summary, plan = _sweep(spec, wh, kind, address, cluster_config, resume, early, command or sys.argv, log)
+        summary, plan = _sweep(matrix, wh, kind, address, cluster_config, resume, early, command or sys.argv, log)
     finally:
         if early is not None:  # a host started ahead that the run did not take over (it stopped early)
             early.executor.shutdown()
-    return _result(summary, plan, spec, wh, time.perf_counter() - t0, log)
+    return _result(summary, plan, wh, time.perf_counter() - t0, log)
 
 
 def choose_executor(executor: str | None, address: str | None, cluster_config: str | None, log) -> str:
@@ -93,17 +93,17 @@ def _resume(reuse: bool, skip_failed: bool, recapture: bool, address: str | None
     return runner.Resume(reuse, skip_failed, recapture, own_cluster=not address)
 
 
-def _early(spec, wh, log) -> _Started | None:
+def _early(matrix, wh, log) -> _Started | None:
     """The local executor of the run, its first host already loading where it can be (then with the
     nonce it was started with): that host starts while the driver tokenises (matrix/run/early.py).
     None: starting it ahead failed, and the run starts it itself."""
     from matrix.run import cluster, early, local
 
-    local.check(spec.cells)
+    local.check(matrix.cells)
     ex = local.LocalExecutor()
     cluster.sigterm_interrupts()
     try:
-        nonce = early.start_first_host(spec, wh, ex, log)
+        nonce = early.start_first_host(matrix, wh, ex, log)
     except UserError:  # bad input: the line the run itself would give
         ex.shutdown()
         raise
@@ -129,11 +129,11 @@ def _connect(kind: str, address: str | None, cluster_config: str | None) -> _Sta
     return _Started(RayExecutor(config), ray)
 
 
-def _sweep(spec, wh, kind, address, cluster_config, resume, early, command, log) -> tuple[dict | None, object]:
+def _sweep(matrix, wh, kind, address, cluster_config, resume, early, command, log) -> tuple[dict | None, object]:
     """Prepare, then under the warehouse's lock: migrate, bind to the nodes' builds, execute what is left."""
     from matrix.run import placement, runner
 
-    plan = runner.prepare(spec, wh, log)
+    plan = runner.prepare(matrix, wh, log)
     summary = None
     wh.create()
     with wh.lock(log):
@@ -145,7 +145,7 @@ def _sweep(spec, wh, kind, address, cluster_config, resume, early, command, log)
             nodes = ex.nodes()
             if cluster_config or (kind == "ray" and ex.cluster_config):
                 log(f"node types from {ex.cluster_config}: " + ", ".join(n.node_type for n in nodes if n.node_type))
-            placement.check_placement(spec.cells, nodes, log)
+            placement.check_placement(matrix.cells, nodes, log)
             plan = runner.bind(plan, wh, ex, log, resume, nodes)
             runner.regroup_complete_cells(plan, wh, log)
             if early:
@@ -158,7 +158,7 @@ def _sweep(spec, wh, kind, address, cluster_config, resume, early, command, log)
     return summary, plan
 
 
-def _result(summary: dict | None, plan, spec, wh, wall_s: float, log) -> RunResult:
+def _result(summary: dict | None, plan, wh, wall_s: float, log) -> RunResult:
     if summary is not None:
         log(
             f"run {summary['run_id']}: {summary['cells_done']}/{summary['cells_total']} cells complete, "
@@ -180,7 +180,7 @@ def _result(summary: dict | None, plan, spec, wh, wall_s: float, log) -> RunResu
         cells_run=0,
         rows_written=0,
         wall_s=round(wall_s, 2),
-        skipped=tuple(spec.skipped),
+        skipped=tuple(plan.matrix.skipped),
         left_out=dict(plan.left_out),
         reused=dict(plan.reused),
     )

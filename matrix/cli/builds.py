@@ -16,24 +16,13 @@ from pathlib import Path
 from backends import backend_class
 from common.builds import describe, engine_build
 from common.errors import UserError
-from common.stack import StackDesc
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _local_build(cell) -> str | None:
     cls = backend_class(cell.engine)
-    desc = StackDesc(
-        engine=cell.engine,
-        dtype=cell.dtype,
-        attention=cell.attention,
-        device=cell.device,
-        tp=cell.tp,
-        model=cell.model,
-        cell_id=cell.cell_id,
-        options=cell.options,
-    )
-    env = cls.runtime_env(desc, cell.threads or 1) or {}
+    env = cls.runtime_env(cell.stack, cell.threads or 1) or {}
     return _interpreter_build(env.get("py_executable"), cls.libraries, cell.engine)
 
 
@@ -60,7 +49,7 @@ def _interpreter_build(python: str | None, libraries: tuple[str, ...], engine: s
     return json.loads(r.stdout)["build"]
 
 
-def build_columns(spec, warehouse: str, answers: dict | None) -> dict[str, dict]:
+def build_columns(matrix, warehouse: str, answers: dict | None) -> dict[str, dict]:
     """stack id -> {"build": the build a run would use (None: unknown here), "captured": [...],
     "action": complete | capture | capture again (...)}."""
     from matrix.run import builds
@@ -81,14 +70,14 @@ def build_columns(spec, warehouse: str, answers: dict | None) -> dict[str, dict]
             }
         )
     if answers is not None:
-        bound, _, _ = builds.bind(spec.cells, answers, builds.captured_builds(rows), lambda m: None)
+        bound, _, _ = builds.bind(matrix.cells, answers, builds.captured_builds(rows), lambda m: None)
         current = {c.stack_id: c.build for c in bound}
     else:
-        current = {c.stack_id: _local_build(c) for c in spec.cells}
+        current = {c.stack_id: _local_build(c) for c in matrix.cells}
     out = {}
-    for c in spec.cells:
-        got, build = by_stack.get(c.cell_id, []), current.get(c.cell_id)
-        full = [g for g in got if (g["repeats"] or 0) >= spec.repeats]
+    for c in matrix.cells:
+        got, build = by_stack.get(c.stack_id, []), current.get(c.stack_id)
+        full = [g for g in got if (g["repeats"] or 0) >= matrix.spec.repeats]
         if build and any(g["build"] == build for g in full):
             action = "complete"
         elif full:
@@ -97,5 +86,5 @@ def build_columns(spec, warehouse: str, answers: dict | None) -> dict[str, dict]
             )
         else:
             action = "capture"
-        out[c.cell_id] = {"build": build, "captured": got, "action": action}
+        out[c.stack_id] = {"build": build, "captured": got, "action": action}
     return out

@@ -27,46 +27,47 @@ def cmd_cells(args) -> int:
     from matrix.cli.layers import layer_brief, layer_sizes, off_prefill
     from matrix.spec.cells import load_spec
 
-    spec = load_spec(args.spec)
-    sizes = layer_sizes(spec)
+    matrix = load_spec(args.spec)
+    spec = matrix.spec
+    sizes = layer_sizes(matrix)
     cells = [
         {
             **c.axes(),
             "threads": c.threads,
             "options": c.opts,
             "max_tokens": c.max_tokens,
-            "cell_id": c.cell_id,
-            "layer_states": sizes.get(c.cell_id),
+            "stack_id": c.stack_id,
+            "layer_states": sizes.get(c.stack_id),
             **{x.key: None if c.extra(x.key) is None else x.describe(c.extra(x.key)) for x in extras.registered()},
             "replica": c.replica,
-            "reference": c.cell_id in spec.reference_cells.values(),
+            "reference": c.stack_id in matrix.reference_stacks.values(),
             "candidate": None
             if c.artifact is None
             else {"file": c.artifact, "sha256": c.artifact_sha256, "label": c.label},
         }
-        for c in spec.cells
+        for c in matrix.cells
     ]
-    nodes, answers = _known_nodes(args.address, args.cluster_config, spec if args.warehouse else None)
+    nodes, answers = _known_nodes(args.address, args.cluster_config, matrix if args.warehouse else None)
     placed = None
     if nodes is not None:
         from matrix.run import placement
 
         placed = {
-            c.cell_id: placement.where(c.device, c.tp, placement.cell_threads(c, nodes), nodes) for c in spec.cells
+            c.stack_id: placement.where(c.device, c.tp, placement.cell_threads(c, nodes), nodes) for c in matrix.cells
         }
     for c in cells:
         if placed:
-            c["placement"] = str(placed[c["cell_id"]])
-    builds = build_columns(spec, args.warehouse, answers) if args.warehouse else None
+            c["placement"] = str(placed[c["stack_id"]])
+    builds = build_columns(matrix, args.warehouse, answers) if args.warehouse else None
     for c in cells:
         if builds:
-            c.update(builds[c["cell_id"]])
+            c.update(builds[c["stack_id"]])
     if args.json:
         emit_json(
             {
                 "spec": str(spec.path),
                 "cells": cells,
-                "skipped": spec.skipped,
+                "skipped": matrix.skipped,
                 "stride": spec.stride,
                 "positions": spec.positions.to_dict(),
                 "repeats": spec.repeats,
@@ -76,7 +77,7 @@ def cmd_cells(args) -> int:
     else:
         decoding = any(off_prefill(c) != "-" for c in cells)
         cols = (
-            ["cell_id", "role", "options"]
+            ["stack_id", "role", "options"]
             + (["layer states"] if sizes else [])
             + (["off prefill"] if decoding else [])
             + (["placement"] if placed else [])
@@ -87,7 +88,7 @@ def cmd_cells(args) -> int:
                 cols,
                 [
                     [
-                        c["cell_id"],
+                        c["stack_id"],
                         "reference"
                         if c["reference"]
                         else f"candidate: {c['candidate']['label']}"
@@ -97,7 +98,7 @@ def cmd_cells(args) -> int:
                     ]
                     + ([layer_brief(c["layer_states"])] if sizes else [])
                     + ([off_prefill(c)] if decoding else [])
-                    + ([placed[c["cell_id"]].brief()] if placed else [])
+                    + ([placed[c["stack_id"]].brief()] if placed else [])
                     + (
                         [
                             c["build"] or "?",
@@ -111,11 +112,12 @@ def cmd_cells(args) -> int:
                 ],
             )
         )
-        if spec.skipped:
-            print(f"\nskipped ({len(spec.skipped)}):")
-            print(table(["combination", "reason"], [[s["cell_id"], s["reason"]] for s in spec.skipped]))
+        if matrix.skipped:
+            print(f"\nskipped ({len(matrix.skipped)}):")
+            print(table(["combination", "reason"], [[s["cell_id"], s["reason"]] for s in matrix.skipped]))
         print(
-            f"\n{len(cells)} cell(s), {len(spec.skipped)} skipped; {spec.positions.describe()} (stride {spec.stride}), "
+            f"\n{len(cells)} cell(s), {len(matrix.skipped)} skipped; "
+            f"{spec.positions.describe()} (stride {spec.stride}), "
             f"repeats {spec.repeats}"
         )
         if sizes:
@@ -125,13 +127,13 @@ def cmd_cells(args) -> int:
                 "engine's native width; hidden states barely compress)"
             )
     if nodes is not None:
-        placement.check_placement(spec.cells, nodes, lambda msg: None)  # the same exit 2 as `matrix run`
+        placement.check_placement(matrix.cells, nodes, lambda msg: None)  # the same exit 2 as `matrix run`
     return 0
 
 
-def _known_nodes(address: str | None, cluster_config: str | None, probe_spec=None) -> tuple[list | None, dict | None]:
+def _known_nodes(address: str | None, cluster_config: str | None, probe_matrix=None) -> tuple[list | None, dict | None]:
     """Live nodes of --address plus the node types of the launcher config (None: neither given),
-    and with probe_spec, the engine build of each node its cells can use (matrix/run/builds.py)."""
+    and with probe_matrix, the engine build of each node its cells can use (matrix/run/builds.py)."""
     from matrix.run import cluster, placement
 
     if not address and not cluster_config:
@@ -143,14 +145,14 @@ def _known_nodes(address: str | None, cluster_config: str | None, probe_spec=Non
     ray = cluster.init_ray(address)
     try:
         known = placement.known_nodes(placement.cluster_nodes(), config)
-        if probe_spec is not None:
+        if probe_matrix is not None:
             from matrix.run import builds
             from matrix.run.ray_executor import RayExecutor
             from matrix.spec.models import fetch
 
-            placement.check_placement(probe_spec.cells, known, lambda msg: None)
-            models = {n: fetch(ref, log=log) for n, ref in probe_spec.models.items()}
-            answers = builds.probe(probe_spec.cells, models, known, log, RayExecutor(config))
+            placement.check_placement(probe_matrix.cells, known, lambda msg: None)
+            models = {n: fetch(ref, log=log) for n, ref in probe_matrix.spec.models.items()}
+            answers = builds.probe(probe_matrix.cells, models, known, log, RayExecutor(config))
     finally:
         ray.shutdown()
     return known, answers

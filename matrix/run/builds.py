@@ -18,7 +18,6 @@ with the reason; it is not recorded, so the next run tries again.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from typing import Callable
@@ -170,6 +169,6 @@ def bind(
                 continue
             at = places[i]
             cid = ids.cell_id(c.stack_id, at[0]["build"])
-            bound.append(dataclasses.replace(c, build=at[0]["build"], pin=tuple(sorted(a["node_id"] for a in at))))
+            bound.append(c.bound(at[0]["build"], pin=tuple(sorted(a["node_id"] for a in at))))
             libs[cid] = at[0]["libraries"]
     return bound, libs, left_out

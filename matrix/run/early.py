@@ -18,35 +18,34 @@ from typing import Callable
 
 from common import ids
 from matrix.run import builds, placement
-from matrix.spec.cells import model_copy, stack_desc
-from matrix.spec.parse import Spec
+from matrix.spec.cells import Matrix, model_copy, stack_desc
 from store import Warehouse
 
 
-def first_cell(spec: Spec):
+def first_cell(matrix: Matrix):
     """The first model's reference cell (a spec Cell, not yet bound to a build), or None."""
-    model = next(iter(spec.models), None)
-    sid = spec.reference_cells.get(model)
-    return next((c for c in spec.cells if c.stack_id == sid and not c.replica), None)
+    model = next(iter(matrix.spec.models), None)
+    sid = matrix.reference_stacks.get(model)
+    return next((c for c in matrix.cells if c.stack_id == sid and not c.replica), None)
 
 
-def start_first_host(spec: Spec, wh: Warehouse, ex, log: Callable[[str], None]) -> str | None:
+def start_first_host(matrix: Matrix, wh: Warehouse, ex, log: Callable[[str], None]) -> str | None:
     """Start the host of the run's first cell on ex (a LocalExecutor), engine load included;
     -> the nonce the run must use (its rows' Delivery is part of the host's arguments), or None
     when nothing was started."""
     from matrix.spec import gguf_model
     from matrix.spec.models import fetch
 
-    cell = first_cell(spec)
+    cell = first_cell(matrix)
     if (
         cell is None
         or cell.tp != 1
         or cell.extras
         or placement.NEEDS[cell.device].gpu
-        or not gguf_model.hf_free(spec, cell.model)
+        or not gguf_model.hf_free(matrix, cell.model)
     ):
         return None
-    model = fetch(spec.models[cell.model], log=log, dequantise=False)
+    model = fetch(matrix.spec.models[cell.model], log=log, dequantise=False)
     rows = wh.read_all("cells") if wh.check() else []
     nodes = ex.nodes()
     answers = builds.probe([cell], {cell.model: model}, nodes, log, ex, own_cluster=True)

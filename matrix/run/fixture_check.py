@@ -12,7 +12,7 @@ import numpy as np
 from analysis.card import hardware
 from common import ids
 from common.errors import UserError
-from common.stack import Cell
+from common.stack import Cell, StackDesc
 from store import fixture_file
 
 
@@ -111,7 +111,8 @@ def check_fixture(
     cls = backend_class(engine)
     if cls is None:
         raise UserError(f"fixture check: --engine {engine}: no such engine installed")
-    cell = Cell(ref.name, engine, dtype, attention, 1, device, threads, ids.check_cell_id(engine, dtype, attention))
+    stack = StackDesc(engine, dtype, attention, device, 1, ref.name)
+    cell = Cell(stack, ids.check_cell_id(engine, dtype, attention), threads)
     why = cls.unsupported(cell)
     if why:
         raise UserError(f"fixture check: {why}")

@@ -212,7 +212,7 @@ def check(cells: list[Cell]) -> None:
             why = "the engine starts its own Ray workers (vllm_executor: ray)"
         else:
             continue
-        raise UserError(f"{c.cell_id}: {why}; run it with --executor ray")
+        raise UserError(f"{c.stack_id}: {why}; run it with --executor ray")
 
 
 class LocalExecutor:

@@ -25,7 +25,7 @@ def _cell_fields(plan: Plan, cell: Cell) -> dict:
     """The columns every cells row of this cell has, captured or skipped."""
     return {
         **cell.axes(),
-        **R.model_fields(plan.models[cell.model]),
+        **R.model_fields(plan.models[cell.model].resolved),
         "stride": plan.spec.stride,
         "positions": plan.spec.positions.to_json(),
         "corpus": plan.spec.corpus,
@@ -87,12 +87,12 @@ def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse, attempts: int =
         bit_reproducible=all(h == hashes[0] for h in hashes[1:]),
         repeats=spec.repeats,
         rows_per_repeat=first.num_rows,
-        n_prompts=len(plan.prompts[cell.model]),
+        n_prompts=len(plan.models[cell.model].prompts),
         threads=loaded["settings"].get("threads"),
         bos_policy=spec.bos,
         is_reference=ref == cell.cell_id,
         reference_cell_id=ref,
-        vocab_size=plan.vocab[cell.model],
+        vocab_size=plan.models[cell.model].vocab,
         engine_vocab_size=loaded["vocab_size"],
         logits_dtype=first.column("logits_dtype")[0].as_py(),
         artifact=art.get("path"),
@@ -131,7 +131,7 @@ def _candidate_facts(plan: Plan, cell: Cell) -> dict:
         return {}
     from matrix.spec.candidates import header_facts
 
-    return {**header_facts(cell, plan.models[cell.model]), **({"label": cell.label} if cell.label else {})}
+    return {**header_facts(cell, plan.models[cell.model].resolved), **({"label": cell.label} if cell.label else {})}
 
 
 class Outcomes:

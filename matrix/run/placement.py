@@ -320,7 +320,7 @@ def cell_threads(cell, nodes: list[Node]) -> int:
 
 def check_placement(cells: list, nodes: list[Node], log: Callable[[str], None]) -> None:
     """Before anything is written: a cell no node (or node type) can host would wait forever."""
-    unplaceable = {c.cell_id: p for c in cells if (p := problem(c.device, c.tp, cell_threads(c, nodes), nodes))}
+    unplaceable = {c.stack_id: p for c in cells if (p := problem(c.device, c.tp, cell_threads(c, nodes), nodes))}
     if unplaceable:
         cid, why = next(iter(unplaceable.items()))
         more = f" (and {len(unplaceable) - 1} more cell(s))" if len(unplaceable) > 1 else ""
@@ -332,7 +332,7 @@ def check_placement(cells: list, nodes: list[Node], log: Callable[[str], None]) 
         w = where(c.device, c.tp, cell_threads(c, nodes), nodes)
         if w.waits_for_autoscaler:
             log(
-                f"{c.cell_id}: no live node can host it yet; it waits for the autoscaler to start "
+                f"{c.stack_id}: no live node can host it yet; it waits for the autoscaler to start "
                 + ", ".join(w.launchable)
             )
 

@@ -23,9 +23,10 @@ from common.files import sha256_file
 from common.stack import Cell
 from matrix import __version__
 from matrix.run import failures
-from matrix.run.plan import Plan
+from matrix.run.plan import ModelPlan, Plan
 from matrix.run.sweep import Sweep
 from matrix.spec import calibration, candidates
+from matrix.spec.cells import Matrix
 from matrix.spec.corpus import tokenize
 from matrix.spec.models import fetch
 from matrix.spec.parse import Spec
@@ -57,15 +58,15 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
+def prepare(matrix: Matrix, wh: Warehouse, log: Callable[[str], None]) -> Plan:
     """Resolve models, tokenise once per model, and work out what is left to do."""
     from matrix.spec import gguf_model
 
-    models, prompts, special, vocab, hidden = {}, {}, {}, {}, {}
-    cells = spec.cells
+    spec, models = matrix.spec, {}
+    cells = matrix.cells
     for name, ref in spec.models.items():
-        free = gguf_model.hf_free(spec, name)  # llama.cpp on GGUF files alone: no dequantised copy, no transformers
-        models[name] = m = fetch(ref, log=log, dequantise=not free)
+        free = gguf_model.hf_free(matrix, name)  # llama.cpp on GGUF files alone: no dequantised copy, no transformers
+        m = fetch(ref, log=log, dequantise=not free)
         if free:
             tok, config = gguf_model.load(m.gguf_path)
         else:
@@ -73,23 +74,24 @@ def prepare(spec: Spec, wh: Warehouse, log: Callable[[str], None]) -> Plan:
 
             tok = transformers.AutoTokenizer.from_pretrained(m.hf_dir)
             config = transformers.AutoConfig.from_pretrained(m.hf_dir)
-        vocab[name] = int(getattr(config, "vocab_size", 0) or 0) or len(tok)
-        if len(tok) > vocab[name]:
+        vocab = int(getattr(config, "vocab_size", 0) or 0) or len(tok)
+        if len(tok) > vocab:
             raise UserError(
                 f"{m.hf_dir}: the tokenizer has {len(tok)} tokens but the model has "
-                f"vocab_size {vocab[name]}: tokenizer and model do not match"
+                f"vocab_size {vocab}: tokenizer and model do not match"
             )
-        special[name] = {"bos": tok.bos_token_id, "eos": tok.eos_token_id}
         tok_file = os.path.join(m.hf_dir, "tokenizer.json") if m.hf_dir else None
         tok_sha = sha256_file(tok_file) if tok_file and os.path.isfile(tok_file) else None
-        prompts[name] = tokenize(spec.corpus, name, tok, spec.bos, tok_sha, log)
-        for cell in spec.cells:  # a published file of another model is refused before anything runs
+        prompts = tuple(tokenize(spec.corpus, name, tok, spec.bos, tok_sha, log))
+        for cell in matrix.cells:  # a published file of another model is refused before anything runs
             if cell.artifact and cell.model == name:
-                candidates.check(candidates.resolve(cell, m), config, tok, vocab[name])
-        calibration.check(spec, [c for c in spec.cells if c.model == name], prompts[name], tok)
-        hidden[name] = int(getattr(getattr(config, "text_config", None) or config, "hidden_size", 0) or 0)
-        cells = resolve_extras(spec, cells, name, {"depth": _depth(config), "hidden": hidden[name]}, prompts[name])
-    return Plan(dataclasses.replace(spec, cells=cells), models, prompts, special=special, vocab=vocab, hidden=hidden)
+                candidates.check(candidates.resolve(cell, m), config, tok, vocab)
+        calibration.check(spec, [c for c in matrix.cells if c.model == name], prompts, tok)
+        hidden = int(getattr(getattr(config, "text_config", None) or config, "hidden_size", 0) or 0)
+        cells = resolve_extras(spec, cells, name, {"depth": _depth(config), "hidden": hidden}, prompts)
+        special = {"bos": tok.bos_token_id, "eos": tok.eos_token_id}
+        models[name] = ModelPlan(m, prompts, special, vocab, hidden)
+    return Plan(dataclasses.replace(matrix, cells=cells), models)
 
 
 def _depth(config) -> int:
@@ -108,15 +110,16 @@ def resolve_extras(spec: Spec, cells: tuple[Cell, ...], model: str, facts: dict,
         if c.model != model or not c.extras:
             return c
         done = tuple((x.key, x.resolve(v, c, facts, prompts, fail)) for x, v in extras.of(c))
-        return dataclasses.replace(c, extras=tuple(sorted(done)))
+        return c.with_stack(extras=tuple(sorted(done)))
 
     return tuple(resolved(c) for c in cells)
 
 
 def side_rows(plan: Plan, cell: Cell) -> dict[str, tuple[int, bool]]:
     """{table: (rows one repeat adds to it, whether that count is exact)} for the cell's extras."""
-    fed = [plan.spec.positions.fed(p.token_ids, cell.max_tokens)[1] for p in plan.prompts[cell.model]]
-    lengths = [len(p.token_ids) for p in plan.prompts[cell.model]]
+    prompts = plan.models[cell.model].prompts
+    fed = [plan.spec.positions.fed(p.token_ids, cell.max_tokens)[1] for p in prompts]
+    lengths = [len(p.token_ids) for p in prompts]
     out: dict[str, tuple[int, bool]] = {}
     for x, v in extras.of(cell):
         rows, exact = x.side_rows(v, fed, lengths)
@@ -145,13 +148,13 @@ def bind(
 
     rows = wh.read_all("cells") if wh.check() else []  # read once: the builds and find_todo use it
     answers = builds.probe(
-        plan.spec.cells, plan.models, ex.nodes() if nodes is None else nodes, log, ex, resume.own_cluster
+        plan.matrix.cells, plan.resolved(), ex.nodes() if nodes is None else nodes, log, ex, resume.own_cluster
     )
-    cells, built, left_out = builds.bind(plan.spec.cells, answers, builds.captured_builds(rows), log)
+    cells, built, left_out = builds.bind(plan.matrix.cells, answers, builds.captured_builds(rows), log)
     for sid, why in left_out.items():
         log(f"not run this time: {sid}: {why}")
     bound = {c.stack_id: c.cell_id for c in cells}
-    refs = {m: bound[s] for m, s in plan.spec.reference_cells.items() if s in bound}
+    refs = {m: bound[s] for m, s in plan.matrix.reference_stacks.items() if s in bound}
     plan = dataclasses.replace(plan, cells=tuple(cells), builds=built, left_out=left_out, reference_cells=refs)
     return find_todo(plan, wh, resume, log, rows)
 
@@ -165,14 +168,14 @@ def _other_build(cell: Cell, rows: dict[str, dict], repeats: int) -> dict | None
         if cid != cell.cell_id
         and r["status"] == "done"
         and (r["repeats"] or 0) >= repeats
-        and cid == dataclasses.replace(cell, build=r.get("build")).cell_id
+        and cid == cell.bound(r.get("build")).cell_id
     ]
     return max(same, key=lambda r: r["finished_at"]) if same else None
 
 
 def expected_rows(plan: Plan, cell: Cell) -> int:
     """Rows one repeat of this cell holds: its sampled positions over every prompt."""
-    return sum(len(plan.spec.positions.fed(p.token_ids, cell.max_tokens)[1]) for p in plan.prompts[cell.model])
+    return sum(len(plan.spec.positions.fed(p.token_ids, cell.max_tokens)[1]) for p in plan.models[cell.model].prompts)
 
 
 def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: Callable[[str], None]) -> set[int]:
@@ -275,7 +278,7 @@ def find_todo(
                 or all(wh.shard_keeps_values(other["cell_id"], r) for r in wh.completed_repeats(other["cell_id"]))
             )
         ):
-            cells[i] = dataclasses.replace(cell, build=other.get("build"))
+            cells[i] = cell.bound(other.get("build"))
             complete.append(other["cell_id"])
             reused[cell.stack_id] = other["cell_id"]
             if refs.get(cell.model) == cell.cell_id:
@@ -376,8 +379,8 @@ def _begin(
     mark_interrupted_runs(wh, log)  # also done by the CLI before planning; here for direct callers
     for p in wh.sweep_tmp():
         log(f"removed a partial file left by an interrupted run: {p}")
-    for plist in plan.prompts.values():
-        for p in plist:
+    for m in plan.models.values():
+        for p in m.prompts:
             if not wh.has_rows("prompts", p.prompt_id):
                 wh.write_rows("prompts", p.prompt_id, [R.prompt_row(**p.to_row(), n_tokens=len(p.token_ids))])
     run_id = ids.run_id()
@@ -442,7 +445,6 @@ def execute(
 ) -> dict:
     """Run every unfinished cell of a bound plan (bind()) on the executor ex (launch.Executor);
     returns a summary. nonce: this run's, when a host was started with it ahead of the run."""
-    spec = plan.spec
     cells = {c.cell_id: c for c in plan.cells}
     todo = [cells[cid] for cid in plan.todo]
     todo.sort(key=lambda c: c.cell_id not in plan.reference_cells.values())  # the reference first
@@ -509,7 +511,7 @@ def execute(
         "rows_per_second": round(sweep.out.rows / max(elapsed, 1e-9), 2),
         "rows_delivery": sweep.out.via,
         "metrics_in_actor": sweep.out.inline_written,
-        "skipped": spec.skipped,
+        "skipped": plan.matrix.skipped,
         "left_out": plan.left_out,
         "reused": plan.reused,
         "failed": {cid: f.line() for cid, f in sweep.out.failed.items()},

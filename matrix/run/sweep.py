@@ -67,8 +67,9 @@ class Sweep:
 
     def _start(self, cell: Cell, metrics_ref: str | None) -> None:
         plan = self.plan
+        mp = plan.models[cell.model]
         model, threads, repeats = (
-            plan.models[cell.model],
+            mp.resolved,
             placement.cell_threads(cell, self.nodes),
             self.todo[cell.cell_id],
         )
@@ -79,15 +80,15 @@ class Sweep:
             self.delivery,
             plan.spec.positions,
             repeats,
-            [(p.prompt_id, p.text, p.token_ids) for p in plan.prompts[cell.model]],
-            plan.special[cell.model],
-            plan.vocab[cell.model],
+            [(p.prompt_id, p.text, p.token_ids) for p in mp.prompts],
+            mp.special,
+            mp.vocab,
             plan.spec.store,
             metrics_ref,
             values,
         )
         started = self.ex.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
-        limit = retry.capture_limit(plan.spec.capture_timeout_s, plan.prompts[cell.model], cell)
+        limit = retry.capture_limit(plan.spec.capture_timeout_s, mp.prompts, cell)
         self.live[cell.cell_id] = Live(
             cell, started, threads, len(repeats), repeats=sorted(repeats), capture_limit_s=limit
         )

@@ -11,7 +11,6 @@ architecture, sizes, vocabulary and special tokens are checked against the refer
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import re
@@ -20,7 +19,7 @@ from pathlib import Path
 from common import ids
 from common.errors import UserError
 from common.files import file_sha256
-from common.stack import Cell
+from common.stack import Cell, StackDesc
 from matrix.spec.validate import check_axis_value, check_threads, field_error
 from store.gguf_meta import GgufInfo, read_info
 
@@ -226,16 +225,18 @@ def cells(spec, corpus_fp: str, make_cell_id, cell_options, cell_extras) -> list
         )
         out.append(
             Cell(
-                **{k: combo[k] for k in ("model", "engine", "dtype", "attention", "tp", "device")},
-                threads=combo.get("threads", spec.threads),
+                StackDesc(
+                    **{k: combo[k] for k in ("model", "engine", "dtype", "attention", "tp", "device")},
+                    extras=cell_extras(spec, combo),
+                    max_tokens=spec.max_tokens,
+                    options=tuple(opts.items()),
+                    artifact=path or "source",
+                    artifact_sha256=sha,
+                ),
                 stack_id=cid,
-                extras=cell_extras(spec, combo),
-                max_tokens=spec.max_tokens,
-                options=tuple(opts.items()),
+                threads=combo.get("threads", spec.threads),
                 centroid_group=group,
                 calibration=c["calibration"],
-                artifact=path or "source",
-                artifact_sha256=sha,
                 label=c["name"] or (Path(path).name if path else f"{c['model']}'s source GGUF"),
             )
         )
@@ -253,7 +254,7 @@ def file_of(cell: Cell, model) -> tuple[str, str | None, str]:
 def resolve(cell: Cell, model) -> Cell:
     """The candidate with its file and hash known."""
     path, sha, _ = file_of(cell, model)
-    return dataclasses.replace(cell, artifact=path, artifact_sha256=sha)
+    return cell.with_stack(artifact=path, artifact_sha256=sha)
 
 
 @functools.lru_cache(maxsize=16)

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import itertools
 import os
+from dataclasses import dataclass, field
 
 import extras
 from common import ids, names
@@ -16,29 +17,32 @@ from matrix.spec.calibration import option_identity
 from matrix.spec.parse import OPTION_KEYS, Spec, field_error, parse_spec
 
 
-def load_spec(spec_path: str | os.PathLike) -> Spec:
+@dataclass(frozen=True)
+class Matrix:
+    """A spec expanded: every runnable cell (unbound: each has a stack id, no cell id yet), the
+    combinations it cannot run with the reason, and each model's reference stack."""
+
+    spec: Spec
+    cells: tuple[Cell, ...]
+    skipped: tuple[dict, ...] = ()  # {axes..., "cell_id": the combination's stack id, "reason": ...}
+    reference_stacks: dict[str, ids.StackId] = field(default_factory=dict)  # model -> its reference (replica 0)
+
+
+def load_spec(spec_path: str | os.PathLike) -> Matrix:
     """Parse and validate a spec file, then expand it into cells."""
     return expand(parse_spec(spec_path))
 
 
 def stack_desc(cell: Cell, model) -> StackDesc:
-    """What the cell's backend is given (model: matrix.spec.models.ResolvedModel)."""
-    return StackDesc(
-        engine=cell.engine,
-        dtype=cell.dtype,
-        attention=cell.attention,
-        device=cell.device,
-        tp=cell.tp,
-        model=cell.model,
-        cell_id=cell.cell_id,
-        options=cell.options,
-        max_tokens=cell.max_tokens,
+    """What the cell's backend is given: its stack, with what the run resolved for its model
+    (model: matrix.spec.models.ResolvedModel)."""
+    return dataclasses.replace(
+        cell.stack,
+        cell_id=cell.cell_id if cell.is_bound else "",  # a stack not bound yet (an engine-build probe) has none
         weights_sha256=model.weights_sha256,
-        extras=cell.extras,
         extra_targets=extras.targets(cell),
         source_gguf=model.gguf_path,
         source_quant=model.gguf_quant,
-        build=cell.build,
         calibration_text=_calibration_text(cell),
         **_artifact(cell, model),
     )
@@ -197,9 +201,9 @@ def _candidate_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped
     for cell in candidates.cells(spec, corpus_fp, make_cell_id, cell_options, cell_extras):
         reason = unsupported(cell)
         if reason:
-            skipped.append({**cell.axes(), "cell_id": cell.cell_id, "reason": reason})
-        elif cell.cell_id not in seen:
-            seen.add(cell.cell_id)
+            skipped.append({**cell.axes(), "cell_id": cell.stack_id, "reason": reason})
+        elif cell.stack_id not in seen:
+            seen.add(cell.stack_id)
             cells.append(cell)
 
 
@@ -217,13 +221,16 @@ def _combo_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: li
             (g for g, sels in spec.centroid_groups if any(all(combo[k] == v for k, v in sel.items()) for sel in sels)),
             None,
         )
-        cell = Cell(
+        stack = StackDesc(
             **{k: combo[k] for k in names.CELL_AXES},
-            threads=combo.get("threads", spec.threads),
-            stack_id=cid,
             max_tokens=combo.get("max_tokens", spec.max_tokens),
             extras=cell_extras(spec, combo),
             options=tuple(opts.items()),
+        )
+        cell = Cell(
+            stack,
+            stack_id=cid,
+            threads=combo.get("threads", spec.threads),
             centroid_group=group,
             calibration=combo.get("calibration"),
         )
@@ -249,7 +256,7 @@ def _combo_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: li
             cells.append(dataclasses.replace(cell, stack_id=rid, replica=i))
 
 
-def expand(spec: Spec) -> Spec:
+def expand(spec: Spec) -> Matrix:
     """The spec with its cells, skipped combinations and each model's reference cell."""
     corpus_fp = corpus_fingerprint(spec)
     seen, cells, skipped = set(), [], []
@@ -262,7 +269,7 @@ def expand(spec: Spec) -> Spec:
     refs = _references(spec, cells, skipped)
     if refs:
         cells, refs = _reference_extras(spec, corpus_fp, cells, refs)
-    return dataclasses.replace(spec, cells=tuple(cells), skipped=tuple(skipped), reference_cells=refs)
+    return Matrix(spec, tuple(cells), tuple(skipped), refs)
 
 
 def _references(spec: Spec, cells: list[Cell], skipped: list[dict]) -> dict[str, str]:
@@ -290,11 +297,11 @@ def _references(spec: Spec, cells: list[Cell], skipped: list[dict]) -> dict[str,
             raise field_error(
                 spec.path,
                 "reference",
-                "matches several cells (" + ", ".join(c.cell_id for c in hits) + "); add keys to pick one",
+                "matches several cells (" + ", ".join(c.stack_id for c in hits) + "); add keys to pick one",
                 spec.reference,
             )
         if hits:
-            refs[model] = hits[0].cell_id
+            refs[model] = hits[0].stack_id
     if not refs:
         raise field_error(spec.path, "reference", "matches no cell of the sweep", spec.reference)
     return refs
@@ -309,7 +316,7 @@ def _reference_extras(spec: Spec, corpus_fp: str, cells: list[Cell], refs: dict[
 
     cells, refs = list(cells), dict(refs)
     for model, ref_id in list(refs.items()):
-        ref = next(c for c in cells if c.cell_id == ref_id)
+        ref = next(c for c in cells if c.stack_id == ref_id)
         cls = backend_class(ref.engine)
         want = dict(ref.extras)
         for x in extras.registered():
@@ -329,6 +336,6 @@ def _reference_extras(spec: Spec, corpus_fp: str, cells: list[Cell], refs: dict[
         for i, c in enumerate(cells):  # the reference stack and its replicas
             if ids.split_cell_id(c.stack_id)[0] == ref.stack_id:
                 cid = make_cell_id(spec, combo, ref.opts, corpus_fp, c.replica)
-                cells[i] = dataclasses.replace(c, stack_id=cid, extras=want)
+                cells[i] = dataclasses.replace(c.with_stack(extras=want), stack_id=cid)
         refs[model] = make_cell_id(spec, combo, ref.opts, corpus_fp)
     return cells, refs

@@ -53,26 +53,26 @@ def config(info: GgufInfo) -> SimpleNamespace:
     )
 
 
-def hf_free(spec, model: str) -> bool:
+def hf_free(matrix, model: str) -> bool:
     """Whether this model's part of the job can be prepared from its GGUF header alone: the model
     comes from a GGUF (a file or a catalog entry), every cell runs llama.cpp on that file itself or
     on a candidate's file (no conversion from dequantised weights), and no text needs the HF tokenizer."""
     from matrix.spec.corpus import load_entries
     from matrix.spec.models import CATALOG
 
-    ref = spec.models[model]
+    ref = matrix.spec.models[model]
     if ref.kind == "gguf":
         own = read_info(ref.location).declared
     elif ref.kind == "catalog":
         own = CATALOG[ref.location].source_quant
     else:
         return False
-    cells = [c for c in spec.cells if c.model == model]
+    cells = [c for c in matrix.cells if c.model == model]
     if not cells or any(
         c.engine not in GGUF_ENGINES or c.opts.get("imatrix") or (c.artifact is None and c.dtype != own) for c in cells
     ):
         return False
-    _, entries = load_entries(spec.corpus)
+    _, entries = load_entries(matrix.spec.corpus)
     return all(e.chat is None and (e.vocab is not None or e.ids is not None) for e in entries)
 
 

@@ -21,7 +21,6 @@ import extras
 from common import names
 from common import positions as P
 from common.errors import UserError, read_text_file
-from common.stack import Cell
 from matrix.spec import schema as S
 from matrix.spec.candidates import parse_candidates
 from matrix.spec.validate import as_list, check_axis_value, check_threads, field_error, positive_int, retries, seconds
@@ -76,7 +75,8 @@ class ModelRef:
 
 @dataclass(frozen=True)
 class Spec:
-    """A parsed spec; matrix.spec.cells.expand returns it with its cells (a new value, never this one changed)."""
+    """A parsed spec: the file's keys, validated, with their defaults. matrix.spec.cells.expand turns it
+    into a Matrix (its cells)."""
 
     path: Path
     name: str
@@ -105,9 +105,6 @@ class Spec:
     keep_rows: str = "all"  # KEEP_ROWS: all, or references (the others' rows hashed, their values not stored)
     candidates: list[dict] = field(default_factory=list)  # published files measured as they are
     raw_text: str = ""
-    cells: tuple[Cell, ...] = ()
-    skipped: tuple[dict, ...] = ()
-    reference_cells: dict[str, str] = field(default_factory=dict)  # model -> stack id (its replica 0)
 
     @property
     def sha256(self) -> str:
