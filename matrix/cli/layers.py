@@ -111,11 +111,13 @@ def layer_sizes(spec) -> dict[str, dict]:
     from matrix.run.runner import expected_rows, prepare
 
     plan = prepare(spec, None, lambda m: None)
+    from backends import backend_class
+
     layers = extras.get("layers")
     out = {}
     for c in plan.spec.cells:
         if c.extra("layers"):
-            wide = c.engine == "llamacpp" or c.dtype in ("fp32", "f32") or c.opts.get("activations") == "fp32"
+            wide = backend_class(c.engine).state_bytes(c) == 4
             out[c.cell_id] = layers.bytes_estimate(
                 c.extra("layers"), expected_rows(plan, c) * plan.spec.repeats, plan.hidden.get(c.model, 0), wide
             )
