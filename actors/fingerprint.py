@@ -54,13 +54,16 @@ def _canonical(name: str) -> str:
 
 
 def library_names() -> tuple[str, ...]:
-    """The distributions whose versions the fingerprint records: every registered engine's, then the rest."""
+    """The distributions whose versions the fingerprint records, by their normalised names (PEP 503):
+    every registered engine's, then the rest."""
     import backends
 
-    names: dict[str, str] = {}
-    for name in [lib for cls in backends.declared().values() for lib in cls.libraries] + list(OTHER_LIBRARIES):
-        names.setdefault(_canonical(name), name)
-    return tuple(names.values())
+    try:
+        engines = [lib for cls in backends.declared().values() for lib in cls.libraries]
+    except Exception:  # an outside engine that does not import here: the run reports it where it loads
+        engines = []
+    names = engines + list(OTHER_LIBRARIES)
+    return tuple(dict.fromkeys(_canonical(name) for name in names))
 
 
 def libraries() -> dict[str, str | None]:

@@ -59,7 +59,10 @@ def backend_class(engine: str) -> type[Backend] | None:
     if target is None:
         return None
     module, _, name = target.partition(":")
-    cls = getattr(importlib.import_module(module), name)
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"engine '{engine}' ({target}, group {GROUP}) cannot be imported: {e}") from e
     if cls.engine != engine:
         raise TypeError(f"{target} is registered as engine '{engine}' but declares engine '{cls.engine}'")
     return cls
