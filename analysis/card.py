@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection
 from typing import Any
 
 from analysis.sql import connect, dict_rows
@@ -33,8 +34,9 @@ def _json(s: str | None) -> dict:
     return json.loads(s) if s else {}
 
 
-def calibration(cell: dict) -> str | None:
-    """What the artefact was calibrated on: declared in the spec, or known from its recipe."""
+def calibration(cell: dict, as_is: Collection[str]) -> str | None:
+    """What the artefact was calibrated on: declared in the spec, or known from its recipe.
+    as_is: the engines whose cells without a recipe run the reference checkpoint's own weights."""
     if cell.get("calibration"):
         return cell["calibration"]
     recipe = _json(cell.get("artifact_recipe"))
@@ -58,7 +60,7 @@ def calibration(cell: dict) -> str | None:
             if recipe.get("q_bits")
             else "none: float conversion of the reference weights"
         )
-    if tool is None and cell["engine"] == "hf":
+    if tool is None and cell["engine"] in as_is:
         return f"none: the reference checkpoint's weights at {cell['dtype']}"
     if tool == "published artifact" and recipe.get("kind") == "hf checkpoint":
         q = recipe.get("quantization_config")
@@ -146,7 +148,7 @@ def _positions_rule(cell: dict) -> str:
     return P.from_dict(_json(cell.get("positions")) or None, cell.get("stride") or 1).describe()
 
 
-def _runtime(cell: dict) -> dict[str, Any]:
+def _runtime(cell: dict, as_is: Collection[str]) -> dict[str, Any]:
     s = _json(cell.get("settings"))
     build = {
         k: s[k]
@@ -179,7 +181,7 @@ def _runtime(cell: dict) -> dict[str, Any]:
         "attention": cell["attention"],
         "tp": cell["tp"],
         "artifact_sha256": cell.get("artifact_sha256")
-        or ("none: the checkpoint itself" if cell["engine"] == "hf" else None),
+        or ("none: the checkpoint itself" if cell["engine"] in as_is else None),
     }
 
 
@@ -227,7 +229,7 @@ def _query(warehouse: str, cell_id: str) -> tuple[dict, dict, dict, list, list, 
     return cell, ref, s, ranges, prompts, pos
 
 
-def _disclosure(cell: dict, ref: dict, s: dict, prompts: list, pos: dict) -> dict:
+def _disclosure(cell: dict, ref: dict, s: dict, prompts: list, pos: dict, as_is: Collection[str]) -> dict:
     ctx = sorted(p["n_tokens"] for p in prompts)
     cats: dict[str, int] = {}
     for p in prompts:
@@ -249,8 +251,8 @@ def _disclosure(cell: dict, ref: dict, s: dict, prompts: list, pos: dict) -> dic
             "source": ref.get("model_source"),
             **({"source_sha256": ref["source_sha256"]} if ref.get("source_sha256") else {}),
         },
-        "reference_runtime": _runtime(ref),
-        "candidate_runtime": _runtime(cell),
+        "reference_runtime": _runtime(ref, as_is),
+        "candidate_runtime": _runtime(cell, as_is),
         "evaluation_text": {
             "corpus": cell.get("corpus"),
             "prompts": len(prompts),
@@ -260,7 +262,7 @@ def _disclosure(cell: dict, ref: dict, s: dict, prompts: list, pos: dict) -> dic
             "tokenizer_parity": cell.get("tokenizer_parity"),
         },
         "candidate_artifact": artifact(cell),
-        "calibration_data": calibration(cell),
+        "calibration_data": calibration(cell, as_is),
         "context_lengths": {
             "min": ctx[0] if ctx else None,
             "median": ctx[len(ctx) // 2] if ctx else None,
@@ -313,11 +315,15 @@ NUMBERS = (
 )
 
 
-def build_card(warehouse: str, cell_id: str, allow_undisclosed: bool = False, *, extras) -> dict:
-    """extras: the per-cell extras (key, card(warehouse, cell)); each adds its block (null without)."""
+def build_card(
+    warehouse: str, cell_id: str, allow_undisclosed: bool = False, *, extras, as_is: Collection[str]
+) -> dict:
+    """extras: the per-cell extras (key, card(warehouse, cell)); each adds its block (null without).
+    as_is: the engines whose cells without a weights recipe run the reference checkpoint's own
+    weights at their dtype (backends.as_is(): Backend.checkpoint_as_is)."""
     cell, ref, s, ranges, prompts, pos = _query(warehouse, cell_id)
     numbers = {k: s[k] for k in NUMBERS}
-    disclosure = _disclosure(cell, ref, s, prompts, pos)
+    disclosure = _disclosure(cell, ref, s, prompts, pos, as_is)
     missing = sorted(_unknown(disclosure))
     if missing and not allow_undisclosed:
         raise UserError(

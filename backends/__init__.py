@@ -1,14 +1,20 @@
-"""Backend registry: engine name -> "module:Class", imported only when used.
+"""The engine registry: the one place engine names are listed.
 
-Built-in backends are registered exactly like outside plugins, which add an
-entry point in the group ``logit_matrix.backends`` (name = engine name,
-value = ``"package.module:Class"``). Importing a backend module must not import
-its engine library: capability flags are plain class attributes, and the heavy
-import happens in ``load()``.
+An engine is a `backends.base.Backend` subclass. The built-in ones are in BUILTIN (engine name ->
+"module:Class"); an outside one adds an entry point in the group ``logit_matrix.backends`` (name =
+engine name, value = ``"package.module:Class"``). Both are imported only when asked for, and
+importing a backend module must not import its engine library: what an engine runs (dtypes,
+attention, devices, the files it runs as they are, the options it takes) is plain class
+attributes, read here without loading anything heavy, and the heavy import happens in ``load()``.
+
+Everything above this package that needs engine knowledge asks here: the spec's allowed values
+and JSON Schema (the unions of what the engines declare), the default engine of a given file, and
+each engine's declared properties (`declared`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from importlib.metadata import entry_points
@@ -18,33 +24,96 @@ if TYPE_CHECKING:
     from backends.base import Backend
     from common.stack import Cell
 
+GROUP = "logit_matrix.backends"
+
 BUILTIN = {
     "hf": "backends.hf_backend:HFBackend",
     "llamacpp": "backends.llamacpp_backend:LlamaCppBackend",
     "mlx": "backends.mlx_backend:MLXBackend",
     "trtllm": "backends.trtllm_backend:TrtllmBackend",
-    # vLLM runs under its own interpreter (see vllm_backend.vllm_python), so no REQUIRES entry
     "vllm": "backends.vllm_backend:VLLMBackend",
 }
 
 
+@functools.cache
 def registry() -> dict[str, str]:
+    """Engine name -> "module:Class": the built-ins, then the entry points (a built-in's name wins)."""
     found = dict(BUILTIN)
-    for ep in entry_points(group="logit_matrix.backends"):
+    for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name):
         found.setdefault(ep.name, ep.value)
     return found
 
 
-# The library each built-in backend needs at load time: without it the cell is skipped, with the reason.
-REQUIRES = {"hf": "transformers", "llamacpp": "llama_cpp", "mlx": "mlx_lm", "trtllm": "tensorrt_llm"}
+def refresh() -> None:
+    """Read the entry points again (after a distribution was installed into this process's path)."""
+    registry.cache_clear()
+    declared.cache_clear()
+
+
+def engines() -> tuple[str, ...]:
+    return tuple(registry())
 
 
 def backend_class(engine: str) -> type[Backend] | None:
     target = registry().get(engine)
     if target is None:
         return None
-    module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)
+    module, _, name = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"engine '{engine}' ({target}, group {GROUP}) cannot be imported: {e}") from e
+    if cls.engine != engine:
+        raise TypeError(f"{target} is registered as engine '{engine}' but declares engine '{cls.engine}'")
+    return cls
+
+
+@functools.cache
+def declared() -> dict[str, type[Backend]]:
+    """Every registered engine's class, by name (importing the backend modules, not the engines)."""
+    return {name: backend_class(name) for name in registry()}
+
+
+def _union(attr: str) -> tuple[str, ...]:
+    return tuple(sorted(set().union(*(getattr(cls, attr) for cls in declared().values()))))
+
+
+def dtypes() -> tuple[str, ...]:
+    """Every dtype some engine runs: the spec's allowed dtype values."""
+    return _union("dtypes")
+
+
+def attentions() -> tuple[str, ...]:
+    return _union("attention")
+
+
+def devices() -> tuple[str, ...]:
+    return _union("devices")
+
+
+def options() -> tuple[str, ...]:
+    """Every spec option some engine takes."""
+    return _union("options")
+
+
+def as_is() -> frozenset[str]:
+    """The engines whose cells without a weights recipe run the reference checkpoint's own weights
+    at the cell's dtype (Backend.checkpoint_as_is), for the model card."""
+    return frozenset(name for name, cls in declared().items() if cls.checkpoint_as_is)
+
+
+def running(kind: str) -> tuple[str, ...]:
+    """The engines that run a given file of this kind (base.FILE_KINDS) as it is, the default first."""
+    found = [name for name, cls in declared().items() if kind in cls.runs_files]
+    return tuple(sorted(found, key=lambda name: kind not in declared()[name].default_for))
+
+
+def default_engine(kind: str) -> str | None:
+    """The engine a given file of this kind runs on when its entry names none."""
+    for name, cls in declared().items():
+        if kind in cls.default_for:
+            return name
+    return None
 
 
 def unsupported_reason(cell: Cell) -> str | None:
@@ -52,7 +121,6 @@ def unsupported_reason(cell: Cell) -> str | None:
     cls = backend_class(cell.engine)
     if cls is None:
         return f"no backend for engine '{cell.engine}' is installed (available: {', '.join(registry())})"
-    lib = REQUIRES.get(cell.engine)
-    if lib and importlib.util.find_spec(lib) is None:
-        return f"engine {cell.engine} needs the Python package '{lib}', which is not installed"
+    if cls.requires and importlib.util.find_spec(cls.requires) is None:
+        return f"engine {cell.engine} needs the Python package '{cls.requires}', which is not installed"
     return cls.unsupported(cell)

@@ -31,10 +31,19 @@ class SkipCell(Exception):
 # Device classes that are GPUs (CUDA or ROCm), for the backends that run on them.
 GPU_DEVICES = frozenset({"cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm"})
 
+# The kinds of published file an engine can run as it is (a `candidates:` entry, a GGUF model):
+# a GGUF file; a Hugging Face checkpoint, a directory or a hub id.
+GGUF = "gguf"
+CHECKPOINT = "checkpoint"
+FILE_KINDS = (GGUF, CHECKPOINT)
+
 
 class Backend:
-    # Capability flags: checked by `matrix cells` without importing the engine.
-    engine: ClassVar[str] = ""
+    # What the engine declares, read by the registry (backends/__init__.py), the spec's validation
+    # and schema and `matrix cells` without importing the engine library.
+    engine: ClassVar[str] = ""  # its name in specs and cell ids; the registry's key for it
+    # The Python package its load() imports: without it the cell is skipped, with the reason.
+    requires: ClassVar[str | None] = None
     dtypes: ClassVar[frozenset[str]] = frozenset()
     attention: ClassVar[frozenset[str]] = frozenset()
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
@@ -48,8 +57,17 @@ class Backend:
     # The installed distributions whose build changes the rows (common/builds.py): their
     # versions and file hashes name the cell's build, part of what decides "already captured".
     libraries: ClassVar[tuple[str, ...]] = ()
-    # Published files it runs as they are (`candidates:`): e.g. "gguf"
+    # Published files it runs as they are (FILE_KINDS), and those it is the default engine for (a
+    # candidate that names no engine, `matrix kld`'s reference); one engine is the default of a kind.
     runs_files: ClassVar[frozenset[str]] = frozenset()
+    default_for: ClassVar[frozenset[str]] = frozenset()
+    # The attention a cell of a given file takes when the entry names none.
+    default_attention: ClassVar[str] = "default"
+    # The dtype at which it captures a checkpoint's own reference (`matrix kld --reference DIR`).
+    reference_dtype: ClassVar[str | None] = None
+    # A cell whose weights have no recipe (no conversion, no quantisation) computes with the
+    # reference checkpoint's own weights at the cell's dtype (the model card says so).
+    checkpoint_as_is: ClassVar[bool] = False
     # A per-cell extra (extras/) is supported by implementing its hook method (Extra.hook): the
     # base class declares none, so a cell asking an engine without it is skipped with the reason.
 
@@ -60,6 +78,12 @@ class Backend:
         # Tensor parallel: {rank, world_size, master_addr, master_port} when this process is one
         # rank of a tp > 1 cell (set before load()); None for a single-process stack.
         self.dist: dict[str, Any] | None = None
+
+    @classmethod
+    def state_bytes(cls, cell) -> int:
+        """Bytes per value of the hidden states it hands back for this cell (`layers:`): float32
+        where the cell computes in float32, else the 16-bit activations' width."""
+        return 4 if cell.dtype in ("fp32", "f32") else 2
 
     @classmethod
     def workers_in_group(cls, cell) -> bool:
@@ -78,7 +102,7 @@ class Backend:
         if artifact and not cls.runs_files:
             return f"engine {cls.engine} does not run a given artifact"
         if (
-            not artifact or "gguf" not in cls.runs_files
+            not artifact or GGUF not in cls.runs_files
         ) and cell.dtype not in cls.dtypes:  # a GGUF runs what it declares
             return f"engine {cls.engine} does not run dtype {cell.dtype} (runs: {', '.join(sorted(cls.dtypes))})"
         if cell.attention not in cls.attention:

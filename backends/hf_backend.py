@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from backends import hf_quant, hf_sdpa
-from backends.base import GPU_DEVICES, Backend, check_layers
+from backends.base import CHECKPOINT, GPU_DEVICES, Backend, check_layers
 from common.errors import OracleError
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -46,7 +46,12 @@ class HFBackend(Backend):
     max_tp = 8  # tensor parallel through torch.distributed: gloo on CPU, NCCL on GPU
     libraries = ("torch", "transformers", "accelerate", "safetensors")
     options = frozenset({"quantizer"})  # int8 / int4 only: which library quantises (backends/hf_quant.py)
-    runs_files = frozenset({"hf"})  # a candidate checkpoint (a directory or a hub id), run as it is
+    requires = "transformers"
+    runs_files = frozenset({CHECKPOINT})  # a candidate checkpoint (a directory or a hub id), run as it is
+    default_for = frozenset({CHECKPOINT})
+    default_attention = "eager"
+    reference_dtype = "fp32"  # the checkpoint's own arithmetic, widened
+    checkpoint_as_is = True  # a float cell casts the reference weights; int8/int4 record their quantizer
 
     @classmethod
     def unsupported(cls, cell) -> str | None:

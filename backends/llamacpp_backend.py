@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend, OutputRing, check_layers
+from backends.base import GGUF, Backend, OutputRing, check_layers
 from backends.gguf_build import FLOAT_TYPES, QUANT_TYPES
 from backends.llama_binding import extra_bufts, gguf_tokenize, load_vocab, quiet_logs, tokenize_with  # noqa: F401 (re-exported)
 
@@ -66,8 +66,14 @@ class LlamaCppBackend(Backend):
     )
     options = frozenset({"kv_cache", "n_batch", "n_ubatch", "imatrix"})
     libraries = ("llama_cpp_python", "gguf")  # gguf-py writes the converted and quantised files
-    runs_files = frozenset({"gguf"})
+    requires = "llama_cpp"
+    runs_files = frozenset({GGUF})
+    default_for = frozenset({GGUF})
     wait_policy: str | None = None  # what its OpenMP threads do while they wait (_wait_policy), from load()
+
+    @classmethod
+    def state_bytes(cls, cell) -> int:
+        return 4  # its graph's hidden states are float32 whatever the weights' type
 
     @classmethod
     def unsupported(cls, cell) -> str | None:

@@ -117,6 +117,11 @@ class MLXBackend(Backend):
     libraries = ("mlx", "mlx-metal", "mlx-cpu", "mlx-lm")  # mlx-metal on a Mac, mlx-cpu on Linux
     devices = frozenset({"cpu", "apple-m1", "apple-m2", "apple-m3", "apple-m4", "mps"})
     options = frozenset({"activations"})
+    requires = "mlx_lm"
+
+    @classmethod
+    def state_bytes(cls, cell) -> int:
+        return 4 if cell.opts.get("activations") == "fp32" else super().state_bytes(cell)
 
     def load(self) -> None:
         import mlx.core as mx

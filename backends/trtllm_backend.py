@@ -88,6 +88,7 @@ class TrtllmBackend(Backend):
     max_tp = 8
     options = frozenset({"trt_backend"})  # pytorch (default) | tensorrt (engine build)
     libraries = ("tensorrt_llm", "torch")
+    requires = "tensorrt_llm"
 
     MAX_SEQ_LEN = 8192
 

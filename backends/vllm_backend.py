@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import GPU_DEVICES, Backend, check_layers
+from backends.base import CHECKPOINT, GPU_DEVICES, Backend, check_layers
 from common.stack import StackDesc
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -260,7 +260,8 @@ class VLLMBackend(Backend):
     tp_workers = "engine"  # tp ranks are vLLM's own processes; runtime_env runs it under vllm_python()
     options = frozenset({"vllm_executor"})
     libraries = ("vllm", "torch")
-    runs_files = frozenset({"hf"})  # a candidate checkpoint (a directory or a hub id), quantised or not
+    # no `requires`: it runs under its own interpreter (vllm_python), which the driver's need not have
+    runs_files = frozenset({CHECKPOINT})  # a candidate checkpoint (a directory or a hub id), quantised or not
 
     @classmethod
     def workers_in_group(cls, cell) -> bool:

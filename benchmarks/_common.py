@@ -90,6 +90,8 @@ def load_backend(model_dir: str, dtype: str, attention: str):
     from backends.hf_backend import HFBackend
     from common.stack import StackDesc
 
-    be = HFBackend(StackDesc("hf", dtype, attention), model_dir, int(os.environ.get("THREADS", os.cpu_count() or 1)))
+    be = HFBackend(
+        StackDesc(HFBackend.engine, dtype, attention), model_dir, int(os.environ.get("THREADS", os.cpu_count() or 1))
+    )
     be.load()
     return be

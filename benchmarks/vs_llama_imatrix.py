@@ -161,15 +161,18 @@ def ladder(d: Path) -> list[dict]:
             raise SystemExit(f"matrix {cmd[0]} failed: {r.stderr.strip().splitlines()[-1:]}")
     wall = time.perf_counter() - t0
     from analysis.sql import connect
+    from backends.llamacpp_backend import LlamaCppBackend
 
     con = connect(str(wh))
     rows = con.execute(
         "select c.dtype, c.options like '%imatrix%' as im, s.kld_mean, s.kld_stderr, s.top1_agreement, "
-        "s.rows from cells c join summary s using (cell_id) where c.engine = 'llamacpp'"
+        "s.rows from cells c join summary s using (cell_id) where c.engine = ?",
+        [LlamaCppBackend.engine],
     ).fetchall()
     others = con.execute(
         "select dtype, options like '%imatrix%', status, coalesce(error, skip_reason) from cells "
-        "where engine = 'llamacpp' and status <> 'done'"
+        "where engine = ? and status <> 'done'",
+        [LlamaCppBackend.engine],
     ).fetchall()
     con.close()
     got = {(r[0], bool(r[1])): r[2:] for r in rows}

@@ -214,7 +214,9 @@ def forwards_alone(model, artifacts: dict[str, dict], ids: list[list[int]], thre
     keep, out, last = parse("llama_perplexity", "positions", print), {}, {}
     for dtype, art in artifacts.items():
         be = LlamaCppBackend(
-            StackDesc("llamacpp", dtype, "default", weights_sha256=model.weights_sha256), model.hf_dir, threads
+            StackDesc(LlamaCppBackend.engine, dtype, "default", weights_sha256=model.weights_sha256),
+            model.hf_dir,
+            threads,
         )
         be.load()
         if be.artifact["path"] != art["path"]:  # the cells' own file, or the figure means nothing

@@ -130,6 +130,7 @@ def _measured(warehouse: str, cells: list[tuple[dict, str]], log) -> None:
 
 
 def _results(warehouse: str, cells: list[tuple[dict, str]], ref_label: str) -> tuple[CandidateResult, ...]:
+    import backends
     from analysis.card import build_card
     from analysis.kld_stats import cell_stats
     from analysis.sql import connect
@@ -152,7 +153,7 @@ def _results(warehouse: str, cells: list[tuple[dict, str]], ref_label: str) -> t
             cid,
             chunks,
             stats,
-            build_card(warehouse, cid, allow_undisclosed=True, extras=extras.registered()),
+            build_card(warehouse, cid, allow_undisclosed=True, extras=extras.registered(), as_is=backends.as_is()),
         )
         for file, label, cid, chunks, stats in found
     )

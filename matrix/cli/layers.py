@@ -104,18 +104,20 @@ def off_prefill(c: dict) -> str:
 
 
 def layer_sizes(matrix) -> dict[str, dict]:
-    """cell id -> the bytes its layer states will take; resolving the models and tokenising the
+    """stack id -> the bytes its layer states will take; resolving the models and tokenising the
     corpus only when a cell asks for layers (a bad index: exit 2 here too)."""
     if not any(c.extra("layers") for c in matrix.cells):
         return {}
     from matrix.run.runner import expected_rows, prepare
+
+    from backends import backend_class
 
     plan = prepare(matrix, None, lambda m: None)
     layers = extras.get("layers")
     out = {}
     for c in plan.matrix.cells:
         if c.extra("layers"):
-            wide = c.engine == "llamacpp" or c.dtype in ("fp32", "f32") or c.opts.get("activations") == "fp32"
+            wide = backend_class(c.engine).state_bytes(c) == 4
             out[c.stack_id] = layers.bytes_estimate(
                 c.extra("layers"),
                 expected_rows(plan, c) * plan.spec.repeats,

@@ -22,11 +22,18 @@ def cell_arg(args, what: str, cells: list[dict] | None = None) -> str:
 
 
 def cmd_card(args) -> int:
+    import backends
     import extras
     from analysis.card import build_card, markdown
 
     args.cell = cell_arg(args, "card")
-    card = build_card(args.warehouse, args.cell, allow_undisclosed=args.allow_undisclosed, extras=extras.registered())
+    card = build_card(
+        args.warehouse,
+        args.cell,
+        allow_undisclosed=args.allow_undisclosed,
+        extras=extras.registered(),
+        as_is=backends.as_is(),
+    )
     if args.json or args.format == "json":
         emit_json(card)
     else:

@@ -16,6 +16,8 @@ import os
 import re
 from pathlib import Path
 
+import backends
+from backends.base import CHECKPOINT, GGUF
 from common import ids
 from common.errors import UserError
 from common.files import file_sha256
@@ -41,9 +43,13 @@ CANDIDATE_KEYS = (
     "threads",
     "calibration",
 )
-# what a candidate is given as -> the engine that runs it as it is
-CANDIDATE_KINDS = {"gguf": "llamacpp", "path": "hf", "hub": "hf"}  # (the default engine)
-CANDIDATE_ENGINES = {"gguf": ("llamacpp",), "path": ("hf", "vllm"), "hub": ("hf", "vllm")}
+# what a candidate is given as -> the kind of file it is; the engines that run that kind as it is
+# (Backend.runs_files) may run it, the kind's default engine (Backend.default_for) when it names none
+CANDIDATE_KINDS = {"gguf": GGUF, "path": CHECKPOINT, "hub": CHECKPOINT}
+
+
+def candidate_engine(kind: str, e: dict) -> str | None:
+    return e.get("engine", backends.default_engine(CANDIDATE_KINDS[kind]))
 
 
 def _candidate_file(path: Path, fld: str, e: dict, models: dict) -> tuple[str, str]:
@@ -60,13 +66,10 @@ def _candidate_file(path: Path, fld: str, e: dict, models: dict) -> tuple[str, s
     loc = e[kind]
     if not isinstance(loc, str) or not loc:
         raise field_error(path, f"{fld}.{kind}", "must be a non-empty string", loc)
-    if e.get("engine", CANDIDATE_KINDS[kind]) not in CANDIDATE_ENGINES[kind]:
-        raise field_error(
-            path,
-            f"{fld}.engine",
-            f"a {kind} candidate runs on engine " + " or ".join(CANDIDATE_ENGINES[kind]),
-            e.get("engine"),
-        )
+    can = backends.running(CANDIDATE_KINDS[kind])
+    if candidate_engine(kind, e) not in can:
+        runs = f"runs on engine {' or '.join(can)}" if can else "runs on no registered engine"
+        raise field_error(path, f"{fld}.engine", f"a {kind} candidate {runs}", e.get("engine"))
     if "revision" in e and kind != "hub":
         raise field_error(path, f"{fld}.revision", "only a hub candidate has a revision", e["revision"])
     if kind == "gguf" and loc == "source":
@@ -122,7 +125,7 @@ def parse_candidates(path: Path, data: dict, models: dict) -> list[dict]:
         out.append(
             {
                 "model": e["model"],
-                "engine": e.get("engine", CANDIDATE_KINDS[kind]),
+                "engine": candidate_engine(kind, e),
                 "kind": kind,
                 kind: loc,
                 "revision": e.get("revision"),
@@ -157,7 +160,7 @@ def _what(spec, c: dict) -> tuple[str | None, str | None, dict, str, str]:
     if kind == "gguf":
         sha = file_sha256(Path(c["gguf"]))
         return c["gguf"], sha, {"sha256": sha}, read_info(c["gguf"]).declared, "default"
-    attention = c.get("attention", "eager" if c["engine"] == "hf" else "default")  # an HF checkpoint
+    attention = c.get("attention", backends.backend_class(c["engine"]).default_attention)  # an HF checkpoint
     if kind == "path":
         from common.files import weights_digest_cached
 
@@ -281,9 +284,7 @@ def _hf_load(artifact: str):
 def _is_checkpoint(cell: Cell) -> bool:
     """An HF checkpoint (a directory or a hub id), not a GGUF file: what the cell's engine runs
     as given (Backend.runs_files) decides, so an HF checkpoint under vLLM is read as one too."""
-    from backends import backend_class
-
-    return "hf" in backend_class(cell.engine).runs_files
+    return CHECKPOINT in backends.backend_class(cell.engine).runs_files
 
 
 def header_facts(cell: Cell, model) -> dict:

@@ -169,9 +169,12 @@ def make_cell_id(
 
 
 def _runs_gguf_file(spec: Spec, combo: dict) -> bool:
-    """A llama.cpp cell of a GGUF-file model's own quant type runs that file as it is."""
+    """A cell of a GGUF-file model's own quant type, on an engine that runs GGUF files, runs that file as it is."""
+    import backends
+    from backends.base import GGUF
+
     ref = spec.models[combo["model"]]
-    if ref.kind != "gguf" or combo["engine"] != "llamacpp":
+    if ref.kind != "gguf" or combo["engine"] not in backends.running(GGUF):
         return False
     from store.gguf_meta import read_info
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import backends
+from backends.base import GGUF
 from store.gguf_meta import GgufInfo, read_info
-
-GGUF_ENGINES = frozenset({"llamacpp"})
 
 
 class GgufTokenizer:
@@ -68,8 +68,9 @@ def hf_free(matrix, model: str) -> bool:
     else:
         return False
     cells = [c for c in matrix.cells if c.model == model]
+    runs_gguf = backends.running(GGUF)
     if not cells or any(
-        c.engine not in GGUF_ENGINES or c.opts.get("imatrix") or (c.artifact is None and c.dtype != own) for c in cells
+        c.engine not in runs_gguf or c.opts.get("imatrix") or (c.artifact is None and c.dtype != own) for c in cells
     ):
         return False
     _, entries = load_entries(matrix.spec.corpus)

@@ -75,22 +75,26 @@ def catalog_gguf(name: str, log) -> str:
 def reference_stack(ref: Source, log) -> tuple[dict, dict, str | None]:
     """(the spec's model entry, the reference stack {engine, dtype, attention}, the GGUF whose
     llama.cpp tokenizer cuts the text, or None for an HF checkpoint's own tokenizer)."""
-    from backends.llamacpp_backend import LlamaCppBackend
+    import backends
+    from backends.base import CHECKPOINT, GGUF
     from store.gguf_meta import read_info
 
     name = model_name(ref)
-    if ref.kind == "path":  # transformers at fp32: the checkpoint's own arithmetic, widened
-        return {"name": name, "path": ref.location}, {"engine": "hf", "dtype": "fp32", "attention": "eager"}, None
+    if ref.kind == "path":  # the checkpoint's default engine at its reference dtype (transformers: fp32)
+        cls = backends.backend_class(backends.default_engine(CHECKPOINT))
+        stack = {"engine": cls.engine, "dtype": cls.reference_dtype, "attention": cls.default_attention}
+        return {"name": name, "path": ref.location}, stack, None
     gguf = ref.location if ref.kind == "gguf" else catalog_gguf(ref.location, log)
-    # a llama.cpp cell of the file's declared type runs the file itself (matrix/spec/models.py fetch)
+    # a GGUF's default engine, at the file's declared type, runs the file itself (matrix/spec/models.py fetch)
+    cls = backends.backend_class(backends.default_engine(GGUF))
     declared = read_info(gguf).declared
-    if declared not in LlamaCppBackend.dtypes:
+    if declared not in cls.dtypes:
         raise UserError(
-            f"--reference {ref.location}: the file declares quant type {declared}, which llama.cpp "
-            f"cells here do not name (one of {', '.join(sorted(LlamaCppBackend.dtypes))})"
+            f"--reference {ref.location}: the file declares quant type {declared}, which {cls.engine} "
+            f"cells here do not name (one of {', '.join(sorted(cls.dtypes))})"
         )
     entry = {"name": name, "gguf": ref.location} if ref.kind == "gguf" else {"name": name, "catalog": ref.location}
-    return entry, {"engine": "llamacpp", "dtype": declared, "attention": "default"}, gguf
+    return entry, {"engine": cls.engine, "dtype": declared, "attention": cls.default_attention}, gguf
 
 
 def candidate_entry(model: str, c: Source, log) -> dict:

@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import backends
 import extras
+from backends.base import CHECKPOINT, GGUF
 from common import names
 from common import positions as P
 
@@ -40,11 +42,11 @@ POS_INT = {"type": "integer", "minimum": 1}
 SECONDS = {"type": ["number", "null"], "exclusiveMinimum": 0}
 AXES = {
     "model": {"type": "string"},
-    "engine": enum(*names.ENGINES),
-    "dtype": enum(*names.DTYPES),
-    "attention": enum(*names.ATTENTION),
+    "engine": enum(*backends.engines()),  # the registered engines (entry points included) and what they declare
+    "dtype": enum(*backends.dtypes()),
+    "attention": enum(*backends.attentions()),
     "tp": POS_INT,
-    "device": enum(*names.DEVICES),
+    "device": enum(*backends.devices()),
 }
 AXIS_ABOUT = {
     "model": "a model's name (models[].name, or the catalog name)",
@@ -103,7 +105,8 @@ POSITIONS = (
 )
 CANDIDATE = {
     "model": "the model it is a quant of (default: the spec's only model)",
-    "engine": "the engine that runs it (default: llamacpp for gguf, hf otherwise)",
+    "engine": f"the engine that runs it (default: {backends.default_engine(GGUF)} for gguf, "
+    f"{backends.default_engine(CHECKPOINT)} otherwise)",
     "gguf": "a GGUF file",
     "path": "a Hugging Face checkpoint directory",
     "hub": "a hub id",
@@ -164,7 +167,7 @@ def top() -> tuple[Key, ...]:
             required=True,
             keys=MODEL,
         ),
-        _axis("engines", ["hf"], "the engine axis"),
+        _axis("engines", [backends.default_engine(CHECKPOINT)], "the engine axis"),
         _axis("dtypes", ["bf16"], "the dtype axis"),
         _axis("attention", ["default"], "the attention axis"),
         _axis("tp", [1], "the tensor-parallel axis"),

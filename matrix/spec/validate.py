@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common import names
+import backends
 from common.errors import UserError
 
 
@@ -33,12 +33,12 @@ def check_axis_value(path: Path, fld: str, key: str, value: Any, models: dict) -
     if not isinstance(value, str):
         raise field_error(path, fld, f"{key} must be a string", value)
     allowed = {
-        "engine": names.ENGINES,
-        "dtype": names.DTYPES,
-        "attention": names.ATTENTION,
-        "device": names.DEVICES,
-        "model": tuple(models),
-    }[key]
+        "engine": backends.engines,
+        "dtype": backends.dtypes,
+        "attention": backends.attentions,
+        "device": backends.devices,
+        "model": lambda: tuple(models),
+    }[key]()
     if value not in allowed:
         raise field_error(path, fld, f"unknown {key}; expected one of {', '.join(allowed)}", value)
     return value
