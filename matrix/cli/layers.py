@@ -108,9 +108,8 @@ def layer_sizes(matrix) -> dict[str, dict]:
     corpus only when a cell asks for layers (a bad index: exit 2 here too)."""
     if not any(c.extra("layers") for c in matrix.cells):
         return {}
-    from matrix.run.runner import expected_rows, prepare
-
     from backends import backend_class
+    from matrix.run.runner import expected_rows, prepare
 
     plan = prepare(matrix, None, lambda m: None)
     layers = extras.get("layers")
