@@ -14,7 +14,9 @@ import json
 from collections.abc import Collection
 from typing import Any
 
+from analysis import confidence as C
 from analysis.sql import connect, dict_rows
+from common import metric_defs as D
 from common import positions as P
 from common.errors import UserError
 
@@ -293,25 +295,9 @@ def _disclosure(cell: dict, ref: dict, s: dict, prompts: list, pos: dict, as_is:
     }
 
 
-NUMBERS = (
-    "kld_mean",
-    "kld_stderr",
-    "kld_median",
-    "kld_p99",
-    "kld_max",
-    "kld_reverse_mean",
-    "js_mean",
-    "top1_agreement",
-    "nmse_mean",
-    "max_abs_diff",
-    "spearman_mean",
-    "rows",
-    "nonfinite_rows",
-    "below_resolution",
-    "ppl",
-    "ppl_ref",
-    "ppl_ratio",
-    "nll_correlation",
+# the summary's numbers a card gives: the registry's (common/metric_defs.py, shown on the card), then these
+NUMBERS = tuple(a.alias for _, a in D.aggregates(D.CARD)) + tuple(
+    "rows nonfinite_rows below_resolution ppl ppl_ref ppl_ratio nll_correlation".split()
 )
 
 
@@ -339,6 +325,7 @@ def build_card(
         "model": cell["model"],
         "numbers": numbers,
         "ranges": ranges,
+        "by_confidence": query_rows(warehouse, C.CARD_SQL, [cell_id]),
         "disclosure": disclosure,
         "undisclosed": missing,
         **{x.key: x.card(warehouse, cell) for x in extras},
@@ -396,6 +383,7 @@ def markdown(card: dict, extras) -> str:
             f"| {r['range']} | {r['rows']} | {r['kld_mean']:.4g} ± {r['kld_stderr'] or 0:.2g} | "
             f"{r['kld_p99']:.4g} | {r['kld_max']:.4g} | {r['top1_agreement']:.4f} |"
         )
+    out += C.card_lines(card.get("by_confidence") or [])
     out += ["", "| disclosure | value |", "|---|---|"]
     for k, v in card["disclosure"].items():
         if isinstance(v, dict) and k.endswith("runtime"):

@@ -15,38 +15,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from analysis.aggregates import select_sql
+from common import metric_defs as D
 from common.errors import UserError, read_yaml_file
 
-# gate -> (metric it reads, comparison, description, the per-row SQL that ranks rows worst first)
+# gate -> (the aggregate it reads, comparison, description, the per-row SQL that ranks rows worst first),
+# from the metric registry (common/metric_defs.py: an aggregate with `gate`)
 GATES = {
-    "mean_kld": ("kld_mean", "<=", "mean KL(P_ref || P_stack) over sampled rows", "kld"),
-    "p99_kld": ("kld_p99", "<=", "99th percentile of per-row KL", "kld"),
-    "max_kld": ("kld_max", "<=", "largest single-row KL (an isolated spike rejects)", "kld"),
-    "top1_agreement": (
-        "top1_agreement",
-        ">=",
-        "share of rows whose argmax matches the reference",
-        "CASE WHEN top1_match THEN 0 ELSE 1 + kld END",
-    ),
-    "cosine_min": ("cosine_min", ">=", "smallest per-row cosine of raw logits", "-cosine"),
-    "norm_ratio_tol": (
-        "norm_ratio_dev",
-        "<=",
-        "largest |‖stack‖/‖ref‖ − 1| over rows (what cosine misses)",
-        "abs(norm_ratio - 1)",
-    ),
-    "mean_js": ("js_mean", "<=", "mean Jensen-Shannon divergence", "js"),
-    # softmax hides a shift or a scale of the raw logits; these see it
-    "max_abs_diff": ("max_abs_diff_max", "<=", "largest |Δlogit| of any row (raw logits)", "max_abs_diff"),
-    "mean_nmse": ("nmse_mean", "<=", "mean NMSE of raw logits", "nmse"),
-    "max_nmse": ("nmse_max", "<=", "largest per-row NMSE of raw logits", "nmse"),
-    "spearman_mean": (
-        "spearman_mean",
-        ">=",
-        "mean Spearman rank correlation over the reference's top-10",
-        "-spearman_top10",
-    ),
-    "spearman_min": ("spearman_min", ">=", "smallest per-row Spearman over the reference's top-10", "-spearman_top10"),
+    gate: (agg.alias, D.comparison(metric), agg.gate_about, metric.rank_sql())
+    for gate, (metric, agg) in D.gates().items()
 }
 DEFAULT_CLASSES = {  # a cell dtype -> its quant class, unless the gates file says otherwise
     "fp32": "fp16",
@@ -147,12 +124,8 @@ def evaluate(measured: dict[str, float | None], thresholds: dict[str, float], no
 def measured_from_warehouse(con, cell_id: str) -> tuple[dict, int, str]:
     """The gated quantities of a cell vs its reference, from the metrics table (repeat 0)."""
     rel = con.execute(
-        """
-        SELECT avg(kld) AS kld_mean, quantile_cont(kld, 0.99) AS kld_p99, max(kld) AS kld_max,
-               avg(top1_match::INT) AS top1_agreement, min(cosine) AS cosine_min,
-               max(abs(norm_ratio - 1)) AS norm_ratio_dev, avg(js) AS js_mean,
-               max(max_abs_diff) AS max_abs_diff_max, avg(nmse) AS nmse_mean, max(nmse) AS nmse_max,
-               avg(spearman_top10) AS spearman_mean, min(spearman_top10) AS spearman_min,
+        f"""
+        SELECT {select_sql(D.GATES, table=None)},
                count(nonfinite) AS nonfinite, count(*) AS rows, any_value(reference_cell_id) AS ref
         FROM metrics WHERE cell_id = ? AND repeat = 0""",
         [cell_id],

@@ -32,8 +32,9 @@ from store.values import Bf16Rows
 # Bump when any metric's definition or arithmetic changes: `matrix analyze` recomputes every
 # output written by another version (the metrics tables record it in kernel_version).
 # 2: nll_ref / nll_stack (perplexity) beside delta_p; 3: the C kernel's exp, log and sums;
-# 4: p and q from the denominators' exps (e^(x - max) / sum), not a second exp of x - logsumexp
-KERNEL_VERSION = "4"
+# 4: p and q from the denominators' exps (e^(x - max) / sum), not a second exp of x - logsumexp;
+# 5: p_top1_ref, the reference's top-1 probability
+KERNEL_VERSION = "5"
 NEG_TOLERANCE = -1e-12
 ROWS = 16  # rows per numpy pass: (16, 262144) float64 temporaries stay ~34 MB
 BLOCK = 64  # top-k candidates come from the K blocks of 64 logits with the highest maxima
@@ -181,6 +182,7 @@ def _metrics(ref: np.ndarray | Bf16Rows, stk: np.ndarray | Bf16Rows, nxt: np.nda
     has = nxt >= 0
     nid = np.where(has, nxt, 0)[:, None]
     ref_next = _gather(ref, nid)[:, 0].astype(np.float64)
+    ref_top = _gather(ref, tr[:, :1])[:, 0].astype(np.float64)
     stk_next = _gather(stk, nid)[:, 0].astype(np.float64)
     with np.errstate(all="ignore"):  # zero norms and broken rows: flagged below, as IEEE gives them
         p_next, q_next = np.exp(ref_next - lser), np.exp(stk_next - lses)
@@ -204,6 +206,8 @@ def _metrics(ref: np.ndarray | Bf16Rows, stk: np.ndarray | Bf16Rows, nxt: np.nda
             "nll_stack": np.where(has, lses - stk_next, np.nan),
             "entropy_ref": h_ref.copy(),
             "entropy_stack": h_stk.copy(),
+            # how sure the reference is: exp(its top-1 logit - its logsumexp), <= 1 (kld_by_confidence)
+            "p_top1_ref": np.exp(ref_top - lser),
             "_finite_ref": np.isfinite(rr),
             "_finite_stk": np.isfinite(sq),  # a NaN/Inf poisons the sums
         }

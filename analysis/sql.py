@@ -7,6 +7,8 @@ import os
 import duckdb
 import pyarrow as pa
 
+from analysis.aggregates import bucket_values, select_sql
+from common import metric_defs as D
 from common.errors import UserError, first_line
 from store import TABLES, Warehouse
 from store.schema import SCHEMA_VERSION
@@ -128,19 +130,14 @@ def _readable(files: list[str], table: str) -> list[str]:
 # Derived views over the analysis tables (`matrix analyze` fills them). Repeat 0 is the capture;
 # other repeats only feed the resolution floor (the reference's repeat-to-repeat KL).
 VIEWS = {
-    "summary": """
+    "summary": f"""
         WITH m AS (SELECT * FROM metrics WHERE repeat = 0),
         floor AS (SELECT reference_cell_id, avg(kld) AS reference_repeat_kld FROM metrics
                   WHERE cell_id = reference_cell_id AND repeat > 0 GROUP BY ALL)
         SELECT c.model, m.cell_id, c.engine, c.dtype, c.attention, m.reference_cell_id,
                m.cell_id = m.reference_cell_id AS is_reference, count(*) AS rows,
-               -- the standard error counts the rows that have a KL: a flagged (NaN/Inf) row has none
-               avg(m.kld) AS kld_mean, stddev_samp(m.kld) / sqrt(count(m.kld)) AS kld_stderr,
-               median(m.kld) AS kld_median, quantile_cont(m.kld, 0.9) AS kld_p90,
-               quantile_cont(m.kld, 0.99) AS kld_p99, quantile_cont(m.kld, 0.999) AS kld_p999,
-               max(m.kld) AS kld_max, avg(m.kld_reverse) AS kld_reverse_mean, avg(m.js) AS js_mean,
-               avg(m.top1_match::INT) AS top1_agreement, avg(m.storage_floor) AS storage_floor,
-               avg(m.nmse) AS nmse_mean, max(m.max_abs_diff) AS max_abs_diff, avg(m.spearman_top10) AS spearman_mean,
+               -- the registry's aggregates (common/metric_defs.py, analysis/aggregates.py)
+               {select_sql(D.SUMMARY)},
                count(m.nonfinite) AS nonfinite_rows,  -- flagged rows: null metrics, left out of every mean
                -- perplexity over the rows that have a next token, as llama-perplexity reports it
                exp(avg(m.nll_stack)) AS ppl, exp(avg(m.nll_ref)) AS ppl_ref,
@@ -153,10 +150,8 @@ VIEWS = {
         GROUP BY c.model, m.cell_id, c.engine, c.dtype, c.attention, m.reference_cell_id
         UNION ALL BY NAME  -- the reference itself: its repeat 0 is the yardstick (zero by definition, not measured)
         SELECT c.model, c.cell_id, c.engine, c.dtype, c.attention, c.cell_id AS reference_cell_id,
-               true AS is_reference, c.rows_per_repeat AS rows, 0.0 AS kld_mean, 0.0 AS kld_stderr,
-               0.0 AS kld_median, 0.0 AS kld_p90, 0.0 AS kld_p99, 0.0 AS kld_p999, 0.0 AS kld_max,
-               0.0 AS kld_reverse_mean, 0.0 AS js_mean, 1.0 AS top1_agreement, NULL::DOUBLE AS storage_floor,
-               0.0 AS nmse_mean, 0.0 AS max_abs_diff, 1.0 AS spearman_mean,
+               true AS is_reference, c.rows_per_repeat AS rows,
+               {select_sql(D.SUMMARY, reference=True)},
                0 AS nonfinite_rows, ref_ppl.ppl, ref_ppl.ppl AS ppl_ref, 1.0 AS ppl_ratio, 1.0 AS nll_correlation,
                coalesce(f.reference_repeat_kld, 0) AS reference_repeat_kld,
                c.bit_reproducible, false AS below_resolution
@@ -169,16 +164,22 @@ VIEWS = {
                   ON ref_ppl.reference_cell_id = c.cell_id
         WHERE c.cell_id IN (SELECT DISTINCT reference_cell_id FROM metrics)
           AND c.cell_id NOT IN (SELECT cell_id FROM m)""",
-    "summary_by_range": """
+    "summary_by_range": f"""
         SELECT m.cell_id, r.range, r.lo, p.category, count(*) AS rows, count(m.nonfinite) AS nonfinite_rows,
-               avg(m.kld) AS kld_mean, stddev_samp(m.kld) / sqrt(count(m.kld)) AS kld_stderr,
-               median(m.kld) AS kld_median, quantile_cont(m.kld, 0.9) AS kld_p90,
-               quantile_cont(m.kld, 0.99) AS kld_p99, quantile_cont(m.kld, 0.999) AS kld_p999,
-               max(m.kld) AS kld_max, avg(m.js) AS js_mean, avg(m.top1_match::INT) AS top1_agreement
+               {select_sql(D.BY_RANGE)}
         FROM metrics m JOIN metrics_ranges r ON m.position >= r.lo AND m.position < r.hi
         JOIN prompts p USING (prompt_id)
         WHERE m.repeat = 0
         GROUP BY GROUPING SETS ((m.cell_id, r.range, r.lo), (m.cell_id, r.range, r.lo, p.category))""",
+    # KL by how sure the reference was: rows bucketed by the reference's top-1 probability
+    # (metrics.p_top1_ref; common/metric_defs.py CONFIDENCE_EDGES: [lo, hi), the last bucket [0.9, 1.0]).
+    # A row without it (a flagged NaN/Inf row, a metrics file older than the column) is in no bucket.
+    "kld_by_confidence": f"""
+        WITH b AS (SELECT * FROM (VALUES {bucket_values()}) e(lo, hi))
+        SELECT m.cell_id, m.reference_cell_id, b.lo, b.hi, count(*) AS rows, {select_sql(D.BY_CONFIDENCE)}
+        FROM metrics m JOIN b ON m.p_top1_ref >= b.lo AND (m.p_top1_ref < b.hi OR b.hi = 1.0)
+        WHERE m.repeat = 0
+        GROUP BY m.cell_id, m.reference_cell_id, b.lo, b.hi""",
     "disagreement_clusters": """
         WITH m AS (SELECT cell_id, prompt_id, position, top1_match,
                           row_number() OVER (PARTITION BY cell_id, prompt_id ORDER BY position) AS rn
@@ -261,6 +262,8 @@ VIEW_ABOUT = {
     "KL, JS, top-1 agreement, NMSE, max |Δlogit|, Spearman, perplexity of both and their ratio, the "
     "storage floor, flagged rows, and the reference's repeat-to-repeat KL (its resolution)",
     "summary_by_range": "the summary's KL figures per position range (`--ranges`), and per range and prompt category",
+    "kld_by_confidence": "each measured cell's KL and top-1 agreement by how sure its reference was: rows bucketed by "
+    "the reference's top-1 probability, in tenths",
     "disagreement_clusters": (
         "runs of consecutive sampled positions where a cell's top-1 token differs from its reference's"
     ),

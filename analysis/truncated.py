@@ -15,13 +15,24 @@ from __future__ import annotations
 
 import numpy as np
 
+from analysis import aggregates as A
 from analysis import metrics as M
+from common import metric_defs as D
 
 NOTE = (
     "KL over the top-k plus one tail bucket: a lower bound of the full KL; upper_bound adds the "
     "largest the tail can contribute (every tail p <= the k-th probability). cosine, norm ratio, max |diff| "
     "and NMSE are over the top-k logits only; Spearman over the reference's top-10."
 )
+
+
+# a metric's per-row values where truncated_metrics has them under another name
+TOPK_COLUMNS = {
+    "cosine": "cosine_topk",
+    "norm_ratio": "norm_ratio_topk",
+    "max_abs_diff": "max_abs_diff_topk",
+    "nmse": "nmse_topk",
+}
 
 
 def topk_rows(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -82,25 +93,12 @@ def truncated_metrics(
 def gate_values(m: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """Per-row metrics -> (values the gates read, from the lower bound; the upper bounds of the KL
     gates; the reference's tail mass)."""
-    measured = {
-        "kld_mean": float(m["kld"].mean()),
-        "kld_p99": float(np.quantile(m["kld"], 0.99)),
-        "kld_max": float(m["kld"].max()),
-        "top1_agreement": float(m["top1_match"].mean()),
-        "cosine_min": float(m["cosine_topk"].min()),
-        "norm_ratio_dev": float(np.abs(m["norm_ratio_topk"] - 1).max()),
-        "js_mean": float(m["js"].mean()),
-        # over the reference's top-k logits only (the fixture holds no more)
-        "max_abs_diff_max": float(m["max_abs_diff_topk"].max()),
-        "nmse_mean": float(m["nmse_topk"].mean()),
-        "nmse_max": float(m["nmse_topk"].max()),
-        "spearman_mean": float(np.nanmean(m["spearman_top10"])),
-        "spearman_min": float(np.nanmin(m["spearman_top10"])),
-    }
+    # the gates' aggregates (common/metric_defs.py), over the top-k logits where the fixture holds no more
+    measured = A.numpy_values(D.GATES, m, TOPK_COLUMNS)
     upper = {
-        "mean_kld": float(m["kld_upper"].mean()),
-        "p99_kld": float(np.quantile(m["kld_upper"], 0.99)),
-        "max_kld": float(m["kld_upper"].max()),
+        gate: A.numpy_value(agg.kind, m["kld_upper"])
+        for gate, (metric, agg) in D.gates().items()
+        if metric.column == "kld"
     }
     tail = {"tail_mass_mean": float(m["tail_mass"].mean()), "tail_mass_max": float(m["tail_mass"].max())}
     return measured, upper, tail

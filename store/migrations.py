@@ -78,6 +78,12 @@ def m013_values_not_kept(loc) -> None:
     VALUES_KEY, `keep_rows: references`). Nothing to rewrite: every shard before keeps its values."""
 
 
+def m014_reference_confidence(loc) -> None:
+    """v14: metrics.p_top1_ref (the reference's top-1 probability, for kld_by_confidence). Columns only:
+    metrics written before read as null there; `matrix analyze` recomputes them (the metric kernel's
+    version is part of each output's key)."""
+
+
 # target version -> migration
 MIGRATIONS = {
     2: m002_tokenizer_parity,
@@ -92,4 +98,5 @@ MIGRATIONS = {
     11: m011_executor,
     12: m012_perplexity,
     13: m013_values_not_kept,
+    14: m014_reference_confidence,
 }

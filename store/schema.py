@@ -1,10 +1,10 @@
-"""Warehouse schema, version 13 (migrations from older versions: store/migrations.py).
+"""Warehouse schema, version 14 (migrations from older versions: store/migrations.py).
 
 Layout (one directory per table; readers glob ``*.parquet``; writers go
 through a hidden temp file and an atomic rename, so a killed run never leaves
 a half-written file that a reader sees)::
 
-    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 13}
+    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 14}
     runs/<run_id>.parquet               one row per `matrix run` that had work to do
     cells/<cell_id>.parquet             one row per completed cell (rewritten on resume)
     prompts/<prompt_id>.parquet         one row per tokenised prompt
@@ -34,7 +34,7 @@ values not stored (llama-perplexity keeps no candidate's logits either).
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -235,6 +235,7 @@ METRICS = pa.schema(
         ("nll_stack", F64),  # v12: -log p(next token) of each side (perplexity); null at the last
         ("entropy_ref", F64),
         ("entropy_stack", F64),
+        ("p_top1_ref", F64),  # v14: the reference's top-1 probability (common/metric_defs.py: kld_by_confidence)
         ("storage_floor", F64),  # KL(native || stored): 0 while the warehouse is lossless
         # v3: null for a clean row; 'stack' | 'reference' | 'both' when that side has NaN/Inf logits.
         # Such a row's metrics are null, so aggregates skip it; summaries count it.

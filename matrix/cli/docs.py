@@ -89,14 +89,14 @@ def _column_notes(source: str) -> dict[str, dict[str, str]]:
     notes: dict[str, dict[str, str]] = {}
     current, pending = None, []
     for line in source.splitlines():
-        m = re.match(r"^([A-Z_]+) = pa\.schema\(\[", line)
+        m = re.match(r"^([A-Z_]+) = pa\.schema\(\[?$", line)  # `NAME = pa.schema(` with `[` here or next line
         if m:
             current, pending = m.group(1), []
             notes[current] = {}
             continue
         if current is None:
             continue
-        if line.startswith("])"):
+        if line.startswith(("])", ")")):
             current = None
             continue
         body, _, comment = line.partition("#")
