@@ -16,11 +16,17 @@ from common.buffers import room
 from common.errors import UserError
 from store.location import PROBE, named_io_errors, open_location, write_whole
 from store.schema import FORMAT, LOGITS, NOT_KEPT, SCHEMA_VERSION, TABLES, VALUES_KEY, keeps_values
-from store.values import (
+from store.values import (  # the rest of the tree imports the row helpers from here (hence noqa: F401)
     ZSTD_LEVEL,
+    logits_matrix,  # noqa: F401
+    narrow_bf16,  # noqa: F401
     native_dtype_of,
     native_values,  # noqa: F401
+    round_bf16,  # noqa: F401
     row_hash,
+    shift_by_max,  # noqa: F401
+    to_bf16,  # noqa: F401
+    unshift,  # noqa: F401
     widen,
 )
 
