@@ -89,14 +89,14 @@ def _column_notes(source: str) -> dict[str, dict[str, str]]:
     notes: dict[str, dict[str, str]] = {}
     current, pending = None, []
     for line in source.splitlines():
-        m = re.match(r"^([A-Z_]+) = pa\.schema\(\[", line)
-        if m:
-            current, pending = m.group(1), []
-            notes[current] = {}
+        m = re.match(r"^([A-Z_]+) = pa\.schema\(", line)
+        if m:  # a schema written on one line has no comments to take
+            current, pending = (None if line.rstrip().endswith(")") else m.group(1)), []
+            notes[m.group(1)] = {}
             continue
         if current is None:
             continue
-        if line.startswith("])"):
+        if line.startswith(("])", ")")):  # the schema's end, as written or as the formatter writes it
             current = None
             continue
         body, _, comment = line.partition("#")
