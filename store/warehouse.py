@@ -91,9 +91,9 @@ class Warehouse:
 
         version = getattr(self, "version", SCHEMA_VERSION)
         for v in range(version + 1, SCHEMA_VERSION + 1):
-            MIGRATIONS[v](self.loc)
+            MIGRATIONS[v].apply(self.loc)
             self._write_marker(v)
-            log(f"{self.where}: migrated warehouse to schema_version {v} ({MIGRATIONS[v].__name__})")
+            log(f"{self.where}: migrated warehouse to schema_version {v} ({MIGRATIONS[v].name})")
         self.version = SCHEMA_VERSION
 
     def _write_marker(self, version: int) -> None:
