@@ -67,6 +67,12 @@ test: $(STAMP) llama-cpp vllm-env
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests
 	$(PY) -m pytest -q -m serial tests
 
+# The fast tier: every test not marked `slow` (a Ray cluster, a `matrix run` capture, a tool or GGUF
+# build, the vLLM environment, the 30-layer model, or over ~10 s on 2 cores) nor `serial`. It needs
+# no vLLM environment: the tests that use one are slow.
+test-fast: $(STAMP) llama-cpp
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not serial" tests
+
 # ruff: lint and format, configured in pyproject.toml (lines of 120 at most); .ci/run runs it first.
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -25,7 +25,7 @@ from store.warehouse import Warehouse, unshift, widen
 
 class Warmup:
     """The metric kernel built (or loaded from its cache) on a thread while the actor loads its
-    model: a first build (~0.4 s, one core) then overlaps the load instead of the capture."""
+    model: a first build then overlaps the load instead of the capture (docs/benchmark-notes.md)."""
 
     def __init__(self, vocab: int):
         self.error: Exception | None = None

@@ -46,8 +46,8 @@ HEARTBEAT_S = 60
 # Rows (summed over a group's members) per piece of a unit: pieces are what Ray tasks run, so a
 # unit of many prompts spreads over the cores; one prompt is never cut.
 PIECE_ROWS = 512
-# what a group's row costs, in rows of a cell's reference metrics (reads included), measured on
-# AMD EPYC at vocab 151,936: pieces are cut and Ray-scheduled by this estimate of their work
+# what a group's row costs, in rows of a cell's reference metrics (reads included): pieces are cut
+# and Ray-scheduled by this estimate of their work (docs/benchmark-notes.md)
 CENTROID_ROW_COST, PAIR_ROW_COST = 1.5, 0.35
 
 

@@ -60,7 +60,8 @@ class Group:
     def _centroid(self, key, fin: list[str], rows: np.ndarray) -> None:
         import torch  # here, not at the top: a process that only measures rows against a reference never loads it
 
-        x = rows.astype(np.float64)  # (stacks, vocab); exact widening, ~10x faster than torch's .double()
+        # (stacks, vocab); exact widening, faster than torch's .double() (docs/benchmark-notes.md)
+        x = rows.astype(np.float64)
         lps = torch.log_softmax(torch.from_numpy(x), -1)  # (stacks, vocab)
         if self.how == "mean_logprob":
             lc = torch.log_softmax(lps.mean(0), -1)

@@ -16,8 +16,7 @@
      1. block maxima (for top-k), row maxima, and the raw-logit sums (dot, norms, diff, max |diff|)
      2. the two softmax denominators, each e^(x - max) kept in the call's buffer (2 x vocab doubles)
      3. KL both ways, JS, both entropies, with p and q from that buffer: one log an element where
-        a second softmax would take two exps and a log (~20% of a Gemma-vocabulary row pair's time,
-        one thread, Xeon AVX-512) */
+        a second softmax would take two exps and a log (docs/benchmark-notes.md) */
 
 #include <math.h>
 #include <stdint.h>

@@ -1,7 +1,7 @@
 """Importance matrices for llama.cpp quantisation, collected the way llama-imatrix does.
 
-llama-imatrix is not in the llama-cpp-python wheel, and building it from the sdist costs
-~35 min on 2 cores. llama.cpp's own graph runs here instead, through the binding, with the
+llama-imatrix is not in the llama-cpp-python wheel, and building it from the sdist is slow
+(docs/benchmark-notes.md). llama.cpp's own graph runs here instead, through the binding, with the
 tool's eval callback (tools/imatrix/imatrix.cpp collect_imatrix) reimplemented on top:
 
     for every MUL_MAT whose weight is blk.* and whose activations have >= 16 rows (f32):

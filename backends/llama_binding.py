@@ -83,8 +83,7 @@ def _ahead_key(path: str, text: str) -> tuple:
 def tokenize_ahead(path: str, text: str) -> None:
     """Start gguf_tokenize(path, text) on a thread; the next gguf_tokenize of the same file (same
     size and mtime) and text takes its result, or its exception. llama.cpp's vocabulary load
-    (~0.6 s for Gemma 3's 262,144 tokens on a 2-core Xeon) then overlaps the caller's own work:
-    ctypes drops the GIL for each llama.cpp call."""
+    (docs/benchmark-notes.md) then overlaps the caller's own work: ctypes drops the GIL for each llama.cpp call."""
     key, done = _ahead_key(path, text), Future()
 
     def run() -> None:

@@ -30,9 +30,9 @@ DEFAULTS = {"n_batch": 2048, "n_ubatch": 512, "kv_cache": "f16"}  # llama.cpp's 
 def _wait_policy() -> str:
     """What llama.cpp's OpenMP threads do while they wait, made passive where the user has not
     chosen and it still can be: a capture writes rows on a thread of its own beside each forward,
-    and a thread spinning at a barrier holds the core that writing needs (Gemma 3 F16 reference,
-    2-core Xeon: 12.0 s against 12.8 s a capture, the same bits). libgomp reads OMP_WAIT_POLICY
-    once, when llama_cpp first loads it: a process that loaded it before keeps libgomp's default."""
+    and a thread spinning at a barrier holds the core that writing needs (docs/benchmark-notes.md).
+    libgomp reads OMP_WAIT_POLICY once, when llama_cpp first loads it: a process that loaded it
+    before keeps libgomp's default."""
     import sys
 
     if os.environ.get("OMP_WAIT_POLICY"):
@@ -126,8 +126,8 @@ class LlamaCppBackend(Backend):
         self._outputs = OutputRing(n)
 
     def rows_beside_forward(self) -> bool:
-        # a Gemma 3 Q4_K_M candidate measuring as it captures, 2-core Xeon: 14.0 s beside its passive
-        # threads against 14.4 s between forwards (3 alternated pairs); beside spinning ones it is slower
+        # beside passive threads the rows' work is faster than between forwards; beside spinning ones
+        # it is slower (docs/benchmark-notes.md)
         return super().rows_beside_forward() or self.wait_policy == "passive"
 
     def _imatrix(self) -> dict[str, Any] | None:
@@ -279,8 +279,8 @@ class LlamaCppBackend(Backend):
     def _prefill_context(self, n_ctx: int):
         """A context for n_ctx tokens with an empty KV cache: the last prompt's when it had this
         length, cleared (llama_memory_clear), else a new one. The output and compute buffers are
-        then allocated once, not per prompt (Gemma 3, 262,144 logits a row, 512-token prompts,
-        2-core Xeon: 0.3-0.5 s a prompt); the logits are the same bits as a fresh context's."""
+        then allocated once, not per prompt, where allocating them costs time at a large vocabulary
+        (docs/benchmark-notes.md); the logits are the same bits as a fresh context's."""
         if self._kept is not None and self._kept[0] == n_ctx:
             self._lc.llama_memory_clear(self._lc.llama_get_memory(self._kept[1]), True)
             return self._kept[1], self._kept[2]

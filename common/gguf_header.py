@@ -1,7 +1,7 @@
 """A GGUF file's header, read from its bytes: the key/value fields and the tensor table.
 
-gguf-py's GGUFReader builds a numpy view per field part, per vocabulary entry: ~3 s for a 49k
-vocabulary and ~30 s for a 262k one on a 2-core box. This walks the header once with struct
+gguf-py's GGUFReader builds a numpy view per field part, per vocabulary entry: slow for a
+large vocabulary (docs/benchmark-notes.md). This walks the header once with struct
 (GGUF layout: github.com/ggml-org/ggml docs/gguf.md) and decodes only the fields asked for.
 """
 
@@ -31,7 +31,7 @@ class _Walk:
 
     def strings(self, count: int, keep: bool) -> list[str] | None:
         """An array of count strings (a vocabulary: 262,144 for Gemma 3) in one tight loop: a
-        call per entry through value() costs ~0.4 s a file at that size."""
+        call per entry through value() is slower at that size (docs/benchmark-notes.md)."""
         m, at, length = self.m, self.at, _LENGTH.unpack_from
         out = []
         for _ in range(count):

@@ -28,8 +28,8 @@ from common.files import cache_root
 # twin does, rounding for rounding; -fno-math-errno (not -ffast-math) keeps IEEE inf and NaN.
 BASE = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC"]
 # x86 compilers vectorise at 256 bits even where the CPU has AVX-512; at 512 the kernels call
-# libmvec's 8-wide exp and log and 16-wide expf: a Gemma-vocabulary row pair's metrics ~16%
-# faster, a row's bf16 floor ~27% (Xeon AVX-512, one thread). Without AVX-512: no effect.
+# libmvec's 8-wide exp and log and 16-wide expf, faster on AVX-512 (docs/benchmark-notes.md).
+# Without AVX-512: no effect.
 WIDE = ["-mprefer-vector-width=512"] if platform.machine().lower() in ("x86_64", "amd64") else []
 # Tried in order: glibc's vector exp/log (libmvec); scalar exp/log where there is no libmvec
 # (macOS, musl); and without -march=native for a compiler that refuses it (clang before 15).

@@ -23,7 +23,7 @@ import pyarrow as pa
 PLAIN, RLE, BYTE_STREAM_SPLIT = 0, 3, 9
 DATA_PAGE, INDEX_PAGE, DICTIONARY_PAGE, DATA_PAGE_V2 = 0, 1, 2, 3
 # glibc hands a freed page buffer straight back; Arrow's mimalloc pool returns it to the OS and
-# page-faults the next one in: decompression measured 1.5 GB/s vs 0.9 GB/s out (AMD EPYC).
+# page-faults the next one in, and decompression slows (docs/benchmark-notes.md).
 POOL = pa.system_memory_pool()
 HEADER_WINDOW = 256  # bytes read for a page header; a logits page header is ~30 (no statistics)
 CODECS = {"ZSTD": "zstd", "SNAPPY": "snappy", "GZIP": "gzip", "LZ4": "lz4", "BROTLI": "brotli"}
@@ -198,7 +198,8 @@ class Leaf:
         else:
             out = np.empty(self.values, np.uint16 if kind == "bf16" else np.uint32)
         at = 0
-        for s in self.pages:  # shifts and ors over whole streams: 5x faster than a uint8 transpose
+        # shifts and ors over whole streams: faster than a uint8 transpose (docs/benchmark-notes.md)
+        for s in self.pages:
             o = out[at : at + s.shape[1]]
             if kind == "bf16":
                 if np.count_nonzero(s[:2]):  # count_nonzero is SIMD; any() on uint8 is not

@@ -1,4 +1,5 @@
-"""Warehouse schema, version 14 (migrations from older versions: store/migrations.py).
+"""Warehouse schema, version 14: the current tables and columns. What each version changed, and
+how an older warehouse is brought up to this one: store/migrations.py.
 
 Layout (one directory per table; readers glob ``*.parquet``; writers go
 through a hidden temp file and an atomic rename, so a killed run never leaves
@@ -14,10 +15,10 @@ a half-written file that a reader sees)::
     pairwise/<model>[.<group>].parquet  `matrix analyze`: every pair of stacks in a centroid group
     metrics_ranges/ranges.parquet       position buckets for the summary views
     logits/<cell_id>/r<repeat>.parquet  one shard per (cell, repeat), one row group per prompt
-    logits/<cell_id>/d<repeat>.parquet  v9: a `decode:` cell's decode rows and the prefill rows they match
-                                        (v10: and a `prefix_cache:` cell's cached-prefix rows)
-    layer_states/<cell_id>/r<repeat>.parquet  v9: a `layers:` cell's hidden states, shard for shard with logits
-    layer_metrics/<cell_id>.parquet     v9 `matrix analyze`: each layer row vs the reference's same layer
+    logits/<cell_id>/d<repeat>.parquet  a `decode:` cell's decode rows and the prefill rows they match,
+                                        and a `prefix_cache:` cell's cached-prefix rows
+    layer_states/<cell_id>/r<repeat>.parquet  a `layers:` cell's hidden states, shard for shard with logits
+    layer_metrics/<cell_id>.parquet     `matrix analyze`: each layer row vs the reference's same layer
 
 ``logits.logits`` holds the engine's native values widened exactly to float32
 (bf16 and f16 are subsets of fp32), so SQL sees real numbers for every stack;
@@ -25,7 +26,7 @@ a half-written file that a reader sees)::
 native bytes (bf16: the uint16 bits, little-endian). Byte-stream-split + zstd:
 for bf16 rows the two low byte streams are all zero and cost almost nothing.
 
-v13: a logits shard whose Parquet footer says ``logit_matrix.values: not kept``
+A logits shard whose Parquet footer says ``logit_matrix.values: not kept``
 (VALUES_KEY) holds every row's prompt, position, next token, dtype, shift and
 ``row_hash`` with ``logits`` null: a cell under ``keep_rows: references``, its
 rows measured against the reference and hashed where they were captured, their
@@ -59,11 +60,11 @@ RUNS = pa.schema(
         ("cells_done", pa.int32()),
         ("rows_written", pa.int64()),
         ("error", pa.string()),
-        # v4 JSON: where this run's rows went: {"node": captures written by the node that ran them,
+        # JSON: where this run's rows went: {"node": captures written by the node that ran them,
         # "driver": captures sent to the driver's depot (no shared disk), "bytes_to_driver": encoded bytes}
         ("rows_delivery", pa.string()),
-        ("cells_failed", pa.int32()),  # v6: cells this run recorded as failed
-        ("executor", pa.string()),  # v11: ray | local (matrix/run/launch.py); ray_address is null for local
+        ("cells_failed", pa.int32()),  # cells this run recorded as failed
+        ("executor", pa.string()),  # ray | local (matrix/run/launch.py); ray_address is null for local
     ]
 )
 
@@ -77,7 +78,7 @@ CELLS = pa.schema(
         ("attention", pa.string()),
         ("tp", pa.int32()),
         ("device", pa.string()),
-        ("status", pa.string()),  # done | skipped | failed (v6)
+        ("status", pa.string()),  # done | skipped | failed
         ("skip_reason", pa.string()),
         ("bit_reproducible", pa.bool_()),
         ("repeats", pa.int32()),
@@ -94,7 +95,7 @@ CELLS = pa.schema(
         ("model_source", pa.string()),
         ("source_sha256", pa.string()),
         ("weights_sha256", pa.string()),
-        ("model_license", pa.string()),  # v10: the license of the reference weights' source, when known
+        ("model_license", pa.string()),  # the license of the reference weights' source, when known
         ("vocab_size", pa.int32()),
         ("logits_dtype", pa.string()),
         # The engine's own weights, built from the reference checkpoint (GGUF, MLX dir, ...)
@@ -104,39 +105,39 @@ CELLS = pa.schema(
         ("tokenizer_parity", pa.string()),  # ok | mismatch | not_checked
         ("engine_vocab_size", pa.int32()),  # logits per row; > vocab_size means a padded vocabulary
         ("options", pa.string()),  # JSON: engine options asked for in the spec (kv_cache, n_batch, ...)
-        ("centroid_group", pa.string()),  # v3: which centroid this stack joins (default: its model's)
-        ("centroid", pa.string()),  # v3: the spec's centroid definition: mean_prob | mean_logprob
-        ("calibration", pa.string()),  # v3: calibration data the spec declares for this artefact
-        ("fingerprint", pa.string()),  # v3 JSON: host, OS, Python, libraries, CPU flags, GPU (SMs, driver, ...)
+        ("centroid_group", pa.string()),  # which centroid this stack joins (default: its model's)
+        ("centroid", pa.string()),  # the spec's centroid definition: mean_prob | mean_logprob
+        ("calibration", pa.string()),  # calibration data the spec declares for this artefact
+        ("fingerprint", pa.string()),  # JSON: host, OS, Python, libraries, CPU flags, GPU (SMs, driver, ...)
         ("settings", pa.string()),  # JSON: everything that changes the arithmetic
         ("versions", pa.string()),  # JSON: engine library versions
         ("host", pa.string()),
         ("node_id", pa.string()),
-        ("rows_via", pa.string()),  # v4: node (it wrote its shards) | driver (it sent them to the driver's depot)
-        ("model_via", pa.string()),  # v4: local (the node's own copy, hash checked) | shipped (from the driver) | hub
+        ("rows_via", pa.string()),  # node (it wrote its shards) | driver (it sent them to the driver's depot)
+        ("model_via", pa.string()),  # local (the node's own copy, hash checked) | shipped (from the driver) | hub
         ("load_seconds", pa.float64()),
         ("capture_seconds", pa.float64()),
         ("finished_at", TS),
-        # v5: a cell is a stack (what the spec names, the same on every host and build) run by one
+        # a cell is a stack (what the spec names, the same on every host and build) run by one
         # engine build (common/builds.py) as one of the spec's replicas: cell_id = stack_id[.rN]@build
         ("stack_id", pa.string()),
         ("replica", pa.int32()),
         ("build", pa.string()),
         ("build_libraries", pa.string()),  # JSON: {library: {version, files}}
-        # v6: a failed cell: the original exception's class and first line; attempts: how many times
+        # a failed cell: the original exception's class and first line; attempts: how many times
         # this run started the cell (an actor or node that died is retried; see matrix/run/failures.py)
         ("error_class", pa.string()),
         ("error", pa.string()),
         ("attempts", pa.int32()),
-        # v8 JSON: the rows each prompt keeps, {"from", "to", "stride", "last"} (common/positions.py)
+        # JSON: the rows each prompt keeps, {"from", "to", "stride", "last"} (common/positions.py)
         ("positions", pa.string()),
-        # v8 JSON: how the rows are stored: {"store": "native"} (lossless) or {"store": "bf16", ...}
+        # JSON: how the rows are stored: {"store": "native"} (lossless) or {"store": "bf16", ...}
         ("storage", pa.string()),
-        # v9 JSON: a `layers:` cell's hidden states: {"layers": [i, ...], "depth", "rows_per_repeat", "sources"}
+        # JSON: a `layers:` cell's hidden states: {"layers": [i, ...], "depth", "rows_per_repeat", "sources"}
         ("layers", pa.string()),
-        # v9 JSON: a `decode:` cell's decode rows: {"steps", "at": [...], "rows_per_repeat"}
+        # JSON: a `decode:` cell's decode rows: {"steps", "at": [...], "rows_per_repeat"}
         ("decode", pa.string()),
-        # v10 JSON: a `prefix_cache: check` cell's second evaluations: {"rows_per_repeat", "hits": {prompt:
+        # JSON: a `prefix_cache: check` cell's second evaluations: {"rows_per_repeat", "hits": {prompt:
         # tokens the cache served}, "identical_rows", "max_abs_diff_vs_prefill"}
         ("prefix_cache", pa.string()),
     ]
@@ -181,13 +182,13 @@ LOGITS = pa.schema(
         ("logits_dtype", pa.string()),
         ("logits", pa.list_(pa.float32())),  # (vocab,) native values, exactly widened
         ("row_hash", pa.string()),
-        # v8: what was subtracted from the row before it was stored (`store: bf16` stores bf16 of
+        # what was subtracted from the row before it was stored (`store: bf16` stores bf16 of
         # logits - row max); null: stored as the engine produced it. Raw logits = logits + shift.
         ("shift", pa.float32()),
-        # v9: null for a capture's rows (logits/<cell>/r<repeat>.parquet). A `decode:` cell's d<repeat>.parquet
-        # holds, at each position it decoded, path 'decode' (the row of decode step `step`, fed one token at a
+        # null for a capture's rows (logits/<cell>/r<repeat>.parquet). A `decode:` cell's d<repeat>.parquet holds,
+        # at each position it decoded, path 'decode' (the row of decode step `step`, fed one token at a
         # time from the KV cache of the prefill up to position - step) and path 'prefill' (the same position
-        # from the capture's own prefill), so the two compare within the file. v10: a `prefix_cache:` cell's
+        # from the capture's own prefill), so the two compare within the file; a `prefix_cache:` cell's
         # adds, at step 0, path 'prefix_cached' (the row recomputed with the engine's prefix cache warm from
         # the same prompt) and path 'prefill' (the capture's own row there).
         ("path", pa.string()),
@@ -232,15 +233,15 @@ METRICS = pa.schema(
         ("max_abs_diff", F64),  # on raw logits
         ("delta_p", F64),  # p_stack(next token) - p_ref(next token); null at the last position
         ("nll_ref", F64),
-        ("nll_stack", F64),  # v12: -log p(next token) of each side (perplexity); null at the last
+        ("nll_stack", F64),  # -log p(next token) of each side (perplexity); null at the last
         ("entropy_ref", F64),
         ("entropy_stack", F64),
-        ("p_top1_ref", F64),  # v14: the reference's top-1 probability (common/metric_defs.py: kld_by_confidence)
+        ("p_top1_ref", F64),  # the reference's top-1 probability (common/metric_defs.py: kld_by_confidence)
         ("storage_floor", F64),  # KL(native || stored): 0 while the warehouse is lossless
-        # v3: null for a clean row; 'stack' | 'reference' | 'both' when that side has NaN/Inf logits.
+        # null for a clean row; 'stack' | 'reference' | 'both' when that side has NaN/Inf logits.
         # Such a row's metrics are null, so aggregates skip it; summaries count it.
         ("nonfinite", pa.string()),
-        ("kernel_version", pa.string()),  # v7: analysis/metrics.py KERNEL_VERSION that wrote the file
+        ("kernel_version", pa.string()),  # analysis/metrics.py KERNEL_VERSION that wrote the file
     ]
 )
 CENTROID_METRICS = pa.schema(
@@ -254,9 +255,9 @@ CENTROID_METRICS = pa.schema(
         ("js_centroid", F64),
         ("centroid", pa.string()),  # mean_prob | mean_logprob
         ("is_reference", pa.bool_()),
-        ("centroid_group", pa.string()),  # v3
-        ("nonfinite", pa.bool_()),  # v3: this stack's row has NaN/Inf: left out of the centroid
-        ("kernel_version", pa.string()),  # v7
+        ("centroid_group", pa.string()),  # which centroid this stack joins
+        ("nonfinite", pa.bool_()),  # this stack's row has NaN/Inf: left out of the centroid
+        ("kernel_version", pa.string()),  # analysis/metrics.py KERNEL_VERSION that wrote the file
     ]
 )
 PAIRWISE = pa.schema(
@@ -266,12 +267,12 @@ PAIRWISE = pa.schema(
         ("rows", pa.int64()),
         ("mean_js", F64),
         ("top1_agreement", F64),
-        ("kernel_version", pa.string()),  # v7
+        ("kernel_version", pa.string()),  # analysis/metrics.py KERNEL_VERSION that wrote the file
     ]
 )
 METRICS_RANGES = pa.schema([("lo", pa.int32()), ("hi", pa.int32()), ("range", pa.string())])
 
-# v9: the residual stream after decoder layer `layer_index` (0-based) at a sampled position, as the
+# the residual stream after decoder layer `layer_index` (0-based) at a sampled position, as the
 # engine holds it (native dtype, widened exactly to float32 like logits); the final norm's output is
 # layer "final_norm" with layer_index = the model's depth. `source`: the engine's own name for the
 # tensor (llama.cpp l_out-N, an HF module path, ...). One row group per prompt: layer-major.
@@ -290,7 +291,7 @@ LAYER_STATES = pa.schema(
         ("row_hash", pa.string()),  # sha256 of the native bytes, as logits.row_hash
     ]
 )
-# v9 `matrix analyze`: a layer row against the reference's same (prompt, position, layer), repeat 0;
+# `matrix analyze`: a layer row against the reference's same (prompt, position, layer), repeat 0;
 # its cosine and norm ratio gate it (`matrix layers`), the others are reported
 LAYER_METRICS = pa.schema(
     [
@@ -310,7 +311,7 @@ LAYER_METRICS = pa.schema(
     ]
 )
 
-# v9 `matrix analyze`: each decode row of a `decode:` cell against the same position's prefill row of
+# `matrix analyze`: each decode row of a `decode:` cell against the same position's prefill row of
 # the same cell (prefill/decode consistency) and against the reference's prefill row
 DECODE_METRICS = pa.schema(
     [
@@ -320,7 +321,7 @@ DECODE_METRICS = pa.schema(
         ("position", pa.int32()),
         ("step", pa.int32()),
         ("repeat", pa.int32()),
-        # v10: 'decode' or 'prefix_cached' (null in v9 files: 'decode'); the leading tokens a prefix cache
+        # 'decode' or 'prefix_cached'; the leading tokens a prefix cache
         # served for a 'prefix_cached' row
         ("path", pa.string()),
         ("cached_tokens", pa.int32()),

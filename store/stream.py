@@ -169,8 +169,8 @@ class Rows:
         self.start, self.buf = 0, np.zeros((0, 0), np.float32)  # buf holds rows start .. start + len(buf)
 
     def _open(self) -> None:
-        """Pages read by store/pages.py where it applies (1.8x faster than Arrow's list decode for
-        bf16, and the native rows are hashed as they are); Arrow's reader otherwise."""
+        """Pages read by store/pages.py where it applies (faster than Arrow's list decode for bf16
+        (docs/benchmark-notes.md), and the native rows are hashed as they are); Arrow's reader otherwise."""
         self.stream = self.batches = None
         try:
             if self.prompt.offset or len(self.prompt.positions) != self.group_rows:

@@ -53,7 +53,7 @@ def shift_by_max(native: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def to_bf16(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bits, rounded to nearest even (as torch's .to(bfloat16))."""
     bits = x.view(np.uint32)
-    r = np.right_shift(bits, 16)  # in place from here: 4x faster than the expression form
+    r = np.right_shift(bits, 16)  # in place from here: faster than the expression form (docs/benchmark-notes.md)
     np.bitwise_and(r, 1, out=r)
     r += 0x7FFF
     r += bits  # wraps only for NaN payloads, fixed below

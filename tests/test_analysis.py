@@ -19,6 +19,8 @@ from analysis.centroid import centroid_tables
 from store.warehouse import row_hash
 from tests.conftest import run_cli, sql, write_spec
 
+pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
+
 LN2 = np.log(2.0)
 
 

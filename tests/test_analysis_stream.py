@@ -14,11 +14,14 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from analysis import analyze as A
 from store import Warehouse
 from tests import oracle_analyze
 from tests.conftest import REPO, run_cli, sql
+
+pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
 
 TABLES = ("metrics", "centroid_metrics", "pairwise")
 

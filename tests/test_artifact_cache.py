@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import REPO, run_cli, write_spec
 
+pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
+
 pytest.importorskip("mlx_lm")
 
 

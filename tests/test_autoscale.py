@@ -60,7 +60,7 @@ def _port_in_use(port: int) -> bool:
 
 # `ray stop --force` below ends every Ray process of the machine, so this file runs alone, after the
 # parallel part of `make test` (its `-m serial` pass): never beside another test's cluster.
-pytestmark = pytest.mark.serial
+pytestmark = [pytest.mark.serial, pytest.mark.slow]  # starts a Ray cluster
 
 
 @pytest.fixture()

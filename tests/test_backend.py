@@ -40,6 +40,7 @@ def test_sampled_positions():
     assert Positions.every(32).of(100) == [0, 32, 64, 96, 99]
 
 
+@pytest.mark.slow  # the 30-layer SmolLM2
 def test_full_model_fp32_eager_vs_sdpa_within_1e5_and_repeatable(reference_model):
     pos = Positions.every(8).of(len(IDS))
     eager = backend(reference_model.hf_dir, "fp32", "eager")
@@ -54,6 +55,7 @@ def test_full_model_fp32_eager_vs_sdpa_within_1e5_and_repeatable(reference_model
     assert np.isfinite(a1).all() and a1.std() > 1.0
 
 
+@pytest.mark.slow  # the 30-layer SmolLM2
 def test_each_sdpa_kernel_pinned_on_cpu(reference_model):
     """sdpa_math and sdpa_flash run on CPU (PyTorch builds both kernels there) and each is
     repeatable and close to eager; the CUDA-only kernels are skipped before anything loads."""
@@ -74,6 +76,7 @@ def test_each_sdpa_kernel_pinned_on_cpu(reference_model):
         )
 
 
+@pytest.mark.slow  # the 30-layer SmolLM2
 def test_full_model_bf16_returns_bits_that_widen_close_to_fp32(reference_model):
     pos = Positions.every(8).of(len(IDS))
     bf = backend(reference_model.hf_dir, "bf16", "sdpa").forward(IDS, pos)
@@ -103,6 +106,7 @@ def test_oracle_refuses_missing_weight_in_process(tiny_model, tmp_path):
         backend(broken, "fp32", "eager")
 
 
+@pytest.mark.slow  # `matrix run` on a Ray cluster
 def test_oracle_refusal_through_the_cli_exits_2(tiny_model, short_corpus, tmp_path):
     broken = tmp_path / "broken"
     _drop_tensor(tiny_model, broken, "model.norm.weight")

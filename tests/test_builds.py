@@ -25,6 +25,8 @@ import pytest
 from common.builds import engine_build
 from tests.conftest import REPO, run_cli, sql, write_spec
 
+pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
+
 HF_LIBS = ("torch", "transformers", "accelerate", "safetensors")
 
 

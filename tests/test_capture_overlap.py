@@ -19,6 +19,8 @@ from common.positions import Positions
 from common.stack import StackDesc
 from store.warehouse import ShardWriter, Warehouse, native_rows
 
+pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
+
 IDS = [1, 504, 3365, 8187, 418, 3732, 28, 564, 260, 9726, 5001, 15407, 1326, 1069, 9043, 31, 2]
 PROMPTS = [(f"p{i}", IDS[: 9 + 2 * i] * (1 + i % 2)) for i in range(4)]  # four lengths: 9 to 30 tokens
 STRIDE = 4

@@ -13,6 +13,8 @@ from actors.fingerprint import fingerprint
 from matrix.run import placement
 from tests.conftest import run_cli, write_spec
 
+pytestmark = pytest.mark.slow  # starts a Ray cluster
+
 
 @pytest.fixture(scope="module")
 def cluster():

@@ -9,7 +9,11 @@ import stat
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow  # starts a Ray cluster
 
 SCRIPT = r"""
 import json, os, subprocess, sys

@@ -15,6 +15,8 @@ from common.stack import StackDesc
 from store.warehouse import widen
 from tests.conftest import run_cli, sql, write_spec
 
+pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
+
 pytest.importorskip("llama_cpp")
 
 IDS = [(i * 7919) % 49000 + 100 for i in range(200)]

@@ -11,6 +11,8 @@ import pytest
 from common.files import sha256_file
 from tests.conftest import run_cli, sql, write_spec
 
+pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
+
 pytest.importorskip("llama_cpp")
 pytest.importorskip("mlx_lm")
 

@@ -14,6 +14,8 @@ from common.errors import OracleError, UserError
 from common.positions import Positions
 from common.stack import StackDesc
 
+pytestmark = pytest.mark.slow  # loads the 30-layer SmolLM2
+
 llama_cpp = pytest.importorskip("llama_cpp")
 mlx_lm = pytest.importorskip("mlx_lm")
 

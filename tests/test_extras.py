@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import REPO, run_cli, sql, write_spec
 
+pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
+
 ECHO = {"LOGIT_MATRIX_EXTRAS": "echo=tests.toy_extra:Echo", "PYTHONPATH": str(REPO)}
 
 

@@ -20,6 +20,8 @@ import pytest
 from common.positions import Positions
 from tests.conftest import REPO, sql, write_spec
 
+pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
+
 STRIDE = 16
 REMOVED_NODE_REPEATS = 24
 

@@ -19,6 +19,8 @@ import pytest
 
 from tests.conftest import SHORT_CORPUS, run_cli, sql, write_spec
 
+pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
+
 pytest.importorskip("llama_cpp")
 
 GEMMA_LAYERS = 6

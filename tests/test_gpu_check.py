@@ -28,6 +28,8 @@ BARE_DROPS = [
     "logit-matrix",
 ]
 
+pytestmark = pytest.mark.slow  # downloads the carried wheels (make gpu-wheels) and captures in a bare environment
+
 
 @pytest.fixture(scope="module")
 def gpu_check(tmp_path_factory):

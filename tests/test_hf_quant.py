@@ -9,6 +9,8 @@ import pytest
 
 from tests.conftest import run_cli, sql, write_spec
 
+pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
+
 pytest.importorskip("torchao")
 pytest.importorskip("optimum.quanto")
 

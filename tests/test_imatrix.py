@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import REPO, run_cli, sql, write_spec
 
+pytestmark = pytest.mark.slow  # builds GGUF files and runs llama.cpp tools over them
+
 pytest.importorskip("llama_cpp")
 
 BUILTIN_CAL = REPO / "configs" / "corpus" / "calibration.txt"

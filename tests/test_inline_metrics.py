@@ -7,8 +7,11 @@ import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from tests.conftest import run_cli, sql, write_spec
+
+pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
 
 
 def _tables(wh: Path) -> dict[str, tuple[dict, list[dict]]]:

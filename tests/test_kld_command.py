@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import REPO, run_cli, sql
 
+pytestmark = pytest.mark.slow  # builds GGUF files and runs llama.cpp tools over them
+
 N_CTX = 64
 
 

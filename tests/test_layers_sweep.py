@@ -12,6 +12,8 @@ import yaml
 
 from tests.conftest import run_cli, sql, write_spec
 
+pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
+
 pytest.importorskip("llama_cpp")
 
 LADDER = ["f16", "q8_0", "q4_0"]

@@ -14,6 +14,8 @@ import pytest
 from backends.base import SkipCell
 from tests.conftest import write_spec
 
+pytestmark = pytest.mark.slow  # starts a Ray cluster
+
 pytest.importorskip("llama_cpp")
 
 REPEATS = 8  # sweeps, half of them in the bad order (forced: each one is the race, lost)

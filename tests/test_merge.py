@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from store import SCHEMA_VERSION
 from tests.conftest import run_cli, sql
+
+pytestmark = pytest.mark.slow  # captures three warehouses with `matrix run`
 
 
 def snapshot(wh: Path) -> dict[str, str]:

@@ -22,6 +22,8 @@ import pytest
 
 from tests.conftest import REPO, run_cli, sql, write_spec
 
+pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
+
 KEY_ID = "AKIALMTESTKEY7Q2XW9ZB"
 SECRET = "lmS3cr3t/Zq8x7vT2kP9wR4mN6bV1cX3zL5hJ8gF"
 GOOGLE_SECRET = "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"

@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import analyzed_copy, run_cli, sql
 
+pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
+
 
 def _nll(wh, cell_id: str) -> dict[tuple[str, int], float]:
     """(prompt, position) -> logsumexp(row) - row[next token], in float64, for repeat 0."""

@@ -21,6 +21,8 @@ from matrix.spec import corpus as C
 from matrix.spec.parse import parse_spec
 from tests.conftest import dedent, run_cli, sql, write_spec
 
+pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
+
 
 def test_plain_stride_keeps_every_stride_th_and_the_last_and_windows_cut_as_asked():
     for n in (1, 2, 31, 32, 33, 64, 65, 100):

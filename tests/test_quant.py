@@ -15,6 +15,8 @@ from store import llamacpp_kld as K
 from store.warehouse import logits_matrix
 from tests.conftest import analyzed_copy, run_cli, sql, write_spec
 
+pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
+
 DISCLOSURE = {
     "reference_checkpoint",
     "reference_runtime",

@@ -65,6 +65,7 @@ def recipe_dir(tiny_model, tmp_path_factory):
     return d
 
 
+@pytest.mark.slow  # builds GGUF files and runs the recipe's commands
 def test_my_gguf_against_my_reference_as_written(recipe_dir):
     (block,) = blocks("My GGUF against my reference", "sh")
     r = sh(block, recipe_dir)
@@ -78,6 +79,7 @@ def test_my_gguf_against_my_reference_as_written(recipe_dir):
     assert r.returncode in (0, 1) and '"cell_id"' in r.stdout, r.stderr[-2000:]
 
 
+@pytest.mark.slow  # builds GGUF files and runs the recipe's commands
 def test_sql_over_a_warehouse_as_written(recipe_dir):
     """The recipe's `warehouse` is the one the quant-author recipe made (the test above)."""
     if not (recipe_dir / "kld-wh").is_dir():

@@ -29,6 +29,7 @@ from tests.test_readme import blocks
 
 pytestmark = [
     pytest.mark.serial,
+    pytest.mark.slow,  # starts a Ray cluster
     pytest.mark.skipif(
         os.geteuid() != 0 or not shutil.which("unshare"),
         reason="needs root and unshare for the joined node's namespaces",

@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import REPO, run_cli, sql
 
+pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = [
     "--headless",

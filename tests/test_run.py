@@ -12,10 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 from common.positions import Positions
 from store.warehouse import narrow_bf16, row_hash
 from tests.conftest import REPO, run_cli, sql, write_spec
+
+pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
 
 
 def test_sweep_writes_every_row_once(swept):

@@ -23,9 +23,12 @@ import pytest
 
 from tests.conftest import run_cli, sql, write_spec
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for per-node mount namespaces"
-)
+pytestmark = [
+    pytest.mark.slow,  # starts a Ray cluster
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for per-node mount namespaces"
+    ),
+]
 RAY = str(Path(sys.executable).parent / "ray")
 
 

@@ -14,6 +14,8 @@ from backends import vllm_backend as V
 from common.stack import StackDesc
 from tests.conftest import run_cli, sql, write_spec
 
+pytestmark = pytest.mark.slow  # runs cells in the vLLM-on-CPU environment (make vllm-env)
+
 
 def test_engine_arguments_disable_what_changes_the_arithmetic():
     cell = StackDesc("vllm", "bf16", "default", device="h200")

@@ -1,8 +1,8 @@
 """The first host of a local run, started while the driver still prepares the run.
 
 Before the first cell can capture, the driver tokenises the corpus (for a GGUF's llama.cpp
-tokenizer, a vocabulary load of its own: ~0.6 s at Gemma 3's 262,144 tokens on a 2-core Xeon)
-and its host starts a process and loads the engine (~0.9 s). Neither needs the other, so the
+tokenizer, a vocabulary load of its own) and its host starts a process and loads the engine
+(docs/benchmark-notes.md times both). Neither needs the other, so the
 local executor starts that host now: the run's first cell is its first model's reference
 (matrix/run/runner.py execute starts references first), and the executor hands the host over when
 the run asks for that cell with the same arguments (matrix/run/local.py LocalExecutor.prestart).

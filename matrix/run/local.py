@@ -95,8 +95,7 @@ class Worker:
         python, env = interpreter(self.env)
         env.setdefault("OMP_NUM_THREADS", str(self.cpus))  # as Ray sets it for an actor's num_cpus
         # numpy asks for transparent huge pages for every array over 4 MiB; a capture's per-prompt
-        # arrays then fault in zeroed 2 MiB pages: Gemma 3's F16 capture run after llama-perplexity
-        # took 12.0 s with them and 10.7 s without (sys 5.2 against 2.8 s; 2-core Xeon, THP madvise)
+        # arrays then fault in zeroed 2 MiB pages, slower than without (docs/benchmark-notes.md)
         env.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
         if gpu_ids or "CUDA_VISIBLE_DEVICES" not in env:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))

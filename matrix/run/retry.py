@@ -15,7 +15,7 @@ from common.stack import Cell
 from matrix.run.failures import Failure, StorageError, classify, storage_error, storage_line
 
 # Without capture_timeout_s: this long per token fed in one repeat, at least CAPTURE_FLOOR_S. Two
-# seconds a token is ~4x the slowest capture measured here (HF bf16 on AVX2 without AMX: 0.56 s).
+# seconds a token leaves room over the slowest capture measured (docs/benchmark-notes.md).
 CAPTURE_S_PER_TOKEN = 2.0
 CAPTURE_FLOOR_S = 600.0
 
