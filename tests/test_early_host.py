@@ -27,7 +27,7 @@ def _job(ggufs, text, wh: Path):  # noqa: F811 - the fixture, passed in
 
 
 def test_the_first_host_starts_ahead_and_the_run_takes_it_over(ggufs, text, tmp_path):  # noqa: F811
-    from matrix.run import early, runner
+    from matrix.run import early, execute, runner
     from matrix.run.local import LocalExecutor
     from store import Warehouse
 
@@ -40,7 +40,7 @@ def test_the_first_host_starts_ahead_and_the_run_takes_it_over(ggufs, text, tmp_
     with wh.lock(lines.append):
         plan = runner.bind(plan, wh, ex, lines.append, runner.Resume(own_cluster=True))
         ex.keep_early(set(plan.todo))
-        summary = runner.execute(plan, wh, [], None, lines.append, ex, nonce)
+        summary = execute.execute(plan, wh, [], None, lines.append, ex, nonce)
     assert summary["cells_done"] == 2 and not summary["failed"]
     assert ex.started == 2  # two cells, two processes: the one started ahead was the reference's
     assert any(line.startswith(f"loaded {ref} ") and f"(pid {host.proc.pid})" in line for line in lines), lines

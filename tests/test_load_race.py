@@ -100,7 +100,7 @@ def test_calls_queued_behind_a_skipped_load_raise_the_loads_skip(local_ray, plan
 def test_sweep_skips_the_cell_whatever_order_its_futures_come_back_in(local_ray, plan_for, monkeypatch):
     """Half the runs take futures as Ray returns them; the other half wait for every future and
     take them newest first, so the Q2_K cell's captures and parity reach the driver before its load."""
-    from matrix.run import runner
+    from matrix.run import execute, runner
     from matrix.run.ray_executor import RayExecutor
 
     ray = local_ray
@@ -122,7 +122,7 @@ def test_sweep_skips_the_cell_whatever_order_its_futures_come_back_in(local_ray,
         with wh.lock():
             ex = RayExecutor()
             plan = runner.bind(plan, wh, ex, lambda m: None)
-            summary = runner.execute(plan, wh, ["test"], None, lambda m: None, ex)
+            summary = execute.execute(plan, wh, ["test"], None, lambda m: None, ex)
         cells = {r["dtype"]: r for r in wh.read_all("cells")}
         assert summary["cells_done"] == 2 and summary["rows_written"] > 0, (i, summary)
         assert cells["q2_k"]["status"] == "skipped" and cells["q2_k"]["skip_reason"].startswith(REASON), (i, cells)

@@ -131,14 +131,14 @@ def _connect(kind: str, address: str | None, cluster_config: str | None) -> _Sta
 
 def _sweep(matrix, wh, kind, address, cluster_config, resume, early, command, log) -> tuple[dict | None, object]:
     """Prepare, then under the warehouse's lock: migrate, bind to the nodes' builds, execute what is left."""
-    from matrix.run import placement, runner
+    from matrix.run import execute, placement, runner
 
     plan = runner.prepare(matrix, wh, log)
     summary = None
     wh.create()
     with wh.lock(log):
         wh.migrate(log)
-        runner.mark_interrupted_runs(wh, log)  # even when nothing is left to do
+        execute.mark_interrupted_runs(wh, log)  # even when nothing is left to do
         started = early or _connect(kind, address, cluster_config)
         ex = started.executor
         try:
@@ -151,7 +151,7 @@ def _sweep(matrix, wh, kind, address, cluster_config, resume, early, command, lo
             if early:
                 ex.keep_early(set(plan.todo))
             if plan.todo:
-                summary = runner.execute(plan, wh, command, address, log, ex, started.nonce)
+                summary = execute.execute(plan, wh, command, address, log, ex, started.nonce)
         finally:
             if started.ray is not None:
                 started.ray.shutdown()

@@ -22,47 +22,28 @@ def _brief(opts: dict) -> str:
 
 
 def cmd_cells(args) -> int:
-    from common.output import human
     from matrix.cli.builds import build_columns
-    from matrix.cli.layers import layer_brief, layer_sizes, off_prefill
+    from matrix.cli.layers import layer_sizes
+    from matrix.run import placement
     from matrix.spec.cells import load_spec
 
     matrix = load_spec(args.spec)
-    spec = matrix.spec
     sizes = layer_sizes(matrix)
-    cells = [
-        {
-            **c.axes(),
-            "threads": c.threads,
-            "options": c.opts,
-            "max_tokens": c.max_tokens,
-            "stack_id": c.stack_id,
-            "layer_states": sizes.get(c.stack_id),
-            **{x.key: None if c.extra(x.key) is None else x.describe(c.extra(x.key)) for x in extras.registered()},
-            "replica": c.replica,
-            "reference": c.stack_id in matrix.reference_stacks.values(),
-            "candidate": None
-            if c.artifact is None
-            else {"file": c.artifact, "sha256": c.artifact_sha256, "label": c.label},
-        }
-        for c in matrix.cells
-    ]
+    cells = [_cell_entry(c, matrix, sizes) for c in matrix.cells]
     nodes, answers = _known_nodes(args.address, args.cluster_config, matrix if args.warehouse else None)
     placed = None
     if nodes is not None:
-        from matrix.run import placement
-
         placed = {
             c.stack_id: placement.where(c.device, c.tp, placement.cell_threads(c, nodes), nodes) for c in matrix.cells
         }
-    for c in cells:
-        if placed:
+        for c in cells:
             c["placement"] = str(placed[c["stack_id"]])
     builds = build_columns(matrix, args.warehouse, answers) if args.warehouse else None
     for c in cells:
         if builds:
             c.update(builds[c["stack_id"]])
     if args.json:
+        spec = matrix.spec
         emit_json(
             {
                 "spec": str(spec.path),
@@ -75,60 +56,68 @@ def cmd_cells(args) -> int:
             }
         )
     else:
-        decoding = any(off_prefill(c) != "-" for c in cells)
-        cols = (
-            ["stack_id", "role", "options"]
-            + (["layer states"] if sizes else [])
-            + (["off prefill"] if decoding else [])
-            + (["placement"] if placed else [])
-            + (["build", "captured by", "a run"] if builds else [])
-        )
-        print(
-            table(
-                cols,
-                [
-                    [
-                        c["stack_id"],
-                        "reference"
-                        if c["reference"]
-                        else f"candidate: {c['candidate']['label']}"
-                        if c["candidate"]
-                        else "",
-                        _brief(c["options"]),
-                    ]
-                    + ([layer_brief(c["layer_states"])] if sizes else [])
-                    + ([off_prefill(c)] if decoding else [])
-                    + ([placed[c["stack_id"]].brief()] if placed else [])
-                    + (
-                        [
-                            c["build"] or "?",
-                            ", ".join(b["build"] or "unrecorded" for b in c["captured"]) or "-",
-                            c["action"],
-                        ]
-                        if builds
-                        else []
-                    )
-                    for c in cells
-                ],
-            )
-        )
-        if matrix.skipped:
-            print(f"\nskipped ({len(matrix.skipped)}):")
-            print(table(["combination", "reason"], [[s["cell_id"], s["reason"]] for s in matrix.skipped]))
-        print(
-            f"\n{len(cells)} cell(s), {len(matrix.skipped)} skipped; "
-            f"{spec.positions.describe()} (stride {spec.stride}), "
-            f"repeats {spec.repeats}"
-        )
-        if sizes:
-            total = sum(v["bytes_estimate"] for v in sizes.values())
-            print(
-                f"layer states: {human(total)} over {len(sizes)} cell(s) (states x hidden x rows at the "
-                "engine's native width; hidden states barely compress)"
-            )
+        _print_cells(matrix, cells, sizes, placed, builds)
     if nodes is not None:
         placement.check_placement(matrix.cells, nodes, lambda msg: None)  # the same exit 2 as `matrix run`
     return 0
+
+
+def _cell_entry(c, matrix, sizes: dict) -> dict:
+    """One stack of the spec as `matrix cells --json` lists it."""
+    return {
+        **c.axes(),
+        "threads": c.threads,
+        "options": c.opts,
+        "max_tokens": c.max_tokens,
+        "stack_id": c.stack_id,
+        "layer_states": sizes.get(c.stack_id),
+        **{x.key: None if c.extra(x.key) is None else x.describe(c.extra(x.key)) for x in extras.registered()},
+        "replica": c.replica,
+        "reference": c.stack_id in matrix.reference_stacks.values(),
+        "candidate": None
+        if c.artifact is None
+        else {"file": c.artifact, "sha256": c.artifact_sha256, "label": c.label},
+    }
+
+
+def _print_cells(matrix, cells: list[dict], sizes: dict, placed: dict | None, builds: dict | None) -> None:
+    from common.output import human
+    from matrix.cli.layers import layer_brief, off_prefill
+
+    decoding = any(off_prefill(c) != "-" for c in cells)
+    cols = (
+        ["stack_id", "role", "options"]
+        + (["layer states"] if sizes else [])
+        + (["off prefill"] if decoding else [])
+        + (["placement"] if placed else [])
+        + (["build", "captured by", "a run"] if builds else [])
+    )
+    rows = []
+    for c in cells:
+        role = "reference" if c["reference"] else f"candidate: {c['candidate']['label']}" if c["candidate"] else ""
+        row = [c["stack_id"], role, _brief(c["options"])]
+        row += [layer_brief(c["layer_states"])] if sizes else []
+        row += [off_prefill(c)] if decoding else []
+        row += [placed[c["stack_id"]].brief()] if placed else []
+        if builds:
+            captured = ", ".join(b["build"] or "unrecorded" for b in c["captured"]) or "-"
+            row += [c["build"] or "?", captured, c["action"]]
+        rows.append(row)
+    print(table(cols, rows))
+    spec = matrix.spec
+    if matrix.skipped:
+        print(f"\nskipped ({len(matrix.skipped)}):")
+        print(table(["combination", "reason"], [[s["cell_id"], s["reason"]] for s in matrix.skipped]))
+    print(
+        f"\n{len(cells)} cell(s), {len(matrix.skipped)} skipped; "
+        f"{spec.positions.describe()} (stride {spec.stride}), repeats {spec.repeats}"
+    )
+    if sizes:
+        total = sum(v["bytes_estimate"] for v in sizes.values())
+        print(
+            f"layer states: {human(total)} over {len(sizes)} cell(s) (states x hidden x rows at the "
+            "engine's native width; hidden states barely compress)"
+        )
 
 
 def _known_nodes(address: str | None, cluster_config: str | None, probe_matrix=None) -> tuple[list | None, dict | None]:
