@@ -25,7 +25,8 @@ from store import Warehouse
 from store import llamacpp_kld as K
 from store import rows as R
 from store.floors import kld_base_floor
-from store.warehouse import ShardWriter, logits_matrix
+from store.shards import ShardWriter
+from store.values import logits_matrix
 
 ENGINE = "llama.cpp-kld-base"
 
