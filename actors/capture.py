@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -22,17 +23,19 @@ OVERLAP_BYTES = 1 << 29  # a prompt's rows up to this size are kept while the ne
 class Overlap:
     """A prompt's row work (fn(prompt_id, positions, next_ids, rows, ...)) on one worker thread
     while the next prompt's forward runs. One prompt in flight, in prompt order, so at most two
-    prompts' rows are in memory; rows over OVERLAP_BYTES are done on the spot. A failure there
-    surfaces at the next hand-over, and a failure anywhere waits out the prompt in flight before
-    the writer is touched again."""
+    prompts' rows are in memory; rows over OVERLAP_BYTES are done on the spot, and so is every
+    prompt's when not beside (then between forwards). A failure there surfaces at the next
+    hand-over, and a failure anywhere waits out the prompt in flight before the writer is
+    touched again."""
 
-    def __init__(self):
+    def __init__(self, beside: bool = True):
+        self.beside = beside
         self.pending = None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="capture-keep")
 
     def submit(self, fn, prompt_id: str, positions: list[int], next_ids: list, rows: np.ndarray, *more) -> None:
         self.drain()
-        if rows.nbytes > OVERLAP_BYTES:
+        if not self.beside or rows.nbytes > OVERLAP_BYTES:
             fn(prompt_id, positions, next_ids, rows, *more)
         else:
             self.pending = self.pool.submit(fn, prompt_id, positions, next_ids, rows, *more)
@@ -73,38 +76,15 @@ def capture_shard(
     max_tokens: keep only the sampled positions below it and feed just the prefix they
     need; logits at p depend on ids[0..p] only, so those rows mean what the full run's do.
     observe(prompt_id, positions, stored, shift): called with each prompt's rows as stored, in
-    prompt order, beside the shard's write of them (see `beside` below for when)."""
+    prompt order, beside the shard's write of them (see _rows_beside for when)."""
     t0 = time.perf_counter()
-    forward_s = 0.0
-    storage = Storage(store, reuse=True)  # RowWork is done with a prompt's stored rows before the next
-    keep = Positions.every(keep) if isinstance(keep, int) else keep
     side = Extras(backend, side_writers or {})
-
-    work = RowWork(storage, writer, observe)
-    # A reference's rows are written beside the next forward; a candidate's are also measured, and
-    # where the engine's threads keep their cores while they wait, that work goes between forwards
-    # instead (Backend.rows_beside_forward).
-    beside = observe is None or backend.rows_beside_forward()
-    stage = Overlap()
+    work = RowWork(Storage(store, reuse=True), writer, observe)  # done with a prompt's stored rows before the next
+    stage = Overlap(beside=_rows_beside(backend, observe))
     if not side.parts:  # only this loop calls forward(): a prompt's rows are done with two forwards later
         backend.keep_outputs(2)
     try:
-        dtype = None
-        for prompt_id, ids in prompts:
-            fed, positions = keep.fed(ids, max_tokens)
-            if not positions:  # the window misses this prompt: no rows, no forward
-                continue
-            # Row p holds the prediction for ids[p + 1] of the whole prompt (a window or a prefix
-            # feeds less); only the prompt's last row has no next token.
-            next_ids = [ids[p + 1] if p + 1 < len(ids) else None for p in positions]
-            tf = time.perf_counter()
-            native = side.forward(prompt_id, ids, fed, positions)  # (rows, vocab), native dtype
-            forward_s += time.perf_counter() - tf
-            dtype = str(native.dtype)
-            if beside:
-                stage.submit(work, prompt_id, positions, next_ids, native)
-            else:
-                work(prompt_id, positions, next_ids, native)
+        dtype, forward_s = _forward_each(prompts, keep, max_tokens, side, partial(stage.submit, work))
         stage.drain()
         side.commit()
         path = writer.commit()
@@ -123,9 +103,42 @@ def capture_shard(
         "seconds": time.perf_counter() - t0,
         "forward_seconds": forward_s,
         "array_dtype": dtype,
-        "storage": storage.summary(),
+        "storage": work.storage.summary(),
         "extras": side.summary(),
     }
+
+
+def _rows_beside(backend: Backend, observe) -> bool:
+    """Whether a prompt's row work runs beside the next forward (Overlap) rather than between forwards.
+
+    A reference's rows are written beside the next forward; a candidate's are also measured, and
+    where the engine's threads keep their cores while they wait, that work goes between forwards
+    instead (Backend.rows_beside_forward)."""
+    return observe is None or backend.rows_beside_forward()
+
+
+def _forward_each(
+    prompts: list[tuple[str, list[int]]], keep: Positions | int, max_tokens: int | None, side: Extras, hand_over
+) -> tuple[str | None, float]:
+    """Each prompt's forward over the prefix its kept positions need, its rows handed over in
+    prompt order (hand_over(prompt_id, positions, next_ids, rows)).
+
+    -> (the rows' array dtype, or None when no prompt had a row; seconds spent in forward)."""
+    keep = Positions.every(keep) if isinstance(keep, int) else keep
+    dtype, forward_s = None, 0.0
+    for prompt_id, ids in prompts:
+        fed, positions = keep.fed(ids, max_tokens)
+        if not positions:  # the window misses this prompt: no rows, no forward
+            continue
+        # Row p holds the prediction for ids[p + 1] of the whole prompt (a window or a prefix
+        # feeds less); only the prompt's last row has no next token.
+        next_ids = [ids[p + 1] if p + 1 < len(ids) else None for p in positions]
+        tf = time.perf_counter()
+        native = side.forward(prompt_id, ids, fed, positions)  # (rows, vocab), native dtype
+        forward_s += time.perf_counter() - tf
+        dtype = str(native.dtype)
+        hand_over(prompt_id, positions, next_ids, native)
+    return dtype, forward_s
 
 
 class RowWork:

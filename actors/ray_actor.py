@@ -1,7 +1,7 @@
 """The Ray actor that hosts one loaded stack: StackHost, with the node facts Ray knows.
 
 Its class name shows in the worker's process title (`ray::StackActor.capture`), which is how
-benchmarks/vs_llama_perplexity.py finds the actors' processes.
+benchmarks/process_watch.py (ActorPeak, for vs_llama_perplexity) finds the actors' processes.
 """
 
 from __future__ import annotations

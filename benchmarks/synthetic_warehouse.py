@@ -121,6 +121,41 @@ def write_stack(
     return rows, time.perf_counter() - t0
 
 
+def base_rows(reference_rows: str, vocab: int, seed: int) -> np.ndarray:
+    """(REAL_ROWS, vocab) float32 the stacks' rows are cut from: the model's own, or synthetic."""
+    rng = np.random.default_rng(seed)
+    base = real_rows(REAL_ROWS) if reference_rows == "real" else synthetic_rows(REAL_ROWS, min(vocab, 49152), rng)
+    return widen_vocab(base, vocab, rng)
+
+
+def stack_cell_row(
+    cid: str, run_id: str, k: int, kl: float, ref_cid: str, rows: int, vocab: int, prompts: int, reference_rows: str
+) -> dict:
+    """Stack k's cells row, as a sweep writes one; stack 0 is the reference of all."""
+    return R.cell_row(
+        cid,
+        run_id,
+        "done",
+        model=MODEL,
+        engine="synthetic",
+        dtype="bf16",
+        attention=f"s{k:03d}",
+        tp=1,
+        device="cpu",
+        repeats=1,
+        rows_per_repeat=rows,
+        n_prompts=prompts,
+        stride=STRIDE,
+        is_reference=k == 0,
+        reference_cell_id=ref_cid,
+        vocab_size=vocab,
+        logits_dtype="bf16",
+        bit_reproducible=True,
+        settings=json.dumps({"synthetic": True, "target_kl": kl, "reference_rows": reference_rows}),
+        versions=json.dumps({"numpy": np.__version__}),
+    )
+
+
 def build(
     out: Path,
     stacks: int,
@@ -142,9 +177,7 @@ def build(
     if not todo:
         log(f"{out}: all {stacks} stack(s) already there")
         return {"stacks": stacks, "written": 0}
-    rng = np.random.default_rng(seed)
-    base = real_rows(REAL_ROWS) if reference_rows == "real" else synthetic_rows(REAL_ROWS, min(vocab, 49152), rng)
-    base = widen_vocab(base, vocab, rng)  # (64, vocab)
+    base = base_rows(reference_rows, vocab, seed)
     run_id = ids.run_id()
     t0, done, futures = time.perf_counter(), 0, {}
     with ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -153,34 +186,8 @@ def build(
         for f in as_completed(futures):
             k = futures[f]
             f.result()
-            wh.write_rows(
-                "cells",
-                cids[k],
-                [
-                    R.cell_row(
-                        cids[k],
-                        run_id,
-                        "done",
-                        model=MODEL,
-                        engine="synthetic",
-                        dtype="bf16",
-                        attention=f"s{k:03d}",
-                        tp=1,
-                        device="cpu",
-                        repeats=1,
-                        rows_per_repeat=rows,
-                        n_prompts=prompts,
-                        stride=STRIDE,
-                        is_reference=k == 0,
-                        reference_cell_id=cids[0],
-                        vocab_size=vocab,
-                        logits_dtype="bf16",
-                        bit_reproducible=True,
-                        settings=json.dumps({"synthetic": True, "target_kl": kls[k], "reference_rows": reference_rows}),
-                        versions=json.dumps({"numpy": np.__version__}),
-                    )
-                ],
-            )
+            row = stack_cell_row(cids[k], run_id, k, kls[k], cids[0], rows, vocab, prompts, reference_rows)
+            wh.write_rows("cells", cids[k], [row])
             done += 1
             el = time.perf_counter() - t0
             gb = done * rows * vocab * 2 / 1e9
@@ -189,22 +196,8 @@ def build(
                 f"| ETA {(len(todo) - done) * el / done:.0f}s"
             )
     el = time.perf_counter() - t0
-    wh.write_rows(
-        "runs",
-        run_id,
-        [
-            R.run_row(
-                run_id,
-                "done",
-                started_at=R.now(),
-                finished_at=R.now(),
-                spec_name=f"synthetic {stacks}x{rows}x{vocab}",
-                cells_total=len(todo),
-                cells_done=len(todo),
-                rows_written=len(todo) * rows,
-            )
-        ],
-    )
+    name = f"synthetic {stacks}x{rows}x{vocab}"
+    wh.write_rows("runs", run_id, [synthetic_run_row(run_id, name, len(todo), len(todo) * rows)])
     return {
         "stacks": stacks,
         "written": len(todo),
@@ -212,6 +205,19 @@ def build(
         "bf16_gb": round(len(todo) * rows * vocab * 2 / 1e9, 2),
         "disk_gb": round(_du(out / "logits") / 1e9, 2),
     }
+
+
+def synthetic_run_row(run_id: str, name: str, cells: int, rows: int) -> dict:
+    return R.run_row(
+        run_id,
+        "done",
+        started_at=R.now(),
+        finished_at=R.now(),
+        spec_name=name,
+        cells_total=cells,
+        cells_done=cells,
+        rows_written=rows,
+    )
 
 
 def _du(p: Path) -> int:

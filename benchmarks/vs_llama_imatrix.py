@@ -57,20 +57,11 @@ def tensor_bytes(path: str) -> str:
     return h.hexdigest()
 
 
-def compare_with_tool(threads: int, d: Path) -> dict:
-    import ctypes
+def tool_imatrix(imatrix_bin: Path, f32: dict, out: Path, threads: int) -> float:
+    """llama-imatrix on the calibration text, one chunk per batch, into out; -> its seconds."""
+    from benchmarks.llama_tools import tool_env
 
-    import llama_cpp
-    import numpy as np
-
-    from backends import gguf_imatrix as gi
-    from benchmarks.llama_tools import build_tool, tool_env
-
-    f32 = f32_gguf()
-    imatrix_bin, quantize_bin = build_tool("llama-imatrix", log), build_tool("llama-quantize", log)
-    text = TEXT.read_text()
     t0 = time.perf_counter()
-    tool_out = d / "tool-imatrix.gguf"
     subprocess.run(
         [
             str(imatrix_bin),
@@ -79,7 +70,7 @@ def compare_with_tool(threads: int, d: Path) -> dict:
             "-f",
             str(TEXT),
             "-o",
-            str(tool_out),
+            str(out),
             "-c",
             "512",
             "-b",
@@ -92,7 +83,13 @@ def compare_with_tool(threads: int, d: Path) -> dict:
         capture_output=True,
         env=tool_env(imatrix_bin),
     )
-    t_tool = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def our_imatrix(f32: dict, text: str, threads: int) -> tuple[dict, float]:
+    """backends/gguf_imatrix.collect on the same text, under a fresh key (timed, not cached); -> (it, seconds)."""
+    from backends import gguf_imatrix as gi
+
     t0 = time.perf_counter()
     ours = gi.collect(
         {**f32, "sha256": f"{f32['sha256']}-bench-{time.time()}"},
@@ -102,14 +99,58 @@ def compare_with_tool(threads: int, d: Path) -> dict:
         None,
         512,
         threads,
-    )  # a fresh key: timed, not cached
-    t_ours = time.perf_counter() - t0
-    a, b = gi.read(str(tool_out)), gi.read(ours["path"])
+    )
+    return ours, time.perf_counter() - t0
+
+
+def equal_sums(a: dict, b: dict) -> tuple[int, float]:
+    """How many tensors' sums and counts are equal bit for bit, and the largest relative difference of a sum."""
+    import numpy as np
+
     same = worst = 0
     for k, (sa, ca) in a["entries"].items():
         sb, cb = b["entries"][k]
         same += bool(np.array_equal(sa, sb) and np.array_equal(ca, cb))
         worst = max(worst, float(np.max(np.abs(sa - sb) / np.maximum(np.abs(sa), 1e-30))))
+    return same, worst
+
+
+def same_q4km(quantize_bin: Path, f32: dict, tool_file: Path, ours_file: str, d: Path, threads: int) -> bool:
+    """Q4_K_M by llama-quantize --imatrix with the tool's file, and by llama_model_quantize with ours:
+    whether their tensor bytes are identical."""
+    import ctypes
+
+    import llama_cpp
+
+    from backends import gguf_imatrix as gi
+    from benchmarks.llama_tools import tool_env
+
+    q_tool, q_ours = d / "q4km-tool.gguf", d / "q4km-ours.gguf"
+    subprocess.run(
+        [str(quantize_bin), "--imatrix", str(tool_file), f32["path"], str(q_tool), "Q4_K_M", str(threads)],
+        check=True,
+        capture_output=True,
+        env=tool_env(quantize_bin),
+    )
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, threads
+    arr, kv, _keep = gi.quantize_inputs(ours_file, "builtin")
+    params.imatrix, params.kv_overrides = arr, kv
+    assert llama_cpp.llama_model_quantize(f32["path"].encode(), str(q_ours).encode(), ctypes.byref(params)) == 0
+    return tensor_bytes(str(q_tool)) == tensor_bytes(str(q_ours))
+
+
+def compare_with_tool(threads: int, d: Path) -> dict:
+    from backends import gguf_imatrix as gi
+    from benchmarks.llama_tools import build_tool
+
+    f32 = f32_gguf()
+    imatrix_bin, quantize_bin = build_tool("llama-imatrix", log), build_tool("llama-quantize", log)
+    tool_out = d / "tool-imatrix.gguf"
+    t_tool = tool_imatrix(imatrix_bin, f32, tool_out, threads)
+    ours, t_ours = our_imatrix(f32, TEXT.read_text(), threads)
+    a, b = gi.read(str(tool_out)), gi.read(ours["path"])
+    same, worst = equal_sums(a, b)
     print(f"\nimatrix of {Path(f32['path']).name} on {TEXT.name} ({a['chunk_count']} chunks of {a['chunk_size']}):")
     print(
         f"  tensors: tool {len(a['entries'])}, logit-matrix {len(b['entries'])}, names equal: "
@@ -119,19 +160,7 @@ def compare_with_tool(threads: int, d: Path) -> dict:
         f"  sums and counts equal bit for bit: {same} of {len(a['entries'])}; largest relative difference {worst:.3g}"
     )
     print(f"  time: llama-imatrix {t_tool:.1f} s, logit-matrix {t_ours:.1f} s (load included) = {t_ours / t_tool:.2f}x")
-    q_tool, q_ours = d / "q4km-tool.gguf", d / "q4km-ours.gguf"
-    subprocess.run(
-        [str(quantize_bin), "--imatrix", str(tool_out), f32["path"], str(q_tool), "Q4_K_M", str(threads)],
-        check=True,
-        capture_output=True,
-        env=tool_env(quantize_bin),
-    )
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, threads
-    arr, kv, _keep = gi.quantize_inputs(ours["path"], "builtin")
-    params.imatrix, params.kv_overrides = arr, kv
-    assert llama_cpp.llama_model_quantize(f32["path"].encode(), str(q_ours).encode(), ctypes.byref(params)) == 0
-    identical = tensor_bytes(str(q_tool)) == tensor_bytes(str(q_ours))
+    identical = same_q4km(quantize_bin, f32, tool_out, ours["path"], d, threads)
     print(
         f"  Q4_K_M tensor bytes, llama-quantize --imatrix tool file vs llama_model_quantize with ours: "
         f"{'identical' if identical else 'DIFFERENT'}"

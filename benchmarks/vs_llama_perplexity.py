@@ -29,18 +29,14 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.capture_costs import forwards_alone, per_row_costs  # noqa: E402
+from benchmarks.process_watch import ActorPeak, timed  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # The environment both tools start from, as the user gave it: nothing this process sets on its way
@@ -48,25 +44,6 @@ REPO = Path(__file__).resolve().parent.parent
 USER_ENV = dict(os.environ)
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"  # 35 KB of license text: ~9k SmolLM2 tokens, 17 chunks
 DEFAULT_CHUNKS = {"gemma3-270m": 6}  # 0 or absent: every chunk of the text
-
-
-def build_llama_perplexity(log) -> Path:
-    from benchmarks.llama_tools import build_tool
-
-    return build_tool("llama-perplexity", log)
-
-
-def timed(cmd: list[str], env: dict, log_to: Path) -> tuple[float, float, str]:
-    """-> (wall seconds, peak RSS in GB of the process and its waited-for children, its output)."""
-    with open(log_to, "w") as out:
-        t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(p.pid, 0)  # the child's own rusage, not every child's so far
-        wall = time.perf_counter() - t0
-    code, text = os.waitstatus_to_exitcode(status), Path(log_to).read_text()
-    if code != 0:
-        raise SystemExit(f"{' '.join(cmd[:3])} ... failed (exit {code}):\n{text[-3000:]}")
-    return wall, usage.ru_maxrss / 1e6, text  # ru_maxrss: KiB on Linux
 
 
 def ggufs(model: str, threads: int) -> tuple[dict, dict, object]:
@@ -122,34 +99,6 @@ def run_llama(binary: Path, f16: str, q4: str, text: str, d: Path, threads: int)
     }
 
 
-class ActorPeak:
-    """The largest peak RSS (VmHWM) of any cell host while the run goes: a Ray actor is raylet's
-    child, a local worker runs in its own session, so wait4 on the driver sees neither."""
-
-    def __init__(self, every: float = 0.25):
-        self.every, self.peak_kb, self.stop = every, 0, threading.Event()
-
-    def _poll(self) -> None:
-        while not self.stop.wait(self.every):
-            for proc in Path("/proc").iterdir():
-                try:
-                    cmdline = (proc / "cmdline").read_bytes() if proc.name.isdigit() else b""
-                    if b"StackActor" in cmdline or b"local_host.py" in cmdline:
-                        hwm = re.search(r"VmHWM:\s+(\d+) kB", (proc / "status").read_text())
-                        self.peak_kb = max(self.peak_kb, int(hwm.group(1)) if hwm else 0)
-                except OSError:  # the process ended between listing and reading
-                    continue
-
-    def __enter__(self):
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-
-
 def run_kld(f16: dict, q4: dict, text: str, d: Path, threads: int, executor: str) -> dict:
     """`matrix kld` as a user runs it, from a fresh process; -> its figures and the chunk ids it cut."""
     wh = d / "wh"
@@ -201,63 +150,6 @@ def run_kld(f16: dict, q4: dict, text: str, d: Path, threads: int, executor: str
         "floor": res["card"]["disclosure"]["storage_floor"],
         "ids": ids,
     }
-
-
-def forwards_alone(model, artifacts: dict[str, dict], ids: list[list[int]], threads: int):
-    """The floor under any tool that runs these forwards: each GGUF's prefill of every chunk through
-    logit-matrix's own backend, in this process (no rounding, no writes, no comparison);
-    -> ({dtype: seconds}, {dtype: the last chunk's rows}, that chunk's next ids)."""
-    from backends.llamacpp_backend import LlamaCppBackend
-    from common.positions import parse
-    from common.stack import StackDesc
-
-    keep, out, last = parse("llama_perplexity", "positions", print), {}, {}
-    for dtype, art in artifacts.items():
-        be = LlamaCppBackend(
-            StackDesc(LlamaCppBackend.engine, dtype, "default", weights_sha256=model.weights_sha256),
-            model.hf_dir,
-            threads,
-        )
-        be.load()
-        if be.artifact["path"] != art["path"]:  # the cells' own file, or the figure means nothing
-            raise SystemExit(f"forwards alone: {dtype} loaded {be.artifact['path']}, not {art['path']}")
-        t0 = time.perf_counter()
-        for chunk in ids:
-            last[dtype] = be.forward(*keep.fed(chunk))  # what a cell feeds and keeps: (rows, vocab)
-        out[dtype] = time.perf_counter() - t0
-        be.close()
-    fed, positions = keep.fed(ids[-1])
-    return out, last, [ids[-1][p + 1] for p in positions]
-
-
-def per_row_costs(ref: "np.ndarray", stk: "np.ndarray", next_ids: list[int]) -> dict[str, float]:
-    """ms per row of what a capture adds to each forward's rows at this vocabulary, on real rows,
-    best of 3: rounding to bf16 with the row's KL floor (Storage.keep: one fused pass), encoding
-    (row hash and Parquet page), and the comparison with the reference's row (every metric, float64)."""
-    import numpy as np
-
-    from analysis.metrics import row_metrics
-    from store.floors import Storage
-    from store.warehouse import encode_rows, rows_table
-
-    n = stk.shape[0]
-    stored, shift = Storage("bf16").keep(stk)
-    nxt = np.asarray(next_ids, np.int64)
-    steps = {
-        "rounding and floor": lambda: Storage("bf16").keep(stk),
-        "encoding": lambda: encode_rows(rows_table("r", "c", 0, "p", list(range(n)), next_ids, stored, shift)),
-        "comparison": lambda: row_metrics(ref, stk, nxt),
-    }
-    steps["comparison"]()  # the kernel is built or loaded once per process, as in a cell
-    out = {}
-    for k, fn in steps.items():
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        out[k] = 1000 * best / n
-    return out
 
 
 def best_of(runs: list[dict]) -> dict:
@@ -356,7 +248,7 @@ def report(r: dict, threads: int, executor: str) -> None:
     )
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
     ap.add_argument("--text", default=DEFAULT_TEXT)
@@ -375,15 +267,47 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeat < 1:
         raise SystemExit(f"--repeat {args.repeat}: must be >= 1")
-    from benchmarks._common import cpu, save_result
+    return args
 
+
+def parse_chunks(spec: str) -> dict[str, int]:
+    """--chunks MODEL=N,... over DEFAULT_CHUNKS: how many chunks of the text each model reads (0: all)."""
     chunks = dict(DEFAULT_CHUNKS)
-    for part in filter(None, args.chunks.split(",")):
+    for part in filter(None, spec.split(",")):
         name, _, n = part.partition("=")
         if not n.isdigit():
             raise SystemExit(f"--chunks: expected MODEL=N (got {part!r})")
         chunks[name] = int(n)
-    binary = Path(args.llama_perplexity) if args.llama_perplexity else build_llama_perplexity(print)
+    return chunks
+
+
+def scoreboard_rows(results: list[dict]) -> list[dict]:
+    """Each model's figures as the row benchmarks/results keeps (docs/benchmarks.md's scoreboard)."""
+    return [
+        {
+            "model": r["model"],
+            "vocab": r["vocab"],
+            "rows": r["lm"]["rows"],
+            "wall_ratio": r["lm"]["wall"] / r["lp"]["wall"],
+            "forwards_alone_ratio": sum(r["alone"].values()) / r["lp"]["wall"],
+            "wall_s": [r["lp"]["wall"], r["lm"]["wall"]],
+            "wall_runs_s": [r["lp"]["runs"], r["lm"]["runs"]],
+            "kld": [[r["lp"]["kl"], r["lp"]["se"]], [r["lm"]["kl"], r["lm"]["se"]]],
+            "kld_se_apart": abs(r["lp"]["kl"] - r["lm"]["kl"]) / max(r["lp"]["se"], r["lm"]["se"]),
+            "ppl_ratio": [r["lp"]["ppl_ratio"][0], r["lm"]["ppl_ratio"][0]],
+            "per_row_ms": r["costs"],
+        }
+        for r in results
+    ]
+
+
+def main() -> int:
+    args = parse_args()
+    from benchmarks._common import cpu, save_result
+    from benchmarks.llama_tools import build_tool
+
+    chunks = parse_chunks(args.chunks)
+    binary = Path(args.llama_perplexity) if args.llama_perplexity else build_tool("llama-perplexity", print)
     d = Path(args.keep or tempfile.mkdtemp(prefix="vs-lp-"))
     results = []
     for model in filter(None, args.models.split(",")):
@@ -410,22 +334,7 @@ def main() -> int:
         )
     )
     print("targets: KL within 1 s.e.; wall <= 1.15x llama-perplexity's")
-    rows = [
-        {
-            "model": r["model"],
-            "vocab": r["vocab"],
-            "rows": r["lm"]["rows"],
-            "wall_ratio": r["lm"]["wall"] / r["lp"]["wall"],
-            "forwards_alone_ratio": sum(r["alone"].values()) / r["lp"]["wall"],
-            "wall_s": [r["lp"]["wall"], r["lm"]["wall"]],
-            "wall_runs_s": [r["lp"]["runs"], r["lm"]["runs"]],
-            "kld": [[r["lp"]["kl"], r["lp"]["se"]], [r["lm"]["kl"], r["lm"]["se"]]],
-            "kld_se_apart": abs(r["lp"]["kl"] - r["lm"]["kl"]) / max(r["lp"]["se"], r["lm"]["se"]),
-            "ppl_ratio": [r["lp"]["ppl_ratio"][0], r["lm"]["ppl_ratio"][0]],
-            "per_row_ms": r["costs"],
-        }
-        for r in results
-    ]
+    rows = scoreboard_rows(results)
     met = all(x["wall_ratio"] <= 1.15 and x["kld_se_apart"] <= 1 for x in rows)
     print(
         f"recorded: {save_result('vs_llama_perplexity', rows, 'KL within 1 s.e.; wall <= 1.15x llama-perplexity', met)}"

@@ -25,7 +25,8 @@ from store import Warehouse
 from store import llamacpp_kld as K
 from store import rows as R
 from store.floors import kld_base_floor
-from store.warehouse import ShardWriter, logits_matrix
+from store.shards import ShardWriter
+from store.values import logits_matrix
 
 ENGINE = "llama.cpp-kld-base"
 
@@ -158,6 +159,72 @@ def _settings(f: dict, sha: str, floor: float) -> dict:
     }
 
 
+def _write_shard(wh: Warehouse, f: dict, run_id: str, cell_id: str, model: str, path: str, sha: str):
+    """The decoded rows as the cell's shard 0, committed whole or not at all.
+
+    -> (writer, new prompt rows, chunks matched, storage floor)."""
+    writer = ShardWriter(wh.where, run_id, cell_id, 0)
+    try:
+        new_prompts, matched, floor = _write_rows(f, writer, _prompts(wh, model), model, path, sha)
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    return writer, new_prompts, matched, floor
+
+
+def _cell_row(
+    f: dict, cell_id: str, run_id: str, model: str, vocab: int, rows: int, path: str, sha: str, settings: dict
+):
+    """The imported cell: a done reference of the named model, its settings saying what the format loses."""
+    return R.cell_row(
+        cell_id,
+        run_id,
+        "done",
+        model=model,
+        engine=ENGINE,
+        dtype="uint16-logprob",
+        attention="unknown",
+        tp=None,
+        device="unknown",
+        bit_reproducible=None,
+        repeats=1,
+        rows_per_repeat=rows,
+        n_prompts=f["n_chunk"],
+        stride=1,
+        corpus=f"kld-base:{Path(path).name}",
+        is_reference=True,
+        reference_cell_id=None,
+        model_identity=None,
+        model_source=str(path),
+        vocab_size=vocab,
+        engine_vocab_size=f["n_vocab"],
+        logits_dtype="float32",
+        artifact=str(path),
+        artifact_sha256=sha,
+        tokenizer_parity="not_checked",
+        settings=json.dumps(settings),
+        versions=json.dumps({}),
+    )
+
+
+def _run_row(run_id: str, rows: int, path: str, sha: str) -> dict:
+    """The import's run: one cell, done as it starts."""
+    started = R.now()
+    return R.run_row(
+        run_id,
+        "done",
+        started_at=started,
+        finished_at=started,
+        spec_name=f"import {Path(path).name}",
+        spec_path=str(path),
+        spec_sha256=sha,
+        cells_total=1,
+        cells_done=1,
+        rows_written=rows,
+    )
+
+
 def import_kld_base(warehouse: str, path: str, model: str, log: Callable[[str], None] = print) -> dict:
     f = _read(path)
     wh = Warehouse(warehouse).require()
@@ -171,71 +238,13 @@ def import_kld_base(warehouse: str, path: str, model: str, log: Callable[[str], 
             return {"cell_id": cell_id, "imported": False}
         vocab = _model_vocab(wh, cells, model, path, f["n_vocab"])
         run_id = ids.run_id("import")
-        writer = ShardWriter(wh.where, run_id, cell_id, 0)
-        try:
-            new_prompts, matched, floor = _write_rows(f, writer, _prompts(wh, model), model, path, sha)
-            writer.commit()
-        except BaseException:
-            writer.abort()
-            raise
+        writer, new_prompts, matched, floor = _write_shard(wh, f, run_id, cell_id, model, path, sha)
         for p in new_prompts:
             if not wh.has_rows("prompts", p["prompt_id"]):
                 wh.write_rows("prompts", p["prompt_id"], [p])
         settings = _settings(f, sha, floor)
-        wh.write_rows(
-            "cells",
-            cell_id,
-            [
-                R.cell_row(
-                    cell_id,
-                    run_id,
-                    "done",
-                    model=model,
-                    engine=ENGINE,
-                    dtype="uint16-logprob",
-                    attention="unknown",
-                    tp=None,
-                    device="unknown",
-                    bit_reproducible=None,
-                    repeats=1,
-                    rows_per_repeat=writer.rows,
-                    n_prompts=f["n_chunk"],
-                    stride=1,
-                    corpus=f"kld-base:{Path(path).name}",
-                    is_reference=True,
-                    reference_cell_id=None,
-                    model_identity=None,
-                    model_source=str(path),
-                    vocab_size=vocab,
-                    engine_vocab_size=f["n_vocab"],
-                    logits_dtype="float32",
-                    artifact=str(path),
-                    artifact_sha256=sha,
-                    tokenizer_parity="not_checked",
-                    settings=json.dumps(settings),
-                    versions=json.dumps({}),
-                )
-            ],
-        )
-        started = R.now()
-        wh.write_rows(
-            "runs",
-            run_id,
-            [
-                R.run_row(
-                    run_id,
-                    "done",
-                    started_at=started,
-                    finished_at=started,
-                    spec_name=f"import {Path(path).name}",
-                    spec_path=str(path),
-                    spec_sha256=sha,
-                    cells_total=1,
-                    cells_done=1,
-                    rows_written=writer.rows,
-                )
-            ],
-        )
+        wh.write_rows("cells", cell_id, [_cell_row(f, cell_id, run_id, model, vocab, writer.rows, path, sha, settings)])
+        wh.write_rows("runs", run_id, [_run_row(run_id, writer.rows, path, sha)])
     log(
         f"imported {path} as {cell_id}: {f['n_chunk']} chunk(s), {writer.rows} rows ({matched} chunk(s) matched "
         f"warehouse prompts). LOSSY format: uint16 log-probs (step <= {settings['step_nats_max']:.2e} nats), "

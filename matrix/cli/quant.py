@@ -131,58 +131,22 @@ def _check(args) -> dict:
         ray.shutdown()
 
 
-def cmd_fixture(args) -> int:
-    if args.action == "export":
-        from analysis.fixture_export import export_fixture
-
-        out = export_fixture(args.warehouse, cell_arg(args, "fixture export"), args.out, k=args.k, log=log)
-        if args.json:
-            emit_json(out)
-        return 0
-    from analysis.gates import evaluate, load_gates, pick_class
-    from analysis.truncated import NOTE, gate_values
-
-    gates = load_gates(args.gates)  # a bad gates file fails before any model loads
-    cls = pick_class(gates, args.dtype, args.quant_class)
-    res = _check(args)
-    measured, upper, tail = gate_values(res["metrics"])
-    rows = evaluate(measured, gates["classes"][cls], res["nonfinite"])
+def _same_weights_gate(res: dict, allow_other_weights: bool) -> dict:
+    """The gate row that says whether the stack was built from the weights the fixture was made from."""
     weights = next((d for d in res["differences"] if d["what"] in ("weights_sha256", "source_sha256")), None)
-    rows.insert(
-        1,
-        {
-            "gate": "same_weights",
-            "comparison": "==",
-            "threshold": "the fixture's",
-            "measured": f"other weights: {weights['stack']} (fixture: {weights['fixture']})" if weights else "same",
-            "pass": weights is None or args.allow_other_weights,
-            "meaning": "the stack is built from the weights the fixture was made from"
-            + (" (other weights allowed)" if weights and args.allow_other_weights else ""),
-        },
-    )
-    for r in rows:
-        r["upper_bound"] = upper.get(r["gate"])
-    ok = all(r["pass"] for r in rows)
-    k = res["header"]["k"]
-    trunc = {"k": k, "vocab_size": res["header"]["vocab_size"], **tail, "note": NOTE}
-    if args.json:
-        emit_json(
-            {
-                "fixture": args.fixture,
-                "engine": args.engine,
-                "model": args.model,
-                "dtype": args.dtype,
-                "class": cls,
-                "rows": res["rows"],
-                "pass": ok,
-                "truncation": trunc,
-                "gates": rows,
-                "differences": res["differences"],
-                "header_checked": res["header"]["header_checked"],
-                "ran_on": res["ran_on"],
-            }
-        )
-        return 0 if ok else 1
+    return {
+        "gate": "same_weights",
+        "comparison": "==",
+        "threshold": "the fixture's",
+        "measured": f"other weights: {weights['stack']} (fixture: {weights['fixture']})" if weights else "same",
+        "pass": weights is None or allow_other_weights,
+        "meaning": "the stack is built from the weights the fixture was made from"
+        + (" (other weights allowed)" if weights and allow_other_weights else ""),
+    }
+
+
+def _print_fixture_check(args, res: dict, rows: list[dict], cls: str, trunc: dict, ok: bool) -> None:
+    """`matrix fixture check`'s text report: where it ran, what differs, the gates, the truncation."""
     ran = res["ran_on"]
     print(
         f"ran on {ran['host']}"
@@ -201,10 +165,56 @@ def cmd_fixture(args) -> int:
         upper=True,
     )
     print(
-        f"\ntop-{k} of {trunc['vocab_size']}: reference tail mass mean {trunc['tail_mass_mean']:.3g}, "
+        f"\ntop-{trunc['k']} of {trunc['vocab_size']}: reference tail mass mean {trunc['tail_mass_mean']:.3g}, "
         f"max {trunc['tail_mass_max']:.3g}; KL is quoted as [lower, upper] because of that tail"
     )
     print(f"{'ADMITTED' if ok else 'REJECTED'}: {sum(r['pass'] for r in rows)}/{len(rows)} gates pass")
+
+
+def _fixture_export(args) -> int:
+    from analysis.fixture_export import export_fixture
+
+    out = export_fixture(args.warehouse, cell_arg(args, "fixture export"), args.out, k=args.k, log=log)
+    if args.json:
+        emit_json(out)
+    return 0
+
+
+def cmd_fixture(args) -> int:
+    if args.action == "export":
+        return _fixture_export(args)
+    from analysis.gates import evaluate, load_gates, pick_class
+    from analysis.truncated import NOTE, gate_values
+
+    gates = load_gates(args.gates)  # a bad gates file fails before any model loads
+    cls = pick_class(gates, args.dtype, args.quant_class)
+    res = _check(args)
+    measured, upper, tail = gate_values(res["metrics"])
+    rows = evaluate(measured, gates["classes"][cls], res["nonfinite"])
+    rows.insert(1, _same_weights_gate(res, args.allow_other_weights))
+    for r in rows:
+        r["upper_bound"] = upper.get(r["gate"])
+    ok = all(r["pass"] for r in rows)
+    trunc = {"k": res["header"]["k"], "vocab_size": res["header"]["vocab_size"], **tail, "note": NOTE}
+    if not args.json:
+        _print_fixture_check(args, res, rows, cls, trunc, ok)
+        return 0 if ok else 1
+    emit_json(
+        {
+            "fixture": args.fixture,
+            "engine": args.engine,
+            "model": args.model,
+            "dtype": args.dtype,
+            "class": cls,
+            "rows": res["rows"],
+            "pass": ok,
+            "truncation": trunc,
+            "gates": rows,
+            "differences": res["differences"],
+            "header_checked": res["header"]["header_checked"],
+            "ran_on": res["ran_on"],
+        }
+    )
     return 0 if ok else 1
 
 
@@ -220,7 +230,7 @@ def cmd_kld_base(args) -> int:
     return 0
 
 
-def add_parsers(sub) -> None:
+def _add_card(sub) -> None:
     c = sub.add_parser("card", help="a model-card KLD block with every disclosure field")
     c.add_argument("cell", help=CELL_HELP)
     c.add_argument("--warehouse", default="warehouse")
@@ -231,6 +241,8 @@ def add_parsers(sub) -> None:
     )
     c.set_defaults(func=cmd_card)
 
+
+def _add_admit(sub) -> None:
     a = sub.add_parser("admit", help="gate a cell against its reference (exit 0 pass, 1 fail, 2 error)")
     a.add_argument("cell", help=CELL_HELP)
     a.add_argument("--gates", default=str(GATES))
@@ -244,14 +256,8 @@ def add_parsers(sub) -> None:
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_admit)
 
-    fx = sub.add_parser("fixture", help="reference-output fixtures: export from a cell, check a stack against one")
-    fsub = fx.add_subparsers(dest="action", required=True)
-    fe = fsub.add_parser("export", help="write a standalone fixture (.json readable, .parquet dense)")
-    fe.add_argument("cell", help=CELL_HELP)
-    fe.add_argument("--out", required=True, help="FILE.json or FILE.parquet")
-    fe.add_argument("--k", type=int, default=64, help="top-k ids and logits kept per row (default 64)")
-    fe.add_argument("--warehouse", default="warehouse")
-    fe.add_argument("--json", action="store_true")
+
+def _add_fixture_check(fsub) -> None:
     fc = fsub.add_parser("check", help="run a stack on the fixture's ids and gate it (exit 0 pass, 1 fail, 2 error)")
     fc.add_argument("fixture")
     fc.add_argument("--engine", required=True)
@@ -278,8 +284,22 @@ def add_parsers(sub) -> None:
         help="check a stack built from other weights than the fixture's (the gate row says so)",
     )
     fc.add_argument("--json", action="store_true")
+
+
+def _add_fixture(sub) -> None:
+    fx = sub.add_parser("fixture", help="reference-output fixtures: export from a cell, check a stack against one")
+    fsub = fx.add_subparsers(dest="action", required=True)
+    fe = fsub.add_parser("export", help="write a standalone fixture (.json readable, .parquet dense)")
+    fe.add_argument("cell", help=CELL_HELP)
+    fe.add_argument("--out", required=True, help="FILE.json or FILE.parquet")
+    fe.add_argument("--k", type=int, default=64, help="top-k ids and logits kept per row (default 64)")
+    fe.add_argument("--warehouse", default="warehouse")
+    fe.add_argument("--json", action="store_true")
+    _add_fixture_check(fsub)
     fx.set_defaults(func=cmd_fixture)
 
+
+def _add_kld_base(sub) -> None:
     kb = sub.add_parser("kld-base", help="llama.cpp --kl-divergence-base files: export a cell, import a file")
     ksub = kb.add_subparsers(dest="action", required=True)
     ke = ksub.add_parser("export")
@@ -294,3 +314,10 @@ def add_parsers(sub) -> None:
     ki.add_argument("--warehouse", default="warehouse")
     ki.add_argument("--json", action="store_true")
     kb.set_defaults(func=cmd_kld_base)
+
+
+def add_parsers(sub) -> None:
+    _add_card(sub)
+    _add_admit(sub)
+    _add_fixture(sub)
+    _add_kld_base(sub)

@@ -80,6 +80,49 @@ def differences(
     return [{"what": w, "fixture": a, "stack": b} for w, a, b in pairs if a != b]
 
 
+def _load_model(model: str, log: Callable[[str], None]):
+    """--model (a catalog name or a model directory) fetched, with its tokenizer and vocabulary size.
+
+    -> (ModelRef, the resolved model, tokenizer, vocab)."""
+    import transformers
+
+    from matrix.spec.models import fetch
+    from matrix.spec.parse import ModelRef
+
+    p = Path(model).expanduser()
+    ref = ModelRef(p.name, "path", str(p.resolve())) if p.exists() else ModelRef(model, "catalog", model)
+    resolved = fetch(ref, log=log)
+    tok = transformers.AutoTokenizer.from_pretrained(resolved.hf_dir)
+    config = transformers.AutoConfig.from_pretrained(resolved.hf_dir)
+    return ref, resolved, tok, int(getattr(config, "vocab_size", 0) or len(tok))
+
+
+def _stack_cell(model_name: str, engine: str, dtype: str, attention: str, device: str, threads: int) -> Cell:
+    """The cell of the stack under check; refused where the engine is not installed or cannot run it."""
+    from backends import backend_class
+
+    cls = backend_class(engine)
+    if cls is None:
+        raise UserError(f"fixture check: --engine {engine}: no such engine installed")
+    stack = StackDesc(engine, dtype, attention, device, 1, model_name)
+    cell = Cell(stack, ids.check_cell_id(engine, dtype, attention), threads)
+    why = cls.unsupported(cell)
+    if why:
+        raise UserError(f"fixture check: {why}")
+    return cell
+
+
+def _fixture_top(header: dict, rows: dict[str, list], vocab: int) -> tuple:
+    """What the stack is measured against: (prompts, top-k ids, top-k logits, logsumexp, vocab)."""
+    return (
+        _fixture_prompts(header, rows),
+        np.asarray(rows["topk_ids"], dtype=np.int64),
+        np.asarray(rows["topk_logits"]),
+        np.asarray(rows["logsumexp"]),
+        vocab,
+    )
+
+
 def check_fixture(
     path: str,
     engine: str,
@@ -94,35 +137,11 @@ def check_fixture(
     """Run a stack on the fixture's prompts and measure it against the fixture: in this process,
     or (nodes: the Ray cluster's, as `matrix run` sees them) in a cell actor placed on a node of
     `device` exactly as `matrix run` places one, its weights shipped there when it lacks them."""
-    import transformers
-
-    from backends import backend_class
-    from matrix.spec.models import fetch
-    from matrix.spec.parse import ModelRef
-
     header, rows = fixture_file.load(path)
-    p = Path(model).expanduser()
-    ref = ModelRef(p.name, "path", str(p.resolve())) if p.exists() else ModelRef(model, "catalog", model)
-    resolved = fetch(ref, log=log)
-    tok = transformers.AutoTokenizer.from_pretrained(resolved.hf_dir)
-    config = transformers.AutoConfig.from_pretrained(resolved.hf_dir)
-    vocab = int(getattr(config, "vocab_size", 0) or len(tok))
+    ref, resolved, tok, vocab = _load_model(model, log)
     _check_prompts(path, header, model, tok, vocab)
-    cls = backend_class(engine)
-    if cls is None:
-        raise UserError(f"fixture check: --engine {engine}: no such engine installed")
-    stack = StackDesc(engine, dtype, attention, device, 1, ref.name)
-    cell = Cell(stack, ids.check_cell_id(engine, dtype, attention), threads)
-    why = cls.unsupported(cell)
-    if why:
-        raise UserError(f"fixture check: {why}")
-    top = (
-        _fixture_prompts(header, rows),
-        np.asarray(rows["topk_ids"], dtype=np.int64),
-        np.asarray(rows["topk_logits"]),
-        np.asarray(rows["logsumexp"]),
-        vocab,
-    )
+    cell = _stack_cell(ref.name, engine, dtype, attention, device, threads)
+    top = _fixture_top(header, rows, vocab)
     run = _on_ray(cell, resolved, threads, nodes, top) if nodes is not None else _here(cell, resolved, threads, top)
     art = run["settings"].get("artifact") or {}
     diff = differences(
