@@ -98,7 +98,8 @@ def by_row(rows: pa.Table) -> pa.Table:
     """rows with each list column (a row's logits or states) in one-row chunks, the same values.
     Parquet's writer builds a chunk's repetition and definition levels (two int16 per value) in
     buffers it grows by copying; a prompt's rows at once (67M values at a 262,144 vocabulary)
-    outgrow the caches, one row at a time they do not: the same file's bytes, ~2.4x faster."""
+    outgrow the caches, one row at a time they do not: the same file's bytes, faster
+    (docs/benchmark-notes.md)."""
     for i, field in enumerate(rows.schema):
         col = rows.column(i)
         if pa.types.is_list(field.type) and col.num_chunks < rows.num_rows:
