@@ -191,6 +191,19 @@ def test_no_source_file_is_longer_than_400_lines():
     assert long == [], "\n".join(long)
 
 
+def test_no_command_calls_another_commands_function():
+    """A verb of the CLI parses, calls matrix.api (or a layer below) and prints: what two verbs share
+    lives below the CLI, never in another verb's cmd_* function."""
+    found = []
+    for name, path in modules().items():
+        if not name.startswith("matrix.cli."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("matrix.cli"):
+                found += [f"{name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("cmd_")]
+    assert found == [], found
+
+
 def test_the_driver_top_level_is_its_subpackages():
     top = sorted(f.name for f in (REPO / "matrix").glob("*.py"))
     subs = sorted(d.name for d in (REPO / "matrix").iterdir() if (d / "__init__.py").is_file())
