@@ -160,11 +160,7 @@ class Progress:
 
 
 def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool, force: bool, run_units, side) -> dict:
-    done = [c for c in wh.read_all("cells") if c["status"] == "done"]
-    if not done:
-        raise UserError(f"{wh.where}: no captured cells to analyze (the warehouse has no logits)")
-    if reference is not None and reference not in {c["cell_id"] for c in done}:
-        raise UserError(f"--reference {reference}: no captured cell with that id in {wh.where}")
+    done = _done_cells(wh, reference)
     if centroid is None:
         asked = {c.get("centroid") for c in done} - {None}
         centroid = asked.pop() if len(asked) == 1 else "mean_prob"
@@ -190,6 +186,30 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
         f"{len(todo)} of {len(units)} unit(s) to compute in {len(tasks)} piece(s)"
         + (f", {len(units) - len(todo)} up to date" if len(todo) < len(units) else "")
     )
+    progress = _compute(wh, todo, tasks, summary, log, skip_damaged, run_units)
+    _write_ranges(wh, ranges)
+    for name, part in side:  # the per-cell extras' own tables (layer_metrics, decode_metrics)
+        got = part(wh, done, reference, force, log)
+        if got is not None:
+            summary[name] = got
+    summary["computed"] = {"cells": sum(u.kind == "cell" for u in todo), "groups": sum(u.kind == "group" for u in todo)}
+    summary["seconds"] = round(time.perf_counter() - progress.t0, 2)
+    return summary
+
+
+def _done_cells(wh: Warehouse, reference: str | None) -> list[dict]:
+    """The captured cells; there must be some, and --reference must be one of them."""
+    done = [c for c in wh.read_all("cells") if c["status"] == "done"]
+    if not done:
+        raise UserError(f"{wh.where}: no captured cells to analyze (the warehouse has no logits)")
+    if reference is not None and reference not in {c["cell_id"] for c in done}:
+        raise UserError(f"--reference {reference}: no captured cell with that id in {wh.where}")
+    return done
+
+
+def _compute(wh: Warehouse, todo: list[Unit], tasks: list[Task], summary: dict, log, skip_damaged, run_units):
+    """Run the pieces (run_units); each unit is merged and written as soon as its last piece is
+    back. Its Progress, whose t0 is when the computing began."""
     progress = Progress(sum(u.rows for u in todo))
     by_name = {(u.kind, u.name): u for u in todo}
     parts: dict[tuple, dict[int, object]] = {}
@@ -210,14 +230,7 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
 
     with _heartbeat(progress, lambda: f"{finished[0]}/{len(todo)} unit(s)", log):
         run_units(wh.where, tasks, skip_damaged, record)
-    _write_ranges(wh, ranges)
-    for name, part in side:  # the per-cell extras' own tables (layer_metrics, decode_metrics)
-        got = part(wh, done, reference, force, log)
-        if got is not None:
-            summary[name] = got
-    summary["computed"] = {"cells": sum(u.kind == "cell" for u in todo), "groups": sum(u.kind == "group" for u in todo)}
-    summary["seconds"] = round(time.perf_counter() - progress.t0, 2)
-    return summary
+    return progress
 
 
 @contextmanager
