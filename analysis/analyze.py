@@ -12,7 +12,8 @@ with the corpus. Each output file keeps a content key of its inputs in its Parqu
 the shards' row hashes, the metric kernel's version, the centroid definition and members. A unit
 whose key is unchanged is not redone (`--force` redoes it), so a second analyze does no metric
 work, one new cell costs its own metrics plus its group's centroid, and an interrupted analyze
-resumes where it stopped. `run_units` lets the caller spread units over a Ray cluster.
+resumes where it stopped. `run_units` lets the caller spread units over a Ray cluster. The units,
+their keys and their pieces are planned in analysis/units.py.
 
 A row with NaN/Inf logits is flagged (metrics.nonfinite, centroid_metrics.nonfinite), its
 metrics are null and it stays out of every centroid and mean; analyze says so per cell.
@@ -20,7 +21,6 @@ metrics are null and it stays out of every centroid and mean; analyze says so pe
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from contextlib import contextmanager
@@ -34,54 +34,14 @@ from analysis import metrics_native
 from analysis.centroid import Group, group_rows
 from analysis.compare import CellResult, cell_metrics, with_floor
 from analysis.unit_keys import as_measured, cell_key
-from analysis.unit_keys import unit_key as _key
+from analysis.units import Task, Unit, keep_pairs, plan
 from common.errors import UserError
 from store import Warehouse
 from store.floors import StorageFloor
 from store.stream import shard_index
-from store.verify import DamagedShard
 
 DEFAULT_RANGES = (0, 512, 2048, 8192)
 HEARTBEAT_S = 60
-# Rows (summed over a group's members) per piece of a unit: pieces are what Ray tasks run, so a
-# unit of many prompts spreads over the cores; one prompt is never cut.
-PIECE_ROWS = 512
-# what a group's row costs, in rows of a cell's reference metrics (reads included): pieces are cut
-# and Ray-scheduled by this estimate of their work (docs/benchmark-notes.md)
-CENTROID_ROW_COST, PAIR_ROW_COST = 1.5, 0.35
-
-
-@dataclass
-class Unit:
-    kind: str  # "cell" | "group"
-    name: str  # the output file's name: a cell id, or <model>[.<group>]
-    key: str  # content key of the inputs (see module doc)
-    rows: int  # rows it compares, for progress
-    args: dict = field(default_factory=dict)  # what run_task needs; plain data (it travels to Ray tasks)
-    pieces: list = field(default_factory=lambda: [None])  # prompt-id lists, computed apart; None: all
-    counts: dict = field(default_factory=dict)  # rows per prompt, what pieces are cut from
-    weight: float = 1.0  # work per row, in reference-metric rows (a group's pairs make its rows heavier)
-
-    def tasks(self) -> list["Task"]:
-        n = len(self.pieces)
-        rows = [self.rows // n + (i < self.rows % n) for i in range(n)]
-        return [
-            Task(self.kind, self.name, self.args, p, rows[i], i, rows[i] * self.weight)
-            for i, p in enumerate(self.pieces)
-        ]
-
-
-@dataclass
-class Task:
-    """One piece of a unit: its prompts only. What travels to a Ray task and back is small."""
-
-    kind: str
-    name: str
-    args: dict
-    prompts: list[str] | None
-    rows: int
-    piece: int
-    work: float = 0.0  # estimated cost: Ray runs the largest first, so no big piece is left for last
 
 
 def store_inline(wh: Warehouse, cell: dict, ref: dict, measured: dict[int, dict], log) -> bool:
@@ -125,107 +85,6 @@ def run_locally(where: str, tasks: list[Task], skip_damaged: bool, done: Callabl
         done(t, run_task(where, t, skip_damaged))
 
 
-def _pieces(counts: dict[str, int], weight: float = 1.0) -> list[list[str] | None]:
-    """Consecutive prompts cut into pieces of at least PIECE_ROWS rows' work (rows x weight;
-    one piece: [None], all)."""
-    out, cur, n, target = [], [], 0, PIECE_ROWS
-    for pid, rows in counts.items():
-        cur.append(pid)
-        n += rows * weight
-        if n >= target:
-            out, cur, n = out + [cur], [], 0
-    if cur:
-        out.append(cur)
-    return out if len(out) > 1 else [None]
-
-
-def _reference(group: list[dict], by_id: dict, reference: str | None, model: str) -> str | None:
-    """The model's reference cell: --reference, else the newest capture of the reference stack."""
-    if reference and by_id[reference]["model"] == model:
-        return reference
-    refs = {c["reference_cell_id"] for c in group if c.get("reference_cell_id") in by_id}
-    return max(refs, key=lambda r: (by_id[r]["finished_at"], r)) if refs else None
-
-
-def _digests(wh: Warehouse, cell: dict, summary: dict, log) -> dict[int, tuple[str, dict[str, int]]]:
-    """repeat -> (content digest, rows per prompt in shard order) of each readable shard of a
-    cell (small columns only)."""
-    out = {}
-    for r in range(cell["repeats"]):
-        try:
-            i = shard_index(wh, cell["cell_id"], r)
-            out[r] = (i.digest, {p: len(v.positions) for p, v in i.prompts.items()})
-        except DamagedShard as e:
-            if not summary["skip_damaged"]:
-                raise
-            summary["damaged"].append(str(e))
-            log(f"SKIPPED (damaged) {str(e).split('; run')[0]}")
-    return out
-
-
-def plan(wh: Warehouse, done: list[dict], reference: str | None, centroid: str, summary: dict, log) -> list[Unit]:
-    """Every unit of the warehouse, with its content key."""
-    by_id = {c["cell_id"]: c for c in done}
-    units = []
-    for model in sorted({c["model"] for c in done}):
-        group = sorted((c for c in done if c["model"] == model), key=lambda c: c["cell_id"])
-        ref_id = _reference(group, by_id, reference, model)
-        if ref_id is None:
-            log(f"{model}: no reference cell captured; skipping the reference metrics")
-            continue
-        digests = {c["cell_id"]: _digests(wh, c, summary, log) for c in group}
-        if 0 not in digests[ref_id]:
-            log(f"{model}: its reference {ref_id} is damaged; no metrics for this model")
-            continue
-        ref_digest, ref_floor = digests[ref_id][0][0], StorageFloor.of_cell(by_id[ref_id])
-        for c in group:
-            cid, floor, d = c["cell_id"], ref_floor + StorageFloor.of_cell(c), digests[c["cell_id"]]
-            counts = next(iter(d.values()))[1] if d else {}
-            parts = (ref_id, ref_digest, floor, {r: v[0] for r, v in d.items()})
-            units.append(
-                Unit(
-                    "cell",
-                    cid,
-                    cell_key(*parts),
-                    sum(sum(v[1].values()) for v in d.values()),
-                    {"cell_id": cid, "repeats": c["repeats"], "ref_id": ref_id, "floor": floor, "key_parts": parts},
-                    _pieces({p: n * len(d) for p, n in counts.items()}),
-                )
-            )
-        groups: dict[str, list[str]] = {}
-        for c in group if centroid != "none" else ():  # none: only the reference metrics were asked for
-            if not c.get("replica") and 0 in digests[c["cell_id"]]:  # another host's copy would weigh a stack twice
-                groups.setdefault(c.get("centroid_group") or model, []).append(c["cell_id"])
-        for gname, ids in sorted(groups.items()):
-            name = model if gname == model else f"{model}.{gname}"
-            counts: dict[str, int] = {}
-            for i in ids:
-                for p, n in digests[i][0][1].items():
-                    counts[p] = counts.get(p, 0) + n
-            pair_keys = {
-                f"{a}|{b}": _key(pair=[a, b], digests=[digests[a][0][0], digests[b][0][0]])
-                for a, b in itertools.combinations(sorted(ids), 2)
-            }
-            units.append(
-                Unit(
-                    "group",
-                    name,
-                    _key(ref=ref_id, centroid=centroid, group=gname, members={i: digests[i][0][0] for i in ids}),
-                    sum(counts.values()),
-                    {
-                        "ids": ids,
-                        "ref_id": ref_id,
-                        "centroid": centroid,
-                        "group": gname,
-                        "model": model,
-                        "pair_keys": pair_keys,
-                    },
-                    counts=dict(sorted(counts.items())),
-                )
-            )
-    return units
-
-
 def _reusable(wh: Warehouse, u: Unit) -> dict | None:
     """The unit's stored metadata when every output file of it holds this key, else None."""
     tables = ("metrics",) if u.kind == "cell" else ("centroid_metrics", "pairwise")
@@ -242,7 +101,7 @@ def _todo(wh: Warehouse, units: list[Unit], force: bool, summary: dict, log) -> 
             kept = as_measured(wh, u.name, u.args["key_parts"], wh.table_meta("metrics", u.name), log)
         if kept is None:
             if u.kind == "group":
-                _keep_pairs(wh, u, force)
+                keep_pairs(wh, u, force)
             todo.append(u)
             continue
         summary["reused"]["cells" if u.kind == "cell" else "groups"] += 1
@@ -262,19 +121,6 @@ def _drop_stale_groups(wh: Warehouse, units: list[Unit], log) -> None:
             if name not in planned and any(name == m or name.startswith(m + ".") for m in models):
                 wh.remove_table(table, name)
                 log(f"removed {table}/{name}.parquet: no such centroid group now")
-
-
-def _keep_pairs(wh: Warehouse, u: Unit, force: bool) -> None:
-    """A group whose members changed still has pairs whose two shards did not: their pairwise
-    rows are kept (args["kept"]) and only the others measured (args["pairs"]). Pairwise work
-    grows as members squared, so one new stack costs its own pairs, not all of them."""
-    old = {} if force else (wh.table_meta("pairwise", u.name) or {}).get("pairs", {})
-    keys = u.args["pair_keys"]
-    u.args["kept"] = sorted(p for p, k in keys.items() if old.get(p) == k)
-    u.args["pairs"] = [p.split("|") for p in sorted(keys) if old.get(p) != keys[p]]
-    # a member-row costs its share of the centroid (eager float64) and its share of the pairs
-    u.weight = CENTROID_ROW_COST + PAIR_ROW_COST * len(u.args["pairs"]) / max(1, len(u.args["ids"]))
-    u.pieces = _pieces(u.counts, u.weight)
 
 
 def analyze(
@@ -314,11 +160,7 @@ class Progress:
 
 
 def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool, force: bool, run_units, side) -> dict:
-    done = [c for c in wh.read_all("cells") if c["status"] == "done"]
-    if not done:
-        raise UserError(f"{wh.where}: no captured cells to analyze (the warehouse has no logits)")
-    if reference is not None and reference not in {c["cell_id"] for c in done}:
-        raise UserError(f"--reference {reference}: no captured cell with that id in {wh.where}")
+    done = _done_cells(wh, reference)
     if centroid is None:
         asked = {c.get("centroid") for c in done} - {None}
         centroid = asked.pop() if len(asked) == 1 else "mean_prob"
@@ -344,6 +186,30 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
         f"{len(todo)} of {len(units)} unit(s) to compute in {len(tasks)} piece(s)"
         + (f", {len(units) - len(todo)} up to date" if len(todo) < len(units) else "")
     )
+    progress = _compute(wh, todo, tasks, summary, log, skip_damaged, run_units)
+    _write_ranges(wh, ranges)
+    for name, part in side:  # the per-cell extras' own tables (layer_metrics, decode_metrics)
+        got = part(wh, done, reference, force, log)
+        if got is not None:
+            summary[name] = got
+    summary["computed"] = {"cells": sum(u.kind == "cell" for u in todo), "groups": sum(u.kind == "group" for u in todo)}
+    summary["seconds"] = round(time.perf_counter() - progress.t0, 2)
+    return summary
+
+
+def _done_cells(wh: Warehouse, reference: str | None) -> list[dict]:
+    """The captured cells; there must be some, and --reference must be one of them."""
+    done = [c for c in wh.read_all("cells") if c["status"] == "done"]
+    if not done:
+        raise UserError(f"{wh.where}: no captured cells to analyze (the warehouse has no logits)")
+    if reference is not None and reference not in {c["cell_id"] for c in done}:
+        raise UserError(f"--reference {reference}: no captured cell with that id in {wh.where}")
+    return done
+
+
+def _compute(wh: Warehouse, todo: list[Unit], tasks: list[Task], summary: dict, log, skip_damaged, run_units):
+    """Run the pieces (run_units); each unit is merged and written as soon as its last piece is
+    back. Its Progress, whose t0 is when the computing began."""
     progress = Progress(sum(u.rows for u in todo))
     by_name = {(u.kind, u.name): u for u in todo}
     parts: dict[tuple, dict[int, object]] = {}
@@ -364,14 +230,7 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
 
     with _heartbeat(progress, lambda: f"{finished[0]}/{len(todo)} unit(s)", log):
         run_units(wh.where, tasks, skip_damaged, record)
-    _write_ranges(wh, ranges)
-    for name, part in side:  # the per-cell extras' own tables (layer_metrics, decode_metrics)
-        got = part(wh, done, reference, force, log)
-        if got is not None:
-            summary[name] = got
-    summary["computed"] = {"cells": sum(u.kind == "cell" for u in todo), "groups": sum(u.kind == "group" for u in todo)}
-    summary["seconds"] = round(time.perf_counter() - progress.t0, 2)
-    return summary
+    return progress
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from analysis.card import hardware
+from analysis.disclosure import hardware
 from analysis.truncated import topk_rows
 from common.errors import UserError
 from store import Warehouse, fixture_file

@@ -119,17 +119,6 @@ def model_charts(data: dict, model: str, k: int) -> str:
     """The charts of one model's stacks against its reference, its centroid and each other."""
     name = data["names"]
     mine = _measured(data, model)
-    ids = {c["cell_id"] for c in mine}
-    dist = {d["cell_id"]: d for d in data["distribution"] if d["cell_id"] in ids}
-    curves: dict[str, dict] = {}
-    for r in data["curves"]:
-        if r["cell_id"] in ids:
-            p = curves.setdefault(
-                r["cell_id"],
-                {"label": name[r["cell_id"]], "position": [], "median": [], "p10": [], "p90": [], "prompts": []},
-            )
-            for key in ("position", "median", "p10", "p90", "prompts"):
-                p[key].append(r[key])
     every = {c["cell_id"] for c in data["cells"] if c["model"] == model}
     js = {
         (name[p["cell_a"]], name[p["cell_b"]]): p["mean_js"]
@@ -138,23 +127,8 @@ def model_charts(data: dict, model: str, k: int) -> str:
     }
     if not mine:
         return P.no_data("Only this model's reference was measured: nothing to compare it with.")
-    summary = [(name[c["cell_id"]], {"mean": c["kld_mean"], "p99": c["kld_p99"]}) for c in mine]
-    err = {name[c["cell_id"]]: 2 * c["kld_stderr"] for c in mine if c["kld_stderr"] is not None}
-    same = [name[c["cell_id"]] for c in mine if c["kld_max"] == 0]
     return (
-        "<h3>KL divergence from the reference: mean ± 2 s.e., and p99</h3>"
-        + (
-            f'<p class="same">KL 0 on every row (no point on a log axis): {html.escape(", ".join(same))}.</p>'
-            if same
-            else ""
-        )
-        + P.dots(summary, f"kld-summary-{k}", "KL(reference ‖ stack), nats", err=err)
-        + "<h3>Distribution over rows (CDF)</h3>"
-        + P.cdf([(name[c], dist[c]["q"], QUANTILES) for c in (c["cell_id"] for c in mine) if c in dist], f"kld-cdf-{k}")
-        + "<h3>KL against position</h3><p>Each panel: the median over prompts of a row's KL at that position "
-        "(line) and its 10th to 90th percentile (band). Grey: fewer than two prompts reach that position, so "
-        "the line is one prompt's there, not a median.</p>"
-        + P.by_position([curves[c["cell_id"]] for c in mine if c["cell_id"] in curves], f"kld-position-{k}")
+        _kld_charts(data, mine, k)
         + "<h3>Top-1 agreement with the reference</h3>"
         + P.dots(
             [(name[c["cell_id"]], {"top-1": c["top1_agreement"]}) for c in mine],
@@ -172,14 +146,59 @@ def model_charts(data: dict, model: str, k: int) -> str:
             f"centroid-{k}",
             "KL(centroid ‖ stack), nats",
         )
-        + "<h3>Every pair of stacks: mean Jensen-Shannon divergence</h3>"
-        + (
-            P.heatmap(sorted(name[c] for c in every), js, f"pairwise-js-{k}", "mean JS divergence, nats")
-            if js
-            else P.no_data(
-                "No pairwise divergences for this model's stacks: analysis measures the pairs of "
-                "each centroid group, and a spec with centroid: none asks for none."
+        + _pairwise_chart(name, every, js, k)
+    )
+
+
+def _curves(data: dict, ids: set[str]) -> dict[str, dict]:
+    """cell id -> its KL-by-position series (median, 10th and 90th percentile over prompts)."""
+    name = data["names"]
+    curves: dict[str, dict] = {}
+    for r in data["curves"]:
+        if r["cell_id"] in ids:
+            p = curves.setdefault(
+                r["cell_id"],
+                {"label": name[r["cell_id"]], "position": [], "median": [], "p10": [], "p90": [], "prompts": []},
             )
+            for key in ("position", "median", "p10", "p90", "prompts"):
+                p[key].append(r[key])
+    return curves
+
+
+def _kld_charts(data: dict, mine: list[dict], k: int) -> str:
+    """KL from the reference: its mean and p99 per stack, its distribution over rows, and by position."""
+    name = data["names"]
+    ids = {c["cell_id"] for c in mine}
+    dist = {d["cell_id"]: d for d in data["distribution"] if d["cell_id"] in ids}
+    curves = _curves(data, ids)
+    summary = [(name[c["cell_id"]], {"mean": c["kld_mean"], "p99": c["kld_p99"]}) for c in mine]
+    err = {name[c["cell_id"]]: 2 * c["kld_stderr"] for c in mine if c["kld_stderr"] is not None}
+    same = [name[c["cell_id"]] for c in mine if c["kld_max"] == 0]
+    return (
+        "<h3>KL divergence from the reference: mean ± 2 s.e., and p99</h3>"
+        + (
+            f'<p class="same">KL 0 on every row (no point on a log axis): {html.escape(", ".join(same))}.</p>'
+            if same
+            else ""
+        )
+        + P.dots(summary, f"kld-summary-{k}", "KL(reference ‖ stack), nats", err=err)
+        + "<h3>Distribution over rows (CDF)</h3>"
+        + P.cdf([(name[c], dist[c]["q"], QUANTILES) for c in (c["cell_id"] for c in mine) if c in dist], f"kld-cdf-{k}")
+        + "<h3>KL against position</h3><p>Each panel: the median over prompts of a row's KL at that position "
+        "(line) and its 10th to 90th percentile (band). Grey: fewer than two prompts reach that position, so "
+        "the line is one prompt's there, not a median.</p>"
+        + P.by_position([curves[c["cell_id"]] for c in mine if c["cell_id"] in curves], f"kld-position-{k}")
+    )
+
+
+def _pairwise_chart(name: dict, every: set[str], js: dict, k: int) -> str:
+    """The heatmap of every pair's mean JS divergence, or why there is none."""
+    return "<h3>Every pair of stacks: mean Jensen-Shannon divergence</h3>" + (
+        P.heatmap(sorted(name[c] for c in every), js, f"pairwise-js-{k}", "mean JS divergence, nats")
+        if js
+        else P.no_data(
+            "No pairwise divergences for this model's stacks: analysis measures the pairs of "
+            "each centroid group, and a spec with centroid: none asks for none."
         )
     )
 

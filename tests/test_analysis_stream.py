@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from analysis import analyze as A
+from analysis import units
 from store import Warehouse
 from tests import oracle_analyze
 from tests.conftest import REPO, run_cli, sql
@@ -71,7 +72,7 @@ def test_streaming_analysis_equals_the_oracle_then_redoes_only_what_changed(swep
     _copy(src, new)
     monkeypatch.setattr(oracle_analyze, "Warehouse", _OracleWarehouse)
     oracle_analyze.analyze(str(old), log=lambda m: None)
-    monkeypatch.setattr(A, "PIECE_ROWS", 1)  # every prompt its own piece: the merge is what is tested
+    monkeypatch.setattr(units, "PIECE_ROWS", 1)  # every prompt its own piece: the merge is what is tested
     logs = []
     first = A.analyze(str(new), log=logs.append, side=())
     for table in TABLES:

@@ -10,9 +10,21 @@ from common.errors import UserError
 from common.output import emit_json, fmt_number, human, table
 from matrix.cli.quant import CELL_HELP, GATES, cell_arg
 
+LAYER_COLUMNS = [
+    "layer",
+    "rows",
+    "cosine min",
+    "cosine mean",
+    "worst (prompt@pos)",
+    "|ratio-1| max",
+    "worst (prompt@pos)",
+    "rel L2 max",
+    "max |Δ|",
+    "allclose",
+]
+
 
 def cmd_layers(args) -> int:
-    from analysis.gates import load_gates, pick_class
     from analysis.layer_analysis import layer_table
     from analysis.layer_metrics import verdict
     from store import Warehouse
@@ -20,10 +32,7 @@ def cmd_layers(args) -> int:
     wh = Warehouse(args.warehouse).require()
     cells = {c["cell_id"]: c for c in wh.read_all("cells")}
     args.cell = cell_arg(args, "layers", list(cells.values()))
-    gates = load_gates(args.gates)
-    cls = pick_class(gates, cells[args.cell]["dtype"], args.quant_class)
-    if cls not in gates["layers"]:
-        raise UserError(f"{gates['path']}: layers: no gate for class {cls} (has: {', '.join(gates['layers'])})")
+    gates, cls = _layer_gates(args, cells[args.cell])
     g = gates["layers"][cls]
     rows, ref = layer_table(wh, args.cell)
     v = verdict(rows, g["cosine_min"], g["norm_ratio_tol"])
@@ -44,42 +53,47 @@ def cmd_layers(args) -> int:
             f"{args.cell} vs {ref}: class {cls} ({gates['path']}): cosine >= {g['cosine_min']}, "
             f"|norm ratio - 1| <= {g['norm_ratio_tol']}"
         )
-        print(
-            table(
-                [
-                    "layer",
-                    "rows",
-                    "cosine min",
-                    "cosine mean",
-                    "worst (prompt@pos)",
-                    "|ratio-1| max",
-                    "worst (prompt@pos)",
-                    "rel L2 max",
-                    "max |Δ|",
-                    "allclose",
-                ],
-                [
-                    [
-                        r["layer"],
-                        r["rows"],
-                        f"{r['cosine_min']:.6f}",
-                        f"{r['cosine_mean']:.6f}",
-                        "@".join(map(str, r["cosine_worst_at"])),
-                        fmt_number(r["norm_ratio_dev_max"]),
-                        "@".join(map(str, r["norm_ratio_worst_at"])),
-                        fmt_number(r["rel_l2_max"]),
-                        fmt_number(r["max_abs_diff"]),
-                        f"{r['allclose_share']:.0%}",
-                    ]
-                    for r in rows
-                ],
-            )
-        )
-        if v["pass"]:
-            print(f"\nPASS: every layer within the gates ({len(rows)} states)")
-        else:
-            print(f"\nFAIL: first failing layer {v['first_failing_layer']} ({', '.join(v['failed'])})")
+        _print_layers(rows, v)
     return 0 if v["pass"] else 1
+
+
+def _layer_gates(args, cell: dict) -> tuple[dict, str]:
+    """The gates file and the cell's quant class, which must have a layers gate."""
+    from analysis.gates import load_gates, pick_class
+
+    gates = load_gates(args.gates)
+    cls = pick_class(gates, cell["dtype"], args.quant_class)
+    if cls not in gates["layers"]:
+        raise UserError(f"{gates['path']}: layers: no gate for class {cls} (has: {', '.join(gates['layers'])})")
+    return gates, cls
+
+
+def _print_layers(rows: list[dict], v: dict) -> None:
+    """The per-layer table, then the verdict: pass, or the first layer failing a gate."""
+    print(
+        table(
+            LAYER_COLUMNS,
+            [
+                [
+                    r["layer"],
+                    r["rows"],
+                    f"{r['cosine_min']:.6f}",
+                    f"{r['cosine_mean']:.6f}",
+                    "@".join(map(str, r["cosine_worst_at"])),
+                    fmt_number(r["norm_ratio_dev_max"]),
+                    "@".join(map(str, r["norm_ratio_worst_at"])),
+                    fmt_number(r["rel_l2_max"]),
+                    fmt_number(r["max_abs_diff"]),
+                    f"{r['allclose_share']:.0%}",
+                ]
+                for r in rows
+            ],
+        )
+    )
+    if v["pass"]:
+        print(f"\nPASS: every layer within the gates ({len(rows)} states)")
+    else:
+        print(f"\nFAIL: first failing layer {v['first_failing_layer']} ({', '.join(v['failed'])})")
 
 
 def add_parser(sub) -> None:

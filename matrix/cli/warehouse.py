@@ -171,6 +171,17 @@ def cmd_stacks(args) -> int:
 
 
 def add_parsers(sub) -> None:
+    _sql_parser(sub)
+    _analyze_parser(sub)
+    _report_parser(sub)
+    _verify_parser(sub)
+    _merge_parser(sub)
+    _status_parser(sub)
+    _stacks_parser(sub)
+
+
+def _sql_parser(sub) -> None:
+    """`matrix sql`: a read-only query over the views, or the views as a script."""
     q = sub.add_parser("sql", help="run a read-only DuckDB query over the warehouse views")
     q.add_argument("query", nargs="?")
     q.add_argument("--warehouse", default="warehouse")
@@ -183,6 +194,9 @@ def add_parsers(sub) -> None:
     q.add_argument("--format", choices=["table", "csv", "json"], default="table")
     q.set_defaults(func=cmd_sql)
 
+
+def _analyze_parser(sub) -> None:
+    """`matrix analyze`: where to compare against, what to recompute, where to compute it."""
     a = sub.add_parser("analyze", help="metrics of every stack vs its reference and vs the centroid")
     a.add_argument("--warehouse", default="warehouse")
     a.add_argument("--reference", default=None, help="cell_id to compare against (default: each model's reference)")
@@ -219,12 +233,18 @@ def add_parsers(sub) -> None:
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_analyze)
 
+
+def _report_parser(sub) -> None:
+    """`matrix report`: the terminal tables and the HTML report."""
     rp = sub.add_parser("report", help="terminal tables and a self-contained HTML report")
     rp.add_argument("--warehouse", default="warehouse")
     rp.add_argument("--out", default=None, help="directory for report.html (default: WAREHOUSE/report)")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=cmd_report)
 
+
+def _verify_parser(sub) -> None:
+    """`matrix verify`: every row against its hash, every file against its table."""
     v = sub.add_parser(
         "verify",
         help="check every row against its row_hash, every shard's row count and "
@@ -241,17 +261,26 @@ def add_parsers(sub) -> None:
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_verify)
 
+
+def _merge_parser(sub) -> None:
+    """`matrix merge`: warehouses captured elsewhere brought into one."""
     m = sub.add_parser("merge", help="bring warehouses captured elsewhere into one (every incoming row checked first)")
     m.add_argument("sources", nargs="+", metavar="SRC", help="a warehouse directory or object-store URI")
     m.add_argument("--into", required=True, metavar="WAREHOUSE", help="the destination (made when missing)")
     m.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     m.set_defaults(func=cmd_merge)
 
+
+def _status_parser(sub) -> None:
+    """`matrix status`: the cells and runs of a warehouse."""
     s = sub.add_parser("status", help="cells and runs recorded in a warehouse")
     s.add_argument("--warehouse", default="warehouse")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
 
+
+def _stacks_parser(sub) -> None:
+    """`matrix stacks`: each stack's readable name and latest cell."""
     st = sub.add_parser(
         "stacks", help="each stack's readable name (card, admit, fixture and layers take it) and its latest cell"
     )

@@ -3,7 +3,8 @@
 A spec is a GitHub-Actions-style matrix over the axes ``models``, ``engines``,
 ``dtypes``, ``attention``, ``tp`` and ``devices``, with ``include`` / ``exclude``
 entries written with the singular cell keys (``model``, ``engine``, ...).
-Every error names the file, the field and the value.
+Every error names the file, the field and the value. The `models:` entries are parsed in
+matrix/spec/model_entry.py (ModelRef is importable from here too).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from common import positions as P
 from common.errors import UserError, read_text_file
 from matrix.spec import schema as S
 from matrix.spec.candidates import parse_candidates
+from matrix.spec.model_entry import ModelRef, parse_models
 from matrix.spec.validate import as_list, check_axis_value, check_threads, field_error, positive_int, retries, seconds
 
 # Every key, its allowed values and its default come from the schema (matrix/spec/schema.py), which
@@ -42,7 +44,6 @@ TOP_KEYS = set(TOP) - set(extras.keys())  # the extras' keys are checked against
 # none: no centroid and no pairwise tables (a job that asks only for KL against the reference)
 CENTROID = S.by_name(TOP["centroid"].keys)
 CENTROID_DEFINITIONS = CENTROID["definition"].allowed
-MODEL_KEYS = set(S.by_name(S.MODEL))
 # Engine options that change the arithmetic. Defaults go under top-level `options:`;
 # include entries may set them per cell. A backend lists the ones it takes.
 # -> allowed values, int (a positive integer) or dict (a mapping its own parser checks)
@@ -56,21 +57,6 @@ OPTION_KEYS = {k.name: k.allowed or (int if k.json.get("type") == "integer" else
 # The per-cell extras' keys (extras/, one module each) are spec keys too, at the
 # top level (every cell) and in include entries; each extra parses its own.
 CELL_EXTRA_KEYS = set(S.CELL_EXTRA) | set(OPTION_KEYS)
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    """Where a model's reference weights come from."""
-
-    name: str
-    kind: str  # catalog | path | hub | gguf
-    location: str  # catalog name, absolute path, or hub id
-    revision: str | None = None
-
-    @property
-    def identity(self) -> str:
-        rev = f"@{self.revision}" if self.revision else ""
-        return f"{self.kind}:{self.location}{rev}"
 
 
 @dataclass(frozen=True)
@@ -109,71 +95,6 @@ class Spec:
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.raw_text.encode()).hexdigest()
-
-
-def _parse_model(path: Path, idx: int, entry: Any) -> ModelRef:
-    from matrix.spec import models as catalog  # local: catalog imports nothing heavy either
-
-    fld = f"models[{idx}]"
-    if isinstance(entry, str):
-        if entry in catalog.CATALOG:
-            return ModelRef(entry, "catalog", entry)
-        p = path.parent / os.path.expanduser(entry)
-        if entry.endswith(".gguf"):
-            entry = {"gguf": entry}
-        elif p.is_dir() or entry.startswith((".", "/", "~")):
-            entry = {"path": entry}
-        elif "/" in entry:
-            entry = {"hub": entry}
-        else:
-            raise field_error(
-                path,
-                fld,
-                f"not a catalog model, local directory, GGUF file or hub id (catalog: {', '.join(catalog.CATALOG)})",
-                entry,
-            )
-    if not isinstance(entry, dict):
-        raise field_error(path, fld, "must be a name or a mapping", entry)
-    unknown = set(entry) - MODEL_KEYS
-    if unknown:
-        raise field_error(
-            path, f"{fld}.{sorted(unknown)[0]}", f"unknown key; expected one of {', '.join(sorted(MODEL_KEYS))}"
-        )
-    sources = [k for k in ("catalog", "path", "hub", "gguf") if k in entry]
-    if len(sources) != 1:
-        raise field_error(path, fld, "needs exactly one of catalog, path, hub, gguf", entry)
-    kind = sources[0]
-    loc = entry[kind]
-    if not isinstance(loc, str) or not loc:
-        raise field_error(path, f"{fld}.{kind}", "must be a non-empty string", loc)
-    if kind == "catalog" and loc not in catalog.CATALOG:
-        raise field_error(path, f"{fld}.catalog", f"unknown catalog model; known: {', '.join(catalog.CATALOG)}", loc)
-    if kind in ("path", "gguf"):
-        p = (path.parent / os.path.expanduser(loc)).resolve()
-        if not p.exists():
-            raise field_error(path, f"{fld}.{kind}", "does not exist", str(p))
-        if kind == "path" and not p.is_dir():
-            raise field_error(path, f"{fld}.path", "must be a directory with config.json", str(p))
-        if kind == "path" and not (p / "config.json").exists():
-            raise field_error(path, f"{fld}.path", "has no config.json (not a Hugging Face model directory)", str(p))
-        if kind == "gguf" and not p.is_file():
-            raise field_error(path, f"{fld}.gguf", "must be a file", str(p))
-        loc = str(p)
-    name = entry.get("name") or (
-        loc
-        if kind == "catalog"
-        else Path(loc).stem
-        if kind == "gguf"
-        else Path(loc).name
-        if kind == "path"
-        else loc.split("/")[-1]
-    )
-    if not isinstance(name, str) or not name or any(c in name for c in "/\\ \t"):
-        raise field_error(path, f"{fld}.name", "must be a name without slashes or spaces", name)
-    revision = entry.get("revision")
-    if revision is not None and not isinstance(revision, str):
-        raise field_error(path, f"{fld}.revision", "must be a string", revision)
-    return ModelRef(name, kind, loc, revision)
 
 
 def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool) -> dict:
@@ -300,16 +221,6 @@ def _read_mapping(path: Path) -> tuple[str, dict]:
     return text, data
 
 
-def _parse_models(path: Path, data: dict) -> dict[str, ModelRef]:
-    models: dict[str, ModelRef] = {}
-    for i, m in enumerate(as_list(path, "models", data["models"])):
-        ref = _parse_model(path, i, m)
-        if ref.name in models:
-            raise field_error(path, f"models[{i}].name", "duplicate model name", ref.name)
-        models[ref.name] = ref
-    return models
-
-
 AXIS_DEFAULTS = {k: TOP[k].default for k in names.SPEC_AXES if k != "models"}
 
 
@@ -369,27 +280,29 @@ def _parse_positions(path: Path, data: dict) -> P.Positions:
     return P.parse(data["positions"], "positions", lambda f, m, v=...: field_error(path, f, m, v))
 
 
+def _one_of(path: Path, data: dict, key: str, allowed) -> str:
+    """A top-level key whose value is one of a few words (its default when absent)."""
+    value = data.get(key, TOP[key].default)
+    if value not in allowed:
+        raise field_error(path, key, f"expected one of {', '.join(allowed)}", value)
+    return value
+
+
 def parse_spec(spec_path: str | os.PathLike) -> Spec:
     """Parse and validate a spec file (matrix.spec.cells.load_spec also expands it into cells)."""
     path = Path(spec_path)
     text, data = _read_mapping(path)
-    models = _parse_models(path, data)
+    models = parse_models(path, data)
     axes = _parse_axes(path, data, models)
     include, exclude = _entries(path, data, "include", models, True), _entries(path, data, "exclude", models, False)
     reference = (
         _parse_entry(path, "reference", data["reference"], models, False) if data.get("reference") is not None else {}
     )
     corpus = _parse_corpus(path, data)
-    bos = data.get("bos", TOP["bos"].default)
-    if bos not in BOS_POLICIES:
-        raise field_error(path, "bos", f"expected one of {', '.join(BOS_POLICIES)}", bos)
+    bos = _one_of(path, data, "bos", BOS_POLICIES)
     options = _parse_options(path, data)
-    store = data.get("store", TOP["store"].default)
-    if store not in STORES:
-        raise field_error(path, "store", f"expected one of {', '.join(STORES)}", store)
-    where = data.get("reference_metrics", TOP["reference_metrics"].default)
-    if where not in REFERENCE_METRICS:
-        raise field_error(path, "reference_metrics", f"expected one of {', '.join(REFERENCE_METRICS)}", where)
+    store = _one_of(path, data, "store", STORES)
+    where = _one_of(path, data, "reference_metrics", REFERENCE_METRICS)
     centroid, groups = _parse_centroid(path, data.get("centroid"), models)
     keep_rows = _parse_keep_rows(path, data, where, centroid)
     name = data.get("name", path.stem)

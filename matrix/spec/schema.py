@@ -151,13 +151,25 @@ def _axis(key: str, default: list, about: str) -> Key:
 
 def top() -> tuple[Key, ...]:
     """The spec's top-level keys, the per-cell extras' included."""
+    return tuple(
+        _sweep_keys()
+        + _row_keys()
+        + _storage_keys()
+        + _measure_keys()
+        + _run_keys()
+        + [Key(x.key, nullable(x.json_schema), x.about) for x in extras.registered()]
+    )
+
+
+def _sweep_keys() -> list[Key]:
+    """The matrix: its name, its axes, the cells added or left out, and each model's reference."""
     model = {
         "anyOf": [
             {"type": "string"},
             {"type": "object", "properties": {k.name: k.json for k in MODEL}, "additionalProperties": False},
         ]
     }
-    keys = [
+    return [
         Key("name", {"type": "string"}, "the spec's name in runs (default: the file's stem)"),
         Key("description", {"type": "string"}, "free text, kept with the run"),
         Key(
@@ -180,6 +192,12 @@ def top() -> tuple[Key, ...]:
         ),
         Key("exclude", {"type": "array", "items": _entry(False)}, "combinations to leave out (axis keys only)"),
         Key("reference", _entry(False), "the reference stack of each model (default: the first cell)"),
+    ]
+
+
+def _row_keys() -> list[Key]:
+    """What each cell is fed and which of its rows are kept."""
+    return [
         Key("stride", POS_INT, "keep every stride-th position of each prompt, and its last", 32),
         Key(
             "positions",
@@ -201,6 +219,12 @@ def top() -> tuple[Key, ...]:
         Key("bos", enum("tokenizer", "always", "never"), "BOS policy: the tokenizer's own, or forced", "tokenizer"),
         Key("threads", {"type": ["integer", "null"], "minimum": 1}, "CPU threads for every engine"),
         Key("max_tokens", {"type": ["integer", "null"], "minimum": 1}, "feed at most this many tokens of each prompt"),
+    ]
+
+
+def _storage_keys() -> list[Key]:
+    """How rows are stored, where they are measured against the reference, whose values are kept."""
+    return [
         Key(
             "store",
             enum("native", "bf16"),
@@ -221,6 +245,12 @@ def top() -> tuple[Key, ...]:
             "llama-perplexity keeps only its base logits; needs reference_metrics: in_actor and no centroid)",
             "all",
         ),
+    ]
+
+
+def _measure_keys() -> list[Key]:
+    """What is measured beside the axes (published files, engine options), and against which centroid."""
+    return [
         Key(
             "candidates",
             {
@@ -258,13 +288,17 @@ def top() -> tuple[Key, ...]:
                 ),
             ),
         ),
+    ]
+
+
+def _run_keys() -> list[Key]:
+    """How the run places and retries cells, and how long it waits."""
+    return [
         Key("replicas", POS_INT, "copies of each stack, each on its own node", 1),
         Key("retries", {"type": "integer", "minimum": 0}, "restarts of a cell whose actor or node died", 2),
         Key("load_timeout_s", SECONDS, "seconds a cell may take to load (weights shipped, artefacts built)", 3600.0),
         Key("capture_timeout_s", SECONDS, "seconds a repeat may take (null: scaled by the tokens fed)"),
     ]
-    keys += [Key(x.key, nullable(x.json_schema), x.about) for x in extras.registered()]
-    return tuple(keys)
 
 
 def by_name(keys: tuple[Key, ...]) -> dict[str, Key]:
