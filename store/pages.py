@@ -13,166 +13,20 @@ Unsupported; callers then read the row group through Arrow, which stays the auth
 
 from __future__ import annotations
 
-import struct
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
+from store.page_encoding import Corrupt, Unsupported, page_header, row_starts, split_levels, unsigned
+
 PLAIN, RLE, BYTE_STREAM_SPLIT = 0, 3, 9
 DATA_PAGE, INDEX_PAGE, DICTIONARY_PAGE, DATA_PAGE_V2 = 0, 1, 2, 3
 # glibc hands a freed page buffer straight back; Arrow's mimalloc pool returns it to the OS and
 # page-faults the next one in, and decompression slows (docs/benchmark-notes.md).
 POOL = pa.system_memory_pool()
-HEADER_WINDOW = 256  # bytes read for a page header; a logits page header is ~30 (no statistics)
 CODECS = {"ZSTD": "zstd", "SNAPPY": "snappy", "GZIP": "gzip", "LZ4": "lz4", "BROTLI": "brotli"}
-
-
-class Unsupported(Exception):
-    """A valid file this reader does not handle: read it through Arrow instead."""
-
-
-class Corrupt(Exception):
-    """A page that is not what its header or CRC says."""
-
-
-# -- Thrift compact protocol: just enough to read a PageHeader ------------------------------------
-class _Thrift:
-    def __init__(self, buf: memoryview, pos: int = 0):
-        self.buf, self.pos = buf, pos
-
-    def varint(self) -> int:
-        out = shift = 0
-        while True:
-            b = self.buf[self.pos]
-            self.pos += 1
-            out |= (b & 0x7F) << shift
-            if b < 0x80:
-                return out
-            shift += 7
-            if shift > 63:
-                raise Corrupt("varint too long in a page header")
-
-    def zigzag(self) -> int:
-        n = self.varint()
-        return (n >> 1) ^ -(n & 1)
-
-    def value(self, ttype: int):
-        if ttype in (1, 2):  # compact protocol keeps a bool field's value in its type
-            return ttype == 1
-        if ttype == 3:
-            self.pos += 1
-            return self.buf[self.pos - 1]
-        if ttype in (4, 5, 6):
-            return self.zigzag()
-        if ttype == 7:
-            self.pos += 8
-            return None
-        if ttype == 8:
-            n = self.varint()
-            self.pos += n
-            return bytes(self.buf[self.pos - n : self.pos])
-        if ttype in (9, 10):
-            head = self.buf[self.pos]
-            self.pos += 1
-            size = head >> 4 if head >> 4 != 15 else self.varint()
-            return [self.value(head & 0x0F) for _ in range(size)]
-        if ttype == 11:
-            size = self.varint()
-            kinds = self.buf[self.pos] if size else 0
-            self.pos += 1 if size else 0
-            return {self.value(kinds >> 4): self.value(kinds & 0x0F) for _ in range(size)}
-        if ttype == 12:
-            return self.struct()
-        raise Corrupt(f"unknown thrift type {ttype} in a page header")
-
-    def struct(self) -> dict[int, object]:
-        out, fid = {}, 0
-        while True:
-            head = self.buf[self.pos]
-            self.pos += 1
-            if head == 0:
-                return out
-            fid = fid + (head >> 4) if head >> 4 else self.zigzag()
-            out[fid] = self.value(head & 0x0F)
-
-
-def _bytes(b) -> memoryview:
-    """Unsigned bytes: Arrow buffers export signed chars, and 0xfe must read as 254."""
-    return memoryview(b).cast("B")
-
-
-# -- levels: the RLE / bit-packed hybrid, read run by run -------------------------------------------
-def _level_runs(buf: memoryview, width: int, count: int, small: int = 0):
-    """(offset, length, value) per RLE run and (offset, length, values) per bit-packed run of the
-    first `count` levels. A shard row is ~2 runs (a packed group holding its 0, then a run of 1s),
-    so nothing here grows with the vocabulary. Width-1 packed runs of at most `small` bytes come
-    as (bits as an int, their number)."""
-    t, have, nbytes = _Thrift(buf), 0, (width + 7) // 8
-    while have < count:
-        if t.pos >= len(buf):
-            raise Corrupt(f"levels end after {have} of {count} values")
-        head = t.varint()
-        if head & 1 and width == 1 and head >> 1 <= small:
-            n = head >> 1
-            yield have, min(8 * n, count - have), (int.from_bytes(buf[t.pos : t.pos + n], "little"), 8 * n)
-            t.pos += n
-            have += 8 * n
-        elif head & 1:  # bit-packed: groups of 8 values, `width` bytes per group
-            n = (head >> 1) * width
-            bits = np.unpackbits(np.frombuffer(buf[t.pos : t.pos + n], np.uint8), bitorder="little")
-            vals = bits.reshape(-1, width) @ (1 << np.arange(width)) if width > 1 else bits
-            t.pos += n
-            yield have, min(len(vals), count - have), vals[: count - have]
-            have += len(vals)
-        else:
-            v = int.from_bytes(buf[t.pos : t.pos + nbytes], "little")
-            t.pos += nbytes
-            yield have, min(head >> 1, count - have), v
-            have += head >> 1
-
-
-def _zeros(buf: memoryview, count: int) -> np.ndarray:
-    """Where the repetition levels (width 1) are 0: the first value of each row. A row's 0 sits in
-    a packed group of a byte or two, so those are read with int bit tricks, not numpy calls."""
-    small, arrays = [], []
-    for at, n, v in _level_runs(buf, 1, count, small=8):
-        if isinstance(v, int):
-            if v == 0:
-                arrays.append(np.arange(at, at + n))
-        elif isinstance(v, tuple):  # (packed bits as an int, their number)
-            inv = ~v[0] & ((1 << n) - 1)
-            while inv:
-                low = inv & -inv
-                small.append(at + low.bit_length() - 1)
-                inv ^= low
-        else:
-            arrays.append(at + np.flatnonzero(v == 0))
-    if small:
-        arrays.append(np.array(small))
-    return np.sort(np.concatenate(arrays)) if len(arrays) > 1 else arrays[0] if arrays else np.zeros(0, np.int64)
-
-
-def _all_equal(buf: memoryview, width: int, count: int, value: int) -> bool:
-    return all(
-        (v == value).all() if isinstance(v, np.ndarray) else v == value for _, _, v in _level_runs(buf, width, count)
-    )
-
-
-def _split_levels(body: memoryview, has_rep: bool, n: int, max_def: int) -> tuple[np.ndarray, memoryview]:
-    """A v1 page body -> (row starts in the page, the values' bytes); refuses nulls."""
-    starts, pos = None, 0
-    if has_rep:
-        (size,) = struct.unpack_from("<I", body, pos)
-        starts = _zeros(body[pos + 4 : pos + 4 + size], n)
-        pos += 4 + size
-    if max_def:
-        (size,) = struct.unpack_from("<I", body, pos)
-        if not _all_equal(body[pos + 4 : pos + 4 + size], max_def.bit_length(), n, max_def):
-            raise Unsupported("a null or an empty list")
-        pos += 4 + size
-    return (np.arange(n) if starts is None else starts), body[pos:]  # no repetition: a value is a row
 
 
 @dataclass
@@ -229,17 +83,17 @@ def _page_values(kind: int, hdr: dict, body: memoryview, codec, has_rep: bool, m
     if kind == DATA_PAGE:
         dph = hdr[5]
         n, enc = dph[1], dph[2]
-        raw = _bytes(codec.decompress(body, decompressed_size=hdr[2], memory_pool=POOL)) if codec else body
-        rep, vals = _split_levels(raw, has_rep, n, max_def)
+        raw = unsigned(codec.decompress(body, decompressed_size=hdr[2], memory_pool=POOL)) if codec else body
+        rep, vals = split_levels(raw, has_rep, n, max_def)
     else:
         dph = hdr[8]
         n, nulls, enc, def_len, rep_len = dph[1], dph[2], dph[4], dph[5], dph[6]
         if nulls:
             raise Unsupported("a null or an empty list")
-        rep = _zeros(body[:rep_len], n) if has_rep else np.arange(n)
+        rep = row_starts(body[:rep_len], n) if has_rep else np.arange(n)
         rest = body[rep_len + def_len :]
         vals = (
-            _bytes(codec.decompress(rest, decompressed_size=hdr[2] - rep_len - def_len, memory_pool=POOL))
+            unsigned(codec.decompress(rest, decompressed_size=hdr[2] - rep_len - def_len, memory_pool=POOL))
             if codec and dph.get(7, True)
             else rest
         )
@@ -259,11 +113,11 @@ def data_pages(read, start: int, end: int):
     file's read_at, so a stream holds one page at a time."""
     pos = start
     while pos < end:
-        hdr, at = _header(read, pos, end)
+        hdr, at = page_header(read, pos, end)
         kind, size = hdr.get(1), hdr.get(3)
         if size is None or at + size > end:
             raise Corrupt("a page runs past its column chunk")
-        body = _bytes(read(size, at))
+        body = unsigned(read(size, at))
         pos = at + size
         if 4 in hdr and zlib.crc32(body) != hdr[4] & 0xFFFFFFFF:
             raise Corrupt("page CRC mismatch")
@@ -275,25 +129,8 @@ def data_pages(read, start: int, end: int):
 
 def chunk_pages(chunk: pa.Buffer | bytes):
     """data_pages of a whole column chunk already in memory."""
-    buf = _bytes(chunk)
+    buf = unsigned(chunk)
     return data_pages(lambda n, pos: buf[pos : pos + n], 0, len(buf))
-
-
-def _header(read, pos: int, end: int) -> tuple[dict, int]:
-    """The page header at pos and where its body starts, read a small window at a time."""
-    size = HEADER_WINDOW
-    while True:
-        buf = _bytes(read(min(size, end - pos), pos))
-        try:
-            t = _Thrift(buf)
-            hdr = t.struct()
-            if t.pos > len(buf):  # a field ran past the window
-                raise IndexError
-            return hdr, pos + t.pos
-        except (IndexError, struct.error, ValueError):
-            if size >= end - pos or size > 1 << 20:
-                raise Corrupt("a page header runs past its column chunk") from None
-            size *= 16
 
 
 def codec(name: str):
