@@ -1,4 +1,4 @@
-"""A worker process of the local executor (matrix/run/local.py): one StackHost, its calls in order.
+"""A worker process of the local executor (matrix/run/local_worker.py): one StackHost, its calls in order.
 
 Started as `python .../actors/local_host.py FD LOG` (by path, so the driver's working directory
 never lands on sys.path: a `ray/` session directory there would shadow a package):

@@ -1,8 +1,8 @@
-"""The environment a local executor's worker process starts with (matrix/run/local.py)."""
+"""The environment a local executor's worker process starts with (matrix/run/local_worker.py)."""
 
 from __future__ import annotations
 
-from matrix.run.local import Worker
+from matrix.run.local_worker import Worker
 
 
 def test_a_worker_asks_numpy_for_no_huge_pages_unless_the_user_said_otherwise(monkeypatch):
