@@ -22,8 +22,8 @@ import numpy as np
 from backends.base import GGUF, Backend, OutputRing, check_layers
 from backends.gguf_build import FLOAT_TYPES, QUANT_TYPES
 from backends.llama_binding import extra_bufts, gguf_tokenize, load_vocab, quiet_logs, tokenize_with  # noqa: F401 (re-exported)
+from backends.llamacpp_contexts import LlamaContexts
 
-KV_TYPES = {"f16": "GGML_TYPE_F16", "f32": "GGML_TYPE_F32", "q8_0": "GGML_TYPE_Q8_0"}
 DEFAULTS = {"n_batch": 2048, "n_ubatch": 512, "kv_cache": "f16"}  # llama.cpp's own defaults
 
 
@@ -43,7 +43,7 @@ def _wait_policy() -> str:
     return "passive"
 
 
-class LlamaCppBackend(Backend):
+class LlamaCppBackend(LlamaContexts, Backend):
     engine = "llamacpp"
     dtypes = frozenset(FLOAT_TYPES) | frozenset(QUANT_TYPES)
     attention = frozenset({"default", "flash_attn", "eager"})  # eager = flash attention off
@@ -146,14 +146,6 @@ class LlamaCppBackend(Backend):
     def vocab_size(self) -> int:
         return self._n_vocab
 
-    def _flash(self) -> int:
-        lc = self._lc
-        return {
-            "default": lc.LLAMA_FLASH_ATTN_TYPE_AUTO,
-            "flash_attn": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-            "eager": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-        }[self.stack.attention]
-
     def settings(self) -> dict[str, Any]:
         import llama_cpp
 
@@ -218,150 +210,6 @@ class LlamaCppBackend(Backend):
         taps = LayerTaps(layers, n_layer, positions)
         logits = self.forward(token_ids, positions, taps)
         return logits, taps.result()
-
-    def _context(self, n_ctx: int, taps=None):
-        """A fresh context (nothing cached) for n_ctx tokens, with its params."""
-        lc = self._lc
-        cp = lc.llama_context_default_params()
-        cp.n_ctx = n_ctx
-        cp.n_batch = min(self.n_batch, max(n_ctx, 1))
-        cp.n_ubatch = min(self.n_ubatch, cp.n_batch)
-        cp.n_seq_max = 1
-        cp.n_threads = cp.n_threads_batch = self.threads
-        cp.type_k = cp.type_v = getattr(lc, KV_TYPES[self.kv_cache])
-        cp.flash_attn_type = self._flash()
-        cp.no_perf = True
-        if taps is not None:
-            cp.cb_eval = taps.callback
-        ctx = lc.llama_init_from_model(self.model, cp)
-        if not ctx:
-            raise RuntimeError("llama.cpp could not create a context")
-        return ctx, cp
-
-    def _feed(
-        self,
-        ctx,
-        batch,
-        n_batch: int,
-        tokens: list[int],
-        first: int,
-        want: dict[int, int],
-        out: np.ndarray | None,
-        taps=None,
-        n_ubatch: int = 0,
-    ) -> None:
-        """Decode tokens at positions first.. in batches of n_batch; the logits of each position in
-        want go to out[want[position]]."""
-        lc = self._lc
-        for start in range(0, len(tokens), n_batch):
-            chunk = tokens[start : start + n_batch]
-            batch.n_tokens = len(chunk)
-            for j, tok in enumerate(chunk):
-                batch.token[j] = tok
-                batch.pos[j] = first + start + j
-                batch.n_seq_id[j] = 1
-                batch.seq_id[j][0] = 0
-                batch.logits[j] = (first + start + j) in want
-            if taps is not None:
-                taps.at(start, n_ubatch=n_ubatch, n_tokens=len(chunk))
-            rc = lc.llama_decode(ctx, batch)
-            if taps is not None and taps.error is not None:
-                raise taps.error
-            if rc != 0:
-                raise RuntimeError(
-                    f"llama_decode returned {rc} at positions {first + start}..{first + start + len(chunk) - 1}"
-                )
-            for j in range(len(chunk)):
-                if (first + start + j) in want:
-                    ptr = lc.llama_get_logits_ith(ctx, j)
-                    out[want[first + start + j]] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
-
-    def _prefill_context(self, n_ctx: int):
-        """A context for n_ctx tokens with an empty KV cache: the last prompt's when it had this
-        length, cleared (llama_memory_clear), else a new one. The output and compute buffers are
-        then allocated once, not per prompt, where allocating them costs time at a large vocabulary
-        (docs/benchmark-notes.md); the logits are the same bits as a fresh context's."""
-        if self._kept is not None and self._kept[0] == n_ctx:
-            self._lc.llama_memory_clear(self._lc.llama_get_memory(self._kept[1]), True)
-            return self._kept[1], self._kept[2]
-        self._drop_kept()
-        ctx, cp = self._context(n_ctx)
-        self._kept = (n_ctx, ctx, cp)
-        return ctx, cp
-
-    def _drop_kept(self) -> None:
-        kept, self._kept = self._kept, None
-        if kept is not None:
-            self._lc.llama_free(kept[1])
-
-    def forward(self, token_ids: list[int], positions: list[int], taps=None) -> np.ndarray:
-        # a forward that taps layers sets its own eval callback: a context of its own
-        ctx, cp = self._context(len(token_ids), taps) if taps is not None else self._prefill_context(len(token_ids))
-        want = {p: i for i, p in enumerate(positions)}
-        out = self._outputs.take((len(positions), self._n_vocab), np.float32)  # (rows, vocab)
-        batch = self._lc.llama_batch_init(cp.n_batch, 0, 1)
-        try:
-            self._feed(ctx, batch, cp.n_batch, token_ids, 0, want, out, taps, cp.n_ubatch)
-        except BaseException:
-            if taps is None:
-                self._drop_kept()  # a failed decode leaves the cache in no known state
-            raise
-        finally:
-            self._lc.llama_batch_free(batch)
-            if taps is not None:
-                self._lc.llama_free(ctx)
-        return out
-
-    def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
-        """The prefill into the context's KV cache, then one llama_decode of one token per step
-        (n_tokens = 1: the kernels a server's decode runs)."""
-        ctx, cp = self._context(at + steps + 1)
-        out = np.empty((steps, self._n_vocab), dtype=np.float32)  # (steps, vocab)
-        batch = self._lc.llama_batch_init(cp.n_batch, 0, 1)
-        try:
-            self._feed(ctx, batch, cp.n_batch, token_ids[: at + 1], 0, {}, None)
-            for s in range(1, steps + 1):
-                self._feed(ctx, batch, 1, [token_ids[at + s]], at + s, {at + s: s - 1}, out)
-        finally:
-            self._lc.llama_batch_free(batch)
-            self._lc.llama_free(ctx)
-        return out
-
-    # how warm_rows reuses a cache, recorded in the settings of a cell that checks it
-    warm_rule = (
-        "check: state saved, restored into a fresh context, all but the last token "
-        "kept (llama_memory_seq_rm), the last one evaluated alone"
-    )
-
-    def warm_rows(self, token_ids: list[int], positions: list[int]) -> tuple[int, np.ndarray]:
-        """A prompt cache serving the same request again (llama-server's cache_prompt, llama-cpp-python's
-        LlamaRAMCache): the first evaluation's state saved (llama_state_get_data) and restored into a
-        fresh context, the cache kept for all but the last token, which is evaluated again alone
-        (n_tokens = 1: a cache holds no logits), the case of ggml-org/llama.cpp#2838."""
-        lc, n = self._lc, len(token_ids)
-        ctx, cp = self._context(n)
-        batch = lc.llama_batch_init(cp.n_batch, 0, 1)
-        try:
-            self._feed(ctx, batch, cp.n_batch, token_ids, 0, {}, None)
-            size = lc.llama_state_get_size(ctx)
-            state = (ctypes.c_uint8 * size)()
-            size = lc.llama_state_get_data(ctx, state, size)
-        finally:
-            lc.llama_free(ctx)
-        hit = n - 1
-        keep = [p for p in positions if p >= hit]
-        out = np.empty((len(keep), self._n_vocab), dtype=np.float32)  # (rows, vocab)
-        ctx, cp = self._context(n)
-        try:
-            if lc.llama_state_set_data(ctx, state, size) != size:
-                raise RuntimeError(f"llama_state_set_data did not read the {size} bytes of the saved state")
-            if not lc.llama_memory_seq_rm(lc.llama_get_memory(ctx), 0, hit, -1):
-                raise RuntimeError(f"llama_memory_seq_rm could not drop positions {hit}.. from the restored cache")
-            self._feed(ctx, batch, cp.n_batch, token_ids[hit:], hit, {p: i for i, p in enumerate(keep)}, out)
-        finally:
-            lc.llama_batch_free(batch)
-            lc.llama_free(ctx)
-        return hit, out
 
     def tokenize(self, text: str) -> list[int]:
         """llama.cpp's own tokenizer as llama-cpp-python calls it by default (add_bos per the GGUF)."""
