@@ -171,7 +171,7 @@ def tensor_table(path: str | Path) -> list[tuple[str, int]]:
 
 def published(path: str, sha256: str | None, source: str | None = None) -> dict[str, Any]:
     """A candidate's file, run as it is: its hash checked here, where it is read (the driver adds
-    what its header declares to the recipe: matrix/spec/candidates.py header_facts)."""
+    what its header declares to the recipe: matrix/spec/candidate_check.py header_facts)."""
     from common.files import file_sha256
 
     check_gguf(path)

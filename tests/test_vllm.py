@@ -292,15 +292,15 @@ def test_vllm_quant_dtypes_and_checkpoint_candidates_are_listed_where_they_can_r
     import transformers
 
     from common.stack import Cell
-    from matrix.spec import candidates
+    from matrix.spec import candidate_check
 
     cell = Cell(StackDesc("vllm", "awq", "default", "h200", 1, "tiny", artifact=str(awq)), "c", 1)
     config, tok = (
         transformers.AutoConfig.from_pretrained(tiny_model),
         transformers.AutoTokenizer.from_pretrained(tiny_model),
     )
-    candidates.check(cell, config, tok, config.vocab_size)  # the same model: no refusal
-    facts = candidates.header_facts(cell, None)
+    candidate_check.check(cell, config, tok, config.vocab_size)  # the same model: no refusal
+    facts = candidate_check.header_facts(cell, None)
     assert facts["kind"] == "hf checkpoint" and facts["quantization_config"]["quant_method"] == "awq", facts
     kw = V.engine_kwargs(StackDesc("vllm", "fp8", "default", device="h200"), "/m", 64, 1)
     assert kw["quantization"] == "fp8" and kw["dtype"] == "bfloat16"

@@ -129,7 +129,7 @@ def _candidate_facts(plan: Plan, cell: Cell) -> dict:
     """A published file's label and what its header declares (quant type, importance matrix)."""
     if not cell.artifact:
         return {}
-    from matrix.spec.candidates import header_facts
+    from matrix.spec.candidate_check import header_facts
 
     return {**header_facts(cell, plan.models[cell.model].resolved), **({"label": cell.label} if cell.label else {})}
 

@@ -14,7 +14,7 @@ from common.errors import UserError, first_line
 from common.files import sha256_file
 from common.stack import Cell
 from matrix.run.plan import ModelPlan, Plan
-from matrix.spec import calibration, candidates
+from matrix.spec import calibration, candidate_check, candidates
 from matrix.spec.cells import Matrix
 from matrix.spec.corpus import tokenize
 from matrix.spec.models import fetch
@@ -49,7 +49,7 @@ def prepare(matrix: Matrix, wh: Warehouse, log: Callable[[str], None]) -> Plan:
         prompts = tuple(tokenize(spec.corpus, name, tok, spec.bos, tok_sha, log))
         for cell in matrix.cells:  # a published file of another model is refused before anything runs
             if cell.artifact and cell.model == name:
-                candidates.check(candidates.resolve(cell, m), config, tok, vocab)
+                candidate_check.check(candidates.resolve(cell, m), config, tok, vocab)
         calibration.check(spec, [c for c in matrix.cells if c.model == name], prompts, tok)
         hidden = int(getattr(getattr(config, "text_config", None) or config, "hidden_size", 0) or 0)
         cells = resolve_extras(spec, cells, name, {"depth": _depth(config), "hidden": hidden}, prompts)

@@ -6,12 +6,11 @@ candidate is a cell of its model (same reference, same centroid group) whose eng
 given GGUF instead of building one. Its dtype is the quant type the file declares; its cell id
 hashes the file's sha256, so another file is another cell. Before any capture the file's
 architecture, sizes, vocabulary and special tokens are checked against the reference model
-(`check`): a file of another model is one line naming what differs, exit 2.
+(matrix/spec/candidate_check.py): a file of another model is one line naming what differs, exit 2.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from pathlib import Path
@@ -23,11 +22,7 @@ from common.errors import UserError
 from common.files import file_sha256
 from common.stack import Cell, StackDesc
 from matrix.spec.validate import check_axis_value, check_threads, field_error
-from store.gguf_meta import GgufInfo, read_info
-
-# HF model_type -> the architecture name llama.cpp's converter writes, where they differ
-GGUF_ARCH = {"mistral": "llama"}
-
+from store.gguf_meta import read_info
 
 CANDIDATE_KEYS = (
     "model",
@@ -258,112 +253,3 @@ def resolve(cell: Cell, model) -> Cell:
     """The candidate with its file and hash known."""
     path, sha, _ = file_of(cell, model)
     return cell.with_stack(artifact=path, artifact_sha256=sha)
-
-
-@functools.lru_cache(maxsize=16)
-def _hf_load(artifact: str):
-    """(config, tokenizer) of an HF candidate, local or on the hub; read once per driver run (the
-    check and the cells row both ask, and the directory is pinned by its digest at expand)."""
-    import transformers
-
-    where, kw = artifact, {}
-    if artifact.startswith("hub:"):
-        where, rev = ids.split_hub_artifact(artifact)
-        kw = {"revision": rev}
-    try:
-        return (
-            transformers.AutoConfig.from_pretrained(where, **kw),
-            transformers.AutoTokenizer.from_pretrained(where, **kw),
-        )
-    except OSError as e:
-        raise UserError(
-            f"candidate {artifact}: cannot read its config and tokenizer: {str(e).splitlines()[0]}"
-        ) from None
-
-
-def _is_checkpoint(cell: Cell) -> bool:
-    """An HF checkpoint (a directory or a hub id), not a GGUF file: what the cell's engine runs
-    as given (Backend.runs_files) decides, so an HF checkpoint under vLLM is read as one too."""
-    return CHECKPOINT in backends.backend_class(cell.engine).runs_files
-
-
-def header_facts(cell: Cell, model) -> dict:
-    """What the candidate's file declares, for its cells row's recipe."""
-    if _is_checkpoint(cell):
-        config, _ = _hf_load(resolve(cell, model).artifact)
-        q = getattr(config, "quantization_config", None)
-        return {
-            "kind": "hf checkpoint",
-            "model_type": config.model_type,
-            "config_dtype": str(getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)),
-            "quantization_config": q if isinstance(q, dict) else (q.to_dict() if q is not None else None),
-        }
-    info = read_info(resolve(cell, model).artifact)
-    return {"declared_quant": info.declared, "gguf_name": info.name, "imatrix": info.imatrix or None}
-
-
-def hf_differences(cand_config, cand_tok, config, tok) -> list[str]:
-    """What an HF candidate has that the reference model has not (empty: the same model)."""
-    out = []
-    if cand_config.model_type != config.model_type:
-        out.append(f"architecture {cand_config.model_type} (reference: {config.model_type})")
-    for what, attr in (
-        ("layers", "num_hidden_layers"),
-        ("hidden size", "hidden_size"),
-        ("attention heads", "num_attention_heads"),
-        ("vocab_size", "vocab_size"),
-    ):
-        got, want = getattr(cand_config, attr, None), getattr(config, attr, None)
-        if got is not None and want is not None and int(got) != int(want):
-            out.append(f"{what} {got} (reference: {want})")
-    if len(cand_tok) != len(tok):
-        out.append(f"tokenizer of {len(cand_tok)} tokens (reference: {len(tok)})")
-    elif cand_tok.get_vocab() != tok.get_vocab():
-        inv = {i: t for t, i in tok.get_vocab().items()}
-        first = min(i for t, i in cand_tok.get_vocab().items() if inv.get(i) != t)
-        out.append(
-            f"tokenizer: token {first} is {cand_tok.convert_ids_to_tokens(first)!r} (reference: {inv.get(first)!r})"
-        )
-    for what, got, want in (
-        ("BOS", cand_tok.bos_token_id, tok.bos_token_id),
-        ("EOS", cand_tok.eos_token_id, tok.eos_token_id),
-    ):
-        if got != want:
-            out.append(f"{what} id {got} (reference: {want})")
-    return out
-
-
-def differences(info: GgufInfo, config, tok, vocab: int) -> list[str]:
-    """What the file has that the reference model has not (empty: the same model)."""
-    out = []
-    want_arch = GGUF_ARCH.get(config.model_type, config.model_type)
-    if info.architecture != want_arch:
-        out.append(f"architecture {info.architecture} (reference: {config.model_type})")
-    for what, got, want in (
-        ("layers", info.block_count, getattr(config, "num_hidden_layers", None)),
-        ("hidden size", info.embedding_length, getattr(config, "hidden_size", None)),
-        ("attention heads", info.head_count, getattr(config, "num_attention_heads", None)),
-    ):
-        if got is not None and want is not None and int(got) != int(want):
-            out.append(f"{what} {got} (reference: {want})")
-    if len(info.tokens) != vocab:
-        out.append(f"vocabulary of {len(info.tokens)} tokens (reference: {vocab})")
-    else:
-        ref_tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
-        first = next((i for i, (a, b) in enumerate(zip(info.tokens, ref_tokens)) if a != b), None)
-        if first is not None:
-            out.append(f"tokenizer: token {first} is {info.tokens[first]!r} (reference: {ref_tokens[first]!r})")
-    for what, got, want in (("BOS", info.bos, tok.bos_token_id), ("EOS", info.eos, tok.eos_token_id)):
-        if got is not None and want is not None and int(got) != int(want):
-            out.append(f"{what} id {got} (reference: {want})")
-    return out
-
-
-def check(cell: Cell, config, tok, vocab: int) -> None:
-    """Refuse a candidate that is not a file of its reference model, before anything runs."""
-    if _is_checkpoint(cell):
-        diff = hf_differences(*_hf_load(cell.artifact), config, tok)
-    else:
-        diff = differences(read_info(cell.artifact), config, tok, vocab)
-    if diff:
-        raise UserError(f"candidate {cell.artifact}: not a file of model {cell.model}: " + "; ".join(diff))
