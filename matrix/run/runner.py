@@ -204,6 +204,19 @@ def _side_shard_problem(
     return f"{table}: {n} rows, the cell has {'' if exact else 'at least '}{rows} per repeat"
 
 
+def _reusable_build(cell, rows: dict[str, dict], spec, wh: Warehouse) -> dict | None:
+    """The cells row of another build's complete capture of this cell's stack that the run may
+    take instead of capturing it (--reuse-other-builds); under keep_rows: all, only one whose
+    every shard kept its values."""
+    other = _other_build(cell, rows, spec.repeats)
+    if other and (
+        spec.keep_rows != "all"
+        or all(wh.shard_keeps_values(other["cell_id"], r) for r in wh.completed_repeats(other["cell_id"]))
+    ):
+        return other
+    return None
+
+
 def find_todo(
     plan: Plan,
     wh: Warehouse,
@@ -221,27 +234,19 @@ def find_todo(
     if cell_rows is None:
         cell_rows = wh.read_all("cells") if exists else []
     rows = {r["cell_id"]: r for r in cell_rows}
-    reuse_other_builds, skip_failed = resume.reuse_other_builds, resume.skip_failed
     for i, cell in enumerate(plan.cells):
         done = complete_shards(plan, wh, cell, resume, log) if exists else set()
         missing = [r for r in range(spec.repeats) if r not in done]
         row = rows.get(cell.cell_id)
         if row and row["status"] == "skipped":
             complete.append(cell.cell_id)  # deterministic: building it again fails the same way
-        elif row and row["status"] == "failed" and skip_failed:
+        elif row and row["status"] == "failed" and resume.skip_failed:
             left_out[cell.stack_id] = (
                 f"failed in run {row['run_id']} ({row['error_class']}: {row['error']}); --skip-failed"
             )
         elif not missing and row and row["status"] == "done" and row["repeats"] >= spec.repeats:
             complete.append(cell.cell_id)
-        elif (
-            reuse_other_builds
-            and (other := _other_build(cell, rows, spec.repeats))
-            and (
-                spec.keep_rows != "all"
-                or all(wh.shard_keeps_values(other["cell_id"], r) for r in wh.completed_repeats(other["cell_id"]))
-            )
-        ):
+        elif resume.reuse_other_builds and (other := _reusable_build(cell, rows, spec, wh)):
             cells[i] = cell.bound(other.get("build"))
             complete.append(other["cell_id"])
             reused[cell.stack_id] = other["cell_id"]
