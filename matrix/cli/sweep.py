@@ -169,6 +169,12 @@ def cmd_run(args) -> int:
 
 
 def add_parsers(sub) -> None:
+    _run_parser(sub)
+    _cells_parser(sub)
+
+
+def _run_parser(sub) -> None:
+    """`matrix run`: a spec into a warehouse, on Ray or this machine's worker processes."""
     r = sub.add_parser("run", help="run a sweep spec into a warehouse (resumes)")
     r.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC))
     r.add_argument("--warehouse", default="warehouse")
@@ -207,6 +213,9 @@ def add_parsers(sub) -> None:
     r.add_argument("--json", action="store_true", help="print the run summary as JSON on stdout")
     r.set_defaults(func=cmd_run)
 
+
+def _cells_parser(sub) -> None:
+    """`matrix cells`: what a spec expands to, and where and by which build each cell would run."""
     c = sub.add_parser("cells", help="list the cells a spec expands to, and the skipped combinations")
     c.add_argument("spec")
     c.add_argument(
