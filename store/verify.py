@@ -248,6 +248,30 @@ def _shards(wh: Warehouse) -> set[tuple[str, int, str]]:
     return out
 
 
+def _expected(wh: Warehouse, bad_tables: set[str], side_tables) -> dict[str, tuple]:
+    """cell -> (repeats, rows per repeat, the shard tables it must have) of every done cells row,
+    read from the cells files not found damaged (bad_tables)."""
+    expected = {}
+    for path in wh.table_files("cells"):
+        if path not in bad_tables:
+            for c in pq.read_table(path, filesystem=wh.loc.fs).to_pylist():
+                if c["status"] == "done":
+                    side = ("logits",) + tuple(side_tables(c))
+                    expected[c["cell_id"]] = (c["repeats"], c["rows_per_repeat"], side)
+    return expected
+
+
+def _missing(wh: Warehouse, expected: dict[str, tuple], shards: set, wanted) -> list[Damage]:
+    """A shard a done cell must have and the warehouse has not, for the cells asked for."""
+    return [
+        Damage(wh.shard_path(cid, r, t), "missing: the cell is done but has no such shard", cid, r)
+        for cid, (repeats, _, side) in expected.items()
+        for t in side
+        for r in range(repeats)
+        if (cid, r, t) not in shards and wanted(cid)
+    ]
+
+
 def verify(
     wh: Warehouse,
     cells: list[str] | None = None,
@@ -262,26 +286,13 @@ def verify(
 
     t0 = time.perf_counter()
     damage = verify_table_files(wh, [t for t in TABLES if t not in SHARD_TABLES])
-    bad_tables = {d.path for d in damage}
-    expected = {}  # cell -> (repeats, rows per repeat, the shard tables it must have)
-    for path in wh.table_files("cells"):
-        if path not in bad_tables:
-            for c in pq.read_table(path, filesystem=wh.loc.fs).to_pylist():
-                if c["status"] == "done":
-                    side = ("logits",) + tuple(side_tables(c))
-                    expected[c["cell_id"]] = (c["repeats"], c["rows_per_repeat"], side)
+    expected = _expected(wh, {d.path for d in damage}, side_tables)
     shards = _shards(wh)  # (cell, repeat, table) present
 
     def wanted(cid: str) -> bool:
         return not cells or any(cid == c or cid.startswith(c) for c in cells)
 
-    for cid, (repeats, _, side) in expected.items():
-        damage += [
-            Damage(wh.shard_path(cid, r, t), "missing: the cell is done but has no such shard", cid, r)
-            for t in side
-            for r in range(repeats)
-            if (cid, r, t) not in shards and wanted(cid)
-        ]
+    damage += _missing(wh, expected, shards, wanted)
     todo = sorted(k for k in shards if wanted(k[0]))
     rows = size = 0
     for i, (cid, r, t) in enumerate(todo, 1):  # the row count is checked for a capture's shard only

@@ -188,31 +188,39 @@ def execute(
         status = "interrupted"
         raise
     except Exception as e:
-        full = failures.storage_error(e)
-        if full is not None:  # a driver-side write: the same one line as an actor's
-            e = failures.StorageError(failures.storage_line(full, wh.where))
-        err = getattr(e, "cause", None) or e  # the actor's own exception, not Ray's wrapper
-        run["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]
-        if full is not None:
-            raise e from None
+        storage = _record_error(e, wh, run)
+        if storage is not None:
+            raise storage from None
         raise
     finally:
         _stop(sweep, ex, wh, log)
-        unrecorded = _record_end(
-            wh,
-            R.run_finished(
-                run,
-                status,
-                cells_done=sweep.out.cells_done,
-                rows_written=sweep.out.rows,
-                rows_delivery=json.dumps(sweep.out.via),
-                cells_failed=len(sweep.out.failed),
-            ),
-            log,
-        )
+        unrecorded = _record_end(wh, _finished_row(run, status, sweep), log)
     if unrecorded is not None:
         raise unrecorded
     return _summary(plan, sweep, run, len(todo))
+
+
+def _record_error(e: Exception, wh: Warehouse, run: dict) -> Exception | None:
+    """The run's error, in its row's first line; a driver-side write that hit full or failing
+    storage comes back as the StorageError to raise instead (the same one line as an actor's)."""
+    full = failures.storage_error(e)
+    if full is not None:
+        e = failures.StorageError(failures.storage_line(full, wh.where))
+    err = getattr(e, "cause", None) or e  # the actor's own exception, not Ray's wrapper
+    run["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]
+    return e if full is not None else None
+
+
+def _finished_row(run: dict, status: str, sweep: Sweep) -> dict:
+    """The run's last row: how it ended and what it captured."""
+    return R.run_finished(
+        run,
+        status,
+        cells_done=sweep.out.cells_done,
+        rows_written=sweep.out.rows,
+        rows_delivery=json.dumps(sweep.out.via),
+        cells_failed=len(sweep.out.failed),
+    )
 
 
 def _stop(sweep: Sweep, ex, wh: Warehouse, log: Callable[[str], None]) -> None:
