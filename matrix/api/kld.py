@@ -44,14 +44,7 @@ def kld(
         raise UserError(f"--text {text}: no such file")
     spec_path, asked, new = job.write_job(ref, cands, text_file, n_ctx, threads, warehouse, log, keep_rows)
     log(f"the job's spec: {spec_path} (`matrix run {spec_path} --warehouse {warehouse}` repeats it)")
-    refused, result = None, None
-    try:  # one candidate's failure is its own: the others are still reported
-        result = run(
-            spec_path, warehouse, executor=executor or ("ray" if address else "local"), address=address, log=log
-        )
-        refused = result.bad_input
-    except UserError as e:  # refused before anything ran, or a file refused where it ran
-        refused = str(e)
+    result, refused = _run_job(spec_path, warehouse, executor or ("ray" if address else "local"), address, log)
     stacks = _candidate_stacks(spec_path, asked, refused)
     done, anything = _done_cells(warehouse, stacks)
     failed = {job.file_of(a) for a in asked} - {job.file_of(a) for a, _ in done}
@@ -68,6 +61,20 @@ def kld(
         )
     results = _results(warehouse, done, ref.label) if done else ()
     return KldResult(str(spec_path), warehouse, n_ctx, results, tuple(sorted(failed)), result, refused)
+
+
+def _run_job(
+    spec_path: Path, warehouse: str, executor: str, address: str | None, log
+) -> tuple[RunResult | None, str | None]:
+    """(the run's result, what it refused): one candidate's failure is its own, so a refusal is
+    returned for the others to be reported, not raised."""
+    refused, result = None, None
+    try:
+        result = run(spec_path, warehouse, executor=executor, address=address, log=log)
+        refused = result.bad_input
+    except UserError as e:  # refused before anything ran, or a file refused where it ran
+        refused = str(e)
+    return result, refused
 
 
 def _threads(threads: int | None, address: str | None) -> int:

@@ -170,25 +170,10 @@ def _write(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def write_job(
-    ref: Source,
-    candidates: list[Source],
-    text: Path,
-    n_ctx: int,
-    threads: int,
-    warehouse: str,
-    log,
-    keep_rows: bool = False,
-) -> tuple[Path, list[dict], bool]:
-    """Write (or extend) the spec and corpus next to the warehouse; -> (spec path, the candidate
-    entries asked for this time, whether the spec is new). keep_rows: the candidates' rows keep
-    their values too (keep_rows: all), not only the reference's."""
-    if n_ctx < 4 or n_ctx % 2:
-        raise UserError(f"--n-ctx {n_ctx}: must be an even context length >= 4 (the second half is scored)")
-    spec_path, corpus_path = job_files(warehouse)
-    entry, stack, vocab = reference_stack(ref, log)
-    asked = [candidate_entry(entry["name"], c, log) for c in candidates]
-    spec = {
+def _job_spec(entry: dict, stack: dict, threads: int, corpus_path: Path, keep_rows: bool, asked: list[dict]) -> dict:
+    """The job's sweep spec: the reference's one stack, llama-perplexity's positions over the
+    corpus, and the candidates asked for (an existing job's others are added by write_job)."""
+    return {
         "name": "kld",
         "description": "matrix kld: KL(reference || candidate) over the scored half of each "
         "chunk, as llama-perplexity --kl-divergence",
@@ -207,6 +192,27 @@ def write_job(
         "keep_rows": "all" if keep_rows else "references",
         "candidates": list(asked),
     }
+
+
+def write_job(
+    ref: Source,
+    candidates: list[Source],
+    text: Path,
+    n_ctx: int,
+    threads: int,
+    warehouse: str,
+    log,
+    keep_rows: bool = False,
+) -> tuple[Path, list[dict], bool]:
+    """Write (or extend) the spec and corpus next to the warehouse; -> (spec path, the candidate
+    entries asked for this time, whether the spec is new). keep_rows: the candidates' rows keep
+    their values too (keep_rows: all), not only the reference's."""
+    if n_ctx < 4 or n_ctx % 2:
+        raise UserError(f"--n-ctx {n_ctx}: must be an even context length >= 4 (the second half is scored)")
+    spec_path, corpus_path = job_files(warehouse)
+    entry, stack, vocab = reference_stack(ref, log)
+    asked = [candidate_entry(entry["name"], c, log) for c in candidates]
+    spec = _job_spec(entry, stack, threads, corpus_path, keep_rows, asked)
     new_corpus = corpus(text, n_ctx, vocab)
     new = not spec_path.is_file()
     if not new:
