@@ -101,24 +101,11 @@ class StackHost:
         self, dist: dict[str, Any] | None, rendezvous: tuple[str, int] | None, node_gpus: tuple[list[str], ...]
     ) -> dict[str, Any]:
         from actors.model_copy import artifact_file, model_dir, source_gguf
-        from common.builds import describe, engine_build
 
         t0 = time.perf_counter()
-        built = engine_build(self.cls.libraries)
-        if self.stack.build and built["build"] != self.stack.build:  # reinstalled since the probe
-            raise RuntimeError(
-                f"{self.stack.cell_id}: node {socket.gethostname()} now has {self.stack.engine} "
-                f"build {built['build']} ({describe(built['libraries'])}), not the build "
-                f"{self.stack.build} the run planned for; run again to capture it as a new cell"
-            )
+        built = self._planned_build()
         if dist is not None:
-            dist = {
-                **dist,
-                "master_addr": rendezvous[0],
-                "master_port": rendezvous[1],
-                "own_gpus": self.gpu_ids(),
-                "node_gpus": [list(g) for g in node_gpus],
-            }
+            dist = self._rank_dist(dist, rendezvous, node_gpus)
         node = f"{socket.gethostname()} ({self.node_id()[:12]})"
         local_dir, model_via = model_dir(self.model, self.delivery.depot, node)
         stack = dataclasses.replace(
@@ -150,6 +137,33 @@ class StackHost:
             "build": built["build"],
             "build_libraries": built["libraries"],
             "pid": os.getpid(),
+        }
+
+    def _planned_build(self) -> dict[str, Any]:
+        """This node's engine build (common/builds.py engine_build); an error where it is not the
+        build the run planned the cell for (the engine was reinstalled since the probe)."""
+        from common.builds import describe, engine_build
+
+        built = engine_build(self.cls.libraries)
+        if self.stack.build and built["build"] != self.stack.build:  # reinstalled since the probe
+            raise RuntimeError(
+                f"{self.stack.cell_id}: node {socket.gethostname()} now has {self.stack.engine} "
+                f"build {built['build']} ({describe(built['libraries'])}), not the build "
+                f"{self.stack.build} the run planned for; run again to capture it as a new cell"
+            )
+        return built
+
+    def _rank_dist(
+        self, dist: dict[str, Any], rendezvous: tuple[str, int], node_gpus: tuple[list[str], ...]
+    ) -> dict[str, Any]:
+        """A tensor-parallel rank's process group settings: where the ranks meet, its own GPUs and
+        every rank's (backends/hf_backend.py shared_devices)."""
+        return {
+            **dist,
+            "master_addr": rendezvous[0],
+            "master_port": rendezvous[1],
+            "own_gpus": self.gpu_ids(),
+            "node_gpus": [list(g) for g in node_gpus],
         }
 
     def fixture(self, prompts: list, topk_ids, topk_logits, lse, vocab: int) -> dict[str, Any]:
@@ -214,14 +228,7 @@ class StackHost:
         it keeps the values whatever it is asked, for `matrix analyze` to measure."""
         self._loaded()
         if self.rank > 0:
-            side = [x.capturer(self.backend, v, None) for x, v in extras.of(self.stack)]
-            for _, ids in prompts:
-                fed, positions = keep.fed(ids, self.stack.max_tokens)
-                if positions:
-                    self.backend.forward(fed, positions)
-                    for c in side:  # collective too: every rank joins what rank 0 runs
-                        c.other_rank(fed, positions)
-            return {"rows": 0, "rank": self.rank}
+            return self._follow(prompts, keep)
         cid = self.stack.cell_id
         values = values or not self.direct  # a node that cannot read the warehouse measures nothing: analyze will
         metrics = self._metrics(metrics_ref, repeat, required=not values)
@@ -245,6 +252,18 @@ class StackHost:
             "bytes_sent": 0 if self.direct else sum(w.bytes for w in (writer, *side.values())),
             "metrics": None if metrics is None else metrics.outcome(),
         }
+
+    def _follow(self, prompts: list[tuple[str, list[int]]], keep: Positions) -> dict[str, Any]:
+        """A rank after the first under tensor parallelism: the same forwards as rank 0 (they are
+        collective), its extras' too, and no rows written."""
+        side = [x.capturer(self.backend, v, None) for x, v in extras.of(self.stack)]
+        for _, ids in prompts:
+            fed, positions = keep.fed(ids, self.stack.max_tokens)
+            if positions:
+                self.backend.forward(fed, positions)
+                for c in side:  # collective too: every rank joins what rank 0 runs
+                    c.other_rank(fed, positions)
+        return {"rows": 0, "rank": self.rank}
 
     def _writer(self, run_id: str, repeat: int, table: str, values: bool = True):
         """Where a shard of this capture goes: the warehouse itself, or the driver's depot (Ray only)."""
