@@ -135,37 +135,41 @@ def nvidia() -> dict[str, Any]:
         }
         sm = _sm_counts()
         for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = _nvml_call(pynvml.nvmlDeviceGetMemoryInfo, h)
-            cc = _nvml_call(pynvml.nvmlDeviceGetCudaComputeCapability, h)
-            ecc = _nvml_call(pynvml.nvmlDeviceGetEccMode, h)
-            mig = _nvml_call(pynvml.nvmlDeviceGetMigMode, h)
-            out["gpus"].append(
-                {
-                    "index": i,
-                    "name": _nvml_call(pynvml.nvmlDeviceGetName, h),
-                    "uuid": _nvml_call(pynvml.nvmlDeviceGetUUID, h),
-                    "compute_capability": f"{cc[0]}.{cc[1]}" if isinstance(cc, tuple) else cc,
-                    "sm_count": sm.get(i, "unknown (torch with CUDA not importable)"),
-                    "memory_bytes": getattr(mem, "total", mem),
-                    "power_limit_w": (lambda v: v / 1000 if isinstance(v, int) else v)(
-                        _nvml_call(pynvml.nvmlDeviceGetPowerManagementLimit, h)
-                    ),
-                    "max_clocks_mhz": {
-                        "sm": _nvml_call(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_SM),
-                        "mem": _nvml_call(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_MEM),
-                    },
-                    "clocks_mhz": {
-                        "sm": _nvml_call(pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM),
-                        "mem": _nvml_call(pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_MEM),
-                    },
-                    "ecc": {"current": ecc[0], "pending": ecc[1]} if isinstance(ecc, (tuple, list)) else ecc,
-                    "mig": {"current": mig[0], "pending": mig[1]} if isinstance(mig, (tuple, list)) else mig,
-                }
-            )
+            out["gpus"].append(_nvidia_gpu(pynvml, i, sm))
         return out
     finally:
         pynvml.nvmlShutdown()
+
+
+def _nvidia_gpu(pynvml, i: int, sm: dict[int, int]) -> dict[str, Any]:
+    """GPU i as NVML describes it: its name and ids, compute capability, SMs (sm: torch's counts),
+    memory, power limit, clocks, ECC and MIG modes; a value NVML cannot give says why."""
+    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+    mem = _nvml_call(pynvml.nvmlDeviceGetMemoryInfo, h)
+    cc = _nvml_call(pynvml.nvmlDeviceGetCudaComputeCapability, h)
+    ecc = _nvml_call(pynvml.nvmlDeviceGetEccMode, h)
+    mig = _nvml_call(pynvml.nvmlDeviceGetMigMode, h)
+    return {
+        "index": i,
+        "name": _nvml_call(pynvml.nvmlDeviceGetName, h),
+        "uuid": _nvml_call(pynvml.nvmlDeviceGetUUID, h),
+        "compute_capability": f"{cc[0]}.{cc[1]}" if isinstance(cc, tuple) else cc,
+        "sm_count": sm.get(i, "unknown (torch with CUDA not importable)"),
+        "memory_bytes": getattr(mem, "total", mem),
+        "power_limit_w": (lambda v: v / 1000 if isinstance(v, int) else v)(
+            _nvml_call(pynvml.nvmlDeviceGetPowerManagementLimit, h)
+        ),
+        "max_clocks_mhz": {
+            "sm": _nvml_call(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_SM),
+            "mem": _nvml_call(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_MEM),
+        },
+        "clocks_mhz": {
+            "sm": _nvml_call(pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM),
+            "mem": _nvml_call(pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_MEM),
+        },
+        "ecc": {"current": ecc[0], "pending": ecc[1]} if isinstance(ecc, (tuple, list)) else ecc,
+        "mig": {"current": mig[0], "pending": mig[1]} if isinstance(mig, (tuple, list)) else mig,
+    }
 
 
 def _sm_counts() -> dict[int, int]:
