@@ -149,6 +149,21 @@ def _run_chunks(lc, model, chunks: list[list[int]], ctx: int, threads: int, col:
             lc.llama_free(lctx)
 
 
+def _load_cpu(lc, path: str):
+    """The GGUF at path loaded by llama.cpp on the CPU, with the kernels a capture uses."""
+    from backends.llama_binding import quiet_logs
+
+    quiet_logs()
+    lc.llama_backend_init()
+    mp = lc.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    mp.use_extra_bufts = extra_bufts()  # the kernels the capture uses
+    model = lc.llama_model_load_from_file(path.encode(), mp)
+    if not model:
+        raise UserError(f"{path}: llama.cpp could not load this GGUF")
+    return model
+
+
 def collect(
     gguf: dict[str, Any], text: str, label: str, text_sha256: str, chunks: int | None, ctx: int, threads: int
 ) -> dict[str, Any]:
@@ -156,7 +171,7 @@ def collect(
     artifact in llama.cpp's GGUF imatrix format; its recipe says what it was computed on."""
     import llama_cpp as lc
 
-    from backends.llama_binding import quiet_logs, tokenize_with
+    from backends.llama_binding import tokenize_with
 
     recipe = {
         "tool": COLLECTOR,
@@ -169,14 +184,7 @@ def collect(
     }
 
     def build(tmp: Path) -> None:
-        quiet_logs()
-        lc.llama_backend_init()
-        mp = lc.llama_model_default_params()
-        mp.n_gpu_layers = 0
-        mp.use_extra_bufts = extra_bufts()  # the kernels the capture uses
-        model = lc.llama_model_load_from_file(gguf["path"].encode(), mp)
-        if not model:
-            raise UserError(f"{gguf['path']}: llama.cpp could not load this GGUF")
+        model = _load_cpu(lc, gguf["path"])
         try:
             vocab = lc.llama_model_get_vocab(model)
             ids = tokenize_with(vocab, text, True, False)  # common_tokenize(ctx, prompt, true, parse_special=false)
