@@ -4,8 +4,9 @@ Arrow rebuilds a list<float> column from its repetition and definition levels on
 a time, and that alone costs about as much as the zstd decompression (benchmarks/
 verify_throughput.py). A shard's lists are all full rows of one vocabulary with no nulls, so the
 levels only have to say where rows start. This reader checks each page's CRC, decompresses it,
-reads the row starts from the repetition levels, and undoes byte-stream-split with numpy. It
-hands back the native bytes a row hash is taken over, so `matrix verify` never widens bf16.
+reads the row starts from the repetition levels (store/page_encoding.py decodes headers and
+levels), and undoes byte-stream-split with numpy. It hands back the native bytes a row hash is
+taken over, so `matrix verify` never widens bf16.
 
 Anything it does not expect (a dictionary page, a null, another encoding or codec) raises
 Unsupported; callers then read the row group through Arrow, which stays the authority.
