@@ -77,7 +77,7 @@ def test_calls_queued_behind_a_skipped_load_raise_the_loads_skip(local_ray, plan
 
     ray = local_ray
     plan, _ = plan_for(0)
-    cell = next(c for c in plan.spec.cells if c.dtype == "q2_k")
+    cell = next(c for c in plan.matrix.cells if c.dtype == "q2_k")
     mp = plan.models[cell.model]
     model = mp.resolved
     desc = stack_desc(cell, model)
