@@ -58,10 +58,9 @@ def library_names() -> tuple[str, ...]:
     every registered engine's, then the rest."""
     import backends
 
-    try:
-        engines = [lib for cls in backends.declared().values() for lib in cls.libraries]
-    except Exception:  # an outside engine that does not import here: the run reports it where it loads
-        engines = []
+    # an outside engine that does not import here is left out (backends.broken() says why; the
+    # run reports it where the cell loads); every other engine's libraries are recorded
+    engines = [lib for cls in backends.declared().values() for lib in cls.libraries]
     names = engines + list(OTHER_LIBRARIES)
     return tuple(dict.fromkeys(_canonical(name) for name in names))
 

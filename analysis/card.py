@@ -14,7 +14,6 @@ from typing import Any
 
 from analysis import confidence as C
 from analysis.disclosure import disclosure as _disclosure
-from analysis.disclosure import hardware  # noqa: F401  (callers import it from here)
 from analysis.sql import connect, dict_rows
 from common import metric_defs as D
 from common.errors import UserError

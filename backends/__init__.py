@@ -47,7 +47,7 @@ def registry() -> dict[str, str]:
 def refresh() -> None:
     """Read the entry points again (after a distribution was installed into this process's path)."""
     registry.cache_clear()
-    declared.cache_clear()
+    _loaded.cache_clear()
 
 
 def engines() -> tuple[str, ...]:
@@ -69,9 +69,27 @@ def backend_class(engine: str) -> type[Backend] | None:
 
 
 @functools.cache
+def _loaded() -> tuple[dict[str, type[Backend]], dict[str, str]]:
+    """(every registered engine's class that imports, by name; why each other one does not): an
+    outside engine that fails to import is that engine's problem, not every engine's."""
+    found, broken = {}, {}
+    for name in registry():
+        try:
+            found[name] = backend_class(name)
+        except (ImportError, TypeError) as e:
+            broken[name] = str(e)
+    return found, broken
+
+
 def declared() -> dict[str, type[Backend]]:
-    """Every registered engine's class, by name (importing the backend modules, not the engines)."""
-    return {name: backend_class(name) for name in registry()}
+    """Every registered engine's class that imports, by name (importing the backend modules, not the
+    engines); `broken()` says why the others do not."""
+    return _loaded()[0]
+
+
+def broken() -> dict[str, str]:
+    """Registered engines whose module cannot be imported here -> the reason (one line)."""
+    return _loaded()[1]
 
 
 def _union(attr: str) -> tuple[str, ...]:
@@ -118,6 +136,8 @@ def default_engine(kind: str) -> str | None:
 
 def unsupported_reason(cell: Cell) -> str | None:
     """Why this cell cannot run with the installed backends, or None."""
+    if cell.engine in broken():
+        return broken()[cell.engine]
     cls = backend_class(cell.engine)
     if cls is None:
         return f"no backend for engine '{cell.engine}' is installed (available: {', '.join(registry())})"

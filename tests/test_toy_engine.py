@@ -42,6 +42,25 @@ def test_the_registry_reads_its_declarations(monkeypatch):
     assert "toy" not in backends.engines()
 
 
+def test_an_engine_that_cannot_be_imported_is_its_own_problem(monkeypatch):
+    """A registered engine whose module fails to import leaves every other engine's values as they
+    are; a cell naming it is skipped with the reason."""
+    import backends
+    from common.stack import Cell, StackDesc
+
+    monkeypatch.setattr(backends, "registry", lambda: {**backends.BUILTIN, "gone": "no_such_module:Gone"})
+    backends._loaded.cache_clear()
+    try:
+        assert "gone" not in backends.declared() and "bf16" in backends.dtypes()
+        assert "no_such_module" in backends.broken()["gone"]
+        cell = Cell(StackDesc("gone", "bf16", "default"), "s")
+        assert "engine 'gone' (no_such_module:Gone" in backends.unsupported_reason(cell)
+    finally:
+        monkeypatch.undo()
+        backends.refresh()
+    assert backends.broken() == {} and "llamacpp" in backends.declared()
+
+
 @pytest.fixture(scope="module")
 def toy_run(tiny_model, short_corpus, tmp_path_factory):
     d = tmp_path_factory.mktemp("toy")

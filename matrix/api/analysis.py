@@ -45,6 +45,7 @@ def analyze(
     cluster); address: the cluster for them. With neither, the cluster the warehouse's last run used
     when it is still reachable, else this process."""
     from analysis.analyze import analyze as measure
+    from matrix.run import cluster
 
     log = log or stderr_log
     side = extras.analyses()
@@ -56,16 +57,21 @@ def analyze(
         from matrix.run.analyze_ray import ray_runner
 
         kw["run_units"] = ray_runner(address, workers or 0, log)
-    summary = measure(
-        warehouse,
-        reference,
-        centroid=centroid,
-        log=log,
-        skip_damaged=skip_damaged,
-        force=force,
-        side=[s[:2] for s in side],
-        **kw,
-    )
+    owned = not cluster.connected()  # a connection the pieces open is this call's to close
+    try:
+        with cluster.signals_restored():
+            summary = measure(
+                warehouse,
+                reference,
+                centroid=centroid,
+                log=log,
+                skip_damaged=skip_damaged,
+                force=force,
+                side=[s[:2] for s in side],
+                **kw,
+            )
+    finally:
+        cluster.release(owned)
     log(f"analyzed {summary['cells']} cell(s), {summary['metric_rows']} rows in {summary['seconds']}s")
     for name, _, line in side:
         if summary.get(name):

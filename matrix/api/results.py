@@ -25,7 +25,7 @@ class RunResult:
     rows_per_second: float = 0.0
     rows_delivery: dict = field(default_factory=dict)  # how the rows reached the warehouse: {way: rows}
     metrics_in_actor: int = 0  # cells measured where they were captured (reference_metrics: in_actor)
-    skipped: tuple[dict, ...] = ()  # {"cell_id": combination, "reason": why} the spec cannot run
+    skipped: tuple[dict, ...] = ()  # {axes..., "stack_id": combination, "reason": why} the spec cannot run
     left_out: dict = field(default_factory=dict)  # stack id -> why it does not run this time
     reused: dict = field(default_factory=dict)  # stack id -> the other build's cell it counts as done
     failed: dict = field(default_factory=dict)  # cell id -> one line

@@ -16,7 +16,8 @@ from matrix.api.results import RunResult
 
 @dataclass(frozen=True)
 class _Started:
-    """The executor a run uses, the Ray module it initialised (to shut down at the end, or None), and
+    """The executor a run uses, the Ray module this call connected (to shut down at the end; None for
+    the local executor or a connection the caller already held), and
     the nonce of a host started ahead of the run (matrix/run/early.py), or None."""
 
     executor: object
@@ -45,7 +46,7 @@ def run(
     command: what the runs table records as the command (default: this process's argv).
     log: where progress lines go (default: stderr). Bad input raises common.errors.UserError; a
     cell's failure is the cell's own and is reported in the result."""
-    from matrix.run import placement
+    from matrix.run import cluster, placement
     from matrix.spec.cells import load_spec
     from store import Warehouse
 
@@ -57,15 +58,16 @@ def run(
     wh = Warehouse(warehouse)
     wh.check()  # an incompatible warehouse fails here, before anything is written
     for s in matrix.skipped:
-        log(f"skipping {s['cell_id']}: {s['reason']}")
+        log(f"skipping {s['stack_id']}: {s['reason']}")
     kind = choose_executor(executor, address, cluster_config, log)
-    early = _early(matrix, wh, log) if kind == "local" else None
     resume = _resume(reuse_cells_from_other_builds, skip_failed, recapture_damaged, address)
-    try:
-        summary, plan = _sweep(matrix, wh, kind, address, cluster_config, resume, early, command or sys.argv, log)
-    finally:
-        if early is not None:  # a host started ahead that the run did not take over (it stopped early)
-            early.executor.shutdown()
+    with cluster.signals_restored():
+        early = _early(matrix, wh, log) if kind == "local" else None
+        try:
+            summary, plan = _sweep(matrix, wh, kind, address, cluster_config, resume, early, command or sys.argv, log)
+        finally:
+            if early is not None:  # a host started ahead that the run did not take over (it stopped early)
+                early.executor.shutdown()
     return _result(summary, plan, wh, time.perf_counter() - t0, log)
 
 
@@ -123,10 +125,11 @@ def _connect(kind: str, address: str | None, cluster_config: str | None) -> _Sta
         cluster.sigterm_interrupts()
         return _Started(LocalExecutor())
     config = cluster_config or placement.default_cluster_config(address)
+    owned = not cluster.connected()
     ray = cluster.init_ray(address)  # first: Ray reads its auth settings when it is first imported
     from matrix.run.ray_executor import RayExecutor
 
-    return _Started(RayExecutor(config), ray)
+    return _Started(RayExecutor(config), ray if owned else None)
 
 
 def _sweep(matrix, wh, kind, address, cluster_config, resume, early, command, log) -> tuple[dict | None, object]:

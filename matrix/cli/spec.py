@@ -56,7 +56,7 @@ def rows() -> list[dict]:
             walk(k.keys, f"{prefix}{k.name}.")
 
     walk(S.top())
-    entry = [S.Key(a, j, S.AXIS_ABOUT[a]) for a, j in S.AXES.items()]
+    entry = [S.Key(a, j, S.AXIS_ABOUT[a]) for a, j in S.axes().items()]
     entry += [S.Key(k, j, about) for k, (j, about) in S.CELL_EXTRA.items()]
     entry += [S.Key(k.name, k.json, "as under options, for this cell") for k in S.OPTIONS]
     entry += [S.Key(x.key, x.json_schema, x.about + " (this cell)") for x in extras.registered()]

@@ -107,7 +107,7 @@ def _print_cells(matrix, cells: list[dict], sizes: dict, placed: dict | None, bu
     spec = matrix.spec
     if matrix.skipped:
         print(f"\nskipped ({len(matrix.skipped)}):")
-        print(table(["combination", "reason"], [[s["cell_id"], s["reason"]] for s in matrix.skipped]))
+        print(table(["combination", "reason"], [[s["stack_id"], s["reason"]] for s in matrix.skipped]))
     print(
         f"\n{len(cells)} cell(s), {len(matrix.skipped)} skipped; "
         f"{spec.positions.describe()} (stride {spec.stride}), repeats {spec.repeats}"

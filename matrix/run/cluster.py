@@ -1,14 +1,17 @@
 """The driver's Ray connection: join a cluster (checked reachable first) or start a local one.
 
-Only the CLI calls init_ray, and only the CLI shuts Ray down: library code never does.
+matrix.api opens it (init_ray) and shuts down only what it opened (release): nothing below the API
+does either, and a connection the caller already holds is used as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import socket
+import sys
 from pathlib import Path
 
 from common.errors import UserError
@@ -50,8 +53,37 @@ def _has_token() -> bool:
     )
 
 
+def connected() -> bool:
+    """Whether this process already holds a Ray connection (a caller's own: it is used as it is)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def release(owned: bool) -> None:
+    """Shut down the connection a call of matrix.api opened (owned), never one its caller holds."""
+    if owned and connected():
+        sys.modules["ray"].shutdown()
+
+
+@contextlib.contextmanager
+def signals_restored():
+    """A call of matrix.api turns SIGTERM into an interrupt while it runs (sigterm_interrupts); the
+    caller's own handler is back when it returns."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def init_ray(address: str | None):
-    """Connect to a cluster or start a local one. Only the CLI calls this (and shutdown).
+    """Connect to a cluster or start a local one; a connection this process already holds is used as
+    it is. matrix.api calls this and shuts down what it opened (`release`); nothing below it does.
 
     Ray's ports listen on every interface, so neither kind is left without authentication:
     joining, token mode is on whenever a token is given (Ray's driver never turns it on by
@@ -65,6 +97,8 @@ def init_ray(address: str | None):
         os.environ.setdefault("RAY_AUTH_TOKEN_PATH", str(_token_file()))
     import ray
 
+    if ray.is_initialized():  # the caller's own connection (a notebook's, a second call's)
+        return ray
     if address:
         check_reachable(address)
         try:

@@ -4,7 +4,7 @@ Before the first cell can capture, the driver tokenises the corpus (for a GGUF's
 tokenizer, a vocabulary load of its own) and its host starts a process and loads the engine
 (docs/benchmark-notes.md times both). Neither needs the other, so the
 local executor starts that host now: the run's first cell is its first model's reference
-(matrix/run/runner.py execute starts references first), and the executor hands the host over when
+(matrix/run/execute.py starts references first), and the executor hands the host over when
 the run asks for that cell with the same arguments (matrix/run/local.py LocalExecutor.prestart).
 
 Only where the cell's arguments can be had without the corpus (a model from a GGUF alone, one

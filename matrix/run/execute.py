@@ -99,7 +99,7 @@ def _begin(
     spec = plan.spec
     wh.create()
     wh.write_probe(nonce)
-    mark_interrupted_runs(wh, log)  # also done by the CLI before planning; here for direct callers
+    mark_interrupted_runs(wh, log)  # also done by matrix.api.run before planning; here for direct callers
     for p in wh.sweep_tmp():
         log(f"removed a partial file left by an interrupted run: {p}")
     for m in plan.models.values():

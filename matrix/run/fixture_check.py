@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from analysis.card import hardware
+from analysis.disclosure import hardware
 from common import ids
 from common.errors import UserError
 from common.stack import Cell, StackDesc
@@ -105,7 +105,9 @@ def _stack_cell(model_name: str, engine: str, dtype: str, attention: str, device
     if cls is None:
         raise UserError(f"fixture check: --engine {engine}: no such engine installed")
     stack = StackDesc(engine, dtype, attention, device, 1, model_name)
-    cell = Cell(stack, ids.check_cell_id(engine, dtype, attention), threads)
+    cell = Cell(stack, ids.check_cell_id(engine, dtype, attention), threads).bound(
+        None
+    )  # never written: its id is its own
     why = cls.unsupported(cell)
     if why:
         raise UserError(f"fixture check: {why}")

@@ -8,7 +8,7 @@ One path per kind of start, chosen by what the backend class declares (backends/
     workers_in_group(cell)        the engine starts Ray workers into the cell's group (vLLM's Ray executor)
 
 Rows of a node that cannot see the warehouse reach it through the driver's depot (actors/depot.py).
-Only the CLI connects to Ray and shuts it down (matrix/run/cluster.py).
+matrix.api connects to Ray and shuts down what it opened (matrix/run/cluster.py); nothing here does.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The run loop: the cells in flight, the calls queued on their actors, and what to do next.
 
-matrix/run/runner.py plans a run and calls Sweep.loop. Each cell is scheduled here, judged alone by
+matrix/run/runner.py plans a run; matrix/run/execute.py calls Sweep.loop. Each cell is scheduled here, judged alone by
 the retry policy (matrix/run/retry.py) when one of its calls raises, and its outcome recorded by
 matrix/run/outcome.py, so one cell's failure never ends the others. The loop owns its progress:
 the repeats still to capture start as the plan's and shrink as a retried cell's shards complete.

@@ -24,7 +24,7 @@ class Matrix:
 
     spec: Spec
     cells: tuple[Cell, ...]
-    skipped: tuple[dict, ...] = ()  # {axes..., "cell_id": the combination's stack id, "reason": ...}
+    skipped: tuple[dict, ...] = ()  # {axes..., "stack_id": the combination's stack id, "reason": ...}
     reference_stacks: dict[str, ids.StackId] = field(default_factory=dict)  # model -> its reference (replica 0)
 
 
@@ -204,7 +204,7 @@ def _candidate_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped
     for cell in candidates.cells(spec, corpus_fp, make_cell_id, cell_options, cell_extras):
         reason = unsupported(cell)
         if reason:
-            skipped.append({**cell.axes(), "cell_id": cell.stack_id, "reason": reason})
+            skipped.append({**cell.axes(), "stack_id": cell.stack_id, "reason": reason})
         elif cell.stack_id not in seen:
             seen.add(cell.stack_id)
             cells.append(cell)
@@ -251,7 +251,7 @@ def _combo_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: li
         if reason is None and foreign:
             reason = f"engine {cell.engine} takes no option {foreign[0]}"
         if reason:
-            skipped.append({**cell.axes(), "cell_id": cid, "reason": reason})
+            skipped.append({**cell.axes(), "stack_id": cid, "reason": reason})
             continue
         cells.append(cell)
         for i in range(1, combo.get("replicas", spec.replicas)):  # the same stack on other nodes
@@ -267,7 +267,7 @@ def expand(spec: Spec) -> Matrix:
     _candidate_cells(spec, corpus_fp, seen, cells, skipped)
     if not cells:
         raise UserError(
-            f"{spec.path}: no runnable cell: " + "; ".join(f"{s['cell_id']}: {s['reason']}" for s in skipped[:3])
+            f"{spec.path}: no runnable cell: " + "; ".join(f"{s['stack_id']}: {s['reason']}" for s in skipped[:3])
         )
     refs = _references(spec, cells, skipped)
     if refs:

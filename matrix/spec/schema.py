@@ -40,14 +40,21 @@ def enum(*values) -> dict:
 
 POS_INT = {"type": "integer", "minimum": 1}
 SECONDS = {"type": ["number", "null"], "exclusiveMinimum": 0}
-AXES = {
-    "model": {"type": "string"},
-    "engine": enum(*backends.engines()),  # the registered engines (entry points included) and what they declare
-    "dtype": enum(*backends.dtypes()),
-    "attention": enum(*backends.attentions()),
-    "tp": POS_INT,
-    "device": enum(*backends.devices()),
-}
+
+
+def axes() -> dict[str, dict]:
+    """Each axis's JSON schema: the registered engines (entry points included) and what they declare,
+    read when asked (backends.refresh() after an engine is installed in this process shows it here)."""
+    return {
+        "model": {"type": "string"},
+        "engine": enum(*backends.engines()),
+        "dtype": enum(*backends.dtypes()),
+        "attention": enum(*backends.attentions()),
+        "tp": POS_INT,
+        "device": enum(*backends.devices()),
+    }
+
+
 AXIS_ABOUT = {
     "model": "a model's name (models[].name, or the catalog name)",
     "engine": "the engine",
@@ -128,7 +135,7 @@ CELL_EXTRA = {
 
 def _entry(extra_ok: bool) -> dict:
     """JSON Schema of an include entry (extra_ok) or of an exclude / reference selector."""
-    props = dict(AXES)
+    props = axes()
     if extra_ok:
         props.update({k: nullable(j) if k in ("threads", "max_tokens") else j for k, (j, _) in CELL_EXTRA.items()})
         props.update({k.name: k.json for k in OPTIONS})
@@ -146,7 +153,7 @@ def nullable(j: dict) -> dict:
 
 
 def _axis(key: str, default: list, about: str) -> Key:
-    return Key(key, one_or_list(AXES[names.SPEC_AXES[key]]), about, default)
+    return Key(key, one_or_list(axes()[names.SPEC_AXES[key]]), about, default)
 
 
 def top() -> tuple[Key, ...]:
