@@ -44,8 +44,9 @@ def kld(
         raise UserError(f"--text {text}: no such file")
     spec_path, asked, new = job.write_job(ref, cands, text_file, n_ctx, threads, warehouse, log, keep_rows)
     log(f"the job's spec: {spec_path} (`matrix run {spec_path} --warehouse {warehouse}` repeats it)")
-    result, refused = _run_job(spec_path, warehouse, executor or ("ray" if address else "local"), address, log)
-    stacks = _candidate_stacks(spec_path, asked, refused)
+    result, refused, stacks = _run_job(
+        spec_path, asked, warehouse, executor or ("ray" if address else "local"), address, log
+    )
     done, anything = _done_cells(warehouse, stacks)
     failed = {job.file_of(a) for a in asked} - {job.file_of(a) for a, _ in done}
     job.forget(warehouse, failed, drop_job=new and not anything)
@@ -64,17 +65,25 @@ def kld(
 
 
 def _run_job(
-    spec_path: Path, warehouse: str, executor: str, address: str | None, log
-) -> tuple[RunResult | None, str | None]:
-    """(the run's result, what it refused): one candidate's failure is its own, so a refusal is
-    returned for the others to be reported, not raised."""
-    refused, result = None, None
+    spec_path: Path, asked: list[dict], warehouse: str, executor: str, address: str | None, log
+) -> tuple[RunResult | None, str | None, list[tuple[dict, str]]]:
+    """(the run's result, what it refused, (candidate entry, its stack id) for each candidate asked
+    for): the job's spec is expanded once, for the run and for finding the candidates' cells. One
+    candidate's failure is its own, so a refusal is returned for the others to be reported, not raised."""
+    from matrix.spec.cells import load_spec
+    from matrix.spec.kld import file_of
+
     try:
-        result = run(spec_path, warehouse, executor=executor, address=address, log=log)
-        refused = result.bad_input
+        matrix = load_spec(spec_path)
+    except UserError as e:  # the job's spec itself refused: nothing runs, no candidate has a cell
+        return None, str(e), []
+    by_file = {c.artifact: c.stack_id for c in matrix.cells if c.artifact is not None}
+    stacks = [(a, by_file[file_of(a)]) for a in asked]
+    try:
+        result = run(matrix, warehouse, executor=executor, address=address, log=log)
     except UserError as e:  # refused before anything ran, or a file refused where it ran
-        refused = str(e)
-    return result, refused
+        return None, str(e), stacks
+    return result, result.bad_input, stacks
 
 
 def _threads(threads: int | None, address: str | None) -> int:
@@ -86,22 +95,6 @@ def _threads(threads: int | None, address: str | None) -> int:
             "count says nothing of theirs)"
         )
     return threads or os.cpu_count() or 1
-
-
-def _candidate_stacks(spec_path: Path, asked: list[dict], refused: str | None) -> list[tuple[dict, str]]:
-    """(candidate entry, its stack id) for each candidate asked for, in the order given; none where
-    the job's spec itself was refused (said by `refused`)."""
-    from matrix.spec.cells import load_spec
-    from matrix.spec.kld import file_of
-
-    try:
-        spec = load_spec(spec_path)
-    except UserError:
-        if refused is None:
-            raise
-        return []
-    by_file = {c.artifact: c.stack_id for c in spec.cells if c.artifact is not None}
-    return [(a, by_file[file_of(a)]) for a in asked]
 
 
 def _done_cells(warehouse: str, stacks: list[tuple[dict, str]]) -> tuple[list[tuple[dict, str]], bool]:
