@@ -47,6 +47,8 @@ class StackHost:
         self.direct = False  # whether this node writes shards into the warehouse itself
         self.rank = 0
         self._load_outcome: Exception | bool = False  # False: not loaded; True: loaded; else load's error
+        # the loaded weights: how they reached this node, the cell whose load() put them here, its build
+        self.weights: dict[str, Any] | None = None
         self.warmup = None  # actors.inline_metrics.Warmup, when this cell measures its rows in the actor
 
     def _loaded(self) -> None:
@@ -120,22 +122,59 @@ class StackHost:
         # it can); it may load before the driver has written this run's probe (matrix/run/early.py)
         self.direct = self.delivery.depot is None or Warehouse.reaches(self.delivery.warehouse, self.delivery.nonce)
         self.backend.load()
+        self.weights = {"model_via": model_via, "loaded_by": None, "built": built, "load_seconds": None}
+        out = self._answer(t0)
+        self.weights.update(loaded_by=self.stack.cell_id, load_seconds=out["load_seconds"])
+        return out
+
+    def switch(self, stack: StackDesc) -> dict[str, Any]:
+        """The next cell of the weights this host holds (Backend.weights_key), in turn after the
+        last one: the loaded engine taken over (Backend.switch), or loaded afresh where it cannot
+        be; answers as load() does, with `loaded_by`: the cell whose load put the weights here."""
+        extras.adopt(stack.extra_targets)
+        self.stack, self._load_outcome = stack, False
+        try:
+            t0 = time.perf_counter()
+            held = self.backend is not None and self.weights is not None
+            if held and self.backend.switch(self._on_node(stack)):
+                out = self._answer(t0)
+            else:
+                self.close()
+                self.backend = self.weights = None
+                out = self._load(None, None, ())
+        except Exception as e:
+            self._load_outcome = e
+            raise
+        self._load_outcome = True
+        return out
+
+    def _on_node(self, stack: StackDesc) -> StackDesc:
+        """stack with this node's copies of the files the loaded stack was built from (the same
+        weights_key: the same files)."""
+        here = self.backend.stack
+        return dataclasses.replace(stack, source_gguf=here.source_gguf, artifact=here.artifact)
+
+    def _answer(self, t0: float) -> dict[str, Any]:
+        """What load() and switch() answer: the stack's settings as the engine runs it now, where
+        its weights came from, and this host's facts."""
         settings = self.backend.settings()
         for x, v in extras.of(self.stack):  # what an extra's hook records of the engine's rule
             settings.update(x.settings(self.backend, v))
+        w = self.weights
         return {
             "settings": settings,
             "versions": settings.pop("versions", {}),
             "artifact": settings.pop("artifact", None),
             "vocab_size": self.backend.vocab_size(),
             "load_seconds": time.perf_counter() - t0,
+            "loaded_by": w["loaded_by"],
             "host": socket.gethostname(),
             "node_id": self.node_id(),
             "fingerprint": fingerprint(),
-            "model_via": model_via,
+            "model_via": w["model_via"],
             "rows_via": "node" if self.direct else "driver",
-            "build": built["build"],
-            "build_libraries": built["libraries"],
+            "build": w["built"]["build"],
+            "build_libraries": w["built"]["libraries"],
             "pid": os.getpid(),
         }
 

@@ -86,6 +86,19 @@ class Backend:
         return 4 if cell.dtype in ("fp32", "f32") else 2
 
     @classmethod
+    def weights_key(cls, stack: StackDesc) -> str | None:
+        """What of a stack its loaded weights depend on. Cells of one run with the same key (and the
+        same model, engine build, device, threads and node) run in turn on one host, each taking
+        the loaded model over with switch() instead of loading it again. None: each cell loads its own."""
+        return None
+
+    def switch(self, stack: StackDesc) -> bool:
+        """Take over this loaded engine for another stack of the same weights_key (another
+        attention, other per-cell extras or max_tokens); False where it cannot, and the host
+        loads the stack afresh. An exception here is the new stack's own (a SkipCell skips it)."""
+        return False
+
+    @classmethod
     def workers_in_group(cls, cell) -> bool:
         """True: the engine starts its own Ray workers, into the placement group the runner makes
         for the cell (its actor sits in bundle 0 and captures child tasks)."""

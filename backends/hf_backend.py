@@ -6,6 +6,7 @@ capability flags without them.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 from typing import Any
 
@@ -61,6 +62,30 @@ class HFBackend(Backend):
         if reason is None and cell.dtype in hf_quant.DTYPES:
             reason = hf_quant.unsupported(cell.dtype, cell.opts, cell.device)
         return reason
+
+    @classmethod
+    def weights_key(cls, stack) -> str | None:
+        """Every field of the stack but those a loaded model changes at run time: the attention
+        implementation (PreTrainedModel.set_attn_implementation; an SDPA kernel is pinned per
+        forward anyway), the per-cell extras (hooks per forward) and max_tokens. Not for a
+        tensor-parallel cell: its ranks load together."""
+        if stack.tp > 1:
+            return None
+        free = {"attention": "", "cell_id": "", "max_tokens": None, "extras": (), "extra_targets": ()}
+        return repr(dataclasses.replace(stack, **free))
+
+    def switch(self, stack) -> bool:
+        """The loaded model under another stack's attention: transformers looks the attention
+        function up by config._attn_implementation at every forward, so the same weights then
+        compute what a model loaded with that implementation computes."""
+        if getattr(self, "model", None) is None or self.dist:
+            return False
+        impl = hf_sdpa.implementation(stack.attention)
+        if self.model.config._attn_implementation != impl:
+            self.model.set_attn_implementation(impl)
+        self.stack = stack
+        hf_sdpa.check(self._torch, self.model, stack.attention, self.torch_device, self._grad_off())
+        return True
 
     def load(self) -> None:
         import torch

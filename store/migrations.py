@@ -118,4 +118,9 @@ MIGRATIONS = {
         "written before read as null there; `matrix analyze` recomputes them (the metric kernel's version is "
         "part of each output's key).",
     ),
+    15: Migration(
+        "shared_hosts",
+        "cells.loaded_by (the cell whose load put the weights a cell ran on in its host, under `hosts: shared`). "
+        "Columns only: cells written before read as null there (each loaded its own).",
+    ),
 }

@@ -1,11 +1,11 @@
-"""Warehouse schema, version 14: the current tables and columns. What each version changed, and
+"""Warehouse schema, version 15: the current tables and columns. What each version changed, and
 how an older warehouse is brought up to this one: store/migrations.py.
 
 Layout (one directory per table; readers glob ``*.parquet``; writers go
 through a hidden temp file and an atomic rename, so a killed run never leaves
 a half-written file that a reader sees)::
 
-    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 14}
+    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 15}
     runs/<run_id>.parquet               one row per `matrix run` that had work to do
     cells/<cell_id>.parquet             one row per completed cell (rewritten on resume)
     prompts/<prompt_id>.parquet         one row per tokenised prompt
@@ -35,7 +35,7 @@ values not stored (llama-perplexity keeps no candidate's logits either).
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -140,6 +140,9 @@ CELLS = pa.schema(
         # JSON: a `prefix_cache: check` cell's second evaluations: {"rows_per_repeat", "hits": {prompt:
         # tokens the cache served}, "identical_rows", "max_abs_diff_vs_prefill"}
         ("prefix_cache", pa.string()),
+        # the cell whose load put the weights this cell ran on in its host (`hosts: shared`: it took the
+        # loaded model over, and load_seconds is the switch's); null: the cell loaded them itself
+        ("loaded_by", pa.string()),
     ]
 )
 

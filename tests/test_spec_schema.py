@@ -50,6 +50,7 @@ def test_parsing_takes_its_keys_and_defaults_from_the_schema():
         "options",
         "centroid",
         "replicas",
+        "hosts",
         "retries",
         "load_timeout_s",
         "capture_timeout_s",
@@ -62,6 +63,7 @@ def test_parsing_takes_its_keys_and_defaults_from_the_schema():
     )
     assert parse.CENTROID_DEFINITIONS == ("mean_prob", "mean_logprob", "none")
     assert parse.KEEP_ROWS == ("all", "references")
+    assert parse.HOSTS == ("shared", "per_cell")
     assert parse.OPTION_KEYS == {
         "kv_cache": ("f16", "f32", "q8_0"),
         "n_batch": int,

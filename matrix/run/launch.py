@@ -76,6 +76,9 @@ class Executor(Protocol):
     def start(
         self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, work: Work
     ) -> Started: ...
+    def reuse(
+        self, started: Started, cell: Cell, desc: StackDesc, work: Work
+    ) -> Started: ...  # the next cell of a shared host, on the same host (its switch first)
     def stop(self, started: Started) -> None: ...  # kill the cell's hosts (their calls fail)
     def close(self, started: Started) -> None: ...  # close the engines, wait for them
     def wait(self, futures: list, timeout: float) -> list: ...  # the first ready future(s), or []
@@ -100,6 +103,17 @@ def queue_calls(started: Started, cell: Cell, work: Work, call: Callable[..., An
             Call(Kind.CAPTURE, cell.cell_id, r)
         )
     return started
+
+
+def reuse_host(started: Started, cell: Cell, desc: StackDesc, work: Work, call: Callable[..., Any]) -> Started:
+    """The calls of the next cell of a shared host (`hosts: shared`), queued after its last cell's:
+    switch (the loaded model taken over, or loaded afresh), then parity and captures."""
+    host = started.actor
+    nxt = Started(host, group=started.group)
+    if measures_in_host(cell, work):  # returns at once (a thread), as before a load
+        call(host, "warm_metrics", work.vocab)
+    nxt.calls[call(host, "switch", desc)] = Call(Kind.LOAD, cell.cell_id)
+    return queue_calls(nxt, cell, work, call)
 
 
 def measures_in_host(cell: Cell, work: Work) -> bool:

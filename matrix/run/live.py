@@ -30,3 +30,14 @@ class Live:
     capture_limit_s: float = 0.0  # capture_timeout_s, or its default for this cell's tokens
     inline: dict = field(default_factory=dict)  # repeat -> metrics its actor measured (reference_metrics: in_actor)
     extras: dict = field(default_factory=dict)  # per-cell extra key -> its part of each capture's manifest
+    host_key: str | None = None  # its host's key when the host is shared (Host), else None
+
+
+@dataclass
+class Host:
+    """A host shared by the cells of one loaded model (spec `hosts: shared`): the cell it runs now
+    (`started`) and the cells queued to take it over in turn, each with the reference it measures
+    against (or None)."""
+
+    started: launch.Started
+    queue: list[tuple[Cell, str | None]] = field(default_factory=list)

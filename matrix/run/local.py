@@ -24,7 +24,7 @@ from common.errors import UserError
 from common.files import cache_root
 from common.stack import Cell, ModelCopy, StackDesc
 from matrix.run import placement
-from matrix.run.launch import Call, Kind, Started, Work, measures_in_host, queue_calls
+from matrix.run.launch import Call, Kind, Started, Work, measures_in_host, queue_calls, reuse_host
 from matrix.run.local_node import NODE_ID, gpu_pool, local_node
 from matrix.run.local_worker import Future, Worker, interpreter
 
@@ -126,6 +126,11 @@ class LocalExecutor:
         queue_calls(started, cell, work, lambda host, method, *args: host.call(method, *args))
         self._pump()
         return started
+
+    def reuse(self, started: Started, cell: Cell, desc: StackDesc, work: Work) -> Started:
+        w = started.actor
+        w.cell_id = cell.cell_id  # what its WorkerDied says from now on
+        return reuse_host(started, cell, desc, work, lambda host, method, *args: host.call(method, *args))
 
     def _pump(self) -> None:
         """Start waiting hosts, first come first served, while their CPUs and GPUs are free."""

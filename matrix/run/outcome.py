@@ -108,6 +108,7 @@ def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse, attempts: int =
         rows_via=loaded["rows_via"],
         model_via=loaded["model_via"],
         load_seconds=loaded["load_seconds"],
+        loaded_by=loaded.get("loaded_by"),
         storage=StorageFloor.of_captures(live.storage).to_json(),
         **extra_columns(live),
         capture_seconds=live.capture_s,
@@ -202,7 +203,8 @@ class Outcomes:
             if result["model_via"] not in ("local", "gguf") or result["rows_via"] != "node"
             else ""
         )
-        self.log(f"loaded {cid} on {result['host']} (pid {result['pid']}) in {result['load_seconds']:.1f}s{away}")
+        how = f"{cid} took over the model {result['loaded_by']} loaded" if result.get("loaded_by") else f"loaded {cid}"
+        self.log(f"{how} on {result['host']} (pid {result['pid']}) in {result['load_seconds']:.1f}s{away}")
 
     def parity(self, live: Live, cid: str, result: dict) -> None:
         live.parity = result

@@ -21,7 +21,7 @@ import ray
 from backends import backend_class
 from common.stack import Cell, ModelCopy, StackDesc
 from matrix.run import placement
-from matrix.run.launch import Call, Kind, Started, Work, measures_in_host, queue_calls
+from matrix.run.launch import Call, Kind, Started, Work, measures_in_host, queue_calls, reuse_host
 
 
 def _ranks(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, delivery) -> Started:
@@ -124,6 +124,9 @@ class RayExecutor:
             )
         )
         return queue_calls(started, cell, work, lambda a, method, *args: getattr(a, method).remote(*args))
+
+    def reuse(self, started: Started, cell: Cell, desc: StackDesc, work: Work) -> Started:
+        return reuse_host(started, cell, desc, work, lambda a, method, *args: getattr(a, method).remote(*args))
 
     def stop(self, started: Started) -> None:
         """Kill the cell's actors and free its group (pending calls on them fail; nobody waits on them)."""

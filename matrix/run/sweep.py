@@ -12,11 +12,12 @@ import os
 import time
 from typing import Callable
 
+from backends import backend_class
 from common.stack import Cell
 from matrix.run import launch, placement, retry
 from matrix.run.failures import Failure
 from matrix.run.launch import Call, Kind
-from matrix.run.live import Live
+from matrix.run.live import Host, Live
 from matrix.run.outcome import Outcomes
 from matrix.run.plan import Plan
 from matrix.spec.cells import model_copy, stack_desc
@@ -38,6 +39,7 @@ class Sweep:
         self.live: dict[str, Live] = {}
         self.pending: dict = {}  # object ref -> launch.Call
         self.waiting: dict[str, list[Cell]] = {}  # model -> cells started once its reference is done
+        self.hosts: dict[str, Host] = {}  # host key -> a host shared by the cells of one loaded model
 
     def start(self, cell: Cell) -> None:
         """Start a cell; under `reference_metrics: in_actor` a model's other cells wait for its
@@ -66,20 +68,37 @@ class Sweep:
             self._start(cell, ref if ref in self.out.finished else None)
 
     def _start(self, cell: Cell, metrics_ref: str | None) -> None:
-        plan = self.plan
-        mp = plan.models[cell.model]
-        model, threads, repeats = (
-            mp.resolved,
-            placement.cell_threads(cell, self.nodes),
-            self.todo[cell.cell_id],
-        )
+        """A host of its own for the cell, or a place in the queue of the host that holds its weights."""
+        threads = placement.cell_threads(cell, self.nodes)
+        key = self._host_key(cell, threads)
+        if key in self.hosts:  # that host's cell ends first; this one takes the loaded model over then
+            self.hosts[key].queue.append((cell, metrics_ref))
+            self.out.units_total += len(self.todo[cell.cell_id])
+            return
+        model, work = self.plan.models[cell.model].resolved, self._work(cell, metrics_ref)
+        started = self.ex.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
+        if key is not None:
+            self.hosts[key] = Host(started)
+        self._live(cell, started, threads, key)
+        self.out.units_total += len(work.repeats)
+
+    def _host_key(self, cell: Cell, threads: int) -> str | None:
+        """What cells sharing one host have in common (Backend.weights_key, the build, the device, the
+        threads, the nodes it may run on, the replica); None: the cell loads in a host of its own."""
+        if self.plan.spec.hosts != "shared":
+            return None
+        weights = backend_class(cell.engine).weights_key(cell.stack)
+        return None if weights is None else repr((cell.engine, threads, cell.pin, cell.replica, weights))
+
+    def _work(self, cell: Cell, metrics_ref: str | None) -> launch.Work:
+        plan, mp = self.plan, self.plan.models[cell.model]
         # keep_rows: references drops the values of a cell's rows only where its host measures them
         values = plan.spec.keep_rows == "all" or metrics_ref in (None, cell.cell_id)
-        work = launch.Work(
+        return launch.Work(
             self.out.run_id,
             self.delivery,
             plan.spec.positions,
-            repeats,
+            self.todo[cell.cell_id],
             [(p.prompt_id, p.text, p.token_ids) for p in mp.prompts],
             mp.special,
             mp.vocab,
@@ -87,49 +106,109 @@ class Sweep:
             metrics_ref,
             values,
         )
-        started = self.ex.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
-        limit = retry.capture_limit(plan.spec.capture_timeout_s, mp.prompts, cell)
+
+    def _live(self, cell: Cell, started: launch.Started, threads: int, key: str | None, phase: str = "placing"):
+        repeats = self.todo[cell.cell_id]
+        limit = retry.capture_limit(self.plan.spec.capture_timeout_s, self.plan.models[cell.model].prompts, cell)
         self.live[cell.cell_id] = Live(
-            cell, started, threads, len(repeats), repeats=sorted(repeats), capture_limit_s=limit
+            cell,
+            started,
+            threads,
+            len(repeats),
+            repeats=sorted(repeats),
+            capture_limit_s=limit,
+            host_key=key,
+            phase=phase,
         )
         self.pending.update(started.calls)
-        self.out.units_total += len(repeats)
+
+    def _hand_over(self, key: str) -> bool:
+        """The next queued cell takes over the shared host `key` (whose cell has ended): its switch,
+        parity and captures queued on it. False: nothing was queued (the host is gone)."""
+        host = self.hosts[key]
+        if not host.queue:
+            del self.hosts[key]
+            return False
+        cell, metrics_ref = host.queue.pop(0)
+        model = self.plan.models[cell.model].resolved
+        host.started = self.ex.reuse(host.started, cell, stack_desc(cell, model), self._work(cell, metrics_ref))
+        self._live(cell, host.started, placement.cell_threads(cell, self.nodes), key, phase="loading")
+        return True
+
+    def _own_host(self, live: Live) -> Host | None:
+        """The shared host the cell runs on now, if it runs on one."""
+        host = self.hosts.get(live.host_key) if live.host_key else None
+        return host if host is not None and host.started is live.started else None
+
+    def _forget(self, cid: str) -> Live:
+        """A cell's calls forgotten (those still queued on its host run and are not waited for)."""
+        for fut in [f for f, call in self.pending.items() if call.cell_id == cid]:
+            del self.pending[fut]
+        return self.live.pop(cid)
 
     def drop(self, cid: str) -> None:
         """Stop a cell's actors and forget its calls."""
-        for fut in [f for f, call in self.pending.items() if call.cell_id == cid]:
-            del self.pending[fut]
-        self.ex.stop(self.live.pop(cid).started)
+        self.ex.stop(self._forget(cid).started)
 
-    def end(self, cid: str, verdict: retry.Verdict, reason: str = "", failure: Failure | None = None) -> None:
+    def end(
+        self, cid: str, verdict: retry.Verdict, reason: str = "", failure: Failure | None = None, kind=None
+    ) -> None:
         """The one way a cell in flight ends before it is done: skipped, started again, or failed.
-        Its captures still out leave the total; its complete shards stay."""
+        Its captures still out leave the total; its complete shards stay. A shared host goes on to
+        its next cell only after a cell it could not load (a SkipCell from its load): after any
+        other failure it may be unusable (a CUDA error), so it is stopped and the queued cells
+        start on a fresh one."""
         live = self.live[cid]
         self.out.units_total -= live.left
-        self.drop(cid)
+        host = self._own_host(live)
+        keep = host is not None and verdict is retry.Verdict.SKIP and live.loaded is None
+        queued = []
+        if keep:
+            self._forget(cid)
+        else:
+            self.drop(cid)
+            if host is not None:
+                queued = self.hosts.pop(live.host_key).queue
         attempt = self.attempts.get(cid, 1)
         if verdict is retry.Verdict.RETRY:
-            self.log(
-                f"{cid}: {failure.line()} -- starting it again (attempt {attempt + 1} of at most "
-                f"{failure.retries_allowed(self.plan.spec.retries) + 1})"
-            )
-            # shards the dead actor finished are kept, but for one without values (keep_rows: references):
-            # what its actor measured died with it, and only a capture measures it again
-            done = {r for r in self.wh.completed_repeats(cid) if self.wh.shard_keeps_values(cid, r)}
-            self.todo[cid] = [r for r in self.todo[cid] if r not in done]
-            self.attempts[cid] = attempt + 1
-            self.start(live.cell)
-            return
-        if verdict is retry.Verdict.SKIP:
+            self._retry(live, failure, attempt)
+        elif verdict is retry.Verdict.SKIP:
             self.out.skipped(live, reason)
         else:
             self.out.failed_cell(live, failure, attempt)
-        self._reference_over(live.cell)
+        if verdict is not retry.Verdict.RETRY:
+            self._reference_over(live.cell)
+        if keep and not self._hand_over(live.host_key):
+            self.ex.stop(live.started)
+        for cell, metrics_ref in queued:  # a fresh host for them: the retried cell's, or the first's
+            self.out.units_total -= len(self.todo[cell.cell_id])
+            self._start(cell, metrics_ref)
+
+    def _retry(self, live: Live, failure: Failure, attempt: int) -> None:
+        cid = live.cell.cell_id
+        self.log(
+            f"{cid}: {failure.line()} -- starting it again (attempt {attempt + 1} of at most "
+            f"{failure.retries_allowed(self.plan.spec.retries) + 1})"
+        )
+        # shards the dead actor finished are kept, but for one without values (keep_rows: references):
+        # what its actor measured died with it, and only a capture measures it again
+        done = {r for r in self.wh.completed_repeats(cid) if self.wh.shard_keeps_values(cid, r)}
+        self.todo[cid] = [r for r in self.todo[cid] if r not in done]
+        self.attempts[cid] = attempt + 1
+        self.start(live.cell)
 
     def _finish(self, cid: str) -> None:
         live = self.live[cid]
 
         def close():
+            if self._own_host(live) is not None:
+                self._forget(cid)
+                self._reference_over(live.cell)  # its waiting cells of the same weights queue on this host
+                if self._hand_over(live.host_key):
+                    return
+                self.ex.close(live.started)
+                self.ex.stop(live.started)
+                return
             self.ex.close(live.started)
             self.drop(cid)  # its CPUs and GPUs are free: a reference's waiting cells start on them now
             self._reference_over(live.cell)
@@ -239,6 +318,9 @@ class Sweep:
                 + ", ".join(f"{cid} {lv.phase} for {now - lv.since:.0f}s" for cid, lv in busy[:3])
                 + (f" and {len(busy) - 3} more" if len(busy) > 3 else "")
             )
+        queued = sum(len(h.queue) for h in self.hosts.values())
+        if queued:
+            state += f"; {queued} cell(s) queued to take over a loaded model"
         out = self.out
         return (
             f"waiting {time.perf_counter() - out.t0:.0f}s in: captures {out.units_done}/{out.units_total}, "

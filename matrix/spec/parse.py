@@ -40,6 +40,7 @@ STORES = TOP["store"].allowed
 # warehouse (a model's reference then runs before its other cells); analyze reuses them
 REFERENCE_METRICS = TOP["reference_metrics"].allowed
 KEEP_ROWS = TOP["keep_rows"].allowed
+HOSTS = TOP["hosts"].allowed
 TOP_KEYS = set(TOP) - set(extras.keys())  # the extras' keys are checked against the registry as it is then
 # none: no centroid and no pairwise tables (a job that asks only for KL against the reference)
 CENTROID = S.by_name(TOP["centroid"].keys)
@@ -80,6 +81,7 @@ class Spec:
     max_tokens: int | None = None
     extras: dict = field(default_factory=dict)  # per-cell extra key -> its parsed value (every cell's default)
     replicas: int = 1  # default copies of each stack, each on its own node
+    hosts: str = "shared"  # HOSTS: cells of one loaded model run in turn in one host, or each in its own
     retries: int = 2  # a cell whose actor or node died is started again up to this many times
     load_timeout_s: float = 3600.0  # from the actor's start: weights shipped, artifacts built, engine loaded
     capture_timeout_s: float | None = None  # per repeat (None: matrix/run/retry.py scales it by tokens fed)
@@ -331,6 +333,7 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
         max_tokens=check_threads(path, "max_tokens", data.get("max_tokens")),
         extras={k: parse_extra(path, k, k, data.get(k)) for k in extras.keys()},
         replicas=positive_int(path, data, "replicas", TOP["replicas"].default),
+        hosts=_one_of(path, data, "hosts", HOSTS),
         retries=retries(path, data, TOP["retries"].default),
         load_timeout_s=seconds(path, data, "load_timeout_s", TOP["load_timeout_s"].default),
         capture_timeout_s=seconds(path, data, "capture_timeout_s", TOP["capture_timeout_s"].default),

@@ -302,6 +302,14 @@ def _run_keys() -> list[Key]:
     """How the run places and retries cells, and how long it waits."""
     return [
         Key("replicas", POS_INT, "copies of each stack, each on its own node", 1),
+        Key(
+            "hosts",
+            enum("shared", "per_cell"),
+            "shared: cells of the same weights, engine build, device and threads run in turn in one "
+            "host on one loaded model (where the engine can switch, e.g. HF's attention); per_cell: "
+            "every cell loads in a host of its own",
+            "shared",
+        ),
         Key("retries", {"type": "integer", "minimum": 0}, "restarts of a cell whose actor or node died", 2),
         Key("load_timeout_s", SECONDS, "seconds a cell may take to load (weights shipped, artefacts built)", 3600.0),
         Key("capture_timeout_s", SECONDS, "seconds a repeat may take (null: scaled by the tokens fed)"),
