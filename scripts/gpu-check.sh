@@ -10,8 +10,8 @@
 #   scripts/gpu-check.sh --reference MODEL OUT_DIR     the CPU fp32 reference of the same model file
 #
 # MODEL: a GGUF (.gguf or .gguf.xz; dequantised here), an HF directory, or a .tar.xz of one. What
-# travels in 64 MiB with the tree: `matrix models cut smollm2-135m --layers 1 --gguf --out m.gguf
-# && xz -9 m.gguf` (31 MB). Then, where the reference was captured:
+# travels in 64 MiB with the tree: `matrix models cut smollm2-135m --layers 12 --gguf --out m.gguf
+# && xz -9 m.gguf` (51 MiB). Then, where the reference was captured:
 #   matrix merge OUT_DIR/warehouse --into REF_OUT/warehouse
 #   matrix analyze --warehouse REF_OUT/warehouse --reference "$(cat REF_OUT/reference-cell)"
 # Rows are kept small so every file under OUT_DIR stays under 16 MiB and all of them under
