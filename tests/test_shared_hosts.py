@@ -15,8 +15,6 @@ import pytest
 
 from tests.conftest import REPO, sql, write_spec
 
-pytestmark = pytest.mark.slow  # `matrix run` captures end to end
-
 ATTENTION = ["eager", "sdpa_math", "sdpa_flash"]
 HASHES = (
     "select c.stack_id, l.prompt_id, l.position, l.row_hash from logits l join cells c using (cell_id) order by all"
@@ -51,6 +49,7 @@ def per_cell(tiny_model, short_corpus, tmp_path_factory) -> Path:
     return d / "wh"
 
 
+@pytest.mark.slow  # `matrix run` captures end to end
 def test_one_load_per_dtype_gives_the_rows_of_one_host_per_cell(per_cell, tiny_model, short_corpus, tmp_path):
     p = _run(_spec(tmp_path, tiny_model, short_corpus, "shared"), tmp_path / "wh")
     out, err = p.communicate(timeout=900)
@@ -68,6 +67,7 @@ def test_one_load_per_dtype_gives_the_rows_of_one_host_per_cell(per_cell, tiny_m
     assert len(rows) > 1000 and rows == sql(per_cell, HASHES)  # every row's hash, stack by stack
 
 
+@pytest.mark.slow  # `matrix run` captures end to end
 def test_a_cell_failing_in_a_shared_host_leaves_the_others_rows(per_cell, tiny_model, short_corpus, tmp_path):
     """The fp32 host is killed while its second cell runs (retries: 0, so that cell fails): the
     first cell's rows stay, and the third starts on a fresh host and lands the rows it lands alone."""
@@ -91,6 +91,7 @@ def test_a_cell_failing_in_a_shared_host_leaves_the_others_rows(per_cell, tiny_m
     assert [r["cells_failed"] for r in sql(wh, "select cells_failed from runs")] == [1]
 
 
+@pytest.mark.slow  # `matrix run` captures end to end
 def test_ray_actors_are_shared_too(swept):
     """The Ray executor's sweep (fp32 and bf16, eager and sdpa): one actor load per dtype."""
     cells = sql(swept[1], "select cell_id, dtype, loaded_by from cells")
@@ -98,3 +99,31 @@ def test_ray_actors_are_shared_too(swept):
         mine = [c for c in cells if c["dtype"] == dtype]
         loader = [c["cell_id"] for c in mine if c["loaded_by"] is None]
         assert len(mine) == 2 and len(loader) == 1 and {c["loaded_by"] for c in mine} == {None, loader[0]}
+
+
+def test_cells_per_gpu_shares_each_gpu_among_that_many_hosts():
+    """The local executor's GPU pool (`cells_per_gpu: 2`): tp 1 hosts take half a GPU each, the
+    freest GPU first, and a whole-GPU host waits until one is free of them."""
+    from fractions import Fraction
+
+    from matrix.run.local import LocalExecutor
+    from matrix.run.local_worker import Worker
+
+    ex = LocalExecutor()
+    ex.gpu_free = {"0": Fraction(1), "1": Fraction(1)}
+    half = [Worker(f"c{i}", (), 1, 1, None, Fraction(1, 2)) for i in range(4)]
+    whole = Worker("w", (), 1, 1, None, Fraction(1))
+    got = []
+    for w in half:
+        ids = ex._gpus_for(w)
+        for g in ids:
+            ex.gpu_free[g] -= w.gpu_part
+        w.gpu_ids = ids
+        got.append(ids)
+    assert got == [["0"], ["1"], ["0"], ["1"]] and ex._gpus_for(half[0]) is None and ex._gpus_for(whole) is None
+    ex.running = half[:2]
+    ex._release(half[0])
+    assert ex._gpus_for(whole) is None  # GPU 0 still holds half[2]
+    ex.running = [half[2]]
+    ex._release(half[2])
+    assert ex._gpus_for(whole) == ["0"]

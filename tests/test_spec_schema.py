@@ -51,6 +51,7 @@ def test_parsing_takes_its_keys_and_defaults_from_the_schema():
         "centroid",
         "replicas",
         "hosts",
+        "cells_per_gpu",
         "retries",
         "load_timeout_s",
         "capture_timeout_s",

@@ -63,6 +63,7 @@ class Work:
     store: str = "native"  # how rows are stored: native | bf16 (matrix/spec/parse.py STORES)
     metrics_ref: str | None = None  # reference_metrics: in_actor: the reference cell whose repeat 0 is stored
     values: bool = True  # False (keep_rows: references, measured in its host): rows hashed, values not stored
+    gpu_share: int = 1  # cells_per_gpu: a tp 1 cell's host takes 1/gpu_share of a GPU
 
 
 class Executor(Protocol):

@@ -15,6 +15,7 @@ import contextlib
 import socket
 import subprocess
 import time
+from fractions import Fraction
 from multiprocessing.connection import wait as wait_conns
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,8 @@ class LocalExecutor:
         self.node = local_node()
         self.cpus = int(self.node.resources["CPU"])
         self.free_cpus = self.cpus
-        self.free_gpus = gpu_pool()[0] or (["0"] if self.node.resources.get("mps") else [])
+        # each GPU's share still free: a host of a tp 1 cell under `cells_per_gpu: N` takes 1/N of one
+        self.gpu_free = {g: Fraction(1) for g in gpu_pool()[0] or (["0"] if self.node.resources.get("mps") else [])}
         self.line: list[Worker] = []  # not started yet, in the order asked
         self.running: list[Worker] = []
         self.started = 0
@@ -82,7 +84,7 @@ class LocalExecutor:
 
         return Delivery(where, nonce, None)  # every host of this machine writes its own shards
 
-    def _worker(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, delivery) -> Worker:
+    def _worker(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, delivery, share: int = 1) -> Worker:
         gpus = cell.tp if placement.NEEDS[cell.device].gpu else 0
         return Worker(
             cell.cell_id,
@@ -90,6 +92,7 @@ class LocalExecutor:
             min(self.cpus, threads * cell.tp),
             gpus,
             backend_class(cell.engine).runtime_env(desc, threads),
+            Fraction(1, share) if gpus == 1 else Fraction(1),
         )
 
     def prestart(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, delivery) -> None:
@@ -110,13 +113,14 @@ class LocalExecutor:
         early, load = self.early.pop(w.cell_id, (None, None))
         if early is None:
             return w, None
-        if (early.init, early.cpus, early.gpus, early.env) == (w.init, w.cpus, w.gpus, w.env) and not early.gone:
+        same = (early.init, early.cpus, early.gpus, early.gpu_part, early.env)
+        if same == (w.init, w.cpus, w.gpus, w.gpu_part, w.env) and not early.gone:
             return early, load
         self.stop(Started(early))  # asked with other arguments: that one goes, this one starts
         return w, None
 
     def start(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, work: Work) -> Started:
-        w, load = self._adopt(self._worker(cell, desc, model, threads, work.delivery))
+        w, load = self._adopt(self._worker(cell, desc, model, threads, work.delivery, work.gpu_share))
         if load is None:
             self.line.append(w)
         if measures_in_host(cell, work):  # before load, so the two overlap (it returns at once: a thread)
@@ -134,24 +138,31 @@ class LocalExecutor:
 
     def _pump(self) -> None:
         """Start waiting hosts, first come first served, while their CPUs and GPUs are free."""
-        while (
-            not self.closing
-            and self.line
-            and self.line[0].cpus <= self.free_cpus
-            and self.line[0].gpus <= len(self.free_gpus)
-        ):
-            w = self.line.pop(0)
-            gpu_ids, self.free_gpus = self.free_gpus[: w.gpus], self.free_gpus[w.gpus :]
+        while not self.closing and self.line and self.line[0].cpus <= self.free_cpus:
+            w = self.line[0]
+            gpu_ids = self._gpus_for(w)
+            if gpu_ids is None:
+                return
+            self.line.pop(0)
+            for g in gpu_ids:
+                self.gpu_free[g] -= w.gpu_part
             self.free_cpus -= w.cpus
             self.running.append(w)
             self.started += 1
             w.spawn(gpu_ids, self.log_dir, self.started)
 
+    def _gpus_for(self, w: Worker) -> list[str] | None:
+        """The GPUs w's host gets now (the freest first, so shared hosts spread over the GPUs), or
+        None while too few have its share free."""
+        fits = sorted((g for g, free in self.gpu_free.items() if free >= w.gpu_part), key=lambda g: -self.gpu_free[g])
+        return fits[: w.gpus] if len(fits) >= w.gpus else None
+
     def _release(self, w: Worker) -> None:
         if w in self.running:
             self.running.remove(w)
             self.free_cpus += w.cpus
-            self.free_gpus = self.free_gpus + w.gpu_ids
+            for g in w.gpu_ids:
+                self.gpu_free[g] += w.gpu_part
 
     def stop(self, started: Started) -> None:
         for w in started.actors:

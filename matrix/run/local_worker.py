@@ -45,8 +45,11 @@ class Future:
 class Worker:
     """One host process: what it needs, its calls (queued until it starts), its futures."""
 
-    def __init__(self, cell_id: str, init: tuple, cpus: int, gpus: int, env: dict | None):
+    def __init__(self, cell_id: str, init: tuple, cpus: int, gpus: int, env: dict | None, gpu_part=1):
+        """gpus: how many GPUs the host holds; gpu_part: the share of each it takes (a Fraction:
+        1, or 1/N for a tp 1 cell under `cells_per_gpu: N`)."""
         self.cell_id, self.init, self.cpus, self.gpus, self.env = cell_id, init, cpus, gpus, env or {}
+        self.gpu_part = gpu_part
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.log: Path | None = None

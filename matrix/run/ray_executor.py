@@ -54,10 +54,11 @@ def _ranks(cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: l
 
 
 def _one_actor(
-    cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, delivery, warm: int | None = None
+    cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, nodes: list, work: Work, warm: int | None = None
 ) -> Started:
     """warm: the vocabulary of a cell that measures its rows in the actor (its kernel loads beside
-    the model)."""
+    the model). A tp 1 cell's actor takes 1/work.gpu_share of a GPU (`cells_per_gpu`)."""
+    delivery = work.delivery
     from actors.ray_actor import StackActor
 
     cls = backend_class(cell.engine)
@@ -73,6 +74,8 @@ def _one_actor(
             opts["num_cpus"] = threads * cell.tp
             if "num_gpus" in opts:
                 opts["num_gpus"] = cell.tp
+        elif "num_gpus" in opts and work.gpu_share > 1:  # Ray gives fractional GPUs of one device
+            opts["num_gpus"] = 1 / work.gpu_share
     env = cls.runtime_env(desc, threads)  # e.g. vLLM's own interpreter: its pins stay out of ours
     if env:
         opts["runtime_env"] = env
@@ -120,7 +123,7 @@ class RayExecutor:
             _ranks(cell, desc, model, threads, nodes, work.delivery)
             if ranks
             else _one_actor(
-                cell, desc, model, threads, nodes, work.delivery, work.vocab if measures_in_host(cell, work) else None
+                cell, desc, model, threads, nodes, work, work.vocab if measures_in_host(cell, work) else None
             )
         )
         return queue_calls(started, cell, work, lambda a, method, *args: getattr(a, method).remote(*args))

@@ -105,6 +105,7 @@ class Sweep:
             plan.spec.store,
             metrics_ref,
             values,
+            plan.spec.cells_per_gpu,
         )
 
     def _live(self, cell: Cell, started: launch.Started, threads: int, key: str | None, phase: str = "placing"):

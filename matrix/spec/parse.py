@@ -82,6 +82,7 @@ class Spec:
     extras: dict = field(default_factory=dict)  # per-cell extra key -> its parsed value (every cell's default)
     replicas: int = 1  # default copies of each stack, each on its own node
     hosts: str = "shared"  # HOSTS: cells of one loaded model run in turn in one host, or each in its own
+    cells_per_gpu: int = 1  # hosts of tp 1 cells that share one GPU at a time
     retries: int = 2  # a cell whose actor or node died is started again up to this many times
     load_timeout_s: float = 3600.0  # from the actor's start: weights shipped, artifacts built, engine loaded
     capture_timeout_s: float | None = None  # per repeat (None: matrix/run/retry.py scales it by tokens fed)
@@ -334,6 +335,7 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
         extras={k: parse_extra(path, k, k, data.get(k)) for k in extras.keys()},
         replicas=positive_int(path, data, "replicas", TOP["replicas"].default),
         hosts=_one_of(path, data, "hosts", HOSTS),
+        cells_per_gpu=positive_int(path, data, "cells_per_gpu", TOP["cells_per_gpu"].default),
         retries=retries(path, data, TOP["retries"].default),
         load_timeout_s=seconds(path, data, "load_timeout_s", TOP["load_timeout_s"].default),
         capture_timeout_s=seconds(path, data, "capture_timeout_s", TOP["capture_timeout_s"].default),

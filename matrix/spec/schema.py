@@ -310,6 +310,13 @@ def _run_keys() -> list[Key]:
             "every cell loads in a host of its own",
             "shared",
         ),
+        Key(
+            "cells_per_gpu",
+            POS_INT,
+            "hosts of tp 1 cells that share one GPU at a time (each asks 1/N of it): for models small "
+            "enough that N of them fit its memory together",
+            1,
+        ),
         Key("retries", {"type": "integer", "minimum": 0}, "restarts of a cell whose actor or node died", 2),
         Key("load_timeout_s", SECONDS, "seconds a cell may take to load (weights shipped, artefacts built)", 3600.0),
         Key("capture_timeout_s", SECONDS, "seconds a repeat may take (null: scaled by the tokens fed)"),
