@@ -312,3 +312,28 @@ def test_storage_keep_rounds_as_round_bf16_and_its_floor_is_the_float64_one(voca
     masked.keep(x[1:2])
     assert np.isclose(st.floor_sum - masked.floor_sum, exact.sum(), rtol=1e-4, atol=0)
     assert 1e-7 < exact.mean() < 1e-4
+
+
+def test_store_bf16_keeps_a_bf16_stacks_rows_as_they_are(tmp_path, tiny_model, short_corpus):
+    """A bf16 stack's rows are bf16 already: `store: bf16` stores them as the engine gave them (no
+    shift, no rounding), its floor is 0, and its rows hash as `store: native`'s do."""
+    got = {}
+    for store in ("native", "bf16"):
+        spec = write_spec(
+            tmp_path / f"{store}.yaml",
+            tiny_model,
+            short_corpus,
+            dtypes=["bf16"],
+            attention=["eager"],
+            repeats=1,
+            store=store,
+        )
+        r = run_cli("run", str(spec), "--warehouse", str(tmp_path / store), "--executor", "local")
+        assert r.returncode == 0, r.stderr[-3000:]
+        cell = sql(tmp_path / store, "select storage from cells")[0]
+        rows = sql(tmp_path / store, "select prompt_id, position, row_hash, shift from logits order by all")
+        got[store] = json.loads(cell["storage"]), rows
+    storage, rows = got["bf16"]
+    assert storage["store"] == "bf16" and storage["lossless"] and storage["storage_floor"] == 0.0
+    assert storage["rows_measured"] == 0 and {r["shift"] for r in rows} == {None}
+    assert len(rows) > 20 and rows == got["native"][1]
