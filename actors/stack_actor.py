@@ -1,5 +1,6 @@
-"""What hosts one loaded stack: a Ray actor (actors/ray_actor.py) or a worker process of the
-local executor (actors/local_host.py) holds one StackHost and runs its calls in order.
+"""What hosts one loaded stack: a Ray actor (actors/ray_actor.py) or a worker process of the local
+executor (actors/local_host.py) holds one StackHost and runs its calls in order. Under `hosts:
+shared` it then serves the next stacks of the same weights, in turn (switch()).
 
 Full-vocab float arrays never travel as Python objects. A node that sees the warehouse
 directory writes its Parquet shard itself; one that does not (another computer) sends each

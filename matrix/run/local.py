@@ -1,4 +1,5 @@
-"""The local executor: each cell's host is a worker process of this machine, without Ray.
+"""The local executor: each cell's host is a worker process of this machine, without Ray (under
+`hosts: shared`, one worker serves the cells of one loaded model in turn: reuse()).
 
 For a machine that cannot join a cluster (a locked-down GPU box, a laptop, a CI runner) or a job
 too small to pay for one. The run loop, the order rules, the retry policy and every row are the

@@ -1,4 +1,5 @@
-"""The Ray executor: each cell's hosts are Ray actors placed on the cluster's nodes.
+"""The Ray executor: each cell's hosts are Ray actors placed on the cluster's nodes (under `hosts: shared`,
+one actor serves the cells of one loaded model in turn: reuse()).
 
 One path per kind of start, chosen by what the backend class declares (backends/base.py):
 
