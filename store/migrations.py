@@ -118,4 +118,11 @@ MIGRATIONS = {
         "written before read as null there; `matrix analyze` recomputes them (the metric kernel's version is "
         "part of each output's key).",
     ),
+    15: Migration(
+        "length_refusals",
+        "cells.length_refusals (forwards the engine refused for their length: the prompts fed a longer prefix, "
+        "and those whose rows were left out, with the engine's reason), and a logits shard's footer key "
+        "logit_matrix.refused_rows (store/schema.py REFUSED_KEY) naming the prompts whose rows it lacks. "
+        "Columns only: older cells read as null there, and every shard before holds all its rows.",
+    ),
 }
