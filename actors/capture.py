@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
 
 import extras
-from backends.base import Backend
+from backends.base import Backend, LengthRefused
 from common.positions import Positions
 from store.floors import Storage
 
@@ -76,18 +77,24 @@ def capture_shard(
     max_tokens: keep only the sampled positions below it and feed just the prefix they
     need; logits at p depend on ids[0..p] only, so those rows mean what the full run's do.
     observe(prompt_id, positions, stored, shift): called with each prompt's rows as stored, in
-    prompt order, beside the shard's write of them (see _rows_beside for when)."""
+    prompt order, beside the shard's write of them (see _rows_beside for when).
+
+    A forward the engine refuses for its length (LengthRefused) is fed a longer prefix of the
+    prompt, or, where none is taken, that prompt's rows are left out (feed()); the manifest's
+    length_refusals says which (None: none), and the logits shard's footer names the prompts
+    left out (store/schema.py REFUSED_KEY)."""
     t0 = time.perf_counter()
     side = Extras(backend, side_writers or {})
     work = RowWork(Storage(store, reuse=True), writer, observe)  # done with a prompt's stored rows before the next
     stage = Overlap(beside=_rows_beside(backend, observe))
+    refused = Refusals()
     if not side.parts:  # only this loop calls forward(): a prompt's rows are done with two forwards later
         backend.keep_outputs(2)
     try:
-        dtype, forward_s = _forward_each(prompts, keep, max_tokens, side, partial(stage.submit, work))
+        dtype, forward_s = _forward_each(prompts, keep, max_tokens, side, partial(stage.submit, work), refused)
         stage.drain()
         side.commit()
-        path = writer.commit()
+        path = writer.commit(refused.skipped or None)
     except BaseException as e:
         stage.settle(e)  # the writer is never aborted under a write still in flight
         writer.abort()
@@ -105,6 +112,7 @@ def capture_shard(
         "array_dtype": dtype,
         "storage": work.storage.summary(),
         "extras": side.summary(),
+        "length_refusals": refused.summary(),
     }
 
 
@@ -118,10 +126,16 @@ def _rows_beside(backend: Backend, observe) -> bool:
 
 
 def _forward_each(
-    prompts: list[tuple[str, list[int]]], keep: Positions | int, max_tokens: int | None, side: Extras, hand_over
+    prompts: list[tuple[str, list[int]]],
+    keep: Positions | int,
+    max_tokens: int | None,
+    side: Extras,
+    hand_over,
+    refused: Refusals,
 ) -> tuple[str | None, float]:
-    """Each prompt's forward over the prefix its kept positions need, its rows handed over in
-    prompt order (hand_over(prompt_id, positions, next_ids, rows)).
+    """Each prompt's forward over the prefix its kept positions need (longer where the engine
+    refuses that length: feed()), its rows handed over in prompt order (hand_over(prompt_id,
+    positions, next_ids, rows)); a prompt whose every length is refused hands over nothing.
 
     -> (the rows' array dtype, or None when no prompt had a row; seconds spent in forward)."""
     keep = Positions.every(keep) if isinstance(keep, int) else keep
@@ -134,11 +148,76 @@ def _forward_each(
         # feeds less); only the prompt's last row has no next token.
         next_ids = [ids[p + 1] if p + 1 < len(ids) else None for p in positions]
         tf = time.perf_counter()
-        native = side.forward(prompt_id, ids, fed, positions)  # (rows, vocab), native dtype
+        got = feed(partial(side.forward, prompt_id, positions=positions), ids, len(fed), limit(ids, max_tokens))
+        if got.rows is not None:  # the extras' own work, once, on the rows kept
+            side.after(prompt_id, ids, ids[: got.tokens], positions, got.rows)
         forward_s += time.perf_counter() - tf
-        dtype = str(native.dtype)
-        hand_over(prompt_id, positions, next_ids, native)
+        refused.add(prompt_id, len(fed), len(positions), got)
+        if got.rows is not None:
+            dtype = str(got.rows.dtype)
+            hand_over(prompt_id, positions, next_ids, got.rows)  # (rows, vocab), native dtype
     return dtype, forward_s
+
+
+def limit(ids: list[int], max_tokens: int | None) -> int:
+    """The most of a prompt's ids a forward may be fed: all of them, or max_tokens."""
+    return len(ids) if max_tokens is None else min(len(ids), max_tokens)
+
+
+@dataclass
+class Fed:
+    """What feed() ran: the rows (None: every length refused), the tokens of the forward that
+    gave them, the lengths refused before, and the engine's reason for the last refusal."""
+
+    rows: np.ndarray | None
+    tokens: int
+    refused: list[int]
+    reason: str | None
+
+
+def feed(forward, ids: list[int], need: int, most: int) -> Fed:
+    """forward(ids[:n]) -> rows, from n = need (the prefix the kept rows need); where the engine
+    refuses that length (LengthRefused), again with twice as many tokens, up to `most`. The rows
+    kept mean the same whatever the prefix: logits at p depend on ids[0..p] only (causal
+    attention), so a longer prefix leaves rows 0..need-1 what they are, up to the arithmetic a
+    longer sequence's kernels do. Each try is a whole forward; the refused ones end where the
+    kernel refuses them (usually the first attention layer)."""
+    n, refused, reason = need, [], None
+    while True:
+        try:
+            rows = forward(ids[:n])
+        except LengthRefused as e:
+            refused.append(n)
+            reason = str(e)
+            if n >= most:
+                return Fed(None, n, refused, reason)
+            n = min(2 * n, most)
+        else:
+            return Fed(rows, n, refused, reason)
+
+
+class Refusals:
+    """The lengths an engine refused in one capture (feed()): the prompts fed a longer prefix
+    than their rows need, and those no prefix up to the whole prompt got past, whose rows the
+    shard leaves out. Both repeats of a cell refuse the same (the kernel decides by shape), so
+    their shards hold the same rows."""
+
+    def __init__(self):
+        self.longer: dict[str, dict] = {}  # prompt -> {"needed", "fed", "refused": [lengths], "reason"}
+        self.skipped: dict[str, dict] = {}  # prompt -> {"rows", "refused": [lengths], "reason"}
+
+    def add(self, prompt_id: str, need: int, rows: int, got: Fed) -> None:
+        if got.rows is None:
+            self.skipped[prompt_id] = {"rows": rows, "refused": got.refused, "reason": got.reason}
+        elif got.refused:
+            self.longer[prompt_id] = {"needed": need, "fed": got.tokens, "refused": got.refused, "reason": got.reason}
+
+    def summary(self) -> dict[str, Any] | None:
+        """The manifest's length_refusals (None: the engine took every length it was fed)."""
+        if not self.longer and not self.skipped:
+            return None
+        rows = sum(s["rows"] for s in self.skipped.values())
+        return {"longer_feeds": self.longer, "skipped": self.skipped, "skipped_rows": rows}
 
 
 class RowWork:
@@ -179,11 +258,15 @@ class Extras:
         self.backend = backend
         self.tap = next((c for _, c in self.parts if c.taps_forward), None)
 
-    def forward(self, prompt_id: str, whole: list[int], fed: list[int], positions: list[int]) -> np.ndarray:
-        rows = self.tap.forward(prompt_id, fed, positions) if self.tap else self.backend.forward(fed, positions)
+    def forward(self, prompt_id: str, fed: list[int], positions: list[int]) -> np.ndarray:
+        """The prompt's rows: (rows, vocab), native dtype. A length the engine refuses raises
+        LengthRefused before any extra has kept anything of it."""
+        return self.tap.forward(prompt_id, fed, positions) if self.tap else self.backend.forward(fed, positions)
+
+    def after(self, prompt_id: str, whole: list[int], fed: list[int], positions: list[int], rows) -> None:
+        """Each extra's work on the prompt's rows (fed: what the forward that gave them was fed)."""
         for _, c in self.parts:
             c.after(prompt_id, whole, fed, positions, rows)
-        return rows
 
     def commit(self) -> None:
         for w in self.writers.values():

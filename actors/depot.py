@@ -50,10 +50,10 @@ class DriverDepot:
             self.received += len(data)
         return rows
 
-    def commit(self, cell_id: str, repeat: int, table: str = "logits") -> str:
+    def commit(self, cell_id: str, repeat: int, table: str = "logits", refused: dict | None = None) -> str:
         with self.lock:
             writer = self.open.pop((table, cell_id, repeat))
-        return str(writer.commit())
+        return str(writer.commit(refused))
 
     def abort(self, cell_id: str, repeat: int, table: str = "logits") -> None:
         with self.lock:
@@ -154,9 +154,9 @@ class RemoteShard:
             ray.get(self.pending)
             self.pending = None
 
-    def commit(self) -> str:
+    def commit(self, refused: dict | None = None) -> str:
         self._settle()
-        return ray.get(self.depot.commit.remote(self.cell_id, self.repeat, self.table))
+        return ray.get(self.depot.commit.remote(self.cell_id, self.repeat, self.table, refused))
 
     def abort(self) -> None:
         # The capture is already failing with its own exception; the depot drops the temp file

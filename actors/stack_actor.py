@@ -16,10 +16,11 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import extras
-from actors.capture import capture_shard
+from actors.capture import capture_shard, feed, limit
 from actors.fingerprint import fingerprint
 from backends import backend_class
 from common.positions import Positions
@@ -299,10 +300,13 @@ class StackHost:
         side = [x.capturer(self.backend, v, None) for x, v in extras.of(self.stack)]
         for _, ids in prompts:
             fed, positions = keep.fed(ids, self.stack.max_tokens)
-            if positions:
-                self.backend.forward(fed, positions)
-                for c in side:  # collective too: every rank joins what rank 0 runs
-                    c.other_rank(fed, positions)
+            if not positions:
+                continue
+            # the lengths rank 0 feeds: a kernel refuses a length on every rank alike (same shapes)
+            forward = partial(self.backend.forward, positions=positions)  # forward(fed) -> rows
+            got = feed(forward, ids, len(fed), limit(ids, self.stack.max_tokens))
+            for c in side if got.rows is not None else ():  # collective too: every rank joins what rank 0 runs
+                c.other_rank(ids[: got.tokens], positions)
         return {"rows": 0, "rank": self.rank}
 
     def _writer(self, run_id: str, repeat: int, table: str, values: bool = True):

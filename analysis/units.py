@@ -123,7 +123,10 @@ def _cell_units(group: list[dict], ref: dict, digests: dict) -> list[Unit]:
     units = []
     for c in group:
         cid, floor, d = c["cell_id"], ref_floor + StorageFloor.of_cell(c), digests[c["cell_id"]]
-        counts = next(iter(d.values()))[1] if d else {}
+        counts: dict[str, int] = {}  # rows per prompt, of every repeat: one may lack a prompt's rows another has
+        for _, per in d.values():
+            for p, n in per.items():
+                counts[p] = max(counts.get(p, 0), n)
         parts = (ref_id, ref_digest, floor, {r: v[0] for r, v in d.items()})
         units.append(
             Unit(

@@ -28,6 +28,20 @@ class SkipCell(Exception):
     The run records it as skipped with the message as the reason and goes on."""
 
 
+class LengthRefused(SkipCell):
+    """A forward the engine refuses for the number of tokens it was fed, not for the cell's dtype
+    or device (a kernel that runs some sequence lengths only). A capture, which knows the whole
+    prompt, feeds a longer prefix or leaves that prompt's rows out (actors/capture.py); any other
+    caller skips the cell, as for any SkipCell. tokens: how many were fed."""
+
+    def __init__(self, reason: str, tokens: int):
+        super().__init__(reason)
+        self.tokens = tokens
+
+    def __reduce__(self):  # both arguments through pickle (a Ray actor's exception reaches the driver)
+        return type(self), (str(self), self.tokens)
+
+
 # Device classes that are GPUs (CUDA or ROCm), for the backends that run on them.
 GPU_DEVICES = frozenset({"cuda", "h100", "h200", "b200", "sm120", "mi300x", "rocm"})
 
@@ -197,18 +211,21 @@ class Backend:
 
 class OutputRing:
     """n buffers handed out in turn as (rows, vocab) views; one grows only when a call asks more
-    values than it holds (or another dtype). OutputRing(0): a new array every call."""
+    values than it holds (or another dtype). OutputRing(0): a new array every call. empty(size,
+    dtype) makes a (size,) buffer: np.empty, or numpy over other host memory (backends/torch_rows.py
+    pins it for copies from a GPU)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, empty=np.empty):
         self.bufs: list[np.ndarray | None] = [None] * n
         self.at = 0
+        self.empty = empty
 
     def take(self, shape: tuple[int, int], dtype) -> np.ndarray:
         size = shape[0] * shape[1]
         if not self.bufs:
-            return np.empty(shape, dtype)
+            return self.empty(size, dtype).reshape(shape)
         i, self.at = self.at, (self.at + 1) % len(self.bufs)
-        self.bufs[i] = room(self.bufs[i], size, dtype)
+        self.bufs[i] = room(self.bufs[i], size, dtype, self.empty)
         return self.bufs[i][:size].reshape(shape)
 
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from backends import hf_checkpoint, hf_quant, hf_sdpa
-from backends.base import CHECKPOINT, GPU_DEVICES, Backend, check_layers
+from backends import hf_checkpoint, hf_quant, hf_sdpa, torch_rows
+from backends.base import CHECKPOINT, GPU_DEVICES, Backend, OutputRing, check_layers
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
@@ -92,6 +92,7 @@ class HFBackend(Backend):
         import transformers
 
         self._torch = torch
+        self._outputs = OutputRing(0)  # a new host array per forward until the caller asks to keep some
         transformers.utils.logging.disable_progress_bar()  # one stack loads in seconds; bars only clutter logs
         torch.set_num_threads(self.threads)
         self.torch_device = "cpu" if self.stack.device == "cpu" else "cuda"
@@ -171,11 +172,7 @@ class HFBackend(Backend):
             "dtype": self.stack.dtype,
             "torch_dtype": str(next(self.model.parameters()).dtype),
             "attention": cfg._attn_implementation,
-            **(
-                {"sdpa_kernel": hf_sdpa.KERNELS[self.stack.attention]}
-                if self.stack.attention in hf_sdpa.KERNELS
-                else {}
-            ),
+            **hf_sdpa.settings(self.model, self.stack.attention),
             "threads": torch.get_num_threads(),
             "interop_threads": torch.get_num_interop_threads(),
             "torch_device": self.torch_device,
@@ -212,10 +209,13 @@ class HFBackend(Backend):
         with self._grad_off(), hf_sdpa.pinned(torch, self.model, self.stack.attention, len(token_ids)):
             # logits_to_keep: the LM head runs only on the sampled rows of the one prefill.
             out = self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
-        logits = out.logits[0].detach().to("cpu")  # (rows, vocab), native dtype
-        if logits.dtype == torch.bfloat16:
-            return logits.view(torch.int16).numpy().view(np.uint16)  # raw bf16 bits
-        return logits.numpy()
+        return torch_rows.to_host(torch, out.logits[0].detach(), self._outputs)  # (rows, vocab), native dtype
+
+    def keep_outputs(self, n: int) -> None:
+        """Logits copied from a GPU land in n host buffers, page-locked, handed out in turn (0: a
+        new pageable array each forward); on the CPU forward() hands back the model's own logits
+        tensor (backends/torch_rows.py)."""
+        self._outputs = torch_rows.host_ring(self._torch, n, pinned=n > 0 and self.torch_device == "cuda")
 
     def _grad_off(self):
         # optimum-quanto 0.2.7's int4 weights unpack with in-place ops that inference_mode forbids

@@ -119,8 +119,12 @@ MIGRATIONS = {
         "part of each output's key).",
     ),
     15: Migration(
-        "shared_hosts",
-        "cells.loaded_by (the cell whose load put the weights a cell ran on in its host, under `hosts: shared`). "
-        "Columns only: cells written before read as null there (each loaded its own).",
+        "shared_hosts_and_length_refusals",
+        "cells.loaded_by (the cell whose load put the weights a cell ran on in its host, under `hosts: shared`); "
+        "cells.length_refusals (forwards the engine refused for their length: the prompts fed a longer prefix, "
+        "and those whose rows were left out, with the engine's reason), and a logits shard's footer key "
+        "logit_matrix.refused_rows (store/schema.py REFUSED_KEY) naming the prompts whose rows it lacks. "
+        "Columns only: older cells read as null there (each loaded its own, none refused), and every shard "
+        "before holds all its rows.",
     ),
 }

@@ -31,7 +31,14 @@ A logits shard whose Parquet footer says ``logit_matrix.values: not kept``
 ``row_hash`` with ``logits`` null: a cell under ``keep_rows: references``, its
 rows measured against the reference and hashed where they were captured, their
 values not stored (llama-perplexity keeps no candidate's logits either).
+
+A logits shard whose footer has ``logit_matrix.refused_rows`` (REFUSED_KEY) lacks the rows of the
+prompts it names: the engine refused every length they could be fed (a pinned SDPA kernel that
+runs some sequence lengths only); ``cells.length_refusals`` says the same, with the prompts that
+were fed a longer prefix than their rows need.
 """
+
+import json
 
 import pyarrow as pa
 
@@ -143,6 +150,11 @@ CELLS = pa.schema(
         # the cell whose load put the weights this cell ran on in its host (`hosts: shared`: it took the
         # loaded model over, and load_seconds is the switch's); null: the cell loaded them itself
         ("loaded_by", pa.string()),
+        # JSON: forwards the engine refused for their length (a pinned SDPA kernel that runs some sequence
+        # lengths only; actors/capture.py feed()): {"longer_feeds": {prompt: {"needed", "fed", "refused":
+        # [lengths], "reason"}}, "skipped": {prompt: {"rows", "refused", "reason"}}, "skipped_rows",
+        # "repeats"}, or {"by_repeat": {repeat: that}} where repeats differ; null: none refused
+        ("length_refusals", pa.string()),
     ]
 )
 
@@ -167,6 +179,16 @@ PROMPTS = pa.schema(
 
 # A logits shard's footer key: NOT_KEPT where its rows are hashed but their values not stored.
 VALUES_KEY, NOT_KEPT = b"logit_matrix.values", b"not kept"
+# A logits shard's footer key, where the engine refused every length a prompt could be fed
+# (actors/capture.py feed()): JSON {prompt_id: {"rows", "refused": [lengths], "reason"}}, the
+# prompts whose rows the shard leaves out. Absent: it holds every row the cell keeps.
+REFUSED_KEY = b"logit_matrix.refused_rows"
+
+
+def refused_prompts(file_metadata: dict | None) -> dict[str, dict]:
+    """{prompt_id: what was refused} from a shard's footer key-value metadata ({} for most)."""
+    raw = (file_metadata or {}).get(REFUSED_KEY)
+    return json.loads(raw) if raw else {}
 
 
 def keeps_values(schema: pa.Schema) -> bool:

@@ -4,6 +4,7 @@ the shard's file by ShardWriter, visible only after commit(). Where a shard live
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Iterable
 
@@ -13,7 +14,7 @@ import pyarrow.parquet as pq
 
 from common.buffers import room
 from store.location import named_io_errors, open_location
-from store.schema import LOGITS, NOT_KEPT, TABLES, VALUES_KEY
+from store.schema import LOGITS, NOT_KEPT, REFUSED_KEY, TABLES, VALUES_KEY
 from store.values import ZSTD_LEVEL, native_dtype_of, native_values, row_hash, widen
 
 # Byte-stream-split needs the leaf path of a list column; the flag alone ignores it.
@@ -218,8 +219,11 @@ class ShardWriter:
         self.add_rows(decode_rows(data, self.run_id, self.cell_id, self.repeat, self.table))
         return self.rows
 
-    def commit(self) -> str:
+    def commit(self, refused: dict | None = None) -> str:
+        """refused: {prompt_id: ...} whose rows the engine refused (REFUSED_KEY), in the footer."""
         with named_io_errors(self.path):
+            if refused:
+                self._writer.add_key_value_metadata({REFUSED_KEY: json.dumps(refused, sort_keys=True)})
             self._writer.close()
             self.stage.commit()
         return shard_key(self.cell_id, self.repeat, self.table)

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from common.errors import UserError
 from store.location import PROBE, open_location, write_whole
-from store.schema import FORMAT, SCHEMA_VERSION, TABLES, keeps_values
+from store.schema import FORMAT, SCHEMA_VERSION, TABLES, keeps_values, refused_prompts
 from store.shards import (
     LOGITS_LEAF,
     SHARD_FILES,
@@ -251,6 +251,12 @@ class Warehouse:
 
     def shard_rows(self, cell_id: str, repeat: int, table: str = "logits") -> int:
         return pq.read_metadata(self.shard_path(cell_id, repeat, table), filesystem=self.loc.fs).num_rows
+
+    def shard_tally(self, cell_id: str, repeat: int) -> tuple[int, dict[str, dict]]:
+        """A logits shard's rows and the prompts whose rows the engine refused (REFUSED_KEY), from
+        its footer alone (one read)."""
+        md = pq.read_metadata(self.shard_path(cell_id, repeat), filesystem=self.loc.fs)
+        return md.num_rows, refused_prompts(md.metadata)
 
     def shard_keeps_values(self, cell_id: str, repeat: int) -> bool:
         """False for a shard of row hashes whose values were not kept (VALUES_KEY)."""

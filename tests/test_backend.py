@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.base import SkipCell
+from backends.base import LengthRefused, SkipCell
 from backends.hf_backend import HFBackend
 from common.errors import OracleError
 from common.positions import Positions
@@ -128,8 +128,9 @@ def test_oracle_refusal_through_the_cli_exits_2(tiny_model, short_corpus, tmp_pa
 
 def test_a_kernel_refusing_a_prompts_length_skips_the_cell_at_that_forward(tiny_model, monkeypatch):
     """PyTorch's SDPA kernels depend on the sequence length too: a kernel that ran load()'s four
-    tokens and refuses a prompt (cuDNN's on an H200 did) skips the cell with PyTorch's reason,
-    at the forward that met it, not fails it."""
+    tokens and refuses a prompt (cuDNN's on an H200 did) raises LengthRefused with PyTorch's
+    reason, a SkipCell: a caller other than a capture (which feeds a longer prefix or leaves the
+    prompt's rows out: tests/test_sdpa_kernels.py) skips the cell, not fails it."""
     import torch
 
     real = torch.nn.functional.scaled_dot_product_attention
@@ -143,11 +144,12 @@ def test_a_kernel_refusing_a_prompts_length_skips_the_cell_at_that_forward(tiny_
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", cudnn_like)
     assert be.forward(IDS[:4], [3]).shape == (1, be.vocab_size())
     with pytest.raises(
-        SkipCell,
+        LengthRefused,
         match=rf"attention sdpa_math: PyTorch .* has no MATH SDPA kernel for this model "
-        rf"on cpu \(float32\) at {len(IDS)} tokens",
-    ):
+        rf"on cpu \(float32\) at {len(IDS)} tokens: No available kernel",
+    ) as e:
         be.forward(IDS, Positions.every(8).of(len(IDS)))
+    assert isinstance(e.value, SkipCell) and e.value.tokens == len(IDS)
     monkeypatch.setattr(
         torch.nn.functional,
         "scaled_dot_product_attention",

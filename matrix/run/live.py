@@ -30,6 +30,7 @@ class Live:
     capture_limit_s: float = 0.0  # capture_timeout_s, or its default for this cell's tokens
     inline: dict = field(default_factory=dict)  # repeat -> metrics its actor measured (reference_metrics: in_actor)
     extras: dict = field(default_factory=dict)  # per-cell extra key -> its part of each capture's manifest
+    refusals: dict = field(default_factory=dict)  # repeat -> its manifest's length_refusals (None: none)
     host_key: str | None = None  # its host's key when the host is shared (Host), else None
 
 

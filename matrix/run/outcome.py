@@ -111,6 +111,7 @@ def done_row(plan: Plan, live: Live, run_id: str, wh: Warehouse, attempts: int =
         loaded_by=loaded.get("loaded_by"),
         storage=StorageFloor.of_captures(live.storage).to_json(),
         **extra_columns(live),
+        length_refusals=refusals_column(live.refusals),
         capture_seconds=live.capture_s,
         build_libraries=json.dumps(loaded["build_libraries"], sort_keys=True),
         attempts=attempts,
@@ -124,6 +125,33 @@ def extra_columns(live: Live) -> dict[str, str | None]:
         for x in extras.registered()
         if x.column
     }
+
+
+def refusals_column(parts: dict[int, dict | None]) -> str | None:
+    """cells.length_refusals from this run's captures' manifests (repeat -> length_refusals): what
+    the engine refused for the length fed (actors/capture.py feed()), null where it refused none.
+    Every repeat refuses the same (the kernel decides by shape): that record, with the repeats it
+    is of; where they differ, each repeat's."""
+    if not any(parts.values()):
+        return None
+    seen = {json.dumps(p, sort_keys=True) for p in parts.values()}
+    if len(seen) == 1:
+        return json.dumps({**next(iter(parts.values())), "repeats": sorted(parts)}, sort_keys=True)
+    return json.dumps({"by_repeat": {str(r): p for r, p in sorted(parts.items())}}, sort_keys=True)
+
+
+def _refused_note(refused: dict | None) -> str:
+    """What a capture's log line says of the lengths the engine refused ("" where none)."""
+    out = ""
+    if refused and refused["longer_feeds"]:
+        out += f" ({len(refused['longer_feeds'])} prompt(s) fed a longer prefix: the engine refused the one they need)"
+    if refused and refused["skipped"]:
+        first = next(iter(refused["skipped"].values()))
+        out += (
+            f" ({refused['skipped_rows']} row(s) of {len(refused['skipped'])} prompt(s) left out, "
+            f"every length refused: {first['reason']})"
+        )
+    return out
 
 
 def _candidate_facts(plan: Plan, cell: Cell) -> dict:
@@ -226,6 +254,7 @@ class Outcomes:
         live.storage.append(result["storage"])
         for key, part in result.get("extras", {}).items():  # each per-cell extra's part of the manifest
             live.extras.setdefault(key, []).append(part)
+        live.refusals[repeat] = refused = result.get("length_refusals")
         if result.get("metrics") is not None:
             live.inline[repeat] = result["metrics"]
         live.left -= 1
@@ -240,6 +269,7 @@ class Outcomes:
                 if (m := result.get("metrics")) and "seconds" in m
                 else ""
             )
+            + _refused_note(refused)
             + " "
             f"| rows {self.rows} | {rate:.1f} rows/s"
         )

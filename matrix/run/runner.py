@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import extras
 from common.errors import UserError, first_line
@@ -79,9 +79,10 @@ def resolve_extras(spec: Spec, cells: tuple[Cell, ...], model: str, facts: dict,
     return tuple(resolved(c) for c in cells)
 
 
-def side_rows(plan: Plan, cell: Cell) -> dict[str, tuple[int, bool]]:
-    """{table: (rows one repeat adds to it, whether that count is exact)} for the cell's extras."""
-    prompts = plan.models[cell.model].prompts
+def side_rows(plan: Plan, cell: Cell, without: Collection[str] = ()) -> dict[str, tuple[int, bool]]:
+    """{table: (rows one repeat adds to it, whether that count is exact)} for the cell's extras.
+    without: prompts whose rows the engine refused (Warehouse.shard_tally), in no table."""
+    prompts = [p for p in plan.models[cell.model].prompts if p.prompt_id not in without]
     fed = [plan.spec.positions.fed(p.token_ids, cell.max_tokens)[1] for p in prompts]
     lengths = [len(p.token_ids) for p in prompts]
     out: dict[str, tuple[int, bool]] = {}
@@ -137,30 +138,23 @@ def _other_build(cell: Cell, rows: dict[str, dict], repeats: int) -> dict | None
     return max(same, key=lambda r: r["finished_at"]) if same else None
 
 
-def expected_rows(plan: Plan, cell: Cell) -> int:
-    """Rows one repeat of this cell holds: its sampled positions over every prompt."""
-    return sum(len(plan.spec.positions.fed(p.token_ids, cell.max_tokens)[1]) for p in plan.models[cell.model].prompts)
+def expected_rows(plan: Plan, cell: Cell, without: Collection[str] = ()) -> int:
+    """Rows one repeat of this cell holds: its sampled positions over every prompt (but those of
+    `without`, whose rows the engine refused: Warehouse.shard_tally)."""
+    return sum(
+        len(plan.spec.positions.fed(p.token_ids, cell.max_tokens)[1])
+        for p in plan.models[cell.model].prompts
+        if p.prompt_id not in without
+    )
 
 
 def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: Callable[[str], None]) -> set[int]:
     """The repeats whose shard is complete: it parses, with the cell's row count (a file that only
     exists is not done). With recapture_damaged every row is checked against its hash too, and a
     damaged shard is moved aside (never deleted) to be captured again; without, it is refused."""
-    from store.verify import verify_shard
-
-    want, side, done = expected_rows(plan, cell), side_rows(plan, cell), set()
+    done = set()
     for r in sorted(wh.completed_repeats(cell.cell_id)):
-        if resume.recapture_damaged:
-            damage, _, _ = verify_shard(wh, cell.cell_id, r, want)
-            why = damage[0].detail() if damage else None
-        else:
-            try:
-                n = wh.shard_rows(cell.cell_id, r)
-                why = None if n == want else f"{n} rows, the cell has {want} per repeat"
-            except Exception as e:  # a truncated or overwritten file: Parquet says why
-                why = "unreadable: " + first_line(str(e), type(e).__name__)
-        for table, (rows, exact) in side.items():  # the extras' shards, complete too
-            why = why or _side_shard_problem(wh, cell, r, table, rows, exact)
+        why = _shard_problem(plan, wh, cell, r, resume.recapture_damaged)
         if why is None and (lost := _values_lost(plan, wh, cell.cell_id, r)):
             log(
                 f"{wh.shard_path(cell.cell_id, r)}: its rows' values were not kept (keep_rows: references) {lost}; "
@@ -177,6 +171,27 @@ def complete_shards(plan: Plan, wh: Warehouse, cell: Cell, resume: Resume, log: 
                 "`matrix run --recapture-damaged` to move it aside and capture it again"
             )
     return done
+
+
+def _shard_problem(plan: Plan, wh: Warehouse, cell: Cell, repeat: int, check_rows: bool) -> str | None:
+    """Why a repeat's shards are not a complete capture of the cell, or None. The rows of the
+    prompts the engine refused (its logits shard's footer names them) are in none of them.
+    check_rows: every row checked against its hash too (store/verify.py)."""
+    from store.verify import verify_shard
+
+    try:
+        n, refused = wh.shard_tally(cell.cell_id, repeat)
+    except Exception as e:  # a truncated or overwritten file: Parquet says why
+        return "unreadable: " + first_line(str(e), type(e).__name__)
+    want = expected_rows(plan, cell, refused)
+    if check_rows:
+        damage, _, _ = verify_shard(wh, cell.cell_id, repeat, want)
+        why = damage[0].detail() if damage else None
+    else:
+        why = None if n == want else f"{n} rows, the cell has {want} per repeat"
+    for table, (rows, exact) in side_rows(plan, cell, refused).items():  # the extras' shards, complete too
+        why = why or _side_shard_problem(wh, cell, repeat, table, rows, exact)
+    return why
 
 
 def _values_lost(plan: Plan, wh: Warehouse, cell_id: str, repeat: int) -> str | None:
