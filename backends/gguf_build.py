@@ -1,6 +1,7 @@
 """GGUF weights for the llama.cpp stacks, made by llama.cpp's own tools from the reference checkpoint.
 
     reference HF dir --convert_hf_to_gguf.py--> F32 / F16 / BF16 GGUF
+        (the source GGUF's vocabulary put back where the checkpoint keeps it: backends/gguf_vocab.py)
     F32 GGUF --llama_model_quantize--> Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0, Q4_1, Q3_K_M, Q2_K
 
 The converter, gguf-py and the ggml-vocab test files come from the
@@ -21,8 +22,9 @@ from typing import Any
 
 from backends.artifacts import content_key, ensure, locked
 from backends.base import SkipCell
+from backends.gguf_vocab import VOCAB_FILE, with_vocabulary
 from common.errors import UserError
-from common.files import cache_root, check_gguf, pip_download
+from common.files import cache_root, check_gguf, pip_download, sha256_file
 
 FLOAT_TYPES = {"fp32": "f32", "f16": "f16", "bf16": "bf16"}
 # dtype -> llama_ftype name (llama.h)
@@ -104,23 +106,36 @@ def convert(hf_dir: str, weights_sha256: str | None, outtype: str) -> dict[str, 
         "outtype": outtype,
     }
 
+    # A checkpoint dequantised from a GGUF whose vocabulary it cannot carry keeps that vocabulary
+    # beside it (backends/gguf_vocab.py): the converted file takes it, and its hash is part of the
+    # artifact's key, so a file converted from the checkpoint without it is never reused for it.
+    vocab = Path(hf_dir) / VOCAB_FILE
+    kept = vocab.is_file()
+    if kept:
+        recipe["vocabulary"] = {"file": VOCAB_FILE, "sha256": sha256_file(vocab)}
+
     def build(tmp: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": f"{tools / 'gguf-py'}{os.pathsep}{tools}"}
-        cmd = [
-            sys.executable,
-            str(tools / "convert_hf_to_gguf.py"),
-            hf_dir,
-            "--outtype",
-            outtype,
-            "--outfile",
-            str(tmp),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["failed"]
-            raise UserError(f"{hf_dir}: convert_hf_to_gguf.py --outtype {outtype} failed: {tail[0]}")
+        if not kept:
+            _run_converter(tools, hf_dir, outtype, tmp)
+            return
+        raw = tmp.with_name(tmp.name + ".converted")
+        try:
+            _run_converter(tools, hf_dir, outtype, raw)
+            with_vocabulary(raw, vocab, tmp)
+        finally:
+            raw.unlink(missing_ok=True)
 
     return ensure("gguf", f"model-{outtype}.gguf", recipe, build, content_key(hf_dir, weights_sha256))
+
+
+def _run_converter(tools: Path, hf_dir: str, outtype: str, out: Path) -> None:
+    """llama.cpp's convert_hf_to_gguf.py, with the gguf-py beside it, writing out."""
+    env = {**os.environ, "PYTHONPATH": f"{tools / 'gguf-py'}{os.pathsep}{tools}"}
+    cmd = [sys.executable, str(tools / "convert_hf_to_gguf.py"), hf_dir, "--outtype", outtype, "--outfile", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["failed"]
+        raise UserError(f"{hf_dir}: convert_hf_to_gguf.py --outtype {outtype} failed: {tail[0]}")
 
 
 def quantize(f32: dict[str, Any], dtype: str, threads: int, imatrix: dict[str, Any] | None = None) -> dict[str, Any]:

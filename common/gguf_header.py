@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,52 @@ def read_header(
             table.append((name, ttype))
             w.at += 4 + 8  # the type, then the data offset
         return fields, table
+    except struct.error:
+        raise UserError(f"{path}: GGUF header is truncated") from None
+    finally:
+        m.close()
+        f.close()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each part of a GGUF file lies, in bytes from its start (GGUF layout:
+    github.com/ggml-org/ggml docs/gguf.md): a file can be rewritten from these spans without
+    decoding its values or its tensors."""
+
+    version: int
+    n_tensors: int
+    fields: tuple[tuple[str, int, int], ...]  # (key, start, end) of each key/value pair, in file order
+    tensor_infos: tuple[int, int]  # (start, end) of the tensor table
+    alignment: int  # general.alignment, or GGUF's default of 32
+    data_offset: int  # where the tensor data starts: the tensor table's end, padded to the alignment
+
+
+def layout(path: str | Path) -> Layout:
+    """The byte spans of a GGUF file's header (its values skipped, not decoded)."""
+    f, m = _open(path)
+    try:
+        version = struct.unpack_from("<I", m, 4)[0]
+        n_tensors, n_kv = struct.unpack_from("<QQ", m, 8)
+        w, spans, alignment = _Walk(m, str(path)), [], 32
+        for _ in range(n_kv):
+            start, key = w.at, w.string()
+            (vtype,) = struct.unpack_from("<I", m, w.at)
+            w.at += 4
+            value = w.value(vtype, key == "general.alignment")
+            if key == "general.alignment":
+                alignment = int(value)
+            spans.append((key, start, w.at))
+        infos = w.at
+        for _ in range(n_tensors):
+            w.string()
+            (dims,) = struct.unpack_from("<I", m, w.at)
+            w.at += 4 + 8 * dims + 4 + 8  # the dimensions, the type, the data offset
+        end = w.at
+        if end > len(m):
+            raise struct.error("the tensor table runs past the end of the file")
+        data = end + (-end) % alignment
+        return Layout(version, n_tensors, tuple(spans), (infos, end), alignment, data)
     except struct.error:
         raise UserError(f"{path}: GGUF header is truncated") from None
     finally:

@@ -17,7 +17,7 @@ from matrix.spec.candidates import resolve
 from store.gguf_meta import GgufInfo, read_info
 
 # HF model_type -> the architecture name llama.cpp's converter writes, where they differ
-GGUF_ARCH = {"mistral": "llama"}
+GGUF_ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}
 
 
 @functools.lru_cache(maxsize=16)
@@ -62,6 +62,27 @@ def header_facts(cell: Cell, model) -> dict:
     return {"declared_quant": info.declared, "gguf_name": info.name, "imatrix": info.imatrix or None}
 
 
+# SentencePiece writes a space inside a piece as U+2581 (github.com/google/sentencepiece README,
+# "Whitespace is treated as a basic symbol"). A GGUF of a SentencePiece vocabulary holds a normal
+# piece that way, and a user-defined one with spaces: llama.cpp's converter turns its U+2581 into
+# spaces (convert_hf_to_gguf.py _create_vocab_sentencepiece, "pre-normalize user-defined spaces"),
+# and llama.cpp's detokenizer gives a space for both (src/llama-vocab.cpp token_to_piece:
+# llama_unescape_whitespace on a normal piece, a user-defined one as written). So one id may be
+# written both ways by two files of one model (Gemma 3: '  ' in the published file, '▁▁' in one
+# converted through a tokenizer.json); the two are one token. Nothing else is taken as the same:
+# a byte piece (<0x0A>) is written alike in both (measured on Gemma 3).
+_SPACE = str.maketrans({"\u2581": " "})
+
+
+def first_difference(tokens: list[str], reference: list[str]) -> int | None:
+    """The first id whose token differs from the reference's once a space written as U+2581 and
+    one written as a space count as one (None: every id the same)."""
+    return next(
+        (i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b and a.translate(_SPACE) != b.translate(_SPACE)),
+        None,
+    )
+
+
 def hf_differences(cand_config, cand_tok, config, tok) -> list[str]:
     """What an HF candidate has that the reference model has not (empty: the same model)."""
     out = []
@@ -78,12 +99,12 @@ def hf_differences(cand_config, cand_tok, config, tok) -> list[str]:
             out.append(f"{what} {got} (reference: {want})")
     if len(cand_tok) != len(tok):
         out.append(f"tokenizer of {len(cand_tok)} tokens (reference: {len(tok)})")
-    elif cand_tok.get_vocab() != tok.get_vocab():
-        inv = {i: t for t, i in tok.get_vocab().items()}
-        first = min(i for t, i in cand_tok.get_vocab().items() if inv.get(i) != t)
-        out.append(
-            f"tokenizer: token {first} is {cand_tok.convert_ids_to_tokens(first)!r} (reference: {inv.get(first)!r})"
-        )
+    else:
+        ids = list(range(len(tok)))
+        got, want = cand_tok.convert_ids_to_tokens(ids), tok.convert_ids_to_tokens(ids)
+        first = first_difference(got, want)
+        if first is not None:
+            out.append(f"tokenizer: token {first} is {got[first]!r} (reference: {want[first]!r})")
     for what, got, want in (
         ("BOS", cand_tok.bos_token_id, tok.bos_token_id),
         ("EOS", cand_tok.eos_token_id, tok.eos_token_id),
@@ -110,7 +131,7 @@ def differences(info: GgufInfo, config, tok, vocab: int) -> list[str]:
         out.append(f"vocabulary of {len(info.tokens)} tokens (reference: {vocab})")
     else:
         ref_tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
-        first = next((i for i, (a, b) in enumerate(zip(info.tokens, ref_tokens)) if a != b), None)
+        first = first_difference(list(info.tokens), ref_tokens)
         if first is not None:
             out.append(f"tokenizer: token {first} is {info.tokens[first]!r} (reference: {ref_tokens[first]!r})")
     for what, got, want in (("BOS", info.bos, tok.bos_token_id), ("EOS", info.eos, tok.eos_token_id)):

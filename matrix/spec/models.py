@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from backends.gguf_vocab import keep_vocabulary
 from common.errors import UserError
 from common.files import cache_root, check_gguf, file_sha256, weights_digest, weights_digest_cached
 
@@ -101,7 +102,8 @@ class ResolvedModel:
 
 
 def dequantise_gguf(gguf_path: Path, out_dir: Path, log: Callable[[str], None] = print) -> None:
-    """GGUF -> fp32 HF safetensors directory (config, tokenizer, chat template).
+    """GGUF -> fp32 HF safetensors directory (config, tokenizer, chat template, and the GGUF's
+    vocabulary where the tokenizer cannot carry it: backends/gguf_vocab.py).
 
     transformers refuses save_pretrained on a GGUF-loaded model, so the weights
     are moved into a model built from the same config.
@@ -130,6 +132,7 @@ def dequantise_gguf(gguf_path: Path, out_dir: Path, log: Callable[[str], None] =
     try:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
+        keep_vocabulary(gguf_path, tmp)
         os.replace(tmp, out_dir)  # atomic: readers see a complete directory or none
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -217,6 +220,10 @@ def _from_gguf(
         tmp = manifest.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, manifest)
+    # A cached checkpoint without the source's vocabulary beside it gets it here, so no llama.cpp
+    # conversion from it keeps the converter's own: the file's hash keys every conversion
+    # (backends/gguf_build.py convert), and the weights, hashed alone, stay the same.
+    keep_vocabulary(gguf, hf_dir)
     data = json.loads(manifest.read_text())
     return ResolvedModel(name, identity, str(hf_dir), source, source_sha, data["weights_sha256"], str(gguf), quant)
 
