@@ -32,9 +32,33 @@ def _receive(depot, path: str, dest: Path) -> None:
         for rel, (size, sha) in manifest.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             fetch_file(depot, path, rel, size, sha, tmp / rel)
-        os.replace(tmp, dest)
+        replace_dir(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_dir(new: Path, dest: Path) -> None:
+    """new becomes dest; a dest already there (a stale copy) is moved aside first and removed after."""
+    old = None
+    if dest.exists():
+        old = Path(tempfile.mkdtemp(prefix=".old-", dir=dest.parent))
+        os.replace(dest, old / "copy")
+    os.replace(new, dest)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def stale(manifest: dict[str, list], dest: Path) -> bool:
+    """Whether a copy shipped earlier lacks a file of the driver's directory, or holds one of
+    another size (the directory gained a file since, such as a GGUF's own vocabulary beside its
+    dequantised weights, backends/gguf_vocab.py); the weights themselves are checked by digest."""
+    return any(not (dest / rel).is_file() or (dest / rel).stat().st_size != size for rel, (size, _) in manifest.items())
+
+
+def _stale_copy(depot, path: str, dest: Path) -> bool:
+    import ray
+
+    return stale(ray.get(depot.manifest.remote(path)), dest)
 
 
 def model_dir(model: ModelCopy, depot, node: str) -> tuple[str, str]:
@@ -56,7 +80,7 @@ def model_dir(model: ModelCopy, depot, node: str) -> tuple[str, str]:
         return str(own), "local"
     dest = cache_root() / "shipped" / want
     with locked(dest.parent):
-        if not dest.is_dir():
+        if not dest.is_dir() or _stale_copy(depot, model.hf_dir, dest):
             _receive(depot, model.hf_dir, dest)
     got = weights_digest_cached(dest)  # hashed once after it arrives, not at every cell's load
     if got != want:
