@@ -21,6 +21,7 @@ def kld(
     warehouse: str = "kld-warehouse",
     *,
     n_ctx: int = 512,
+    chunks: int | None = None,
     threads: int | None = None,
     keep_rows: bool = False,
     address: str | None = None,
@@ -28,7 +29,9 @@ def kld(
     log: Callable[[str], None] | None = None,
 ) -> KldResult:
     """reference, candidates: a GGUF file, an HF checkpoint directory or a catalog model each; text: the
-    evaluation text (UTF-8), cut into chunks of n_ctx tokens whose second halves are scored.
+    evaluation text (UTF-8), cut into chunks of n_ctx tokens whose second halves are scored; chunks:
+    only the first that many of them, as llama-perplexity's --chunks (None: every chunk). n_ctx is
+    refused past the context the reference declares.
 
     The job's spec is written beside the warehouse (WAREHOUSE.kld.yaml) and run with the local executor
     unless a cluster is named. One candidate's failure is its own: the others are still measured, and
@@ -42,7 +45,7 @@ def kld(
     text_file = Path(os.path.expanduser(str(text))).resolve()
     if not text_file.is_file():
         raise UserError(f"--text {text}: no such file")
-    spec_path, asked, new = job.write_job(ref, cands, text_file, n_ctx, threads, warehouse, log, keep_rows)
+    spec_path, asked, new = job.write_job(ref, cands, text_file, n_ctx, threads, warehouse, log, keep_rows, chunks)
     log(f"the job's spec: {spec_path} (`matrix run {spec_path} --warehouse {warehouse}` repeats it)")
     result, refused, stacks = _run_job(
         spec_path, asked, warehouse, executor or ("ray" if address else "local"), address, log

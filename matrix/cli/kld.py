@@ -18,6 +18,7 @@ def cmd_kld(args) -> int:
         args.text,
         args.warehouse,
         n_ctx=args.n_ctx,
+        chunks=args.chunks,
         threads=args.threads,
         keep_rows=args.keep_rows,
         address=args.address,
@@ -63,7 +64,19 @@ def add_parser(sub) -> None:
         help="a GGUF file, an HF checkpoint directory or a catalog model (repeat for several)",
     )
     k.add_argument("--text", required=True, help="the evaluation text (UTF-8)")
-    k.add_argument("--n-ctx", type=int, default=512, help="llama-perplexity's -c: chunk length in tokens (default 512)")
+    k.add_argument(
+        "--n-ctx",
+        type=int,
+        default=512,
+        help="llama-perplexity's -c: chunk length in tokens, even, at most the reference's context length "
+        "(default 512)",
+    )
+    k.add_argument(
+        "--chunks",
+        type=int,
+        default=None,
+        help="llama-perplexity's --chunks: only the text's first CHUNKS chunks (default: every chunk)",
+    )
     k.add_argument(
         "--threads",
         type=int,

@@ -12,6 +12,8 @@ An entry holds exactly one of:
     chunks: N_CTX  (text, file, ids) tokenise once and cut into N_CTX-token prompts as
                    llama-perplexity does: len // N_CTX chunks, the tail dropped, each chunk's first
                    token replaced by BOS where BOS is added. A base file is already cut this way.
+    max_chunks: N  (with chunks) only the first N of those chunks, as llama-perplexity's --chunks
+                   (tools/perplexity/perplexity.cpp: n_chunk = min(n_chunks, len // n_ctx))
     vocab: F.gguf  (text, file) tokenise with llama.cpp's tokenizer from that GGUF's vocabulary, as
                    llama-perplexity does, instead of the reference tokenizer (the two disagree on
                    some texts; tokenizer_parity shows where)
@@ -34,7 +36,7 @@ BUILTIN = CONFIGS / "corpus" / "builtin.yaml"
 # `imatrix: {corpus: builtin}`: a calibration text written for logit-matrix (CC0) that shares no
 # passage with the evaluation corpus (matrix/spec/calibration.py checks it like any other text)
 BUILTIN_CALIBRATION = CONFIGS / "corpus" / "calibration.txt"
-ENTRY_KEYS = {"id", "category", "source", "text", "file", "chat", "ids", "ids_file", "chunks", "vocab"}
+ENTRY_KEYS = {"id", "category", "source", "text", "file", "chat", "ids", "ids_file", "chunks", "max_chunks", "vocab"}
 BODIES = ("text", "file", "chat", "ids", "ids_file")
 CATEGORIES = ("cold_start", "long_context", "chat_tool_call", "reasoning", "code", "other")
 
@@ -48,6 +50,7 @@ class Entry:
     chat: list[dict] | None
     ids: list[tuple[str, list[int]]] | None = None  # (name suffix, ids) per prompt, for ids / ids_file
     chunks: int | None = None  # n_ctx: cut like llama-perplexity
+    max_chunks: int | None = None  # only the first max_chunks chunks (None: every chunk)
     vocab: Path | None = None  # a GGUF whose llama.cpp tokenizer tokenises the text
     ids_kind: str | None = None  # inline | npy | parquet | kld-base
 
@@ -150,6 +153,13 @@ def _options(path: Path, fld: str, e: dict, body: dict) -> dict:
         if "chat" in body or body.get("ids_kind") == "kld-base" or len(body.get("ids") or [1]) != 1:
             raise UserError(f"{fld}.chunks: only a text, a file or one sequence of ids can be cut into chunks")
         out["chunks"] = n
+    if "max_chunks" in e:
+        n = e["max_chunks"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise UserError(f"{fld}.max_chunks: must be a number of chunks >= 1 (got {n!r})")
+        if "chunks" not in e:
+            raise UserError(f"{fld}.max_chunks: only a text cut into chunks (chunks: N_CTX) takes it (got {n!r})")
+        out["max_chunks"] = n
     if "vocab" in e:
         f = path.parent / str(e["vocab"])
         if not f.is_file():
@@ -195,11 +205,13 @@ def load_entries(corpus: str) -> tuple[str, list[Entry]]:
     return name, entries
 
 
-def chunk_ids(tokens: list[int], n_ctx: int, bos: int | None) -> list[list[int]]:
-    """llama-perplexity's chunks (tools/perplexity/perplexity.cpp): n_chunk = len // n_ctx, chunk i =
-    tokens[i*n_ctx : (i+1)*n_ctx], its first token replaced by bos (None: kept) as it evaluates it."""
+def chunk_ids(tokens: list[int], n_ctx: int, bos: int | None, limit: int | None = None) -> list[list[int]]:
+    """llama-perplexity's chunks (tools/perplexity/perplexity.cpp): n_chunk = len // n_ctx, or
+    min(limit, that) as its --chunks takes; chunk i = tokens[i*n_ctx : (i+1)*n_ctx], its first token
+    replaced by bos (None: kept) as it evaluates it."""
+    n_chunk = len(tokens) // n_ctx
     out = []
-    for c in range(len(tokens) // n_ctx):
+    for c in range(n_chunk if limit is None else min(limit, n_chunk)):
         chunk = list(tokens[c * n_ctx : (c + 1) * n_ctx])
         if bos is not None:
             chunk[0] = bos
@@ -245,7 +257,10 @@ def _sequences(e: Entry, tokenizer, bos_policy: str, model: str, where: str):
             return [(f"{e.id}-{sub}", None, chunk_ids(ids, len(ids), bos)[0], bos is not None) for sub, ids in e.ids]
         if e.chunks is None:
             return [(f"{e.id}-{sub}" if sub else e.id, None, ids, False) for sub, ids in e.ids]
-        return [(f"{e.id}-c{c}", None, ch, False) for c, ch in enumerate(chunk_ids(e.ids[0][1], e.chunks, None))]
+        return [
+            (f"{e.id}-c{c}", None, ch, False)
+            for c, ch in enumerate(chunk_ids(e.ids[0][1], e.chunks, None, e.max_chunks))
+        ]
     if e.chat is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"{model}: prompt {e.id} is a chat but the tokenizer has no chat template")
@@ -255,7 +270,7 @@ def _sequences(e: Entry, tokenizer, bos_policy: str, model: str, where: str):
     ids, added, bos = _text_ids(e, text, tokenizer, bos_policy, model)
     if e.chunks is None:
         return [(e.id, text, ids, added)]
-    chunks = chunk_ids(ids, e.chunks, bos)
+    chunks = chunk_ids(ids, e.chunks, bos, e.max_chunks)
     if not chunks:
         raise UserError(f"{where}: prompts {e.id}: chunks: {e.chunks}, but the text is only {len(ids)} tokens")
     return [(f"{e.id}-c{c}", None, ch, bos is not None) for c, ch in enumerate(chunks)]

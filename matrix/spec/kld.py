@@ -3,9 +3,10 @@ against a reference over one text, written next to the warehouse so it can be ru
 
 llama-perplexity (tools/perplexity/perplexity.cpp) cuts the tokenised text into n_ctx-token chunks,
 scores the second half of each (positions n_ctx/2 .. n_ctx-2, each predicting the next token) and
-compares full-vocabulary distributions there. The spec says the same: `chunks: N_CTX`, `positions:
-llama_perplexity`, llama.cpp's own tokenisation (`vocab:`) when the reference is a GGUF, bf16 rows,
-no centroid, and each candidate measured in its capturing process against the reference's stored rows.
+compares full-vocabulary distributions there. The spec says the same: `chunks: N_CTX` (and
+`max_chunks: N` for its --chunks N), `positions: llama_perplexity`, llama.cpp's own tokenisation
+(`vocab:`) when the reference is a GGUF, bf16 rows, no centroid, and each candidate measured in its
+capturing process against the reference's stored rows.
 
 A second call with more candidates against the same reference and text adds them to the spec: the
 reference and the earlier candidates are complete cells, so only the new ones are captured.
@@ -13,6 +14,7 @@ reference and the earlier candidates are complete cells, so only the new ones ar
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -97,6 +99,38 @@ def reference_stack(ref: Source, log) -> tuple[dict, dict, str | None]:
     return entry, {"engine": cls.engine, "dtype": declared, "attention": cls.default_attention}, gguf
 
 
+def context_limit(ref: Source, gguf: str | None) -> tuple[int, str] | None:
+    """(the longest context the reference declares, where it declares it), or None where it declares
+    none: a GGUF's `<arch>.context_length` (llama.cpp's n_ctx_train, src/llama-model.cpp), an HF
+    checkpoint's config.json max_position_embeddings (its text_config's in a multimodal config)."""
+    if gguf is not None:
+        from common.gguf_header import read_header
+
+        fields, _ = read_header(gguf, keep=lambda k: k == "general.architecture" or k.endswith(".context_length"))
+        key = f"{fields.get('general.architecture')}.context_length"
+        return (int(fields[key]), f"its {key}") if fields.get(key) else None
+    path = Path(ref.location) / "config.json"
+    try:
+        config = json.loads(read_text_file(path, "the reference's config.json"))
+    except json.JSONDecodeError as e:
+        raise UserError(f"--reference {ref.location}: {path} is not JSON ({e})") from None
+    for prefix, part in (("", config), ("text_config.", config.get("text_config"))):
+        n = part.get("max_position_embeddings") if isinstance(part, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n, f"its config.json {prefix}max_position_embeddings"
+    return None
+
+
+def check_n_ctx(ref: Source, gguf: str | None, n_ctx: int) -> None:
+    """--n-ctx within the context the reference declares: llama-perplexity only warns past it
+    (tools/perplexity/perplexity.cpp: "model was trained on only %d context tokens"), but positions
+    the model was never trained on measure the model's extrapolation, not the quant."""
+    found = context_limit(ref, gguf)
+    if found is not None and n_ctx > found[0]:
+        file = f"{ref.location} ({gguf})" if ref.kind == "catalog" else ref.location
+        raise UserError(f"--n-ctx {n_ctx}: the reference {file} supports at most {found[0]} tokens ({found[1]})")
+
+
 def candidate_entry(model: str, c: Source, log) -> dict:
     if c.kind == "path":
         return {"model": model, "path": c.location, "name": c.label}
@@ -123,7 +157,8 @@ def job_files(warehouse: str) -> tuple[Path, Path]:
     return base.with_name(base.name + ".kld.yaml"), base.with_name(base.name + ".kld-corpus.yaml")
 
 
-def corpus(text: Path, n_ctx: int, vocab: str | None) -> dict:
+def corpus(text: Path, n_ctx: int, vocab: str | None, chunks: int | None = None) -> dict:
+    """The job's corpus: the text cut into n_ctx-token chunks, the first `chunks` of them (None: every one)."""
     return {
         "name": "kld-text",
         "prompts": [
@@ -133,29 +168,48 @@ def corpus(text: Path, n_ctx: int, vocab: str | None) -> dict:
                 "source": text.name,
                 "file": str(text),
                 "chunks": n_ctx,
+                **({"max_chunks": chunks} if chunks is not None else {}),
                 **({"vocab": vocab} if vocab else {}),
             }
         ],
     }
 
 
+def _limit(c: dict | None) -> int | None:
+    return (c or {}).get("prompts", [{}])[0].get("max_chunks")
+
+
+def _uncut(c: dict | None) -> dict | None:
+    """The corpus without its chunk limit (compared on its own, as --chunks)."""
+    if c is None:
+        return None
+    return {**c, "prompts": [{k: v for k, v in e.items() if k != "max_chunks"} for e in c.get("prompts") or []]}
+
+
 def _same_job(old: dict, new: dict, old_corpus: dict | None, new_corpus: dict, spec_path: Path) -> None:
-    """A warehouse holds one job: one reference, one text cut one way, one thread count, one
-    choice of whose rows keep their values. Another is refused, naming what differs."""
+    """A warehouse holds one job: one reference, one text cut one way (its chunk length and how many
+    of its chunks), one thread count, one choice of whose rows keep their values. Another is refused,
+    naming what differs."""
 
     def text(c: dict | None) -> str:
         e = (c or {}).get("prompts", [{}])[0]
         return f"text {e.get('file')} in chunks of {e.get('chunks')}"
+
+    def limit(n: int | None) -> str:
+        return "every chunk of the text" if n is None else f"the first {n} chunks of the text"
 
     for flag, key, have, want in (
         ("--reference", "models", old.get("models"), new["models"]),
         ("--reference", "reference", old.get("reference"), new["reference"]),
         ("--threads", "threads", old.get("threads"), new["threads"]),
         ("--keep-rows", "keep_rows", old.get("keep_rows", "all"), new["keep_rows"]),
-        ("--text / --n-ctx", "corpus", old_corpus, new_corpus),
+        ("--text / --n-ctx", "corpus", _uncut(old_corpus), _uncut(new_corpus)),
+        ("--chunks", "max_chunks", _limit(old_corpus), _limit(new_corpus)),
     ):
         if have != want:
-            have, want = (text(have), text(want)) if key == "corpus" else (have, want)
+            if key in ("corpus", "max_chunks"):
+                show = text if key == "corpus" else limit
+                have, want = show(have), show(want)
             fix = (
                 f"{'add' if have == 'all' else 'leave out'} --keep-rows, or use another --warehouse"
                 if key == "keep_rows"
@@ -203,17 +257,22 @@ def write_job(
     warehouse: str,
     log,
     keep_rows: bool = False,
+    chunks: int | None = None,
 ) -> tuple[Path, list[dict], bool]:
     """Write (or extend) the spec and corpus next to the warehouse; -> (spec path, the candidate
     entries asked for this time, whether the spec is new). keep_rows: the candidates' rows keep
-    their values too (keep_rows: all), not only the reference's."""
-    if n_ctx < 4 or n_ctx % 2:
+    their values too (keep_rows: all), not only the reference's; chunks: only the text's first
+    chunks (llama-perplexity's --chunks), None for every chunk."""
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 4 or n_ctx % 2:
         raise UserError(f"--n-ctx {n_ctx}: must be an even context length >= 4 (the second half is scored)")
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise UserError(f"--chunks {chunks}: must be a number of chunks >= 1 (leave it out for every chunk)")
     spec_path, corpus_path = job_files(warehouse)
     entry, stack, vocab = reference_stack(ref, log)
+    check_n_ctx(ref, vocab, n_ctx)
     asked = [candidate_entry(entry["name"], c, log) for c in candidates]
     spec = _job_spec(entry, stack, threads, corpus_path, keep_rows, asked)
-    new_corpus = corpus(text, n_ctx, vocab)
+    new_corpus = corpus(text, n_ctx, vocab, chunks)
     new = not spec_path.is_file()
     if not new:
         old = yaml.safe_load(spec_path.read_text()) or {}
