@@ -21,7 +21,7 @@ Why so:
   of one writer's size. A prompt's last two slices are cut in quarters, so the threads finish it
   together rather than one working alone on its last slice.
 - A slice is encoded into an output buffer kept from slice to slice (given back once written),
-  not fresh memory: fresh buffers cost page faults and, across threads, TLB flushes (~15% of a
+  not fresh memory: fresh buffers cost page faults and, across threads, TLB flushes (~13% of a
   2-thread store's time).
 - The caller encodes slices too while it waits for the one it is to write next (Flight): as many
   busy threads as cores, none woken beside them to write.
