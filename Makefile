@@ -81,6 +81,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/storage_bytes.py
 	$(PY) benchmarks/encoding_speed.py
+	$(PY) benchmarks/store_scaling.py
 	$(PY) benchmarks/capture_overhead.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/analysis_throughput.py --warehouse warehouse
 	$(PY) benchmarks/verify_throughput.py

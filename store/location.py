@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, BinaryIO, Callable
 
 from common.errors import UserError
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 TMP_PREFIX = ".tmp-"
 PROBE = ".probe"  # a run's nonce: which nodes reach the warehouse themselves (Warehouse.reaches)
+WRITEBACK_BYTES = 64 << 20  # written since the last push to disk before the next (Writeback)
 
 
 STORES = {
@@ -70,6 +72,42 @@ def fsync_replace(tmp: Path, final: Path) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, final)
+
+
+class Writeback:
+    """An open file's pages pushed to disk behind its writer, one fdatasync at a time on a thread of
+    its own, so the fsync that makes the file durable (fsync_replace) finds little left: a large
+    shard's commit does not wait on the disk for all of it. A push starts once WRITEBACK_BYTES more
+    are written (a sync also flushes the disk's cache: not one per small prompt)."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.pushed = f, 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._push: Future | None = None
+
+    def kick(self, written: int) -> None:
+        """After a write, the file's size written: starts a push unless one is under way or too
+        little is new. A failed push raises once, here or in wait()."""
+        if written - self.pushed < WRITEBACK_BYTES or (self._push is not None and not self._push.done()):
+            return
+        done, self._push = self._push, None
+        if done is not None:
+            done.result()
+        self.f.flush()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="writeback")
+        self._push, self.pushed = self._pool.submit(getattr(os, "fdatasync", os.fsync), self.f.fileno()), written
+
+    def wait(self) -> None:
+        """Waits out the push under way (before the file is closed); its failure raises."""
+        push, self._push = self._push, None
+        try:
+            if push is not None:
+                push.result()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
 
 class LocalDir:

@@ -1,24 +1,40 @@
 """A (cell, repeat) shard's rows: built as a LOGITS table, encoded as a shard encodes them (what a
-node that cannot reach the warehouse sends to the driver), decoded and checked, and streamed into
-the shard's file by ShardWriter, visible only after commit(). Where a shard lives: store/warehouse.py."""
+node that cannot reach the warehouse sends to the driver), decoded and checked, and written into
+the shard's file by ShardWriter, visible only after commit(). Where a shard lives: store/warehouse.py.
+
+ShardWriter writes a row group per prompt. A prompt's logits are encoded in slices on the host's
+cores (store/shard_encoding.py) and its small columns apart, and the pieces are spliced into one
+row group (store/parquet_splice.py): an ordinary Parquet file, its columns encoded as one pyarrow
+writer encodes them, its bytes the same whatever the thread count. Rows without values
+(values=False), layer states and rows another node encoded (add_encoded) are encoded whole by
+pyarrow, into memory, and spliced as they are (a few bytes a row, or rows already sent whole)."""
 
 from __future__ import annotations
 
 import json
 import os
+from functools import lru_cache
 from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from common.buffers import room
-from store.location import named_io_errors, open_location
+from store.location import Writeback, named_io_errors, open_location
+from store.parquet_splice import Part, Splicer
 from store.schema import LOGITS, NOT_KEPT, REFUSED_KEY, TABLES, VALUES_KEY
-from store.values import ZSTD_LEVEL, native_dtype_of, native_values, row_hash, widen
+from store.shard_encoding import (
+    HEAD_SCHEMA,
+    TAIL_SCHEMA,
+    SliceEncoder,
+    by_row,
+    encode_part,
+    list_column,
+    logits_writer,
+    store_threads,
+)
+from store.values import native_dtype_of, native_values, row_hash, widen
 
-# Byte-stream-split needs the leaf path of a list column; the flag alone ignores it.
-LOGITS_LEAF = "logits.list.element"
 # A shard kind -> (table directory, file letter): logits/<cell>/r0.parquet, logits/<cell>/d0.parquet, ...
 SHARD_FILES = {"logits": ("logits", "r"), "side": ("logits", "d"), "layer_states": ("layer_states", "r")}
 
@@ -49,32 +65,43 @@ def rows_table(
     rows * vocab values the widened values go into, for a caller that writes the table before
     it reuses the buffer (a prompt's fresh 270 MB costs as much in page faults as the widening).
     values=False: every row hashed, its logits null (a shard that keeps no values, VALUES_KEY)."""
-    n, vocab = native.shape
+    n = len(native)
     assert n == len(positions), (n, len(positions))
-    dtype = native_dtype_of(native)
     hashes = [row_hash(native[i]) for i in range(n)]
     if values:
-        flat = pa.array(widen(native, buffer).reshape(-1), type=pa.float32())  # (rows * vocab,)
-        logits = pa.ListArray.from_arrays(pa.array(np.arange(0, (n + 1) * vocab, vocab, dtype=np.int32)), flat)
+        logits = list_column(widen(native, buffer))
     else:
         logits = pa.nulls(n, LOGITS.field("logits").type)
-    return pa.table(
-        {
-            "run_id": pa.array([run_id] * n),
-            "cell_id": pa.array([cell_id] * n),
-            "prompt_id": pa.array([prompt_id] * n),
-            "position": pa.array(positions, pa.int32()),
-            "next_token_id": pa.array(list(next_ids), pa.int32()),
-            "repeat": pa.array([repeat] * n, pa.int32()),
-            "logits_dtype": pa.array([dtype] * n),
-            "logits": logits,
-            "row_hash": pa.array(hashes),
-            "shift": pa.array(shift if shift is not None else np.full(n, None), pa.float32()),
-            "path": pa.array(path if path is not None else [None] * n, pa.string()),
-            "step": pa.array(step if step is not None else [None] * n, pa.int32()),
-        },
-        schema=LOGITS,
-    )
+    columns = prompt_columns(run_id, cell_id, repeat, prompt_id, positions, next_ids, native, shift, path, step)
+    return pa.table({**columns, "row_hash": pa.array(hashes, pa.string()), "logits": logits}, schema=LOGITS)
+
+
+def prompt_columns(
+    run_id: str,
+    cell_id: str,
+    repeat: int,
+    prompt_id: str,
+    positions: list[int],
+    next_ids: Iterable[int | None],
+    native: np.ndarray,
+    shift: np.ndarray | None = None,
+    path: list[str] | None = None,
+    step: list[int] | None = None,
+) -> dict[str, pa.Array]:
+    """Every column of one prompt's rows but the logits and row_hash (rows_table's arguments)."""
+    n = len(positions)
+    return {
+        "run_id": pa.array([run_id] * n),
+        "cell_id": pa.array([cell_id] * n),
+        "prompt_id": pa.array([prompt_id] * n),
+        "position": pa.array(positions, pa.int32()),
+        "next_token_id": pa.array(list(next_ids), pa.int32()),
+        "repeat": pa.array([repeat] * n, pa.int32()),
+        "logits_dtype": pa.array([native_dtype_of(native)] * n),
+        "shift": pa.array(shift if shift is not None else np.full(n, None), pa.float32()),
+        "path": pa.array(path if path is not None else [None] * n, pa.string()),
+        "step": pa.array(step if step is not None else [None] * n, pa.int32()),
+    }
 
 
 def _writer(where, table: str = "logits", values: bool = True) -> pq.ParquetWriter:
@@ -82,31 +109,15 @@ def _writer(where, table: str = "logits", values: bool = True) -> pq.ParquetWrit
         from store.layer_states import layer_writer
 
         return layer_writer(where)
-    schema = LOGITS if values else LOGITS.with_metadata({VALUES_KEY: NOT_KEPT})
-    return pq.ParquetWriter(
-        where,
-        schema,
-        compression="zstd",
-        compression_level=ZSTD_LEVEL,
-        use_dictionary=["run_id", "cell_id", "prompt_id", "logits_dtype"],
-        use_byte_stream_split=[LOGITS_LEAF],
-        write_statistics=["position", "repeat", "next_token_id"],
-        write_page_checksum=True,
-    )  # a flipped byte fails its page's CRC on read (store/verify.py)
+    return logits_writer(where, LOGITS if values else LOGITS.with_metadata({VALUES_KEY: NOT_KEPT}))
 
 
-def by_row(rows: pa.Table) -> pa.Table:
-    """rows with each list column (a row's logits or states) in one-row chunks, the same values.
-    Parquet's writer builds a chunk's repetition and definition levels (two int16 per value) in
-    buffers it grows by copying; a prompt's rows at once (67M values at a 262,144 vocabulary)
-    outgrow the caches, one row at a time they do not: the same file's bytes, faster
-    (docs/benchmark-notes.md)."""
-    for i, field in enumerate(rows.schema):
-        col = rows.column(i)
-        if pa.types.is_list(field.type) and col.num_chunks < rows.num_rows:
-            one = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()  # combining copies even one chunk
-            rows = rows.set_column(i, field, pa.chunked_array([one.slice(r, 1) for r in range(len(one))], field.type))
-    return rows
+@lru_cache(maxsize=None)
+def _template(table: str, values: bool) -> bytes:
+    """The Parquet file a shard's writer writes without rows: the footer a spliced shard's footer is built on."""
+    sink = pa.BufferOutputStream()
+    _writer(sink, table, values).close()
+    return sink.getvalue().to_pybytes()
 
 
 def encode_rows(rows: pa.Table, table: str = "logits") -> bytes:
@@ -157,17 +168,21 @@ class ShardWriter:
         repeat: int,
         table: str = "logits",
         values: bool = True,
+        threads: int | None = None,
     ):
-        """values=False: a logits shard of row hashes without values (VALUES_KEY)."""
+        """values=False: a logits shard of row hashes without values (VALUES_KEY). threads: those
+        a prompt's logits are encoded on (store_threads: LOGIT_MATRIX_STORE_THREADS, else the CPUs)."""
         loc = open_location(warehouse)
         self.table, self.values = table, values
         self.stage = loc.stage(shard_key(cell_id, repeat, table))
         self.path = loc.path(shard_key(cell_id, repeat, table))  # named by a write that fails
         self.run_id, self.cell_id, self.repeat = run_id, cell_id, repeat
         self.rows = 0
-        self._wide = None  # the widened values of the prompt being written (rows_table's buffer)
+        self._slices = SliceEncoder(store_threads(threads))
         with named_io_errors(self.path):
-            self._writer = _writer(self.stage.tmp, table, values)
+            self._file = open(self.stage.tmp, "wb")
+            self._splicer = Splicer(self._file, _template(table, values))
+        self._writeback = Writeback(self._file)  # pages to disk beside the next prompts: commit's fsync has less left
 
     def add(
         self,
@@ -179,25 +194,32 @@ class ShardWriter:
         path: list[str] | None = None,
         step: list[int] | None = None,
     ) -> None:
-        """native: (rows, vocab) as returned by a backend (or as stored, with each row's shift)."""
-        if self.values:
-            self._wide = room(self._wide, native.size)
-        self.add_rows(
-            rows_table(
-                self.run_id,
-                self.cell_id,
-                self.repeat,
-                prompt_id,
-                positions,
-                next_ids,
-                native,
-                shift,
-                path,
-                step,
-                buffer=self._wide,
-                values=self.values,
-            )
-        )  # written below: the buffer is free again
+        """native: (rows, vocab) as returned by a backend (or as stored, with each row's shift).
+        Its logits are encoded in slices on the writer's threads, beside them the other columns."""
+        args = (self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native, shift, path, step)
+        if not self.values or not native.size:  # no logits to spread
+            self.add_rows(rows_table(*args, values=self.values))
+            return
+        assert native.ndim == 2 and len(native) == len(positions), (native.shape, len(positions))
+        tasks = self._slices.start(native)
+        try:
+            self._splice(self._parts(prompt_columns(*args), tasks), len(native))
+        finally:
+            self._slices.settle()
+
+    def _parts(self, columns: dict[str, pa.Array], tasks):
+        """A prompt's parts in the file's column order: the columns before the logits, each slice's
+        logits in row order as it is done (its pages written before the next is asked for), then
+        row_hash and the columns after it."""
+        yield encode_part(pa.table([columns[k] for k in HEAD_SCHEMA.names], schema=HEAD_SCHEMA))
+        hashes = []
+        for task in tasks:
+            piece = task()
+            hashes += piece.hashes
+            yield piece.data
+            self._slices.release(piece)  # written: the splicer asks for the next part only after
+        columns["row_hash"] = pa.array(hashes, pa.string())
+        yield encode_part(pa.table([columns[k] for k in TAIL_SCHEMA.names], schema=TAIL_SCHEMA))
 
     def add_layers(
         self, prompt_id: str, positions: list[int], states: dict[str, np.ndarray], depth: int, sources: dict[str, str]
@@ -210,9 +232,15 @@ class ShardWriter:
         )
 
     def add_rows(self, rows: pa.Table) -> None:
+        """One row group, encoded whole."""
+        self._splice([encode_rows(rows, self.table)], rows.num_rows)
+
+    def _splice(self, parts: Iterable, rows: int) -> None:
+        """parts: Parquet files (buffers) of one row group's columns, in order (Splicer.add)."""
         with named_io_errors(self.path):
-            self._writer.write_table(by_row(rows))
-        self.rows += rows.num_rows
+            self._splicer.add(Part.of(p) for p in parts)
+            self._writeback.kick(self._splicer.pos)
+        self.rows += rows
 
     def add_encoded(self, data: bytes) -> int:
         """A row group another node encoded (encode_rows); checked before it is written."""
@@ -221,15 +249,21 @@ class ShardWriter:
 
     def commit(self, refused: dict | None = None) -> str:
         """refused: {prompt_id: ...} whose rows the engine refused (REFUSED_KEY), in the footer."""
+        self._slices.close()
+        extra = {REFUSED_KEY: json.dumps(refused, sort_keys=True).encode()} if refused else None
         with named_io_errors(self.path):
-            if refused:
-                self._writer.add_key_value_metadata({REFUSED_KEY: json.dumps(refused, sort_keys=True)})
-            self._writer.close()
+            self._splicer.close(extra)
+            self._writeback.wait()
+            self._file.close()
             self.stage.commit()
         return shard_key(self.cell_id, self.repeat, self.table)
 
     def abort(self) -> None:
-        try:
-            self._writer.close()  # may fail again (a full disk): the temp file goes all the same
+        self._slices.close()
+        try:  # each may fail again (a full disk): the temp file goes all the same
+            self._writeback.wait()
         finally:
-            self.stage.abort()
+            try:
+                self._file.close()
+            finally:
+                self.stage.abort()

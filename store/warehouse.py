@@ -14,11 +14,10 @@ import pyarrow.parquet as pq
 from common.errors import UserError
 from store.location import PROBE, open_location, write_whole
 from store.schema import FORMAT, SCHEMA_VERSION, TABLES, keeps_values, refused_prompts
+from store.shard_encoding import LOGITS_LEAF, by_row
 from store.shards import (
-    LOGITS_LEAF,
     SHARD_FILES,
     ShardWriter,
-    by_row,
     decode_rows,
     encode_rows,
     native_rows,

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from store import pages
-from store.shards import LOGITS_LEAF, _writer, by_row, encode_rows, rows_table
+from store.shards import _writer, by_row, encode_rows, rows_table
 from store.verify import verify_shard
-from store.warehouse import Warehouse, logits_matrix, row_hash
+from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, row_hash
 
 VOCAB = 4099  # odd on purpose: rows do not line up with pages or with bit-packed level groups
 

@@ -187,6 +187,13 @@ SCOREBOARD = {
         ("MB/s", "mb_s"),
     ],
     "capture_overhead": [("model", "model"), ("dtype", "dtype"), ("ratio", "ratio")],
+    "store_scaling": [
+        ("rows", "dtype"),
+        ("threads", "threads"),
+        ("rows/s", "rows_s"),
+        ("MB/s written", "mb_s"),
+        ("vs 1 thread", "ratio"),
+    ],
 }
 MET = {True: "yes", False: "no", None: "n/a"}  # n/a: a run with figures and no pass/fail target
 
