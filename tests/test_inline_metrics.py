@@ -43,8 +43,10 @@ def test_in_actor_metrics_equal_analyzes_and_analyze_reuses_them(tmp_path, tiny_
     log = r.stderr.splitlines()
     ref = sql(wh, "select cell_id from cells where is_reference")[0]["cell_id"]
     done_at = next(i for i, line in enumerate(log) if line.endswith(f"{ref} done"))
+    # the others' loads: bf16 eager's own, fp32 sdpa taking the reference's loaded model over (hosts: shared)
     loaded = [i for i, line in enumerate(log) if line.startswith("loaded ") and ref not in line]
-    assert len(loaded) == 2 and min(loaded) > done_at  # the others waited for the reference's shards
+    took_over = [i for i, line in enumerate(log) if f" took over the model {ref} loaded " in line]
+    assert len(loaded) == len(took_over) == 1 and min(loaded + took_over) > done_at  # they waited for its shards
     inline = _tables(wh)
     assert set(inline) == {c["cell_id"] for c in sql(wh, "select cell_id from cells")}
     assert {m["computed_in"] for m, _ in inline.values()} == {"actor"}
