@@ -132,7 +132,9 @@ def capture(hf_dir: str, prompts, device: str, dtype: str, attention: str, round
     with tempfile.TemporaryDirectory() as d:
         for r in range(rounds):
             bare.append(_timed(lambda: [_bare_forward(be, ids, pos) for ids, pos in plan], be))
+            be.keep_outputs(2)  # the host buffers a capture copies into (page-locked on a GPU)
             copied.append(_timed(lambda: [be.forward(ids, pos) for ids, pos in plan], be))
+            be.keep_outputs(0)
             t0 = time.perf_counter()
             m = capture_shard(be, ShardWriter(d, "bench", "cell", r), prompts, every)
             full.append(time.perf_counter() - t0)
