@@ -73,10 +73,10 @@ def test_max_chunks_needs_a_text_cut_into_chunks(tmp_path):
         C.load_entries(str(f))
 
 
-@pytest.mark.parametrize("value", ["0", "-1"])
-def test_chunks_below_one_exits_2(tmp_path, value):
+def _kld_on_catalog_smollm2(tmp_path, *flags: str):
+    """`matrix kld` of the catalog SmolLM2 against itself over a short text, with flags."""
     (tmp_path / "t.txt").write_text("some text")
-    r = run_cli(
+    return run_cli(
         "kld",
         "--reference",
         "smollm2-135m",
@@ -84,30 +84,22 @@ def test_chunks_below_one_exits_2(tmp_path, value):
         "smollm2-135m",
         "--text",
         str(tmp_path / "t.txt"),
-        f"--chunks={value}",
+        *flags,
         "--warehouse",
         str(tmp_path / "wh"),
     )
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_chunks_below_one_exits_2(tmp_path, value):
+    r = _kld_on_catalog_smollm2(tmp_path, f"--chunks={value}")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert f"--chunks {value}: must be a number of chunks >= 1" in r.stderr
     assert not (tmp_path / "wh").exists() and not (tmp_path / "wh.kld.yaml").exists()
 
 
 def test_n_ctx_past_the_references_context_exits_2_naming_its_limit(tmp_path, smollm2_gguf):
-    (tmp_path / "t.txt").write_text("some text")
-    r = run_cli(
-        "kld",
-        "--reference",
-        "smollm2-135m",
-        "--candidate",
-        "smollm2-135m",
-        "--text",
-        str(tmp_path / "t.txt"),
-        "--n-ctx",
-        "16384",
-        "--warehouse",
-        str(tmp_path / "wh"),
-    )
+    r = _kld_on_catalog_smollm2(tmp_path, "--n-ctx", "16384")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert (
         f"--n-ctx 16384: the reference smollm2-135m ({smollm2_gguf}) supports at most 8192 tokens "
