@@ -91,7 +91,10 @@ def capture_shard(
     if not side.parts:  # only this loop calls forward(): a prompt's rows are done with two forwards later
         backend.keep_outputs(2)
     try:
-        dtype, forward_s = _forward_each(prompts, keep, max_tokens, side, partial(stage.submit, work), refused)
+        streamed = partial(_stream, stage, work)
+        dtype, forward_s = _forward_each(
+            prompts, keep, max_tokens, side, partial(stage.submit, work), refused, streamed
+        )
         stage.drain()
         side.commit()
         path = writer.commit(refused.skipped or None)
@@ -132,10 +135,13 @@ def _forward_each(
     side: Extras,
     hand_over,
     refused: Refusals,
+    stream_over=None,
 ) -> tuple[str | None, float]:
     """Each prompt's forward over the prefix its kept positions need (longer where the engine
     refuses that length: feed()), its rows handed over in prompt order (hand_over(prompt_id,
     positions, next_ids, rows)); a prompt whose every length is refused hands over nothing.
+    Rows the engine streams (Backend.streams) go to stream_over(prompt_id, positions, next_ids,
+    blocks) block by block as the forward gives them, where no extra needs them whole.
 
     -> (the rows' array dtype, or None when no prompt had a row; seconds spent in forward)."""
     keep = Positions.every(keep) if isinstance(keep, int) else keep
@@ -148,15 +154,43 @@ def _forward_each(
         # feeds less); only the prompt's last row has no next token.
         next_ids = [ids[p + 1] if p + 1 < len(ids) else None for p in positions]
         tf = time.perf_counter()
-        got = feed(partial(side.forward, prompt_id, positions=positions), ids, len(fed), limit(ids, max_tokens))
-        if got.rows is not None:  # the extras' own work, once, on the rows kept
+        streamed = stream_over is not None and side.streams(len(positions))
+        forward = side.forward_blocks if streamed else side.forward
+        got = feed(partial(forward, prompt_id, positions=positions), ids, len(fed), limit(ids, max_tokens))
+        if got.rows is not None and not streamed:  # the extras' own work, once, on the rows kept
             side.after(prompt_id, ids, ids[: got.tokens], positions, got.rows)
-        forward_s += time.perf_counter() - tf
         refused.add(prompt_id, len(fed), len(positions), got)
-        if got.rows is not None:
+        if got.rows is not None and streamed:  # stored as the forward goes: its time is the forward's too
+            dtype = str(got.rows.dtype)
+            stream_over(prompt_id, positions, next_ids, got.rows)
+        forward_s += time.perf_counter() - tf
+        if got.rows is not None and not streamed:
             dtype = str(got.rows.dtype)
             hand_over(prompt_id, positions, next_ids, got.rows)  # (rows, vocab), native dtype
     return dtype, forward_s
+
+
+def _stream(stage: Overlap, work: RowWork, prompt_id: str, positions: list[int], next_ids: list, blocks) -> None:
+    """A streamed prompt's rows, written as they come: the prompt before is done first (one
+    writer, one Storage buffer), and nothing of this one is left for the next forward."""
+    stage.drain()
+    work.stream(prompt_id, positions, next_ids, blocks)
+
+
+class Primed:
+    """A streamed forward's blocks with the first one already asked for, so that a length the
+    engine refuses (LengthRefused) is raised inside feed(), before anything is stored."""
+
+    def __init__(self, blocks):
+        self.blocks, self.first = blocks, next(blocks, None)
+        if self.first is None:
+            raise RuntimeError("a streamed forward gave no rows")
+        self.dtype = self.first.dtype
+
+    def __iter__(self):
+        first, self.first = self.first, None
+        yield first  # (block rows, vocab), valid until the next block is asked for
+        yield from self.blocks
 
 
 def limit(ids: list[int], max_tokens: int | None) -> int:
@@ -240,6 +274,21 @@ class RowWork:
         finally:
             written.result()  # the write's own failure is raised here, after the measurement's
 
+    def stream(self, prompt_id: str, positions: list[int], next_ids: list, blocks) -> None:
+        """A prompt's rows block by block (Primed): each rounded and measured, then written before
+        the next block is decoded (ShardWriter.add_blocks), so one block is held, not the prompt."""
+
+        def kept():
+            at = 0
+            for native in blocks:  # (block rows, vocab)
+                stored, shift = self.storage.keep(native)
+                if self.observe is not None:
+                    self.observe(prompt_id, positions[at : at + len(native)], stored, shift)
+                at += len(native)
+                yield stored, shift
+
+        self.writer.add_blocks(prompt_id, positions, next_ids, kept())
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
@@ -262,6 +311,14 @@ class Extras:
         """The prompt's rows: (rows, vocab), native dtype. A length the engine refuses raises
         LengthRefused before any extra has kept anything of it."""
         return self.tap.forward(prompt_id, fed, positions) if self.tap else self.backend.forward(fed, positions)
+
+    def streams(self, rows: int) -> bool:
+        """Whether a prompt's rows are streamed: where the engine streams that many and no extra
+        needs them whole."""
+        return not self.parts and self.backend.streams(rows)
+
+    def forward_blocks(self, prompt_id: str, fed: list[int], positions: list[int]) -> Primed:
+        return Primed(self.backend.forward_blocks(fed, positions))
 
     def after(self, prompt_id: str, whole: list[int], fed: list[int], positions: list[int], rows) -> None:
         """Each extra's work on the prompt's rows (fed: what the forward that gave them was fed)."""

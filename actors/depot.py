@@ -132,6 +132,14 @@ class RemoteShard:
             self._send(data)
         self.rows += native.shape[0]
 
+    def add_blocks(self, prompt_id: str, positions: list[int], next_ids: list, blocks) -> None:
+        """A streamed prompt (ShardWriter.add_blocks): each block sent as add() sends rows, before
+        the next block is asked for."""
+        at = 0
+        for native, shift in blocks:  # (block rows, vocab), (block rows,) or None
+            self.add(prompt_id, positions[at : at + len(native)], next_ids[at : at + len(native)], native, shift)
+            at += len(native)
+
     def add_layers(
         self, prompt_id: str, positions: list[int], states: dict[str, np.ndarray], depth: int, sources: dict[str, str]
     ) -> None:

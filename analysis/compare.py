@@ -123,6 +123,7 @@ class RepeatMetrics:
         self.cols: dict[str, list] = {k: [] for k in ("prompt_id", "position", "metrics")}
         self.unaligned, self.total, self.first = 0, 0, None
         self.scratch, self.out = Scratch(), None  # the reference's rows, read into the same memory prompt after prompt
+        self.reader: tuple[str, Rows] | None = None  # the last prompt's reader: a streamed prompt comes in blocks
 
     def add(self, pid: str, positions: np.ndarray, take) -> None:
         """positions: (rows,) the stack's positions of prompt pid, in order; take(idx) -> those
@@ -137,7 +138,9 @@ class RepeatMetrics:
                 self.first = (pid, int(next(q for i, q in enumerate(positions) if i not in have)))
         if not len(si):
             return
-        a, step = Rows(self.wh, self.ref, pid, self.step, self.scratch, stored=True), self.step
+        if self.reader is None or self.reader[0] != pid:  # a prompt's next block reads on from where the last ended
+            self.reader = (pid, Rows(self.wh, self.ref, pid, self.step, self.scratch, stored=True))
+        a, step = self.reader[1], self.step
         nxt = self.ref.prompts[pid].next_ids
         self.out = room(self.out, step * self.ref.vocab)
         for s in range(0, len(si), step):

@@ -15,12 +15,16 @@ engine's native dtype. It never imports ray.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 import numpy as np
 
 from common.buffers import room
 from common.stack import StackDesc
+
+# A forward whose kept rows hold more float32 bytes than this is handed over in blocks (streams()):
+# a prompt of 16,384 tokens at a 262,144 vocabulary would otherwise hold 8.6 GB of scored rows.
+STREAM_BYTES = 256 << 20
 
 
 class SkipCell(Exception):
@@ -182,6 +186,18 @@ class Backend:
         bf16 comes back as its raw bits (uint16); fp32 as float32.
         """
         raise NotImplementedError
+
+    def streams(self, rows: int) -> bool:
+        """Whether forward_blocks() hands a forward of `rows` kept rows over in more than one block
+        (the capture then writes each block as it comes): only where the rows held whole would
+        cost more memory than the engine's own pieces (STREAM_BYTES)."""
+        return False
+
+    def forward_blocks(self, token_ids: list[int], positions: list[int]) -> Iterator[np.ndarray]:
+        """forward()'s rows in blocks of consecutive kept positions, in order: each (block rows,
+        vocab), valid only until the next block is asked for (it may be the engine's own output
+        memory). Peak memory then follows the block, not the prompt. Default: one block."""
+        yield self.forward(token_ids, positions)
 
     def keep_outputs(self, n: int) -> None:
         """Let forward() hand back, in turn, one of n (rows, vocab) buffers it keeps (0: a new array

@@ -8,9 +8,13 @@ _outputs and _kept (set by LlamaCppBackend.load).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
+from typing import Iterator
 
 import numpy as np
+
+from backends.base import STREAM_BYTES
 
 KV_TYPES = {"f16": "GGML_TYPE_F16", "f32": "GGML_TYPE_F32", "q8_0": "GGML_TYPE_Q8_0"}
 
@@ -58,7 +62,7 @@ class LlamaContexts:
         n_ubatch: int = 0,
     ) -> None:
         """Decode tokens at positions first.. in batches of n_batch; the logits of each position in
-        want go to out[want[position]]."""
+        want go to out[want[position]] (out None: they stay in llama.cpp's output buffer)."""
         lc = self._lc
         for start in range(0, len(tokens), n_batch):
             chunk = tokens[start : start + n_batch]
@@ -78,7 +82,7 @@ class LlamaContexts:
                 raise RuntimeError(
                     f"llama_decode returned {rc} at positions {first + start}..{first + start + len(chunk) - 1}"
                 )
-            for j in range(len(chunk)):
+            for j in range(len(chunk) if out is not None else 0):
                 if (first + start + j) in want:
                     ptr = lc.llama_get_logits_ith(ctx, j)
                     out[want[first + start + j]] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
@@ -117,6 +121,54 @@ class LlamaContexts:
             self._lc.llama_batch_free(batch)
             if taps is not None:
                 self._lc.llama_free(ctx)
+        return out
+
+    def stream_tokens(self) -> int:
+        """Tokens per llama_decode call of a streamed forward: as many whole ubatches as keep one
+        piece's rows within STREAM_BYTES (at least one ubatch, at most n_batch). llama.cpp computes
+        in ubatches whatever n_batch is, so the rows are those of one call (tests/test_streamed_rows.py)."""
+        per_row = 4 * self._n_vocab  # float32, llama.cpp's output type
+        return min(self.n_batch, max(1, STREAM_BYTES // (per_row * self.n_ubatch)) * self.n_ubatch)
+
+    def streams(self, rows: int) -> bool:
+        return rows * 4 * self._n_vocab > STREAM_BYTES
+
+    def forward_blocks(self, token_ids: list[int], positions: list[int]) -> Iterator[np.ndarray]:
+        """The prefill in pieces of stream_tokens(); each piece's kept rows handed over as a view of
+        llama.cpp's own output buffer (no copy), valid until the next piece is decoded."""
+        if not self.streams(len(positions)):
+            yield self.forward(token_ids, positions)
+            return
+        ctx, cp = self._prefill_context(len(token_ids))
+        piece = min(self.stream_tokens(), cp.n_batch)
+        want = sorted(positions)
+        assert want == list(positions), "kept positions come in ascending order"
+        batch, at = self._lc.llama_batch_init(piece, 0, 1), 0
+        try:
+            for start in range(0, len(token_ids), piece):
+                end = min(start + piece, len(token_ids))
+                n_kept = bisect.bisect_left(want, end, lo=at) - at
+                kept = want[at : at + n_kept]
+                self._feed(ctx, batch, piece, token_ids[start:end], start, dict.fromkeys(kept, 0), None)
+                if n_kept:
+                    yield self._outputs_view(ctx, kept, start)  # (n_kept, vocab)
+                at += n_kept
+        except BaseException:
+            self._drop_kept()  # a forward left half done leaves the cache in no known state
+            raise
+        finally:
+            self._lc.llama_batch_free(batch)
+
+    def _outputs_view(self, ctx, kept: list[int], first: int) -> np.ndarray:
+        """The last decode's rows at kept positions as one (rows, vocab) array: a view of llama.cpp's
+        output buffer where they lie there in order (a single sequence's outputs do), else a copy."""
+        lc, v = self._lc, self._n_vocab
+        ptrs = [ctypes.cast(lc.llama_get_logits_ith(ctx, p - first), ctypes.c_void_p).value for p in kept]
+        if all(b - a == 4 * v for a, b in zip(ptrs, ptrs[1:])):
+            return np.ctypeslib.as_array(ctypes.cast(ptrs[0], ctypes.POINTER(ctypes.c_float)), shape=(len(kept), v))
+        out = np.empty((len(kept), v), np.float32)
+        for i, p in enumerate(kept):
+            out[i] = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, p - first), shape=(v,))
         return out
 
     def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:

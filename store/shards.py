@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from functools import lru_cache
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -206,6 +206,70 @@ class ShardWriter:
             self._splice(self._parts(prompt_columns(*args), tasks), len(native))
         finally:
             self._slices.settle()
+
+    def add_blocks(self, prompt_id: str, positions: list[int], next_ids: list, blocks: Iterator) -> None:
+        """One prompt's rows as a streamed forward gives them: blocks yields (stored, shift) for
+        consecutive runs of positions, in order, each (rows, vocab) valid until the next is asked
+        for. Each block is encoded in slices and written before the next, into the prompt's one row
+        group: the row hashes and shifts (a few bytes a row) wait for the tail columns, so memory
+        holds one block, never the prompt. The rows are those add() writes of the same rows held whole."""
+        head = {"hashes": [], "shifts": [], "dtype": None, "rows": 0}
+        if not self.values:  # hashes only: nothing to splice per block
+            for native, shift in blocks:
+                self._note(head, native, shift)
+            self.add_rows(self._hashed(prompt_id, positions, next_ids, head))
+            return
+        self._splice(self._block_parts(prompt_id, positions, next_ids, blocks, head), len(positions))
+
+    def _note(self, head: dict, native: np.ndarray, shift: np.ndarray | None) -> None:
+        """A block's dtype, hashes and shifts, kept for the prompt's columns after its logits."""
+        if head["dtype"] not in (None, native.dtype):
+            raise ValueError(f"a streamed prompt's blocks came as {head['dtype']} and {native.dtype}")
+        head["dtype"], head["rows"] = native.dtype, head["rows"] + len(native)
+        head["shifts"].append(shift)
+        if not self.values:
+            head["hashes"] += [row_hash(r) for r in native]
+
+    def _columns(self, prompt_id, positions, next_ids, head: dict) -> dict[str, pa.Array]:
+        if head["rows"] != len(positions):
+            raise ValueError(f"prompt {prompt_id}: the forward gave {head['rows']} rows for {len(positions)} positions")
+        shifts = head["shifts"]
+        shift = None if not shifts or shifts[0] is None else np.concatenate(shifts)  # (rows,)
+        empty = np.empty((0, 0), head["dtype"] or np.float32)  # only its dtype is read
+        args = (self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, empty, shift)
+        return prompt_columns(*args)
+
+    def _hashed(self, prompt_id, positions, next_ids, head: dict) -> pa.Table:
+        columns = self._columns(prompt_id, positions, next_ids, head)
+        columns["row_hash"] = pa.array(head["hashes"], pa.string())
+        columns["logits"] = pa.nulls(len(positions), LOGITS.field("logits").type)
+        return pa.table(columns, schema=LOGITS)
+
+    def _block_parts(self, prompt_id, positions, next_ids, blocks: Iterator, head: dict):
+        """_parts() of a streamed prompt: the head columns once the first block says the dtype,
+        then each block's slices, then the tail with every block's hashes and shifts."""
+        hashes, first = [], True
+        for native, shift in blocks:
+            self._note(head, native, shift)
+            if first:
+                columns = prompt_columns(self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native)
+                yield encode_part(pa.table([columns[k] for k in HEAD_SCHEMA.names], schema=HEAD_SCHEMA))
+                first = False
+            if not native.size:
+                continue
+            try:
+                for task in self._slices.start(native):
+                    piece = task()
+                    hashes += piece.hashes
+                    yield piece.data
+                    self._slices.release(piece)
+            finally:
+                self._slices.settle()  # the block's memory is the forward's again once this returns
+        if first:
+            raise ValueError(f"prompt {prompt_id}: a streamed forward gave no rows")
+        columns = self._columns(prompt_id, positions, next_ids, head)
+        columns["row_hash"] = pa.array(hashes, pa.string())
+        yield encode_part(pa.table([columns[k] for k in TAIL_SCHEMA.names], schema=TAIL_SCHEMA))
 
     def _parts(self, columns: dict[str, pa.Array], tasks):
         """A prompt's parts in the file's column order: the columns before the logits, each slice's
