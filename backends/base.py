@@ -27,6 +27,11 @@ from common.stack import StackDesc
 STREAM_BYTES = 256 << 20
 
 
+def stream_bytes() -> int:
+    """STREAM_BYTES as it is now (read at each call, so a test can set it lower)."""
+    return STREAM_BYTES
+
+
 class SkipCell(Exception):
     """This cell cannot be built as asked (e.g. a quant type the tensor shapes do not allow).
     The run records it as skipped with the message as the reason and goes on."""

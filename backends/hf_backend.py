@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from backends import hf_checkpoint, hf_quant, hf_sdpa, torch_rows
-from backends.base import CHECKPOINT, GPU_DEVICES, Backend, OutputRing, check_layers
+from backends import hf_checkpoint, hf_quant, hf_sdpa, hf_stream, torch_rows
+from backends.base import CHECKPOINT, GPU_DEVICES, Backend, OutputRing, check_layers, stream_bytes
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
@@ -181,6 +181,8 @@ class HFBackend(Backend):
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "use_cache": False,
             "batch_size": 1,
+            # a prompt of more kept rows: one prefill, the LM head a block of rows at a time (hf_stream)
+            "stream_rows": hf_stream.block_rows(self._vocab),
             "tensor_parallel": getattr(self, "_tp", None),
             "cuda": torch.version.cuda,
             "gpu": torch.cuda.get_device_name(0) if self.torch_device == "cuda" else None,
@@ -210,6 +212,18 @@ class HFBackend(Backend):
             # logits_to_keep: the LM head runs only on the sampled rows of the one prefill.
             out = self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
         return torch_rows.to_host(torch, out.logits[0].detach(), self._outputs)  # (rows, vocab), native dtype
+
+    stream_head: str | None = None  # how a streamed prompt's later blocks were computed (hf_stream)
+
+    def streams(self, rows: int) -> bool:
+        return rows * 4 * self._vocab > stream_bytes()
+
+    def forward_blocks(self, token_ids: list[int], positions: list[int]):
+        """Past STREAM_BYTES of rows, the LM head a block at a time over one prefill (backends/hf_stream.py)."""
+        if not self.streams(len(positions)):
+            yield self.forward(token_ids, positions)
+            return
+        yield from hf_stream.blocks(self, token_ids, positions)
 
     def keep_outputs(self, n: int) -> None:
         """Logits copied from a GPU land in n host buffers, page-locked, handed out in turn (0: a

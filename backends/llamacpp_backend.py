@@ -156,6 +156,9 @@ class LlamaCppBackend(LlamaContexts, Backend):
             "n_batch": self.n_batch,
             "n_ubatch": self.n_ubatch,
             "kv_cache": self.kv_cache,
+            # a prompt of more kept rows than STREAM_BYTES holds: decoded this many tokens a call,
+            # each call's rows stored before the next (the same rows: llama.cpp computes per ubatch)
+            "stream_tokens": self.stream_tokens(),
             "n_ctx": "prompt length",
             "flash_attn": self.stack.attention,
             "threads": self.threads,

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
-from backends.base import STREAM_BYTES
+from backends.base import stream_bytes
 
 KV_TYPES = {"f16": "GGML_TYPE_F16", "f32": "GGML_TYPE_F32", "q8_0": "GGML_TYPE_Q8_0"}
 
@@ -128,10 +128,10 @@ class LlamaContexts:
         piece's rows within STREAM_BYTES (at least one ubatch, at most n_batch). llama.cpp computes
         in ubatches whatever n_batch is, so the rows are those of one call (tests/test_streamed_rows.py)."""
         per_row = 4 * self._n_vocab  # float32, llama.cpp's output type
-        return min(self.n_batch, max(1, STREAM_BYTES // (per_row * self.n_ubatch)) * self.n_ubatch)
+        return min(self.n_batch, max(1, stream_bytes() // (per_row * self.n_ubatch)) * self.n_ubatch)
 
     def streams(self, rows: int) -> bool:
-        return rows * 4 * self._n_vocab > STREAM_BYTES
+        return rows * 4 * self._n_vocab > stream_bytes()
 
     def forward_blocks(self, token_ids: list[int], positions: list[int]) -> Iterator[np.ndarray]:
         """The prefill in pieces of stream_tokens(); each piece's kept rows handed over as a view of
