@@ -54,6 +54,14 @@ def bucket_values() -> str:
     return ", ".join(f"({lo!r}::DOUBLE, {hi!r}::DOUBLE)" for lo, hi in zip(e, e[1:]))
 
 
+def position_bucket_values() -> str:
+    """position_buckets' buckets as SQL VALUES rows: (bucket, lo, hi) of each, hi null for the open
+    last one (POSITION_BUCKETS)."""
+    return ", ".join(
+        f"('{label}', {lo}::INTEGER, {'NULL' if hi is None else hi}::INTEGER)" for label, lo, hi in D.POSITION_BUCKETS
+    )
+
+
 def _stderr(x: np.ndarray) -> float:
     x = x[~np.isnan(x)]
     return float(np.std(x, ddof=1) / np.sqrt(len(x))) if len(x) > 1 else float("nan")

@@ -13,6 +13,7 @@ from collections.abc import Collection
 from typing import Any
 
 from analysis import confidence as C
+from analysis import position_card as PC
 from analysis.disclosure import disclosure as _disclosure
 from analysis.sql import connect, dict_rows
 from common import metric_defs as D
@@ -105,6 +106,7 @@ def build_card(
         "numbers": numbers,
         "ranges": ranges,
         "by_confidence": query_rows(warehouse, C.CARD_SQL, [cell_id]),
+        "position_buckets": query_rows(warehouse, PC.CARD_SQL, [cell_id]),
         "disclosure": disclosure,
         "undisclosed": missing,
         **{x.key: x.card(warehouse, cell) for x in extras},
@@ -152,6 +154,7 @@ def markdown(card: dict, extras) -> str:
         f"| raw logits: mean NMSE / max abs diff / mean Spearman (top-10) | {fmt_value(n['nmse_mean'])} / "
         f"{fmt_value(n['max_abs_diff'])} / {fmt_value(n['spearman_mean'])} |",
         f"| rows (NaN/Inf excluded) | {n['rows']} ({n['nonfinite_rows']}) |",
+        f"| context | {card['disclosure']['context_lengths']['measured']} |",
         f"| below measurement resolution | {fmt_value(n['below_resolution'])} |",
         "",
         "| output range | rows | mean KLD ± s.e. | p99 | max | top-1 |",
@@ -162,6 +165,7 @@ def markdown(card: dict, extras) -> str:
             f"| {r['range']} | {r['rows']} | {r['kld_mean']:.4g} ± {r['kld_stderr'] or 0:.2g} | "
             f"{r['kld_p99']:.4g} | {r['kld_max']:.4g} | {r['top1_agreement']:.4f} |"
         )
+    out += PC.card_lines(card.get("position_buckets") or [])
     out += C.card_lines(card.get("by_confidence") or [])
     out += ["", "| disclosure | value |", "|---|---|"]
     for k, v in card["disclosure"].items():

@@ -9,11 +9,12 @@ from common import metric_defs as D
 CARD_SQL = "SELECT * FROM kld_by_confidence WHERE cell_id = ? ORDER BY lo"
 
 
-def _columns() -> list[tuple[str, list[str], str]]:
-    """(header, the aliases it shows, format) per column: a mean and its s.e. share one."""
+def columns(shown: str = D.BY_CONFIDENCE) -> list[tuple[str, list[str], str]]:
+    """(header, the aliases it shows, format) per column of a card block of the view `shown`: a mean
+    and its s.e. share one."""
     out = []
     for metric in D.REGISTRY:
-        aggs = {a.kind: a.alias for a in metric.aggs if D.BY_CONFIDENCE in a.shown}
+        aggs = {a.kind: a.alias for a in metric.aggs if shown in a.shown}
         if "mean" in aggs and "stderr" in aggs:
             out.append((f"mean {metric.label} ± s.e.", [aggs.pop("mean"), aggs.pop("stderr")], "{:.4g} ± {:.2g}"))
         for kind, alias in aggs.items():
@@ -26,7 +27,7 @@ def card_lines(rows: list[dict]) -> list[str]:
     """The block's markdown lines (none without rows: metrics older than the reference's top-1 probability)."""
     if not rows:
         return []
-    cols = _columns()
+    cols = columns()
     out = [
         "",
         "| reference top-1 probability | rows | " + " | ".join(h for h, _, _ in cols) + " |",

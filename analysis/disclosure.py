@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Collection
 from typing import Any
 
@@ -199,14 +200,32 @@ def _evaluation_text(cell: dict, prompts: list) -> dict:
     }
 
 
-def _context_lengths(cell: dict, prompts: list) -> dict:
+def _context_lengths(cell: dict, prompts: list, pos: dict) -> dict:
     ctx = sorted(p["n_tokens"] for p in prompts)
     return {
         "min": ctx[0] if ctx else None,
         "median": ctx[len(ctx) // 2] if ctx else None,
         "max": ctx[-1] if ctx else None,
         "fed_prefix_tokens": cell.get("max_tokens") or "whole prompts",
+        "measured": measured_context(cell, prompts, pos),
     }
+
+
+# how the corpus names a text's chunks (matrix/spec/corpus.py: <id>-c<k>) and an imported llama.cpp
+# KL-divergence base file's (store/llamacpp_import.py: "<file> chunk <k>")
+CHUNK_NAME = re.compile(r"(-c| chunk )[0-9]+$")
+
+
+def measured_context(cell: dict, prompts: list, pos: dict) -> str | None:
+    """The context the cell's rows were measured in, in words: the longest prompt (a chunk, where the
+    text was cut into chunks) as fed, max_tokens cutting it, and the furthest position scored."""
+    if not prompts or pos["last"] is None:
+        return None
+    cap = cell.get("max_tokens")
+    fed = [min(p["n_tokens"], cap) if cap else p["n_tokens"] for p in prompts]
+    unit = "chunk" if all(CHUNK_NAME.search(p.get("name") or "") for p in prompts) else "prompt"
+    length = f"{fed[0]:,} tokens per {unit}" if len(set(fed)) == 1 else f"up to {max(fed):,} tokens per {unit}"
+    return f"{length} (positions up to {pos['last']:,} scored)"
 
 
 def _sampled_positions(cell: dict, pos: dict) -> dict:
@@ -238,7 +257,7 @@ def disclosure(cell: dict, ref: dict, s: dict, prompts: list, pos: dict, as_is: 
         "evaluation_text": _evaluation_text(cell, prompts),
         "candidate_artifact": artifact(cell),
         "calibration_data": calibration(cell, as_is),
-        "context_lengths": _context_lengths(cell, prompts),
+        "context_lengths": _context_lengths(cell, prompts, pos),
         "sampled_positions": _sampled_positions(cell, pos),
         "kl_direction": "KL(P_reference || P_candidate), natural log (nats); reverse KL and JS also reported",
         "vocabulary_truncation": _truncation(cell),

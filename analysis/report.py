@@ -13,6 +13,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from analysis import report_buckets as B
 from analysis import report_plots as P
 from analysis import report_tables as T
 from analysis.sql import connect, dict_rows
@@ -49,6 +50,7 @@ def gather(warehouse: str) -> dict:
             "pairs": q("SELECT cell_a, cell_b, mean_js, top1_agreement FROM pairwise"),
             "ranges": q("""SELECT cell_id, range, lo, category, rows, kld_mean, kld_stderr, kld_p99, top1_agreement
                            FROM summary_by_range ORDER BY cell_id, category NULLS FIRST, lo"""),
+            "buckets": q(B.SQL),
             "layers": q("""SELECT cell_id, layer, layer_index, rows, cosine_min, cosine_mean, norm_ratio_dev_max
                            FROM layer_summary ORDER BY cell_id, layer_index"""),
             "paths": q("""SELECT cell_id, rows_of, path, rows, kld_mean, cached_tokens_mean, kld_vs_prefill_mean,
@@ -188,6 +190,7 @@ def _kld_charts(data: dict, mine: list[dict], k: int) -> str:
         "(line) and its 10th to 90th percentile (band). Grey: fewer than two prompts reach that position, so "
         "the line is one prompt's there, not a median.</p>"
         + P.by_position([curves[c["cell_id"]] for c in mine if c["cell_id"] in curves], f"kld-position-{k}")
+        + B.chart(data, mine, k)
     )
 
 

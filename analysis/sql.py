@@ -7,7 +7,7 @@ import os
 import duckdb
 import pyarrow as pa
 
-from analysis.aggregates import bucket_values, select_sql
+from analysis.aggregates import bucket_values, position_bucket_values, select_sql
 from common import metric_defs as D
 from common.errors import UserError, first_line
 from store import TABLES, Warehouse
@@ -180,6 +180,17 @@ VIEWS = {
         FROM metrics m JOIN b ON m.p_top1_ref >= b.lo AND (m.p_top1_ref < b.hi OR b.hi = 1.0)
         WHERE m.repeat = 0
         GROUP BY m.cell_id, m.reference_cell_id, b.lo, b.hi""",
+    # KL by how far into its prompt a row is: repeat-0 rows bucketed by position (common/metric_defs.py
+    # POSITION_BUCKETS: [lo, hi), hi null for the open last bucket), per model, cell and reference.
+    # A flagged (NaN/Inf) row counts in rows and nonfinite_rows; its null metrics are in no mean.
+    "position_buckets": f"""
+        WITH b AS (SELECT * FROM (VALUES {position_bucket_values()}) e(bucket, lo, hi))
+        SELECT c.model, m.cell_id, m.reference_cell_id, b.bucket, b.lo, b.hi, count(*) AS rows,
+               count(m.nonfinite) AS nonfinite_rows, {select_sql(D.BY_POSITION)}
+        FROM metrics m JOIN b ON m.position >= b.lo AND (b.hi IS NULL OR m.position < b.hi)
+        JOIN cells c ON c.cell_id = m.cell_id
+        WHERE m.repeat = 0
+        GROUP BY c.model, m.cell_id, m.reference_cell_id, b.bucket, b.lo, b.hi""",
     "disagreement_clusters": """
         WITH m AS (SELECT cell_id, prompt_id, position, top1_match,
                           row_number() OVER (PARTITION BY cell_id, prompt_id ORDER BY position) AS rn
@@ -264,6 +275,9 @@ VIEW_ABOUT = {
     "summary_by_range": "the summary's KL figures per position range (`--ranges`), and per range and prompt category",
     "kld_by_confidence": "each measured cell's KL and top-1 agreement by how sure its reference was: rows bucketed by "
     "the reference's top-1 probability, in tenths",
+    "position_buckets": "each measured cell's KL (mean, s.e.), top-1 agreement and mean Δp of the next token by "
+    f"how far into its prompt a row is: positions {', '.join(b[0] for b in D.POSITION_BUCKETS)} "
+    "(`hi` null: no upper bound)",
     "disagreement_clusters": (
         "runs of consecutive sampled positions where a cell's top-1 token differs from its reference's"
     ),

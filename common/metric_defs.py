@@ -21,7 +21,8 @@ from dataclasses import dataclass
 # Where an aggregate is shown: the views of analysis/sql.py, the gates of analysis/gates.py (and the
 # fixture gates of analysis/truncated.py), the numbers of a model card (analysis/card.py).
 SUMMARY, BY_RANGE, BY_CONFIDENCE, GATES, CARD = "summary", "summary_by_range", "kld_by_confidence", "gates", "card"
-SHOWN_IN = (SUMMARY, BY_RANGE, BY_CONFIDENCE, GATES, CARD)
+BY_POSITION = "position_buckets"
+SHOWN_IN = (SUMMARY, BY_RANGE, BY_CONFIDENCE, BY_POSITION, GATES, CARD)
 
 # What an aggregate computes over the rows of a group (null rows skipped, as SQL does):
 # mean | stderr (standard error of the mean) | median | p90 | p99 | p999 (linear interpolation) | max | min |
@@ -32,6 +33,9 @@ KIND_WORDS |= {"max": "max", "min": "min", "share": "", "max_dev1": "max |x - 1|
 
 # The buckets of kld_by_confidence: the reference's top-1 probability in [lo, hi), the last [0.9, 1.0]
 CONFIDENCE_EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# The buckets of position_buckets: (label, lo, hi) of the rows at positions [lo, hi); hi None: no end.
+# Fixed, unlike `--ranges`, so a long-context figure reads the same in every warehouse.
+POSITION_BUCKETS = (("0-1k", 0, 1024), ("1k-4k", 1024, 4096), ("4k-16k", 4096, 16384), ("16k+", 16384, None))
 
 
 @dataclass(frozen=True)
@@ -58,9 +62,10 @@ class Metric:
         return {"higher": self.column, "lower": f"-{self.column}", "off1": f"abs({self.column} - 1)"}[self.worse]
 
 
-_S, _R, _C, _G, _K = SUMMARY, BY_RANGE, BY_CONFIDENCE, GATES, CARD
+_S, _R, _C, _P, _G, _K = SUMMARY, BY_RANGE, BY_CONFIDENCE, BY_POSITION, GATES, CARD
 
-# In the order their aggregates appear in the views (summary, summary_by_range, kld_by_confidence).
+# In the order their aggregates appear in the views (summary, summary_by_range, kld_by_confidence,
+# position_buckets).
 REGISTRY = (
     Metric(
         "kld",
@@ -68,8 +73,10 @@ REGISTRY = (
         "higher",
         0.0,
         (
-            Agg("mean", "kld_mean", (_S, _R, _C, _G, _K), "mean_kld", "mean KL(P_ref || P_stack) over sampled rows"),
-            Agg("stderr", "kld_stderr", (_S, _R, _C, _K)),
+            Agg(
+                "mean", "kld_mean", (_S, _R, _C, _P, _G, _K), "mean_kld", "mean KL(P_ref || P_stack) over sampled rows"
+            ),
+            Agg("stderr", "kld_stderr", (_S, _R, _C, _P, _K)),
             Agg("median", "kld_median", (_S, _R, _K)),
             Agg("p90", "kld_p90", (_S, _R)),
             Agg("p99", "kld_p99", (_S, _R, _C, _G, _K), "p99_kld", "99th percentile of per-row KL"),
@@ -94,13 +101,16 @@ REGISTRY = (
             Agg(
                 "share",
                 "top1_agreement",
-                (_S, _R, _C, _G, _K),
+                (_S, _R, _C, _P, _G, _K),
                 "top1_agreement",
                 "share of rows whose argmax matches the reference",
             ),
         ),
         rank="CASE WHEN top1_match THEN 0 ELSE 1 + kld END",  # a disagreement, the larger KL first
     ),
+    # p_stack(next token) - p_ref(next token): lower is worse, the candidate less sure of the text than its
+    # reference; null at a prompt's last position (no next token)
+    Metric("delta_p", "Δp (next token)", "lower", 0.0, (Agg("mean", "delta_p_mean", (_P,)),)),
     Metric("storage_floor", "storage floor", "higher", None, (Agg("mean", "storage_floor", (_S,)),)),
     Metric(
         "nmse",

@@ -37,7 +37,7 @@ def test_every_registry_metric_is_a_metrics_column_and_a_row_metrics_output():
 
 def test_the_views_take_their_aggregates_from_the_registry():
     cols = {v: [c for c, _ in cs] for v, cs in view_columns().items()}
-    for view in (D.SUMMARY, D.BY_RANGE, D.BY_CONFIDENCE):
+    for view in (D.SUMMARY, D.BY_RANGE, D.BY_CONFIDENCE, D.BY_POSITION):
         for alias, expr in A.aggregate_sql(view):
             assert f"{expr} AS {alias}" in VIEWS[view] and alias in cols[view], (view, alias)
     # the summary's reference row: the registry's constants, under the same columns
@@ -63,7 +63,7 @@ def test_the_fixture_gates_aggregate_as_the_warehouse_gates(tmp_path):
     table = pa.table({k: pa.array(v, mask=np.isnan(v) if v.dtype.kind == "f" else None) for k, v in rows.items()})
     con = duckdb.connect(":memory:")
     con.register("metrics", table)
-    for shown in (D.GATES, D.BY_CONFIDENCE, D.SUMMARY):
+    for shown in (D.GATES, D.BY_CONFIDENCE, D.BY_POSITION, D.SUMMARY):
         got = dict(
             zip(
                 [a for a, _ in A.aggregate_sql(shown, None)],
