@@ -25,11 +25,19 @@ from common.stack import StackDesc
 # A forward whose kept rows hold more float32 bytes than this is handed over in blocks (streams()):
 # a prompt of 16,384 tokens at a 262,144 vocabulary would otherwise hold 8.6 GB of scored rows.
 STREAM_BYTES = 256 << 20
+# A streamed forward's block: its float32 rows at most this (at least one row). The engine's own
+# output buffer holds one block, and the capture rounds and encodes it before the next.
+BLOCK_BYTES = 64 << 20
 
 
 def stream_bytes() -> int:
     """STREAM_BYTES as it is now (read at each call, so a test can set it lower)."""
     return STREAM_BYTES
+
+
+def block_rows(vocab: int) -> int:
+    """Rows of one streamed block at this vocabulary (float32): BLOCK_BYTES as it is now."""
+    return max(1, BLOCK_BYTES // (4 * vocab))
 
 
 class SkipCell(Exception):

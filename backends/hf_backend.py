@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from backends import hf_checkpoint, hf_quant, hf_sdpa, hf_stream, torch_rows
-from backends.base import CHECKPOINT, GPU_DEVICES, Backend, OutputRing, check_layers, stream_bytes
+from backends.base import CHECKPOINT, GPU_DEVICES, Backend, OutputRing, block_rows, check_layers, stream_bytes
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
@@ -182,7 +182,7 @@ class HFBackend(Backend):
             "use_cache": False,
             "batch_size": 1,
             # a prompt of more kept rows: one prefill, the LM head a block of rows at a time (hf_stream)
-            "stream_rows": hf_stream.block_rows(self._vocab),
+            "stream_rows": block_rows(self._vocab),
             "tensor_parallel": getattr(self, "_tp", None),
             "cuda": torch.version.cuda,
             "gpu": torch.cuda.get_device_name(0) if self.torch_device == "cuda" else None,

@@ -7,7 +7,7 @@ are computed again from the captured hidden state: where the two differ (an arch
 head is more than lm_head and the final soft-capping), every later block is taken from a forward
 of its own, which is the model's arithmetic again at a prefill per block. A block's LM head is a
 matmul of fewer rows than the whole prompt's, which may round otherwise than one matmul of all of
-them: a prompt is streamed only past STREAM_BYTES of rows, and the block size is in the settings.
+them: a prompt is streamed only past STREAM_BYTES of rows, and the block's rows are in the settings.
 """
 
 from __future__ import annotations
@@ -17,12 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from backends import hf_sdpa, torch_rows
-from backends.base import stream_bytes
-
-
-def block_rows(vocab: int) -> int:
-    """Kept rows per block: STREAM_BYTES of float32 logits."""
-    return max(1, stream_bytes() // (4 * vocab))
+from backends.base import block_rows
 
 
 def _head(model, hidden):

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import GGUF, Backend, OutputRing, check_layers
+from backends.base import GGUF, Backend, OutputRing, block_rows, check_layers
 from backends.gguf_build import FLOAT_TYPES, QUANT_TYPES
 from backends.llama_binding import extra_bufts, gguf_tokenize, load_vocab, quiet_logs, tokenize_with  # noqa: F401 (re-exported)
 from backends.llamacpp_contexts import LlamaContexts
@@ -156,9 +156,9 @@ class LlamaCppBackend(LlamaContexts, Backend):
             "n_batch": self.n_batch,
             "n_ubatch": self.n_ubatch,
             "kv_cache": self.kv_cache,
-            # a prompt of more kept rows than STREAM_BYTES holds: decoded this many tokens a call,
-            # each call's rows stored before the next (the same rows: llama.cpp computes per ubatch)
-            "stream_tokens": self.stream_tokens(),
+            # a prompt of more kept rows than STREAM_BYTES holds: decoded in calls of at most this
+            # many kept rows, each call's rows stored before the next (llama_contexts.forward_blocks)
+            "stream_rows": block_rows(self._n_vocab),
             "n_ctx": "prompt length",
             "flash_attn": self.stack.attention,
             "threads": self.threads,

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
-from backends.base import stream_bytes
+from backends.base import block_rows, stream_bytes
 
 KV_TYPES = {"f16": "GGML_TYPE_F16", "f32": "GGML_TYPE_F32", "q8_0": "GGML_TYPE_Q8_0"}
 
@@ -123,36 +123,32 @@ class LlamaContexts:
                 self._lc.llama_free(ctx)
         return out
 
-    def stream_tokens(self) -> int:
-        """Tokens per llama_decode call of a streamed forward: as many whole ubatches as keep one
-        piece's rows within STREAM_BYTES (at least one ubatch, at most n_batch). llama.cpp computes
-        in ubatches whatever n_batch is, so the rows are those of one call (tests/test_streamed_rows.py)."""
-        per_row = 4 * self._n_vocab  # float32, llama.cpp's output type
-        return min(self.n_batch, max(1, stream_bytes() // (per_row * self.n_ubatch)) * self.n_ubatch)
-
     def streams(self, rows: int) -> bool:
         return rows * 4 * self._n_vocab > stream_bytes()
 
     def forward_blocks(self, token_ids: list[int], positions: list[int]) -> Iterator[np.ndarray]:
-        """The prefill in pieces of stream_tokens(); each piece's kept rows handed over as a view of
-        llama.cpp's own output buffer (no copy), valid until the next piece is decoded."""
+        """The prefill in llama_decode calls of at most n_batch tokens, each ending at most
+        block_rows() kept positions in; each call's kept rows handed over as a view of llama.cpp's
+        own output buffer (no copy), valid until the next call. Tokens with no kept row go in calls
+        of n_batch. The calls' bounds change how the ubatches are cut; on the CPU the rows stay
+        those of one call, bit for bit (tests/test_streamed_rows.py), and the block is recorded."""
         if not self.streams(len(positions)):
             yield self.forward(token_ids, positions)
             return
         ctx, cp = self._prefill_context(len(token_ids))
-        piece = min(self.stream_tokens(), cp.n_batch)
-        want = sorted(positions)
-        assert want == list(positions), "kept positions come in ascending order"
-        batch, at = self._lc.llama_batch_init(piece, 0, 1), 0
+        want, per = list(positions), block_rows(self._n_vocab)
+        assert want == sorted(want), "kept positions come in ascending order"
+        batch, at, start = self._lc.llama_batch_init(cp.n_batch, 0, 1), 0, 0
         try:
-            for start in range(0, len(token_ids), piece):
-                end = min(start + piece, len(token_ids))
-                n_kept = bisect.bisect_left(want, end, lo=at) - at
-                kept = want[at : at + n_kept]
-                self._feed(ctx, batch, piece, token_ids[start:end], start, dict.fromkeys(kept, 0), None)
-                if n_kept:
-                    yield self._outputs_view(ctx, kept, start)  # (n_kept, vocab)
-                at += n_kept
+            while start < len(token_ids):
+                end = min(start + cp.n_batch, len(token_ids))
+                if at + per < len(want):  # the call ends before the kept row one block on
+                    end = min(end, want[at + per])
+                kept = want[at : bisect.bisect_left(want, end, lo=at)]
+                self._feed(ctx, batch, cp.n_batch, token_ids[start:end], start, dict.fromkeys(kept, 0), None)
+                if kept:
+                    yield self._outputs_view(ctx, kept, start)  # (block rows, vocab)
+                at, start = at + len(kept), end
         except BaseException:
             self._drop_kept()  # a forward left half done leaves the cache in no known state
             raise

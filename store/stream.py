@@ -175,7 +175,9 @@ class Rows:
         try:
             if self.prompt.offset or len(self.prompt.positions) != self.group_rows:
                 raise pages.Unsupported("a row group shared by several prompts (one native dtype is assumed)")
-            f = self.fs.open_input_file(self.index.path) if self.fs else pa.memory_map(self.index.path)
+            # read (pread), not memory-mapped: a mapped file's pages stay in the process's RSS as
+            # it reads on, so a long prompt's reader would look as big as the prompt's column chunk
+            f = self.fs.open_input_file(self.index.path) if self.fs else pa.OSFile(self.index.path)
             self.stream = pages.LeafStream(
                 f, self.pf.metadata, self.pf.schema, self.prompt.group, self.index.leaf, self.prompt.kind
             )

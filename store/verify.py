@@ -116,7 +116,7 @@ def verify_shard(
     try:
         pf = pq.ParquetFile(path, filesystem=wh.loc.fs, page_checksum_verification=True)
         leaf = pages.leaf_index(pf.schema, LOGITS_LEAF)
-        f = wh.loc.fs.open_input_file(path) if wh.loc.fs else pa.memory_map(path)  # local: zero-copy reads
+        f = wh.loc.fs.open_input_file(path) if wh.loc.fs else pa.OSFile(path)  # read, not mapped: RSS follows the page
     except Exception as e:  # a truncated or overwritten file: Parquet says why
         return [Damage(path, f"unreadable: {_first_line(e)}", cell_id, repeat)], 0, 0
     damage, rows = [], 0

@@ -55,10 +55,12 @@ def _shard(be, wh: Path, cell: str, prompts, store: str, observe=None) -> tuple[
 def test_llamacpp_pieces_are_the_whole_forward_bit_for_bit(llama, monkeypatch):
     pos = HALF.of(len(LONG))
     whole = llama.forward(LONG, pos).copy()  # (rows, vocab), one llama_decode of n_batch 2048
-    monkeypatch.setattr(base, "STREAM_BYTES", 100 * 4 * llama.vocab_size())  # 100 rows: pieces of one ubatch
-    assert llama.streams(len(pos)) and llama.stream_tokens() == 512
+    monkeypatch.setattr(base, "STREAM_BYTES", 100 * 4 * llama.vocab_size())  # streamed past 100 rows
+    monkeypatch.setattr(base, "BLOCK_BYTES", 200 * 4 * llama.vocab_size())  # in blocks of 200
+    assert llama.streams(len(pos))
     blocks = [b.copy() for b in llama.forward_blocks(LONG, pos)]
-    assert [len(b) for b in blocks] == [274, 476]  # positions 750..1023 and 1024..1499 (the last)
+    # calls 0..949 (ubatches of 512 and 438), 950..1149, 1150..1349, 1350..1499
+    assert [len(b) for b in blocks] == [200, 200, 200, 150]
     assert np.array_equal(np.concatenate(blocks).view(np.uint32), whole.view(np.uint32))
 
 
@@ -105,6 +107,7 @@ def test_hf_blocks_are_the_model_head_over_one_prefill(tiny_model, monkeypatch):
     ids, pos = LONG[:600], HALF.of(600)
     whole = be.forward(ids, pos).copy()
     monkeypatch.setattr(base, "STREAM_BYTES", 64 * 4 * be.vocab_size())
+    monkeypatch.setattr(base, "BLOCK_BYTES", 64 * 4 * be.vocab_size())
     blocks = [b.copy() for b in be.forward_blocks(ids, pos)]
     assert [len(b) for b in blocks] == [64] * 4 + [44]  # positions 300..599
     assert be.stream_head == "lm_head over the last hidden state"
@@ -120,6 +123,7 @@ def test_hf_head_it_cannot_reproduce_takes_a_forward_per_block(tiny_model, monke
     ids, pos = LONG[:300], HALF.of(300)
     whole = be.forward(ids, pos).copy()
     monkeypatch.setattr(base, "STREAM_BYTES", 64 * 4 * be.vocab_size())
+    monkeypatch.setattr(base, "BLOCK_BYTES", 64 * 4 * be.vocab_size())
     monkeypatch.setattr(hf_stream, "_head", lambda model, h: model.lm_head(h) + 1.0)  # not the model's head
     got = np.concatenate([b.copy() for b in be.forward_blocks(ids, pos)])
     assert be.stream_head == "a forward per block"
