@@ -1,4 +1,5 @@
-"""Readable stack names: `llamacpp/q4_k_m`, `mlx/q8_g64/activations=fp32`, `hf/bf16/eager`.
+"""Readable stack names: `llamacpp/q4_k_m`, `mlx/q8_g64/activations=fp32`, `hf/bf16/eager`,
+`llamacpp/f16/kv_cache=q8_0,q4_0` (K and V caches apart).
 
 A cell id pins everything (`model.engine.dtype.attention.tpN.device-<hash>@<build>`), so two
 stacks that differ only in an option differ only in that hash. A name is the facets that tell
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from common import kv_cache
 from common.errors import UserError
 
 
@@ -34,12 +36,14 @@ def facets(cell: dict[str, Any]) -> dict[str, list[str]]:
         "tp": [f"tp{cell['tp']}"],
         "device": [cell["device"]],
         "model": [cell["model"]],
-        "options": [f"{k}={_word(v)}" for k, v in sorted(opts.items())],
+        "options": [f"{k}={_word(k, v)}" for k, v in sorted(opts.items())],
         "candidate": [label] if label else [],
     }
 
 
-def _word(v: Any) -> str:
+def _word(key: str, v: Any) -> str:
+    if key == "kv_cache":  # K and V apart as `--kv-cache` takes them: kv_cache=q8_0,q4_0
+        return kv_cache.label(v)
     return v if isinstance(v, str) else json.dumps(v, sort_keys=True, separators=(",", ":"))
 
 

@@ -23,8 +23,9 @@ from backends.base import GGUF, Backend, OutputRing, block_rows, check_layers
 from backends.gguf_build import FLOAT_TYPES, QUANT_TYPES
 from backends.llama_binding import extra_bufts, gguf_tokenize, load_vocab, quiet_logs, tokenize_with  # noqa: F401 (re-exported)
 from backends.llamacpp_contexts import LlamaContexts
+from common import kv_cache
 
-DEFAULTS = {"n_batch": 2048, "n_ubatch": 512, "kv_cache": "f16"}  # llama.cpp's own defaults
+DEFAULTS = {"n_batch": 2048, "n_ubatch": 512, "kv_cache": kv_cache.DEFAULT}  # llama.cpp's own defaults
 
 
 def _wait_policy() -> str:
@@ -41,6 +42,14 @@ def _wait_policy() -> str:
         return "libgomp default"
     os.environ["OMP_WAIT_POLICY"] = "passive"
     return "passive"
+
+
+def _kv_refused(attention: str, kv: str | dict | None) -> str | None:
+    """Why llama.cpp cannot run this KV cache under this attention (None: it can)."""
+    v = kv_cache.quantised_v(kv)
+    if v and attention == "eager":  # src/llama-context.cpp: "quantized V cache requires flash_attn"
+        return f"a quantised V cache ({v}) requires flash attention in llama.cpp, and attention eager turns it off"
+    return None
 
 
 class LlamaCppBackend(LlamaContexts, Backend):
@@ -79,7 +88,7 @@ class LlamaCppBackend(LlamaContexts, Backend):
     def unsupported(cls, cell) -> str | None:
         if "imatrix" in cell.opts and (cell.dtype not in QUANT_TYPES or getattr(cell, "artifact", None)):
             return f"an imatrix weights llama.cpp's quantiser, and this cell quantises nothing ({cell.dtype})"
-        return super().unsupported(cell)
+        return _kv_refused(cell.attention, cell.opts.get("kv_cache")) or super().unsupported(cell)
 
     def load(self) -> None:
         self.wait_policy = _wait_policy()
@@ -116,11 +125,31 @@ class LlamaCppBackend(LlamaContexts, Backend):
             from common.errors import UserError
 
             raise UserError(f"{self.artifact['path']}: llama.cpp could not load this GGUF")
+        self._check_kv_cache()
         self.vocab = lc.llama_model_get_vocab(self.model)
         self._n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.tensor_types = gguf_build.tensor_types(self.artifact["path"])
         self._kept = None  # (n_ctx, context, params) of the last prompt's forward
         self._outputs = OutputRing(0)
+
+    def _check_kv_cache(self) -> None:
+        """A KV cache other than llama.cpp's default, tried on a small context: llama.cpp refuses a
+        quantised type whose block does not divide the head size, and K and V types that differ on
+        an MLA model (src/llama-context.cpp llama_init_from_model), a property of the model: a skip."""
+        if kv_cache.pair(self.kv_cache) == (kv_cache.DEFAULT, kv_cache.DEFAULT):
+            return
+        from backends.base import SkipCell
+
+        try:
+            ctx, _ = self._context(8)
+        except RuntimeError:
+            k, v = kv_cache.pair(self.kv_cache)
+            raise SkipCell(
+                _kv_refused(self.stack.attention, self.kv_cache)
+                or f"llama.cpp creates no context with a KV cache of K {k}, V {v} for this model (a block "
+                "size that does not divide its head size, or K and V types that differ on an MLA model)"
+            ) from None
+        self._lc.llama_free(ctx)
 
     def keep_outputs(self, n: int) -> None:
         self._outputs = OutputRing(n)
@@ -156,11 +185,13 @@ class LlamaCppBackend(LlamaContexts, Backend):
             "n_batch": self.n_batch,
             "n_ubatch": self.n_ubatch,
             "kv_cache": self.kv_cache,
+            "kv_cache_k": kv_cache.pair(self.kv_cache)[0],
+            "kv_cache_v": kv_cache.pair(self.kv_cache)[1],
             # a prompt of more kept rows than STREAM_BYTES holds: decoded in calls of at most this
             # many kept rows, each call's rows stored before the next (llama_contexts.forward_blocks)
             "stream_rows": block_rows(self._n_vocab),
             "n_ctx": "prompt length",
-            "flash_attn": self.stack.attention,
+            "flash_attn": self._flash_ran(),
             "threads": self.threads,
             "context_per_prompt": "kept per prompt length, KV cache cleared before each prompt",
             "omp_wait_policy": self.wait_policy,
@@ -172,6 +203,12 @@ class LlamaCppBackend(LlamaContexts, Backend):
             "model_facts": self._facts(),
             "versions": {"llama_cpp_python": llama_cpp.__version__, "numpy": np.__version__},
         }
+
+    def _flash_ran(self) -> str:
+        """The attention the contexts were made with, in the stack's words: flash_attn where a
+        quantised V cache turned llama.cpp's auto on (LlamaContexts._flash)."""
+        lc = self._lc
+        return "flash_attn" if self._flash() == lc.LLAMA_FLASH_ATTN_TYPE_ENABLED else self.stack.attention
 
     def _facts(self) -> dict[str, Any]:
         """The GGUF's architecture and attention window, as the loaded model reports them."""

@@ -15,8 +15,11 @@ from typing import Iterator
 import numpy as np
 
 from backends.base import block_rows, stream_bytes
+from common import kv_cache
 
-KV_TYPES = {"f16": "GGML_TYPE_F16", "f32": "GGML_TYPE_F32", "q8_0": "GGML_TYPE_Q8_0"}
+# common/kv_cache.py TYPES -> enum ggml_type (ggml/include/ggml.h), by number: llama-cpp-python
+# exports no GGML_TYPE_BF16
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
 
 
 class LlamaContexts:
@@ -24,6 +27,10 @@ class LlamaContexts:
 
     def _flash(self) -> int:
         lc = self._lc
+        if self.stack.attention == "default" and kv_cache.quantised_v(self.kv_cache):
+            # only the flash-attention kernel reads a quantised V cache (src/llama-context.cpp: "quantized
+            # V cache requires flash_attn"): asked for here rather than left to llama.cpp's auto
+            return lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
         return {
             "default": lc.LLAMA_FLASH_ATTN_TYPE_AUTO,
             "flash_attn": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -39,7 +46,7 @@ class LlamaContexts:
         cp.n_ubatch = min(self.n_ubatch, cp.n_batch)
         cp.n_seq_max = 1
         cp.n_threads = cp.n_threads_batch = self.threads
-        cp.type_k = cp.type_v = getattr(lc, KV_TYPES[self.kv_cache])
+        cp.type_k, cp.type_v = (KV_TYPES[t] for t in kv_cache.pair(self.kv_cache))
         cp.flash_attn_type = self._flash()
         cp.no_perf = True
         if taps is not None:

@@ -189,7 +189,7 @@ def test_cells_json_lists_cells_and_skipped(tmp_path):
         ({**BASE, "stride": 0}, "stride: must be a positive integer"),
         ({**BASE, "exclude": [{"dtype": "q9"}]}, "exclude[0].dtype: unknown dtype"),
         ({**BASE, "reference": {"dtype": "f16"}}, "reference: matches no cell"),
-        ({**BASE, "options": {"kv_cache": "f8"}}, "options.kv_cache: expected one of f16, f32, q8_0"),
+        ({**BASE, "options": {"kv_cache": "f8"}}, "options.kv_cache: expected one of f32, f16, bf16, q8_0"),
         ({**BASE, "include": [{"engine": "llamacpp", "dtype": "q9_k"}]}, "include[0].dtype: unknown dtype"),
         (
             {**BASE, "include": [{"engine": "llamacpp", "dtype": "q8_0", "attention": "sdpa"}]},

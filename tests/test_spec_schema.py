@@ -66,7 +66,7 @@ def test_parsing_takes_its_keys_and_defaults_from_the_schema():
     assert parse.KEEP_ROWS == ("all", "references")
     assert parse.HOSTS == ("shared", "per_cell")
     assert parse.OPTION_KEYS == {
-        "kv_cache": ("f16", "f32", "q8_0"),
+        "kv_cache": ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"),
         "n_batch": int,
         "n_ubatch": int,
         "trt_backend": ("pytorch", "tensorrt"),

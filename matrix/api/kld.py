@@ -24,6 +24,7 @@ def kld(
     chunks: int | None = None,
     threads: int | None = None,
     keep_rows: bool = False,
+    kv_cache: str | None = None,
     address: str | None = None,
     executor: str | None = None,
     log: Callable[[str], None] | None = None,
@@ -31,7 +32,9 @@ def kld(
     """reference, candidates: a GGUF file, an HF checkpoint directory or a catalog model each; text: the
     evaluation text (UTF-8), cut into chunks of n_ctx tokens whose second halves are scored; chunks:
     only the first that many of them, as llama-perplexity's --chunks (None: every chunk). n_ctx is
-    refused past the context the reference declares.
+    refused past the context the reference declares. kv_cache: the KV cache type the candidates run
+    with, `TYPE` or `K,V` (llama.cpp's -ctk / -ctv; None: its default f16, as the reference), so a
+    candidate is a file and a cache: the reference's own file with a q8_0 cache measures the cache.
 
     The job's spec is written beside the warehouse (WAREHOUSE.kld.yaml) and run with the local executor
     unless a cluster is named. One candidate's failure is its own: the others are still measured, and
@@ -41,24 +44,25 @@ def kld(
     log = log or stderr_log
     threads = _threads(threads, address)
     ref = job.classify(reference, "--reference")
+    kv = job.kv_cache_flag(kv_cache)
     cands = [job.classify(c, "--candidate") for c in candidates]
     text_file = Path(os.path.expanduser(str(text))).resolve()
     if not text_file.is_file():
         raise UserError(f"--text {text}: no such file")
-    spec_path, asked, new = job.write_job(ref, cands, text_file, n_ctx, threads, warehouse, log, keep_rows, chunks)
+    spec_path, asked, new = job.write_job(ref, cands, text_file, n_ctx, threads, warehouse, log, keep_rows, chunks, kv)
     log(f"the job's spec: {spec_path} (`matrix run {spec_path} --warehouse {warehouse}` repeats it)")
     result, refused, stacks = _run_job(
         spec_path, asked, warehouse, executor or ("ray" if address else "local"), address, log
     )
     done, anything = _done_cells(warehouse, stacks)
-    failed = {job.file_of(a) for a in asked} - {job.file_of(a) for a, _ in done}
+    failed = {job.candidate_key(a) for a in asked} - {job.candidate_key(a) for a, _ in done}
     job.forget(warehouse, failed, drop_job=new and not anything)
     if refused is not None and not done:
         raise UserError(refused)
     if done:
         _measured(warehouse, done, log)
     if failed:
-        names = ", ".join(a["name"] for a in asked if job.file_of(a) in failed)
+        names = ", ".join(_label(a) for a in asked if job.candidate_key(a) in failed)
         log(
             f"no statistics for {names}: its cell did not complete (the run says why above), "
             "and it is left out of the job's spec"
@@ -74,19 +78,31 @@ def _run_job(
     for): the job's spec is expanded once, for the run and for finding the candidates' cells. One
     candidate's failure is its own, so a refusal is returned for the others to be reported, not raised."""
     from matrix.spec.cells import load_spec
-    from matrix.spec.kld import file_of
+    from matrix.spec.kld import candidate_key
 
     try:
         matrix = load_spec(spec_path)
     except UserError as e:  # the job's spec itself refused: nothing runs, no candidate has a cell
         return None, str(e), []
-    by_file = {c.artifact: c.stack_id for c in matrix.cells if c.artifact is not None}
-    stacks = [(a, by_file[file_of(a)]) for a in asked]
+    by_key = {
+        candidate_key({"gguf": c.artifact, "kv_cache": c.opts.get("kv_cache")}): c.stack_id
+        for c in matrix.cells
+        if c.artifact is not None
+    }
+    stacks = [(a, by_key[candidate_key(a)]) for a in asked]
     try:
         result = run(matrix, warehouse, executor=executor, address=address, log=log)
     except UserError as e:  # refused before anything ran, or a file refused where it ran
         return None, str(e), stacks
     return result, result.bad_input, stacks
+
+
+def _label(entry: dict) -> str:
+    """A candidate's name, with its KV cache where that is not llama.cpp's default."""
+    from common import kv_cache
+
+    kv = entry.get("kv_cache")
+    return entry["name"] if kv is None else f"{entry['name']} (KV cache {kv_cache.label(kv)})"
 
 
 def _threads(threads: int | None, address: str | None) -> int:
@@ -145,7 +161,7 @@ def _results(warehouse: str, cells: list[tuple[dict, str]], ref_label: str) -> t
         for a, cid in cells:
             q = "SELECT count(DISTINCT prompt_id) FROM metrics WHERE cell_id = ?"
             chunks = con.execute(q, [cid]).fetchone()[0]
-            found.append((file_of(a), a["name"], cid, chunks, cell_stats(con, cid)))
+            found.append((file_of(a), _label(a), cid, chunks, cell_stats(con, cid)))
     finally:
         con.close()
     return tuple(

@@ -253,7 +253,8 @@ def spec_page() -> str:
         HEADER.format(src="matrix/spec/schema.py"),
         "# Spec reference\n",
         "Every key of a sweep spec. Unknown keys are refused (one line naming the file, the key and what is "
-        "allowed, exit 2). `exclude` entries and `reference` take the axis keys of `include[]` only; "
+        "allowed, exit 2). `exclude` entries take the axis keys of `include[]` only, `reference` those and "
+        "the engine options; "
         "`matrix spec --schema` prints this as JSON Schema. How the keys combine: [spec.md](spec.md).\n",
         "| key | type | default | what |",
         "| --- | --- | --- | --- |",

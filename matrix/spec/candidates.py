@@ -17,7 +17,7 @@ from pathlib import Path
 
 import backends
 from backends.base import CHECKPOINT, GGUF
-from common import ids
+from common import ids, kv_cache
 from common.errors import UserError
 from common.files import file_sha256
 from common.stack import Cell, StackDesc
@@ -37,6 +37,7 @@ CANDIDATE_KEYS = (
     "device",
     "threads",
     "calibration",
+    "kv_cache",
 )
 # what a candidate is given as -> the kind of file it is; the engines that run that kind as it is
 # (Backend.runs_files) may run it, the kind's default engine (Backend.default_for) when it names none
@@ -131,9 +132,18 @@ def parse_candidates(path: Path, data: dict, models: dict) -> list[dict]:
                 else None,
                 "threads": check_threads(path, f"{fld}.threads", e.get("threads")),
                 **extra,
+                **_kv_cache(path, fld, e),
             }
         )
     return out
+
+
+def _kv_cache(path: Path, fld: str, e: dict) -> dict:
+    """The KV cache the candidate runs with (its engine takes the option, or it is skipped saying so)."""
+    if e.get("kv_cache") is None:
+        return {}
+    fail = lambda msg, val=..., sub="": field_error(path, f"{fld}.kv_cache{sub}", msg, val)  # noqa: E731
+    return {"kv_cache": kv_cache.parse(e["kv_cache"], fail)}
 
 
 def _source(spec, model: str) -> tuple[str | None, str]:
@@ -194,9 +204,10 @@ def _config_dtype(d: str) -> str:
     return by_torch.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), "fp32")
 
 
-def cells(spec, corpus_fp: str, make_cell_id, cell_options, cell_extras) -> list[Cell]:
-    """The spec's candidates as cells (matrix/spec/cells.py expand adds them to the sweep); each
-    records the spec's per-cell extras, as its id says."""
+def cells(spec, corpus_fp: str, make_cell_id, option_sets, cell_extras) -> list[tuple[Cell, list[str]]]:
+    """The spec's candidates as cells, each with the options it asks for that its engine does not
+    take (matrix/spec/cells.py expand adds them to the sweep or skips them); each records the
+    spec's per-cell extras, as its id says."""
     out = []
     for c in spec.candidates:
         path, sha, pin, dtype, attention = _what(spec, c)
@@ -211,8 +222,8 @@ def cells(spec, corpus_fp: str, make_cell_id, cell_options, cell_extras) -> list
         }
         if c["threads"]:
             combo["threads"] = c["threads"]
-        opts, _ = cell_options(spec, combo)
-        cid = make_cell_id(spec, combo, opts, corpus_fp, extra={"candidate": pin})
+        if c.get("kv_cache") is not None:
+            combo["kv_cache"] = c["kv_cache"]
         group = next(
             (
                 g
@@ -221,23 +232,26 @@ def cells(spec, corpus_fp: str, make_cell_id, cell_options, cell_extras) -> list
             ),
             None,
         )
-        out.append(
-            Cell(
-                StackDesc(
-                    **{k: combo[k] for k in ("model", "engine", "dtype", "attention", "tp", "device")},
-                    extras=cell_extras(spec, combo),
-                    max_tokens=spec.max_tokens,
-                    options=tuple(opts.items()),
-                    artifact=path or "source",
-                    artifact_sha256=sha,
-                ),
+        for opts, foreign in option_sets(spec, combo):
+            cid = make_cell_id(spec, combo, opts, corpus_fp, extra={"candidate": pin})
+            stack = StackDesc(
+                **{k: combo[k] for k in ("model", "engine", "dtype", "attention", "tp", "device")},
+                extras=cell_extras(spec, combo),
+                max_tokens=spec.max_tokens,
+                options=tuple(opts.items()),
+                artifact=path or "source",
+                artifact_sha256=sha,
+            )
+            label = c["name"] or (Path(path).name if path else f"{c['model']}'s source GGUF")
+            cell = Cell(
+                stack,
                 stack_id=cid,
                 threads=combo.get("threads", spec.threads),
                 centroid_group=group,
                 calibration=c["calibration"],
-                label=c["name"] or (Path(path).name if path else f"{c['model']}'s source GGUF"),
+                label=label,
             )
-        )
+            out.append((cell, foreign))
     return out
 
 

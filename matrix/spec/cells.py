@@ -139,6 +139,20 @@ def cell_options(spec: Spec, combo: dict) -> tuple[dict, list[str]]:
     return dict(sorted(opts.items())), foreign
 
 
+def option_sets(spec: Spec, combo: dict) -> list[tuple[dict, list[str]]]:
+    """cell_options for each value of the options the spec lists several values of (an option axis,
+    in the spec's order): one set per value for an engine that takes the option and whose
+    combination does not set it itself, else the one set."""
+    opts, foreign = cell_options(spec, combo)
+    axes = [k for k, v in opts.items() if isinstance(v, list)]
+    if not axes:
+        return [(opts, foreign)]
+    return [
+        (dict(sorted({**opts, **dict(zip(axes, values))}.items())), foreign)
+        for values in itertools.product(*(opts[k] for k in axes))
+    ]
+
+
 def make_cell_id(
     spec: Spec, combo: dict, opts: dict, corpus_fp: str, replica: int = 0, extra: dict | None = None
 ) -> str:
@@ -201,8 +215,8 @@ def unsupported(cell: Cell) -> str | None:
 def _candidate_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: list) -> None:
     from matrix.spec import candidates
 
-    for cell in candidates.cells(spec, corpus_fp, make_cell_id, cell_options, cell_extras):
-        reason = unsupported(cell)
+    for cell, foreign in candidates.cells(spec, corpus_fp, make_cell_id, option_sets, cell_extras):
+        reason = unsupported(cell) or (f"engine {cell.engine} takes no option {foreign[0]}" if foreign else None)
         if reason:
             skipped.append({**cell.axes(), "stack_id": cell.stack_id, "reason": reason})
         elif cell.stack_id not in seen:
@@ -211,52 +225,59 @@ def _candidate_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped
 
 
 def _combo_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: list) -> None:
-    """The matrix's own cells (and their replicas), each runnable or skipped with its reason."""
-    from backends import backend_class
-
+    """The matrix's own cells (one per value of each option axis, and their replicas), each
+    runnable or skipped with its reason."""
     for combo in _combos(spec):
-        opts, foreign = cell_options(spec, combo)
-        cid = make_cell_id(spec, combo, opts, corpus_fp)
-        if cid in seen:
-            continue
-        seen.add(cid)
         group = next(
             (g for g, sels in spec.centroid_groups if any(all(combo[k] == v for k, v in sel.items()) for sel in sels)),
             None,
         )
-        stack = StackDesc(
-            **{k: combo[k] for k in names.CELL_AXES},
-            max_tokens=combo.get("max_tokens", spec.max_tokens),
-            extras=cell_extras(spec, combo),
-            options=tuple(opts.items()),
-        )
-        cell = Cell(
-            stack,
-            stack_id=cid,
-            threads=combo.get("threads", spec.threads),
-            centroid_group=group,
-            calibration=combo.get("calibration"),
-        )
-        reason = unsupported(cell)
-        if "_include" in combo and "attention" in spec.include[combo["_include"]]:
-            cls = backend_class(cell.engine)
-            if cls is not None and cell.attention not in cls.attention:  # asked for by name: an error, not a skip
-                raise field_error(
-                    spec.path,
-                    f"include[{combo['_include']}].attention",
-                    f"engine {cell.engine} has no attention {cell.attention!r} "
-                    f"(has: {', '.join(sorted(cls.attention))})",
-                    cell.attention,
-                )
-        if reason is None and foreign:
-            reason = f"engine {cell.engine} takes no option {foreign[0]}"
-        if reason:
-            skipped.append({**cell.axes(), "stack_id": cid, "reason": reason})
-            continue
-        cells.append(cell)
-        for i in range(1, combo.get("replicas", spec.replicas)):  # the same stack on other nodes
-            rid = make_cell_id(spec, combo, opts, corpus_fp, i)
-            cells.append(dataclasses.replace(cell, stack_id=rid, replica=i))
+        for opts, foreign in option_sets(spec, combo):
+            cid = make_cell_id(spec, combo, opts, corpus_fp)
+            if cid in seen:
+                continue
+            seen.add(cid)
+            stack = StackDesc(
+                **{k: combo[k] for k in names.CELL_AXES},
+                max_tokens=combo.get("max_tokens", spec.max_tokens),
+                extras=cell_extras(spec, combo),
+                options=tuple(opts.items()),
+            )
+            cell = Cell(
+                stack,
+                stack_id=cid,
+                threads=combo.get("threads", spec.threads),
+                centroid_group=group,
+                calibration=combo.get("calibration"),
+            )
+            reason = _combo_reason(spec, combo, cell, foreign)
+            if reason:
+                skipped.append({**cell.axes(), "stack_id": cid, "reason": reason})
+                continue
+            cells.append(cell)
+            for i in range(1, combo.get("replicas", spec.replicas)):  # the same stack on other nodes
+                rid = make_cell_id(spec, combo, opts, corpus_fp, i)
+                cells.append(dataclasses.replace(cell, stack_id=rid, replica=i))
+
+
+def _combo_reason(spec: Spec, combo: dict, cell: Cell, foreign: list[str]) -> str | None:
+    """Why a combination's cell cannot run (None: it can); an attention an include entry names and
+    its engine lacks is the spec's error, not a skip."""
+    from backends import backend_class
+
+    reason = unsupported(cell)
+    if "_include" in combo and "attention" in spec.include[combo["_include"]]:
+        cls = backend_class(cell.engine)
+        if cls is not None and cell.attention not in cls.attention:  # asked for by name: an error, not a skip
+            raise field_error(
+                spec.path,
+                f"include[{combo['_include']}].attention",
+                f"engine {cell.engine} has no attention {cell.attention!r} (has: {', '.join(sorted(cls.attention))})",
+                cell.attention,
+            )
+    if reason is None and foreign:
+        reason = f"engine {cell.engine} takes no option {foreign[0]}"
+    return reason
 
 
 def expand(spec: Spec) -> Matrix:
@@ -289,9 +310,9 @@ def _references(spec: Spec, cells: list[Cell], skipped: list[dict]) -> dict[str,
             for c in cells
             if c.replica == 0
             and c.artifact is None  # a candidate is never the reference
-            and all(getattr(c, k) == v for k, v in sel.items())
+            and all((getattr(c, k) if k in names.CELL_AXES else c.opts.get(k)) == v for k, v in sel.items())
         ]
-        missed = [s for s in skipped if all(s[k] == v for k, v in sel.items())]
+        missed = [s for s in skipped if all(s.get(k) == v for k, v in sel.items())]
         if not hits and missed:
             raise field_error(
                 spec.path, "reference", f"the reference stack cannot run: {missed[0]['reason']}", spec.reference

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from common import kv_cache
 from common.errors import UserError, read_text_file
 
 KINDS = ("gguf", "path", "catalog")
@@ -131,16 +132,43 @@ def check_n_ctx(ref: Source, gguf: str | None, n_ctx: int) -> None:
         raise UserError(f"--n-ctx {n_ctx}: the reference {file} supports at most {found[0]} tokens ({found[1]})")
 
 
-def candidate_entry(model: str, c: Source, log) -> dict:
+def kv_cache_flag(value: str | None) -> str | dict | None:
+    """--kv-cache TYPE or K,V -> the candidates' kv_cache option; None for llama.cpp's default
+    (f16), which the reference runs with: the same cell as no flag."""
+    if value is None:
+        return None
+    parts = value.split(",")
+    if len(parts) > 2 or any(p.strip() not in kv_cache.TYPES for p in parts):
+        raise UserError(f"--kv-cache {value}: expected a type ({', '.join(kv_cache.TYPES)}) for K and V, or K,V")
+    kv = kv_cache.parse(value, lambda msg, val=..., sub="": UserError(f"--kv-cache {value}: {msg}"))
+    return None if kv_cache.pair(kv) == (kv_cache.DEFAULT, kv_cache.DEFAULT) else kv
+
+
+def candidate_entry(model: str, c: Source, log, kv: str | dict | None = None) -> dict:
+    """A candidate of the job's spec; kv: the KV cache it runs with (None: llama.cpp's default)."""
+    if kv is not None and c.kind == "path":
+        raise UserError(
+            f"--kv-cache: --candidate {c.location} is an HF checkpoint, and engine hf takes no option kv_cache"
+        )
+    more = {} if kv is None else {"kv_cache": kv}
     if c.kind == "path":
         return {"model": model, "path": c.location, "name": c.label}
     gguf = c.location if c.kind == "gguf" else catalog_gguf(c.location, log)
-    return {"model": model, "gguf": gguf, "name": c.label if c.kind == "gguf" else Path(gguf).name}
+    return {"model": model, "gguf": gguf, "name": c.label if c.kind == "gguf" else Path(gguf).name, **more}
 
 
 def file_of(entry: dict) -> str:
     """A candidate entry's file or directory."""
     return entry.get("gguf") or entry["path"]
+
+
+def candidate_key(entry: dict) -> str:
+    """What tells a job's candidates apart: the file, and the KV cache it runs with where that is
+    not llama.cpp's default (the same file with another cache is another candidate)."""
+    kv = entry.get("kv_cache")
+    if kv is None or kv_cache.pair(kv) == (kv_cache.DEFAULT, kv_cache.DEFAULT):
+        return file_of(entry)
+    return f"{file_of(entry)} (kv_cache {kv_cache.label(kv)})"
 
 
 def job_files(warehouse: str) -> tuple[Path, Path]:
@@ -258,11 +286,13 @@ def write_job(
     log,
     keep_rows: bool = False,
     chunks: int | None = None,
+    kv: str | dict | None = None,
 ) -> tuple[Path, list[dict], bool]:
     """Write (or extend) the spec and corpus next to the warehouse; -> (spec path, the candidate
     entries asked for this time, whether the spec is new). keep_rows: the candidates' rows keep
     their values too (keep_rows: all), not only the reference's; chunks: only the text's first
-    chunks (llama-perplexity's --chunks), None for every chunk."""
+    chunks (llama-perplexity's --chunks), None for every chunk; kv: the KV cache this time's
+    candidates run with (kv_cache_flag; None: llama.cpp's default, as the reference)."""
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 4 or n_ctx % 2:
         raise UserError(f"--n-ctx {n_ctx}: must be an even context length >= 4 (the second half is scored)")
     if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
@@ -270,7 +300,7 @@ def write_job(
     spec_path, corpus_path = job_files(warehouse)
     entry, stack, vocab = reference_stack(ref, log)
     check_n_ctx(ref, vocab, n_ctx)
-    asked = [candidate_entry(entry["name"], c, log) for c in candidates]
+    asked = [candidate_entry(entry["name"], c, log, kv) for c in candidates]
     spec = _job_spec(entry, stack, threads, corpus_path, keep_rows, asked)
     new_corpus = corpus(text, n_ctx, vocab, chunks)
     new = not spec_path.is_file()
@@ -279,8 +309,8 @@ def write_job(
         _same_job(
             old, spec, yaml.safe_load(corpus_path.read_text()) if corpus_path.is_file() else None, new_corpus, spec_path
         )
-        known = {file_of(c) for c in asked}
-        spec["candidates"] = [c for c in old.get("candidates") or [] if file_of(c) not in known] + asked
+        known = {candidate_key(c) for c in asked}
+        spec["candidates"] = [c for c in old.get("candidates") or [] if candidate_key(c) not in known] + asked
     if vocab:  # the run tokenises the text with it first: that starts now, beside what comes before it
         from backends.llama_binding import tokenize_ahead
 
@@ -292,9 +322,9 @@ def write_job(
 
 
 def forget(warehouse: str, files: set[str], drop_job: bool) -> None:
-    """Take candidates whose cells did not complete out of the warehouse's job, so a refused file
-    does not come back with every later call; drop_job: remove the job's files altogether (its
-    reference never ran, so nothing of it is in the warehouse)."""
+    """Take candidates whose cells did not complete (files: their candidate_key) out of the
+    warehouse's job, so a refused file does not come back with every later call; drop_job: remove
+    the job's files altogether (its reference never ran, so nothing of it is in the warehouse)."""
     spec_path, corpus_path = job_files(warehouse)
     if drop_job:
         spec_path.unlink(missing_ok=True)
@@ -302,5 +332,5 @@ def forget(warehouse: str, files: set[str], drop_job: bool) -> None:
         return
     if files:
         spec = yaml.safe_load(spec_path.read_text())
-        spec["candidates"] = [c for c in spec.get("candidates") or [] if file_of(c) not in files]
+        spec["candidates"] = [c for c in spec.get("candidates") or [] if candidate_key(c) not in files]
         _write(spec_path, spec)

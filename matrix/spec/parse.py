@@ -10,6 +10,7 @@ matrix/spec/model_entry.py (ModelRef is importable from here too).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any
 import yaml
 
 import extras
-from common import names
+from common import kv_cache, names
 from common import positions as P
 from common.errors import UserError, read_text_file
 from matrix.spec import schema as S
@@ -49,6 +50,7 @@ CENTROID_DEFINITIONS = CENTROID["definition"].allowed
 # include entries may set them per cell. A backend lists the ones it takes.
 # -> allowed values, int (a positive integer) or dict (a mapping its own parser checks)
 OPTION_KEYS = {k.name: k.allowed or (int if k.json.get("type") == "integer" else dict) for k in S.OPTIONS}
+OPTION_KEYS["kv_cache"] = kv_cache.TYPES  # or {k: TYPE, v: TYPE}: common/kv_cache.py parses it
 # `imatrix:` on a llama.cpp quant cell: quantise with an importance matrix computed on a calibration
 # text (backends/gguf_imatrix.py); parsed and checked against the corpus in matrix/spec/calibration.py
 # Non-axis keys an include entry may add to a cell.
@@ -100,7 +102,9 @@ class Spec:
         return hashlib.sha256(self.raw_text.encode()).hexdigest()
 
 
-def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool) -> dict:
+def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool, options_ok: bool = False) -> dict:
+    """An include entry (extra_ok: every per-cell key), a reference selector (options_ok: the axis
+    keys and the engine options) or an exclude / centroid selector (the axis keys)."""
     if not isinstance(entry, dict) or not entry:
         raise field_error(path, fld, "must be a non-empty mapping of cell keys", entry)
     out = {}
@@ -117,10 +121,11 @@ def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool)
             if not isinstance(v, str) or not v.strip():
                 raise field_error(path, f"{fld}.{k}", "must be a non-empty string describing the calibration data", v)
             out[k] = v.strip()
-        elif extra_ok and k in OPTION_KEYS:
+        elif (extra_ok or options_ok) and k in OPTION_KEYS:
             out[k] = _check_option(path, f"{fld}.{k}", k, v)
         else:
-            keys = names.CELL_AXES + (tuple(sorted(CELL_EXTRA_KEYS | set(extras.keys()))) if extra_ok else ())
+            more = CELL_EXTRA_KEYS | set(extras.keys()) if extra_ok else set(OPTION_KEYS) if options_ok else set()
+            keys = names.CELL_AXES + tuple(sorted(more))
             raise field_error(path, f"{fld}.{k}", f"unknown key; expected one of {', '.join(keys)}")
     return out
 
@@ -181,6 +186,8 @@ def _parse_centroid(path: Path, raw: Any, models: dict) -> tuple[str, list]:
 
 def _check_option(path: Path, fld: str, key: str, v: Any) -> Any:
     kind = OPTION_KEYS[key]
+    if key == "kv_cache":
+        return kv_cache.parse(v, lambda msg, val=..., sub="": field_error(path, fld + sub, msg, val))
     if kind is dict:  # imatrix: {corpus, chunks, ctx, max_overlap}
         from matrix.spec.calibration import parse_option
 
@@ -268,7 +275,16 @@ def _parse_options(path: Path, data: dict) -> dict:
     for k, v in raw_opts.items():
         if k not in OPTION_KEYS:
             raise field_error(path, f"options.{k}", f"unknown option; expected one of {', '.join(sorted(OPTION_KEYS))}")
-        options[k] = _check_option(path, f"options.{k}", k, v)
+        if not isinstance(v, list):
+            options[k] = _check_option(path, f"options.{k}", k, v)
+            continue
+        # several values: an axis of the cells whose engine takes the option (matrix/spec/cells.py option_sets)
+        if not v:
+            raise field_error(path, f"options.{k}", "must not be empty")
+        values = [_check_option(path, f"options.{k}[{i}]", k, x) for i, x in enumerate(v)]
+        if len({json.dumps(x, sort_keys=True) for x in values}) != len(values):
+            raise field_error(path, f"options.{k}", "has duplicate values", v)
+        options[k] = values if len(values) > 1 else values[0]
     return options
 
 
@@ -298,9 +314,8 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
     models = parse_models(path, data)
     axes = _parse_axes(path, data, models)
     include, exclude = _entries(path, data, "include", models, True), _entries(path, data, "exclude", models, False)
-    reference = (
-        _parse_entry(path, "reference", data["reference"], models, False) if data.get("reference") is not None else {}
-    )
+    ref = data.get("reference")
+    reference = _parse_entry(path, "reference", ref, models, False, options_ok=True) if ref is not None else {}
     corpus = _parse_corpus(path, data)
     bos = _one_of(path, data, "bos", BOS_POLICIES)
     options = _parse_options(path, data)

@@ -16,7 +16,7 @@ from typing import Any
 import backends
 import extras
 from backends.base import CHECKPOINT, GGUF
-from common import names
+from common import kv_cache, names
 from common import positions as P
 
 
@@ -73,8 +73,18 @@ MODEL = (
     Key("revision", {"type": "string"}, "a hub revision (commit, tag or branch)"),
 )
 
+KV_TYPE, _ANY = enum(*kv_cache.TYPES), "|".join(kv_cache.TYPES)
+KV_PARTS = {"type": "object", "properties": {p: KV_TYPE for p in kv_cache.PARTS}, "additionalProperties": False}
+KV_CACHE = {"anyOf": [KV_TYPE, {"type": "string", "pattern": f"^({_ANY}),({_ANY})$"}, {**KV_PARTS, "minProperties": 1}]}
+
 OPTIONS = (
-    Key("kv_cache", enum("f16", "f32", "q8_0"), "llama.cpp's KV cache type"),
+    Key(
+        "kv_cache",
+        KV_CACHE,
+        "llama.cpp's KV cache type: one for K and V, or {k: TYPE, v: TYPE} (a part left out: f16), also "
+        "written K,V; a quantised V needs flash attention (a cell of attention eager is skipped)",
+        keys=tuple(Key(p, KV_TYPE, f"the {p.upper()} cache's type", "f16") for p in kv_cache.PARTS),
+    ),
     Key("n_batch", POS_INT, "llama.cpp's logical batch size"),
     Key("n_ubatch", POS_INT, "llama.cpp's physical batch size"),
     Key("trt_backend", enum("pytorch", "tensorrt"), "TensorRT-LLM's backend"),
@@ -124,6 +134,7 @@ CANDIDATE = {
     "device": "device class",
     "threads": "CPU threads",
     "calibration": "calibration data, for its card",
+    "kv_cache": "the KV cache it runs with, as options.kv_cache (default: the spec's options)",
 }
 CELL_EXTRA = {
     "threads": (POS_INT, "CPU threads for the engine (null: the engine's default)"),
@@ -133,12 +144,15 @@ CELL_EXTRA = {
 }
 
 
-def _entry(extra_ok: bool) -> dict:
-    """JSON Schema of an include entry (extra_ok) or of an exclude / reference selector."""
+def _entry(extra_ok: bool, options_ok: bool = False) -> dict:
+    """JSON Schema of an include entry (extra_ok), a reference selector (options_ok: engine options
+    too) or an exclude selector."""
     props = axes()
     if extra_ok:
         props.update({k: nullable(j) if k in ("threads", "max_tokens") else j for k, (j, _) in CELL_EXTRA.items()})
+    if extra_ok or options_ok:
         props.update({k.name: k.json for k in OPTIONS})
+    if extra_ok:
         props.update({x.key: nullable(x.json_schema) for x in extras.registered()})  # null: off for this cell
     return {"type": "object", "properties": props, "additionalProperties": False, "minProperties": 1}
 
@@ -198,7 +212,11 @@ def _sweep_keys() -> list[Key]:
             "(model, engine, ...) and per-cell keys (threads, max_tokens, options, extras)",
         ),
         Key("exclude", {"type": "array", "items": _entry(False)}, "combinations to leave out (axis keys only)"),
-        Key("reference", _entry(False), "the reference stack of each model (default: the first cell)"),
+        Key(
+            "reference",
+            _entry(False, options_ok=True),
+            "the reference stack of each model, by axis keys and engine options (default: the first cell)",
+        ),
     ]
 
 
@@ -269,8 +287,13 @@ def _measure_keys() -> list[Key]:
         ),
         Key(
             "options",
-            {"type": "object", "properties": {k.name: k.json for k in OPTIONS}, "additionalProperties": False},
-            "engine options for every cell (include entries may set them per cell)",
+            {
+                "type": "object",
+                "properties": {k.name: one_or_list(k.json) for k in OPTIONS},
+                "additionalProperties": False,
+            },
+            "engine options for every cell (include entries may set them per cell); a list of values "
+            "is an axis: a cell for each, of every engine that takes the option",
             keys=OPTIONS,
         ),
         Key(

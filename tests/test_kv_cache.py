@@ -1,0 +1,207 @@
+"""KV cache types as a stack option: llama.cpp's every cache type, K and V apart, swept as an axis
+on the 2-layer SmolLM2 (the rows, their KL against the f16 cache and what the settings record),
+measured by `matrix kld --kv-cache`, and refused in one line where the value is no cache type."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common import kv_cache
+from common.errors import UserError
+from matrix.spec.cells import load_spec
+from tests.conftest import REPO, run_cli, sql, write_spec
+
+AXIS = ["f16", "q8_0", "q4_0", {"k": "q8_0", "v": "q4_0"}]
+
+
+def test_every_type_llama_cpp_takes_maps_to_its_ggml_type():
+    lc = pytest.importorskip("llama_cpp")
+    from backends.llamacpp_contexts import KV_TYPES
+
+    assert set(KV_TYPES) == set(kv_cache.TYPES)
+    for name, number in KV_TYPES.items():  # llama-cpp-python exports all but BF16 (ggml.h: 30)
+        assert getattr(lc, f"GGML_TYPE_{name.upper()}", 30) == number, name
+
+
+@pytest.mark.parametrize(
+    "given, normal",
+    [
+        ("q8_0", "q8_0"),
+        ({"k": "q8_0", "v": "q8_0"}, "q8_0"),  # K and V alike: the plain type, one cell
+        ({"k": "q8_0"}, {"k": "q8_0", "v": "f16"}),  # a part left out: llama.cpp's default
+        ("q8_0,q4_0", {"k": "q8_0", "v": "q4_0"}),
+    ],
+)
+def test_a_value_has_one_normal_form(given, normal):
+    assert kv_cache.parse(given, lambda *a: AssertionError(a)) == normal
+    assert kv_cache.parse(kv_cache.label(normal), lambda *a: AssertionError(a)) == normal  # the label reads back
+
+
+def _spec(tmp_path: Path, **over) -> Path:
+    body = {"models": ["smollm2-135m"], "engines": ["llamacpp"], "dtypes": ["f16"], "attention": ["default"], **over}
+    p = tmp_path / "spec.yaml"
+    p.write_text(yaml.safe_dump(body, sort_keys=False))
+    return p
+
+
+def test_an_axis_of_caches_keeps_each_plain_types_cell_id(tmp_path):
+    axis = load_spec(_spec(tmp_path, options={"kv_cache": AXIS}))
+    ids = {kv_cache.label(c.opts["kv_cache"]): c.stack_id for c in axis.cells}
+    assert list(ids) == ["f16", "q8_0", "q4_0", "q8_0,q4_0"]
+    for plain in ("f16", "q8_0", {"k": "q4_0", "v": "q4_0"}):  # the id a spec of that one value gives
+        (one,) = load_spec(_spec(tmp_path, options={"kv_cache": plain})).cells
+        assert one.stack_id == ids[kv_cache.label(plain)] and one.opts == {"kv_cache": kv_cache.label(plain)}
+
+
+@pytest.mark.parametrize(
+    "options, line",
+    [
+        ({"kv_cache": "q3"}, "options.kv_cache: expected one of f32, f16, bf16, q8_0"),
+        ({"kv_cache": {"k": "q8_0", "x": "f16"}}, "options.kv_cache.x: unknown key; expected k"),
+        ({"kv_cache": {"k": "q3_k"}}, "options.kv_cache.k: expected one of f32"),
+        ({"kv_cache": ["q8_0", {"k": "q8_0", "v": "q8_0"}]}, "options.kv_cache: has duplicate values"),
+        ({"kv_cache": ["f16", "q9"]}, "options.kv_cache[1]: expected one of"),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_the_field_and_value(tmp_path, options, line):
+    with pytest.raises(UserError) as e:
+        load_spec(_spec(tmp_path, options=options))
+    assert len(str(e.value).splitlines()) == 1 and line in str(e.value), e.value
+
+
+def test_a_bad_value_exits_2_with_one_line(tmp_path):
+    r = run_cli("cells", str(_spec(tmp_path, include=[{"engine": "llamacpp", "kv_cache": {"k": "q8_0", "x": "f16"}}])))
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "include[0].kv_cache.x: unknown key" in err[0], r.stderr
+
+
+@pytest.fixture(scope="module")
+def kv_sweep(tiny_model, short_corpus, tmp_path_factory):
+    """llama.cpp f16 weights under each cache of AXIS, f16 the reference, and eager + q4_0 (skipped)."""
+    pytest.importorskip("llama_cpp")
+    d = tmp_path_factory.mktemp("kv")
+    spec = write_spec(
+        d / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        engines=["llamacpp"],
+        dtypes=["f16"],
+        attention=["default"],
+        options={"kv_cache": AXIS},
+        include=[{"engine": "llamacpp", "dtype": "f16", "attention": "eager", "kv_cache": "q4_0"}],
+        reference={"engine": "llamacpp", "attention": "default", "kv_cache": "f16"},
+        repeats=1,
+    )
+    wh = d / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--executor", "local", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = run_cli("analyze", "--warehouse", str(wh))
+    assert a.returncode == 0, a.stderr[-3000:]
+    cells = sql(wh, "select * from cells")
+    done = {kv_cache.label(json.loads(c["options"])["kv_cache"]): c for c in cells if c["status"] == "done"}
+    return wh, done, [line for line in r.stderr.splitlines() if line.startswith("skipping ")]
+
+
+@pytest.mark.slow
+def test_each_cache_runs_with_its_types_and_flash_attention_recorded(kv_sweep):
+    _, done, skipped = kv_sweep
+    assert list(sorted(done)) == sorted(["f16", "q8_0", "q4_0", "q8_0,q4_0"])
+    for name, c in done.items():
+        s = json.loads(c["settings"])
+        k, v = kv_cache.pair(kv_cache.parse(name, AssertionError))
+        assert (s["kv_cache_k"], s["kv_cache_v"]) == (k, v)
+        assert s["flash_attn"] == ("default" if v == "f16" else "flash_attn")  # a quantised V turns it on
+    (eager,) = skipped  # the spec's own combination, never run
+    assert ".llamacpp.f16.eager." in eager and eager.endswith(
+        ": a quantised V cache (q4_0) requires flash attention in llama.cpp, and attention eager turns it off"
+    )
+
+
+@pytest.mark.slow
+def test_a_quantised_cache_moves_the_rows_a_little_and_q4_0_more_than_q8_0(kv_sweep):
+    wh, done, _ = kv_sweep
+    hashes = {
+        n: {(r["prompt_id"], r["position"]): r["row_hash"] for r in sql(wh, _rows(c["cell_id"]))}
+        for n, c in done.items()
+    }
+    assert hashes["f16"].keys() == hashes["q8_0"].keys()
+    assert sum(hashes["f16"][k] != hashes["q8_0"][k] for k in hashes["f16"]) > len(hashes["f16"]) // 2
+    kld = {
+        n: sql(wh, f"select kld_mean from summary where cell_id = '{c['cell_id']}'")[0]["kld_mean"]
+        for n, c in done.items()
+    }
+    assert kld["f16"] == 0 and 0 < kld["q8_0"] < 1e-3, kld
+    assert kld["q4_0"] >= kld["q8_0"] and kld["q8_0,q4_0"] >= kld["q8_0"], kld
+
+
+def _rows(cell_id: str) -> str:
+    return f"select prompt_id, position, row_hash from logits where cell_id = '{cell_id}'"
+
+
+@pytest.mark.slow
+def test_stack_names_tell_the_caches_apart(kv_sweep):
+    wh, _, _ = kv_sweep
+    r = run_cli("stacks", "--warehouse", str(wh), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    names = {s["name"] for s in json.loads(r.stdout)["stacks"]}
+    assert {"llamacpp/f16/kv_cache=f16", "llamacpp/f16/kv_cache=q8_0,q4_0"} <= names, names
+
+
+@pytest.fixture(scope="module")
+def f16_gguf(tiny_model):
+    pytest.importorskip("llama_cpp")
+    from backends.gguf_build import build_for
+    from common.files import weights_digest_cached
+
+    return build_for("f16", str(tiny_model), weights_digest_cached(Path(tiny_model)), 2)["path"]
+
+
+def _kld(gguf: str, text: Path, wh: Path, *more: str):
+    return run_cli(
+        "kld", "--reference", gguf, "--candidate", gguf, "--text", str(text), "--n-ctx", "64", "--chunks", "2",
+        "--threads", "2", "--warehouse", str(wh), "--json", *more,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_kld_measures_the_reference_file_itself_under_another_cache(f16_gguf, tmp_path):
+    text = tmp_path / "prose.txt"
+    text.write_text((REPO / "configs/corpus/long_prose.txt").read_text()[:4000])
+    wh = tmp_path / "wh"
+    r = _kld(f16_gguf, text, wh, "--kv-cache", "q8_0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    (res,) = json.loads(r.stdout)["results"]
+    assert res["label"].endswith("(KV cache q8_0)") and 0 < res["statistics"]["kld"][0] < 1e-2, res["statistics"]
+    assert res["card"]["disclosure"]["kv_cache"] == {
+        "candidate": "K q8_0, V q8_0, attention flash_attn",
+        "reference": "K f16, V f16 (llama.cpp's default), attention default",
+    }
+    again = _kld(f16_gguf, text, wh, "--kv-cache", "q8_0,q4_0")  # the same file, another cache: another candidate
+    assert again.returncode == 0, again.stderr[-3000:]
+    job = yaml.safe_load(Path(f"{wh}.kld.yaml").read_text())
+    assert [c.get("kv_cache") for c in job["candidates"]] == ["q8_0", {"k": "q8_0", "v": "q4_0"}]
+    assert "options" not in job  # the reference keeps llama.cpp's default cache
+
+
+def test_kld_refuses_a_cache_type_it_does_not_know_in_one_line(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("words")
+    r = run_cli("kld", "--reference", "smollm2-135m", "--candidate", "smollm2-135m", "--text", str(text),
+                "--kv-cache", "q3", "--warehouse", str(tmp_path / "wh"))  # fmt: skip
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "--kv-cache q3: expected a type" in err[0], r.stderr
+
+
+def test_the_json_schema_takes_what_parsing_takes():
+    jsonschema = pytest.importorskip("jsonschema")
+    from matrix.spec import schema as S
+
+    ok = {"models": ["m"], "options": {"kv_cache": AXIS + ["q5_1,iq4_nl"]}, "reference": {"kv_cache": "f16"}}
+    jsonschema.validate(ok, S.json_schema())
+    for bad in ("q3", {"k": "q8_0", "x": "f16"}, "q8_0,q3"):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"models": ["m"], "options": {"kv_cache": bad}}, S.json_schema())
