@@ -88,6 +88,13 @@ bench: $(STAMP)
 	$(PY) benchmarks/analysis_scale.py --rows 250   # its defaults (4-24 stacks x 1,000 rows) take about 25 min on 2 cores
 	$(PY) benchmarks/vs_llama_perplexity.py   # the first run builds llama-perplexity from the sdist (12-35 min)
 
+# Not part of bench: at n_ctx 16,384 llama-perplexity holds ~26 GB and writes 4.3 GB a chunk, and the
+# run is long on 2 cores (~33k tokens at each of two contexts, four passes of each tool over them).
+# Its flags go through BENCH_ARGS, e.g. BENCH_ARGS="--contexts 4096".
+.PHONY: bench-long-context
+bench-long-context: $(STAMP)
+	$(PY) benchmarks/long_context.py $(BENCH_ARGS)
+
 # Pure-Python wheels scripts/gpu-check.sh carries to a bare CUDA image (it has no package index):
 # what its HF path needs beyond PyTorch, transformers, pyarrow, pyyaml and nvidia-ml-py, at the
 # versions of the lock. They go on PYTHONPATH there as they are.

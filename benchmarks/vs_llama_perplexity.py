@@ -25,9 +25,7 @@ with its KL floor, encoding (row hash + Parquet), and the comparison with the re
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -36,28 +34,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.capture_costs import forwards_alone, per_row_costs  # noqa: E402
+from benchmarks.kld_common import (  # noqa: E402
+    MATRIX_ENV,
+    USER_ENV,
+    catalog_ggufs,
+    kld_command,
+    kld_results,
+    llama_figures,
+)
 from benchmarks.process_watch import ActorPeak, timed  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-# The environment both tools start from, as the user gave it: nothing this process sets on its way
-# (logit-matrix's llama.cpp backend sets OMP_WAIT_POLICY where it still can) reaches either tool.
-USER_ENV = dict(os.environ)
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"  # 35 KB of license text: ~9k SmolLM2 tokens, 17 chunks
 DEFAULT_CHUNKS = {"gemma3-270m": 6}  # 0 or absent: every chunk of the text
 
 
 def ggufs(model: str, threads: int) -> tuple[dict, dict, object]:
     """(F16, Q4_K_M) GGUFs of a catalog model, built once into the artifact cache, and the model."""
-    from backends.gguf_build import build_for
-    from matrix.spec.models import fetch
-    from matrix.spec.parse import ModelRef
-
-    m = fetch(ModelRef(model, "catalog", model), log=lambda s: print(s, file=sys.stderr))
-    return (
-        build_for("f16", m.hf_dir, m.weights_sha256, threads),
-        build_for("q4_k_m", m.hf_dir, m.weights_sha256, threads),
-        m,
-    )
+    built, m = catalog_ggufs(model, ("f16", "q4_k_m"), threads)
+    return built["f16"], built["q4_k_m"], m
 
 
 def cut_text(text: str, vocab: str, chunks: int, d: Path) -> str:
@@ -83,14 +78,11 @@ def run_llama(binary: Path, f16: str, q4: str, text: str, d: Path, threads: int)
     env = {**USER_ENV, "LD_LIBRARY_PATH": str(binary.parent)}  # a shared-library build keeps its .so beside it
     w1, m1, _ = timed([str(binary), "-m", f16, "-f", text, *common], env, d / "lp-base.log")
     w2, m2, out = timed([str(binary), "-m", q4, *common, "--kl-divergence"], env, d / "lp-kld.log")
-    kl = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)\s+±\s+([0-9.eE+-]+)", out)
-    ratio = re.search(r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([0-9.eE+-]+)\s+±\s+([0-9.eE+-]+)", out)
-    if not kl or not ratio:
+    figures = llama_figures(out)
+    if figures is None or figures["ppl_ratio"] is None:
         raise SystemExit(f"llama-perplexity printed no 'Mean KLD' or PPL ratio line:\n{out[-2000:]}")
     return {
-        "kl": float(kl[1]),
-        "se": float(kl[2]),
-        "ppl_ratio": (float(ratio[1]), float(ratio[2])),
+        **figures,
         "wall": w1 + w2,
         "walls": (w1, w2),
         "peak_gb": max(m1, m2),
@@ -104,31 +96,10 @@ def run_kld(f16: dict, q4: dict, text: str, d: Path, threads: int, executor: str
     wh = d / "wh"
     for old in (wh, d / "wh.kld.yaml", d / "wh.kld-corpus.yaml"):  # a kept directory's last job: captured again
         shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
-    env = {**USER_ENV, "RAY_AUTH_MODE": USER_ENV.get("RAY_AUTH_MODE", "disabled")}
-    cmd = [
-        sys.executable,
-        "-m",
-        "matrix",
-        "kld",
-        "--reference",
-        f16["path"],
-        "--candidate",
-        q4["path"],
-        "--text",
-        text,
-        "--n-ctx",
-        "512",
-        "--threads",
-        str(threads),
-        "--warehouse",
-        str(wh),
-        "--executor",
-        executor,
-        "--json",
-    ]
+    cmd = kld_command(f16["path"], [q4["path"]], text, 512, threads, str(wh), executor)
     with ActorPeak() as actors:
-        wall, driver_gb, out = timed(cmd, env, d / "kld.log")
-    res = json.loads(out[out.index("{\n") :])["results"][0]
+        wall, driver_gb, out = timed(cmd, MATRIX_ENV, d / "kld.log", actors)
+    res = kld_results(out)[0]
     from analysis.sql import connect
 
     con = connect(str(wh))

@@ -149,6 +149,13 @@ SCOREBOARD = {
         ("forwards alone", "forwards_alone_ratio"),
         ("KL s.e. apart", "kld_se_apart"),
     ],
+    "long_context": [
+        ("n_ctx", "n_ctx"),
+        ("candidate", "candidate"),
+        ("wall vs llama-perplexity", "wall_ratio"),
+        ("peak vs llama-perplexity", "peak_ratio"),
+        ("KL s.e. apart", "kld_se_apart"),
+    ],
     "analysis_scale": [
         ("config", "config"),
         ("stacks", "stacks"),
