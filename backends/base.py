@@ -27,7 +27,7 @@ from common.stack import StackDesc
 STREAM_BYTES = 256 << 20
 # A streamed forward's block: its float32 rows at most this (at least one row). The engine's own
 # output buffer holds one block, and the capture rounds and encodes it before the next.
-BLOCK_BYTES = 64 << 20
+BLOCK_BYTES = 256 << 20
 
 
 def stream_bytes() -> int:
