@@ -29,15 +29,22 @@ READ_BUFFER = 4 << 20  # bytes per read of a column chunk: a prompt's pages are 
 
 @dataclass
 class Prompt:
-    """One prompt's rows in a shard: a run of rows of one row group (our writer: the whole group)."""
+    """One prompt's rows in a shard: a run of rows of one row group (our writer: the whole group),
+    or of consecutive row groups, each of this prompt alone after the first (a node that cannot see
+    the warehouse sends a long prompt in several: actors/depot.py)."""
 
-    group: int
+    group: int  # its first row group
     offset: int  # its first row within the row group
     positions: np.ndarray  # (rows,) int64
     next_ids: np.ndarray  # (rows,) int64, -1 where there is no next token
     hashes: list[str]
     kind: str  # native dtype of the rows
     shift: np.ndarray | None = None  # (rows,) float32 subtracted before storing (`store: bf16`), else None
+    more: tuple[int, ...] = ()  # the row groups it goes on into, in order
+
+    @property
+    def groups(self) -> list[int]:
+        return [self.group, *self.more]
 
 
 @dataclass
@@ -65,7 +72,7 @@ def shard_index(wh: Warehouse, cell_id: str, repeat: int) -> ShardIndex:
         pf = pq.ParquetFile(path, filesystem=wh.loc.fs, page_checksum_verification=True)
         leaf = pages.leaf_index(pf.schema, LOGITS_LEAF)
         kept = keeps_values(pf.schema_arrow)
-        prompts, h, vocabs = {}, hashlib.sha256(), set()
+        prompts, h, vocabs, last = {}, hashlib.sha256(), set(), None  # last: (prompt, group, ran to its end)
         for g in range(pf.num_row_groups):
             md = pf.metadata.row_group(g)
             if md.num_rows and kept:
@@ -76,8 +83,13 @@ def shard_index(wh: Warehouse, cell_id: str, repeat: int) -> ShardIndex:
             ids = t["prompt_id"]
             for a, b in _runs(ids):
                 pid = ids[a]
-                if pid in prompts or len(set(t["logits_dtype"][a:b])) > 1:
-                    raise ValueError(f"prompt {pid} is split across row groups or mixes native dtypes")
+                if len(set(t["logits_dtype"][a:b])) > 1:
+                    raise ValueError(f"prompt {pid} mixes native dtypes")
+                if pid in prompts:
+                    _go_on(prompts, pid, g, a, b, md.num_rows, t, last)
+                    last = (pid, g, b == md.num_rows)
+                    continue
+                last = (pid, g, b == md.num_rows)
                 prompts[pid] = Prompt(
                     g,
                     a,
@@ -106,6 +118,25 @@ def shard_index(wh: Warehouse, cell_id: str, repeat: int) -> ShardIndex:
         leaf,
         kept,
     )
+
+
+def _go_on(prompts: dict, pid: str, g: int, a: int, b: int, rows: int, t: dict, last) -> None:
+    """Rows a..b of row group g that carry prompt pid on: only where its rows so far ended their
+    row group, the one before, and these are the whole of group g."""
+    p = prompts[pid]
+    if last != (pid, p.groups[-1], True) or g != p.groups[-1] + 1 or (a, b) != (0, rows):
+        raise ValueError(f"prompt {pid} is split across row groups that do not follow each other")
+    if t["logits_dtype"][a] != p.kind:
+        raise ValueError(f"prompt {pid} mixes native dtypes")
+    nxt = [-1 if v is None else v for v in t["next_token_id"][a:b]]
+    p.positions = np.concatenate([p.positions, np.array(t["position"][a:b], np.int64)])
+    p.next_ids = np.concatenate([p.next_ids, np.array(nxt, np.int64)])
+    p.hashes = p.hashes + t["row_hash"][a:b]
+    shift = _shift(t.get("shift"), a, b)
+    if (p.shift is None) != (shift is None):
+        raise ValueError(f"prompt {pid} has rows stored two ways (shifted and not)")
+    p.shift = None if shift is None else np.concatenate([p.shift, shift])
+    p.more = (*p.more, g)
 
 
 def _shift(col: list | None, a: int, b: int) -> np.ndarray | None:
@@ -164,7 +195,8 @@ class Rows:
         )
         self.fs = wh.loc.fs
         self.batch = max(1, batch)
-        self.group_rows = self.pf.metadata.row_group(self.prompt.group).num_rows
+        self.sizes = [self.pf.metadata.row_group(g).num_rows for g in self.prompt.groups]
+        self.group_rows = sum(self.sizes)  # every row of the prompt's row groups
         self._open()
         self.start, self.buf = 0, np.zeros((0, 0), np.float32)  # buf holds rows start .. start + len(buf)
 
@@ -178,16 +210,20 @@ class Rows:
             # read (pread), not memory-mapped: a mapped file's pages stay in the process's RSS as
             # it reads on, so a long prompt's reader would look as big as the prompt's column chunk
             f = self.fs.open_input_file(self.index.path) if self.fs else pa.OSFile(self.index.path)
-            self.stream = pages.LeafStream(
-                f, self.pf.metadata, self.pf.schema, self.prompt.group, self.index.leaf, self.prompt.kind
-            )
+            self.file = f
+            self.stream = self._leaf(0)
         except pages.Unsupported:
             self.batches = self.pf.iter_batches(
-                batch_size=self.batch, row_groups=[self.prompt.group], columns=["logits"], use_threads=False
+                batch_size=self.batch, row_groups=self.prompt.groups, columns=["logits"], use_threads=False
             )
         except (OSError, pa.ArrowException) as e:
             raise _damaged(self.index.path, e) from None
-        self.read = 0  # rows of the row group read so far
+        self.read = 0  # rows of the row groups read so far
+
+    def _leaf(self, i: int) -> pages.LeafStream:
+        """The page reader of the prompt's i-th row group."""
+        g = self.prompt.groups[i]
+        return pages.LeafStream(self.file, self.pf.metadata, self.pf.schema, g, self.index.leaf, self.prompt.kind)
 
     def _next_rows(self) -> tuple[np.ndarray, np.ndarray | None]:
         """The next batch as float32 rows, and the native rows when they came from pages."""
@@ -207,7 +243,11 @@ class Rows:
                 return logits_matrix(b.column(0)), None  # (batch, vocab) float32
             except ValueError as e:
                 raise UserError(f"{self.index.path}: {e} in one shard") from None
-        n = min(self.batch, self.group_rows - self.read)
+        ends = np.cumsum(self.sizes)  # a batch stops where a row group does: each has its own pages
+        i = int(np.searchsorted(ends, self.read, side="right"))
+        if self.read and self.read == ends[i - 1]:  # the last group read to its end: on into the next
+            self.stream = self._leaf(i)
+        n = min(self.batch, int(ends[i]) - self.read)
         into = None
         if self.stored and self.scratch is not None and self.prompt.kind == "bf16":  # kept as bits: in turn, reused
             size = n * self.index.vocab

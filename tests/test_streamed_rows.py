@@ -180,3 +180,46 @@ def test_peak_memory_does_not_follow_the_context(tiny_model, tmp_path):
     grew = long["peak"] - short["peak"]
     print(f"peak {short['peak'] / 2**20:.0f} MiB at 2,048 tokens, {long['peak'] / 2**20:.0f} MiB at 8,192")
     assert grew < 256 << 20 < whole / 4, (short, long)
+
+
+def test_a_prompt_sent_in_several_row_groups_reads_as_one(tmp_path):
+    """A node that cannot see the warehouse sends a long prompt to the depot in messages of
+    MESSAGE_BYTES, each its own row group (ShardWriter.add_encoded): the readers take the prompt's
+    consecutive row groups as one prompt, pages and Arrow alike, every row checked."""
+    from store.stream import Rows, shard_index
+    from store.verify import verify_shard
+    from store.warehouse import encode_rows, rows_table
+
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((50, 1000)).astype(np.float32)  # (rows, vocab)
+    wh = tmp_path / "wh"
+    Warehouse(wh).create()
+    w = ShardWriter(str(wh), "run", "c", 0)
+    w.add("before", [0, 1], [5, 6], rows[:2])
+    for a in (0, 20, 40):  # three messages of one prompt, as RemoteShard.add cuts it
+        pos = list(range(a, min(a + 20, 50)))
+        w.add_encoded(encode_rows(rows_table("run", "c", 0, "long", pos, [7] * len(pos), rows[a : a + 20])))
+    w.add("after", [3], [None], rows[:1])
+    w.commit()
+    index = shard_index(Warehouse(wh), "c", 0)
+    assert index.prompts["long"].groups == [1, 2, 3] and len(index.prompts["long"].positions) == 50
+    for batch in (7, 64):  # batches that cross row groups' ends, and one larger than any
+        got = Rows(Warehouse(wh), index, "long", batch).take(np.arange(50))
+        assert np.array_equal(got, rows)
+    assert verify_shard(Warehouse(wh), "c", 0, 53)[0] == []
+
+
+def test_a_prompt_in_row_groups_apart_is_damage(tmp_path):
+    from store.stream import shard_index
+    from store.verify import DamagedShard
+
+    rows = np.ones((4, 10), np.float32)
+    wh = tmp_path / "wh"
+    Warehouse(wh).create()
+    w = ShardWriter(str(wh), "run", "c", 0)
+    w.add("p", [0, 1], [1, 1], rows[:2])
+    w.add("q", [0], [1], rows[:1])
+    w.add("p", [2, 3], [1, 1], rows[2:])
+    w.commit()
+    with pytest.raises(DamagedShard, match="row groups that do not follow each other"):
+        shard_index(Warehouse(wh), "c", 0)
