@@ -151,6 +151,41 @@ def test_stack_names_tell_the_caches_apart(kv_sweep):
     assert {"llamacpp/f16/kv_cache=f16", "llamacpp/f16/kv_cache=q8_0,q4_0"} <= names, names
 
 
+@pytest.mark.slow
+def test_the_position_bucket_view_gives_each_caches_kl_as_float64_over_the_stored_rows(kv_sweep):
+    """position_buckets over the sweep: each cache's KL against the f16 cache per bucket, as a
+    float64 log-softmax of both cells' stored float32 rows gives it (the same rows, a kernel's
+    exp/log and summation order apart: ~1e-11 relative)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from common.metric_defs import POSITION_BUCKETS
+
+    wh, done, _ = kv_sweep
+
+    def stored(cell_id: str) -> dict:
+        t = pq.read_table(wh / "logits" / cell_id / "r0.parquet", columns=["prompt_id", "position", "logits"])
+        x = np.asarray(t["logits"].to_pylist(), dtype=np.float64)  # (rows, vocab)
+        x -= x.max(axis=1, keepdims=True)
+        lp = x - np.log(np.exp(x).sum(axis=1, keepdims=True))  # (rows, vocab) log-softmax
+        return {k: lp[i] for i, k in enumerate(zip(t["prompt_id"].to_pylist(), t["position"].to_pylist()))}
+
+    ref = stored(done["f16"]["cell_id"])
+    view = sql(wh, "select * from position_buckets")
+    for name in ("q8_0", "q4_0", "q8_0,q4_0"):
+        rows = stored(done[name]["cell_id"])
+        by: dict[str, list[float]] = {}
+        for key, lq in rows.items():
+            lo_hi = next(b for b in POSITION_BUCKETS if key[1] >= b[1] and (b[2] is None or key[1] < b[2]))
+            by.setdefault(lo_hi[0], []).append(float(np.sum(np.exp(ref[key]) * (ref[key] - lq))))
+        got = {r["bucket"]: r for r in view if r["cell_id"] == done[name]["cell_id"] and r["rows"]}
+        assert set(got) == set(by), (name, got.keys(), by.keys())
+        for bucket, kl in by.items():
+            assert got[bucket]["rows"] == len(kl)
+            assert got[bucket]["kld_mean"] == pytest.approx(np.mean(kl), rel=1e-9), (name, bucket)
+            assert got[bucket]["kld_stderr"] == pytest.approx(np.std(kl, ddof=1) / np.sqrt(len(kl)), rel=1e-8)
+
+
 @pytest.fixture(scope="module")
 def f16_gguf(tiny_model):
     pytest.importorskip("llama_cpp")

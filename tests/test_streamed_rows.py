@@ -173,7 +173,7 @@ def test_peak_memory_does_not_follow_the_context(tiny_model, tmp_path):
     stores), 1.5 GB. The bound, 256 MB: the KV cache (2 layers x 3 KV heads x 64 x 2 x 2 bytes,
     1.5 KB a token: 9 MB) and the attention scores of a 512-token ubatch over 8,192 cells (9 heads
     x 4 bytes: 151 MB without flash attention), the rest slack for the allocator. Measured on a
-    2-core AMD EPYC: 829 MiB at 2,048 tokens, 646 MiB at 8,192."""
+    2-core AMD EPYC (AVX2): 829 MiB at 2,048 tokens, 739 MiB at 8,192."""
     short, long = _peak(tiny_model, 2048, tmp_path), _peak(tiny_model, 8192, tmp_path)
     assert (short["rows"], long["rows"]) == (1024, 4096)
     whole = (long["rows"] - short["rows"]) * long["vocab"] * 10
