@@ -157,33 +157,26 @@ def test_the_position_bucket_view_gives_each_caches_kl_as_float64_over_the_store
     float64 log-softmax of both cells' stored float32 rows gives it (the same rows, a kernel's
     exp/log and summation order apart: ~1e-11 relative)."""
     import numpy as np
-    import pyarrow.parquet as pq
 
-    from common.metric_defs import POSITION_BUCKETS
+    from tests.float64_rows import bucket, log_softmax, stored
 
     wh, done, _ = kv_sweep
 
-    def stored(cell_id: str) -> dict:
-        t = pq.read_table(wh / "logits" / cell_id / "r0.parquet", columns=["prompt_id", "position", "logits"])
-        x = np.asarray(t["logits"].to_pylist(), dtype=np.float64)  # (rows, vocab)
-        x -= x.max(axis=1, keepdims=True)
-        lp = x - np.log(np.exp(x).sum(axis=1, keepdims=True))  # (rows, vocab) log-softmax
-        return {k: lp[i] for i, k in enumerate(zip(t["prompt_id"].to_pylist(), t["position"].to_pylist()))}
+    def rows(cell_id: str) -> dict:
+        return {key: log_softmax(x) for key, (x, _) in stored(wh, cell_id).items()}
 
-    ref = stored(done["f16"]["cell_id"])
+    ref = rows(done["f16"]["cell_id"])
     view = sql(wh, "select * from position_buckets")
     for name in ("q8_0", "q4_0", "q8_0,q4_0"):
-        rows = stored(done[name]["cell_id"])
         by: dict[str, list[float]] = {}
-        for key, lq in rows.items():
-            lo_hi = next(b for b in POSITION_BUCKETS if key[1] >= b[1] and (b[2] is None or key[1] < b[2]))
-            by.setdefault(lo_hi[0], []).append(float(np.sum(np.exp(ref[key]) * (ref[key] - lq))))
+        for key, lq in rows(done[name]["cell_id"]).items():
+            by.setdefault(bucket(key[1]), []).append(float(np.sum(np.exp(ref[key]) * (ref[key] - lq))))
         got = {r["bucket"]: r for r in view if r["cell_id"] == done[name]["cell_id"] and r["rows"]}
         assert set(got) == set(by), (name, got.keys(), by.keys())
-        for bucket, kl in by.items():
-            assert got[bucket]["rows"] == len(kl)
-            assert got[bucket]["kld_mean"] == pytest.approx(np.mean(kl), rel=1e-9), (name, bucket)
-            assert got[bucket]["kld_stderr"] == pytest.approx(np.std(kl, ddof=1) / np.sqrt(len(kl)), rel=1e-8)
+        for label, kl in by.items():
+            assert got[label]["rows"] == len(kl)
+            assert got[label]["kld_mean"] == pytest.approx(np.mean(kl), rel=1e-9), (name, label)
+            assert got[label]["kld_stderr"] == pytest.approx(np.std(kl, ddof=1) / np.sqrt(len(kl)), rel=1e-8)
 
 
 @pytest.fixture(scope="module")

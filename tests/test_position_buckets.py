@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
 from analysis import report_buckets as B
@@ -18,6 +17,7 @@ from common.files import ids_sha256
 from store import ShardWriter, Warehouse
 from store import rows as R
 from tests.conftest import run_cli
+from tests.float64_rows import bucket, log_softmax, stored
 
 VOCAB, N_TOKENS, MODEL = 300, 20_000, "m"
 # every 97th position, the last, and both sides of each bucket edge (lo is in its bucket, hi is not)
@@ -81,34 +81,17 @@ def warehouse(tmp_path_factory):
     return wh
 
 
-def _stored(wh, cid: str) -> dict[tuple[str, int], tuple[np.ndarray, int | None]]:
-    """(prompt, position) -> (its logits widened to float64, its next token), as the shard holds them."""
-    t = pq.read_table(wh / "logits" / cid / "r0.parquet", columns=["prompt_id", "position", "next_token_id", "logits"])
-    x = np.asarray(t["logits"].to_pylist(), dtype=np.float64)  # (rows, vocab)
-    keys = zip(t["prompt_id"].to_pylist(), t["position"].to_pylist(), t["next_token_id"].to_pylist())
-    return {(p, q): (x[i], n) for i, (p, q, n) in enumerate(keys)}
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    m = x.max()
-    return x - m - np.log(np.exp(x - m).sum())
-
-
-def _bucket(position: int) -> str:
-    return next(label for label, lo, hi in D.POSITION_BUCKETS if position >= lo and (hi is None or position < hi))
-
-
 def _expected(wh, cid: str) -> dict[str, dict]:
     """Per bucket: rows, flagged rows, mean and s.e. of KL(ref || cell), top-1 agreement, mean Δp, in float64."""
-    ref, cand = _stored(wh, "ref"), _stored(wh, cid)
+    ref, cand = stored(wh, "ref"), stored(wh, cid)
     acc: dict[str, dict[str, list]] = {}
     for key, (q, nxt) in cand.items():
-        b = acc.setdefault(_bucket(key[1]), {"kld": [], "top1": [], "dp": [], "flagged": 0, "rows": 0})
+        b = acc.setdefault(bucket(key[1]), {"kld": [], "top1": [], "dp": [], "flagged": 0, "rows": 0})
         b["rows"] += 1
         if not np.isfinite(q).all():
             b["flagged"] += 1
             continue
-        lp, lq = _log_softmax(ref[key][0]), _log_softmax(q)
+        lp, lq = log_softmax(ref[key][0]), log_softmax(q)
         b["kld"].append(float(np.sum(np.exp(lp) * (lp - lq))))
         b["top1"].append(bool(ref[key][0].argmax() == q.argmax()))
         if nxt is not None:
@@ -156,8 +139,8 @@ def test_the_view_matches_a_float64_computation_over_the_stored_rows(warehouse):
             # Δp: a difference of two float64 probabilities (<= 1), each within ~1e-15 (seen: 7e-18 on the mean)
             assert r["delta_p_mean"] == pytest.approx(w["delta_p_mean"], rel=0, abs=1e-14), (cid, r["bucket"])
     near = {r["bucket"]: r for r in rows if r["cell_id"] == "near"}
-    assert near[_bucket(NAN_AT[1])]["nonfinite_rows"] == 1 and sum(r["nonfinite_rows"] for r in rows) == 1
-    counts = {label: sum(2 for p in POSITIONS if _bucket(p) == label) for label, _, _ in D.POSITION_BUCKETS}
+    assert near[bucket(NAN_AT[1])]["nonfinite_rows"] == 1 and sum(r["nonfinite_rows"] for r in rows) == 1
+    counts = {label: sum(2 for p in POSITIONS if bucket(p) == label) for label, _, _ in D.POSITION_BUCKETS}
     assert {b: r["rows"] for b, r in near.items()} == counts  # both prompts' rows, each edge on its upper side
 
 
@@ -180,7 +163,7 @@ def test_a_model_whose_rows_lie_in_one_bucket_has_no_bucket_chart():
     assert 'id="kld-buckets-3"' in B.chart(two, [{"cell_id": "c"}], 3)
 
 
-def test_the_card_states_the_context_measured_and_kl_per_bucket(warehouse):
+def test_the_card_states_the_context_measured_and_kl_perbucket(warehouse):
     r = run_cli("card", "near", "--warehouse", str(warehouse), "--allow-undisclosed")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| context | 20,000 tokens per chunk (positions up to 19,999 scored) |" in r.stdout
