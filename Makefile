@@ -48,6 +48,8 @@ demo: $(STAMP) llama-cpp
 	$(VENV)/bin/matrix run configs/smoke.yaml --warehouse warehouse
 	$(VENV)/bin/matrix sql "select c.engine, c.dtype, c.attention, c.status, c.max_tokens, c.repeats, c.rows_per_repeat, c.bit_reproducible, c.tokenizer_parity, count(l.position) as rows from cells c left join logits l using (cell_id) group by all order by c.engine, c.dtype, c.attention" --warehouse warehouse
 	$(VENV)/bin/matrix analyze --warehouse warehouse
+	@# each batch-8 stack against itself at batch 1: bit-identical, or how far it drifts
+	$(VENV)/bin/matrix sql "select engine, dtype, attention, batch_size, fill, rows, identical_rows, bit_identical, kld_mean, kld_max, top1_agreement, kld_vs_reference from batch_drift order by dtype, batch_size" --warehouse warehouse
 	@# each stack's readable name: card, admit, fixture and layers take it in place of a cell id
 	$(VENV)/bin/matrix stacks --warehouse warehouse
 	$(VENV)/bin/matrix report --warehouse warehouse

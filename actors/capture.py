@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 import extras
+from actors.batched import Batched
 from backends.base import Backend, LengthRefused
 from common.positions import Positions
 from store.floors import Storage
@@ -84,7 +85,7 @@ def capture_shard(
     length_refusals says which (None: none), and the logits shard's footer names the prompts
     left out (store/schema.py REFUSED_KEY)."""
     t0 = time.perf_counter()
-    side = Extras(backend, side_writers or {})
+    side = Extras(backend, side_writers or {}) if backend.stack.batch is None else Batched(backend, prompts, max_tokens)
     work = RowWork(Storage(store, reuse=True), writer, observe)  # done with a prompt's stored rows before the next
     stage = Overlap(beside=_rows_beside(backend, observe))
     refused = Refusals()

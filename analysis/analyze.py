@@ -31,6 +31,7 @@ import pyarrow as pa
 
 from analysis import metrics as M
 from analysis import metrics_native
+from analysis.batch_drift import analyze_batches
 from analysis.centroid import Group, group_rows
 from analysis.compare import CellResult, cell_metrics, with_floor
 from analysis.unit_keys import as_measured, cell_key
@@ -188,6 +189,9 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
     )
     progress = _compute(wh, todo, tasks, summary, log, skip_damaged, run_units)
     _write_ranges(wh, ranges)
+    batch = analyze_batches(wh, done, force, log)
+    if batch is not None:
+        summary["batch"] = batch
     for name, part in side:  # the per-cell extras' own tables (layer_metrics, decode_metrics)
         got = part(wh, done, reference, force, log)
         if got is not None:

@@ -13,6 +13,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from analysis import report_batch as RB
 from analysis import report_buckets as B
 from analysis import report_plots as P
 from analysis import report_tables as T
@@ -61,6 +62,7 @@ def gather(warehouse: str) -> dict:
                                 spec_sha256, cells_done, cells_total FROM runs ORDER BY started_at"""),
             "centroids": q("SELECT DISTINCT centroid_group, centroid FROM centroid_metrics ORDER BY ALL"),
             "stacks": q("SELECT * FROM cells"),
+            "batch": q(RB.SQL),
         }
     finally:
         con.close()
@@ -238,7 +240,7 @@ def write_html(data: dict, out_dir: Path, warehouse: str, sections: list[str] = 
     models = _models(data)
     body = "".join(
         f'<section class="model"><h2>Model {html.escape(m)}</h2>{T.stacks_table(data, m)}'
-        f"{model_charts(data, m, k)}{T.ranges_tables(data, m)}</section>"
+        f"{model_charts(data, m, k)}{RB.section(data, m, k)}{T.ranges_tables(data, m)}</section>"
         for k, m in enumerate(models)
     )
     page = f"""<!doctype html>

@@ -1,5 +1,5 @@
 """Readable stack names: `llamacpp/q4_k_m`, `mlx/q8_g64/activations=fp32`, `hf/bf16/eager`,
-`llamacpp/f16/kv_cache=q8_0,q4_0` (K and V caches apart).
+`llamacpp/f16/kv_cache=q8_0,q4_0` (K and V caches apart), `hf/fp32/sdpa/batch8` (a `batch:` cell).
 
 A cell id pins everything (`model.engine.dtype.attention.tpN.device-<hash>@<build>`), so two
 stacks that differ only in an option differ only in that hash. A name is the facets that tell
@@ -38,6 +38,7 @@ def facets(cell: dict[str, Any]) -> dict[str, list[str]]:
         "model": [cell["model"]],
         "options": [f"{k}={_word(k, v)}" for k, v in sorted(opts.items())],
         "candidate": [label] if label else [],
+        "batch": [f"batch{cell['batch_size']}"] if cell.get("batch_size") else [],  # batch-free: no word
     }
 
 
@@ -52,7 +53,9 @@ def names(cells: list[dict[str, Any]]) -> dict[str, str]:
     stacks = {c["stack_id"]: facets(c) for c in cells}
     varies = [f for f in ("attention", "tp", "device", "model") if len({tuple(v[f]) for v in stacks.values()}) > 1]
     out = {
-        s: "/".join(w for f in ("engine", "dtype", *varies) for w in v[f] if not (f == "attention" and w == "default"))
+        s: "/".join(
+            w for f in ("engine", "dtype", *varies, "batch") for w in v[f] if not (f == "attention" and w == "default")
+        )
         for s, v in stacks.items()
     }  # "default": the engine's own attention, said by saying nothing
     for extra in (_options_apart, _candidates_apart, _hashes_apart):

@@ -157,6 +157,24 @@ class Backend:
             )
         if cell.tp > cls.max_tp:
             return f"engine {cls.engine} supports tp up to {cls.max_tp} in this version (asked tp={cell.tp})"
+        return cls.batch_unsupported(cell) if getattr(cell, "batch", None) is not None else None
+
+    @classmethod
+    def batch_unsupported(cls, cell) -> str | None:
+        """Why a `batch:` cell cannot run on this engine (None: it can)."""
+        if cls.forward_batch is Backend.forward_batch:
+            return f"engine {cls.engine} does not evaluate a batch of sequences here"
+        if cell.extras:  # layers, decode and prefix-cache rows are one sequence's own
+            asked = ", ".join(k for k, _ in cell.extras)
+            return f"per-cell extras ({asked}) record a sequence evaluated alone; a batch cell takes none"
+        if cell.tp > 1 and cls.tp_workers == "ranks":
+            return f"engine {cls.engine} batches at tp 1 only (its ranks would each have to feed the batch)"
+        return None
+
+    @classmethod
+    def max_batch(cls, device: str) -> tuple[int, str] | None:
+        """The most sequences one batch may hold on this device, and where that limit comes from
+        (None: no fixed limit). A spec asking more is an error, not a skip."""
         return None
 
     def checkpoint_candidate(self) -> dict[str, Any]:
@@ -198,6 +216,11 @@ class Backend:
 
         bf16 comes back as its raw bits (uint16); fp32 as float32.
         """
+        raise NotImplementedError
+
+    def forward_batch(self, token_ids: list[int], positions: list[int], others: list[list[int]]) -> np.ndarray:
+        """forward() of token_ids evaluated in one batch with the `others` sequences (common/batching.py),
+        the way the engine's users batch: its rows at `positions` only, (rows, vocab), native dtype."""
         raise NotImplementedError
 
     def streams(self, rows: int) -> bool:

@@ -7,6 +7,7 @@ capability flags without them.
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 from typing import Any
 
@@ -44,7 +45,9 @@ class HFBackend(Backend):
     devices = frozenset({"cpu"}) | GPU_DEVICES
     max_tp = 8  # tensor parallel through torch.distributed: gloo on CPU, NCCL on GPU
     libraries = ("torch", "transformers", "accelerate", "safetensors")
-    options = frozenset({"quantizer"})  # int8 / int4 only: which library quantises (backends/hf_quant.py)
+    # quantizer: int8 / int4 only, which library quantises (backends/hf_quant.py); deterministic: torch's
+    # deterministic algorithms (and cuBLAS's fixed workspace on CUDA)
+    options = frozenset({"quantizer", "deterministic"})
     requires = "transformers"
     runs_files = frozenset({CHECKPOINT})  # a candidate checkpoint (a directory or a hub id), run as it is
     default_for = frozenset({CHECKPOINT})
@@ -67,11 +70,11 @@ class HFBackend(Backend):
     def weights_key(cls, stack) -> str | None:
         """Every field of the stack but those a loaded model changes at run time: the attention
         implementation (PreTrainedModel.set_attn_implementation; an SDPA kernel is pinned per
-        forward anyway), the per-cell extras (hooks per forward) and max_tokens. Not for a
+        forward anyway), the per-cell extras (hooks per forward), max_tokens and the batch. Not for a
         tensor-parallel cell: its ranks load together."""
         if stack.tp > 1:
             return None
-        free = {"attention": "", "cell_id": "", "max_tokens": None, "extras": (), "extra_targets": ()}
+        free = {"attention": "", "cell_id": "", "max_tokens": None, "batch": None, "extras": (), "extra_targets": ()}
         return repr(dataclasses.replace(stack, **free))
 
     def switch(self, stack) -> bool:
@@ -96,6 +99,7 @@ class HFBackend(Backend):
         transformers.utils.logging.disable_progress_bar()  # one stack loads in seconds; bars only clutter logs
         torch.set_num_threads(self.threads)
         self.torch_device = "cpu" if self.stack.device == "cpu" else "cuda"
+        _deterministic(torch, bool(self.stack.opts.get("deterministic")), self.torch_device)
         self.artifact, self._src = None, {}
         if self.stack.artifact:
             self._src = self.checkpoint_candidate()
@@ -125,8 +129,6 @@ class HFBackend(Backend):
 
     def _init_tp(self, torch, transformers) -> dict[str, Any]:
         """Join the cell's process group (one rank per Ray actor) and shard with the model's own TP plan."""
-        import os
-
         from backends.base import SkipCell
 
         d = self.dist
@@ -179,8 +181,11 @@ class HFBackend(Backend):
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "mkldnn": bool(torch.backends.mkldnn.is_available()),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+            if self.torch_device == "cuda"
+            else None,
             "use_cache": False,
-            "batch_size": 1,
+            **_batching(self.stack),
             # a prompt of more kept rows: one prefill, the LM head a block of rows at a time (hf_stream)
             "stream_rows": block_rows(self._vocab),
             "tensor_parallel": getattr(self, "_tp", None),
@@ -212,6 +217,28 @@ class HFBackend(Backend):
             # logits_to_keep: the LM head runs only on the sampled rows of the one prefill.
             out = self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
         return torch_rows.to_host(torch, out.logits[0].detach(), self._outputs)  # (rows, vocab), native dtype
+
+    def forward_batch(self, token_ids: list[int], positions: list[int], others: list[list[int]]) -> np.ndarray:
+        """A padded batch, as HF users batch: token_ids is sequence 0, every sequence is padded on
+        the right to the longest with an attention mask, so each keeps the positions it has alone
+        (no position_ids to derive) and padding is never attended by a real token (causal)."""
+        torch = self._torch
+        seqs = [token_ids, *others]
+        width = max(map(len, seqs))
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)  # (batch, T); pad id 0, masked out
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)  # (batch, T)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+            mask[i, : len(s)] = 1
+        keep = torch.tensor(positions, dtype=torch.long, device=self.torch_device)  # (rows,)
+        with self._grad_off(), hf_sdpa.pinned(torch, self.model, self.stack.attention, width):
+            out = self.model(
+                input_ids=ids.to(self.torch_device),
+                attention_mask=mask.to(self.torch_device),
+                logits_to_keep=keep,
+                use_cache=False,
+            )
+        return torch_rows.to_host(torch, out.logits[0].detach(), self._outputs)  # (rows, vocab), sequence 0's
 
     stream_head: str | None = None  # how a streamed prompt's later blocks were computed (hf_stream)
 
@@ -321,6 +348,23 @@ class HFBackend(Backend):
 
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
+
+
+def _deterministic(torch, on: bool, device: str) -> None:
+    """`deterministic: true`: torch.use_deterministic_algorithms (an op without a deterministic kernel
+    then raises rather than run another), and on CUDA the fixed cuBLAS workspace its docs require for
+    reproducible GEMMs, set before the first cuBLAS handle. Set either way: the process may host
+    another stack before this one."""
+    if on and device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+
+
+def _batching(stack) -> dict[str, Any]:
+    """How a prompt shares its forward: alone, or in a right-padded batch with an attention mask."""
+    if stack.batch is None:
+        return {"batch_size": 1}
+    return {"batch_size": stack.batch.size, "padding_side": "right", "attention_mask": True, "batch_row": 0}
 
 
 def model_facts(model) -> dict[str, Any]:

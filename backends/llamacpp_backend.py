@@ -25,6 +25,8 @@ from backends.llama_binding import extra_bufts, gguf_tokenize, load_vocab, quiet
 from backends.llamacpp_contexts import LlamaContexts
 from common import kv_cache
 
+# sequences one context holds at most: LLAMA_MAX_SEQ of the llama.cpp llama-cpp-python 0.3 vendors
+MAX_SEQ = 256
 DEFAULTS = {"n_batch": 2048, "n_ubatch": 512, "kv_cache": kv_cache.DEFAULT}  # llama.cpp's own defaults
 
 
@@ -79,6 +81,10 @@ class LlamaCppBackend(LlamaContexts, Backend):
     runs_files = frozenset({GGUF})
     default_for = frozenset({GGUF})
     wait_policy: str | None = None  # what its OpenMP threads do while they wait (_wait_policy), from load()
+
+    @classmethod
+    def max_batch(cls, device: str) -> tuple[int, str]:
+        return MAX_SEQ, "LLAMA_MAX_SEQ in llama.cpp's src/llama-cparams.h"
 
     @classmethod
     def state_bytes(cls, cell) -> int:
@@ -190,7 +196,8 @@ class LlamaCppBackend(LlamaContexts, Backend):
             # a prompt of more kept rows than STREAM_BYTES holds: decoded in calls of at most this
             # many kept rows, each call's rows stored before the next (llama_contexts.forward_blocks)
             "stream_rows": block_rows(self._n_vocab),
-            "n_ctx": "prompt length",
+            "n_ctx": "prompt length" if self.stack.batch is None else "the batch's tokens",
+            **_batching(self.stack),
             "flash_attn": self._flash_ran(),
             "threads": self.threads,
             "context_per_prompt": "kept per prompt length, KV cache cleared before each prompt",
@@ -269,3 +276,10 @@ class LlamaCppBackend(LlamaContexts, Backend):
         if getattr(self, "model", None):
             self._lc.llama_model_free(self.model)
             self.model = None
+
+
+def _batching(stack) -> dict[str, Any]:
+    """How a prompt shares its llama_decode calls (backends/llamacpp_contexts.py forward_batch)."""
+    if stack.batch is None:
+        return {"n_seq_max": 1}
+    return {"n_seq_max": stack.batch.size, "kv_unified": True, "batch_order": "sequence by sequence, measured first"}

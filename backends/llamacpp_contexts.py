@@ -37,14 +37,17 @@ class LlamaContexts:
             "eager": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED,
         }[self.stack.attention]
 
-    def _context(self, n_ctx: int, taps=None):
-        """A fresh context (nothing cached) for n_ctx tokens, with its params."""
+    def _context(self, n_ctx: int, taps=None, n_seq: int = 1):
+        """A fresh context (nothing cached) for n_ctx tokens of n_seq sequences, with its params."""
         lc = self._lc
         cp = lc.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = min(self.n_batch, max(n_ctx, 1))
         cp.n_ubatch = min(self.n_ubatch, cp.n_batch)
-        cp.n_seq_max = 1
+        cp.n_seq_max = n_seq
+        # one KV buffer for every sequence (llama-server's --kv-unified): split, each would get
+        # n_ctx / n_seq cells, and sequences of other lengths would not fit
+        cp.kv_unified = n_seq > 1
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.type_k, cp.type_v = (KV_TYPES[t] for t in kv_cache.pair(self.kv_cache))
         cp.flash_attn_type = self._flash()
@@ -128,6 +131,37 @@ class LlamaContexts:
             self._lc.llama_batch_free(batch)
             if taps is not None:
                 self._lc.llama_free(ctx)
+        return out
+
+    def forward_batch(self, token_ids: list[int], positions: list[int], others: list[list[int]]) -> np.ndarray:
+        """Several sequences in one llama_batch, as llama-server's slots share a decode: sequence s's
+        tokens carry seq_id s, the sequences follow one another (token_ids first) in llama_decode
+        calls of at most n_batch tokens, which llama.cpp cuts into ubatches of n_ubatch; one unified
+        KV cache holds them all. Only sequence 0's kept positions ask for logits."""
+        lc, seqs = self._lc, [token_ids, *others]
+        flat = [(tok, pos, s) for s, seq in enumerate(seqs) for pos, tok in enumerate(seq)]  # (tokens,) in batch order
+        ctx, cp = self._context(len(flat), n_seq=len(seqs))
+        want = {p: i for i, p in enumerate(positions)}
+        out = self._outputs.take((len(positions), self._n_vocab), np.float32)  # (rows, vocab)
+        batch = lc.llama_batch_init(cp.n_batch, 0, len(seqs))
+        try:
+            for start in range(0, len(flat), cp.n_batch):
+                chunk = flat[start : start + cp.n_batch]
+                batch.n_tokens = len(chunk)
+                for j, (tok, pos, s) in enumerate(chunk):
+                    batch.token[j], batch.pos[j], batch.n_seq_id[j] = tok, pos, 1
+                    batch.seq_id[j][0] = s
+                    batch.logits[j] = s == 0 and pos in want
+                rc = lc.llama_decode(ctx, batch)
+                if rc != 0:
+                    raise RuntimeError(f"llama_decode returned {rc} for batch tokens {start}..{start + len(chunk) - 1}")
+                for j, (_, pos, s) in enumerate(chunk):
+                    if s == 0 and pos in want:
+                        ptr = lc.llama_get_logits_ith(ctx, j)
+                        out[want[pos]] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        finally:
+            lc.llama_batch_free(batch)
+            lc.llama_free(ctx)
         return out
 
     def streams(self, rows: int) -> bool:

@@ -89,6 +89,7 @@ def executor(options: dict[str, Any] | None) -> str:
 
 def engine_kwargs(stack: StackDesc, model_dir: str, max_len: int, threads: int) -> dict[str, Any]:
     """Arguments for vllm.LLM, as plain data (recorded in the cell's settings)."""
+    seqs = 1 if stack.batch is None else stack.batch.size
     kw: dict[str, Any] = {
         # a checkpoint's own quantisation sets its activation dtype ("auto": its config's torch_dtype)
         "model": model_dir,
@@ -98,8 +99,10 @@ def engine_kwargs(stack: StackDesc, model_dir: str, max_len: int, threads: int) 
         # a cached prefix is not recomputed: on only for `prefix_cache: check`, reset before each fresh prefill
         "enable_prefix_caching": stack.extra("prefix_cache") is not None,
         "max_model_len": max_len,
-        "max_num_batched_tokens": max_len,  # the whole prompt in one prefill chunk
-        "max_num_seqs": 1,
+        # the whole prompt in one prefill chunk; a batch cell's sequences all in one step, as
+        # concurrent requests of a server that admits that many (max_num_seqs)
+        "max_num_batched_tokens": max_len * seqs,
+        "max_num_seqs": seqs,
         "enforce_eager": True,
         "compilation_config": {"mode": 0},  # no torch.compile: the norm hook must see the real forward
     }
@@ -129,6 +132,8 @@ def worker_env(stack: StackDesc, threads: int) -> dict[str, str]:
                 "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             }
         )
+    if stack.opts.get("deterministic"):  # vLLM's batch-invariant kernels (docs: batch invariance)
+        env["VLLM_BATCH_INVARIANT"] = "1"
     if executor(stack.opts) == "ray":
         # one device per worker, worker i in bundle i of our group (not "the first bundles with a GPU")
         tp = stack.tp
@@ -153,6 +158,16 @@ def keep_back(environ: dict[str, str]) -> list[str]:
     return names
 
 
+def _check_batch_invariant(version: str) -> None:
+    """`deterministic: true` asks vLLM's batch-invariant mode: a vLLM without it skips the cell."""
+    import importlib.util
+
+    from backends.base import SkipCell
+
+    if importlib.util.find_spec("vllm.model_executor.layers.batch_invariant") is None:
+        raise SkipCell(f"vLLM {version} has no batch-invariant mode (vllm.model_executor.layers.batch_invariant)")
+
+
 def _native(rows) -> np.ndarray:
     """A worker's logits tensor as the rows a shard stores: raw bf16 bits, else its float array."""
     import torch
@@ -169,7 +184,7 @@ class VLLMBackend(Backend):
     devices = frozenset({"cpu"}) | GPU_DEVICES
     max_tp = 8
     tp_workers = "engine"  # tp ranks are vLLM's own processes; runtime_env runs it under vllm_python()
-    options = frozenset({"vllm_executor"})
+    options = frozenset({"vllm_executor", "deterministic"})  # deterministic: its batch-invariant mode
     libraries = ("vllm", "torch")
     # no `requires`: it runs under its own interpreter (vllm_python), which the driver's need not have
     runs_files = frozenset({CHECKPOINT})  # a candidate checkpoint (a directory or a hub id), quantised or not
@@ -229,6 +244,8 @@ class VLLMBackend(Backend):
         revision = self.checkpoint_candidate() if self.stack.artifact else {}
         self._kw = {**engine_kwargs(self.stack, self.model_dir, MAX_MODEL_LEN, self.threads), **revision}
         self._held_back = keep_back(dict(os.environ)) if executor(self.stack.opts) == "ray" else []
+        if self.stack.opts.get("deterministic"):
+            _check_batch_invariant(vllm.__version__)
         self._llm = LLM(**self._kw)
         self._llm.apply_model(install_norm_hook)
         self._vocab = int(self._llm.llm_engine.model_config.get_vocab_size())
@@ -249,6 +266,25 @@ class VLLMBackend(Backend):
             params or SamplingParams(max_tokens=1, temperature=0.0),
             use_tqdm=False,
         )
+
+    def forward_batch(self, token_ids: list[int], positions: list[int], others: list[list[int]]) -> np.ndarray:
+        """Concurrent requests, token_ids submitted first: vLLM's scheduler takes waiting requests in
+        order, so its one prefill step holds sequence 0's tokens first, then the others'."""
+        import functools
+
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        seqs = [token_ids, *others]
+        self._llm.generate(
+            [TokensPrompt(prompt_token_ids=s) for s in seqs],
+            SamplingParams(max_tokens=1, temperature=0.0),
+            use_tqdm=False,
+        )
+        got = self._llm.apply_model(
+            functools.partial(prefill_logits, n_tokens=sum(map(len, seqs)), positions=list(positions))
+        )
+        return _native(got[0])
 
     def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
         import functools

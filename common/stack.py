@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import ids, names
+from common.batching import Batch
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class StackDesc:
     # Feed only a prefix of each prompt (for slow stacks). Causal attention makes the rows it keeps
     # identical in meaning to the full run's rows at the same positions.
     max_tokens: int | None = None
+    # `batch:` each prompt evaluated in one forward with batch.size - 1 other sequences (common/batching.py);
+    # None: alone, as a batch-free cell
+    batch: Batch | None = None
     # The per-cell extras it asks for (extras/): sorted (key, value) pairs, values as the extra's parser
     # gives them; the plan resolves them against the model (Extra.resolve)
     extras: tuple = ()
@@ -72,6 +76,7 @@ class Cell:
     replica: int = 0
     pin: tuple[str, ...] = ()  # Ray node ids the cell may run on (empty: any that fits)
     label: str | None = None  # `candidates:` the spec's label for a published file
+    batch_of: ids.StackId | None = None  # a batch cell: the stack id of the same stack at batch 1
     is_bound: bool = False  # set by bound(): the run chose the engine build that captures it
 
     @property
@@ -100,6 +105,7 @@ class Cell:
     tp = property(lambda self: self.stack.tp)
     device = property(lambda self: self.stack.device)
     max_tokens = property(lambda self: self.stack.max_tokens)
+    batch = property(lambda self: self.stack.batch)
     options = property(lambda self: self.stack.options)
     extras = property(lambda self: self.stack.extras)
     build = property(lambda self: self.stack.build)

@@ -38,6 +38,11 @@ def layer_and_decode_tables(loc) -> None:
     loc.mkdirs("decode_metrics")
 
 
+def batch_metrics_table(loc) -> None:
+    """The batch_metrics table's directory."""
+    loc.mkdirs("batch_metrics")
+
+
 # target version -> what it changed (version 1 is the first warehouse: nothing before it)
 MIGRATIONS = {
     2: Migration(
@@ -126,5 +131,12 @@ MIGRATIONS = {
         "logit_matrix.refused_rows (store/schema.py REFUSED_KEY) naming the prompts whose rows it lacks. "
         "Columns only: older cells read as null there (each loaded its own, none refused), and every shard "
         "before holds all its rows.",
+    ),
+    16: Migration(
+        "batch_axis",
+        "cells.batch_size / batch / batch_of (a `batch:` cell: each prompt evaluated in one forward with "
+        "batch_size - 1 other sequences, and the stack id of the same stack at batch 1); table batch_metrics "
+        "(analyze: a batch cell's rows against that batch-1 cell's). Older cells read as null there: batch-free.",
+        batch_metrics_table,
     ),
 }

@@ -1,11 +1,11 @@
-"""Warehouse schema, version 15: the current tables and columns. What each version changed, and
+"""Warehouse schema, version 16: the current tables and columns. What each version changed, and
 how an older warehouse is brought up to this one: store/migrations.py.
 
 Layout (one directory per table; readers glob ``*.parquet``; writers go
 through a hidden temp file and an atomic rename, so a killed run never leaves
 a half-written file that a reader sees)::
 
-    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 15}
+    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 16}
     runs/<run_id>.parquet               one row per `matrix run` that had work to do
     cells/<cell_id>.parquet             one row per completed cell (rewritten on resume)
     prompts/<prompt_id>.parquet         one row per tokenised prompt
@@ -19,6 +19,7 @@ a half-written file that a reader sees)::
                                         and a `prefix_cache:` cell's cached-prefix rows
     layer_states/<cell_id>/r<repeat>.parquet  a `layers:` cell's hidden states, shard for shard with logits
     layer_metrics/<cell_id>.parquet     `matrix analyze`: each layer row vs the reference's same layer
+    batch_metrics/<cell_id>.parquet     `matrix analyze`: a batch cell's rows vs the same stack's at batch 1
 
 ``logits.logits`` holds the engine's native values widened exactly to float32
 (bf16 and f16 are subsets of fp32), so SQL sees real numbers for every stack;
@@ -42,7 +43,7 @@ import json
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -155,6 +156,11 @@ CELLS = pa.schema(
         # [lengths], "reason"}}, "skipped": {prompt: {"rows", "refused", "reason"}}, "skipped_rows",
         # "repeats"}, or {"by_repeat": {repeat: that}} where repeats differ; null: none refused
         ("length_refusals", pa.string()),
+        # `batch:` (common/batching.py) the prompts each forward held, null: alone (batch-free); the batch as
+        # JSON {"size", "fill", "seed"}; and the stack id of the same stack at batch 1, what batch_drift compares with
+        ("batch_size", pa.int32()),
+        ("batch", pa.string()),
+        ("batch_of", pa.string()),
     ]
 )
 
@@ -374,4 +380,5 @@ TABLES = {
     "layer_states": LAYER_STATES,
     "layer_metrics": LAYER_METRICS,
     "decode_metrics": DECODE_METRICS,
+    "batch_metrics": METRICS,  # reference_cell_id: the batch-1 cell it is measured against
 }

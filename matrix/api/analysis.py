@@ -73,6 +73,9 @@ def analyze(
     finally:
         cluster.release(owned)
     log(f"analyzed {summary['cells']} cell(s), {summary['metric_rows']} rows in {summary['seconds']}s")
+    if summary.get("batch"):
+        b = summary["batch"]
+        log(f"batch drift: {b['cells']} batch cell(s) against batch 1, {b['rows']} rows ({b['reused']} up to date)")
     for name, _, line in side:
         if summary.get(name):
             log(line(summary[name]))

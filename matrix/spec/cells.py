@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 
 import extras
 from common import ids, names
+from common.batching import Batch
 from common.errors import UserError
 from common.stack import Cell, ModelCopy, StackDesc
+from matrix.spec.batches import batches, check_limit
 from matrix.spec.calibration import option_identity
 from matrix.spec.parse import OPTION_KEYS, Spec, field_error, parse_spec
 
@@ -90,8 +92,12 @@ def _combos(spec: Spec) -> list[dict]:
     for i, inc in enumerate(spec.include):  # an include never extends one an earlier include created
         added = False
         for c, orig in zip(combos, originals):
-            # Extend a combination when no key overwrites one of its original values.
-            if all(orig.get(k, v) == v for k, v in inc.items() if k in names.CELL_AXES):
+            # Extend a combination when no key overwrites one of its original values (batch counts as
+            # an axis whose value is the spec's: an entry with another batch adds its own cells).
+            if (
+                all(orig.get(k, v) == v for k, v in inc.items() if k in names.CELL_AXES)
+                and inc.get("batch", spec.batch) == spec.batch
+            ):
                 c.update(inc)
                 added = True
         if not added:
@@ -177,6 +183,8 @@ def make_cell_id(
         key["positions"] = spec.positions.to_dict()
     if combo.get("max_tokens", spec.max_tokens):
         key["max_tokens"] = combo.get("max_tokens", spec.max_tokens)
+    if isinstance(combo.get("batch"), Batch):  # only then, so batch-free cells keep their ids
+        key["batch"] = combo["batch"].id_part()
     for x, value in extras.of(cell_extras(spec, combo)):  # the cell records more: another capture
         key[x.key] = x.id_part(value)
     return ids.stack_id(combo, key, replica)
@@ -232,14 +240,16 @@ def _combo_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: li
             (g for g, sels in spec.centroid_groups if any(all(combo[k] == v for k, v in sel.items()) for sel in sels)),
             None,
         )
-        for opts, foreign in option_sets(spec, combo):
-            cid = make_cell_id(spec, combo, opts, corpus_fp)
+        for (opts, foreign), batch in itertools.product(option_sets(spec, combo), batches(spec, combo)):
+            one = {**combo, "batch": batch}
+            cid = make_cell_id(spec, one, opts, corpus_fp)
             if cid in seen:
                 continue
             seen.add(cid)
             stack = StackDesc(
                 **{k: combo[k] for k in names.CELL_AXES},
                 max_tokens=combo.get("max_tokens", spec.max_tokens),
+                batch=batch,
                 extras=cell_extras(spec, combo),
                 options=tuple(opts.items()),
             )
@@ -249,14 +259,17 @@ def _combo_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: li
                 threads=combo.get("threads", spec.threads),
                 centroid_group=group,
                 calibration=combo.get("calibration"),
+                # the same stack at batch 1, what batch_drift measures it against
+                batch_of=batch and make_cell_id(spec, {**one, "batch": Batch(1)}, opts, corpus_fp),
             )
+            check_limit(spec, combo, cell)
             reason = _combo_reason(spec, combo, cell, foreign)
             if reason:
                 skipped.append({**cell.axes(), "stack_id": cid, "reason": reason})
                 continue
             cells.append(cell)
             for i in range(1, combo.get("replicas", spec.replicas)):  # the same stack on other nodes
-                rid = make_cell_id(spec, combo, opts, corpus_fp, i)
+                rid = make_cell_id(spec, one, opts, corpus_fp, i)
                 cells.append(dataclasses.replace(cell, stack_id=rid, replica=i))
 
 
@@ -317,6 +330,8 @@ def _references(spec: Spec, cells: list[Cell], skipped: list[dict]) -> dict[str,
             raise field_error(
                 spec.path, "reference", f"the reference stack cannot run: {missed[0]['reason']}", spec.reference
             )
+        if len(hits) > 1:  # a stack swept over batch sizes: its batch-free cell, else its batch-1 cell
+            hits = [c for c in hits if c.batch is None] or [c for c in hits if c.batch.size == 1] or hits
         if len(hits) > 1:
             raise field_error(
                 spec.path,
@@ -354,6 +369,7 @@ def _reference_extras(spec: Spec, corpus_fp: str, cells: list[Cell], refs: dict[
             **ref.axes(),
             "threads": ref.threads,
             "max_tokens": ref.max_tokens,
+            "batch": ref.batch,
             **{k: None for k in extras.keys()},
             **dict(want),
         }

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 import extras
-from common import kv_cache, names
+from common import batching, kv_cache, names
 from common import positions as P
 from common.errors import UserError, read_text_file
 from matrix.spec import schema as S
@@ -51,6 +51,7 @@ CENTROID_DEFINITIONS = CENTROID["definition"].allowed
 # -> allowed values, int (a positive integer) or dict (a mapping its own parser checks)
 OPTION_KEYS = {k.name: k.allowed or (int if k.json.get("type") == "integer" else dict) for k in S.OPTIONS}
 OPTION_KEYS["kv_cache"] = kv_cache.TYPES  # or {k: TYPE, v: TYPE}: common/kv_cache.py parses it
+OPTION_KEYS["deterministic"] = bool
 # `imatrix:` on a llama.cpp quant cell: quantise with an importance matrix computed on a calibration
 # text (backends/gguf_imatrix.py); parsed and checked against the corpus in matrix/spec/calibration.py
 # Non-axis keys an include entry may add to a cell.
@@ -81,6 +82,7 @@ class Spec:
     threads: int | None
     options: dict = field(default_factory=dict)
     max_tokens: int | None = None
+    batch: batching.BatchAxis | None = None  # every cell's batch sizes (common/batching.py); None: batch-free
     extras: dict = field(default_factory=dict)  # per-cell extra key -> its parsed value (every cell's default)
     replicas: int = 1  # default copies of each stack, each on its own node
     hosts: str = "shared"  # HOSTS: cells of one loaded model run in turn in one host, or each in its own
@@ -113,6 +115,8 @@ def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool,
             out[k] = check_axis_value(path, f"{fld}.{k}", k, v, models)
         elif extra_ok and k in ("threads", "max_tokens"):
             out[k] = check_threads(path, f"{fld}.{k}", v)
+        elif extra_ok and k == "batch":
+            out[k] = parse_batch(path, f"{fld}.{k}", v)
         elif extra_ok and k in extras.keys():
             out[k] = parse_extra(path, f"{fld}.{k}", k, v)
         elif extra_ok and k == "replicas":
@@ -192,12 +196,20 @@ def _check_option(path: Path, fld: str, key: str, v: Any) -> Any:
         from matrix.spec.calibration import parse_option
 
         return parse_option(v, fld, path.parent, lambda f, m, val=...: field_error(path, f, m, val))
-    if kind is int:
+    if kind is bool:
+        if not isinstance(v, bool):
+            raise field_error(path, fld, "must be true or false", v)
+    elif kind is int:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise field_error(path, fld, "must be a positive integer", v)
     elif v not in kind:
         raise field_error(path, fld, f"expected one of {', '.join(kind)}", v)
     return v
+
+
+def parse_batch(path: Path, fld: str, v: Any) -> batching.BatchAxis | None:
+    """A `batch:` value (top level or an include entry's), by common/batching.py's parser."""
+    return batching.parse(v, lambda msg, value=..., sub="": field_error(path, fld + sub, msg, value))
 
 
 def parse_extra(path: Path, fld: str, key: str, v: Any) -> Any:
@@ -347,6 +359,7 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
         threads=check_threads(path, "threads", data.get("threads")),
         options=options,
         max_tokens=check_threads(path, "max_tokens", data.get("max_tokens")),
+        batch=parse_batch(path, "batch", data.get("batch")),
         extras={k: parse_extra(path, k, k, data.get(k)) for k in extras.keys()},
         replicas=positive_int(path, data, "replicas", TOP["replicas"].default),
         hosts=_one_of(path, data, "hosts", HOSTS),

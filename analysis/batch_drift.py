@@ -1,0 +1,61 @@
+"""Graded batch drift: each batch cell of size > 1 against the same stack at batch 1 (cells.batch_of),
+every row of repeat 0 against repeat 0, with the reference metrics' kernel: KL, top-1, max |diff|
+(0 where the row is bit-identical). One file per cell, batch_metrics/<cell_id>.parquet, under a
+content key of both shards, so a second analyze recomputes nothing; the batch_drift view sums it."""
+
+from __future__ import annotations
+
+from analysis import metrics as M
+from analysis.compare import cell_metrics
+from analysis.unit_keys import unit_key
+from store import Warehouse
+from store.floors import StorageFloor
+from store.stream import shard_index
+
+TABLE = "batch_metrics"
+
+
+def pairs(done: list[dict]) -> list[tuple[dict, dict]]:
+    """(batch cell, its batch-1 cell) for every done cell of batch size > 1 whose batch-1 stack is
+    captured: of the same engine build where there is one, else the newest."""
+    by_stack: dict[str, list[dict]] = {}
+    for c in done:
+        by_stack.setdefault(c.get("stack_id") or c["cell_id"], []).append(c)
+    out = []
+    for c in done:
+        if (c.get("batch_size") or 0) < 2 or c.get("replica") or not by_stack.get(c.get("batch_of")):
+            continue
+        sibs = by_stack[c["batch_of"]]
+        same = [s for s in sibs if s.get("build") == c.get("build")] or sibs
+        out.append((c, max(same, key=lambda s: (s["finished_at"], s["cell_id"]))))
+    return out
+
+
+def analyze_batches(wh: Warehouse, done: list[dict], force: bool, log) -> dict | None:
+    """batch_metrics for every pair (None: the warehouse has no batch cell to measure)."""
+    todo = pairs(done)
+    stale = {p.rsplit("/", 1)[-1].removesuffix(".parquet") for p in wh.table_files(TABLE)}
+    stale -= {c["cell_id"] for c, _ in todo}
+    for name in sorted(stale):  # a batch-1 cell no longer captured: its old comparison would mislead
+        wh.remove_table(TABLE, name)
+    if not todo:
+        return None
+    got = {"cells": 0, "rows": 0, "reused": 0}
+    for cell, sib in todo:
+        cid, sid = cell["cell_id"], sib["cell_id"]
+        floor = StorageFloor.of_cell(sib) + StorageFloor.of_cell(cell)
+        key = unit_key(pair=[cid, sid], digests=[shard_index(wh, i, 0).digest for i in (cid, sid)], floor=floor)
+        got["cells"] += 1
+        old = None if force else wh.table_meta(TABLE, cid)
+        if old and old.get("key") == key:
+            got["reused"] += 1
+            got["rows"] += old.get("rows", 0)
+            continue
+        table = cell_metrics(wh, cid, 1, sid, floor, skip_damaged=False).table
+        if table is None:
+            wh.remove_table(TABLE, cid)
+            continue
+        wh.write_table(TABLE, cid, table, {"key": key, "kernel_version": M.KERNEL_VERSION, "rows": table.num_rows})
+        got["rows"] += table.num_rows
+        log(f"[batch] {cid}: {table.num_rows} rows against batch 1 ({sid})")
+    return got

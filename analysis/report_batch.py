@@ -1,0 +1,52 @@
+"""The report's batch section of a model: KL against batch 1 by batch size, one line per stack (log
+y: a size whose rows are bit-identical to batch 1's has no point), and the batch_drift rows as a
+table, so a stack bit-identical at every size is there too."""
+
+from __future__ import annotations
+
+import html
+
+from analysis import report_plots as P
+from analysis import report_tables as T
+
+SQL = """SELECT model, cell_id, batch_1_cell_id, batch_size, fill, rows, identical_rows, bit_identical,
+                kld_mean, kld_se, kld_max, top1_agreement, kld_vs_reference
+         FROM batch_drift ORDER BY model, batch_size, cell_id"""
+
+
+def section(data: dict, model: str, k: int) -> str:
+    """The model's batch section; empty where it has no batch cell measured against batch 1."""
+    rows = [r for r in data.get("batch") or [] if r["model"] == model]
+    if not rows:
+        return ""
+    name = data["names"]
+    stacks: dict[str, list[dict]] = {}
+    for r in rows:
+        stacks.setdefault(r["batch_1_cell_id"], []).append(r)
+    sizes = sorted({1} | {r["batch_size"] for r in rows})
+    series = [
+        (_stack(name.get(b1, b1)), [sizes.index(r["batch_size"]) for r in rs], [r["kld_mean"] for r in rs])
+        for b1, rs in stacks.items()
+    ]
+    head = "stack|batch|fill|rows|bit-identical rows|KL vs batch 1|± s.e.|max|top-1|KL vs reference".split("|")
+    body = "".join(f"<tr>{''.join(f'<td>{html.escape(T.fmt(v))}</td>' for v in _cells(r, name))}</tr>" for r in rows)
+    return (
+        "<h3>Batch drift: each stack among other sequences, against itself at batch 1</h3>"
+        + P.lines(series, f"batch-{k}", "batch size", "KL(batch 1 ‖ batch B), nats", [str(s) for s in sizes])
+        + "<table><tr>"
+        + "".join(f"<th>{h}</th>" for h in head)
+        + f"</tr>{body}</table>"
+    )
+
+
+def _cells(r: dict, name: dict) -> tuple:
+    """One table row: the stack (by its batch-1 cell), the batch, and its drift."""
+    stack = _stack(name.get(r["batch_1_cell_id"], r["batch_1_cell_id"]))
+    keys = ("batch_size", "fill", "rows", "kld_mean", "kld_se", "kld_max", "top1_agreement", "kld_vs_reference")
+    got = [r[k] for k in keys]
+    return stack, *got[:3], f"{r['identical_rows']} of {r['rows']}", *got[3:]
+
+
+def _stack(label: str) -> str:
+    """A batch-1 cell's label without its batch word: the stack the line follows."""
+    return label.removesuffix("/batch1")
