@@ -171,6 +171,8 @@ class MLXBackend(Backend):
             "quantized_matmul": self._qmm(),
             "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "numpy": np.__version__},
             "embed_scale": self._embed_scale(),
+            "batch_size": 1 if self.stack.batch is None else self.stack.batch.size,
+            **({} if self.stack.batch is None else {"padding_side": "right", "mask": "causal (mlx-lm's own)"}),
         }
 
     def _embed_scale(self) -> float | None:
@@ -240,6 +242,19 @@ class MLXBackend(Backend):
     def forward(self, token_ids: list[int], positions: list[int]) -> np.ndarray:
         mx = self._mx
         logits = self.model(mx.array([token_ids]))  # (1, T, vocab)
+        rows = logits[0, mx.array(positions)]  # (rows, vocab)
+        mx.eval(rows)
+        return self._native(rows)
+
+    def forward_batch(self, token_ids: list[int], positions: list[int], others: list[list[int]]) -> np.ndarray:
+        """A right-padded batch through mlx-lm's own model call: without a cache it applies its causal
+        mask (models/base.py create_attention_mask), under which a real token never sees the padding
+        after it, so no padding mask is needed; token_ids is sequence 0."""
+        mx = self._mx
+        seqs = [token_ids, *others]
+        width = max(map(len, seqs))
+        ids = mx.array([s + [0] * (width - len(s)) for s in seqs])  # (batch, T); pad id 0, never attended
+        logits = self.model(ids)  # (batch, T, vocab)
         rows = logits[0, mx.array(positions)]  # (rows, vocab)
         mx.eval(rows)
         return self._native(rows)

@@ -160,12 +160,20 @@ def keep_back(environ: dict[str, str]) -> list[str]:
 
 def _check_batch_invariant(version: str) -> None:
     """`deterministic: true` asks vLLM's batch-invariant mode: a vLLM without it skips the cell."""
-    import importlib.util
-
     from backends.base import SkipCell
 
-    if importlib.util.find_spec("vllm.model_executor.layers.batch_invariant") is None:
-        raise SkipCell(f"vLLM {version} has no batch-invariant mode (vllm.model_executor.layers.batch_invariant)")
+    where = ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant")
+    if not any(_module_exists(m) for m in where):
+        raise SkipCell(f"vLLM {version} has no batch-invariant mode (no {' or '.join(where)})")
+
+
+def _module_exists(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package missing
+        return False
 
 
 def _native(rows) -> np.ndarray:
@@ -219,6 +227,11 @@ class VLLMBackend(Backend):
     @classmethod
     def unsupported(cls, cell) -> str | None:
         reason = super().unsupported(cell) or cls.quant_problem(cell)
+        if reason is None and cell.opts.get("deterministic") and cell.device == "cpu":
+            reason = (
+                "vLLM's batch-invariant mode (deterministic: true) runs Triton kernels for CUDA, ROCm and XPU "
+                "(vllm/model_executor/determinism/batch_invariant.py); its CPU platform has none"
+            )
         if reason is None and executor(cell.opts) == "ray" and cell.device == "cpu":
             reason = "vllm_executor ray needs a GPU: vLLM's CPU platform has no Ray device key (use vllm_executor mp)"
         if reason is None and vllm_python() is None:

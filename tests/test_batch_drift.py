@@ -1,5 +1,5 @@
-"""Batch composition, captured for real on the 2-layer SmolLM2: HF (padded batch with a mask) and
-llama.cpp (several sequences in one llama_batch) at batch 1 and 4, the batch_drift view checked
+"""Batch composition, captured for real on the 2-layer SmolLM2: HF (padded batch with a mask),
+llama.cpp (several sequences in one llama_batch) and MLX (padded batch) at batch 1 and 4, the batch_drift view checked
 against a float64 computation from the stored rows, batch 1 against the batch-free cell bit for bit,
 and what the settings, the card and the report say of it."""
 
@@ -19,7 +19,7 @@ BATCH = [1, 4]
 @pytest.fixture(scope="module")
 def batch_sweep(tiny_model, short_corpus, tmp_path_factory):
     """Batch-free HF fp32 eager (the reference), and at batch 1 and 4: the same stack, HF bf16 sdpa
-    with `deterministic: true`, llama.cpp F16. Two repeats each (bit-reproducibility)."""
+    with `deterministic: true`, llama.cpp F16, MLX bf16. Two repeats each (bit-reproducibility)."""
     pytest.importorskip("llama_cpp")
     d = tmp_path_factory.mktemp("batch")
     spec = write_spec(
@@ -33,6 +33,8 @@ def batch_sweep(tiny_model, short_corpus, tmp_path_factory):
             {"engine": "hf", "dtype": "fp32", "attention": "eager", "batch": BATCH},
             {"engine": "hf", "dtype": "bf16", "attention": "sdpa", "batch": BATCH, "deterministic": True},
             {"engine": "llamacpp", "dtype": "f16", "attention": "default", "batch": BATCH},
+            # MLX's Linux CPU kernels are slow: the first 24 tokens of each sequence
+            {"engine": "mlx", "dtype": "bf16", "attention": "default", "batch": BATCH, "max_tokens": 24},
         ],
     )
     wh = d / "wh"
@@ -42,7 +44,7 @@ def batch_sweep(tiny_model, short_corpus, tmp_path_factory):
     assert a.returncode == 0, a.stderr[-3000:]
     cells = [c for c in sql(wh, "select * from cells") if c["status"] == "done"]
     by = {(c["engine"], c["dtype"], c["batch_size"]): c for c in cells}
-    assert len(by) == len(cells) == 7, sorted(by)
+    assert len(by) == len(cells) == 9, sorted(by)
     return wh, by, a.stderr
 
 
@@ -62,8 +64,9 @@ def test_batch_1_rows_equal_the_batch_free_cells_bit_for_bit(batch_sweep):
 def test_batch_drift_matches_a_float64_computation_from_the_stored_rows(batch_sweep, tmp_path):
     wh, by, log = batch_sweep
     view = {r["cell_id"]: r for r in sql(wh, "select * from batch_drift")}
-    assert set(view) == {by[(e, d, 4)]["cell_id"] for e, d in (("hf", "fp32"), ("hf", "bf16"), ("llamacpp", "f16"))}
-    assert "batch drift: 3 batch cell(s) against batch 1" in log
+    stacks = (("hf", "fp32"), ("hf", "bf16"), ("llamacpp", "f16"), ("mlx", "bf16"))
+    assert set(view) == {by[(e, d, 4)]["cell_id"] for e, d in stacks}
+    assert "batch drift: 4 batch cell(s) against batch 1" in log
     for cid, v in view.items():
         one = by[(v["engine"], v["dtype"], 1)]["cell_id"]
         assert v["batch_1_cell_id"] == one and v["batch_size"] == 4 and v["fill"] == "corpus"
@@ -90,6 +93,8 @@ def test_each_engine_records_how_it_batched(batch_sweep):
     _, by, _ = batch_sweep
     hf = json.loads(by[("hf", "bf16", 4)]["settings"])
     assert (hf["batch_size"], hf["padding_side"], hf["attention_mask"]) == (4, "right", True)
+    mlx = json.loads(by[("mlx", "bf16", 4)]["settings"])
+    assert (mlx["batch_size"], mlx["padding_side"]) == (4, "right")
     lc = json.loads(by[("llamacpp", "f16", 4)]["settings"])
     assert (lc["n_seq_max"], lc["kv_unified"]) == (4, True)
     assert json.loads(by[("llamacpp", "f16", 1)]["batch"]) == {"size": 1}

@@ -72,12 +72,20 @@ def test_an_include_with_its_own_batch_adds_cells_beside_the_batch_free_ones(tmp
     assert got == [("eager", 0), ("sdpa", 0), ("sdpa", 1), ("sdpa", 8)]
 
 
-def test_an_engine_that_cannot_batch_skips_with_the_reason(tmp_path):
+def test_a_cell_that_cannot_batch_skips_with_the_reason(tmp_path):
+    from backends import backend_class
+
     m = load_spec(
-        _spec(tmp_path, include=[{"engine": "mlx", "dtype": "bf16", "attention": "default", "batch": [1, 4]}])
+        _spec(tmp_path, include=[{"engine": "hf", "dtype": "fp32", "attention": "sdpa", "layers": "first-2"}])
     )
-    reasons = [s["reason"] for s in m.skipped if s["engine"] == "mlx"]
-    assert len(reasons) == 2 and all("mlx" in r and "batch" in r for r in reasons), reasons
+    assert [c.batch for c in m.cells] == [None, None]  # batch-free: a layers cell runs
+    m = load_spec(_spec(tmp_path, batch=[1, 4], include=[{"engine": "hf", "attention": "sdpa", "layers": "first-2"}]))
+    reasons = {s["reason"] for s in m.skipped}
+    assert reasons == {"per-cell extras (layers) record a sequence evaluated alone; a batch cell takes none"}, reasons
+    cell = m.cells[0].with_stack(engine="trtllm", device="h200")
+    assert (
+        backend_class("trtllm").batch_unsupported(cell) == "engine trtllm does not evaluate a batch of sequences here"
+    )
 
 
 @pytest.mark.parametrize(

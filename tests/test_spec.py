@@ -53,11 +53,20 @@ def test_smoke_spec_covers_hf_llamacpp_mlx_with_bf16_eager_reference():
         ("mlx", "q4_g64", "default"),
         ("mlx", "q8_g64", "default"),
         ("mlx", "q4_g64", "default"),
+        ("hf", "fp32", "sdpa"),
+        ("hf", "fp32", "sdpa"),
+        ("hf", "bf16", "sdpa"),
+        ("hf", "bf16", "sdpa"),
         ("llamacpp", "q4_1", "default"),
     ]  # the shipped file, a candidate
     assert [c.artifact for c in spec.cells if c.artifact] == ["source"]
     assert [c.opts.get("activations") for c in spec.cells if c.engine == "mlx"] == [None, None, None, "fp32", "fp32"]
-    assert {c.max_tokens for c in spec.cells if c.engine != "mlx"} == {768}  # the demo reads 768-token prefixes
+    assert {c.max_tokens for c in spec.cells if c.engine != "mlx" and not c.batch} == {768}  # 768-token prefixes
+    # HF fp32 and bf16 at batch 1 and 8 (128-token prefixes), beside their batch-free cells
+    batched = [(c.dtype, c.batch.size, c.max_tokens, c.batch.fill) for c in spec.cells if c.batch]
+    assert batched == [("fp32", 1, 128, "corpus"), ("fp32", 8, 128, "corpus"), ("bf16", 1, 128, "corpus")] + [
+        ("bf16", 8, 128, "corpus")
+    ]
     assert {c.max_tokens for c in load_spec(REPO / "configs" / "long.yaml").cells} == {None}
     assert spec.spec.repeats == 2 and spec.spec.stride == 32
     ref = spec.reference_stacks["smollm2-135m"]

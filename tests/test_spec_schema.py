@@ -43,6 +43,7 @@ def test_parsing_takes_its_keys_and_defaults_from_the_schema():
         "bos",
         "threads",
         "max_tokens",
+        "batch",
         "store",
         "reference_metrics",
         "keep_rows",
@@ -73,6 +74,7 @@ def test_parsing_takes_its_keys_and_defaults_from_the_schema():
         "vllm_executor": ("mp", "ray"),
         "activations": ("native", "fp32"),
         "quantizer": ("torchao", "quanto"),
+        "deterministic": bool,
         "imatrix": dict,
     }
 
