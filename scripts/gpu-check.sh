@@ -66,6 +66,17 @@ else
   echo "gpu-check.sh: no CUDA device here: the CPU path (the same sweep on cpu)"
   device=cpu; dtypes="[fp32, bf16, f16]"; attn="[eager, sdpa_math, sdpa_flash, sdpa_efficient, sdpa_cudnn]"
 fi
+# GPU_CHECK_BATCH="[1, 8, 32]": also HF bf16 (eager, sdpa_math, sdpa_flash) at those batch sizes, each
+# prompt among the corpus's next ones (common/batching.py); once merged and analysed, batch_drift
+# gives each against its batch-1 cell and summary against the CPU reference.
+batch_include=""
+if [ -n "${GPU_CHECK_BATCH:-}" ] && [ "$reference" = 0 ]; then
+  batch_include="include:"
+  for a in eager sdpa_math sdpa_flash; do
+    batch_include="$batch_include
+  - {engine: hf, dtype: bf16, attention: $a, device: $device, batch: $GPU_CHECK_BATCH}"
+  done
+fi
 spec="$out/gpu-check.yaml"
 cat > "$spec" <<YAML
 name: gpu-check
@@ -76,6 +87,7 @@ dtypes: $dtypes
 attention: $attn
 devices: [$device]
 reference: {engine: hf, dtype: fp32, attention: eager, device: $device}
+$batch_include
 positions: ${GPU_CHECK_POSITIONS:-"{from: 0, to: 255, stride: 64, last: false}"}
 store: bf16
 repeats: 2

@@ -49,6 +49,7 @@ def gpu_check(tmp_path_factory):
     subprocess.run(["xz", "-0", "-T2", str(d / "m1.gguf")], check=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(PYTHON=str(d / "bare" / "bin" / "python"), GPU_CHECK_WHEELS=str(d / "wheels"), CUDA_VISIBLE_DEVICES="")
+    env["GPU_CHECK_BATCH"] = "[1, 2]"  # HF bf16 at batch 1 and 2 too (the GPU run: [1, 8, 32])
     r = subprocess.run(
         ["bash", "scripts/gpu-check.sh", str(d / "m1.gguf.xz"), str(d / "out")],
         cwd=REPO,
@@ -81,6 +82,7 @@ def test_cpu_path_captures_every_kernel_within_the_size_limits(gpu_check):
     summary = json.loads((d / "out" / "summary.json").read_text())
     got = {tuple(c["cell_id"].split(".")[2:4]) for c in summary}
     assert got == {(dt, a) for dt in ("fp32", "bf16", "f16") for a in ("eager", "sdpa_math", "sdpa_flash")}
+    assert len(summary) == 9 + 6  # and bf16 at batch 1 and 2 for each of the three
     assert all(c["status"] == "done" and c["bit_reproducible"] for c in summary)
     assert all(c["nvml"].startswith("no NVIDIA GPU") for c in summary), summary[0]
     (run,) = sql(d / "out" / "warehouse", "select executor, ray_address, status from runs")
@@ -100,7 +102,7 @@ def test_merged_into_the_cpu_reference_and_analysed(gpu_check):
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
     wh = d / "ref" / "warehouse"
     m = run_cli("merge", str(d / "out" / "warehouse"), "--into", str(wh), "--json")
-    assert m.returncode == 0 and len(json.loads(m.stdout)["sources"][0]["merged"]) == 9, m.stderr[-2000:]
+    assert m.returncode == 0 and len(json.loads(m.stdout)["sources"][0]["merged"]) == 15, m.stderr[-2000:]
     reference = (d / "ref" / "reference-cell").read_text().strip()
     a = run_cli("analyze", "--warehouse", str(wh), "--reference", reference)
     assert a.returncode == 0, a.stderr[-2000:]
@@ -109,9 +111,12 @@ def test_merged_into_the_cpu_reference_and_analysed(gpu_check):
         for r in sql(
             wh,
             f"select c.dtype, c.attention, s.kld_mean from summary s join cells c using (cell_id) "
-            f"where s.cell_id <> '{reference}'",
+            f"where s.cell_id <> '{reference}' and c.batch_size is null",
         )
     }
     assert len(kl) == 9 and kl[("fp32", "eager")] == 0.0  # the same stack on the same CPU: bit-identical
     for a_ in ("eager", "sdpa_math", "sdpa_flash"):
         assert kl[("fp32", a_)] < 1e-8 < kl[("f16", a_)] < kl[("bf16", a_)] < 1e-2, kl
+    drift = sql(wh, "select attention, batch_size, rows, kld_mean from batch_drift order by attention")
+    assert [(r["attention"], r["batch_size"]) for r in drift] == [("eager", 2), ("sdpa_flash", 2), ("sdpa_math", 2)]
+    assert all(r["rows"] > 0 and r["kld_mean"] < 1e-2 for r in drift), drift

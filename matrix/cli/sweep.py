@@ -69,6 +69,8 @@ def _cell_entry(c, matrix, sizes: dict) -> dict:
         "threads": c.threads,
         "options": c.opts,
         "max_tokens": c.max_tokens,
+        "batch": None if c.batch is None else c.batch.id_part(),  # None: each prompt alone
+        "batch_of": c.batch_of,
         "stack_id": c.stack_id,
         "layer_states": sizes.get(c.stack_id),
         **{x.key: None if c.extra(x.key) is None else x.describe(c.extra(x.key)) for x in extras.registered()},
@@ -80,13 +82,22 @@ def _cell_entry(c, matrix, sizes: dict) -> dict:
     }
 
 
+def _batch_brief(batch: dict | None) -> str:
+    """A cell's batch in a word or two: `8 corpus`, `1`, `-` (batch-free)."""
+    if batch is None:
+        return "-"
+    return " ".join(str(batch[k]) for k in ("size", "fill", "seed") if k in batch)
+
+
 def _print_cells(matrix, cells: list[dict], sizes: dict, placed: dict | None, builds: dict | None) -> None:
     from common.output import human
     from matrix.cli.layers import layer_brief, off_prefill
 
     decoding = any(off_prefill(c) != "-" for c in cells)
+    batched = any(c["batch"] for c in cells)
     cols = (
         ["stack_id", "role", "options"]
+        + (["batch"] if batched else [])
         + (["layer states"] if sizes else [])
         + (["off prefill"] if decoding else [])
         + (["placement"] if placed else [])
@@ -96,6 +107,7 @@ def _print_cells(matrix, cells: list[dict], sizes: dict, placed: dict | None, bu
     for c in cells:
         role = "reference" if c["reference"] else f"candidate: {c['candidate']['label']}" if c["candidate"] else ""
         row = [c["stack_id"], role, _brief(c["options"])]
+        row += [_batch_brief(c["batch"])] if batched else []
         row += [layer_brief(c["layer_states"])] if sizes else []
         row += [off_prefill(c)] if decoding else []
         row += [placed[c["stack_id"]].brief()] if placed else []
