@@ -189,7 +189,7 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
     )
     progress = _compute(wh, todo, tasks, summary, log, skip_damaged, run_units)
     _write_ranges(wh, ranges)
-    batch = analyze_batches(wh, done, force, log)
+    batch = analyze_batches(wh, done, force, log, skip_damaged)
     if batch is not None:
         summary["batch"] = batch
     for name, part in side:  # the per-cell extras' own tables (layer_metrics, decode_metrics)

@@ -11,6 +11,7 @@ from analysis.unit_keys import unit_key
 from store import Warehouse
 from store.floors import StorageFloor
 from store.stream import shard_index
+from store.verify import DamagedShard
 
 TABLE = "batch_metrics"
 
@@ -31,8 +32,9 @@ def pairs(done: list[dict]) -> list[tuple[dict, dict]]:
     return out
 
 
-def analyze_batches(wh: Warehouse, done: list[dict], force: bool, log) -> dict | None:
-    """batch_metrics for every pair (None: the warehouse has no batch cell to measure)."""
+def analyze_batches(wh: Warehouse, done: list[dict], force: bool, log, skip_damaged: bool = False) -> dict | None:
+    """batch_metrics for every pair (None: the warehouse has no batch cell to measure). A damaged
+    shard stops it, unless skip_damaged: then that pair is left out, saying so."""
     todo = pairs(done)
     stale = {p.rsplit("/", 1)[-1].removesuffix(".parquet") for p in wh.table_files(TABLE)}
     stale -= {c["cell_id"] for c, _ in todo}
@@ -42,20 +44,30 @@ def analyze_batches(wh: Warehouse, done: list[dict], force: bool, log) -> dict |
         return None
     got = {"cells": 0, "rows": 0, "reused": 0}
     for cell, sib in todo:
-        cid, sid = cell["cell_id"], sib["cell_id"]
-        floor = StorageFloor.of_cell(sib) + StorageFloor.of_cell(cell)
-        key = unit_key(pair=[cid, sid], digests=[shard_index(wh, i, 0).digest for i in (cid, sid)], floor=floor)
-        got["cells"] += 1
-        old = None if force else wh.table_meta(TABLE, cid)
-        if old and old.get("key") == key:
-            got["reused"] += 1
-            got["rows"] += old.get("rows", 0)
-            continue
-        table = cell_metrics(wh, cid, 1, sid, floor, skip_damaged=False).table
-        if table is None:
-            wh.remove_table(TABLE, cid)
-            continue
-        wh.write_table(TABLE, cid, table, {"key": key, "kernel_version": M.KERNEL_VERSION, "rows": table.num_rows})
-        got["rows"] += table.num_rows
-        log(f"[batch] {cid}: {table.num_rows} rows against batch 1 ({sid})")
+        try:
+            _measure(wh, cell, sib, force, log, got)
+        except DamagedShard as e:
+            if not skip_damaged:
+                raise
+            log(f"SKIPPED (damaged) batch drift of {cell['cell_id']}: {e}")
     return got
+
+
+def _measure(wh: Warehouse, cell: dict, sib: dict, force: bool, log, got: dict) -> None:
+    """One pair's batch_metrics file, unless the one there has this content key."""
+    cid, sid = cell["cell_id"], sib["cell_id"]
+    floor = StorageFloor.of_cell(sib) + StorageFloor.of_cell(cell)
+    key = unit_key(pair=[cid, sid], digests=[shard_index(wh, i, 0).digest for i in (cid, sid)], floor=floor)
+    got["cells"] += 1
+    old = None if force else wh.table_meta(TABLE, cid)
+    if old and old.get("key") == key:
+        got["reused"] += 1
+        got["rows"] += old.get("rows", 0)
+        return
+    table = cell_metrics(wh, cid, 1, sid, floor, skip_damaged=False).table
+    if table is None:
+        wh.remove_table(TABLE, cid)
+        return
+    wh.write_table(TABLE, cid, table, {"key": key, "kernel_version": M.KERNEL_VERSION, "rows": table.num_rows})
+    got["rows"] += table.num_rows
+    log(f"[batch] {cid}: {table.num_rows} rows against batch 1 ({sid})")

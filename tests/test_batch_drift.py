@@ -125,3 +125,12 @@ def test_the_card_and_the_report_give_the_batch_drift(batch_sweep, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     page = (tmp_path / "report.html").read_text()
     assert "Batch drift: each stack among other sequences" in page and 'id="batch-0"' in page
+
+
+@pytest.mark.slow
+def test_a_second_analyze_measures_no_pair_again(batch_sweep):
+    wh, _, _ = batch_sweep
+    a = run_cli("analyze", "--warehouse", str(wh))
+    assert a.returncode == 0, a.stderr[-2000:]
+    assert "batch drift: 4 batch cell(s) against batch 1" in a.stderr and "(4 up to date)" in a.stderr, a.stderr
+    assert "[batch]" not in a.stderr

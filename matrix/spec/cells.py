@@ -356,6 +356,8 @@ def _reference_extras(spec: Spec, corpus_fp: str, cells: list[Cell], refs: dict[
     cells, refs = list(cells), dict(refs)
     for model, ref_id in list(refs.items()):
         ref = next(c for c in cells if c.stack_id == ref_id)
+        if ref.batch is not None:  # a batch cell records its rows alone (Backend.batch_unsupported)
+            continue
         cls = backend_class(ref.engine)
         want = dict(ref.extras)
         for x in extras.registered():
