@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.base import Backend
+from backends.base import Backend, LengthRefused, SkipCell
 
 
 class Batched:
@@ -15,15 +15,18 @@ class Batched:
 
     def __init__(self, backend: Backend, prompts: list[tuple[str, list[int]]], max_tokens: int | None):
         self.backend = backend
-        batch = backend.stack.batch
+        self.batch = batch = backend.stack.batch
         ids = [p[1] if max_tokens is None else p[1][:max_tokens] for p in prompts]  # each as a batch-free cell feeds it
         self.others = {pid: [ids[j] for j in batch.others(i, len(prompts))] for i, (pid, _) in enumerate(prompts)}
-        self.tokens = 0  # the co-batched sequences' tokens, over every forward
 
     def forward(self, prompt_id: str, fed: list[int], positions: list[int]) -> np.ndarray:
-        others = self.others[prompt_id]
-        self.tokens += sum(map(len, others))
-        return self.backend.forward_batch(fed, positions, others)  # (rows, vocab), native dtype
+        # `repeat`: B identical sequences, each fed what sequence 0 is fed
+        others = [fed] * (self.batch.size - 1) if self.batch.fill == "repeat" else self.others[prompt_id]
+        try:
+            return self.backend.forward_batch(fed, positions, others)  # (rows, vocab), native dtype
+        except LengthRefused as e:
+            # the batch's shape, not the measured prompt's length, decided it: a longer prefix would not help
+            raise SkipCell(f"batch {self.batch.size}: {e}") from e
 
     def streams(self, rows: int) -> bool:
         return False  # the batch's rows come whole: one forward holds every sequence

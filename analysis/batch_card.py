@@ -3,10 +3,14 @@ batch size the warehouse holds, against the same stack at batch 1 (graded: bit-i
 
 from __future__ import annotations
 
-# every batch size of the card cell's stack: its own batch-1 stack id, whatever batch the cell itself is
-CARD_SQL = """SELECT batch_size, fill, rows, identical_rows, bit_identical, kld_mean, kld_se, kld_max, top1_agreement
-              FROM batch_drift WHERE stack_id_batch_1 = (SELECT batch_of FROM cells WHERE cell_id = ?)
-              ORDER BY batch_size"""
+# every batch size of the card cell's stack (its batch-1 stack id, at any size of its own) captured by
+# the card cell's engine build; a batch-free cell has no batch_of, so no rows
+CARD_SQL = """WITH me AS (SELECT batch_of, build FROM cells WHERE cell_id = ?)
+              SELECT d.batch_size, d.fill, d.rows, d.identical_rows, d.bit_identical, d.kld_mean, d.kld_se,
+                     d.kld_max, d.top1_agreement
+              FROM batch_drift d JOIN cells c USING (cell_id) JOIN me ON d.stack_id_batch_1 = me.batch_of
+              WHERE c.build IS NOT DISTINCT FROM me.build
+              ORDER BY d.batch_size"""
 
 
 def line(r: dict) -> str:

@@ -16,17 +16,20 @@ from store.verify import DamagedShard
 TABLE = "batch_metrics"
 
 
-def pairs(done: list[dict]) -> list[tuple[dict, dict]]:
+def pairs(done: list[dict], log=lambda line: None) -> list[tuple[dict, dict]]:
     """(batch cell, its batch-1 cell) for every done cell of batch size > 1 whose batch-1 stack is
-    captured: of the same engine build where there is one, else the newest."""
+    captured: of the same engine build where there is one, else the newest. One without says so."""
     by_stack: dict[str, list[dict]] = {}
     for c in done:
         by_stack.setdefault(c.get("stack_id") or c["cell_id"], []).append(c)
     out = []
     for c in done:
-        if (c.get("batch_size") or 0) < 2 or c.get("replica") or not by_stack.get(c.get("batch_of")):
+        if (c.get("batch_size") or 0) < 2 or c.get("replica"):
             continue
-        sibs = by_stack[c["batch_of"]]
+        sibs = by_stack.get(c.get("batch_of"))
+        if not sibs:
+            log(f"NOTE {c['cell_id']}: no batch-1 capture of its stack ({c.get('batch_of')}): no batch drift")
+            continue
         same = [s for s in sibs if s.get("build") == c.get("build")] or sibs
         out.append((c, max(same, key=lambda s: (s["finished_at"], s["cell_id"]))))
     return out
@@ -35,7 +38,7 @@ def pairs(done: list[dict]) -> list[tuple[dict, dict]]:
 def analyze_batches(wh: Warehouse, done: list[dict], force: bool, log, skip_damaged: bool = False) -> dict | None:
     """batch_metrics for every pair (None: the warehouse has no batch cell to measure). A damaged
     shard stops it, unless skip_damaged: then that pair is left out, saying so."""
-    todo = pairs(done)
+    todo = pairs(done, log)
     stale = {p.rsplit("/", 1)[-1].removesuffix(".parquet") for p in wh.table_files(TABLE)}
     stale -= {c["cell_id"] for c, _ in todo}
     for name in sorted(stale):  # a batch-1 cell no longer captured: its old comparison would mislead
@@ -49,6 +52,7 @@ def analyze_batches(wh: Warehouse, done: list[dict], force: bool, log, skip_dama
         except DamagedShard as e:
             if not skip_damaged:
                 raise
+            wh.remove_table(TABLE, cell["cell_id"])  # no older comparison stands in for it
             log(f"SKIPPED (damaged) batch drift of {cell['cell_id']}: {e}")
     return got
 
@@ -64,7 +68,10 @@ def _measure(wh: Warehouse, cell: dict, sib: dict, force: bool, log, got: dict) 
         got["reused"] += 1
         got["rows"] += old.get("rows", 0)
         return
-    table = cell_metrics(wh, cid, 1, sid, floor, skip_damaged=False).table
+    result = cell_metrics(wh, cid, 1, sid, floor, skip_damaged=False)
+    for note in result.notes(cid, sid):  # rows without a batch-1 partner, NaN/Inf rows
+        log(note)
+    table = result.table
     if table is None:
         wh.remove_table(TABLE, cid)
         return

@@ -49,4 +49,4 @@ def _cells(r: dict, name: dict) -> tuple:
 
 def _stack(label: str) -> str:
     """A batch-1 cell's label without its batch word: the stack the line follows."""
-    return label.removesuffix("/batch1")
+    return "/".join(w for w in label.split("/") if w != "batch1")

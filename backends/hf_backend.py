@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from backends import hf_checkpoint, hf_quant, hf_sdpa, hf_stream, torch_rows
+from backends import hf_batch, hf_checkpoint, hf_quant, hf_sdpa, hf_stream, torch_rows
 from backends.base import CHECKPOINT, GPU_DEVICES, Backend, OutputRing, block_rows, check_layers, stream_bytes
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -67,6 +67,14 @@ class HFBackend(Backend):
         return reason
 
     @classmethod
+    def runtime_env(cls, stack, threads: int) -> dict[str, Any] | None:
+        """`deterministic: true` on a GPU: cuBLAS's fixed workspace from the actor's start, before any
+        cuBLAS handle exists (load() sets it too, for a process that has none yet)."""
+        if stack.opts.get("deterministic") and stack.device != "cpu":
+            return {"env_vars": {"CUBLAS_WORKSPACE_CONFIG": hf_batch.CUBLAS_WORKSPACE}}
+        return None
+
+    @classmethod
     def weights_key(cls, stack) -> str | None:
         """Every field of the stack but those a loaded model changes at run time: the attention
         implementation (PreTrainedModel.set_attn_implementation; an SDPA kernel is pinned per
@@ -99,7 +107,7 @@ class HFBackend(Backend):
         transformers.utils.logging.disable_progress_bar()  # one stack loads in seconds; bars only clutter logs
         torch.set_num_threads(self.threads)
         self.torch_device = "cpu" if self.stack.device == "cpu" else "cuda"
-        _deterministic(torch, bool(self.stack.opts.get("deterministic")), self.torch_device)
+        hf_batch.deterministic(torch, bool(self.stack.opts.get("deterministic")), self.torch_device)
         self.artifact, self._src = None, {}
         if self.stack.artifact:
             self._src = self.checkpoint_candidate()
@@ -185,7 +193,7 @@ class HFBackend(Backend):
             if self.torch_device == "cuda"
             else None,
             "use_cache": False,
-            **_batching(self.stack),
+            **hf_batch.settings(self.stack),
             # a prompt of more kept rows: one prefill, the LM head a block of rows at a time (hf_stream)
             "stream_rows": block_rows(self._vocab),
             "tensor_parallel": getattr(self, "_tp", None),
@@ -219,26 +227,7 @@ class HFBackend(Backend):
         return torch_rows.to_host(torch, out.logits[0].detach(), self._outputs)  # (rows, vocab), native dtype
 
     def forward_batch(self, token_ids: list[int], positions: list[int], others: list[list[int]]) -> np.ndarray:
-        """A padded batch, as HF users batch: token_ids is sequence 0, every sequence is padded on
-        the right to the longest with an attention mask, so each keeps the positions it has alone
-        (no position_ids to derive) and padding is never attended by a real token (causal)."""
-        torch = self._torch
-        seqs = [token_ids, *others]
-        width = max(map(len, seqs))
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)  # (batch, T); pad id 0, masked out
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)  # (batch, T)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-            mask[i, : len(s)] = 1
-        keep = torch.tensor(positions, dtype=torch.long, device=self.torch_device)  # (rows,)
-        with self._grad_off(), hf_sdpa.pinned(torch, self.model, self.stack.attention, width):
-            out = self.model(
-                input_ids=ids.to(self.torch_device),
-                attention_mask=mask.to(self.torch_device),
-                logits_to_keep=keep,
-                use_cache=False,
-            )
-        return torch_rows.to_host(torch, out.logits[0].detach(), self._outputs)  # (rows, vocab), sequence 0's
+        return hf_batch.forward(self, token_ids, positions, others)
 
     stream_head: str | None = None  # how a streamed prompt's later blocks were computed (hf_stream)
 
@@ -348,23 +337,6 @@ class HFBackend(Backend):
 
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
-
-
-def _deterministic(torch, on: bool, device: str) -> None:
-    """`deterministic: true`: torch.use_deterministic_algorithms (an op without a deterministic kernel
-    then raises rather than run another), and on CUDA the fixed cuBLAS workspace its docs require for
-    reproducible GEMMs, set before the first cuBLAS handle. Set either way: the process may host
-    another stack before this one."""
-    if on and device == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(on)
-
-
-def _batching(stack) -> dict[str, Any]:
-    """How a prompt shares its forward: alone, or in a right-padded batch with an attention mask."""
-    if stack.batch is None:
-        return {"batch_size": 1}
-    return {"batch_size": stack.batch.size, "padding_side": "right", "attention_mask": True, "batch_row": 0}
 
 
 def model_facts(model) -> dict[str, Any]:

@@ -90,6 +90,7 @@ def executor(options: dict[str, Any] | None) -> str:
 def engine_kwargs(stack: StackDesc, model_dir: str, max_len: int, threads: int) -> dict[str, Any]:
     """Arguments for vllm.LLM, as plain data (recorded in the cell's settings)."""
     seqs = 1 if stack.batch is None else stack.batch.size
+    fed = min(max_len, stack.max_tokens or max_len)  # the most a sequence is fed (a batch: each one)
     kw: dict[str, Any] = {
         # a checkpoint's own quantisation sets its activation dtype ("auto": its config's torch_dtype)
         "model": model_dir,
@@ -101,7 +102,7 @@ def engine_kwargs(stack: StackDesc, model_dir: str, max_len: int, threads: int) 
         "max_model_len": max_len,
         # the whole prompt in one prefill chunk; a batch cell's sequences all in one step, as
         # concurrent requests of a server that admits that many (max_num_seqs)
-        "max_num_batched_tokens": max_len * seqs,
+        "max_num_batched_tokens": max(max_len, fed * seqs),
         "max_num_seqs": seqs,
         "enforce_eager": True,
         "compilation_config": {"mode": 0},  # no torch.compile: the norm hook must see the real forward
@@ -282,7 +283,9 @@ class VLLMBackend(Backend):
 
     def forward_batch(self, token_ids: list[int], positions: list[int], others: list[list[int]]) -> np.ndarray:
         """Concurrent requests, token_ids submitted first: vLLM's scheduler takes waiting requests in
-        order, so its one prefill step holds sequence 0's tokens first, then the others'."""
+        order (FCFS) and its model runner lays a step's new requests out in that order, so the one
+        prefill step holds sequence 0's tokens first. prefill_logits checks the step held every
+        sequence's tokens; tests/test_vllm_batch.py bounds the rows' KL against batch 1's."""
         import functools
 
         from vllm import SamplingParams

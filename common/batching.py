@@ -6,11 +6,11 @@ so its rows compare with batch 1's and with every other stack's.
     batch: {sizes: [1, 8], fill: corpus, seed: 0}       the same, with the fill policy named
 
     fill  corpus  the prompts after the measured one in corpus order, cycled, at their own lengths
-          repeat  the measured prompt itself, B - 1 more times (identical sequences)
+          repeat  the measured prompt itself, B - 1 more times, each fed what it is fed (identical sequences)
           random  prompts drawn from the others with replacement, seeded per measured prompt
 
-The measured prompt is sequence 0 of its batch. Every sequence is fed what a batch-free cell of the
-stack is fed: at most max_tokens of it (the measured one: the prefix its kept rows need). Kernels pick
+The measured prompt is sequence 0 of its batch, fed the prefix its kept rows need; every other
+sequence is fed what a batch-free cell of the stack would be fed of it: at most max_tokens. Kernels pick
 other tilings, split-K and reduction orders as the batch's shape changes (Thinking Machines,
 "Defeating Nondeterminism in LLM Inference", 2025): that drift is what the axis measures.
 """

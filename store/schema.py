@@ -156,8 +156,9 @@ CELLS = pa.schema(
         # [lengths], "reason"}}, "skipped": {prompt: {"rows", "refused", "reason"}}, "skipped_rows",
         # "repeats"}, or {"by_repeat": {repeat: that}} where repeats differ; null: none refused
         ("length_refusals", pa.string()),
-        # `batch:` (common/batching.py) the prompts each forward held, null: alone (batch-free); the batch as
-        # JSON {"size", "fill", "seed"}; and the stack id of the same stack at batch 1, what batch_drift compares with
+        # `batch:` (common/batching.py) the sequences each forward held, null: alone (batch-free); the batch
+        # as its id holds it, JSON {"size"} at 1, {"size", "fill"} above ("seed" too for fill random); and
+        # the stack id of the same stack at batch 1, what batch_drift compares it with
         ("batch_size", pa.int32()),
         ("batch", pa.string()),
         ("batch_of", pa.string()),

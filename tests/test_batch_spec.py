@@ -6,13 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
+from actors.batched import Batched
+from backends.base import LengthRefused, SkipCell
 from common.batching import Batch
 from common.errors import UserError
+from common.stack import StackDesc
 from matrix.spec.cells import load_spec
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 
 
 def test_corpus_fill_takes_the_next_prompts_in_corpus_order_cycled():
@@ -129,3 +133,44 @@ def test_deterministic_is_true_or_false(tmp_path):
         ("sdpa", False),
         ("sdpa", True),
     ]
+
+
+def test_batch_free_cells_keep_the_ids_they_had():
+    """The demo's HF fp32 eager stack, as `matrix cells` named it before the batch axis existed."""
+    (c,) = [c for c in load_spec(REPO / "configs" / "smoke.yaml").cells if c.batch is None and c.dtype == "fp32"][:1]
+    assert c.stack_id == "smollm2-135m.hf.fp32.eager.tp1.cpu-c1f2d80e90"
+
+
+class _Seen:
+    """An engine that records what each batched forward was given, and refuses one width."""
+
+    def __init__(self, batch: Batch, refuse: int | None = None):
+        self.stack, self.seen, self.refuse = StackDesc("hf", "fp32", "eager", batch=batch), [], refuse
+
+    def forward_batch(self, token_ids, positions, others):
+        self.seen.append((token_ids, others))
+        if self.refuse and max(map(len, [token_ids, *others])) == self.refuse:
+            raise LengthRefused("no kernel at this width", self.refuse)
+        return np.zeros((len(positions), 4), np.float32)
+
+
+PROMPTS = [("a", [1, 2, 3, 4, 5]), ("b", [6, 7]), ("c", [8, 9, 10])]
+
+
+def test_the_others_are_fed_as_a_batch_free_cell_feeds_them():
+    eng = _Seen(Batch(3))
+    Batched(eng, PROMPTS, max_tokens=2).forward("a", [1, 2], [0, 1])
+    assert eng.seen == [([1, 2], [[6, 7], [8, 9]])]  # the next prompts, each cut at max_tokens
+
+
+def test_repeat_fill_feeds_identical_sequences():
+    eng = _Seen(Batch(3, "repeat"))
+    Batched(eng, PROMPTS, max_tokens=None).forward("a", [1, 2, 3], [0, 2])
+    assert eng.seen == [([1, 2, 3], [[1, 2, 3], [1, 2, 3]])]  # the measured prefix, not the whole prompt
+
+
+def test_a_refused_batch_skips_the_cell_rather_than_feed_a_longer_prefix():
+    eng = _Seen(Batch(2), refuse=5)
+    with pytest.raises(SkipCell) as e:
+        Batched(eng, PROMPTS, max_tokens=None).forward("c", [8, 9, 10], [0])
+    assert not isinstance(e.value, LengthRefused) and str(e.value) == "batch 2: no kernel at this width"

@@ -50,10 +50,11 @@ def judge(exc: Exception, attempt: int, retries: int, where: str) -> Judgement:
 
 def capture_limit(capture_timeout_s: float | None, prompts: list, cell: Cell) -> float:
     """Seconds one repeat may take: the spec's, or scaled by the tokens of each prompt up to
-    max_tokens (what a capture's forwards, its extras' included, may run over)."""
+    max_tokens (what a capture's forwards, its extras' included, may run over), times a batch's size."""
     if capture_timeout_s:
         return capture_timeout_s
     fed = sum(min(len(p.token_ids), cell.max_tokens or len(p.token_ids)) for p in prompts)
+    fed *= cell.batch.size if cell.batch else 1  # a batch cell's forwards hold B sequences
     return max(CAPTURE_FLOOR_S, CAPTURE_S_PER_TOKEN * fed)
 
 

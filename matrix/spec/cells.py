@@ -330,7 +330,8 @@ def _references(spec: Spec, cells: list[Cell], skipped: list[dict]) -> dict[str,
             raise field_error(
                 spec.path, "reference", f"the reference stack cannot run: {missed[0]['reason']}", spec.reference
             )
-        if len(hits) > 1:  # a stack swept over batch sizes: its batch-free cell, else its batch-1 cell
+        if len(hits) > 1 and len({_unbatched(c) for c in hits}) == 1:
+            # one stack at several batch sizes: its batch-free cell, else its batch-1 cell
             hits = [c for c in hits if c.batch is None] or [c for c in hits if c.batch.size == 1] or hits
         if len(hits) > 1:
             raise field_error(
@@ -344,6 +345,11 @@ def _references(spec: Spec, cells: list[Cell], skipped: list[dict]) -> dict[str,
     if not refs:
         raise field_error(spec.path, "reference", "matches no cell of the sweep", spec.reference)
     return refs
+
+
+def _unbatched(c: Cell) -> str:
+    """A cell's stack, its batch left out: what the cells of one stack at several batch sizes share."""
+    return repr(dataclasses.replace(c.stack, batch=None))
 
 
 def _reference_extras(spec: Spec, corpus_fp: str, cells: list[Cell], refs: dict[str, str]):
