@@ -20,6 +20,7 @@ def section(data: dict, model: str, k: int) -> str:
     if not rows:
         return ""
     name = data["names"]
+    rows.sort(key=lambda r: (_stack(name.get(r["batch_1_cell_id"], r["batch_1_cell_id"])), r["batch_size"]))
     stacks: dict[str, list[dict]] = {}
     for r in rows:
         stacks.setdefault(r["batch_1_cell_id"], []).append(r)
