@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import REPO, run_cli, sql
+from tests.float64_rows import log_softmax, stored
 
 pytestmark = pytest.mark.slow  # builds GGUF files and runs llama.cpp tools over them
 
@@ -64,33 +65,18 @@ def job(ggufs, text, tmp_path_factory):
     return wh, json.loads(r.stdout), r.stderr
 
 
-def _rows(wh: Path, cell_id: str):
-    """A cell's stored rows in float64 (repeat 0), keyed by (chunk, position), with the next ids."""
-    t = pq.read_table(
-        wh / "logits" / cell_id / "r0.parquet", columns=["prompt_id", "position", "next_token_id", "logits"]
-    )
-    rows = np.asarray(t["logits"].to_pylist(), dtype=np.float64)  # (rows, vocab)
-    keys = list(zip(t["prompt_id"].to_pylist(), t["position"].to_pylist()))
-    return dict(zip(keys, rows)), dict(zip(keys, t["next_token_id"].to_pylist()))
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    top = x.max()
-    return x - (top + math.log(np.exp(x - top).sum()))
-
-
 def _own(wh: Path, ref_cell: str, cell: str) -> dict:
     """llama-perplexity's closing statistics, computed here from both cells' stored rows."""
-    ref, nxt = _rows(wh, ref_cell)
-    stk, _ = _rows(wh, cell)
+    ref, stk = stored(wh, ref_cell), stored(wh, cell)  # (chunk, position) -> (float64 row, next id)
     kl, dp, nll, nll_ref, same = [], [], [], [], []
     for key in sorted(stk):
-        lp, lq, t = _log_softmax(ref[key]), _log_softmax(stk[key]), nxt[key]
+        (x, t), (y, _) = ref[key], stk[key]
+        lp, lq = log_softmax(x), log_softmax(y)
         kl.append(float(np.sum(np.exp(lp) * (lp - lq))))
         dp.append(math.exp(lq[t]) - math.exp(lp[t]))
         nll.append(-lq[t])
         nll_ref.append(-lp[t])
-        same.append(int(np.argmax(ref[key]) == np.argmax(stk[key])))
+        same.append(int(np.argmax(x) == np.argmax(y)))
     kl, dp, nll, nll_ref = map(np.array, (kl, dp, nll, nll_ref))
     n = len(kl)
 
