@@ -16,7 +16,7 @@ class Batched:
     def __init__(self, backend: Backend, prompts: list[tuple[str, list[int]]], max_tokens: int | None):
         self.backend = backend
         self.batch = batch = backend.stack.batch
-        ids = [p[1] if max_tokens is None else p[1][:max_tokens] for p in prompts]  # each as a batch-free cell feeds it
+        ids = [p[1][:max_tokens] for p in prompts]  # each as a batch-free cell feeds it (None: whole)
         self.others = {pid: [ids[j] for j in batch.others(i, len(prompts))] for i, (pid, _) in enumerate(prompts)}
 
     def forward(self, prompt_id: str, fed: list[int], positions: list[int]) -> np.ndarray:

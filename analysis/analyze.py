@@ -31,7 +31,6 @@ import pyarrow as pa
 
 from analysis import metrics as M
 from analysis import metrics_native
-from analysis.batch_drift import analyze_batches
 from analysis.centroid import Group, group_rows
 from analysis.compare import CellResult, cell_metrics, with_floor
 from analysis.unit_keys import as_measured, cell_key
@@ -136,8 +135,9 @@ def analyze(
     *,
     side,
 ) -> dict:
-    """side: (name, analysis) of each per-cell extra, run after the stacks' metrics (extras.analyses();
-    the caller says which, so no extra's tables are left out unseen)."""
+    """side: (name, analysis) of each side table, run after the stacks' metrics: batch drift
+    (analysis/batch_drift.py side()) and each per-cell extra's (extras.analyses()); the caller says
+    which, so no table is left out unseen."""
     wh = Warehouse(warehouse).require()
     with wh.lock():  # one writer at a time: a run in progress would change the cells under us
         wh.migrate(log)
@@ -189,10 +189,7 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
     )
     progress = _compute(wh, todo, tasks, summary, log, skip_damaged, run_units)
     _write_ranges(wh, ranges)
-    batch = analyze_batches(wh, done, force, log, skip_damaged)
-    if batch is not None:
-        summary["batch"] = batch
-    for name, part in side:  # the per-cell extras' own tables (layer_metrics, decode_metrics)
+    for name, part in side:  # the side tables: batch_metrics, the per-cell extras' layer_metrics, decode_metrics
         got = part(wh, done, reference, force, log)
         if got is not None:
             summary[name] = got

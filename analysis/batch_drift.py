@@ -1,7 +1,8 @@
 """Graded batch drift: each batch cell of size > 1 against the same stack at batch 1 (cells.batch_of),
 every row of repeat 0 against repeat 0, with the reference metrics' kernel: KL, top-1, max |diff|
 (0 where the row is bit-identical). One file per cell, batch_metrics/<cell_id>.parquet, under a
-content key of both shards, so a second analyze recomputes nothing; the batch_drift view sums it."""
+content key of both shards, so a second analyze recomputes nothing; the batch_drift view sums it.
+`matrix analyze` runs it as one of its side analyses (side())."""
 
 from __future__ import annotations
 
@@ -78,3 +79,16 @@ def _measure(wh: Warehouse, cell: dict, sib: dict, force: bool, log, got: dict) 
     wh.write_table(TABLE, cid, table, {"key": key, "kernel_version": M.KERNEL_VERSION, "rows": table.num_rows})
     got["rows"] += table.num_rows
     log(f"[batch] {cid}: {table.num_rows} rows against batch 1 ({sid})")
+
+
+def side(skip_damaged: bool = False) -> tuple:
+    """(name, analysis(wh, done, reference, force, log), its log line): an entry of analyze's side list."""
+
+    def analysis(wh: Warehouse, done: list[dict], reference, force: bool, log) -> dict | None:
+        return analyze_batches(wh, done, force, log, skip_damaged)
+
+    return "batch", analysis, line
+
+
+def line(got: dict) -> str:
+    return f"batch drift: {got['cells']} batch cell(s) against batch 1, {got['rows']} rows ({got['reused']} up to date)"

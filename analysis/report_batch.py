@@ -19,18 +19,19 @@ def section(data: dict, model: str, k: int) -> str:
     rows = [r for r in data.get("batch") or [] if r["model"] == model]
     if not rows:
         return ""
-    name = data["names"]
-    rows.sort(key=lambda r: (_stack(name.get(r["batch_1_cell_id"], r["batch_1_cell_id"])), r["batch_size"]))
-    stacks: dict[str, list[dict]] = {}
+    # each row's stack: the label of its batch-1 cell without its batch word
+    stack = {b1: _stack(data["names"].get(b1, b1)) for b1 in {r["batch_1_cell_id"] for r in rows}}
+    rows.sort(key=lambda r: (stack[r["batch_1_cell_id"]], r["batch_size"]))
+    by_stack: dict[str, list[dict]] = {}
     for r in rows:
-        stacks.setdefault(r["batch_1_cell_id"], []).append(r)
+        by_stack.setdefault(stack[r["batch_1_cell_id"]], []).append(r)
     sizes = sorted({1} | {r["batch_size"] for r in rows})
     series = [
-        (_stack(name.get(b1, b1)), [sizes.index(r["batch_size"]) for r in rs], [r["kld_mean"] for r in rs])
-        for b1, rs in stacks.items()
+        (label, [sizes.index(r["batch_size"]) for r in rs], [r["kld_mean"] for r in rs])
+        for label, rs in by_stack.items()
     ]
     head = "stack|batch|fill|rows|bit-identical rows|KL vs batch 1|± s.e.|max|top-1|KL vs reference".split("|")
-    body = "".join(f"<tr>{''.join(f'<td>{html.escape(T.fmt(v))}</td>' for v in _cells(r, name))}</tr>" for r in rows)
+    body = "".join(f"<tr>{''.join(f'<td>{html.escape(T.fmt(v))}</td>' for v in _cells(r, stack))}</tr>" for r in rows)
     return (
         "<h3>Batch drift: each stack among other sequences, against itself at batch 1</h3>"
         + P.lines(series, f"batch-{k}", "batch size", "KL(batch 1 ‖ batch B), nats", [str(s) for s in sizes])
@@ -40,12 +41,11 @@ def section(data: dict, model: str, k: int) -> str:
     )
 
 
-def _cells(r: dict, name: dict) -> tuple:
+def _cells(r: dict, stack: dict) -> tuple:
     """One table row: the stack (by its batch-1 cell), the batch, and its drift."""
-    stack = _stack(name.get(r["batch_1_cell_id"], r["batch_1_cell_id"]))
     keys = ("batch_size", "fill", "rows", "kld_mean", "kld_se", "kld_max", "top1_agreement", "kld_vs_reference")
     got = [r[k] for k in keys]
-    return stack, *got[:3], f"{r['identical_rows']} of {r['rows']}", *got[3:]
+    return stack[r["batch_1_cell_id"]], *got[:3], f"{r['identical_rows']} of {r['rows']}", *got[3:]
 
 
 def _stack(label: str) -> str:

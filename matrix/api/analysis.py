@@ -44,11 +44,12 @@ def analyze(
     workers: pieces computed at once as Ray tasks (1: in this process; 0: one per CPU of the
     cluster); address: the cluster for them. With neither, the cluster the warehouse's last run used
     when it is still reachable, else this process."""
+    from analysis import batch_drift
     from analysis.analyze import analyze as measure
     from matrix.run import cluster
 
     log = log or stderr_log
-    side = extras.analyses()
+    side = [batch_drift.side(skip_damaged), *extras.analyses()]  # batch cells against batch 1, then the extras'
     kw = {}
     if ranges:
         kw["ranges"] = tuple([0] + sorted({int(x) for x in ranges} - {0}))
@@ -73,9 +74,6 @@ def analyze(
     finally:
         cluster.release(owned)
     log(f"analyzed {summary['cells']} cell(s), {summary['metric_rows']} rows in {summary['seconds']}s")
-    if summary.get("batch"):
-        b = summary["batch"]
-        log(f"batch drift: {b['cells']} batch cell(s) against batch 1, {b['rows']} rows ({b['reused']} up to date)")
     for name, _, line in side:
         if summary.get(name):
             log(line(summary[name]))
