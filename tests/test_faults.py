@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from common.positions import Positions
-from tests.conftest import REPO, sql, write_spec
+from tests.conftest import REPO, run_cli, shared_cluster, sql, write_spec
 
 pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
 
@@ -39,10 +39,13 @@ def _popen(*args: str, **env_extra: str) -> subprocess.Popen:
 
 
 def _run(*args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "matrix", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return run_cli(*args, timeout=timeout, env=env)
+
+
+def _on(executor: str) -> tuple[str, ...]:
+    """The flags of a run on this executor: Ray's is this pytest worker's cluster (the tests kill
+    actors and hosts, never a node, so the cluster itself stays as it was)."""
+    return ("--executor", "local") if executor == "local" else ("--address", shared_cluster())
 
 
 def expected_rows(wh: Path, max_tokens: int | None = None) -> int:
@@ -86,7 +89,7 @@ def test_sigkill_of_one_actor_retries_only_that_cell(tiny_model, short_corpus, t
         stride=STRIDE,
     )
     wh = tmp_path / "wh"
-    p = _popen("run", str(spec), "--warehouse", str(wh), "--executor", executor)
+    p = _popen("run", str(spec), "--warehouse", str(wh), *_on(executor))
     killed, lines = None, []
     for line in p.stderr:
         lines.append(line)
@@ -133,7 +136,7 @@ def test_a_cell_that_fails_is_recorded_the_others_complete_and_a_rerun_retries_o
         stride=STRIDE,
     )
     wh = tmp_path / "wh"
-    r = _run("run", str(spec), "--warehouse", str(wh), "--json", "--executor", executor)
+    r = _run("run", str(spec), "--warehouse", str(wh), "--json", *_on(executor))
     assert r.returncode == 1, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     out = json.loads(r.stdout)
@@ -156,11 +159,11 @@ def test_a_cell_that_fails_is_recorded_the_others_complete_and_a_rerun_retries_o
     st = _run("status", "--warehouse", str(wh), "--json")
     assert {c["cell_id"]: c["why"] for c in json.loads(st.stdout)["cells"]}[bad] == why
 
-    again = _run("run", str(spec), "--warehouse", str(wh), "--json", "--executor", executor)
+    again = _run("run", str(spec), "--warehouse", str(wh), "--json", *_on(executor))
     assert again.returncode == 1
     assert json.loads(again.stdout)["cells_run"] == 1  # only the failed cell, the HF cell is complete
     assert row_hashes(wh, cells["ref"]["cell_id"]) == hf_hashes
-    skip = _run("run", str(spec), "--warehouse", str(wh), "--json", "--skip-failed", "--executor", executor)
+    skip = _run("run", str(spec), "--warehouse", str(wh), "--json", "--skip-failed", *_on(executor))
     assert skip.returncode == 0, skip.stderr[-2000:]
     summary = json.loads(skip.stdout)
     assert summary["cells_run"] == 0 and "--skip-failed" in summary["left_out"][bad.partition("@")[0]]
@@ -181,7 +184,7 @@ def test_sigterm_is_an_interrupt_and_the_run_resumes(tiny_model, short_corpus, t
         stride=STRIDE,
     )
     wh = tmp_path / "wh"
-    p = _popen("run", str(spec), "--warehouse", str(wh), "--executor", executor)
+    p = _popen("run", str(spec), "--warehouse", str(wh), *_on(executor))
     lines = []
     for line in p.stderr:
         lines.append(line)
@@ -194,7 +197,7 @@ def test_sigterm_is_an_interrupt_and_the_run_resumes(tiny_model, short_corpus, t
     assert not any("Traceback" in line for line in lines)
     (run,) = sql(wh, "select status, cells_done, rows_written from runs")
     assert run["status"] == "interrupted" and run["cells_done"] >= 1 and run["rows_written"] > 0
-    r = _run("run", str(spec), "--warehouse", str(wh), "--executor", executor)
+    r = _run("run", str(spec), "--warehouse", str(wh), *_on(executor))
     assert r.returncode == 0, r.stderr[-2000:]
     for c in sql(wh, "select * from cells"):
         assert_exact(wh, c, 2)
@@ -263,7 +266,7 @@ def test_a_frozen_actor_is_stopped_by_the_time_limit(tiny_model, short_corpus, t
     )
     wh = tmp_path / "wh"
     # the limit spans several heartbeats, so one names the frozen cell even when the machine is busy
-    p = _popen("run", str(spec), "--warehouse", str(wh), "--executor", executor, LOGIT_MATRIX_HEARTBEAT_S="3")
+    p = _popen("run", str(spec), "--warehouse", str(wh), *_on(executor), LOGIT_MATRIX_HEARTBEAT_S="3")
     frozen, lines = None, []
     for line in p.stderr:
         lines.append(line)

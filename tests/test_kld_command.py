@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import REPO, run_cli, sql
+from tests.conftest import REPO, run_cli, run_process, sql
 from tests.float64_rows import log_softmax, stored
 
 pytestmark = pytest.mark.slow  # builds GGUF files and runs llama.cpp tools over them
@@ -42,7 +42,7 @@ def text(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def job(ggufs, text, tmp_path_factory):
     wh = tmp_path_factory.mktemp("kld") / "wh"
-    r = run_cli(
+    r = run_process(
         "kld",
         "--reference",
         ggufs["f16"],
@@ -131,7 +131,7 @@ def test_statistics_match_a_float64_computation_from_the_stored_rows(job, ggufs)
 
 def test_card_and_admit_take_a_stack_by_its_readable_name(job):
     wh, out, _ = job
-    r = run_cli("stacks", "--warehouse", str(wh), "--json")
+    r = run_process("stacks", "--warehouse", str(wh), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     stacks = {s["name"]: s for s in json.loads(r.stdout)["stacks"]}
     cells = {res["candidate"].rsplit("-", 1)[-1].split(".")[0]: res["cell_id"] for res in out["results"]}
@@ -315,7 +315,7 @@ def test_by_default_only_the_reference_keeps_its_values_and_the_rest_is_the_same
     assert r.returncode == 0 and r.stderr.count("stay as measured where it was captured") == 2, r.stderr[-3000:]
     assert sql(wh, "select * from metrics order by cell_id, prompt_id, position") == before
     cid = out["results"][0]["cell_id"]
-    r = run_cli("fixture", "export", cid, "--warehouse", str(wh), "--out", str(tmp_path / "f.json"))
+    r = run_process("fixture", "export", cid, "--warehouse", str(wh), "--out", str(tmp_path / "f.json"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "values not kept" in r.stderr, r.stderr
     r = run_cli(
         "kld",

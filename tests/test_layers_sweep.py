@@ -10,7 +10,7 @@ import re
 import pytest
 import yaml
 
-from tests.conftest import run_cli, sql, write_spec
+from tests.conftest import run_cli, run_process, sql, write_spec
 
 pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
 
@@ -103,7 +103,7 @@ def test_per_layer_cosine_falls_down_the_quant_ladder(layered):
 
 
 def _layers(wh, cell_id, *extra):
-    r = run_cli("layers", cell_id, "--warehouse", str(wh), "--json", *extra)
+    r = run_process("layers", cell_id, "--warehouse", str(wh), "--json", *extra)
     return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr
 
 

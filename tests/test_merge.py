@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from store import SCHEMA_VERSION
-from tests.conftest import run_cli, sql
+from tests.conftest import run_cli, run_process, sql
 
 pytestmark = pytest.mark.slow  # captures three warehouses with `matrix run`
 
@@ -96,7 +96,7 @@ def test_merge_then_again_then_each_refusal(merge_sources, tmp_path):
 
     # two sources that disagree on a model's weights, into a new path: refused, and no warehouse appears
     fresh = tmp_path / "fresh"
-    bad = run_cli("merge", str(c), str(other_weights), "--into", str(fresh))
+    bad = run_process("merge", str(c), str(other_weights), "--into", str(fresh))
     assert bad.returncode == 2 and f"weights_sha256 {'f' * 64} for model 'tiny', {c} has" in bad.stderr, bad.stderr
     assert not fresh.exists()
 

@@ -13,7 +13,7 @@ import pytest
 from store import Warehouse
 from store import llamacpp_kld as K
 from store.warehouse import logits_matrix
-from tests.conftest import analyzed_copy, run_cli, sql, write_spec
+from tests.conftest import analyzed_copy, run_cli, run_process, sql, write_spec
 
 pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
 
@@ -74,7 +74,7 @@ def test_card_refuses_an_unknown_field_unless_allowed(analyzed, tmp_path):
     w = Warehouse(wh)
     row = w.read_rows("cells", cells["fp32.eager"])[0]
     w.write_rows("cells", cells["fp32.eager"], [{**row, "threads": None}])
-    r = run_cli("card", cells["fp32.eager"], "--warehouse", str(wh))
+    r = run_process("card", cells["fp32.eager"], "--warehouse", str(wh))
     assert r.returncode == 2 and "candidate_runtime.threads is unknown" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     r = run_cli("card", cells["fp32.eager"], "--warehouse", str(wh), "--allow-undisclosed", "--format", "json")
@@ -88,7 +88,7 @@ def test_card_refuses_an_unknown_field_unless_allowed(analyzed, tmp_path):
 
 def test_admit_passes_the_reference_and_fails_tight_gates(analyzed, tmp_path):
     wh, cells = analyzed
-    r = run_cli("admit", cells["bf16.eager"], "--warehouse", str(wh), "--json")  # the reference is the yardstick
+    r = run_process("admit", cells["bf16.eager"], "--warehouse", str(wh), "--json")  # the reference is the yardstick
     assert r.returncode == 2 and "is the reference its model's stacks are measured against" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     r = run_cli("admit", cells["fp32.sdpa"], "--warehouse", str(wh), "--json")
@@ -212,7 +212,7 @@ def test_kld_base_bad_input(dense, tmp_path):
     for name, body in cases.items():
         p = tmp_path / name
         p.write_bytes(body)
-        r = run_cli("kld-base", "import", str(p), "--model", "tiny", "--warehouse", str(wh))
+        r = run_process("kld-base", "import", str(p), "--model", "tiny", "--warehouse", str(wh))
         assert r.returncode == 2 and str(p) in r.stderr, (name, r.stderr)
         assert ("magic" in r.stderr) if name != "short.kld" else ("do not add up" in r.stderr), r.stderr
     r = run_cli("kld-base", "import", str(good), "--model", "nosuch", "--warehouse", str(wh))
@@ -279,7 +279,7 @@ def test_fixture_from_hf_bf16_passes_the_same_stack_and_fails_sdpa_under_tight_g
     body["prompts"][0]["token_ids"][1] += 1
     edited = tmp_path / "edited.json"
     edited.write_text(json.dumps(body))
-    r = run_cli("fixture", "check", str(edited), "--engine", "hf", "--model", str(tiny_model), "--dtype", "bf16")
+    r = run_process("fixture", "check", str(edited), "--engine", "hf", "--model", str(tiny_model), "--dtype", "bf16")
     assert r.returncode == 2 and "header_sha256: the header" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     tight = tmp_path / "tight.yaml"
     tight.write_text("classes:\n  fp16: {mean_kld: 1.0e-9}\n")

@@ -16,7 +16,7 @@ import pytest
 
 from common.positions import Positions
 from store.warehouse import narrow_bf16, row_hash
-from tests.conftest import REPO, run_cli, sql, write_spec
+from tests.conftest import REPO, run_cli, run_process, sql, write_spec
 
 pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
 
@@ -128,7 +128,7 @@ def test_second_run_resumes_and_adds_nothing(swept):
 def test_sql_is_read_only(swept):
     _, wh, _, _ = swept
     for q in ("delete from logits", "create table x as select 1", "copy logits to '/tmp/x.csv'"):
-        r = run_cli("sql", q, "--warehouse", str(wh))
+        r = run_process("sql", q, "--warehouse", str(wh))
         assert r.returncode == 2 and "read-only" in r.stderr, (q, r.stderr)
     r = run_cli("sql", "select count(*) from nosuchtable", "--warehouse", str(wh))
     assert r.returncode == 2 and "nosuchtable" in r.stderr
@@ -136,7 +136,7 @@ def test_sql_is_read_only(swept):
 
 def test_status_json(swept):
     _, wh, _, _ = swept
-    r = run_cli("status", "--warehouse", str(wh), "--json")
+    r = run_process("status", "--warehouse", str(wh), "--json")
     out = json.loads(r.stdout)
     assert len(out["cells"]) == 4 and [x["status"] for x in out["runs"]] == ["done"]
 
@@ -181,7 +181,7 @@ def test_models_cut_makes_a_model_small_enough_to_carry(reference_model, tmp_pat
     from safetensors import safe_open
 
     out = tmp_path / "gpu-model"
-    r = run_cli("models", "cut", "smollm2-135m", "--layers", "1", "--bf16", "--out", str(out), "--json")
+    r = run_process("models", "cut", "smollm2-135m", "--layers", "1", "--bf16", "--out", str(out), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     info = json.loads(r.stdout)
     assert info["layers"] == 1 and info["bytes"] < 70e6  # ~64 MB raw, ~40 MiB as .tar.xz

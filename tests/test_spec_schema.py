@@ -9,11 +9,11 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, run_process
 
 
 def _schema() -> dict:
-    r = run_cli("spec", "--schema")
+    r = run_process("spec", "--schema")
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 

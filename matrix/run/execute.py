@@ -132,7 +132,12 @@ def _begin(
     return run
 
 
-def wait_exited(pids: list[int], timeout_s: float = 15.0) -> None:
+# How long the end of a run waits for its killed hosts to be gone: a bound for a host that never
+# goes, not a measure of how long one takes (on a loaded machine a kill takes seconds to arrive).
+GONE_S = 120.0
+
+
+def wait_exited(pids: list[int], timeout_s: float = GONE_S) -> None:
     """Until these processes of this machine have exited. A killed Ray actor is reported dead
     before its process is gone, and until then a file it holds open (a partial shard it was
     writing, already unlinked) keeps its space: on a full disk the run's end could not be written."""
@@ -224,15 +229,16 @@ def _finished_row(run: dict, status: str, sweep: Sweep) -> dict:
 
 
 def _stop(sweep: Sweep, ex, wh: Warehouse, log: Callable[[str], None]) -> None:
-    """Every host of the run stopped, and what the stopped ones were writing removed."""
-    stopped = [a for lv in sweep.live.values() for a in lv.started.actors]
-    here = [lv.loaded["pid"] for lv in sweep.live.values() if lv.loaded and lv.loaded.get("host") == platform.node()]
+    """Every host of the run stopped, and what the stopped ones were writing removed: the hosts
+    stopped at the end and those a failure stopped earlier (sweep.stopped), each waited for until
+    it is gone, so no file one of them still holds open keeps its space when the run's end is written."""
     ex.shutdown()  # first: no host still waiting for its turn starts while the others stop
     for cid in list(sweep.live):
         sweep.drop(cid)
-    if stopped:  # a stopped run leaves no temp file: its killed actors' partial shards go too
-        ex.wait_gone(stopped)
-        wait_exited(here)
+    if sweep.stopped:  # a stopped run leaves no temp file: its killed actors' partial shards go too
+        ex.wait_gone([a for lv in sweep.stopped for a in lv.started.actors], timeout_s=GONE_S)
+        node = platform.node()
+        wait_exited([lv.loaded["pid"] for lv in sweep.stopped if lv.loaded and lv.loaded.get("host") == node], GONE_S)
         for p in wh.sweep_tmp():
             log(f"removed the partial file of a stopped capture: {p}")
 

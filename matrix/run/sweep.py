@@ -40,6 +40,9 @@ class Sweep:
         self.pending: dict = {}  # object ref -> launch.Call
         self.waiting: dict[str, list[Cell]] = {}  # model -> cells started once its reference is done
         self.hosts: dict[str, Host] = {}  # host key -> a host shared by the cells of one loaded model
+        # every host this run stopped: the run waits for each to be gone before it records its end,
+        # since a killed host's open files keep their space (on a full disk, the end's own write)
+        self.stopped: list[Live] = []
 
     def start(self, cell: Cell) -> None:
         """Start a cell; under `reference_metrics: in_actor` a model's other cells wait for its
@@ -147,9 +150,14 @@ class Sweep:
             del self.pending[fut]
         return self.live.pop(cid)
 
-    def drop(self, cid: str) -> None:
-        """Stop a cell's actors and forget its calls."""
-        self.ex.stop(self._forget(cid).started)
+    def drop(self, cid: str, closed: bool = False) -> None:
+        """Stop a cell's actors and forget its calls (closed: they have closed their files)."""
+        self._stop(self._forget(cid), closed)
+
+    def _stop(self, live: Live, closed: bool = False) -> None:
+        self.ex.stop(live.started)
+        if not closed:
+            self.stopped.append(live)
 
     def end(
         self, cid: str, verdict: retry.Verdict, reason: str = "", failure: Failure | None = None, kind=None
@@ -180,7 +188,7 @@ class Sweep:
         if verdict is not retry.Verdict.RETRY:
             self._reference_over(live.cell)
         if keep and not self._hand_over(live.host_key):
-            self.ex.stop(live.started)
+            self._stop(live)
         for cell, metrics_ref in queued:  # a fresh host for them: the retried cell's, or the first's
             self.out.units_total -= len(self.todo[cell.cell_id])
             self._start(cell, metrics_ref)
@@ -211,7 +219,7 @@ class Sweep:
                 self.ex.stop(live.started)
                 return
             self.ex.close(live.started)
-            self.drop(cid)  # its CPUs and GPUs are free: a reference's waiting cells start on them now
+            self.drop(cid, closed=True)  # its CPUs and GPUs are free: a reference's waiting cells start on them now
             self._reference_over(live.cell)
 
         self.out.done(live, self.attempts.get(cid, 1), close)
