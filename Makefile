@@ -11,9 +11,12 @@ TORCH_SPEC ?= torch==2.13.0
 # for the instruction sets of this machine's CPU, AMX excepted (scripts/llama_cmake_args.py says why),
 # and again whenever those flags change. On a GPU box: LLAMA_CMAKE_ARGS="-DGGML_CUDA=on".
 LLAMA_CMAKE_ARGS ?= $(shell $(PYTHON) scripts/llama_cmake_args.py)
+# The package's own options: no multimodal library (mtmd, for image and audio chat, which no stack
+# uses; its sources are a sizeable share of the compile, and llama_cpp imports it only for that chat).
+LLAMA_PACKAGE_ARGS ?= -DLLAVA_BUILD=OFF
 LLAMA_STAMP := $(VENV)/.llama-cmake-args
 # what the stamp holds: the flags and the version pinned (a new pin builds again, with these flags)
-LLAMA_BUILT = $(LLAMA_CMAKE_ARGS) $(if $(CONSTRAINTS),$(shell grep -i '^llama[-_]cpp[-_]python==' $(CONSTRAINTS)))
+LLAMA_BUILT = $(LLAMA_CMAKE_ARGS) $(LLAMA_PACKAGE_ARGS) $(if $(CONSTRAINTS),$(shell grep -i '^llama[-_]cpp[-_]python==' $(CONSTRAINTS)))
 EXTRAS ?= hf,llamacpp,mlx,s3,gcs,test
 # Every other package at the version tested (scripts/lock.sh writes it; torch stays TORCH_SPEC's).
 # A GPU box that brings its own stack: CONSTRAINTS= make venv.
@@ -38,7 +41,7 @@ llama-cpp:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if [ "$$(cat $(LLAMA_STAMP) 2>/dev/null)" != "$(LLAMA_BUILT)" ]; then \
 		echo "building llama-cpp-python for this CPU: $(LLAMA_CMAKE_ARGS)"; \
-		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q --no-cache-dir \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS) $(LLAMA_PACKAGE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q --no-cache-dir \
 			--force-reinstall --no-deps $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) llama-cpp-python \
 			&& echo "$(LLAMA_BUILT)" > $(LLAMA_STAMP); \
 	fi

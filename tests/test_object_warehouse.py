@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, run_cli, sql, write_spec
+from tests.conftest import REPO, run_cli, run_process, sql, write_spec
 
 pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
 
@@ -190,7 +190,8 @@ def test_sweep_analysis_and_sql_on_the_store(store, tiny_model, short_corpus, sw
     )
     lease(store, "sweep", "pid 1 on a-crashed-box", expires_in=-5)  # stale: the run takes it over
     logs = []
-    r = run_cli("run", str(spec), "--warehouse", uri, "--json")
+    # a process and a Ray cluster of the run's own: the store's credentials are this test's environment
+    r = run_process("run", str(spec), "--warehouse", uri, "--json")
     logs.append(r.stdout + r.stderr)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout)["rows_delivery"]["node"] == 4  # the actors wrote to the bucket themselves
@@ -206,7 +207,7 @@ def test_sweep_analysis_and_sql_on_the_store(store, tiny_model, short_corpus, sw
     )
     assert sql(uri, q) == sql(swept[1], q)  # the same rows as the local sweep, byte for byte
     # resume: nothing left to do
-    again = run_cli("run", str(spec), "--warehouse", uri)
+    again = run_process("run", str(spec), "--warehouse", uri)
     logs.append(again.stdout + again.stderr)
     assert again.returncode == 0 and "nothing to do" in again.stderr
     # analyze as Ray tasks that read the bucket themselves (not pinned to the driver's node)
@@ -244,7 +245,7 @@ def test_sweep_analysis_and_sql_on_the_store(store, tiny_model, short_corpus, sw
         repeats=3,
         reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
     )
-    busy = run_cli("run", str(spec2), "--warehouse", uri)
+    busy = run_process("run", str(spec2), "--warehouse", uri)
     logs.append(busy.stdout + busy.stderr)
     assert busy.returncode == 2, busy.stderr[-2000:]
     assert "pid 4242 on the-other-driver" in busy.stderr.strip().splitlines()[-1] and "Traceback" not in busy.stderr
@@ -372,7 +373,7 @@ def test_missing_credentials_are_one_line_exit_2(store, tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     for k, v in NO_METADATA.items():
         monkeypatch.setenv(k, v)
-    r = run_cli("status", "--warehouse", f"{store.scheme}://{BUCKET}/sweep")
+    r = run_process("status", "--warehouse", f"{store.scheme}://{BUCKET}/sweep")
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "credentials" in lines[0].lower(), lines
