@@ -389,22 +389,15 @@ def test_a_full_disk_at_the_runs_write_keeps_the_cause_for_the_next_run(tiny_mod
 
 # -- damaged files ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def captured(tiny_model, short_corpus, tmp_path_factory):
-    """A finished two-cell sweep to damage copies of."""
-    d = tmp_path_factory.mktemp("captured")
-    spec = write_spec(
-        d / "s.yaml",
-        tiny_model,
-        short_corpus,
+def captured(capture):
+    """A finished two-cell sweep to damage copies of (the session's, shared by its spec)."""
+    return capture(
         dtypes=["fp32", "bf16"],
         attention=["eager"],
         reference={"engine": "hf", "dtype": "fp32"},
         repeats=2,
         stride=STRIDE,
     )
-    r = _run("run", str(spec), "--warehouse", str(d / "wh"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return spec, d / "wh"
 
 
 def _copy(captured, tmp_path) -> tuple[Path, Path, dict]:
