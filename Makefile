@@ -67,6 +67,7 @@ demo: $(STAMP) llama-cpp
 # of a serial run's wall time is Ray and process start-up and disk waits, which the other worker fills.
 # A worker that needs a model another is fetching waits for it (matrix/spec/models.py locks the fetch).
 # Tests marked `serial` (they stop every Ray process of the machine) run afterwards, alone.
+# Three workers on 2 cores measured slower than two (docs/benchmark-notes.md, "The suite's time").
 TEST_WORKERS ?= 2
 test: $(STAMP) llama-cpp vllm-env
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests
