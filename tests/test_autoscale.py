@@ -86,9 +86,7 @@ def autoscaling_head(tmp_path):
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
-def test_a_cell_waits_for_the_node_type_the_autoscaler_starts(
-    autoscaling_head, tiny_model, short_corpus, tmp_path, monkeypatch
-):
+def test_a_cell_waits_for_the_node_type_the_autoscaler_starts(autoscaling_head, tiny_model, short_corpus, tmp_path):
     pytest.importorskip("mlx_lm")
     spec = write_spec(
         tmp_path / "s.yaml",
@@ -106,7 +104,8 @@ def test_a_cell_waits_for_the_node_type_the_autoscaler_starts(
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--address", "auto")
     assert r.returncode == 2 and "apple-m3: no node of the cluster is one" in r.stderr, r.stderr[-2000:]
     # with the launcher config the cell waits for the "mac" node type, which the autoscaler starts
-    monkeypatch.setenv("LOGIT_MATRIX_HEARTBEAT_S", "1")  # the progress line while the node starts
+    # the progress line while the node starts, every second: read when the run loop is imported,
+    # so the run is a process of its own
     r = run_cli(
         "run",
         str(spec),
@@ -118,6 +117,7 @@ def test_a_cell_waits_for_the_node_type_the_autoscaler_starts(
         str(autoscaling_head),
         "--json",
         timeout=900,
+        env={"LOGIT_MATRIX_HEARTBEAT_S": "1"},
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "waits for the autoscaler to start mac" in r.stderr
