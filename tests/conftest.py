@@ -33,7 +33,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 TINY_LAYERS = 2
-# A shared cluster node's object store: a capture's rows pass through it on the way to the driver.
+# The shared cluster's object store (ray.cluster_utils gives a node 150 MiB unless told; the local
+# cluster a `matrix run` starts sizes it by the machine's memory).
 SHARED_OBJECT_STORE = 2 * 1024**3
 
 
@@ -252,7 +253,7 @@ def merge_sources(tiny_model, short_corpus, tmp_path_factory):
 def capture(tiny_model, short_corpus, tmp_path_factory):
     """capture(**over) -> (spec, warehouse): `write_spec(tiny_model, short_corpus, **over)` captured
     once per session, keyed by the spec's body and the run's flags (`flags=(...)`), and shared by
-    every test that asks for the same. Tests read it; one that writes into it takes `copy_of` it."""
+    every test that asks for the same. Tests read it; one that writes into it writes into a copy."""
     made: dict[str, tuple[Path, Path]] = {}
 
     def capture(*, flags: tuple[str, ...] = (), model: Path | None = None, corpus: Path | None = None, **over):
@@ -266,9 +267,3 @@ def capture(tiny_model, short_corpus, tmp_path_factory):
         return made[key]
 
     return capture
-
-
-def copy_of(wh: Path, dest: Path) -> Path:
-    """A warehouse copied to dest (a test that writes into a shared capture writes into its copy)."""
-    shutil.copytree(wh, dest)
-    return dest

@@ -150,14 +150,13 @@ class Sweep:
             del self.pending[fut]
         return self.live.pop(cid)
 
-    def drop(self, cid: str, closed: bool = False) -> None:
-        """Stop a cell's actors and forget its calls (closed: they have closed their files)."""
-        self._stop(self._forget(cid), closed)
+    def drop(self, cid: str) -> None:
+        """Stop a cell's actors and forget its calls."""
+        self._stop(self._forget(cid))
 
-    def _stop(self, live: Live, closed: bool = False) -> None:
+    def _stop(self, live: Live) -> None:
         self.ex.stop(live.started)
-        if not closed:
-            self.stopped.append(live)
+        self.stopped.append(live)
 
     def end(
         self, cid: str, verdict: retry.Verdict, reason: str = "", failure: Failure | None = None, kind=None
@@ -218,8 +217,10 @@ class Sweep:
                 self.ex.close(live.started)
                 self.ex.stop(live.started)
                 return
-            self.ex.close(live.started)
-            self.drop(cid, closed=True)  # its CPUs and GPUs are free: a reference's waiting cells start on them now
+            self.ex.close(live.started)  # its files are closed: the run need not wait for it to be gone
+            self.ex.stop(
+                self._forget(cid).started
+            )  # its CPUs and GPUs are free: a reference's waiting cells start on them now
             self._reference_over(live.cell)
 
         self.out.done(live, self.attempts.get(cid, 1), close)
