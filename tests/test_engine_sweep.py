@@ -40,7 +40,7 @@ def engines_sweep(tiny_model, short_corpus, tmp_path_factory):
     d = tmp_path_factory.mktemp("engines")
     spec = sweep_spec(d, tiny_model, short_corpus)
     wh = d / "wh"
-    r = run_cli("run", str(spec), "--warehouse", str(wh), "--json", "--executor", "ray")
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--json")  # on the worker's Ray cluster
     assert r.returncode == 0, r.stderr[-3000:]
     return wh, json.loads(r.stdout), r.stderr
 
