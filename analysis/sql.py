@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import duckdb
 import pyarrow as pa
@@ -11,7 +12,6 @@ from analysis.aggregates import bucket_values, position_bucket_values, select_sq
 from common import metric_defs as D
 from common.errors import UserError, first_line
 from store import TABLES, Warehouse
-from store.schema import SCHEMA_VERSION
 from store.warehouse import logits_matrix
 
 READ_ONLY = {"SELECT", "EXPLAIN"}
@@ -24,11 +24,14 @@ def dict_rows(con: duckdb.DuckDBPyConnection, sql: str, params=()) -> list[dict]
     return [dict(zip(cols, r)) for r in rel.fetchall()]
 
 
-def connect(warehouse: str) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB with one view per table, named like the table."""
+def connect(warehouse: str, names: set[str] | None = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB with one view per table, named like the table, and the derived views;
+    names: only those tables and views (`referenced`), None: all of them."""
     wh = Warehouse(warehouse).require()
     con = duckdb.connect(":memory:")
     for table, schema in TABLES.items():
+        if names is not None and table not in names:
+            continue
         files = wh.table_files(table) if wh.remote else _readable(wh.table_files(table), table)
         # The empty table carries every column of the current schema: an empty table still has its
         # columns, and files written before a migration added a column read as null there.
@@ -50,59 +53,30 @@ def connect(warehouse: str) -> duckdb.DuckDBPyConnection:
         else:
             con.execute(f"CREATE VIEW {table} AS SELECT * FROM _empty_{table}")
     register_functions(con)
-    for name, body in VIEWS.items():
-        con.execute(f"CREATE VIEW {name} AS {body}")
+    for name, body in VIEWS.items():  # in an order where a view comes after those it reads
+        if names is None or name in names:
+            con.execute(f"CREATE VIEW {name} AS {body}")
     return con
 
 
-def export_views(warehouse: str, out: str) -> dict:
-    """A SQL script that gives any DuckDB client (the CLI: `duckdb -init FILE`, or `.read FILE`)
-    the warehouse's table views and derived views, over the Parquet files themselves.
-
-    Table views read a glob, so cells captured later show up without exporting again; a table
-    with a damaged file at export time lists its readable files instead (named in a comment).
-    The row functions (kld, js, top1, ...) are Python: analysis.sql.connect() registers them."""
-    wh = Warehouse(warehouse).require()
-    con = connect(warehouse)  # for the column types DuckDB gives each table
-    lines = [
-        f"-- logit-matrix views over {wh.where} (schema v{getattr(wh, 'version', SCHEMA_VERSION)}); "
-        "made by `matrix sql --export-views`.",
-        "-- Open with: duckdb -init THIS_FILE   (or .read THIS_FILE in a DuckDB session).",
-    ]
-    if wh.remote:
-        lines.append("-- An object-store warehouse: load DuckDB's httpfs and give it the store's credentials first.")
-    damaged = {}
-    for table in TABLES:
-        cols = con.execute(f"DESCRIBE {table}").fetchall()  # (name, type, ...)
-        empty = "SELECT " + ", ".join(f"NULL::{c[1]} AS {c[0]}" for c in cols) + " WHERE false"
-        files = wh.table_files(table)
-        ok = files if wh.remote else _readable(files, table)
-        if len(ok) < len(files):
-            damaged[table] = sorted(set(files) - set(ok))
-            lines.append(f"-- {table}: left out (damaged): " + ", ".join(damaged[table]))
-        if not ok:
-            src = empty
-        else:
-            # a local warehouse by its absolute path: the script works from any directory
-            if damaged.get(table):
-                paths = "[" + ", ".join(_lit(f if wh.remote else os.path.abspath(f)) for f in ok) + "]"
-            else:
-                glob = f"{table}/*/*.parquet" if table in ("logits", "layer_states") else f"{table}/*.parquet"
-                paths = _lit(f"{wh.where.rstrip('/')}/{glob}" if wh.remote else os.path.abspath(wh.loc.path(glob)))
-            src = f"SELECT * FROM ({empty}) UNION ALL BY NAME SELECT * FROM read_parquet({paths}, union_by_name = true)"
-        lines.append(f"CREATE OR REPLACE VIEW {table} AS SELECT {', '.join(c[0] for c in cols)} FROM ({src});")
-    for name, body in VIEWS.items():
-        lines.append(f"CREATE OR REPLACE VIEW {name} AS {body.strip()};")
-    con.close()
-    text = "\n".join(lines) + "\n"
-    from pathlib import Path
-
-    Path(out).write_text(text)
-    return {"file": str(out), "tables": len(TABLES), "views": len(VIEWS), "damaged": damaged}
+# Words that read DuckDB's catalog: a statement with one of them sees every table and view.
+_CATALOG = re.compile(r"\b(information_schema|duckdb_\w+|sqlite_master|pg_catalog|show|describe|pragma)\b", re.I)
 
 
-def _lit(path: str) -> str:
-    return "'" + str(path).replace("'", "''") + "'"
+def referenced(sql: str) -> set[str] | None:
+    """The tables and derived views a statement names, with those its views read (None: all, for
+    a statement that lists the catalog). Creating a view binds it, which reads the footers of its
+    tables' files: a query pays only for what it reads."""
+    if _CATALOG.search(sql):
+        return None
+    known, found, texts = set(TABLES) | set(VIEWS), set(), [sql]
+    while texts:
+        text = texts.pop()
+        for name in known - found:
+            if re.search(rf"\b{name}\b", text, re.I):
+                found.add(name)
+                texts.append(VIEWS.get(name, ""))
+    return found
 
 
 def _readable(files: list[str], table: str) -> list[str]:
@@ -114,6 +88,10 @@ def _readable(files: list[str], table: str) -> list[str]:
 
     ok = []
     for f in files:
+        st = os.stat(f)
+        if _FOOTER_READ.get(f) == (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+            ok.append(f)
+            continue
         try:
             pq.read_metadata(f)
         except Exception as e:
@@ -123,8 +101,14 @@ def _readable(files: list[str], table: str) -> list[str]:
                 file=sys.stderr,
             )
             continue
+        _FOOTER_READ[f] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         ok.append(f)
     return ok
+
+
+# Files whose footer read, by inode, size, mtime and ctime (any write or rename moves one): a process
+# that queries again (the API, a notebook) reads only the footers of new or changed files.
+_FOOTER_READ: dict[str, tuple[int, int, int, int]] = {}
 
 
 # Derived views over the analysis tables (`matrix analyze` fills them). Repeat 0 is the capture;
@@ -368,7 +352,7 @@ def query(warehouse: str, sql: str):
         kind = st.type.name
         if kind not in READ_ONLY:
             raise UserError(f"SQL: matrix sql is read-only; {kind} statements are not allowed")
-    con = connect(warehouse)
+    con = connect(warehouse, referenced(sql))
     try:
         rel = con.execute(sql)
         cols = [d[0] for d in rel.description]

@@ -7,6 +7,7 @@ these, and prints what it returns.
     api.analyze("warehouse")                                                 # -> AnalyzeResult
     con = api.connect("warehouse")                                           # DuckDB with the views
     con.sql("SELECT cell_id, kld_mean, top1_agreement FROM summary").df()
+    api.sql("warehouse", "SELECT count(*) AS n FROM cells").to_dict()       # -> QueryResult
     job = api.kld("ref.gguf", ["q4_k_m.gguf"], "wiki.test.raw", "kld-wh")    # -> KldResult
 
 Bad input raises common.errors.UserError with one line naming the file, field and value; a cell's
@@ -14,9 +15,20 @@ failure is the cell's own and is reported in the result. Progress goes to `log` 
 docs/python-api.md has a notebook example.
 """
 
-from matrix.api.analysis import analyze, connect
+from matrix.api.analysis import analyze, connect, sql
 from matrix.api.kld import kld
-from matrix.api.results import AnalyzeResult, CandidateResult, KldResult, RunResult
+from matrix.api.results import AnalyzeResult, CandidateResult, KldResult, QueryResult, RunResult
 from matrix.api.sweep import run
 
-__all__ = ["AnalyzeResult", "CandidateResult", "KldResult", "RunResult", "analyze", "connect", "kld", "run"]
+__all__ = [
+    "AnalyzeResult",
+    "CandidateResult",
+    "KldResult",
+    "QueryResult",
+    "RunResult",
+    "analyze",
+    "connect",
+    "kld",
+    "run",
+    "sql",
+]

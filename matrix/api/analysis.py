@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import extras
 from common.errors import UserError
 from common.output import log as stderr_log
-from matrix.api.results import AnalyzeResult
+from matrix.api.results import AnalyzeResult, QueryResult
 
 if TYPE_CHECKING:
     import duckdb
@@ -22,6 +22,15 @@ def connect(warehouse: str) -> duckdb.DuckDBPyConnection:
     from analysis.sql import connect as views
 
     return views(warehouse)
+
+
+def sql(warehouse: str, statement: str) -> QueryResult:
+    """One read-only statement over the warehouse's views (a write is refused with UserError); only
+    the tables and views it names are bound, so a small query stays cheap on a large warehouse."""
+    from analysis.sql import query
+
+    columns, rows = query(warehouse, statement)
+    return QueryResult(tuple(columns), tuple(rows))
 
 
 def analyze(

@@ -54,6 +54,18 @@ class AnalyzeResult:
 
 
 @dataclass(frozen=True)
+class QueryResult:
+    """One `sql()` statement's result: column names and rows (tuples of DuckDB's Python values)."""
+
+    columns: tuple[str, ...]
+    rows: tuple[tuple, ...]
+
+    def to_dict(self) -> list[dict[str, Any]]:
+        """The rows as {column: value}, what `matrix sql --format json` prints."""
+        return [dict(zip(self.columns, r)) for r in self.rows]
+
+
+@dataclass(frozen=True)
 class CandidateResult:
     """One candidate file of a `kld()` job, measured against the reference over the text."""
 

@@ -12,7 +12,8 @@ from common.output import emit_json, log, table
 
 
 def cmd_sql(args) -> int:
-    from analysis.sql import export_views, query
+    from analysis.sql_export import export_views
+    from matrix import api
 
     if args.export_views:
         if args.query:
@@ -25,9 +26,10 @@ def cmd_sql(args) -> int:
         return 0
     if not args.query:
         raise UserError("matrix sql: give a query (or --export-views FILE.sql)")
-    cols, rows = query(args.warehouse, args.query)
+    result = api.sql(args.warehouse, args.query)
+    cols, rows = list(result.columns), result.rows
     if args.format == "json":
-        emit_json([dict(zip(cols, r)) for r in rows])
+        emit_json(result.to_dict())
     elif args.format == "csv":
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
