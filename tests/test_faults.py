@@ -447,7 +447,11 @@ def test_a_truncated_shard_is_not_done_and_sql_still_works(captured, tmp_path):
     shard = wh / "logits" / fp32 / "r0.parquet"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
     r = _run("sql", "select count(*) as n from cells", "--warehouse", str(wh), "--format", "json")
-    assert r.returncode == 0 and json.loads(r.stdout) == [{"n": 2}], r.stderr
+    assert r.returncode == 0 and json.loads(r.stdout) == [{"n": 2}], r.stderr  # a query that reads no logits
+    # one that reads them: the damaged file is named and left out, the cell's other repeat still there
+    q = f"select count(*) as n from logits where cell_id = '{fp32}'"
+    r = _run("sql", q, "--warehouse", str(wh), "--format", "json")
+    assert r.returncode == 0 and json.loads(r.stdout) == [{"n": cells["fp32"]["rows_per_repeat"]}], r.stderr
     assert f"matrix: warning: {shard}: damaged" in r.stderr
     assert _run("status", "--warehouse", str(wh)).returncode == 0
     v = _run("verify", "--warehouse", str(wh), "--json")
