@@ -5,6 +5,7 @@ matrix/run/execute.py then runs it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable, Collection
@@ -22,6 +23,29 @@ from matrix.spec.parse import Spec
 from store import Warehouse
 
 
+@functools.lru_cache(maxsize=8)
+def _hf_tokenizer(hf_dir: str, stamp: tuple):
+    """(tokenizer, config) of a checkpoint, read once per process while its files are unchanged
+    (stamp): parsing a large tokenizer.json costs seconds, and the API runs many sweeps in one
+    process. Both are only read from here on."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(hf_dir), transformers.AutoConfig.from_pretrained(hf_dir)
+
+
+def _stamp(hf_dir: str) -> tuple:
+    """What identifies a checkpoint directory's files as they are now: name, size, mtime, ctime
+    (nothing for a hub id, whose revision pins it)."""
+    if not os.path.isdir(hf_dir):
+        return ()
+    out = []
+    for e in sorted(os.scandir(hf_dir), key=lambda e: e.name):
+        if e.is_file():
+            st = e.stat()
+            out.append((e.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(out)
+
+
 def prepare(matrix: Matrix, wh: Warehouse, log: Callable[[str], None]) -> Plan:
     """Resolve models, tokenise once per model, and work out what is left to do."""
     from matrix.spec import gguf_model
@@ -34,10 +58,7 @@ def prepare(matrix: Matrix, wh: Warehouse, log: Callable[[str], None]) -> Plan:
         if free:
             tok, config = gguf_model.load(m.gguf_path)
         else:
-            import transformers
-
-            tok = transformers.AutoTokenizer.from_pretrained(m.hf_dir)
-            config = transformers.AutoConfig.from_pretrained(m.hf_dir)
+            tok, config = _hf_tokenizer(m.hf_dir, _stamp(m.hf_dir))
         vocab = int(getattr(config, "vocab_size", 0) or 0) or len(tok)
         if len(tok) > vocab:
             raise UserError(
