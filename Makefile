@@ -19,7 +19,7 @@ LLAMA_STAMP := $(VENV)/.llama-cmake-args
 LLAMA_BUILT = $(LLAMA_CMAKE_ARGS) $(LLAMA_PACKAGE_ARGS) $(if $(CONSTRAINTS),$(shell grep -i '^llama[-_]cpp[-_]python==' $(CONSTRAINTS)))
 EXTRAS ?= hf,llamacpp,mlx,s3,gcs,test
 comma := ,
-OTHER_EXTRAS = $(subst $() ,$(comma),$(filter-out llamacpp,$(subst $(comma), ,$(EXTRAS))))
+OTHER_EXTRAS = $(subst $() ,$(comma),$(filter-out llamacpp all,$(subst $(comma), ,$(EXTRAS))))
 # Every other package at the version tested (scripts/lock.sh writes it; torch stays TORCH_SPEC's).
 # A GPU box that brings its own stack: CONSTRAINTS= make venv.
 CONSTRAINTS ?= constraints/cpu.txt
@@ -29,32 +29,47 @@ CONSTRAINTS ?= constraints/cpu.txt
 
 venv: $(STAMP)
 
-# llama-cpp-python compiles (minutes, on every core) while pip installs everything else beside it;
-# the last install finds every requirement met and only links the package.
+# Under `make -j` (`make envs`) llama-cpp-python's wheel compiles (minutes, on every core) while pip
+# installs every other package; the last install finds every requirement met and links the package.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(MAKE) --no-print-directory llama-cpp & llama=$$!; \
-		$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(OTHER_EXTRAS)]"; rest=$$?; \
-		wait $$llama && [ $$rest = 0 ]
+	$(MAKE) --no-print-directory llama-wheel venv-packages
+	$(MAKE) --no-print-directory llama-cpp
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
+# Every package of .venv but llama-cpp-python (`all` would pull it in, built without this CPU's flags).
+.PHONY: venv-packages
+venv-packages:
+	$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(OTHER_EXTRAS)]"
+
 # Both environments the suite uses, built side by side: pip waits on the network and the disk as
-# much as on a core, and the vLLM environment's packages need nothing from the main one.
+# much as on a core, and the vLLM environment's packages need nothing from the main one. Four jobs:
+# the vLLM environment, .venv's recipe, and within it the llama-cpp-python wheel and the other packages.
 envs:
-	$(MAKE) --no-print-directory -j2 venv vllm-env
+	$(MAKE) --no-print-directory -j4 venv vllm-env
 	$(MAKE) --no-print-directory llama-cpp
 
-# pip's wheel cache does not key on CMAKE_ARGS, so a build for other flags is never taken from it.
-.PHONY: llama-cpp
-llama-cpp:
+# The wheel for these flags, built into LLAMA_WHEELS: nothing is written to the venv, so pip may install
+# there meanwhile. pip's wheel cache does not key on CMAKE_ARGS, so it is bypassed.
+LLAMA_WHEELS := $(VENV)/.llama-wheel
+.PHONY: llama-wheel llama-cpp
+llama-wheel:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@if [ "$$(cat $(LLAMA_STAMP) 2>/dev/null)" != "$(LLAMA_BUILT)" ]; then \
+	@if [ "$$(cat $(LLAMA_STAMP) 2>/dev/null)" != "$(LLAMA_BUILT)" ] \
+		&& [ "$$(cat $(LLAMA_WHEELS)/.built 2>/dev/null)" != "$(LLAMA_BUILT)" ]; then \
 		echo "building llama-cpp-python for this CPU: $(LLAMA_CMAKE_ARGS)"; \
-		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS) $(LLAMA_PACKAGE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q --no-cache-dir \
-			--force-reinstall --no-deps $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) llama-cpp-python \
+		rm -rf $(LLAMA_WHEELS) && \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS) $(LLAMA_PACKAGE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip wheel -q \
+			--no-cache-dir --no-deps $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -w $(LLAMA_WHEELS) llama-cpp-python \
+			&& echo "$(LLAMA_BUILT)" > $(LLAMA_WHEELS)/.built; \
+	fi
+
+llama-cpp: llama-wheel
+	@if [ "$$(cat $(LLAMA_STAMP) 2>/dev/null)" != "$(LLAMA_BUILT)" ]; then \
+		$(PY) -m pip install -q --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-*.whl \
 			&& echo "$(LLAMA_BUILT)" > $(LLAMA_STAMP); \
 	fi
 
@@ -74,7 +89,7 @@ demo: $(STAMP) llama-cpp
 	@# the shipped Q4_1 file, measured as a published candidate: its card names the file and its hash
 	$(VENV)/bin/matrix card llamacpp/q4_1 --warehouse warehouse
 
-# The suite includes real vLLM-on-CPU runs, so it builds the vLLM environment too (`envs`: 1.5 min once).
+# The suite includes real vLLM-on-CPU runs, so it builds the vLLM environment too (`envs`: 2.5 min, once).
 # Two workers, a test file each at a time (its module fixtures stay in one process): about half
 # of a serial run's wall time is Ray and process start-up and disk waits, which the other worker fills.
 # A worker that needs a model another is fetching waits for it (matrix/spec/models.py locks the fetch).

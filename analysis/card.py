@@ -16,7 +16,7 @@ from analysis import batch_card as BC
 from analysis import confidence as C
 from analysis import position_card as PC
 from analysis.disclosure import disclosure as _disclosure
-from analysis.sql import connect, dict_rows
+from analysis.sql import connect, dict_rows, referenced
 from common import metric_defs as D
 from common.errors import UserError
 
@@ -24,8 +24,8 @@ UNDISCLOSED = "undisclosed"
 
 
 def query_rows(warehouse: str, sql: str, params=()) -> list[dict]:
-    """One query's rows as dicts, on a connection of its own."""
-    con = connect(warehouse)
+    """One query's rows as dicts, on a connection of its own with the views it names."""
+    con = connect(warehouse, referenced(sql))
     try:
         return dict_rows(con, sql, params)
     finally:

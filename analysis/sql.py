@@ -32,7 +32,7 @@ def connect(warehouse: str, names: set[str] | None = None) -> duckdb.DuckDBPyCon
     for table, schema in TABLES.items():
         if names is not None and table not in names:
             continue
-        files = wh.table_files(table) if wh.remote else _readable(wh.table_files(table), table)
+        files = wh.table_files(table) if wh.remote else readable(wh.table_files(table), table)
         # The empty table carries every column of the current schema: an empty table still has its
         # columns, and files written before a migration added a column read as null there.
         con.register(f"_empty_{table}", pa.table({f.name: pa.array([], f.type) for f in schema}))
@@ -60,7 +60,7 @@ def connect(warehouse: str, names: set[str] | None = None) -> duckdb.DuckDBPyCon
 
 
 # Words that read DuckDB's catalog: a statement with one of them sees every table and view.
-_CATALOG = re.compile(r"\b(information_schema|duckdb_\w+|sqlite_master|pg_catalog|show|describe|pragma)\b", re.I)
+_CATALOG = re.compile(r"\b(information_schema|duckdb_\w+|pg_\w+|pragma_\w+|sqlite_\w+|show|describe|summarize)\b", re.I)
 
 
 def referenced(sql: str) -> set[str] | None:
@@ -79,7 +79,7 @@ def referenced(sql: str) -> set[str] | None:
     return found
 
 
-def _readable(files: list[str], table: str) -> list[str]:
+def readable(files: list[str], table: str) -> list[str]:
     """The files whose Parquet footer reads; each other one is named on stderr and left out of its
     view, so one damaged file never takes every query down (`matrix verify` says what is wrong)."""
     import sys
@@ -88,11 +88,11 @@ def _readable(files: list[str], table: str) -> list[str]:
 
     ok = []
     for f in files:
-        st = os.stat(f)
-        if _FOOTER_READ.get(f) == (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
-            ok.append(f)
-            continue
         try:
+            st = os.stat(f)
+            if _FOOTER_READ.get(f) == (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                ok.append(f)
+                continue
             pq.read_metadata(f)
         except Exception as e:
             why = first_line(str(e), type(e).__name__)

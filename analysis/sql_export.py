@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from analysis.sql import VIEWS, _readable, connect
+from analysis.sql import VIEWS, connect, readable
 from store import TABLES, Warehouse
 from store.schema import SCHEMA_VERSION
 
@@ -31,7 +31,7 @@ def export_views(warehouse: str, out: str) -> dict:
         cols = con.execute(f"DESCRIBE {table}").fetchall()  # (name, type, ...)
         empty = "SELECT " + ", ".join(f"NULL::{c[1]} AS {c[0]}" for c in cols) + " WHERE false"
         files = wh.table_files(table)
-        ok = files if wh.remote else _readable(files, table)
+        ok = files if wh.remote else readable(files, table)
         if len(ok) < len(files):
             damaged[table] = sorted(set(files) - set(ok))
             lines.append(f"-- {table}: left out (damaged): " + ", ".join(damaged[table]))

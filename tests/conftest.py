@@ -225,9 +225,12 @@ def as_json(v):
 
 
 def _json_key(k) -> str:
+    """A mapping's key as json.dumps writes it; a key of another type fails there too."""
     if isinstance(k, str):
         return k
-    return json.dumps(k) if isinstance(k, (bool, int, float)) or k is None else str(k)
+    if isinstance(k, (bool, int, float)) or k is None:
+        return json.dumps(k)
+    raise TypeError(f"keys must be str, int, float, bool or None, not {type(k).__name__}")
 
 
 @pytest.fixture(scope="session")

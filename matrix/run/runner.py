@@ -35,7 +35,7 @@ def _hf_tokenizer(hf_dir: str, stamp: tuple):
 
 def _stamp(hf_dir: str) -> tuple:
     """What identifies a checkpoint directory's files as they are now: name, size, mtime, ctime
-    (nothing for a hub id, whose revision pins it)."""
+    (empty for what is not a local directory, which is then read afresh)."""
     if not os.path.isdir(hf_dir):
         return ()
     out = []
@@ -58,7 +58,8 @@ def prepare(matrix: Matrix, wh: Warehouse, log: Callable[[str], None]) -> Plan:
         if free:
             tok, config = gguf_model.load(m.gguf_path)
         else:
-            tok, config = _hf_tokenizer(m.hf_dir, _stamp(m.hf_dir))
+            stamp = _stamp(m.hf_dir)
+            tok, config = _hf_tokenizer(m.hf_dir, stamp) if stamp else _hf_tokenizer.__wrapped__(m.hf_dir, ())
         vocab = int(getattr(config, "vocab_size", 0) or 0) or len(tok)
         if len(tok) > vocab:
             raise UserError(
