@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow.parquet as pq
 import pytest
 
 from common.positions import Positions
+from matrix.run.execute import wait_exited
 from store.warehouse import narrow_bf16, row_hash
 from tests.conftest import REPO, run_cli, run_process, sql, write_spec
 
@@ -142,47 +144,6 @@ def test_status_json(swept):
     assert len(out["cells"]) == 4 and [x["status"] for x in out["runs"]] == ["done"]
 
 
-def _parents() -> dict[int, int]:
-    """pid -> parent pid of every process now, from /proc."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    out[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):  # gone meanwhile
-                continue
-    return out
-
-
-def _descendants(pid: int) -> set[int]:
-    parents, out, todo = _parents(), set(), [pid]
-    while todo:
-        p = todo.pop()
-        kids = {c for c, pp in parents.items() if pp == p} - out
-        out |= kids
-        todo += kids
-    return out
-
-
-def _wait_gone(pids: set[int], timeout: float = 60) -> None:
-    """Until none of pids runs (a zombie holds no file open)."""
-    deadline = time.time() + timeout
-    while True:
-        live = []
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                        live.append(pid)
-            except OSError:
-                continue
-        if not live:
-            return
-        assert time.time() < deadline, f"still running after SIGKILL: {live}"
-        time.sleep(0.1)
-
-
 def test_killed_run_resumes_without_duplicates_or_gaps(tiny_model, short_corpus, tmp_path):
     spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, repeats=3)
     wh = tmp_path / "wh"
@@ -202,13 +163,13 @@ def test_killed_run_resumes_without_duplicates_or_gaps(tiny_model, short_corpus,
     # the driver and every Ray process it started: its group, and the processes under it that left the
     # group (an engine actor would otherwise outlive it for a moment and write a partial file after the
     # next run has tidied the warehouse)
-    family = _descendants(proc.pid)
+    family = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
     os.killpg(proc.pid, signal.SIGKILL)
     for pid in family:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
-    _wait_gone(family)
+    assert not wait_exited(family, 60), "still running after SIGKILL"
     shards_at_kill = list((wh / "logits").glob("*/r*.parquet"))
     assert 1 <= len(shards_at_kill) < 12, "the run was not interrupted mid-way"
     for f in shards_at_kill:  # whatever a reader can see is a complete file

@@ -137,14 +137,16 @@ def _begin(
 GONE_S = 120.0
 
 
-def wait_exited(pids: list[int], timeout_s: float = GONE_S) -> None:
-    """Until these processes of this machine have exited. A killed Ray actor is reported dead
-    before its process is gone, and until then a file it holds open (a partial shard it was
-    writing, already unlinked) keeps its space: on a full disk the run's end could not be written."""
+def wait_exited(pids: list[int], timeout_s: float = GONE_S) -> list[int]:
+    """Until these processes of this machine have exited; returns those still running at the bound.
+    A killed Ray actor is reported dead before its process is gone, and until then a file it holds
+    open (a partial shard it was writing, already unlinked) keeps its space: on a full disk the
+    run's end could not be written."""
     end = time.monotonic() + timeout_s
     for pid in pids:
         while time.monotonic() < end and _running(pid):
             time.sleep(0.05)
+    return [pid for pid in pids if _running(pid)]
 
 
 def _running(pid: int) -> bool:
