@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import duckdb
 import pyarrow as pa
@@ -11,6 +12,7 @@ import pyarrow as pa
 from analysis.aggregates import bucket_values, position_bucket_values, select_sql
 from common import metric_defs as D
 from common.errors import UserError, first_line
+from common.files import SETTLED_S
 from store import TABLES, Warehouse
 from store.warehouse import logits_matrix
 
@@ -101,13 +103,15 @@ def readable(files: list[str], table: str) -> list[str]:
                 file=sys.stderr,
             )
             continue
-        _FOOTER_READ[f] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if time.time() - st.st_ctime_ns / 1e9 > SETTLED_S:  # as file_sha256: never a file changed just now
+            _FOOTER_READ[f] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         ok.append(f)
     return ok
 
 
-# Files whose footer read, by inode, size, mtime and ctime (any write or rename moves one): a process
-# that queries again (the API, a notebook) reads only the footers of new or changed files.
+# Files whose footer read, by inode, size, mtime and ctime (any write or rename moves one), once they
+# have settled: a process that queries again (the API, a notebook) reads only the footers of new or
+# changed files.
 _FOOTER_READ: dict[str, tuple[int, int, int, int]] = {}
 
 
