@@ -218,9 +218,8 @@ class Sweep:
                 self.ex.stop(live.started)
                 return
             self.ex.close(live.started)  # its files are closed: the run need not wait for it to be gone
-            self.ex.stop(
-                self._forget(cid).started
-            )  # its CPUs and GPUs are free: a reference's waiting cells start on them now
+            self._forget(cid)
+            self.ex.stop(live.started)  # its CPUs and GPUs are free: a reference's waiting cells start on them now
             self._reference_over(live.cell)
 
         self.out.done(live, self.attempts.get(cid, 1), close)
