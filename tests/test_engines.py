@@ -1,10 +1,13 @@
-"""llama.cpp and MLX stacks on the full real SmolLM2 weights, in-process, against HF."""
+"""llama.cpp and MLX stacks in-process against HF on the same weights: the 2-layer cut of SmolLM2
+(its real embeddings, first two decoder layers, norm and head) for agreement, ordering and the
+engines' mechanics; the full 30-layer model where its shipped Q4_1 file is measured."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +17,7 @@ from common.errors import OracleError, UserError
 from common.positions import Positions
 from common.stack import StackDesc
 
-pytestmark = pytest.mark.slow  # loads the 30-layer SmolLM2
+pytestmark = pytest.mark.slow  # converts and quantises with llama.cpp and MLX
 
 llama_cpp = pytest.importorskip("llama_cpp")
 mlx_lm = pytest.importorskip("mlx_lm")
@@ -47,15 +50,29 @@ def run_all(be, prompts) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def hf_fp32(reference_model, prompts):
+def tiny(tiny_model):
+    """The 2-layer cut as the engines' helpers below take a model (no source GGUF: converted here)."""
+    from common.files import weights_digest_cached
+
+    return SimpleNamespace(
+        hf_dir=str(tiny_model), weights_sha256=weights_digest_cached(tiny_model), gguf_path=None, gguf_quant=None
+    )
+
+
+def hf_rows(model, prompts) -> np.ndarray:
     from backends.hf_backend import HFBackend
 
-    be = HFBackend(StackDesc("hf", "fp32", "sdpa"), reference_model.hf_dir, 2)
+    be = HFBackend(StackDesc("hf", "fp32", "sdpa"), model.hf_dir, 2)
     be.load()
     return run_all(be, prompts)
 
 
-def llama(reference_model, dtype, **opts):
+@pytest.fixture(scope="module")
+def hf_fp32(tiny, prompts):
+    return hf_rows(tiny, prompts)
+
+
+def llama(model, dtype, **opts):
     from backends.llamacpp_backend import LlamaCppBackend
 
     be = LlamaCppBackend(
@@ -64,55 +81,55 @@ def llama(reference_model, dtype, **opts):
             dtype,
             "default",
             options=tuple(sorted(opts.items())),
-            weights_sha256=reference_model.weights_sha256,
-            source_gguf=reference_model.gguf_path,
-            source_quant=reference_model.gguf_quant,
+            weights_sha256=model.weights_sha256,
+            source_gguf=model.gguf_path,
+            source_quant=model.gguf_quant,
         ),
-        reference_model.hf_dir,
+        model.hf_dir,
         2,
     )
     be.load()
     return be
 
 
-def test_llamacpp_f32_matches_hf_fp32(reference_model, prompts, hf_fp32):
-    be = llama(reference_model, "fp32", kv_cache="f32")
+def test_llamacpp_f32_matches_hf_fp32(tiny, prompts, hf_fp32):
+    be = llama(tiny, "fp32", kv_cache="f32")
     got = run_all(be, prompts)
     assert got.shape == hf_fp32.shape and got.dtype == np.float32
     diff = float(np.max(np.abs(got - hf_fp32)))
     assert diff < 0.1, diff  # ~2e-2 measured: different kernels, same weights
     assert np.array_equal(got.argmax(-1), hf_fp32.argmax(-1))  # top-1 agreement 100%
     assert np.array_equal(got, run_all(be, prompts))  # the KV cache cleared before each prompt: bit-reproducible
-    assert be.settings()["gguf_tensor_types"] == {"F32": 272}
+    assert be.settings()["gguf_tensor_types"] == {"F32": 2 * 9 + 2}  # 9 a layer, the embedding, the norm
     s = be.settings()
     assert s["kv_cache"] == "f32" and s["n_ubatch"] == 512 and "AVX2 = 1" in s["system_info"]
     assert len(s["artifact"]["sha256"]) == 64
 
 
-def test_quant_ladder_is_ordered_by_kl(reference_model, prompts, hf_fp32):
-    kls = {d: kl_rows(hf_fp32, run_all(llama(reference_model, d), prompts)) for d in ("f16", "q8_0", "q4_k_m", "q4_0")}
+def test_quant_ladder_is_ordered_by_kl(tiny, prompts, hf_fp32):
+    kls = {d: kl_rows(hf_fp32, run_all(llama(tiny, d), prompts)) for d in ("f16", "q8_0", "q4_k_m", "q4_0")}
     assert kls["f16"] < kls["q8_0"] < kls["q4_k_m"] < kls["q4_0"], kls
     assert kls["f16"] < 1e-4 and kls["q4_0"] < 2.0, kls
 
 
 @pytest.mark.parametrize("dtype, primary", [("q2_k", "Q2_K"), ("q3_k_m", "Q3_K")])
-def test_k_quants_the_shapes_do_not_allow_are_skipped(reference_model, dtype, primary):
+def test_k_quants_the_shapes_do_not_allow_are_skipped(tiny, dtype, primary):
     # hidden size 576 is not a multiple of 256: llama.cpp would substitute other types for every such tensor
     with pytest.raises(SkipCell, match=rf"do not allow {dtype}: llama.cpp stored no tensor as {primary}"):
-        llama(reference_model, dtype)
+        llama(tiny, dtype)
 
 
-def test_shipped_q4_1_file_is_its_own_stack(reference_model, prompts, hf_fp32):
+def test_shipped_q4_1_file_is_its_own_stack(reference_model, prompts):
     be = llama(reference_model, "q4_1")
     assert be.artifact["path"] == reference_model.gguf_path
     assert be.artifact["sha256"] == reference_model.source_sha256
     # the reference weights were dequantised from this very file: it is close to them
-    assert kl_rows(hf_fp32, run_all(be, prompts)) < 0.01
+    assert kl_rows(hf_rows(reference_model, prompts), run_all(be, prompts)) < 0.01
 
 
 # MLX on Linux runs on the CPU with reference BLAS and its own quantised kernels
-# (~2 GFLOP/s dense, ~1.4 s per token quantised, measured here): the MLX tests feed
-# prefixes. Logits at p depend on ids[0..p] only, so prefix rows compare exactly.
+# (~2 GFLOP/s dense, ~1.4 s per token quantised on the full model, measured here): the MLX tests
+# feed prefixes. Logits at p depend on ids[0..p] only, so prefix rows compare exactly.
 def _prefix_rows(prompts, n, which=None):
     """[(ids prefix, positions)] for prompts[which], and their row indices in run_all(prompts)."""
     out, index, offset = [], [], 0
@@ -126,38 +143,41 @@ def _prefix_rows(prompts, n, which=None):
     return out, index
 
 
-def _mlx(reference_model, dtype):
+def _mlx(model, dtype, **opts):
     from backends.mlx_backend import MLXBackend
 
-    be = MLXBackend(
-        StackDesc("mlx", dtype, "default", weights_sha256=reference_model.weights_sha256), reference_model.hf_dir, 2
-    )
+    desc = StackDesc("mlx", dtype, "default", options=tuple(sorted(opts.items())), weights_sha256=model.weights_sha256)
+    be = MLXBackend(desc, model.hf_dir, 2)
     be.load()
     return be
 
 
-def test_mlx_fp32_matches_hf_fp32_and_quants_move_away(reference_model, prompts, hf_fp32):
+def test_mlx_fp32_matches_hf_fp32_and_quants_move_away(tiny, prompts, hf_fp32):
     from store.warehouse import widen
 
     plan, index = _prefix_rows(prompts, 49)
     ref = hf_fp32[index]  # (rows, vocab)
-    fp32 = np.concatenate([_mlx(reference_model, "fp32").forward(i, q) for i, q in plan])
+    fp32 = np.concatenate([_mlx(tiny, "fp32").forward(i, q) for i, q in plan])
     assert float(np.max(np.abs(fp32 - ref))) <= 1e-3
-    bf16 = _mlx(reference_model, "bf16").forward(*plan[3])
+    bf16 = _mlx(tiny, "bf16").forward(*plan[3])
     assert bf16.dtype == np.uint16  # native bf16 bits, stored as such
     short, sidx = _prefix_rows(prompts, 17, which={3})  # the code prompt, positions 0, 8, 16
-    kls = [kl_rows(hf_fp32[sidx], widen(_mlx(reference_model, d).forward(*short[0]))) for d in ("q8_g64", "q4_g64")]
+    # fp32 activations: what the quantisation costs (with bf16 ones the kernel's sums weigh more,
+    # test_mlx_fp32_activations_measure_the_quantisation_not_the_kernel)
+    kls = [
+        kl_rows(hf_fp32[sidx], widen(_mlx(tiny, d, activations="fp32").forward(*short[0]))) for d in ("q8_g64", "q4_g64")
+    ]
     assert 0 < kls[0] < kls[1] < 2.0, kls
 
 
-def test_mlx_rope_theta_trap_is_caught(reference_model, prompts, hf_fp32, tmp_path):
+def test_mlx_rope_theta_trap_is_caught(tiny, prompts, hf_fp32, tmp_path):
     """Without a top-level rope_theta mlx-lm silently uses 10000: the logits go wrong."""
     import mlx.core as mx
     from mlx_lm import load
 
     from backends.mlx_backend import MLXBackend, convert, fix_rope_theta
 
-    art = convert(reference_model.hf_dir, reference_model.weights_sha256, "fp32")
+    art = convert(tiny.hf_dir, tiny.weights_sha256, "fp32")
     broken = tmp_path / "mlx-no-rope-theta"
     shutil.copytree(art["path"], broken)
     cfg = json.loads((broken / "config.json").read_text())
@@ -173,7 +193,7 @@ def test_mlx_rope_theta_trap_is_caught(reference_model, prompts, hf_fp32, tmp_pa
     assert float(np.max(np.abs(wrong - ref))) > 1.0  # silently wrong
 
     # the backend refuses such a directory instead of capturing wrong logits
-    be = MLXBackend(StackDesc("mlx", "fp32", "default"), reference_model.hf_dir, 2)
+    be = MLXBackend(StackDesc("mlx", "fp32", "default"), tiny.hf_dir, 2)
     be.artifact, be.model = {"path": str(broken)}, model
     with pytest.raises(OracleError, match="rope_theta=10000"):
         be._check_rope()
@@ -216,7 +236,7 @@ def test_mlx_quantized_matmul_sums_bf16_activations_in_bf16_here():
         assert bf16["sums_in"] == "the activation dtype"
 
 
-def test_mlx_fp32_activations_measure_the_quantisation_not_the_kernel(reference_model, prompts, hf_fp32):
+def test_mlx_fp32_activations_measure_the_quantisation_not_the_kernel(tiny, prompts, hf_fp32):
     from backends.mlx_backend import MLXBackend
 
     short, sidx = _prefix_rows(prompts, 33, which={3})  # the code prompt, positions 0, 8, 16, 24, 32
@@ -229,9 +249,9 @@ def test_mlx_fp32_activations_measure_the_quantisation_not_the_kernel(reference_
                 "q8_g64",
                 "default",
                 options=(("activations", act),),
-                weights_sha256=reference_model.weights_sha256,
+                weights_sha256=tiny.weights_sha256,
             ),
-            reference_model.hf_dir,
+            tiny.hf_dir,
             2,
         )
         be.load()
@@ -245,10 +265,10 @@ def test_mlx_fp32_activations_measure_the_quantisation_not_the_kernel(reference_
     assert kls["fp32"] < 0.01 < kls["native"] and kls["native"] > 5 * kls["fp32"], kls
 
 
-def test_llamacpp_kept_context_and_output_buffers_give_a_fresh_contexts_bits(reference_model, prompts):
+def test_llamacpp_kept_context_and_output_buffers_give_a_fresh_contexts_bits(tiny, prompts):
     """forward() keeps its context from prompt to prompt of one length (the KV cache cleared) and,
     inside a capture, hands out two output buffers in turn: neither may change a bit."""
-    be = llama(reference_model, "q8_0")
+    be = llama(tiny, "q8_0")
     asks = [(p.token_ids, Positions.every(STRIDE).of(len(p.token_ids))) for p in prompts]
     fresh = []
     for ids, pos in asks:
@@ -269,7 +289,7 @@ def test_llamacpp_kept_context_and_output_buffers_give_a_fresh_contexts_bits(ref
     be.close()
 
 
-def test_llamacpp_threads_wait_passively_unless_the_user_chose(reference_model, prompts, tmp_path, monkeypatch):
+def test_llamacpp_threads_wait_passively_unless_the_user_chose(tiny, prompts, tmp_path, monkeypatch):
     """llama.cpp's OpenMP threads sleep at their barriers in a fresh host process (a capture's row
     work runs beside each forward), with the same bits; the user's OMP_WAIT_POLICY stands, and a
     process that loaded llama_cpp before keeps libgomp's default. The cell's settings say which."""
@@ -281,19 +301,19 @@ def test_llamacpp_threads_wait_passively_unless_the_user_chose(reference_model, 
     ids = prompts[0].token_ids
     pos = Positions.every(STRIDE).of(len(ids))
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    be = llama(reference_model, "q8_0")  # this test's module imported llama_cpp: too late to choose
+    be = llama(tiny, "q8_0")  # this test's module imported llama_cpp: too late to choose
     assert (be.settings()["omp_wait_policy"], be.rows_beside_forward()) == ("libgomp default", False)
     assert "OMP_WAIT_POLICY" not in os.environ
     here = be.forward(ids, pos).copy()
     be.close()
-    m = reference_model
+    m = tiny
     code = f"""
 import json, sys, numpy as np
 from backends.llamacpp_backend import LlamaCppBackend
 from common.positions import Positions
 from common.stack import StackDesc
 be = LlamaCppBackend(StackDesc("llamacpp", "q8_0", "default", weights_sha256={m.weights_sha256!r},
-                               source_gguf={str(m.gguf_path)!r}, source_quant={m.gguf_quant!r}), {str(m.hf_dir)!r}, 2)
+                               source_gguf={m.gguf_path!r}, source_quant={m.gguf_quant!r}), {str(m.hf_dir)!r}, 2)
 be.load()
 np.save(sys.argv[1], be.forward({list(ids)!r}, Positions.every({STRIDE}).of({len(ids)})))
 print(json.dumps([be.settings()["omp_wait_policy"], be.rows_beside_forward()]))
@@ -311,6 +331,6 @@ print(json.dumps([be.settings()["omp_wait_policy"], be.rows_beside_forward()]))
     there = np.load(tmp_path / "rows.npy")
     assert np.array_equal(there.view(np.uint32), here.view(np.uint32))  # the same bits under both policies
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
-    be = llama(reference_model, "q8_0")
+    be = llama(tiny, "q8_0")
     assert (be.settings()["omp_wait_policy"], be.rows_beside_forward()) == ("active", False)
     be.close()
