@@ -10,6 +10,11 @@ architecture and real weights at a fraction of the cost.
 a fresh interpreter costs seconds of imports a call, and a `matrix run` that starts a Ray cluster
 of its own seconds more. A `matrix run` given neither --address, --executor nor --cluster-config
 joins this pytest worker's own Ray cluster (`shared_cluster`), as a run would join any cluster.
+A `matrix analyze` given neither --workers nor --address computes in this process (--workers 1)
+instead of following that run onto the cluster (its default): each analysis there is a Ray job
+whose task workers import torch afresh, and the values are the same either way
+(test_analysis_stream compares them). The tests of where analysis runs give their own flags, or
+call `in_process`, which passes argv as it is.
 `run_process` is the command in a fresh process, as a user runs it: each verb keeps at least one
 test through it for its exit code, its one-line errors and what it prints.
 """
@@ -65,6 +70,8 @@ def run_cli(
     argv = list(args)
     if argv[:1] == ["run"] and not {"--address", "--executor", "--cluster-config"} & set(argv):
         argv += ["--address", shared_cluster()]
+    if argv[:1] == ["analyze"] and not {"--workers", "--address"} & set(argv):
+        argv += ["--workers", "1"]
     return in_process(argv, cwd or REPO)
 
 
