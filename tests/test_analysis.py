@@ -18,6 +18,7 @@ from analysis import metrics as M
 from analysis.centroid import centroid_tables
 from store.warehouse import row_hash
 from tests.conftest import run_cli, run_process, sql, write_spec
+from tests.float64_rows import matrix
 
 pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
 
@@ -88,8 +89,8 @@ def test_metrics_match_scipy_on_real_captured_rows(swept):
     cells = {c["dtype"] + "." + c["attention"]: c["cell_id"] for c in sql(wh, "select * from cells")}
     ta = pq.read_table(wh / "logits" / cells["bf16.eager"] / "r0.parquet")
     tb = pq.read_table(wh / "logits" / cells["fp32.sdpa"] / "r0.parquet")
-    a = np.asarray(ta["logits"].to_pylist()[:24], dtype=np.float32)
-    b = np.asarray(tb["logits"].to_pylist()[:24], dtype=np.float32)
+    a = matrix(ta["logits"].slice(0, 24), np.float32)
+    b = matrix(tb["logits"].slice(0, 24), np.float32)
     m = _check_against_scipy(a, b)
     assert 0 < m["kld"].mean() < 0.1
 

@@ -164,9 +164,8 @@ def test_mlx_fp32_matches_hf_fp32_and_quants_move_away(tiny, prompts, hf_fp32):
     short, sidx = _prefix_rows(prompts, 17, which={3})  # the code prompt, positions 0, 8, 16
     # fp32 activations: what the quantisation costs (with bf16 ones the kernel's sums weigh more,
     # test_mlx_fp32_activations_measure_the_quantisation_not_the_kernel)
-    kls = [
-        kl_rows(hf_fp32[sidx], widen(_mlx(tiny, d, activations="fp32").forward(*short[0]))) for d in ("q8_g64", "q4_g64")
-    ]
+    quants = [_mlx(tiny, d, activations="fp32") for d in ("q8_g64", "q4_g64")]
+    kls = [kl_rows(hf_fp32[sidx], widen(be.forward(*short[0]))) for be in quants]
     assert 0 < kls[0] < kls[1] < 2.0, kls
 
 

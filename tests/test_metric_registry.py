@@ -19,6 +19,7 @@ from analysis.sql import VIEWS, view_columns
 from common import metric_defs as D
 from store.schema import METRICS, TABLES
 from tests.conftest import analyzed_copy, run_cli, sql
+from tests.float64_rows import matrix
 
 
 def test_every_registry_metric_is_a_metrics_column_and_a_row_metrics_output():
@@ -111,7 +112,7 @@ def test_confidence_buckets_are_lo_inclusive_and_the_last_holds_1():
 
 def _rows(wh, cell_id: str) -> dict[tuple[str, int], np.ndarray]:
     t = pq.read_table(wh / "logits" / cell_id / "r0.parquet", columns=["prompt_id", "position", "logits"])
-    x = np.asarray(t["logits"].to_pylist(), dtype=np.float64)  # (rows, vocab): float32 values widened
+    x = matrix(t["logits"])  # (rows, vocab): float32 values widened
     return {(p, q): x[i] for i, (p, q) in enumerate(zip(t["prompt_id"].to_pylist(), t["position"].to_pylist()))}
 
 

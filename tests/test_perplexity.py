@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import analyzed_copy, run_cli, sql
+from tests.float64_rows import matrix
 
 pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
 
@@ -20,7 +21,7 @@ def _nll(wh, cell_id: str) -> dict[tuple[str, int], float]:
     t = pq.read_table(
         wh / "logits" / cell_id / "r0.parquet", columns=["prompt_id", "position", "next_token_id", "logits"]
     )
-    rows = np.asarray(t["logits"].to_pylist(), dtype=np.float64)  # (rows, vocab), float32 values widened
+    rows = matrix(t["logits"])  # (rows, vocab), float32 values widened
     top = rows.max(axis=1)
     lse = top + np.log(np.exp(rows - top[:, None]).sum(axis=1))
     out = {}
