@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, run_cli, run_process, sql, write_spec
+from tests.conftest import REPO, SHARED_OBJECT_STORE, run_cli, run_process, sql, write_spec
 
 pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
 
@@ -175,11 +175,31 @@ def store(request, tmp_path_factory):
             s.proc.wait(timeout=30)
 
 
+@pytest.fixture(scope="module")
+def store_cluster(store):
+    """A Ray cluster whose node has the store's credentials in its environment, as a real cluster's
+    nodes have theirs: the sweep's runs and its analysis join it (--address)."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": os.cpu_count(),
+            "object_store_memory": SHARED_OBJECT_STORE,
+            "include_dashboard": False,
+        },
+    )
+    try:
+        yield c.address
+    finally:
+        c.shutdown()
+
+
 def lease(store, prefix: str, holder: str, expires_in: float) -> None:
     store.put(f"{prefix}/.lease.json", json.dumps({"holder": holder, "expires_at": time.time() + expires_in}).encode())
 
 
-def test_sweep_analysis_and_sql_on_the_store(store, tiny_model, short_corpus, swept, tmp_path):
+def test_sweep_analysis_and_sql_on_the_store(store, store_cluster, tiny_model, short_corpus, swept, tmp_path):
     uri = f"{store.scheme}://{BUCKET}/sweep"
     spec = write_spec(
         tmp_path / "spec.yaml",
@@ -190,8 +210,9 @@ def test_sweep_analysis_and_sql_on_the_store(store, tiny_model, short_corpus, sw
     )
     lease(store, "sweep", "pid 1 on a-crashed-box", expires_in=-5)  # stale: the run takes it over
     logs = []
-    # a process and a Ray cluster of the run's own: the store's credentials are this test's environment
-    r = run_process("run", str(spec), "--warehouse", uri, "--json")
+    # a process of the run's own (the store's credentials are this test's environment), its actors on
+    # a node with them in its environment
+    r = run_process("run", str(spec), "--warehouse", uri, "--json", "--address", store_cluster)
     logs.append(r.stdout + r.stderr)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout)["rows_delivery"]["node"] == 4  # the actors wrote to the bucket themselves
@@ -207,11 +228,12 @@ def test_sweep_analysis_and_sql_on_the_store(store, tiny_model, short_corpus, sw
     )
     assert sql(uri, q) == sql(swept[1], q)  # the same rows as the local sweep, byte for byte
     # resume: nothing left to do
-    again = run_process("run", str(spec), "--warehouse", uri)
+    again = run_process("run", str(spec), "--warehouse", uri, "--address", store_cluster)
     logs.append(again.stdout + again.stderr)
     assert again.returncode == 0 and "nothing to do" in again.stderr
     # analyze as Ray tasks that read the bucket themselves (not pinned to the driver's node)
-    for cmd in (["analyze", "--workers", "2"], ["status"], ["report", "--out", str(tmp_path / "report")]):
+    analyze = ["analyze", "--workers", "2", "--address", store_cluster]
+    for cmd in (analyze, ["status"], ["report", "--out", str(tmp_path / "report")]):
         out = run_cli(*cmd, "--warehouse", uri)
         logs.append(out.stdout + out.stderr)
         assert out.returncode == 0, (cmd, out.stderr[-2000:])
