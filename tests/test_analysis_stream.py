@@ -195,7 +195,7 @@ def test_analyze_follows_the_last_runs_cluster_only_while_it_is_there(swept, tmp
     _, src, _, _ = swept
     wh = tmp_path / "wh"
     shutil.copytree(src, wh)
-    r = in_process(["analyze", "--warehouse", str(wh)], REPO)  # `swept` ran on this worker's cluster
+    r = in_process(["analyze", "--warehouse", str(wh), "--force"], REPO)  # `swept` ran on this worker's cluster
     assert r.returncode == 0, r.stderr[-2000:]
     assert "analyze on Ray: 5 piece(s), " in r.stderr and "(a local warehouse: on this node only)" in r.stderr, r.stderr
     Warehouse(wh).write_rows(
