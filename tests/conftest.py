@@ -37,6 +37,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# OpenMP threads (torch's, llama.cpp's) wait at their barriers asleep, in these processes and every
+# process they start (Ray's workers among them): the suite runs more busy processes than cores (two
+# workers, their actors and engines), and a thread spinning at a barrier holds a core another
+# process needs. A 2-thread HF forward of SmolLM2 beside one busy core took 3x (fp32) and 7x (bf16)
+# the CPU spinning that it takes asleep. libgomp reads this once, when it loads: before torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 TINY_LAYERS = 2
 # The shared cluster's object store (ray.cluster_utils gives a node 150 MiB unless told; the local
 # cluster a `matrix run` starts sizes it by the machine's memory).
