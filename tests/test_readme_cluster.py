@@ -29,6 +29,7 @@ from tests.test_readme import blocks
 
 pytestmark = [
     pytest.mark.serial,
+    pytest.mark.network,  # the joining machine's lines install the project (pip's build dependencies)
     pytest.mark.slow,  # starts a Ray cluster
     pytest.mark.skipif(
         os.geteuid() != 0 or not shutil.which("unshare"),
