@@ -1,7 +1,7 @@
 # Fresh-machine entry points: `make demo` and `make test`. Both are idempotent:
 # the venv is (re)built only when pyproject.toml changes.
 # pip writes no bytecode (--no-compile): Python compiles a module the first time it is imported, and
-# a run imports a fraction of what the environments hold (pip's compile was half of .venv's install).
+# a run imports a fraction of what the environments hold (pip's compile is half of .venv's install).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -95,8 +95,8 @@ demo: $(STAMP) llama-cpp
 # Two workers, a test file each at a time (its module fixtures stay in one process): about half
 # of a serial run's wall time is Ray and process start-up and disk waits, which the other worker fills.
 # A worker that needs a model another is fetching waits for it (matrix/spec/models.py locks the fetch).
-# Tests marked `serial` (they stop every Ray process they see) run beside them in namespaces of their
-# own as root, else afterwards, alone (scripts/test-suite.sh).
+# Tests marked `serial` (they stop every Ray process they see) run after them, alone; as root, those
+# not marked `network` run beside them instead, in namespaces of their own (scripts/test-suite.sh).
 # Three workers on 2 cores measured slower than two (docs/benchmark-notes.md, "The suite's time").
 TEST_WORKERS ?= 2
 test: envs

@@ -4,54 +4,61 @@
 # process it can see (`ray stop --force`) and takes Ray's fixed ports (6379-6381), so none runs
 # beside another test as it is.
 #
-# As root with unshare and ip (CI), where namespaces work, the serial tests that need no network (not marked `network`) run
-# beside the parallel pass in PID, mount and network namespaces of their own: the stop reaches only
-# their processes, the ports are their own loopback's, and Ray's files (/tmp/ray, where a cluster
-# records the address that `--address auto` joins) are a tmpfs of their own. The rest of the serial
-# tests run after the parallel pass, alone. Every pass runs to its end; the exit status is the first
-# failure's.
+# As root, where unshare and ip give it namespaces, each serial test that needs no network (not
+# marked `network`) runs beside the parallel pass in PID, mount and network namespaces of its own:
+# the stop reaches only its processes, the ports are its own loopback's, and Ray's files (/tmp/ray,
+# where a cluster records the address that `--address auto` joins) are a tmpfs of its own. The
+# other serial tests run after the parallel pass, alone; without namespaces, all of them do.
+# Every pass runs to its end; the exit status is the first failing pass's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PY:-.venv/bin/python}
 workers=${TEST_WORKERS:-2}
 
-pass_() {  # pytest's exit status, with "no test selected" (5) as success
+serial_pass() {  # pytest's exit status, "no test selected" (5) counting as success
     "$py" -m pytest -q "$@" tests
     local s=$?
     [ "$s" = 5 ] && return 0 || return "$s"
 }
 
-namespaces() {  # whether this machine lets the serial tests have namespaces of their own
+namespaces() {  # whether this machine gives the serial tests namespaces of their own
+    local probe
+    probe=$(mktemp -d) || return 1
     [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && command -v ip >/dev/null \
-        && unshare --net --pid --fork --mount-proc sh -c 'ip link set lo up && mount -t tmpfs tmpfs /mnt' 2>/dev/null
+        && unshare --net --pid --fork --mount-proc sh -c "ip link set lo up && mount -t tmpfs tmpfs $probe" 2>/dev/null
+    local ok=$?
+    rmdir "$probe"
+    return "$ok"
 }
 
 if ! namespaces; then
-    pass_ -n "$workers" --dist loadfile -m "not serial"
+    echo "test-suite.sh: no namespaces here (root, unshare and ip): the serial tests run after the others"
+    "$py" -m pytest -q -n "$workers" --dist loadfile -m "not serial" tests
     p=$?
-    pass_ -m serial
+    serial_pass -m serial
     s=$?
     [ "$p" = 0 ] && exit "$s" || exit "$p"
 fi
 
-# Without network, the namespace's tests take the catalog model from the cache: fetched here first.
+# Without network the namespace's tests take the catalog model they cut from the cache: fetched here
+# first (at once when cached). Every test needs it, so a failed fetch ends the suite.
 "$py" -m matrix models fetch smollm2-135m >/dev/null || exit 1
-scratch=$(mktemp -d)
-trap 'rm -rf "$scratch"' EXIT
-unshare --net --pid --fork --mount-proc env PY="$py" BASETEMP="$scratch/pytest" bash -c '
+scratch=$(mktemp -d) || exit 1
+unshare --kill-child --net --pid --fork --mount-proc env PY="$py" BASETEMP="$scratch/pytest" bash -c '
     set -e
     ip link set lo up
     mkdir -p /tmp/ray && mount -t tmpfs tmpfs /tmp/ray
-    "$PY" -m pytest -q -m "serial and not network" --basetemp "$BASETEMP" tests && exit 0 || s=$?
+    "$PY" -m pytest -q -p no:cacheprovider -m "serial and not network" --basetemp "$BASETEMP" tests && exit 0 || s=$?
     [ "$s" = 5 ] && exit 0 || exit "$s"' >"$scratch/serial.log" 2>&1 &
 beside=$!
-pass_ -n "$workers" --dist loadfile -m "not serial"
+trap 'kill "$beside" 2>/dev/null; wait "$beside" 2>/dev/null; rm -rf "$scratch"' EXIT
+"$py" -m pytest -q -n "$workers" --dist loadfile -m "not serial" tests
 p=$?
 wait "$beside"
 b=$?
 echo "serial tests beside the parallel pass, in namespaces of their own:"
 cat "$scratch/serial.log"
-pass_ -m "serial and network"
+serial_pass -m "serial and network"
 s=$?
 for status in "$p" "$b" "$s"; do
     [ "$status" = 0 ] || exit "$status"

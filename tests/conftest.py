@@ -14,7 +14,7 @@ A `matrix analyze` given neither --workers nor --address computes in this proces
 instead of following that run onto the cluster (its default): each analysis there is a Ray job
 whose task workers import torch afresh, and the values are the same either way
 (test_analysis_stream compares them). The tests of where analysis runs give their own flags, or
-call `in_process`, which passes argv as it is.
+`as_given=True`.
 `run_process` is the command in a fresh process, as a user runs it: each verb keeps at least one
 test through it for its exit code, its one-line errors and what it prints.
 """
@@ -65,18 +65,20 @@ def run_process(
 
 
 def run_cli(
-    *args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None
+    *args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None, as_given: bool = False
 ) -> subprocess.CompletedProcess:
     """`matrix ...` as the CLI runs it, in this process (see the module's docstring). With `env`, or
     while this process holds a Ray connection of its own (a test's cluster), in a fresh process:
-    variables are read when modules are imported, and a held connection would be taken over."""
+    variables are read when modules are imported, and a held connection would be taken over.
+    as_given: argv as it is, without the shared cluster for `run` or `--workers 1` for `analyze`."""
     ray = sys.modules.get("ray")
     if env or (ray is not None and ray.is_initialized()):
         return run_process(*args, cwd=cwd, timeout=timeout, env=env)
     argv = list(args)
-    if argv[:1] == ["run"] and not {"--address", "--executor", "--cluster-config"} & set(argv):
+    given = {a.split("=", 1)[0] for a in argv}
+    if not as_given and argv[:1] == ["run"] and not {"--address", "--executor", "--cluster-config"} & given:
         argv += ["--address", shared_cluster()]
-    if argv[:1] == ["analyze"] and not {"--workers", "--address"} & set(argv):
+    if not as_given and argv[:1] == ["analyze"] and not {"--workers", "--address"} & given:
         argv += ["--workers", "1"]
     return in_process(argv, cwd or REPO)
 

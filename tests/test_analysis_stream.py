@@ -20,7 +20,7 @@ from analysis import analyze as A
 from analysis import units
 from store import Warehouse
 from tests import oracle_analyze
-from tests.conftest import REPO, in_process, run_cli, sql
+from tests.conftest import REPO, run_cli, sql
 
 pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
 
@@ -189,19 +189,19 @@ def test_bad_input_is_one_line(swept, tmp_path):
 
 def test_analyze_follows_the_last_runs_cluster_only_while_it_is_there(swept, tmp_path):
     """A run on a cluster makes analyze run there by default; a cluster that is gone leaves it here.
-    (in_process: the verb's own default, which run_cli replaces with --workers 1)"""
+    (as_given: the verb's own default, which run_cli otherwise replaces with --workers 1)"""
     from store import rows as R
 
     _, src, _, _ = swept
     wh = tmp_path / "wh"
     shutil.copytree(src, wh)
-    r = in_process(["analyze", "--warehouse", str(wh), "--force"], REPO)  # `swept` ran on this worker's cluster
+    r = run_cli("analyze", "--warehouse", str(wh), "--force", as_given=True)  # `swept` ran on this worker's cluster
     assert r.returncode == 0, r.stderr[-2000:]
     assert "analyze on Ray: 5 piece(s), " in r.stderr and "(a local warehouse: on this node only)" in r.stderr, r.stderr
     Warehouse(wh).write_rows(
         "runs", "zz-cluster-run", [R.run_row("zz-cluster-run", "done", started_at=R.now(), ray_address="127.0.0.1:9")]
     )
-    r = in_process(["analyze", "--warehouse", str(wh), "--force"], REPO)
+    r = run_cli("analyze", "--warehouse", str(wh), "--force", as_given=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "the last run's cluster is not reachable (--address 127.0.0.1:9: cannot reach" in r.stderr, r.stderr[-2000:]
     assert "analyze on Ray" not in r.stderr

@@ -58,8 +58,9 @@ def _port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-# `ray stop --force` below ends every Ray process of the machine, so this file runs alone, after the
-# parallel part of `make test` (its `-m serial` pass): never beside another test's cluster.
+# `ray stop --force` below ends every Ray process it can see, so this file never runs beside another
+# test's cluster as it is: `make test` runs it in PID, mount and network namespaces of its own, or
+# after the parallel pass, alone (scripts/test-suite.sh).
 pytestmark = [pytest.mark.serial, pytest.mark.slow]  # starts a Ray cluster
 
 

@@ -167,6 +167,8 @@ def test_mlx_fp32_matches_hf_fp32_and_quants_move_away(tiny, prompts, hf_fp32):
     quants = [_mlx(tiny, d, activations="fp32") for d in ("q8_g64", "q4_g64")]
     kls = [kl_rows(hf_fp32[sidx], widen(be.forward(*short[0]))) for be in quants]
     assert 0 < kls[0] < kls[1] < 2.0, kls
+    native = [kl_rows(hf_fp32[sidx], widen(_mlx(tiny, d).forward(*short[0]))) for d in ("q8_g64", "q4_g64")]
+    assert all(0 < k < 2.0 for k in native), native
 
 
 def test_mlx_rope_theta_trap_is_caught(tiny, prompts, hf_fp32, tmp_path):
@@ -290,21 +292,15 @@ def test_llamacpp_kept_context_and_output_buffers_give_a_fresh_contexts_bits(tin
 
 def test_llamacpp_threads_wait_passively_unless_the_user_chose(tiny, prompts, tmp_path, monkeypatch):
     """llama.cpp's OpenMP threads sleep at their barriers in a fresh host process (a capture's row
-    work runs beside each forward), with the same bits; the user's OMP_WAIT_POLICY stands, and a
-    process that loaded llama_cpp before keeps libgomp's default. The cell's settings say which."""
+    work runs beside each forward), with the same bits as spinning ones; the user's OMP_WAIT_POLICY
+    stands, and a process that loaded llama_cpp before keeps libgomp's default. The cell's settings
+    say which. Each policy in a process of its own: libgomp reads it once, when it loads."""
     import subprocess
     import sys
 
     from tests.conftest import REPO
 
     ids = prompts[0].token_ids
-    pos = Positions.every(STRIDE).of(len(ids))
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    be = llama(tiny, "q8_0")  # this test's module imported llama_cpp: too late to choose
-    assert (be.settings()["omp_wait_policy"], be.rows_beside_forward()) == ("libgomp default", False)
-    assert "OMP_WAIT_POLICY" not in os.environ
-    here = be.forward(ids, pos).copy()
-    be.close()
     m = tiny
     code = f"""
 import json, sys, numpy as np
@@ -317,18 +313,29 @@ be.load()
 np.save(sys.argv[1], be.forward({list(ids)!r}, Positions.every({STRIDE}).of({len(ids)})))
 print(json.dumps([be.settings()["omp_wait_policy"], be.rows_beside_forward()]))
 """
-    r = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path / "rows.npy")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"},
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == ["passive", True]
-    there = np.load(tmp_path / "rows.npy")
-    assert np.array_equal(there.view(np.uint32), here.view(np.uint32))  # the same bits under both policies
+
+    def fresh(policy: str | None) -> tuple[list, np.ndarray]:
+        """(the settings' policy and rows_beside_forward, the rows) of a new process under `policy`."""
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if policy:
+            env["OMP_WAIT_POLICY"] = policy
+        out = tmp_path / f"rows-{policy}.npy"
+        r = subprocess.run(
+            [sys.executable, "-c", code, str(out)], cwd=REPO, capture_output=True, text=True, env=env, timeout=300
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1]), np.load(out)
+
+    chosen, passive = fresh(None)
+    assert chosen == ["passive", True]
+    chosen, spinning = fresh("active")
+    assert chosen == ["active", False]  # the user's choice stands
+    assert np.array_equal(passive.view(np.uint32), spinning.view(np.uint32))  # the same bits under both policies
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    be = llama(tiny, "q8_0")  # this test's module imported llama_cpp: too late to choose
+    assert (be.settings()["omp_wait_policy"], be.rows_beside_forward()) == ("libgomp default", False)
+    assert "OMP_WAIT_POLICY" not in os.environ
+    be.close()
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
     be = llama(tiny, "q8_0")
     assert (be.settings()["omp_wait_policy"], be.rows_beside_forward()) == ("active", False)
