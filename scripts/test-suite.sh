@@ -15,6 +15,10 @@ cd "$(dirname "$0")/.."
 py=${PY:-.venv/bin/python}
 workers=${TEST_WORKERS:-2}
 
+parallel_pass() {  # every test not marked `serial`, TEST_WORKERS files at a time
+    "$py" -m pytest -q -n "$workers" --dist loadfile -m "not serial" tests
+}
+
 serial_pass() {  # pytest's exit status, "no test selected" (5) counting as success
     "$py" -m pytest -q "$@" tests
     local s=$?
@@ -33,26 +37,29 @@ namespaces() {  # whether this machine gives the serial tests namespaces of thei
 
 if ! namespaces; then
     echo "test-suite.sh: no namespaces here (root, unshare and ip): the serial tests run after the others"
-    "$py" -m pytest -q -n "$workers" --dist loadfile -m "not serial" tests
+    parallel_pass
     p=$?
     serial_pass -m serial
     s=$?
     [ "$p" = 0 ] && exit "$s" || exit "$p"
 fi
 
-# Without network the namespace's tests take the catalog model they cut from the cache: fetched here
-# first (at once when cached). Every test needs it, so a failed fetch ends the suite.
-"$py" -m matrix models fetch smollm2-135m >/dev/null || exit 1
+# Without network the namespace's tests take the catalog model they cut from the cache: fetched
+# first, outside the namespace, while the parallel pass starts (its workers wait on the same fetch's
+# lock where they need the model). A failed fetch fails this pass with the fetch's own line.
 scratch=$(mktemp -d) || exit 1
-unshare --kill-child --net --pid --fork --mount-proc env PY="$py" BASETEMP="$scratch/pytest" bash -c '
-    set -e
-    ip link set lo up
-    mkdir -p /tmp/ray && mount -t tmpfs tmpfs /tmp/ray
-    "$PY" -m pytest -q -p no:cacheprovider -m "serial and not network" --basetemp "$BASETEMP" tests && exit 0 || s=$?
-    [ "$s" = 5 ] && exit 0 || exit "$s"' >"$scratch/serial.log" 2>&1 &
+(
+    "$py" -m matrix models fetch smollm2-135m >/dev/null || exit 1
+    exec unshare --kill-child --net --pid --fork --mount-proc env PY="$py" BASETEMP="$scratch/pytest" bash -c '
+        set -e
+        ip link set lo up
+        mkdir -p /tmp/ray && mount -t tmpfs tmpfs /tmp/ray
+        "$PY" -m pytest -q -p no:cacheprovider -m "serial and not network" --basetemp "$BASETEMP" tests && exit 0 || s=$?
+        [ "$s" = 5 ] && exit 0 || exit "$s"'
+) >"$scratch/serial.log" 2>&1 &
 beside=$!
 trap 'kill "$beside" 2>/dev/null; wait "$beside" 2>/dev/null; rm -rf "$scratch"' EXIT
-"$py" -m pytest -q -n "$workers" --dist loadfile -m "not serial" tests
+parallel_pass
 p=$?
 wait "$beside"
 b=$?

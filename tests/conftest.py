@@ -121,19 +121,23 @@ def shared_cluster() -> str:
     """The address of this pytest worker's Ray cluster, started on first use (one head node with the
     machine's CPUs, as a local `matrix run` starts) and stopped when the session ends."""
     if not _CLUSTER:
-        from ray.cluster_utils import Cluster
-
-        _CLUSTER.append(
-            Cluster(
-                initialize_head=True,
-                head_node_args={
-                    "num_cpus": os.cpu_count(),
-                    "object_store_memory": SHARED_OBJECT_STORE,
-                    "include_dashboard": False,
-                },
-            )
-        )
+        _CLUSTER.append(start_cluster())
     return _CLUSTER[0].address
+
+
+def start_cluster():
+    """A one-node Ray cluster (ray.cluster_utils.Cluster) with the machine's CPUs, as a local `matrix run`
+    starts; its node inherits this process's environment. The caller shuts it down."""
+    from ray.cluster_utils import Cluster
+
+    return Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": os.cpu_count(),
+            "object_store_memory": SHARED_OBJECT_STORE,
+            "include_dashboard": False,
+        },
+    )
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, SHARED_OBJECT_STORE, run_cli, run_process, sql, write_spec
+from tests.conftest import REPO, run_cli, run_process, sql, start_cluster, write_spec
 
 pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
 
@@ -179,16 +179,7 @@ def store(request, tmp_path_factory):
 def store_cluster(store):
     """A Ray cluster whose node has the store's credentials in its environment, as a real cluster's
     nodes have theirs: the sweep's runs and its analysis join it (--address)."""
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": os.cpu_count(),
-            "object_store_memory": SHARED_OBJECT_STORE,
-            "include_dashboard": False,
-        },
-    )
+    c = start_cluster()
     try:
         yield c.address
     finally:
