@@ -40,7 +40,7 @@ class Delivery:
 
 class StackHost:
     def __init__(self, stack: StackDesc, model: ModelCopy, threads: int, delivery: Delivery):
-        extras.adopt(stack.extra_targets)  # extras registered in the driver only (not built in)
+        extras.require(stack)  # an outside extra the cell asks for is installed on this node too
         self.cls = backend_class(stack.engine)
         if self.cls is None:
             raise RuntimeError(f"no backend for engine {stack.engine!r} on node {socket.gethostname()}")
@@ -133,7 +133,7 @@ class StackHost:
         """The next cell of the weights this host holds (Backend.weights_key), in turn after the
         last one: the loaded engine taken over (Backend.switch), or loaded afresh where it cannot
         be; answers as load() does, with `loaded_by`: the cell whose load put the weights here."""
-        extras.adopt(stack.extra_targets)
+        extras.require(stack)
         self.stack, self._load_outcome = stack, False
         try:
             t0 = time.perf_counter()

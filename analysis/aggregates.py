@@ -1,5 +1,6 @@
 """The registry's aggregates (common/metric_defs.py) as SQL and as numpy: the one place that writes
-`avg(kld) AS kld_mean` and its siblings. The views (analysis/sql.py), the admission gates
+`avg(kld) AS kld_mean` and its siblings (`avg(`, `stddev_samp(`, `quantile_cont(` appear nowhere else in
+analysis/; tests/test_metric_registry.py checks it). The views (analysis/sql.py), the admission gates
 (analysis/gates.py) and the card take their SQL from `select_sql`; the fixture gates
 (analysis/truncated.py), which hold their rows in memory, take the same aggregates from `numpy_values`.
 
@@ -17,6 +18,7 @@ SQL = {
     "mean": "avg({x})",
     "stderr": "stddev_samp({x}) / sqrt(count({x}))",  # the rows that have a value: a flagged row has none
     "median": "median({x})",
+    "p10": "quantile_cont({x}, 0.1)",
     "p90": "quantile_cont({x}, 0.9)",
     "p99": "quantile_cont({x}, 0.99)",
     "p999": "quantile_cont({x}, 0.999)",
@@ -24,8 +26,15 @@ SQL = {
     "min": "min({x})",
     "share": "avg({x}::INT)",
     "max_dev1": "max(abs({x} - 1))",
+    "exp_mean": "exp(avg({x}))",
 }
 assert set(SQL) == set(D.KINDS)
+
+
+def agg(kind: str, x: str) -> str:
+    """One aggregate (common/metric_defs.py KINDS) of a column or expression `x`, as SQL: what every
+    view over another table than `metrics` selects its figures with."""
+    return SQL[kind].format(x=x)
 
 
 def aggregate_sql(shown: str, table: str | None = "m", reference: bool = False) -> list[tuple[str, str]]:
@@ -71,13 +80,15 @@ NUMPY = {
     "mean": np.nanmean,
     "stderr": _stderr,
     "median": np.nanmedian,
-    "p90": lambda x: np.nanquantile(x, 0.9),  # linear interpolation, as quantile_cont
+    "p10": lambda x: np.nanquantile(x, 0.1),  # linear interpolation, as quantile_cont
+    "p90": lambda x: np.nanquantile(x, 0.9),
     "p99": lambda x: np.nanquantile(x, 0.99),
     "p999": lambda x: np.nanquantile(x, 0.999),
     "max": np.nanmax,
     "min": np.nanmin,
     "share": lambda x: np.mean(x),
     "max_dev1": lambda x: np.nanmax(np.abs(x - 1)),
+    "exp_mean": lambda x: float(np.exp(np.nanmean(x))),
 }
 assert set(NUMPY) == set(D.KINDS)
 

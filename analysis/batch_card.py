@@ -6,7 +6,7 @@ from __future__ import annotations
 # every batch size of the card cell's stack (its batch-1 stack id, at any size of its own) captured by
 # the card cell's engine build; a batch-free cell has no batch_of, so no rows
 CARD_SQL = """WITH me AS (SELECT batch_of, build FROM cells WHERE cell_id = ?)
-              SELECT d.batch_size, d.fill, d.rows, d.identical_rows, d.bit_identical, d.kld_mean, d.kld_se,
+              SELECT d.batch_size, d.fill, d.rows, d.identical_rows, d.bit_identical, d.kld_mean, d.kld_stderr,
                      d.kld_max, d.top1_agreement
               FROM batch_drift d JOIN cells c USING (cell_id) JOIN me ON d.stack_id_batch_1 = me.batch_of
               WHERE c.build IS NOT DISTINCT FROM me.build
@@ -19,7 +19,7 @@ def line(r: dict) -> str:
     if r["bit_identical"]:
         return f"{head}: bit-identical ({r['rows']} rows)"
     return (
-        f"{head}: KL {r['kld_mean']:.3g} ± {r['kld_se'] or 0:.2g} nats (max {r['kld_max']:.3g}), "
+        f"{head}: KL {r['kld_mean']:.3g} ± {r['kld_stderr'] or 0:.2g} nats (max {r['kld_max']:.3g}), "
         f"top-1 {r['top1_agreement']:.4f}, {r['identical_rows']} of {r['rows']} rows bit-identical"
     )
 

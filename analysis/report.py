@@ -17,6 +17,7 @@ from analysis import report_batch as RB
 from analysis import report_buckets as B
 from analysis import report_plots as P
 from analysis import report_tables as T
+from analysis.aggregates import agg
 from analysis.sql import connect, dict_rows
 from analysis.stack_names import names
 from common.output import table
@@ -44,8 +45,8 @@ def gather(warehouse: str) -> dict:
                                  FROM metrics WHERE repeat = 0 AND kld IS NOT NULL GROUP BY cell_id ORDER BY cell_id""",
                 QUANTILES,
             ),
-            "curves": q("""SELECT cell_id, position, median(kld) AS median, quantile_cont(kld, 0.1) AS p10,
-                                  quantile_cont(kld, 0.9) AS p90, count(DISTINCT prompt_id) AS prompts
+            "curves": q(f"""SELECT cell_id, position, {agg("median", "kld")} AS median, {agg("p10", "kld")} AS p10,
+                                  {agg("p90", "kld")} AS p90, count(DISTINCT prompt_id) AS prompts
                            FROM metrics WHERE repeat = 0 AND kld IS NOT NULL
                            GROUP BY ALL ORDER BY cell_id, position"""),
             "pairs": q("SELECT cell_a, cell_b, mean_js, top1_agreement FROM pairwise"),

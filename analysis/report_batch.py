@@ -10,7 +10,7 @@ from analysis import report_plots as P
 from analysis import report_tables as T
 
 SQL = """SELECT model, cell_id, batch_1_cell_id, batch_size, fill, rows, identical_rows, bit_identical,
-                kld_mean, kld_se, kld_max, top1_agreement, kld_vs_reference
+                kld_mean, kld_stderr, kld_max, top1_agreement, kld_vs_reference
          FROM batch_drift ORDER BY model, batch_size, cell_id"""
 
 
@@ -43,7 +43,7 @@ def section(data: dict, model: str, k: int) -> str:
 
 def _cells(r: dict, stack: dict) -> tuple:
     """One table row: the stack (by its batch-1 cell), the batch, and its drift."""
-    keys = ("batch_size", "fill", "rows", "kld_mean", "kld_se", "kld_max", "top1_agreement", "kld_vs_reference")
+    keys = ("batch_size", "fill", "rows", "kld_mean", "kld_stderr", "kld_max", "top1_agreement", "kld_vs_reference")
     got = [r[k] for k in keys]
     return stack[r["batch_1_cell_id"]], *got[:3], f"{r['identical_rows']} of {r['rows']}", *got[3:]
 

@@ -9,7 +9,7 @@ import time
 import duckdb
 import pyarrow as pa
 
-from analysis.aggregates import bucket_values, position_bucket_values, select_sql
+from analysis.aggregates import agg, bucket_values, position_bucket_values, select_sql
 from common import metric_defs as D
 from common.errors import UserError, first_line
 from common.files import SETTLED_S
@@ -120,7 +120,7 @@ _FOOTER_READ: dict[str, tuple[int, int, int, int]] = {}
 VIEWS = {
     "summary": f"""
         WITH m AS (SELECT * FROM metrics WHERE repeat = 0),
-        floor AS (SELECT reference_cell_id, avg(kld) AS reference_repeat_kld FROM metrics
+        floor AS (SELECT reference_cell_id, {agg("mean", "kld")} AS reference_repeat_kld FROM metrics
                   WHERE cell_id = reference_cell_id AND repeat > 0 GROUP BY ALL)
         SELECT c.model, m.cell_id, c.engine, c.dtype, c.attention, m.reference_cell_id,
                m.cell_id = m.reference_cell_id AS is_reference, count(*) AS rows,
@@ -128,12 +128,14 @@ VIEWS = {
                {select_sql(D.SUMMARY)},
                count(m.nonfinite) AS nonfinite_rows,  -- flagged rows: null metrics, left out of every mean
                -- perplexity over the rows that have a next token, as llama-perplexity reports it
-               exp(avg(m.nll_stack)) AS ppl, exp(avg(m.nll_ref)) AS ppl_ref,
-               exp(avg(m.nll_stack - m.nll_ref)) AS ppl_ratio, corr(m.nll_stack, m.nll_ref) AS nll_correlation,
+               {agg("exp_mean", "m.nll_stack")} AS ppl, {agg("exp_mean", "m.nll_ref")} AS ppl_ref,
+               {agg("exp_mean", "m.nll_stack - m.nll_ref")} AS ppl_ratio,
+               corr(m.nll_stack, m.nll_ref) AS nll_correlation,
                coalesce(any_value(f.reference_repeat_kld), 0) AS reference_repeat_kld,
                any_value(c.bit_reproducible) AS bit_reproducible,
-               NOT (m.cell_id = m.reference_cell_id) AND avg(m.kld) <= 3 * greatest(
-                   avg(m.storage_floor), coalesce(any_value(f.reference_repeat_kld), 0)) AS below_resolution
+               NOT (m.cell_id = m.reference_cell_id) AND {agg("mean", "m.kld")} <= 3 * greatest(
+                   {agg("mean", "m.storage_floor")}, coalesce(any_value(f.reference_repeat_kld), 0))
+                   AS below_resolution
         FROM m JOIN cells c ON c.cell_id = m.cell_id LEFT JOIN floor f ON f.reference_cell_id = m.reference_cell_id
         GROUP BY c.model, m.cell_id, c.engine, c.dtype, c.attention, m.reference_cell_id
         UNION ALL BY NAME  -- the reference itself: its repeat 0 is the yardstick (zero by definition, not measured)
@@ -146,7 +148,7 @@ VIEWS = {
         FROM cells c LEFT JOIN floor f ON f.reference_cell_id = c.cell_id
         -- its own rows, each once: every cell measured against it gives a row's nll_ref, the same
         -- up to the rounding of its own comparison's sums (a stored bf16 pair sums in another order)
-        LEFT JOIN (SELECT reference_cell_id, exp(avg(nll_ref)) AS ppl FROM (
+        LEFT JOIN (SELECT reference_cell_id, {agg("exp_mean", "nll_ref")} AS ppl FROM (
                        SELECT reference_cell_id, prompt_id, position, min(nll_ref) AS nll_ref FROM metrics
                        WHERE nll_ref IS NOT NULL GROUP BY ALL) GROUP BY ALL) ref_ppl
                   ON ref_ppl.reference_cell_id = c.cell_id
@@ -188,27 +190,28 @@ VIEWS = {
         SELECT cell_id, prompt_id, min(position) AS start_position, max(position) AS end_position,
                count(*) AS sampled_positions
         FROM d GROUP BY cell_id, prompt_id, grp""",
-    "centroid_summary": """
+    "centroid_summary": f"""
         SELECT c.model, coalesce(m.centroid_group, c.model) AS centroid_group, m.cell_id,
                any_value(m.is_reference) AS is_reference, count(*) AS rows,
                count(*) FILTER (WHERE m.nonfinite) AS nonfinite_rows,
-               avg(m.kld_centroid_stack) AS kld_centroid_stack, avg(m.kld_stack_centroid) AS kld_stack_centroid,
-               avg(m.js_centroid) AS js_centroid,
+               {agg("mean", "m.kld_centroid_stack")} AS kld_centroid_stack,
+               {agg("mean", "m.kld_stack_centroid")} AS kld_stack_centroid,
+               {agg("mean", "m.js_centroid")} AS js_centroid,
                rank() OVER (PARTITION BY c.model, coalesce(m.centroid_group, c.model)
-                            ORDER BY avg(m.kld_centroid_stack)) AS rank_closest
+                            ORDER BY {agg("mean", "m.kld_centroid_stack")}) AS rank_closest
         FROM centroid_metrics m JOIN cells c USING (cell_id)
         GROUP BY c.model, coalesce(m.centroid_group, c.model), m.cell_id""",
     # Per-layer agreement: one row per (cell, layer) of repeat 0, shallowest first, with
     # the row where each of the two gates (cosine, norm ratio) is worst; `matrix layers CELL --gates` gives the verdict.
-    "layer_summary": """
+    "layer_summary": f"""
         SELECT c.model, m.cell_id, c.engine, c.dtype, m.reference_cell_id, m.layer, m.layer_index,
-               count(*) AS rows, min(m.cosine) AS cosine_min, avg(m.cosine) AS cosine_mean,
+               count(*) AS rows, {agg("min", "m.cosine")} AS cosine_min, {agg("mean", "m.cosine")} AS cosine_mean,
                arg_min(m.prompt_id || '@' || m.position, m.cosine) AS cosine_worst_at,
-               min(m.norm_ratio) AS norm_ratio_min, max(m.norm_ratio) AS norm_ratio_max,
-               max(abs(m.norm_ratio - 1)) AS norm_ratio_dev_max,
+               {agg("min", "m.norm_ratio")} AS norm_ratio_min, {agg("max", "m.norm_ratio")} AS norm_ratio_max,
+               {agg("max_dev1", "m.norm_ratio")} AS norm_ratio_dev_max,
                arg_max(m.prompt_id || '@' || m.position, abs(m.norm_ratio - 1)) AS norm_ratio_worst_at,
-               avg(m.rel_l2) AS rel_l2_mean, max(m.rel_l2) AS rel_l2_max, max(m.max_abs_diff) AS max_abs_diff,
-               avg(m.allclose::INT) AS allclose_share
+               {agg("mean", "m.rel_l2")} AS rel_l2_mean, {agg("max", "m.rel_l2")} AS rel_l2_max,
+               {agg("max", "m.max_abs_diff")} AS max_abs_diff, {agg("share", "m.allclose")} AS allclose_share
         FROM layer_metrics m JOIN cells c USING (cell_id)
         WHERE m.repeat = 0
         GROUP BY ALL""",
@@ -216,21 +219,24 @@ VIEWS = {
     # decoded from a KV cache, recomputed from a warm cache, ...). path 'prefill': the cell's own
     # prefill rows there vs the reference's; path = rows_of: those rows vs the reference's prefill
     # rows, with their consistency with the same cell's prefill row (kld / max |diff| / identical).
-    "ppl_by_prompt": """
+    "ppl_by_prompt": f"""
         SELECT m.cell_id, m.reference_cell_id, m.prompt_id, p.name, count(m.nll_stack) AS rows,
-               exp(avg(m.nll_stack)) AS ppl, exp(avg(m.nll_ref)) AS ppl_ref
+               {agg("exp_mean", "m.nll_stack")} AS ppl, {agg("exp_mean", "m.nll_ref")} AS ppl_ref
         FROM metrics m JOIN prompts p USING (prompt_id) WHERE m.repeat = 0 GROUP BY ALL""",
-    "summary_by_path": """
+    "summary_by_path": f"""
         WITH d AS (SELECT *, coalesce(path, 'decode') AS rows_of FROM decode_metrics WHERE repeat = 0)
         SELECT c.model, d.cell_id, c.engine, c.dtype, d.reference_cell_id, d.rows_of, d.path, count(*) AS rows,
-               CASE WHEN d.path = 'prefill' THEN avg(d.kld_prefill) ELSE avg(d.kld) END AS kld_mean,
-               CASE WHEN d.path = 'prefill' THEN max(d.kld_prefill) ELSE max(d.kld) END AS kld_max,
-               CASE WHEN d.path <> 'prefill' THEN avg(d.top1_match::INT) END AS top1_agreement,
-               CASE WHEN d.path <> 'prefill' THEN avg(d.kld_vs_prefill) END AS kld_vs_prefill_mean,
-               CASE WHEN d.path <> 'prefill' THEN max(d.max_abs_diff_vs_prefill) END AS max_abs_diff_vs_prefill,
-               CASE WHEN d.path <> 'prefill' THEN avg(d.identical_to_prefill::INT) END AS identical_share,
-               CASE WHEN d.path <> 'prefill' THEN avg(d.top1_match_prefill::INT) END AS top1_agreement_prefill,
-               CASE WHEN d.path <> 'prefill' THEN avg(d.cached_tokens) END AS cached_tokens_mean
+               CASE WHEN d.path = 'prefill' THEN {agg("mean", "d.kld_prefill")} ELSE {agg("mean", "d.kld")} END
+                   AS kld_mean,
+               CASE WHEN d.path = 'prefill' THEN {agg("max", "d.kld_prefill")} ELSE {agg("max", "d.kld")} END
+                   AS kld_max,
+               CASE WHEN d.path <> 'prefill' THEN {agg("share", "d.top1_match")} END AS top1_agreement,
+               CASE WHEN d.path <> 'prefill' THEN {agg("mean", "d.kld_vs_prefill")} END AS kld_vs_prefill_mean,
+               CASE WHEN d.path <> 'prefill' THEN {agg("max", "d.max_abs_diff_vs_prefill")} END
+                   AS max_abs_diff_vs_prefill,
+               CASE WHEN d.path <> 'prefill' THEN {agg("share", "d.identical_to_prefill")} END AS identical_share,
+               CASE WHEN d.path <> 'prefill' THEN {agg("share", "d.top1_match_prefill")} END AS top1_agreement_prefill,
+               CASE WHEN d.path <> 'prefill' THEN {agg("mean", "d.cached_tokens")} END AS cached_tokens_mean
         FROM (SELECT d.* EXCLUDE (path), CASE WHEN q.own THEN 'prefill' ELSE d.rows_of END AS path
               FROM d CROSS JOIN (VALUES (true), (false)) q(own)) d
              JOIN cells c USING (cell_id)
@@ -255,16 +261,17 @@ VIEWS = {
     # Graded batch drift: each batch cell (size > 1) against the same stack at batch 1 (batch_metrics),
     # repeat 0 row by row: bit-identity on the row hashes, KL and top-1 where they differ, and beside
     # it the cell's KL against the model's reference (metrics), so an invariant mode's cost shows too.
-    "batch_drift": """
+    "batch_drift": f"""
         WITH h AS (SELECT cell_id, prompt_id, position, row_hash FROM logits WHERE repeat = 0 AND path IS NULL),
-        r AS (SELECT cell_id, avg(kld) AS kld_vs_reference FROM metrics WHERE repeat = 0 GROUP BY cell_id)
+        r AS (SELECT cell_id, {agg("mean", "kld")} AS kld_vs_reference FROM metrics WHERE repeat = 0 GROUP BY cell_id)
         SELECT c.model, c.engine, c.dtype, c.attention, c.options, c.batch_of AS stack_id_batch_1,
                m.reference_cell_id AS batch_1_cell_id, m.cell_id, c.batch_size,
                json_extract_string(c.batch, '$.fill') AS fill, count(*) AS rows,
                count(*) FILTER (WHERE ha.row_hash = hb.row_hash) AS identical_rows,
                bool_and(coalesce(ha.row_hash = hb.row_hash, false)) AS bit_identical,
-               avg(m.kld) AS kld_mean, stddev_samp(m.kld) / sqrt(count(m.kld)) AS kld_se, max(m.kld) AS kld_max,
-               avg(m.top1_match::INT) AS top1_agreement, max(m.max_abs_diff) AS max_abs_diff,
+               {agg("mean", "m.kld")} AS kld_mean, {agg("stderr", "m.kld")} AS kld_stderr,
+               {agg("max", "m.kld")} AS kld_max, {agg("share", "m.top1_match")} AS top1_agreement,
+               {agg("max", "m.max_abs_diff")} AS max_abs_diff,
                any_value(r.kld_vs_reference) AS kld_vs_reference
         FROM batch_metrics m JOIN cells c ON c.cell_id = m.cell_id
         LEFT JOIN h ha ON ha.cell_id = m.cell_id AND ha.prompt_id = m.prompt_id AND ha.position = m.position

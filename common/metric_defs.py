@@ -9,7 +9,9 @@ rows in memory); nothing else writes `avg(kld)` or its siblings by hand.
 Adding a metric: compute it per row in `analysis/metrics.py` `_metrics` (bump KERNEL_VERSION so
 `matrix analyze` recomputes older files), give it a nullable column in store/schema.py METRICS
 (with a migration), and declare it below with the aggregates that show it. The views, gates and
-card pick it up from here.
+card pick it up from here. The views over other tables (centroid, layer, side-path and plug-in
+metrics) name their figures where they select them, each through one of the KINDS below
+(`analysis.aggregates.agg`).
 
 Plain data only (no numpy, no pyarrow): store/, analysis/ and the driver all read it.
 """
@@ -25,11 +27,13 @@ BY_POSITION = "position_buckets"
 SHOWN_IN = (SUMMARY, BY_RANGE, BY_CONFIDENCE, BY_POSITION, GATES, CARD)
 
 # What an aggregate computes over the rows of a group (null rows skipped, as SQL does):
-# mean | stderr (standard error of the mean) | median | p90 | p99 | p999 (linear interpolation) | max | min |
-# share (of a boolean's rows that are true) | max_dev1 (largest |value - 1|, for a ratio whose ideal is 1)
-KINDS = ("mean", "stderr", "median", "p90", "p99", "p999", "max", "min", "share", "max_dev1")
-KIND_WORDS = {"mean": "mean", "stderr": "s.e.", "median": "median", "p90": "p90", "p99": "p99", "p999": "p99.9"}
-KIND_WORDS |= {"max": "max", "min": "min", "share": "", "max_dev1": "max |x - 1| of"}
+# mean | stderr (standard error of the mean) | median | p10 | p90 | p99 | p999 (linear interpolation) | max |
+# min | share (of a boolean's rows that are true) | max_dev1 (largest |value - 1|, for a ratio whose ideal
+# is 1) | exp_mean (exp of the mean: a perplexity from per-row negative log-likelihoods)
+KINDS = ("mean", "stderr", "median", "p10", "p90", "p99", "p999", "max", "min", "share", "max_dev1", "exp_mean")
+KIND_WORDS = {"mean": "mean", "stderr": "s.e.", "median": "median", "p10": "p10", "p90": "p90", "p99": "p99"}
+KIND_WORDS |= {"p999": "p99.9", "max": "max", "min": "min", "share": "", "max_dev1": "max |x - 1| of"}
+KIND_WORDS |= {"exp_mean": "exp of the mean"}
 
 # The buckets of kld_by_confidence: the reference's top-1 probability in [lo, hi), the last [0.9, 1.0]
 CONFIDENCE_EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)

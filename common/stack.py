@@ -35,7 +35,6 @@ class StackDesc:
     # The per-cell extras it asks for (extras/): sorted (key, value) pairs, values as the extra's parser
     # gives them; the plan resolves them against the model (Extra.resolve)
     extras: tuple = ()
-    extra_targets: tuple = ()  # "key=module:Class" of those not built in (extras.targets)
     weights_sha256: str | None = None  # of the reference checkpoint the engine's weights are built from
     source_gguf: str | None = None  # the GGUF the reference weights were dequantised from, if any
     source_quant: str | None = None  # its quant type: a cell of that dtype runs the file itself

@@ -14,9 +14,11 @@ module declares all the core needs:
     analysis, card        its metrics in `matrix analyze`, its block of the model card, its report section
 
 The core (spec, plan, actor, run loop, verify, analyze, card, report) loops over `registered()`.
-Extras are found through a lazy key -> "module:Class" map: the modules of this package, and any
-other module added with `register(key, "package.module:Class")` (or LOGIT_MATRIX_EXTRAS=
-"key=module:Class,..." in the environment, which reaches the capturing processes too).
+Extras are found through a lazy key -> "module:Class" map, as engines are (backends/__init__.py):
+the modules of this package, then the entry points of the group ``logit_matrix.extras`` (name =
+key, value = "package.module:Class") of the distributions installed; a built-in's key wins. An
+outside extra is installed wherever its cells capture, as an outside engine is: a capturing
+process that lacks one a cell asks for fails that cell, naming it (`require`).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-import os
 import pkgutil
+import socket
+from importlib.metadata import entry_points
 from typing import Any, Callable, ClassVar
 
-_added: dict[str, str] = {}
+GROUP = "logit_matrix.extras"
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,16 +46,6 @@ def _builtin() -> dict[str, str]:
     return {key: target for _, key, target in sorted(found)}
 
 
-def register(key: str, target: str) -> None:
-    """Add an extra: `target` is "module:Class" of an Extra subclass whose key is `key`."""
-    _added[key] = target
-
-
-def _env() -> dict[str, str]:
-    raw = os.environ.get("LOGIT_MATRIX_EXTRAS", "")
-    return dict(part.split("=", 1) for part in raw.split(",") if "=" in part)
-
-
 @functools.lru_cache(maxsize=None)
 def _load(target: str) -> "Extra":
     module, _, name = target.partition(":")
@@ -61,9 +54,18 @@ def _load(target: str) -> "Extra":
     return extra
 
 
+@functools.cache
 def _targets() -> dict[str, str]:
-    """key -> "module:Class": the package's own, then the environment's, then those registered here."""
-    return {**_builtin(), **_env(), **_added}
+    """key -> "module:Class": the package's own, then the entry points (a built-in's key wins)."""
+    found = dict(_builtin())
+    for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name):
+        found.setdefault(ep.name, ep.value)
+    return found
+
+
+def refresh() -> None:
+    """Read the entry points again (after a distribution was installed into this process's path)."""
+    _targets.cache_clear()
 
 
 def registered() -> list["Extra"]:
@@ -85,17 +87,16 @@ def of(asking) -> list[tuple["Extra", Any]]:
     return [(x, asked[x.key]) for x in registered() if asked.get(x.key) is not None]
 
 
-def targets(stack_or_cell) -> tuple[str, ...]:
-    """The "module:Class" of each extra the cell asks for that is not built in: a capturing process
-    registers them before it loads the engine."""
-    return tuple(f"{x.key}={x.target}" for x, _ in of(stack_or_cell) if x.key not in _builtin())
-
-
-def adopt(entries: tuple[str, ...]) -> None:
-    for entry in entries:
-        key, _, target = entry.partition("=")
-        if key not in _targets():
-            register(key, target)
+def require(stack_or_cell) -> None:
+    """In a capturing process: every extra the cell asks for is installed here, or the cell fails
+    naming it (an extra that is not found would otherwise be left out of the capture unsaid)."""
+    asked = [k for k, v in dict(getattr(stack_or_cell, "extras", stack_or_cell)).items() if v is not None]
+    missing = sorted(set(asked) - set(_targets()))
+    if missing:
+        raise RuntimeError(
+            f"extra {', '.join(missing)} is not installed on {socket.gethostname()} "
+            f"(no entry point of group {GROUP} names it): install its distribution on every node"
+        )
 
 
 def side_tables(cell_row: dict) -> tuple[str, ...]:

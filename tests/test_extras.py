@@ -1,10 +1,12 @@
-"""Per-cell extras are plug-ins: a module outside the package (tests/toy_extra.py) registered by
-name alone has its rows captured beside the cell's, verified by `matrix verify` and analysed by
-`matrix analyze`, with no other code changed. On the real 2-layer SmolLM2 cut, HF fp32 eager."""
+"""Per-cell extras are plug-ins: a module outside the package (tests/toy_extra/), registered only by
+its distribution's entry point (group logit_matrix.extras) as an outside engine is, has its key
+validated, its rows captured beside the cell's, verified by `matrix verify` and analysed by `matrix
+analyze`, with no other code changed. On the real 2-layer SmolLM2 cut, HF fp32 eager."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -13,7 +15,8 @@ from tests.conftest import REPO, run_cli, run_process, sql, write_spec
 
 pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
 
-ECHO = {"LOGIT_MATRIX_EXTRAS": "echo=tests.toy_extra:Echo", "PYTHONPATH": str(REPO)}
+TOY = REPO / "tests" / "toy_extra"
+ECHO = {"PYTHONPATH": os.pathsep.join([str(TOY), str(REPO)])}  # the distribution, as if installed
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +44,24 @@ def test_an_unregistered_key_is_refused(tiny_model, short_corpus, tmp_path):
     spec = write_spec(tmp_path / "spec.yaml", tiny_model, short_corpus, echo="on")
     r = run_process("cells", str(spec))
     assert r.returncode == 2 and "echo: unknown key" in r.stderr, r.stderr
+
+
+def test_the_entry_point_registers_it_and_a_process_without_it_fails_the_cell(monkeypatch):
+    import extras
+    from common.stack import StackDesc
+
+    stack = StackDesc("hf", "fp32", "eager", extras=(("echo", "on"),))
+    with pytest.raises(RuntimeError, match=r"extra echo is not installed on .*group logit_matrix\.extras"):
+        extras.require(stack)
+    monkeypatch.syspath_prepend(str(TOY))
+    extras.refresh()
+    try:
+        assert extras.get("echo").target == "toy_extra:Echo" and extras.keys()[-1] == "echo"
+        extras.require(stack)  # installed here: nothing to say
+    finally:
+        monkeypatch.undo()
+        extras.refresh()
+    assert "echo" not in extras.keys()
 
 
 def test_the_toy_extra_is_captured_in_each_cells_decode_file(echoed):

@@ -77,6 +77,37 @@ def test_the_fixture_gates_aggregate_as_the_warehouse_gates(tmp_path):
             assert got[k] == pytest.approx(want[k], rel=1e-12, abs=1e-15), (shown, k)
 
 
+def test_every_kind_gives_the_same_figure_in_sql_and_numpy():
+    """Each aggregate kind, as SQL (agg) and as numpy, over the same values with a null among them."""
+    rng = np.random.default_rng(2)
+    x = rng.random(101) * 3
+    x[7] = np.nan
+    flag = rng.random(101) < 0.3
+    con = duckdb.connect(":memory:")
+    con.register("t", pa.table({"x": pa.array(x, mask=np.isnan(x)), "b": flag}))
+    for kind in D.KINDS:
+        col, values = ("b", flag) if kind == "share" else ("x", x)
+        (got,) = con.execute(f"SELECT {A.agg(kind, col)} FROM t").fetchone()
+        assert got == pytest.approx(A.numpy_value(kind, values), rel=1e-12), kind
+    assert A.numpy_value("exp_mean", x) == pytest.approx(np.exp(np.nanmean(x)), rel=1e-15)
+    assert A.numpy_value("p10", x) == pytest.approx(np.quantile(x[~np.isnan(x)], 0.1), rel=1e-15)
+
+
+def test_no_analysis_module_writes_an_aggregate_by_hand():
+    """avg(, stddev_samp( and quantile_cont( are written once, in analysis/aggregates.py; every
+    other module of analysis/ (and every plug-in's view) selects its figures through it."""
+    from pathlib import Path
+
+    root = Path(A.__file__).parent
+    for f in [*root.glob("*.py"), *(root.parent / "extras").glob("*.py")]:
+        if f.name == "aggregates.py":
+            continue
+        code = "\n".join(line.split("#", 1)[0] for line in f.read_text().splitlines())
+        for written in ("avg(", "stddev_samp(", "quantile_cont("):
+            assert written not in code, (f.name, written)
+    assert "kld_stderr" in VIEWS["batch_drift"] and "kld_se " not in VIEWS["batch_drift"]
+
+
 def _views_over(metrics: pa.Table) -> duckdb.DuckDBPyConnection:
     """Every derived view over empty tables, the metrics table holding these rows."""
     con = duckdb.connect(":memory:")

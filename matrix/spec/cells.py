@@ -42,7 +42,6 @@ def stack_desc(cell: Cell, model) -> StackDesc:
         cell.stack,
         cell_id=cell.cell_id if cell.is_bound else "",  # a stack not bound yet (an engine-build probe) has none
         weights_sha256=model.weights_sha256,
-        extra_targets=extras.targets(cell),
         source_gguf=model.gguf_path,
         source_quant=model.gguf_quant,
         calibration_text=_calibration_text(cell),

@@ -1,7 +1,8 @@
-"""A toy per-cell extra, registered from outside the package: `echo: on` evaluates each prompt's
+"""A toy per-cell extra, registered from outside the package by the entry point of the distribution
+beside it (toy_extra-0.1.dist-info, group logit_matrix.extras): `echo: on` evaluates each prompt's
 prefill a second time in the same process and writes each row beside the first one (decode-file
 path 'echo'), so analysis measures how far an engine's two identical forwards are apart. Every
-engine has the hook it needs (forward). tests/test_extras.py registers it by its module alone."""
+engine has the hook it needs (forward)."""
 
 from __future__ import annotations
 
