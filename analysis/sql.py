@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from analysis.aggregates import agg, bucket_values, position_bucket_values, select_sql
 from common import metric_defs as D
+from common import plugin_views
 from common.errors import UserError, first_line
 from common.files import SETTLED_S
 from store import TABLES, Warehouse
@@ -55,7 +56,7 @@ def connect(warehouse: str, names: set[str] | None = None) -> duckdb.DuckDBPyCon
         else:
             con.execute(f"CREATE VIEW {table} AS SELECT * FROM _empty_{table}")
     register_functions(con)
-    for name, body in VIEWS.items():  # in an order where a view comes after those it reads
+    for name, body in all_views().items():  # in an order where a view comes after those it reads
         if names is None or name in names:
             con.execute(f"CREATE VIEW {name} AS {body}")
     return con
@@ -71,13 +72,14 @@ def referenced(sql: str) -> set[str] | None:
     tables' files: a query pays only for what it reads."""
     if _CATALOG.search(sql):
         return None
-    known, found, texts = set(TABLES) | set(VIEWS), set(), [sql]
+    views = all_views()
+    known, found, texts = set(TABLES) | set(views), set(), [sql]
     while texts:
         text = texts.pop()
         for name in known - found:
             if re.search(rf"\b{name}\b", text, re.I):
                 found.add(name)
-                texts.append(VIEWS.get(name, ""))
+                texts.append(views.get(name, ""))
     return found
 
 
@@ -309,16 +311,28 @@ VIEW_ABOUT = {
 }
 
 
+def all_views() -> dict[str, str]:
+    """{view: SQL}: the core's, then those the plug-ins declare (extras.Extra.views, through
+    common/plugin_views.py)."""
+    return {**VIEWS, **{name: body for name, (body, _) in plugin_views.provider().items()}}
+
+
+def view_about() -> dict[str, str]:
+    """{view: what it answers, in one line}, the plug-ins' included."""
+    return {**VIEW_ABOUT, **{name: about for name, (_, about) in plugin_views.provider().items()}}
+
+
 def view_columns() -> dict[str, list[tuple[str, str]]]:
     """{view: [(column, DuckDB type)]} of every derived view, from an empty warehouse of this schema."""
     con = duckdb.connect(":memory:")
+    views = all_views()
     try:
         for table, schema in TABLES.items():
             con.register(f"_empty_{table}", pa.table({f.name: pa.array([], f.type) for f in schema}))
             con.execute(f"CREATE VIEW {table} AS SELECT * FROM _empty_{table}")
-        for name, body in VIEWS.items():
+        for name, body in views.items():
             con.execute(f"CREATE VIEW {name} AS {body}")
-        return {name: [(c[0], c[1]) for c in con.execute(f"DESCRIBE {name}").fetchall()] for name in VIEWS}
+        return {name: [(c[0], c[1]) for c in con.execute(f"DESCRIBE {name}").fetchall()] for name in views}
     finally:
         con.close()
 

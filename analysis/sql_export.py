@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from analysis.sql import VIEWS, connect, readable
+from analysis.sql import all_views, connect, readable
 from store import TABLES, Warehouse
 from store.schema import SCHEMA_VERSION
 
@@ -46,12 +46,13 @@ def export_views(warehouse: str, out: str) -> dict:
                 paths = _lit(f"{wh.where.rstrip('/')}/{glob}" if wh.remote else os.path.abspath(wh.loc.path(glob)))
             src = f"SELECT * FROM ({empty}) UNION ALL BY NAME SELECT * FROM read_parquet({paths}, union_by_name = true)"
         lines.append(f"CREATE OR REPLACE VIEW {table} AS SELECT {', '.join(c[0] for c in cols)} FROM ({src});")
-    for name, body in VIEWS.items():
+    views = all_views()
+    for name, body in views.items():
         lines.append(f"CREATE OR REPLACE VIEW {name} AS {body.strip()};")
     con.close()
     text = "\n".join(lines) + "\n"
     Path(out).write_text(text)
-    return {"file": str(out), "tables": len(TABLES), "views": len(VIEWS), "damaged": damaged}
+    return {"file": str(out), "tables": len(TABLES), "views": len(views), "damaged": damaged}
 
 
 def _lit(path: str) -> str:

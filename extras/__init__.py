@@ -12,6 +12,7 @@ module declares all the core needs:
     capturer              what runs beside each prompt's forward in the capturing process
     record                its part of the cells row (the column named `column`), from each capture's manifest
     analysis, card        its metrics in `matrix analyze`, its block of the model card, its report section
+    views                 the SQL views that grade it (created after the core's: analysis.sql.all_views)
 
 The core (spec, plan, actor, run loop, verify, analyze, card, report) loops over `registered()`.
 Extras are found through a lazy key -> "module:Class" map, as engines are (backends/__init__.py):
@@ -85,6 +86,21 @@ def of(asking) -> list[tuple["Extra", Any]]:
     """(extra, value) for each extra a Cell, a StackDesc or a (key, value) tuple asks for, in registry order."""
     asked = dict(getattr(asking, "extras", asking))
     return [(x, asked[x.key]) for x in registered() if asked.get(x.key) is not None]
+
+
+def _views() -> dict[str, tuple[str, str]]:
+    """{view: (SQL, what it answers)} of every extra, in registry order."""
+    out: dict[str, tuple[str, str]] = {}
+    for x in registered():
+        out.update(x.views())
+    return out
+
+
+def _install_views() -> None:
+    # analysis sits below this package and never imports it: the views reach it through this provider
+    from common import plugin_views
+
+    plugin_views.provider = _views
 
 
 def require(stack_or_cell) -> None:
@@ -231,6 +247,11 @@ class Extra:
         """{path: analysis.side_analysis.PathRule} for each side-file path it writes."""
         return {}
 
+    def views(self) -> dict[str, tuple[str, str]]:
+        """{view: (SQL, what it answers in one line)}: its graded views, aggregates through
+        analysis.aggregates.agg; `matrix sql`, the card and the report read them as the core's."""
+        return {}
+
     def card(self, warehouse: str, cell_row: dict) -> dict | None:
         return None
 
@@ -281,3 +302,6 @@ def agreement(a, b) -> tuple[int, float]:
     n = len(a)
     same = (a.view(np.uint8).reshape(n, -1) == b.view(np.uint8).reshape(n, -1)).all(-1)
     return int(same.sum()), float(np.abs(widen(a) - widen(b)).max(initial=0.0))
+
+
+_install_views()

@@ -91,6 +91,17 @@ def test_the_toy_extra_is_analysed(echoed):
     assert [(g["cell_id"], g["rows"]) for g in got] == [(c["cell_id"], c["rows_per_repeat"]) for c in cells]
     # HF fp32 on one thread gives the same prefill twice: every echo row bit-identical, KL 0
     assert all(g["identical_share"] == 1.0 and g["kld_vs_prefill_mean"] == 0.0 for g in got), got
+    # the view the plug-in declares, beside the core's, where the plug-in is installed
+    r = run_cli(
+        "sql", "select * from echo_agreement order by cell_id", "--warehouse", str(wh), "--format", "json", env=ECHO
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    mine = json.loads(r.stdout)
+    assert [(m["cell_id"], m["rows"], m["identical_share"], m["max_abs_diff"]) for m in mine] == [
+        (g["cell_id"], g["rows"], 1.0, 0.0) for g in got
+    ], mine
+    r = run_cli("sql", "select * from echo_agreement", "--warehouse", str(wh))
+    assert r.returncode == 2 and "echo_agreement" in r.stderr, r.stderr  # not installed here: no such view
 
 
 def test_the_toy_extra_is_verified(echoed, tmp_path):

@@ -115,7 +115,8 @@ def _column_notes(source: str) -> dict[str, dict[str, str]]:
 def warehouse_page() -> str:
     import pyarrow as pa
 
-    from analysis.sql import VIEW_ABOUT, view_columns
+    import extras  # noqa: F401  (the plug-ins' views)
+    from analysis.sql import view_about, view_columns
     from store import schema
 
     notes = _column_notes(inspect.getsource(schema))
@@ -134,8 +135,9 @@ def warehouse_page() -> str:
         out += [f"| `{f.name}` | {f.type} | {_cell(mine.get(f.name, ''))} |" for f in sch]
         out.append("")
     out.append("## Views\n")
+    about = view_about()
     for view, cols in view_columns().items():
-        out.append(f"### `{view}`\n\n{_cell(VIEW_ABOUT[view])}.\n\n| column | type |\n| --- | --- |")
+        out.append(f"### `{view}`\n\n{_cell(about[view])}.\n\n| column | type |\n| --- | --- |")
         out += [f"| `{c}` | {t} |" for c, t in cols]
         out.append("")
     return "\n".join(out).rstrip() + "\n"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from analysis.aggregates import agg
 from extras import Capturer, Extra, add_pairs, loads
 
 
@@ -56,6 +57,12 @@ class Echo(Extra):
         from analysis.side_analysis import PathRule
 
         return {"echo": PathRule(active=self.active_in, reference_shard=True)}
+
+    def views(self):
+        sql = f"""SELECT cell_id, count(*) AS rows, {agg("share", "identical_to_prefill")} AS identical_share,
+                         {agg("max", "max_abs_diff_vs_prefill")} AS max_abs_diff
+                  FROM decode_metrics WHERE path = 'echo' AND repeat = 0 GROUP BY cell_id"""
+        return {"echo_agreement": (sql, "each echo cell's second prefill against its first")}
 
     def describe(self, value):
         return "on"
