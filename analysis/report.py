@@ -20,6 +20,7 @@ from analysis import report_tables as T
 from analysis.aggregates import agg
 from analysis.sql import connect, dict_rows
 from analysis.stack_names import names
+from common import plugin_views
 from common.output import table
 
 QUANTILES = [i / 200 for i in range(201)]  # the CDF's points: every half percent of a stack's rows
@@ -64,6 +65,8 @@ def gather(warehouse: str) -> dict:
             "centroids": q("SELECT DISTINCT centroid_group, centroid FROM centroid_metrics ORDER BY ALL"),
             "stacks": q("SELECT * FROM cells"),
             "batch": q(RB.SQL),
+            # each plug-in's views (extras.Extra.views), for its own report section
+            "plugin_views": {name: q(f"SELECT * FROM {name}") for name in plugin_views.provider()},
         }
     finally:
         con.close()
