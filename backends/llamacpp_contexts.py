@@ -223,6 +223,26 @@ class LlamaContexts:
             self._lc.llama_free(ctx)
         return out
 
+    def chunked_rows(self, token_ids: list[int], positions: list[int], chunk: int) -> np.ndarray:
+        """The prompt in llama_decode calls of `chunk` tokens, each continuing the KV cache the
+        calls before it filled (n_batch = chunk: what llama-server does with a prompt longer than
+        its batch), in a fresh context."""
+        ctx, cp = self._context(len(token_ids))
+        want = {p: i for i, p in enumerate(positions)}
+        out = np.empty((len(positions), self._n_vocab), dtype=np.float32)  # (rows, vocab)
+        batch = self._lc.llama_batch_init(cp.n_batch, 0, 1)
+        try:
+            self._feed(ctx, batch, min(chunk, cp.n_batch), token_ids, 0, want, out, None)
+        finally:
+            self._lc.llama_batch_free(batch)
+            self._lc.llama_free(ctx)
+        return out
+
+    def whole_prefill(self) -> dict[str, int]:
+        """What feeds a prompt whole here: llama_decode calls of n_batch tokens, cut into ubatches
+        of n_ubatch (a prompt longer than either is already chunked in the capture)."""
+        return {"n_batch": self.n_batch, "n_ubatch": self.n_ubatch}
+
     # how warm_rows reuses a cache, recorded in the settings of a cell that checks it
     warm_rule = (
         "check: state saved, restored into a fresh context, all but the last token "

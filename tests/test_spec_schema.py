@@ -57,7 +57,11 @@ def test_parsing_takes_its_keys_and_defaults_from_the_schema():
         "load_timeout_s",
         "capture_timeout_s",
     }
-    assert set(S.by_name(S.top())) - parse.TOP_KEYS == set(extras.keys()) == {"layers", "decode", "prefix_cache"}
+    assert (
+        set(S.by_name(S.top())) - parse.TOP_KEYS
+        == set(extras.keys())
+        == {"layers", "decode", "prefix_cache", "prefill_chunk"}
+    )
     assert (parse.STORES, parse.BOS_POLICIES, parse.DEFAULT_STRIDE) == (
         ("native", "bf16"),
         ("tokenizer", "always", "never"),
