@@ -15,6 +15,7 @@ from common.stack import StackDesc
 from store.warehouse import widen
 from tests.conftest import run_cli, sql, write_spec
 from tests.float64_rows import log_softmax, matrix
+from tests.test_report_browser import MODEL_CHARTS, check_report, needs_chromium
 
 pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
 
@@ -122,6 +123,16 @@ def test_its_card_line_and_report_chart(chunked, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     page = (tmp_path / "report" / "report.html").read_text()
     assert "<h2>Prefill in chunks</h2>" in page and 'id="prefill-chunk"' in page
+
+
+@needs_chromium
+def test_the_chunk_chart_renders_in_headless_chromium(chunked, tmp_path):
+    """The report's browser check (tests/test_report_browser.py) over this warehouse: the chunk
+    chart drawn with a line per chunked cell, its labels clear of each other."""
+    wh, _ = chunked
+    got = check_report(wh, tmp_path, ["prefill-chunk", *(c.format(k=0) for c in MODEL_CHARTS)])
+    chart = {c["id"]: c for c in got["charts"]}["prefill-chunk"]
+    assert chart["series"] == 2, chart
 
 
 def test_a_bad_chunk_size_is_one_line_exit_2(tiny_model, short_corpus, tmp_path):
