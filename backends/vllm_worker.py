@@ -36,6 +36,19 @@ def prefill_logits(model, n_tokens: int, positions: list[int]):
     return model.compute_logits(prefill[0][keep]).detach().cpu()
 
 
+def chunked_logits(model, n_tokens: int, chunk: int, positions: list[int]):
+    """Runs in every vLLM worker, after a request prefilled in steps of at most `chunk` tokens: the
+    steps' final-norm rows stitched in order, then the logits at `positions`, (rows, vocab)."""
+    import torch
+
+    states, model._logit_matrix_states = model._logit_matrix_states, []
+    shapes = [h.shape[0] for h in states]
+    if sum(shapes) != n_tokens or any(n > chunk for n in shapes) or len(shapes) != -(-n_tokens // chunk):
+        raise RuntimeError(f"expected a prefill of {n_tokens} tokens in steps of {chunk}, saw steps of {shapes}")
+    keep = torch.tensor(positions, dtype=torch.long, device=states[0].device)
+    return model.compute_logits(torch.cat(states)[keep]).detach().cpu()
+
+
 def drop_states(model) -> None:
     """Runs in every vLLM worker: forget the norm hook's states (a warm-up request's)."""
     model._logit_matrix_states = []

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from backends import vllm_backend as V
 from common.stack import StackDesc
 from store.warehouse import widen
 from tests.conftest import run_cli, sql, write_spec
@@ -20,6 +21,8 @@ from tests.test_report_browser import MODEL_CHARTS, check_report, needs_chromium
 pytestmark = pytest.mark.slow  # runs `matrix run` captures end to end
 
 pytest.importorskip("llama_cpp")
+
+VLLM = V.vllm_python() is not None
 
 IDS = [(i * 7919) % 49000 + 100 for i in range(150)]
 SIZES = [16, 64]
@@ -57,6 +60,8 @@ def chunked(tiny_model, short_corpus, tmp_path_factory):
         include=[
             {"engine": "hf", "dtype": "fp32", "attention": "sdpa", "prefill_chunk": SIZES},
             {"engine": "llamacpp", "dtype": "f16", "attention": "default", "prefill_chunk": SIZES},
+            # vLLM's chunked prefill (its scheduler's per-step budget); skipped, saying why, without .venv-vllm
+            {"engine": "vllm", "dtype": "fp32", "attention": "default", "prefill_chunk": SIZES},
         ],
     )
     wh = d / "wh"
@@ -91,11 +96,12 @@ def _oracle(wh, cell_id: str) -> dict[int, dict]:
 
 def test_the_graded_view_is_a_float64_kl_of_the_stored_rows(chunked):
     wh, summary = chunked
-    assert summary["decode"]["cells"] == 2
+    engines = ["hf", "llamacpp", *(["vllm"] if VLLM else [])]
+    assert summary["decode"]["cells"] == len(engines)
     cells = {c["engine"]: c for c in sql(wh, "select * from cells where settings like '%prefill_chunk%'")}
-    assert set(cells) == {"hf", "llamacpp"}
+    assert sorted(cells) == engines
     view = sql(wh, "select * from prefill_chunk_drift order by engine, chunk")
-    assert [(v["engine"], v["chunk"]) for v in view] == [("hf", 16), ("hf", 64), ("llamacpp", 16), ("llamacpp", 64)]
+    assert [(v["engine"], v["chunk"]) for v in view] == [(e, n) for e in engines for n in SIZES]
     for v in view:
         cell = cells[v["engine"]]
         o = _oracle(wh, cell["cell_id"])[v["chunk"]]
@@ -107,6 +113,11 @@ def test_the_graded_view_is_a_float64_kl_of_the_stored_rows(chunked):
         assert v["kld_vs_reference"] is not None and v["kld_whole_vs_reference"] is not None
     settings = json.loads(cells["llamacpp"]["settings"])["prefill_chunk"]
     assert settings == {"sizes": SIZES, "whole": {"n_batch": 2048, "n_ubatch": 512}}
+    if VLLM:  # measured on a Xeon with AMX: bit for bit the whole prefill's rows in steps of 16 or 64
+        whole = json.loads(cells["vllm"]["settings"])["prefill_chunk"]["whole"]
+        assert whole == {"max_num_batched_tokens": V.MAX_MODEL_LEN}, whole
+        vl = [v for v in view if v["engine"] == "vllm"]
+        assert all(v["top1_agreement"] == 1.0 and v["kld_max"] < 1e-6 for v in vl), vl
     # llama.cpp's chunks run other ubatch shapes than its whole prefill: measured apart, top-1 kept
     ll = [v for v in view if v["engine"] == "llamacpp"]
     assert all(v["kld_max"] > 0 and v["top1_agreement"] >= 0.98 for v in ll), ll
@@ -132,7 +143,9 @@ def test_the_chunk_chart_renders_in_headless_chromium(chunked, tmp_path):
     wh, _ = chunked
     got = check_report(wh, tmp_path, ["prefill-chunk", *(c.format(k=0) for c in MODEL_CHARTS)])
     chart = {c["id"]: c for c in got["charts"]}["prefill-chunk"]
-    assert chart["series"] == 2, chart
+    # a cell bit-identical at every size (vLLM on CPU, fp32) has no point on the log axis: its rows are in the table
+    positive = {v["cell_id"] for v in sql(wh, "select cell_id from prefill_chunk_drift where kld_mean > 0")}
+    assert chart["series"] == len(positive) >= 2, chart
 
 
 def test_a_bad_chunk_size_is_one_line_exit_2(tiny_model, short_corpus, tmp_path):
