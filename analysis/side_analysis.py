@@ -37,6 +37,9 @@ class PathRule:
     reference_file: bool = False
     hits: Callable[[dict], dict] | None = None  # prompt -> leading tokens a cache served (cached_tokens)
     reference_shard: bool = False  # its rows sit at sampled positions: the reference's shard is an input
+    # the step of the prefill row each row pairs with: None, its own step; a number, that step (one
+    # prefill row serving rows of several steps, as several chunk sizes at one position)
+    prefill_step: int | None = None
 
 
 def _digest(wh: Warehouse, cell_id: str, repeat: int) -> str:
@@ -102,7 +105,8 @@ def compare(
 ) -> pa.Table:
     keys = [(path, k) for path in rules for k in sorted(mine[path])]
     other = np.array([mine[path][k] for path, k in keys], np.int64)
-    pre = np.array([mine["prefill"][k] for _, k in keys], np.int64)
+    step = {path: r.prefill_step for path, r in rules.items()}
+    pre = np.array([mine["prefill"][k if step[p] is None else (*k[:2], step[p])] for p, k in keys], np.int64)
     v = mine["values"]
     own = M.row_metrics(v[pre], v[other])  # KL(P_prefill || P_other), same cell
     n = len(keys)
