@@ -276,27 +276,9 @@ class HFBackend(Backend):
 
     def chunked_rows(self, token_ids: list[int], positions: list[int], chunk: int) -> np.ndarray:
         """The prompt in forwards of `chunk` tokens, each continuing transformers' own KV cache
-        (DynamicCache) from the ones before it; the LM head on each chunk's kept rows only."""
-        torch, dev = self._torch, self.torch_device
-        rows = []
-        with self._grad_off(), hf_sdpa.pinned(torch, self.model, self.stack.attention, len(token_ids)):
-            cache = None
-            for start in range(0, len(token_ids), chunk):
-                ids = token_ids[start : start + chunk]
-                keep = [p - start for p in positions if start <= p < start + len(ids)]
-                out = self.model(
-                    input_ids=torch.tensor([ids], device=dev),
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev) if keep else 1,
-                )
-                cache = out.past_key_values
-                if keep:
-                    rows.append(out.logits[0].detach().to("cpu"))  # (kept, vocab), native dtype
-        logits = torch.cat(rows)  # (rows, vocab)
-        if logits.dtype == torch.bfloat16:
-            return logits.view(torch.int16).numpy().view(np.uint16)
-        return logits.numpy()
+        (DynamicCache); the kept rows' final hidden states joined, then one LM head over all of
+        them, as forward() runs it (a head per chunk would round otherwise: another matmul shape)."""
+        return hf_stream.chunked(self, token_ids, positions, chunk)
 
     layer_sources = {
         "layer": "model.layers.{i} output (forward hook)",

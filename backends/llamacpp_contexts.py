@@ -227,11 +227,13 @@ class LlamaContexts:
         """The prompt in llama_decode calls of `chunk` tokens, each continuing the KV cache the
         calls before it filled (n_batch = chunk: what llama-server does with a prompt longer than
         its batch), in a fresh context."""
+        if chunk > self.n_batch and len(token_ids) > self.n_batch:
+            raise RuntimeError(f"prefill_chunk {chunk} is past this cell's n_batch {self.n_batch}: set n_batch >= it")
         ctx, cp = self._context(len(token_ids))
         want = {p: i for i, p in enumerate(positions)}
         out = np.empty((len(positions), self._n_vocab), dtype=np.float32)  # (rows, vocab)
         batch = self._lc.llama_batch_init(cp.n_batch, 0, 1)
-        try:
+        try:  # a prompt no longer than the chunk is one call (cp.n_batch is its length then)
             self._feed(ctx, batch, min(chunk, cp.n_batch), token_ids, 0, want, out, None)
         finally:
             self._lc.llama_batch_free(batch)

@@ -278,9 +278,11 @@ class VLLMBackend(Backend):
         each reading the KV cache of the steps before; the steps' rows stitched in the worker."""
         import functools
 
+        from backends.base import SkipCell
+
         sched = self._scheduler()
         if not sched.scheduler_config.enable_chunked_prefill:
-            raise RuntimeError("vLLM's scheduler has chunked prefill off (scheduler_config.enable_chunked_prefill)")
+            raise SkipCell(f"vLLM {self._versions['vllm']}: chunked prefill is off (enable_chunked_prefill=False)")
         whole, sched.max_num_scheduled_tokens = sched.max_num_scheduled_tokens, chunk
         try:
             self._generate(token_ids)

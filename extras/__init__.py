@@ -89,10 +89,19 @@ def of(asking) -> list[tuple["Extra", Any]]:
 
 
 def _views() -> dict[str, tuple[str, str]]:
-    """{view: (SQL, what it answers)} of every extra, in registry order."""
+    """{view: (SQL, what it answers)} of every extra, in registry order. A name a core table or
+    view has, or another extra's view, is refused: a plug-in never replaces what others read."""
+    from analysis.sql import VIEWS
+    from store import TABLES
+
     out: dict[str, tuple[str, str]] = {}
+    owner: dict[str, str] = {}
     for x in registered():
-        out.update(x.views())
+        for name, view in x.views().items():
+            if name in VIEWS or name in TABLES or name in out:
+                taken = owner.get(name, "the core")
+                raise ValueError(f"extra {x.key} ({x.target}) declares view {name}, which {taken} has already")
+            out[name], owner[name] = view, f"extra {x.key}"
     return out
 
 

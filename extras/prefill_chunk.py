@@ -5,7 +5,7 @@ chunks before them filled (vLLM's chunked prefill, `max_num_batched_tokens`; lla
 calls of llama_decode). The kernels then see other shapes than one whole-prompt forward, so the
 rows may differ. For each N, the engine runs the prompt again in chunks of N tokens
 (`chunked_rows(token_ids, positions, N)`) and each sampled row goes to the repeat's side file at
-path 'chunked', step N, beside the capture's own row there (path 'prefill', step N).
+path 'chunked', step N; the capture's own row there goes beside them once (path 'prefill', step 0).
 
 Graded against the cell's own prefill path, not a partner cell: the same process and weights give
 both rows, so what differs is the chunking alone, at the cost of one more forward per size.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from extras import Capturer, Extra, add_pairs, loads
+from extras import Capturer, Extra, loads
 
 PATH = "chunked"
 VIEW = "prefill_chunk_drift"
@@ -29,13 +29,16 @@ class ChunkCapturer(Capturer):
         self.got = {"rows": 0, "seconds": 0.0, "chunked_prompts": dict.fromkeys(map(str, sizes), 0)}
 
     def after(self, prompt_id: str, whole: list[int], fed: list[int], positions: list[int], rows) -> None:
+        nxt = [whole[p + 1] if p + 1 < len(whole) else None for p in positions]
+        k = len(positions)
+        self.writer.add(prompt_id, positions, nxt, rows, None, ["prefill"] * k, [0] * k)
         for n in self.sizes:
             t0 = time.perf_counter()
             chunked = self.backend.chunked_rows(fed, positions, n)  # (rows, vocab), native dtype
             self.got["seconds"] += time.perf_counter() - t0
-            add_pairs(self.writer, prompt_id, whole, positions, rows, chunked, PATH, [n] * len(positions))
-            self.got["rows"] += 2 * len(positions)
+            self.writer.add(prompt_id, positions, nxt, chunked.astype(rows.dtype), None, [PATH] * k, [n] * k)
             self.got["chunked_prompts"][str(n)] += len(fed) > n
+        self.got["rows"] += k * (1 + len(self.sizes))
 
     def summary(self) -> dict[str, Any]:
         return dict(self.got)
@@ -50,7 +53,12 @@ class PrefillChunk(Extra):
     order = 25  # reads the prompt's whole-prefill rows
     rank = 35
     about = "also feed each prompt in chunks of N tokens (each size), graded against the whole prefill"
-    json_schema = {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1}
+    json_schema = {
+        "oneOf": [
+            {"type": "integer", "minimum": 1},
+            {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1},
+        ]
+    }
     tp1_only = "prefill_chunk runs at tp 1 only in this version"
 
     def parse(self, v: Any, fail) -> tuple[int, ...] | None:
@@ -66,8 +74,8 @@ class PrefillChunk(Extra):
         return list(value)
 
     def side_rows(self, value, fed_positions: list[list[int]], prompt_lengths: list[int]) -> tuple[int, bool]:
-        """A chunked and a whole-prefill row per sampled row and size."""
-        return 2 * len(value) * sum(len(f) for f in fed_positions), True
+        """Per sampled row, the whole prefill's once and a chunked one per size."""
+        return (1 + len(value)) * sum(len(f) for f in fed_positions), True
 
     def capturer(self, backend, value, writer) -> Capturer:
         return ChunkCapturer(backend, value, writer)
@@ -84,7 +92,7 @@ class PrefillChunk(Extra):
         from analysis.side_analysis import PathRule
 
         # its rows sit at sampled positions: the reference's capture shard holds the rows to compare with
-        return {PATH: PathRule(active=self.active_in, reference_shard=True)}
+        return {PATH: PathRule(active=self.active_in, reference_shard=True, prefill_step=0)}
 
     def views(self) -> dict[str, tuple[str, str]]:
         from analysis.aggregates import agg

@@ -58,7 +58,7 @@ scratch=$(mktemp -d) || exit 1
         [ "$s" = 5 ] && exit 0 || exit "$s"'
 ) >"$scratch/serial.log" 2>&1 &
 beside=$!
-trap 'kill "$beside" 2>/dev/null; wait "$beside" 2>/dev/null; rm -rf "$scratch"' EXIT
+trap 'pkill -P "$beside" 2>/dev/null; kill "$beside" 2>/dev/null; wait "$beside" 2>/dev/null; rm -rf "$scratch"' EXIT
 parallel_pass
 p=$?
 wait "$beside"

@@ -58,6 +58,11 @@ def test_the_entry_point_registers_it_and_a_process_without_it_fails_the_cell(mo
     try:
         assert extras.get("echo").target == "toy_extra:Echo" and extras.keys()[-1] == "echo"
         extras.require(stack)  # installed here: nothing to say
+        assert "echo_agreement" in extras._views()
+        # a view named as the core's is refused, naming the plug-in, never put in its place
+        monkeypatch.setattr(type(extras.get("echo")), "views", lambda self: {"summary": ("SELECT 1", "x")})
+        with pytest.raises(ValueError, match=r"extra echo \(toy_extra:Echo\) declares view summary, which the core"):
+            extras._views()
     finally:
         monkeypatch.undo()
         extras.refresh()

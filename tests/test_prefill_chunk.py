@@ -39,11 +39,13 @@ def test_each_engine_feeds_a_prompt_in_chunks_that_continue_its_kv_cache(tiny_mo
         be = cls(StackDesc(cls.engine, dtype, att), str(tiny_model), 2)
         be.load()
         whole = widen(be.forward(IDS, keep))  # (rows, vocab)
-        for n in (*SIZES, len(IDS)):
+        for n in SIZES:
             got = widen(be.chunked_rows(IDS, keep, n))
             assert got.shape == whole.shape == (len(keep), 49152)
             assert (got.argmax(-1) == whole.argmax(-1)).all(), (cls.engine, n)
             assert np.abs(got - whole).max() < 0.1, (cls.engine, n, float(np.abs(got - whole).max()))
+        # one chunk holding the whole prompt is the whole prefill, bit for bit
+        assert np.array_equal(be.chunked_rows(IDS, keep, len(IDS)), be.forward(IDS, keep)), cls.engine
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +87,7 @@ def _oracle(wh, cell_id: str) -> dict[int, dict]:
     for (path, prompt, pos, step), i in at.items():
         if path != "chunked":
             continue
-        j = at[("prefill", prompt, pos, step)]
+        j = at[("prefill", prompt, pos, 0)]  # the whole prefill's row, stored once for every size
         p, q = log_softmax(x[j]), log_softmax(x[i])
         o = out.setdefault(step, {"kld": [], "identical": 0, "top1": []})
         o["kld"].append(float(np.sum(np.exp(p) * (p - q))))
@@ -106,6 +108,8 @@ def test_the_graded_view_is_a_float64_kl_of_the_stored_rows(chunked):
         cell = cells[v["engine"]]
         o = _oracle(wh, cell["cell_id"])[v["chunk"]]
         assert v["rows"] == len(o["kld"]) == cell["rows_per_repeat"], v
+        side = pq.read_metadata(wh / "logits" / cell["cell_id"] / "d0.parquet").num_rows
+        assert side == (1 + len(SIZES)) * cell["rows_per_repeat"]  # the whole prefill's rows once, a chunked per size
         assert v["kld_mean"] == pytest.approx(np.mean(o["kld"]), rel=1e-9, abs=1e-15), v
         # one row's KL sums a vocabulary of terms: its rounding is ~1e-15 absolute (HF's rows ~1e-11 apart)
         assert v["kld_max"] == pytest.approx(max(o["kld"]), rel=1e-9, abs=1e-13), v
