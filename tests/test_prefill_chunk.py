@@ -149,7 +149,7 @@ def test_the_chunk_chart_renders_in_headless_chromium(chunked, tmp_path):
     chart = {c["id"]: c for c in got["charts"]}["prefill-chunk"]
     # a cell bit-identical at every size (vLLM on CPU, fp32) has no point on the log axis: its rows are in the table
     positive = {v["cell_id"] for v in sql(wh, "select cell_id from prefill_chunk_drift where kld_mean > 0")}
-    assert chart["series"] == len(positive) >= 2, chart
+    assert chart["series"] == len(positive) >= 1, chart  # llama.cpp's chunks, at least, run other kernels
 
 
 def test_a_bad_chunk_size_is_one_line_exit_2(tiny_model, short_corpus, tmp_path):
