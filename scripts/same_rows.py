@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from analysis.sql import VIEWS, connect  # noqa: E402
+import extras  # noqa: E402,F401  (the plug-ins' views)
+from analysis.sql import all_views, connect  # noqa: E402
 from store import TABLES  # noqa: E402
 
 VOLATILE = {"run_id", "started_at", "finished_at", "load_seconds", "capture_seconds", "pid", "argv", "node_id"}
@@ -49,7 +50,7 @@ def rows(con, name: str) -> list[tuple]:
 def main(a: str, b: str) -> int:
     ca, cb = connect(a), connect(b)
     same = True
-    for name in [*TABLES, *VIEWS]:
+    for name in [*TABLES, *all_views()]:
         ra, rb = rows(ca, name), rows(cb, name)
         ok = ra == rb
         same &= ok
