@@ -17,6 +17,7 @@ import extras
 from actors.batched import Batched
 from backends.base import Backend, LengthRefused
 from common.positions import Positions
+from common.positions import next_ids as predicted  # the local name next_ids is the list it gives
 from store.floors import Storage
 
 OVERLAP_BYTES = 1 << 29  # a prompt's rows up to this size are kept while the next forward runs
@@ -151,9 +152,7 @@ def _forward_each(
         fed, positions = keep.fed(ids, max_tokens)
         if not positions:  # the window misses this prompt: no rows, no forward
             continue
-        # Row p holds the prediction for ids[p + 1] of the whole prompt (a window or a prefix
-        # feeds less); only the prompt's last row has no next token.
-        next_ids = [ids[p + 1] if p + 1 < len(ids) else None for p in positions]
+        next_ids = predicted(ids, positions)
         tf = time.perf_counter()
         streamed = stream_over is not None and side.streams(len(positions))
         forward = side.forward_blocks if streamed else side.forward

@@ -31,13 +31,11 @@ def section(data: dict, model: str, k: int) -> str:
         for label, rs in by_stack.items()
     ]
     head = "stack|batch|fill|rows|bit-identical rows|KL vs batch 1|± s.e.|max|top-1|KL vs reference".split("|")
-    body = "".join(f"<tr>{''.join(f'<td>{html.escape(T.fmt(v))}</td>' for v in _cells(r, stack))}</tr>" for r in rows)
+    body = [[html.escape(T.fmt(v)) for v in _cells(r, stack)] for r in rows]
     return (
         "<h3>Batch drift: each stack among other sequences, against itself at batch 1</h3>"
         + P.lines(series, f"batch-{k}", "batch size", "KL(batch 1 ‖ batch B), nats", [str(s) for s in sizes])
-        + "<table><tr>"
-        + "".join(f"<th>{h}</th>" for h in head)
-        + f"</tr>{body}</table>"
+        + T.html_table(f"batch-rows-{k}", head, body)
     )
 
 

@@ -33,7 +33,7 @@ def _g(v, digits=4) -> str:
     return html.escape(fmt(v, digits))
 
 
-def _table(ident: str, head: list[str], rows: list[list[str]]) -> str:
+def html_table(ident: str, head: list[str], rows: list[list[str]]) -> str:
     """rows hold HTML already escaped."""
     th = "".join(f"<th>{h}</th>" for h in head)
     body = "".join("<tr>" + "".join(f"<td>{v}</td>" for v in r) + "</tr>" for r in rows)
@@ -94,7 +94,7 @@ def _runs(runs: list[dict]) -> str:
         ]
         for r in runs
     ]
-    return _table(
+    return html_table(
         "runs",
         [
             "run",
@@ -138,7 +138,7 @@ def _hosts(cells: list[dict], names: dict) -> str:
         [_e(host), _e(h["cpu"]), _e(h["gpu"]), _e(", ".join(sorted(set(h["stacks"]))))]
         for host, h in sorted(by.items())
     ]
-    return _table("hosts", ["host", "CPU", "GPU", "stacks"], rows)
+    return html_table("hosts", ["host", "CPU", "GPU", "stacks"], rows)
 
 
 def _gpus(fp: dict) -> str:
@@ -161,7 +161,7 @@ def _engines(cells: list[dict]) -> str:
         v = json.loads(c.get("versions") or "{}")
         seen.setdefault(c["engine"], Counter())[", ".join(f"{k} {x}" for k, x in sorted(v.items()) if x)] += 1
     rows = [[_e(e), "<br>".join(_e(s) for s in sorted(cnt))] for e, cnt in sorted(seen.items())]
-    return _table("engines", ["engine", "libraries"], rows)
+    return html_table("engines", ["engine", "libraries"], rows)
 
 
 def _models(cells: list[dict]) -> str:
@@ -177,7 +177,7 @@ def _models(cells: list[dict]) -> str:
             },
         )
     rows = [[_e(m), _g(d["vocab"]), _e(d["source"]), _e(d["weights"]), _e(d["license"])] for m, d in sorted(by.items())]
-    return _table("models", ["model", "vocabulary", "source", "weights sha256", "license"], rows)
+    return html_table("models", ["model", "vocabulary", "source", "weights sha256", "license"], rows)
 
 
 def stacks_table(data: dict, model: str) -> str:
@@ -201,7 +201,7 @@ def stacks_table(data: dict, model: str) -> str:
         for c in data["cells"]
         if c["model"] == model
     ]
-    return _table(
+    return html_table(
         f"stacks-{_slug(model)}",
         [
             "stack",
@@ -246,7 +246,7 @@ def ranges_tables(data: dict, model: str) -> str:
             if r["cell_id"] in ids and pick(r)
         ]
         if rows:
-            t = _table(
+            t = html_table(
                 f"{ident}-{_slug(model)}",
                 ["stack", "positions", "category", "rows", "KLD mean", "± s.e.", "KLD p99", "top-1"],
                 rows,

@@ -74,6 +74,12 @@ LLAMA_PERPLEXITY = Positions(stride=1, start="half", stop=-2, last=False)
 PRESETS = {"llama_perplexity": LLAMA_PERPLEXITY}
 
 
+def next_ids(ids: list[int], positions: list[int]) -> list[int | None]:
+    """The token each kept row predicts: ids[p + 1] of the whole prompt (a window or a prefix feeds
+    less); only the prompt's last row has none."""
+    return [ids[p + 1] if p + 1 < len(ids) else None for p in positions]
+
+
 def parse(raw, fld: str, err) -> Positions:
     """A spec's `positions:` value (a preset name or a mapping); err(field, message, value) -> exception."""
     if isinstance(raw, str):

@@ -32,6 +32,8 @@ import socket
 from importlib.metadata import entry_points
 from typing import Any, Callable, ClassVar
 
+from common.positions import next_ids
+
 GROUP = "logit_matrix.extras"
 
 
@@ -288,7 +290,7 @@ def add_pairs(
     -> agreement(prefill, other): (rows byte-identical, max |prefill - other|)."""
     import numpy as np
 
-    nxt = [whole[p + 1] if p + 1 < len(whole) else None for p in positions]
+    nxt = next_ids(whole, positions)
     n = len(positions)
     writer.add(
         prompt_id,

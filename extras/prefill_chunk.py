@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from common.positions import next_ids
 from extras import Capturer, Extra, loads
 
 PATH = "chunked"
@@ -29,7 +30,7 @@ class ChunkCapturer(Capturer):
         self.got = {"rows": 0, "seconds": 0.0, "chunked_prompts": dict.fromkeys(map(str, sizes), 0)}
 
     def after(self, prompt_id: str, whole: list[int], fed: list[int], positions: list[int], rows) -> None:
-        nxt = [whole[p + 1] if p + 1 < len(whole) else None for p in positions]
+        nxt = next_ids(whole, positions)
         k = len(positions)
         self.writer.add(prompt_id, positions, nxt, rows, None, ["prefill"] * k, [0] * k)
         for n in self.sizes:
@@ -155,25 +156,21 @@ class PrefillChunk(Extra):
         ]
         head = "stack|chunk|rows|bit-identical rows|KL vs whole|± s.e.|max|top-1|KL vs reference".split("|")
         keys = ("chunk", "rows", "identical_rows", "kld_mean", "kld_stderr", "kld_max", "top1_agreement")
-        body = "".join(
-            "<tr>"
-            + "".join(
-                f"<td>{html.escape(T.fmt(v))}</td>"
+        table = [
+            [
+                html.escape(T.fmt(v))
                 for v in (names.get(r["cell_id"], r["cell_id"]), *(r[k] for k in keys), r["kld_vs_reference"])
-            )
-            + "</tr>"
+            ]
             for r in rows
-        )
+        ]
         return (
             "<h2>Prefill in chunks</h2><p>Each prompt fed again in chunks of N tokens, each chunk attending to "
             "the KV cache the chunks before it filled (a serving engine's chunked prefill), against the same "
             "cell's whole prefill at the same positions.</p>"
             + P.lines(
-                series, "prefill-chunk", "chunk size (tokens)", "KL(whole ‖ chunked), nats", [str(s) for s in sizes]
+                series, "prefill-chunk", "chunk size (tokens)", "KL(whole ‖ chunked), nats", list(map(str, sizes))
             )
-            + "<table><tr>"
-            + "".join(f"<th>{h}</th>" for h in head)
-            + f"</tr>{body}</table>"
+            + T.html_table("prefill-chunk-rows", head, table)
         )
 
     def brief(self, value) -> list[str]:
