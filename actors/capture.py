@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 import extras
-from actors.batched import Batched
 from backends.base import Backend, LengthRefused
 from common.positions import Positions
 from common.positions import next_ids as predicted  # the local name next_ids is the list it gives
@@ -86,7 +85,7 @@ def capture_shard(
     length_refusals says which (None: none), and the logits shard's footer names the prompts
     left out (store/schema.py REFUSED_KEY)."""
     t0 = time.perf_counter()
-    side = Extras(backend, side_writers or {}) if backend.stack.batch is None else Batched(backend, prompts, max_tokens)
+    side = Extras(backend, side_writers or {}, prompts, max_tokens)
     work = RowWork(Storage(store, reuse=True), writer, observe)  # done with a prompt's stored rows before the next
     stage = Overlap(beside=_rows_beside(backend, observe))
     refused = Refusals()
@@ -298,12 +297,15 @@ class Extras:
     """The per-cell extras of one capture (extras/): their capturers in order, around each prompt's
     forward. One that taps the forward gives the rows; the others read them after."""
 
-    def __init__(self, backend: Backend, writers: dict):
+    def __init__(self, backend: Backend, writers: dict, prompts: list, max_tokens: int | None):
         self.writers = writers
-        asked = [(x, v) for x, v in extras.of(backend.stack) if x.table in writers] if writers else []
+        # an extra with a side table runs where the caller gave its writer; one without (batch) always
+        asked = [(x, v) for x, v in extras.of(backend.stack) if x.table is None or x.table in writers]
         self.parts = [
-            (x.key, x.capturer(backend, v, writers[x.table])) for x, v in sorted(asked, key=lambda xv: xv[0].order)
+            (x.key, x.capturer(backend, v, writers.get(x.table))) for x, v in sorted(asked, key=lambda xv: xv[0].order)
         ]
+        for _, c in self.parts:
+            c.start(prompts, max_tokens)
         self.backend = backend
         self.tap = next((c for _, c in self.parts if c.taps_forward), None)
 

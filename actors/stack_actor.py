@@ -274,7 +274,8 @@ class StackHost:
         values = values or not self.direct  # a node that cannot read the warehouse measures nothing: analyze will
         metrics = self._metrics(metrics_ref, repeat, required=not values)
         writer = self._writer(run_id, repeat, "logits", values)
-        side = {t: self._writer(run_id, repeat, t) for t in dict.fromkeys(x.table for x, _ in extras.of(self.stack))}
+        tables = dict.fromkeys(x.table for x, _ in extras.of(self.stack) if x.table)
+        side = {t: self._writer(run_id, repeat, t) for t in tables}
         out = capture_shard(
             self.backend,
             writer,

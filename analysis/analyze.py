@@ -135,9 +135,9 @@ def analyze(
     *,
     side,
 ) -> dict:
-    """side: (name, analysis) of each side table, run after the stacks' metrics: batch drift
-    (analysis/batch_drift.py side()) and each per-cell extra's (extras.analyses()); the caller says
-    which, so no table is left out unseen."""
+    """side: (name, analysis) of each plug-in's tables, run after the stacks' metrics
+    (extras.analyses(): batch drift, layers, the side files' paths); the caller says which, so no
+    table is left out unseen."""
     wh = Warehouse(warehouse).require()
     with wh.lock():  # one writer at a time: a run in progress would change the cells under us
         wh.migrate(log)
@@ -189,7 +189,7 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
     )
     progress = _compute(wh, todo, tasks, summary, log, skip_damaged, run_units)
     _write_ranges(wh, ranges)
-    for name, part in side:  # the side tables: batch_metrics, the per-cell extras' layer_metrics, decode_metrics
+    for name, part in side:  # the plug-ins' tables: batch_metrics, layer_metrics, decode_metrics
         got = part(wh, done, reference, force, log)
         if got is not None:
             summary[name] = got

@@ -2,11 +2,12 @@
 every row of repeat 0 against repeat 0, with the reference metrics' kernel: KL, top-1, max |diff|
 (0 where the row is bit-identical). One file per cell, batch_metrics/<cell_id>.parquet, under a
 content key of both shards, so a second analyze recomputes nothing; the batch_drift view sums it.
-`matrix analyze` runs it as one of its side analyses (side())."""
+`matrix analyze` runs it as the batch plug-in's analysis (extras/batch.py)."""
 
 from __future__ import annotations
 
 from analysis import metrics as M
+from analysis.aggregates import agg
 from analysis.compare import cell_metrics
 from analysis.unit_keys import unit_key
 from store import Warehouse
@@ -14,7 +15,35 @@ from store.floors import StorageFloor
 from store.stream import shard_index
 from store.verify import DamagedShard
 
-TABLE = "batch_metrics"
+TABLE = "batch_metrics"  # the metrics table's columns; reference_cell_id: the batch-1 cell
+
+# The graded view: each batch cell (size > 1) against the same stack at batch 1 (batch_metrics),
+# repeat 0 row by row: bit-identity on the row hashes, KL and top-1 where they differ, and beside
+# it the cell's KL against the model's reference (metrics), so an invariant mode's cost shows too.
+VIEW = "batch_drift"
+VIEW_SQL = f"""
+        WITH h AS (SELECT cell_id, prompt_id, position, row_hash FROM logits WHERE repeat = 0 AND path IS NULL),
+        r AS (SELECT cell_id, {agg("mean", "kld")} AS kld_vs_reference FROM metrics WHERE repeat = 0 GROUP BY cell_id)
+        SELECT c.model, c.engine, c.dtype, c.attention, c.options, c.batch_of AS stack_id_batch_1,
+               m.reference_cell_id AS batch_1_cell_id, m.cell_id, c.batch_size,
+               json_extract_string(c.batch, '$.fill') AS fill, count(*) AS rows,
+               count(*) FILTER (WHERE ha.row_hash = hb.row_hash) AS identical_rows,
+               bool_and(coalesce(ha.row_hash = hb.row_hash, false)) AS bit_identical,
+               {agg("mean", "m.kld")} AS kld_mean, {agg("stderr", "m.kld")} AS kld_stderr,
+               {agg("max", "m.kld")} AS kld_max, {agg("share", "m.top1_match")} AS top1_agreement,
+               {agg("max", "m.max_abs_diff")} AS max_abs_diff,
+               any_value(r.kld_vs_reference) AS kld_vs_reference
+        FROM batch_metrics m JOIN cells c ON c.cell_id = m.cell_id
+        LEFT JOIN h ha ON ha.cell_id = m.cell_id AND ha.prompt_id = m.prompt_id AND ha.position = m.position
+        LEFT JOIN h hb ON hb.cell_id = m.reference_cell_id AND hb.prompt_id = m.prompt_id AND hb.position = m.position
+        LEFT JOIN r ON r.cell_id = m.cell_id
+        WHERE m.repeat = 0
+        GROUP BY c.model, c.engine, c.dtype, c.attention, c.options, c.batch_of, m.reference_cell_id, m.cell_id,
+                 c.batch_size, c.batch"""
+VIEW_ABOUT = (
+    "each batch cell (batch_size > 1) against the same stack at batch 1: rows bit-identical, and "
+    "KL (mean, s.e., max), top-1 agreement and max |Δlogit| where they differ; with its KL against the reference"
+)
 
 
 def pairs(done: list[dict], log=lambda line: None) -> list[tuple[dict, dict]]:
@@ -79,15 +108,6 @@ def _measure(wh: Warehouse, cell: dict, sib: dict, force: bool, log, got: dict) 
     wh.write_table(TABLE, cid, table, {"key": key, "kernel_version": M.KERNEL_VERSION, "rows": table.num_rows})
     got["rows"] += table.num_rows
     log(f"[batch] {cid}: {table.num_rows} rows against batch 1 ({sid})")
-
-
-def side(skip_damaged: bool = False) -> tuple:
-    """(name, analysis(wh, done, reference, force, log), its log line): an entry of analyze's side list."""
-
-    def analysis(wh: Warehouse, done: list[dict], reference, force: bool, log) -> dict | None:
-        return analyze_batches(wh, done, force, log, skip_damaged)
-
-    return "batch", analysis, line
 
 
 def line(got: dict) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from analysis import batch_card as BC
 from analysis import confidence as C
 from analysis import position_card as PC
 from analysis.disclosure import disclosure as _disclosure
@@ -108,7 +107,6 @@ def build_card(
         "ranges": ranges,
         "by_confidence": query_rows(warehouse, C.CARD_SQL, [cell_id]),
         "position_buckets": query_rows(warehouse, PC.CARD_SQL, [cell_id]),
-        "batch": query_rows(warehouse, BC.CARD_SQL, [cell_id]),
         "disclosure": disclosure,
         "undisclosed": missing,
         **{x.key: x.card(warehouse, cell) for x in extras},
@@ -169,7 +167,6 @@ def markdown(card: dict, extras) -> str:
         )
     out += PC.card_lines(card.get("position_buckets") or [])
     out += C.card_lines(card.get("by_confidence") or [])
-    out += BC.card_lines(card.get("batch") or [])
     out += ["", "| disclosure | value |", "|---|---|"]
     for k, v in card["disclosure"].items():
         if isinstance(v, dict) and k.endswith("runtime"):

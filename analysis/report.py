@@ -13,14 +13,13 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from analysis import report_batch as RB
 from analysis import report_buckets as B
 from analysis import report_plots as P
 from analysis import report_tables as T
 from analysis.aggregates import agg
 from analysis.sql import connect, dict_rows
 from analysis.stack_names import names
-from common import plugin_views
+from common import plugins
 from common.output import table
 
 QUANTILES = [i / 200 for i in range(201)]  # the CDF's points: every half percent of a stack's rows
@@ -64,9 +63,8 @@ def gather(warehouse: str) -> dict:
                                 spec_sha256, cells_done, cells_total FROM runs ORDER BY started_at"""),
             "centroids": q("SELECT DISTINCT centroid_group, centroid FROM centroid_metrics ORDER BY ALL"),
             "stacks": q("SELECT * FROM cells"),
-            "batch": q(RB.SQL),
             # each plug-in's views (extras.Extra.views), for its own report section
-            "plugin_views": {name: q(f"SELECT * FROM {name}") for name in plugin_views.provider()},
+            "plugin_views": {name: q(f"SELECT * FROM {name}") for name in plugins.provider.views()},
         }
     finally:
         con.close()
@@ -238,13 +236,15 @@ def _embedded(data: dict) -> str:
     return json.dumps(small, default=str).replace("</", "<\\/")
 
 
-def write_html(data: dict, out_dir: Path, warehouse: str, sections: list[str] = ()) -> Path:
-    """sections: the HTML of each per-cell extra's part (extras: Extra.report), in registry order."""
+def write_html(data: dict, out_dir: Path, warehouse: str, sections: list[str] = (), model_parts=None) -> Path:
+    """sections: the HTML of each plug-in's part (extras: Extra.report), in registry order;
+    model_parts(data, model, k): the plug-ins' parts of a model's section (Extra.model_report)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     models = _models(data)
+    parts = model_parts or (lambda data, model, k: "")
     body = "".join(
         f'<section class="model"><h2>Model {html.escape(m)}</h2>{T.stacks_table(data, m)}'
-        f"{model_charts(data, m, k)}{RB.section(data, m, k)}{T.ranges_tables(data, m)}</section>"
+        f"{model_charts(data, m, k)}{parts(data, m, k)}{T.ranges_tables(data, m)}</section>"
         for k, m in enumerate(models)
     )
     page = f"""<!doctype html>

@@ -8,15 +8,12 @@ import html
 
 from analysis import report_plots as P
 from analysis import report_tables as T
-
-SQL = """SELECT model, cell_id, batch_1_cell_id, batch_size, fill, rows, identical_rows, bit_identical,
-                kld_mean, kld_stderr, kld_max, top1_agreement, kld_vs_reference
-         FROM batch_drift ORDER BY model, batch_size, cell_id"""
+from analysis.batch_drift import VIEW
 
 
 def section(data: dict, model: str, k: int) -> str:
     """The model's batch section; empty where it has no batch cell measured against batch 1."""
-    rows = [r for r in data.get("batch") or [] if r["model"] == model]
+    rows = [r for r in (data.get("plugin_views") or {}).get(VIEW) or [] if r["model"] == model]
     if not rows:
         return ""
     # each row's stack: the label of its batch-1 cell without its batch word

@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from analysis.aggregates import agg, bucket_values, position_bucket_values, select_sql
 from common import metric_defs as D
-from common import plugin_views
+from common import plugins
 from common.errors import UserError, first_line
 from common.files import SETTLED_S
 from store import TABLES, Warehouse
@@ -260,28 +260,6 @@ VIEWS = {
         JOIN h ha ON ha.cell_id = a.cell_id
         JOIN h hb ON hb.cell_id = b.cell_id AND hb.prompt_id = ha.prompt_id AND hb.position = ha.position
         GROUP BY ALL""",
-    # Graded batch drift: each batch cell (size > 1) against the same stack at batch 1 (batch_metrics),
-    # repeat 0 row by row: bit-identity on the row hashes, KL and top-1 where they differ, and beside
-    # it the cell's KL against the model's reference (metrics), so an invariant mode's cost shows too.
-    "batch_drift": f"""
-        WITH h AS (SELECT cell_id, prompt_id, position, row_hash FROM logits WHERE repeat = 0 AND path IS NULL),
-        r AS (SELECT cell_id, {agg("mean", "kld")} AS kld_vs_reference FROM metrics WHERE repeat = 0 GROUP BY cell_id)
-        SELECT c.model, c.engine, c.dtype, c.attention, c.options, c.batch_of AS stack_id_batch_1,
-               m.reference_cell_id AS batch_1_cell_id, m.cell_id, c.batch_size,
-               json_extract_string(c.batch, '$.fill') AS fill, count(*) AS rows,
-               count(*) FILTER (WHERE ha.row_hash = hb.row_hash) AS identical_rows,
-               bool_and(coalesce(ha.row_hash = hb.row_hash, false)) AS bit_identical,
-               {agg("mean", "m.kld")} AS kld_mean, {agg("stderr", "m.kld")} AS kld_stderr,
-               {agg("max", "m.kld")} AS kld_max, {agg("share", "m.top1_match")} AS top1_agreement,
-               {agg("max", "m.max_abs_diff")} AS max_abs_diff,
-               any_value(r.kld_vs_reference) AS kld_vs_reference
-        FROM batch_metrics m JOIN cells c ON c.cell_id = m.cell_id
-        LEFT JOIN h ha ON ha.cell_id = m.cell_id AND ha.prompt_id = m.prompt_id AND ha.position = m.position
-        LEFT JOIN h hb ON hb.cell_id = m.reference_cell_id AND hb.prompt_id = m.prompt_id AND hb.position = m.position
-        LEFT JOIN r ON r.cell_id = m.cell_id
-        WHERE m.repeat = 0
-        GROUP BY c.model, c.engine, c.dtype, c.attention, c.options, c.batch_of, m.reference_cell_id, m.cell_id,
-                 c.batch_size, c.batch""",
 }
 
 
@@ -306,20 +284,18 @@ VIEW_ABOUT = {
     "summary_by_path": "rows off the plain prefill (decoded from a KV cache, recomputed from a warm cache) against "
     "the reference's prefill rows and against the same cell's own prefill rows",
     "stack_identity": "every pair of captured cells of one stack (replicas, builds): how many rows are byte-identical",
-    "batch_drift": "each batch cell (batch_size > 1) against the same stack at batch 1: rows bit-identical, and "
-    "KL (mean, s.e., max), top-1 agreement and max |Δlogit| where they differ; with its KL against the reference",
 }
 
 
 def all_views() -> dict[str, str]:
     """{view: SQL}: the core's, then those the plug-ins declare (extras.Extra.views, through
-    common/plugin_views.py)."""
-    return {**VIEWS, **{name: body for name, (body, _) in plugin_views.provider().items()}}
+    common/plugins.py)."""
+    return {**VIEWS, **{name: body for name, (body, _) in plugins.provider.views().items()}}
 
 
 def view_about() -> dict[str, str]:
     """{view: what it answers, in one line}, the plug-ins' included."""
-    return {**VIEW_ABOUT, **{name: about for name, (_, about) in plugin_views.provider().items()}}
+    return {**VIEW_ABOUT, **{name: about for name, (_, about) in plugins.provider.views().items()}}
 
 
 def view_columns() -> dict[str, list[tuple[str, str]]]:

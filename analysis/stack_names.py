@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from common import kv_cache
+from common import kv_cache, plugins
 from common.errors import UserError
 
 
@@ -38,7 +38,7 @@ def facets(cell: dict[str, Any]) -> dict[str, list[str]]:
         "model": [cell["model"]],
         "options": [f"{k}={_word(k, v)}" for k, v in sorted(opts.items())],
         "candidate": [label] if label else [],
-        "batch": [f"batch{cell['batch_size']}"] if cell.get("batch_size") else [],  # batch-free: no word
+        "plugins": plugins.provider.name_words(cell),  # e.g. a batch cell's size (extras/: Extra.name_words)
     }
 
 
@@ -54,7 +54,10 @@ def names(cells: list[dict[str, Any]]) -> dict[str, str]:
     varies = [f for f in ("attention", "tp", "device", "model") if len({tuple(v[f]) for v in stacks.values()}) > 1]
     out = {
         s: "/".join(
-            w for f in ("engine", "dtype", *varies, "batch") for w in v[f] if not (f == "attention" and w == "default")
+            w
+            for f in ("engine", "dtype", *varies, "plugins")
+            for w in v[f]
+            if not (f == "attention" and w == "default")
         )
         for s, v in stacks.items()
     }  # "default": the engine's own attention, said by saying nothing

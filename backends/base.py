@@ -157,16 +157,13 @@ class Backend:
             )
         if cell.tp > cls.max_tp:
             return f"engine {cls.engine} supports tp up to {cls.max_tp} in this version (asked tp={cell.tp})"
-        return cls.batch_unsupported(cell) if getattr(cell, "batch", None) is not None else None
+        return None
 
     @classmethod
     def batch_unsupported(cls, cell) -> str | None:
-        """Why a `batch:` cell cannot run on this engine (None: it can)."""
+        """Why a `batch:` cell cannot run on this engine (None: it can); extras/batch.py asks."""
         if cls.forward_batch is Backend.forward_batch:
             return f"engine {cls.engine} does not evaluate a batch of sequences here"
-        if cell.extras:  # layers, decode and prefix-cache rows are one sequence's own
-            asked = ", ".join(k for k, _ in cell.extras)
-            return f"per-cell extras ({asked}) record a sequence evaluated alone; a batch cell takes none"
         if cell.tp > 1 and cls.tp_workers == "ranks":
             return f"engine {cls.engine} batches at tp 1 only (its ranks would each have to feed the batch)"
         return None

@@ -82,7 +82,7 @@ class HFBackend(Backend):
         tensor-parallel cell: its ranks load together."""
         if stack.tp > 1:
             return None
-        free = {"attention": "", "cell_id": "", "max_tokens": None, "batch": None, "extras": ()}
+        free = {"attention": "", "cell_id": "", "max_tokens": None, "extras": ()}
         return repr(dataclasses.replace(stack, **free))
 
     def switch(self, stack) -> bool:

@@ -47,9 +47,10 @@ def masked(stack) -> bool:
 
 def settings(stack) -> dict[str, Any]:
     """How a prompt shares its forward: alone, or in a right-padded batch."""
-    if stack.batch is None:
+    batch = stack.extra("batch")
+    if batch is None:
         return {"batch_size": 1}
-    return {"batch_size": stack.batch.size, "padding_side": "right", "attention_mask": masked(stack), "batch_row": 0}
+    return {"batch_size": batch.size, "padding_side": "right", "attention_mask": masked(stack), "batch_row": 0}
 
 
 def deterministic(torch, on: bool, device: str) -> None:

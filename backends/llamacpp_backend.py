@@ -196,7 +196,7 @@ class LlamaCppBackend(LlamaContexts, Backend):
             # a prompt of more kept rows than STREAM_BYTES holds: decoded in calls of at most this
             # many kept rows, each call's rows stored before the next (llama_contexts.forward_blocks)
             "stream_rows": block_rows(self._n_vocab),
-            "n_ctx": "prompt length" if self.stack.batch is None else "the batch's tokens",
+            "n_ctx": "prompt length" if self.stack.extra("batch") is None else "the batch's tokens",
             **_batching(self.stack),
             "flash_attn": self._flash_ran(),
             "threads": self.threads,
@@ -280,6 +280,7 @@ class LlamaCppBackend(LlamaContexts, Backend):
 
 def _batching(stack) -> dict[str, Any]:
     """How a prompt shares its llama_decode calls (backends/llamacpp_contexts.py forward_batch)."""
-    if stack.batch is None:
+    batch = stack.extra("batch")
+    if batch is None:
         return {"n_seq_max": 1}
-    return {"n_seq_max": stack.batch.size, "kv_unified": True, "batch_order": "sequence by sequence, measured first"}
+    return {"n_seq_max": batch.size, "kv_unified": True, "batch_order": "sequence by sequence, measured first"}

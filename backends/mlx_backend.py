@@ -157,6 +157,7 @@ class MLXBackend(Backend):
         import mlx.core as mx
         import mlx_lm
 
+        batch = self.stack.extra("batch")
         return {
             "dtype": self.stack.dtype,
             "weights_dtype": MLX_DTYPES[self.stack.dtype][0],
@@ -171,8 +172,8 @@ class MLXBackend(Backend):
             "quantized_matmul": self._qmm(),
             "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "numpy": np.__version__},
             "embed_scale": self._embed_scale(),
-            "batch_size": 1 if self.stack.batch is None else self.stack.batch.size,
-            **({} if self.stack.batch is None else {"padding_side": "right", "mask": "causal (mlx-lm's own)"}),
+            "batch_size": 1 if batch is None else batch.size,
+            **({} if batch is None else {"padding_side": "right", "mask": "causal (mlx-lm's own)"}),
         }
 
     def _embed_scale(self) -> float | None:

@@ -75,7 +75,8 @@ def vllm_python() -> str | None:
 
 def engine_kwargs(stack: StackDesc, model_dir: str, max_len: int, threads: int) -> dict[str, Any]:
     """Arguments for vllm.LLM, as plain data (recorded in the cell's settings)."""
-    seqs = 1 if stack.batch is None else stack.batch.size
+    batch = stack.extra("batch")
+    seqs = 1 if batch is None else batch.size
     fed = min(max_len, stack.max_tokens or max_len)  # the most a sequence is fed (a batch: each one)
     kw: dict[str, Any] = {
         # a checkpoint's own quantisation sets its activation dtype ("auto": its config's torch_dtype)

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import ids, names
-from common.batching import Batch
 
 
 @dataclass(frozen=True)
@@ -29,11 +28,8 @@ class StackDesc:
     # Feed only a prefix of each prompt (for slow stacks). Causal attention makes the rows it keeps
     # identical in meaning to the full run's rows at the same positions.
     max_tokens: int | None = None
-    # `batch:` each prompt evaluated in one forward with batch.size - 1 other sequences (common/batching.py);
-    # None: alone, as a batch-free cell
-    batch: Batch | None = None
-    # The per-cell extras it asks for (extras/): sorted (key, value) pairs, values as the extra's parser
-    # gives them; the plan resolves them against the model (Extra.resolve)
+    # The plug-ins it asks for (extras/), e.g. `batch`, `decode`: sorted (key, value) pairs, values as
+    # the plug-in's parser gives them; the plan resolves them against the model (Extra.resolve)
     extras: tuple = ()
     weights_sha256: str | None = None  # of the reference checkpoint the engine's weights are built from
     source_gguf: str | None = None  # the GGUF the reference weights were dequantised from, if any
@@ -75,7 +71,8 @@ class Cell:
     replica: int = 0
     pin: tuple[str, ...] = ()  # Ray node ids the cell may run on (empty: any that fits)
     label: str | None = None  # `candidates:` the spec's label for a published file
-    batch_of: ids.StackId | None = None  # a batch cell: the stack id of the same stack at batch 1
+    # graded against partner cells (extras.Extra.partner): sorted (plug-in key, the partner's stack id)
+    partners: tuple = ()
     is_bound: bool = False  # set by bound(): the run chose the engine build that captures it
 
     @property
@@ -104,7 +101,6 @@ class Cell:
     tp = property(lambda self: self.stack.tp)
     device = property(lambda self: self.stack.device)
     max_tokens = property(lambda self: self.stack.max_tokens)
-    batch = property(lambda self: self.stack.batch)
     options = property(lambda self: self.stack.options)
     extras = property(lambda self: self.stack.extras)
     build = property(lambda self: self.stack.build)
@@ -118,6 +114,10 @@ class Cell:
     def extra(self, key: str) -> Any:
         """The value of one per-cell extra (None: the cell does not ask for it)."""
         return self.stack.extra(key)
+
+    def partner_of(self, key: str) -> ids.StackId | None:
+        """The stack id of the cell that plug-in `key` grades this one against (None: none)."""
+        return dict(self.partners).get(key)
 
     def axes(self) -> dict[str, Any]:
         return {k: getattr(self.stack, k) for k in names.CELL_AXES}

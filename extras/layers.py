@@ -128,7 +128,9 @@ class Layers(Extra):
             sort_keys=True,
         )
 
-    def analyze(self, wh, done: list[dict], reference: str | None, force: bool, log) -> dict | None:
+    def analyze(
+        self, wh, done: list[dict], reference: str | None, force: bool, log, skip_damaged: bool = False
+    ) -> dict | None:
         if not any(self.active_in(c) for c in done):
             return None
         from analysis.layer_analysis import analyze_layers

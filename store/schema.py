@@ -19,7 +19,7 @@ a half-written file that a reader sees)::
                                         and a `prefix_cache:` cell's cached-prefix rows
     layer_states/<cell_id>/r<repeat>.parquet  a `layers:` cell's hidden states, shard for shard with logits
     layer_metrics/<cell_id>.parquet     `matrix analyze`: each layer row vs the reference's same layer
-    batch_metrics/<cell_id>.parquet     `matrix analyze`: a batch cell's rows vs the same stack's at batch 1
+    <plug-in table>/...                 a plug-in's own tables, e.g. its graded metrics (extras/)
 
 ``logits.logits`` holds the engine's native values widened exactly to float32
 (bf16 and f16 are subsets of fp32), so SQL sees real numbers for every stack;
@@ -40,8 +40,11 @@ were fed a longer prefix than their rows need.
 """
 
 import json
+from collections.abc import Mapping
 
 import pyarrow as pa
+
+from common import plugins
 
 SCHEMA_VERSION = 16
 FORMAT = "logit-matrix-warehouse"
@@ -112,7 +115,7 @@ CELLS = pa.schema(
         ("artifact_recipe", pa.string()),  # JSON: tool, tool version, source sha256, settings
         ("tokenizer_parity", pa.string()),  # ok | mismatch | not_checked
         ("engine_vocab_size", pa.int32()),  # logits per row; > vocab_size means a padded vocabulary
-        ("options", pa.string()),  # JSON: engine options asked for in the spec (kv_cache, n_batch, ...)
+        ("options", pa.string()),  # JSON: engine options asked for in the spec
         ("centroid_group", pa.string()),  # which centroid this stack joins (default: its model's)
         ("centroid", pa.string()),  # the spec's centroid definition: mean_prob | mean_logprob
         ("calibration", pa.string()),  # calibration data the spec declares for this artefact
@@ -141,13 +144,6 @@ CELLS = pa.schema(
         ("positions", pa.string()),
         # JSON: how the rows are stored: {"store": "native"} (lossless) or {"store": "bf16", ...}
         ("storage", pa.string()),
-        # JSON: a `layers:` cell's hidden states: {"layers": [i, ...], "depth", "rows_per_repeat", "sources"}
-        ("layers", pa.string()),
-        # JSON: a `decode:` cell's decode rows: {"steps", "at": [...], "rows_per_repeat"}
-        ("decode", pa.string()),
-        # JSON: a `prefix_cache: check` cell's second evaluations: {"rows_per_repeat", "hits": {prompt:
-        # tokens the cache served}, "identical_rows", "max_abs_diff_vs_prefill"}
-        ("prefix_cache", pa.string()),
         # the cell whose load put the weights this cell ran on in its host (`hosts: shared`: it took the
         # loaded model over, and load_seconds is the switch's); null: the cell loaded them itself
         ("loaded_by", pa.string()),
@@ -156,12 +152,6 @@ CELLS = pa.schema(
         # [lengths], "reason"}}, "skipped": {prompt: {"rows", "refused", "reason"}}, "skipped_rows",
         # "repeats"}, or {"by_repeat": {repeat: that}} where repeats differ; null: none refused
         ("length_refusals", pa.string()),
-        # `batch:` (common/batching.py) the sequences each forward held, null: alone (batch-free); the batch
-        # as its id holds it, JSON {"size"} at 1, {"size", "fill"} above ("seed" too for fill random); and
-        # the stack id of the same stack at batch 1, what batch_drift compares it with
-        ("batch_size", pa.int32()),
-        ("batch", pa.string()),
-        ("batch_of", pa.string()),
     ]
 )
 
@@ -368,7 +358,7 @@ DECODE_METRICS = pa.schema(
     ]
 )
 
-TABLES = {
+CORE_TABLES = {
     "runs": RUNS,
     "cells": CELLS,
     "prompts": PROMPTS,
@@ -381,5 +371,27 @@ TABLES = {
     "layer_states": LAYER_STATES,
     "layer_metrics": LAYER_METRICS,
     "decode_metrics": DECODE_METRICS,
-    "batch_metrics": METRICS,  # reference_cell_id: the batch-1 cell it is measured against
 }
+
+
+class _Tables(Mapping):
+    """Every table: the core's, then the plug-ins' own (common/plugins.py); the cells table gains
+    the columns the plug-ins record after the core's. Read on each use, so an outside plug-in
+    found after this module was imported is there too."""
+
+    def _all(self) -> dict[str, pa.Schema]:
+        extra = plugins.provider.columns()
+        cells = pa.schema([*CORE_TABLES["cells"], *(pa.field(n, t) for n, t in extra)])
+        return {**CORE_TABLES, "cells": cells, **plugins.provider.tables()}
+
+    def __getitem__(self, name: str) -> pa.Schema:
+        return self._all()[name]
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+TABLES: Mapping[str, pa.Schema] = _Tables()

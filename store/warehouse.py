@@ -197,6 +197,7 @@ class Warehouse:
     def _write_file(self, table: str, name: str, t: pa.Table) -> str:
         """Every small table file is written here: whole, zstd, with page checksums (store/verify.py)."""
         key = f"{table}/{name}.parquet"
+        self.loc.mkdirs(table)  # a plug-in's table has no directory in a warehouse made before it was installed
         write_whole(self.loc, key, lambda tmp: pq.write_table(t, tmp, compression="zstd", write_page_checksum=True))
         return key
 

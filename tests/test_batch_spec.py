@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import yaml
 
-from actors.batched import Batched
 from backends.base import LengthRefused, SkipCell
 from common.batching import Batch
 from common.errors import UserError
 from common.stack import StackDesc
+from extras.batch import Batched
 from matrix.spec.cells import load_spec
 from tests.conftest import REPO, run_cli
 
@@ -59,11 +59,11 @@ def _spec(tmp_path: Path, **over) -> Path:
 def test_sizes_expand_each_stack_and_batch_free_ids_stay(tmp_path):
     free = {c.attention: c.stack_id for c in load_spec(_spec(tmp_path)).cells}
     m = load_spec(_spec(tmp_path, batch={"sizes": [1, 4], "fill": "repeat"}))
-    got = {(c.attention, c.batch.size): c for c in m.cells}
+    got = {(c.attention, c.extra("batch").size): c for c in m.cells}
     assert sorted(got) == [("eager", 1), ("eager", 4), ("sdpa", 1), ("sdpa", 4)]
     assert not set(free.values()) & {c.stack_id for c in m.cells}  # a batch cell is another capture
     for (att, size), c in got.items():
-        assert c.batch == Batch(size, "repeat") and c.batch_of == got[(att, 1)].stack_id
+        assert c.extra("batch") == Batch(size, "repeat") and c.partners == (("batch", got[(att, 1)].stack_id),)
     assert m.reference_stacks["smollm2-135m"] == got[("eager", 1)].stack_id  # the reference at batch 1
     again = load_spec(_spec(tmp_path, batch={"sizes": [1, 4], "fill": "repeat"}))
     assert [c.stack_id for c in again.cells] == [c.stack_id for c in m.cells]
@@ -72,7 +72,7 @@ def test_sizes_expand_each_stack_and_batch_free_ids_stay(tmp_path):
 
 def test_an_include_with_its_own_batch_adds_cells_beside_the_batch_free_ones(tmp_path):
     m = load_spec(_spec(tmp_path, include=[{"engine": "hf", "dtype": "fp32", "attention": "sdpa", "batch": [1, 8]}]))
-    got = sorted((c.attention, c.batch.size if c.batch else 0) for c in m.cells)  # 0: batch-free
+    got = sorted((c.attention, c.extra("batch").size if c.extra("batch") else 0) for c in m.cells)  # 0: batch-free
     assert got == [("eager", 0), ("sdpa", 0), ("sdpa", 1), ("sdpa", 8)]
 
 
@@ -82,7 +82,7 @@ def test_a_cell_that_cannot_batch_skips_with_the_reason(tmp_path):
     m = load_spec(
         _spec(tmp_path, include=[{"engine": "hf", "dtype": "fp32", "attention": "sdpa", "layers": "first-2"}])
     )
-    assert [c.batch for c in m.cells] == [None, None]  # batch-free: a layers cell runs
+    assert [c.extra("batch") for c in m.cells] == [None, None]  # batch-free: a layers cell runs
     m = load_spec(_spec(tmp_path, batch=[1, 4], include=[{"engine": "hf", "attention": "sdpa", "layers": "first-2"}]))
     reasons = {s["reason"] for s in m.skipped}
     assert reasons == {"per-cell extras (layers) record a sequence evaluated alone; a batch cell takes none"}, reasons
@@ -137,7 +137,9 @@ def test_deterministic_is_true_or_false(tmp_path):
 
 def test_batch_free_cells_keep_the_ids_they_had():
     """The demo's HF fp32 eager stack, as `matrix cells` named it before the batch axis existed."""
-    (c,) = [c for c in load_spec(REPO / "configs" / "smoke.yaml").cells if c.batch is None and c.dtype == "fp32"][:1]
+    (c,) = [
+        c for c in load_spec(REPO / "configs" / "smoke.yaml").cells if c.extra("batch") is None and c.dtype == "fp32"
+    ][:1]
     assert c.stack_id == "smollm2-135m.hf.fp32.eager.tp1.cpu-c1f2d80e90"
 
 
@@ -145,7 +147,7 @@ class _Seen:
     """An engine that records what each batched forward was given, and refuses one width."""
 
     def __init__(self, batch: Batch, refuse: int | None = None):
-        self.stack, self.seen, self.refuse = StackDesc("hf", "fp32", "eager", batch=batch), [], refuse
+        self.stack, self.seen, self.refuse = StackDesc("hf", "fp32", "eager", extras=(("batch", batch),)), [], refuse
 
     def forward_batch(self, token_ids, positions, others):
         self.seen.append((token_ids, others))
@@ -157,20 +159,27 @@ class _Seen:
 PROMPTS = [("a", [1, 2, 3, 4, 5]), ("b", [6, 7]), ("c", [8, 9, 10])]
 
 
+def _batched(eng: _Seen, max_tokens: int | None) -> Batched:
+    """The batch plug-in's capturer, started as a capture starts it."""
+    got = Batched(eng, eng.stack.extra("batch"))
+    got.start(PROMPTS, max_tokens)
+    return got
+
+
 def test_the_others_are_fed_as_a_batch_free_cell_feeds_them():
     eng = _Seen(Batch(3))
-    Batched(eng, PROMPTS, max_tokens=2).forward("a", [1, 2], [0, 1])
+    _batched(eng, 2).forward("a", [1, 2], [0, 1])
     assert eng.seen == [([1, 2], [[6, 7], [8, 9]])]  # the next prompts, each cut at max_tokens
 
 
 def test_repeat_fill_feeds_identical_sequences():
     eng = _Seen(Batch(3, "repeat"))
-    Batched(eng, PROMPTS, max_tokens=None).forward("a", [1, 2, 3], [0, 2])
+    _batched(eng, None).forward("a", [1, 2, 3], [0, 2])
     assert eng.seen == [([1, 2, 3], [[1, 2, 3], [1, 2, 3]])]  # the measured prefix, not the whole prompt
 
 
 def test_a_refused_batch_skips_the_cell_rather_than_feed_a_longer_prefix():
     eng = _Seen(Batch(2), refuse=5)
     with pytest.raises(SkipCell) as e:
-        Batched(eng, PROMPTS, max_tokens=None).forward("c", [8, 9, 10], [0])
+        _batched(eng, None).forward("c", [8, 9, 10], [0])
     assert not isinstance(e.value, LengthRefused) and str(e.value) == "batch 2: no kernel at this width"

@@ -61,9 +61,11 @@ def test_smoke_spec_covers_hf_llamacpp_mlx_with_bf16_eager_reference():
     ]  # the shipped file, a candidate
     assert [c.artifact for c in spec.cells if c.artifact] == ["source"]
     assert [c.opts.get("activations") for c in spec.cells if c.engine == "mlx"] == [None, None, None, "fp32", "fp32"]
-    assert {c.max_tokens for c in spec.cells if c.engine != "mlx" and not c.batch} == {768}  # 768-token prefixes
+    assert {c.max_tokens for c in spec.cells if c.engine != "mlx" and not c.extra("batch")} == {
+        768
+    }  # 768-token prefixes
     # HF fp32 and bf16 at batch 1 and 8 (64-token prefixes), beside their batch-free cells
-    batched = [(c.dtype, c.batch.size, c.max_tokens, c.batch.fill) for c in spec.cells if c.batch]
+    batched = [(c.dtype, b.size, c.max_tokens, b.fill) for c in spec.cells if (b := c.extra("batch"))]
     assert batched == [("fp32", 1, 64, "corpus"), ("fp32", 8, 64, "corpus"), ("bf16", 1, 64, "corpus")] + [
         ("bf16", 8, 64, "corpus")
     ]

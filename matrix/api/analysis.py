@@ -53,12 +53,11 @@ def analyze(
     workers: pieces computed at once as Ray tasks (1: in this process; 0: one per CPU of the
     cluster); address: the cluster for them. With neither, the cluster the warehouse's last run used
     when it is still reachable, else this process."""
-    from analysis import batch_drift
     from analysis.analyze import analyze as measure
     from matrix.run import cluster
 
     log = log or stderr_log
-    side = [batch_drift.side(skip_damaged), *extras.analyses()]  # batch cells against batch 1, then the extras'
+    side = extras.analyses(skip_damaged)  # each plug-in's: its partner cells, side tables, paths
     kw = {}
     if ranges:
         kw["ranges"] = tuple([0] + sorted({int(x) for x in ranges} - {0}))

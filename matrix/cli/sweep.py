@@ -69,8 +69,7 @@ def _cell_entry(c, matrix, sizes: dict) -> dict:
         "threads": c.threads,
         "options": c.opts,
         "max_tokens": c.max_tokens,
-        "batch": None if c.batch is None else c.batch.id_part(),  # None: each prompt alone
-        "batch_of": c.batch_of,
+        "partners": dict(c.partners),  # {plug-in: the stack id it grades this cell against}
         "stack_id": c.stack_id,
         "layer_states": sizes.get(c.stack_id),
         **{x.key: None if c.extra(x.key) is None else x.describe(c.extra(x.key)) for x in extras.registered()},
@@ -94,7 +93,7 @@ def _print_cells(matrix, cells: list[dict], sizes: dict, placed: dict | None, bu
     from matrix.cli.layers import layer_brief, off_prefill
 
     decoding = any(off_prefill(c) != "-" for c in cells)
-    batched = any(c["batch"] for c in cells)
+    batched = any(c.get("batch") for c in cells)
     cols = (
         ["stack_id", "role", "options"]
         + (["batch"] if batched else [])

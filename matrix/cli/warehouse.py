@@ -72,7 +72,8 @@ def cmd_report(args) -> int:
         raise UserError(f"{wh.where}: no metrics yet; run `matrix analyze --warehouse {wh.where}` first")
     data = gather(args.warehouse)
     out = Path(args.out) if args.out else Path("report") if wh.remote else Path(wh.where) / "report"
-    path = write_html(data, out, args.warehouse, [x.report(data) for x in extras.registered()])
+    sections = [x.report(data) for x in extras.registered()]
+    path = write_html(data, out, args.warehouse, sections, extras.model_reports)
     if args.json:
         emit_json({"html": str(path), **data})
         return 0

@@ -36,9 +36,7 @@ def _cell_fields(plan: Plan, cell: Cell) -> dict:
         "stack_id": ids.base_stack(cell.stack_id),
         "replica": cell.replica,
         "build": cell.build,
-        "batch_size": cell.batch and cell.batch.size,
-        "batch": cell.batch and cell.batch.to_json(),
-        "batch_of": cell.batch_of,
+        **{k: v for x, value in extras.of(cell) for k, v in x.cell_record(cell, value).items()},
     }
 
 

@@ -8,8 +8,10 @@ filling up is not a cell's fault: it ends the run. Pure functions; the run loop 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
+import extras
 from backends.base import SkipCell
 from common.stack import Cell
 from matrix.run.failures import Failure, StorageError, classify, storage_error, storage_line
@@ -50,11 +52,11 @@ def judge(exc: Exception, attempt: int, retries: int, where: str) -> Judgement:
 
 def capture_limit(capture_timeout_s: float | None, prompts: list, cell: Cell) -> float:
     """Seconds one repeat may take: the spec's, or scaled by the tokens of each prompt up to
-    max_tokens (what a capture's forwards, its extras' included, may run over), times a batch's size."""
+    max_tokens (what a capture's forwards, its extras' included, may run over), times the sequences each forward holds (extras.Extra.sequences)."""
     if capture_timeout_s:
         return capture_timeout_s
     fed = sum(min(len(p.token_ids), cell.max_tokens or len(p.token_ids)) for p in prompts)
-    fed *= cell.batch.size if cell.batch else 1  # a batch cell's forwards hold B sequences
+    fed *= math.prod(x.sequences(v) for x, v in extras.of(cell))
     return max(CAPTURE_FLOOR_S, CAPTURE_S_PER_TOKEN * fed)
 
 

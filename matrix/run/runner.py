@@ -108,7 +108,7 @@ def side_rows(plan: Plan, cell: Cell, without: Collection[str] = ()) -> dict[str
     fed = [plan.spec.positions.fed(p.token_ids, cell.max_tokens)[1] for p in prompts]
     lengths = [len(p.token_ids) for p in prompts]
     out: dict[str, tuple[int, bool]] = {}
-    for x, v in extras.of(cell):
+    for x, v in ((x, v) for x, v in extras.of(cell) if x.table):  # one without a table writes the cell's rows
         rows, exact = x.side_rows(v, fed, lengths)
         got = out.get(x.table, (0, True))
         out[x.table] = (got[0] + rows, got[1] and exact)

@@ -11,12 +11,11 @@ from dataclasses import dataclass, field
 
 import extras
 from common import ids, names
-from common.batching import Batch
 from common.errors import UserError
 from common.stack import Cell, ModelCopy, StackDesc
-from matrix.spec.batches import batches, check_limit
 from matrix.spec.calibration import option_identity
 from matrix.spec.parse import OPTION_KEYS, Spec, field_error, parse_spec
+from matrix.spec.references import reference_extras, references
 
 
 @dataclass(frozen=True)
@@ -91,11 +90,10 @@ def _combos(spec: Spec) -> list[dict]:
     for i, inc in enumerate(spec.include):  # an include never extends one an earlier include created
         added = False
         for c, orig in zip(combos, originals):
-            # Extend a combination when no key overwrites one of its original values (batch counts as
-            # an axis whose value is the spec's: an entry with another batch adds its own cells).
-            if (
-                all(orig.get(k, v) == v for k, v in inc.items() if k in names.CELL_AXES)
-                and inc.get("batch", spec.batch) == spec.batch
+            # Extend a combination when no key overwrites one of its original values (a sweeping
+            # extra counts as an axis whose value is the spec's: an entry with another adds its own cells).
+            if all(orig.get(k, v) == v for k, v in inc.items() if k in names.CELL_AXES) and all(
+                inc.get(x.key, spec.extras.get(x.key)) == spec.extras.get(x.key) for x in _sweeping()
             ):
                 c.update(inc)
                 added = True
@@ -182,8 +180,6 @@ def make_cell_id(
         key["positions"] = spec.positions.to_dict()
     if combo.get("max_tokens", spec.max_tokens):
         key["max_tokens"] = combo.get("max_tokens", spec.max_tokens)
-    if isinstance(combo.get("batch"), Batch):  # only then, so batch-free cells keep their ids
-        key["batch"] = combo["batch"].id_part()
     for x, value in extras.of(cell_extras(spec, combo)):  # the cell records more: another capture
         key[x.key] = x.id_part(value)
     return ids.stack_id(combo, key, replica)
@@ -203,9 +199,47 @@ def _runs_gguf_file(spec: Spec, combo: dict) -> bool:
 
 
 def cell_extras(spec: Spec, combo: dict) -> tuple:
-    """The per-cell extras a combination asks for: its include entry's value, else the spec's."""
-    asked = {k: combo[k] if k in combo else spec.extras.get(k) for k in extras.keys()}
+    """The per-cell extras a combination asks for: its include entry's value, else the spec's. A
+    sweeping extra's is the one value the combination holds (`sweeps`: set by _combo_cells)."""
+    asked = {
+        x.key: combo[x.key] if x.key in combo else (None if x.sweeps else spec.extras.get(x.key))
+        for x in extras.registered()
+    }
     return tuple(sorted((k, v) for k, v in asked.items() if v is not None))
+
+
+def _sweeping() -> list:
+    return [x for x in extras.registered() if x.sweeps]
+
+
+def _sweeps(spec: Spec, combo: dict) -> list[dict]:
+    """{key: one value} per cell the sweeping extras make of the combination (an include entry's
+    value, else the spec's, expanded: batch sizes), [{}] where it asks for none."""
+    axes = []
+    for x in _sweeping():
+        value = combo[x.key] if x.key in combo else spec.extras.get(x.key)
+        axes.append([(x.key, v) for v in (x.expand(value) if value is not None else [None])])
+    return [dict(pick) for pick in itertools.product(*axes)]
+
+
+def _partners(spec: Spec, one: dict, opts: dict, corpus_fp: str) -> tuple:
+    """(key, stack id) of each cell a plug-in grades this one against (Extra.partner)."""
+    out = []
+    for x, value in extras.of(cell_extras(spec, one)):
+        other = x.partner(value)
+        if other is not None:
+            out.append((x.key, make_cell_id(spec, {**one, x.key: other}, opts, corpus_fp)))
+    return tuple(sorted(out))
+
+
+def _check(spec: Spec, combo: dict, cell: Cell) -> None:
+    """A value an engine's limits refuse is the spec's error (exit 2), naming the spec's key or the
+    first include entry that gave the combination its value."""
+    for x, value in extras.of(cell):
+        fld = x.key
+        if x.key in combo:
+            fld = next((f"include[{i}].{x.key}" for i, e in enumerate(spec.include) if e.get(x.key) == combo[x.key]))
+        x.check(cell, value, lambda msg, v, fld=fld: field_error(spec.path, fld, msg, v))
 
 
 def unsupported(cell: Cell) -> str | None:
@@ -239,8 +273,8 @@ def _combo_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: li
             (g for g, sels in spec.centroid_groups if any(all(combo[k] == v for k, v in sel.items()) for sel in sels)),
             None,
         )
-        for (opts, foreign), batch in itertools.product(option_sets(spec, combo), batches(spec, combo)):
-            one = {**combo, "batch": batch}
+        for (opts, foreign), sweep in itertools.product(option_sets(spec, combo), _sweeps(spec, combo)):
+            one = {**combo, **sweep}
             cid = make_cell_id(spec, one, opts, corpus_fp)
             if cid in seen:
                 continue
@@ -248,8 +282,7 @@ def _combo_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: li
             stack = StackDesc(
                 **{k: combo[k] for k in names.CELL_AXES},
                 max_tokens=combo.get("max_tokens", spec.max_tokens),
-                batch=batch,
-                extras=cell_extras(spec, combo),
+                extras=cell_extras(spec, one),
                 options=tuple(opts.items()),
             )
             cell = Cell(
@@ -258,10 +291,9 @@ def _combo_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: li
                 threads=combo.get("threads", spec.threads),
                 centroid_group=group,
                 calibration=combo.get("calibration"),
-                # the same stack at batch 1, what batch_drift measures it against
-                batch_of=batch and make_cell_id(spec, {**one, "batch": Batch(1)}, opts, corpus_fp),
+                partners=_partners(spec, one, opts, corpus_fp),
             )
-            check_limit(spec, combo, cell)
+            _check(spec, combo, cell)
             reason = _combo_reason(spec, combo, cell, foreign)
             if reason:
                 skipped.append({**cell.axes(), "stack_id": cid, "reason": reason})
@@ -302,87 +334,7 @@ def expand(spec: Spec) -> Matrix:
         raise UserError(
             f"{spec.path}: no runnable cell: " + "; ".join(f"{s['stack_id']}: {s['reason']}" for s in skipped[:3])
         )
-    refs = _references(spec, cells, skipped)
+    refs = references(spec, cells, skipped)
     if refs:
-        cells, refs = _reference_extras(spec, corpus_fp, cells, refs)
+        cells, refs = reference_extras(spec, corpus_fp, cells, refs, make_cell_id)
     return Matrix(spec, tuple(cells), tuple(skipped), refs)
-
-
-def _references(spec: Spec, cells: list[Cell], skipped: list[dict]) -> dict[str, str]:
-    """model -> the stack id of the cell the spec's `reference:` picks for it."""
-    if not spec.reference:
-        return {}
-    refs = {}
-    for model in spec.models:
-        sel = {"model": model, **spec.reference}
-        if sel["model"] != model:
-            continue
-        hits = [
-            c
-            for c in cells
-            if c.replica == 0
-            and c.artifact is None  # a candidate is never the reference
-            and all((getattr(c, k) if k in names.CELL_AXES else c.opts.get(k)) == v for k, v in sel.items())
-        ]
-        missed = [s for s in skipped if all(s.get(k) == v for k, v in sel.items())]
-        if not hits and missed:
-            raise field_error(
-                spec.path, "reference", f"the reference stack cannot run: {missed[0]['reason']}", spec.reference
-            )
-        if len(hits) > 1 and len({_unbatched(c) for c in hits}) == 1:
-            # one stack at several batch sizes: its batch-free cell, else its batch-1 cell
-            hits = [c for c in hits if c.batch is None] or [c for c in hits if c.batch.size == 1] or hits
-        if len(hits) > 1:
-            raise field_error(
-                spec.path,
-                "reference",
-                "matches several cells (" + ", ".join(c.stack_id for c in hits) + "); add keys to pick one",
-                spec.reference,
-            )
-        if hits:
-            refs[model] = hits[0].stack_id
-    if not refs:
-        raise field_error(spec.path, "reference", "matches no cell of the sweep", spec.reference)
-    return refs
-
-
-def _unbatched(c: Cell) -> str:
-    """A cell's stack, its batch left out: what the cells of one stack at several batch sizes share."""
-    return repr(dataclasses.replace(c.stack, batch=None))
-
-
-def _reference_extras(spec: Spec, corpus_fp: str, cells: list[Cell], refs: dict[str, str]):
-    """A model's reference records every extra row any of its cells asks for (Extra.for_reference),
-    so each has its yardstick; the reference's id then says so (it is another
-    capture than the plain reference's). A reference engine without the extra keeps its own
-    (analysis says so per cell). -> (cells, refs), new lists."""
-    from backends import backend_class
-
-    cells, refs = list(cells), dict(refs)
-    for model, ref_id in list(refs.items()):
-        ref = next(c for c in cells if c.stack_id == ref_id)
-        if ref.batch is not None:  # a batch cell records its rows alone (Backend.batch_unsupported)
-            continue
-        cls = backend_class(ref.engine)
-        want = dict(ref.extras)
-        for x in extras.registered():
-            union = x.for_reference([c.extra(x.key) for c in cells if c.model == model])
-            if union is not None and cls is not None and x.unsupported(cls, ref, union) is None:
-                want[x.key] = union
-        want = tuple(sorted(want.items()))
-        if want == ref.extras:
-            continue
-        combo = {
-            **ref.axes(),
-            "threads": ref.threads,
-            "max_tokens": ref.max_tokens,
-            "batch": ref.batch,
-            **{k: None for k in extras.keys()},
-            **dict(want),
-        }
-        for i, c in enumerate(cells):  # the reference stack and its replicas
-            if ids.split_cell_id(c.stack_id)[0] == ref.stack_id:
-                cid = make_cell_id(spec, combo, ref.opts, corpus_fp, c.replica)
-                cells[i] = dataclasses.replace(c.with_stack(extras=want), stack_id=cid)
-        refs[model] = make_cell_id(spec, combo, ref.opts, corpus_fp)
-    return cells, refs

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 import extras
-from common import batching, kv_cache, names
+from common import kv_cache, names
 from common import positions as P
 from common.errors import UserError, read_text_file
 from matrix.spec import schema as S
@@ -82,7 +82,6 @@ class Spec:
     threads: int | None
     options: dict = field(default_factory=dict)
     max_tokens: int | None = None
-    batch: batching.BatchAxis | None = None  # every cell's batch sizes (common/batching.py); None: batch-free
     extras: dict = field(default_factory=dict)  # per-cell extra key -> its parsed value (every cell's default)
     replicas: int = 1  # default copies of each stack, each on its own node
     hosts: str = "shared"  # HOSTS: cells of one loaded model run in turn in one host, or each in its own
@@ -115,8 +114,6 @@ def _parse_entry(path: Path, fld: str, entry: Any, models: dict, extra_ok: bool,
             out[k] = check_axis_value(path, f"{fld}.{k}", k, v, models)
         elif extra_ok and k in ("threads", "max_tokens"):
             out[k] = check_threads(path, f"{fld}.{k}", v)
-        elif extra_ok and k == "batch":
-            out[k] = parse_batch(path, f"{fld}.{k}", v)
         elif extra_ok and k in extras.keys():
             out[k] = parse_extra(path, f"{fld}.{k}", k, v)
         elif extra_ok and k == "replicas":
@@ -205,11 +202,6 @@ def _check_option(path: Path, fld: str, key: str, v: Any) -> Any:
     elif v not in kind:
         raise field_error(path, fld, f"expected one of {', '.join(kind)}", v)
     return v
-
-
-def parse_batch(path: Path, fld: str, v: Any) -> batching.BatchAxis | None:
-    """A `batch:` value (top level or an include entry's), by common/batching.py's parser."""
-    return batching.parse(v, lambda msg, value=..., sub="": field_error(path, fld + sub, msg, value))
 
 
 def parse_extra(path: Path, fld: str, key: str, v: Any) -> Any:
@@ -359,7 +351,6 @@ def parse_spec(spec_path: str | os.PathLike) -> Spec:
         threads=check_threads(path, "threads", data.get("threads")),
         options=options,
         max_tokens=check_threads(path, "max_tokens", data.get("max_tokens")),
-        batch=parse_batch(path, "batch", data.get("batch")),
         extras={k: parse_extra(path, k, k, data.get(k)) for k in extras.keys()},
         replicas=positive_int(path, data, "replicas", TOP["replicas"].default),
         hosts=_one_of(path, data, "hosts", HOSTS),

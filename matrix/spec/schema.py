@@ -16,7 +16,7 @@ from typing import Any
 import backends
 import extras
 from backends.base import CHECKPOINT, GGUF
-from common import batching, kv_cache, names
+from common import kv_cache, names
 from common import positions as P
 
 
@@ -142,7 +142,6 @@ CELL_EXTRA = {
     "max_tokens": (POS_INT, "feed at most this many tokens of each prompt (rows below it only)"),
     "calibration": ({"type": "string"}, "what the artefact was calibrated on, for its model card"),
     "replicas": (POS_INT, "run the stack on this many distinct nodes of its device class"),
-    "batch": (batching.JSON_SCHEMA, "batch sizes (and fill policy) of this cell's stack, as the top-level key"),
 }
 
 
@@ -246,7 +245,6 @@ def _row_keys() -> list[Key]:
         Key("bos", enum("tokenizer", "always", "never"), "BOS policy: the tokenizer's own, or forced", "tokenizer"),
         Key("threads", {"type": ["integer", "null"], "minimum": 1}, "CPU threads for every engine"),
         Key("max_tokens", {"type": ["integer", "null"], "minimum": 1}, "feed at most this many tokens of each prompt"),
-        Key("batch", batching.JSON_SCHEMA, "evaluate each prompt among B - 1 others: sizes, fill, seed"),
     ]
 
 

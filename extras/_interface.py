@@ -1,0 +1,214 @@
+"""The plug-in interface (extras/__init__.py documents it and keeps the registry): what one
+extra declares (Extra), what runs inside a capture (Capturer), and the helpers extras share."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, ClassVar
+
+from common.positions import next_ids
+
+
+class Capturer:
+    """One extra inside one capture: called with each prompt as its rows come out."""
+
+    taps_forward: ClassVar[bool] = False  # True: forward() replaces the engine's plain forward
+
+    def start(self, prompts: list[tuple[str, list[int]]], max_tokens: int | None) -> None:
+        """Before the first prompt: every prompt of the capture (id, token ids) and its max_tokens."""
+
+    def forward(self, prompt_id: str, fed: list[int], positions: list[int]):
+        raise NotImplementedError
+
+    def after(self, prompt_id: str, whole: list[int], fed: list[int], positions: list[int], rows) -> None:
+        """rows: (len(positions), vocab), the prompt's captured rows in the engine's native dtype."""
+
+    def other_rank(self, fed: list[int], positions: list[int]) -> None:
+        """On a tp > 1 cell's other ranks: join what rank 0 runs collectively (default: nothing)."""
+
+    def summary(self) -> dict[str, Any] | None:
+        """Its part of the capture's manifest (plain values: it travels back from an actor)."""
+        return None
+
+
+class Extra:
+    """One per-cell extra. Subclasses set the class attributes and override what they record."""
+
+    key: ClassVar[str]
+    column: ClassVar[str | None] = None  # the cells column (JSON) its record goes to (None: none)
+    hook: ClassVar[str]  # the engine method an engine implements to support it
+    requires: ClassVar[tuple[str, ...]] = ()  # other engine methods its capture calls
+    table: ClassVar[str | None]  # the shard table its rows go to (store/warehouse.py SHARD_FILES); None: none
+    # An axis: one spec value is several cells (expand), and an include entry with another value adds
+    # its own cells rather than changing the combination's
+    sweeps: ClassVar[bool] = False
+    # False: the cell records its rows alone (it takes no other extra, and a reference that has it
+    # records none for the others)
+    shares: ClassVar[bool] = True
+    paths: ClassVar[tuple[str, ...]] = ()  # the d<repeat> file paths it writes beside 'prefill'
+    rank: ClassVar[int] = 50  # where it comes among the built-in extras: rows, card blocks, report (low first)
+    order: ClassVar[int] = 50  # where its capturer runs among the others (low first)
+    tp1_only: ClassVar[str | None] = None  # why it runs at tp 1 only, when it does
+    missing: ClassVar[str] = "engine {engine} cannot record it (the cell asks for {key})"  # no hook
+    about: ClassVar[str] = ""  # its spec key in a line, for the spec reference (matrix/spec/schema.py)
+    json_schema: ClassVar[dict] = {}  # its spec value as JSON Schema, for `matrix spec --schema`
+    target = ""
+
+    # the spec
+    def parse(self, value: Any, fail: Callable[..., Exception]) -> Any:
+        """The spec value -> a hashable value (None: off). fail(msg, value) makes the one-line error."""
+        raise NotImplementedError
+
+    def id_part(self, value: Any) -> Any:
+        """What the cell id hashes of it (the value itself by default)."""
+        return value
+
+    def expand(self, value: Any) -> list[Any]:
+        """The cells' values one spec value sweeps (`sweeps`); [value] for an extra that is no axis."""
+        return [value]
+
+    def partner(self, value: Any) -> Any:
+        """Graded against a partner cell: the value this key has in the cell it is measured against
+        (the rest of the stack the same); None: no partner (graded on its own paths, or not at all)."""
+        return None
+
+    def check(self, cell, value: Any, fail: Callable[[str, Any], Exception]) -> None:
+        """A spec error the engine's limits make of the value (fail(msg, value) names the field)."""
+
+    def sequences(self, value: Any) -> int:
+        """How many sequences each of the cell's forwards holds (its capture's time budget scales by it)."""
+        return 1
+
+    def for_reference(self, values: list[Any]) -> Any:
+        """What a model's reference records so every cell of the model has its yardstick (None: its own)."""
+        return None
+
+    def describe(self, value: Any) -> Any:
+        """How `matrix cells --json` shows it."""
+        return value
+
+    # engines
+    def unsupported(self, engine_cls, cell, value: Any) -> str | None:
+        if not all(callable(getattr(engine_cls, m, None)) for m in (self.hook, *self.requires)):
+            return self.missing.format(engine=engine_cls.engine, key=self.key)
+        if self.tp1_only and cell.tp > 1:
+            return self.tp1_only
+        return None
+
+    # the plan
+    def resolve(self, value: Any, cell, facts: dict, prompts: list, fail: Callable[[str], Exception]) -> Any:
+        """Checked against the model (facts: depth, hidden) and its prompts before anything runs."""
+        return value
+
+    def side_rows(self, value: Any, fed_positions: list[list[int]], prompt_lengths: list[int]) -> tuple[int, bool]:
+        """Rows one repeat adds to its side table, and whether that count is exact."""
+        raise NotImplementedError
+
+    # the capture
+    def capturer(self, backend, value: Any, writer) -> Capturer:
+        raise NotImplementedError
+
+    def settings(self, backend, value: Any) -> dict[str, Any]:
+        """Entries of the cell's engine settings this extra adds (recorded with the cell)."""
+        return {}
+
+    # the outcome
+    def record(self, parts: list[dict]) -> str | None:
+        """The cells column from each capture's summary (JSON)."""
+        return None
+
+    def cell_record(self, cell, value: Any) -> dict[str, Any]:
+        """Cells columns it fills from the cell itself (its value, its partner's stack id)."""
+        return {}
+
+    def cell_columns(self) -> list[tuple[str, Any]]:
+        """[(name, pyarrow type)]: the cells columns it records, after the core's."""
+        import pyarrow as pa
+
+        return [(self.column, pa.string())] if self.column else []
+
+    def tables(self) -> dict[str, Any]:
+        """{name: pyarrow schema} of its own tables (its graded metrics)."""
+        return {}
+
+    def active_in(self, cell_row: dict) -> bool:
+        """Whether a cells row recorded this extra."""
+        return bool(self.column and cell_row.get(self.column))
+
+    # analysis, card, report
+    def analyze(
+        self, wh, done: list[dict], reference: str | None, force: bool, log, skip_damaged: bool = False
+    ) -> dict | None:
+        """Its own analysis of the cells that recorded it (None: nothing to do)."""
+        return None
+
+    def analysis_line(self, part: dict) -> str:
+        return f"{self.key}: {part}"
+
+    def path_rules(self) -> dict:
+        """{path: analysis.side_analysis.PathRule} for each side-file path it writes."""
+        return {}
+
+    def views(self) -> dict[str, tuple[str, str]]:
+        """{view: (SQL, what it answers in one line)}: its graded views, aggregates through
+        analysis.aggregates.agg; `matrix sql`, the card and the report read them as the core's."""
+        return {}
+
+    def card(self, warehouse: str, cell_row: dict) -> dict | None:
+        return None
+
+    def card_lines(self, block: dict) -> list[str]:
+        return []
+
+    def report(self, data: dict) -> str:
+        """Its section of the HTML report (data: analysis.report.gather)."""
+        return ""
+
+    def model_report(self, data: dict, model: str, k: int) -> str:
+        """Its part of model `model`'s section of the report (k: the section's index, for element ids)."""
+        return ""
+
+    def name_words(self, cell_row: dict) -> list[str]:
+        """Its words in the readable name of a cells row's stack, e.g. `batch8` ([]: none)."""
+        return []
+
+    def brief(self, value: Any) -> list[str]:
+        """Words for `matrix cells`' table (value: describe()'s)."""
+        return []
+
+
+def loads(text: str | None) -> dict:
+    return json.loads(text) if text else {}
+
+
+def add_pairs(
+    writer, prompt_id: str, whole: list[int], positions: list[int], prefill, other, path: str, steps: list[int]
+) -> tuple[int, float]:
+    """Each row `other` recomputed at `positions` into a side file beside the same position's prefill
+    row (path 'prefill'), both with the whole prompt's next token; steps: each pair's step.
+    -> agreement(prefill, other): (rows byte-identical, max |prefill - other|)."""
+    import numpy as np
+
+    nxt = next_ids(whole, positions)
+    n = len(positions)
+    writer.add(
+        prompt_id,
+        positions + positions,
+        nxt + nxt,
+        np.concatenate([prefill, other.astype(prefill.dtype)]),
+        None,
+        ["prefill"] * n + [path] * n,
+        steps * 2,
+    )
+    return agreement(prefill, other)
+
+
+def agreement(a, b) -> tuple[int, float]:
+    """Two (rows, vocab) arrays of the same native dtype: (rows byte-identical, max |a - b|)."""
+    import numpy as np
+
+    from store.values import widen
+
+    n = len(a)
+    same = (a.view(np.uint8).reshape(n, -1) == b.view(np.uint8).reshape(n, -1)).all(-1)
+    return int(same.sum()), float(np.abs(widen(a) - widen(b)).max(initial=0.0))
