@@ -126,7 +126,7 @@ class _Provider:
     def columns(self) -> list[tuple[str, object]]:
         out, owner = [], {}
         for x in registered():
-            for name, kind in x.cell_columns():
+            for name, kind, _ in x.cell_columns():
                 if name in owner:
                     raise ValueError(f"extra {x.key} ({x.target}) declares cells column {name}, as {owner[name]} does")
                 out.append((name, kind))

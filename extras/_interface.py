@@ -36,6 +36,7 @@ class Extra:
 
     key: ClassVar[str]
     column: ClassVar[str | None] = None  # the cells column (JSON) its record goes to (None: none)
+    column_about: ClassVar[str] = ""  # what that column holds, for docs/warehouse.md
     hook: ClassVar[str]  # the engine method an engine implements to support it
     requires: ClassVar[tuple[str, ...]] = ()  # other engine methods its capture calls
     table: ClassVar[str | None]  # the shard table its rows go to (store/warehouse.py SHARD_FILES); None: none
@@ -121,11 +122,11 @@ class Extra:
         """Cells columns it fills from the cell itself (its value, its partner's stack id)."""
         return {}
 
-    def cell_columns(self) -> list[tuple[str, Any]]:
-        """[(name, pyarrow type)]: the cells columns it records, after the core's."""
+    def cell_columns(self) -> list[tuple[str, Any, str]]:
+        """[(name, pyarrow type, what it holds)]: the cells columns it records, after the core's."""
         import pyarrow as pa
 
-        return [(self.column, pa.string())] if self.column else []
+        return [(self.column, pa.string(), self.column_about)] if self.column else []
 
     def tables(self) -> dict[str, Any]:
         """{name: pyarrow schema} of its own tables (its graded metrics)."""

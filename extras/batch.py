@@ -103,7 +103,15 @@ class Batch(Extra):
     def cell_columns(self) -> list[tuple[str, Any]]:
         import pyarrow as pa
 
-        return [("batch_size", pa.int32()), ("batch", pa.string()), ("batch_of", pa.string())]
+        return [
+            ("batch_size", pa.int32(), "`batch:` the sequences each forward held, null: alone (batch-free)"),
+            (
+                "batch",
+                pa.string(),
+                'the batch as its id holds it: JSON {"size"} at 1, {"size", "fill"} above ("seed" too for fill random)',
+            ),
+            ("batch_of", pa.string(), "the stack id of the same stack at batch 1, what batch_drift compares it with"),
+        ]
 
     def cell_record(self, cell, value: batching.Batch) -> dict[str, Any]:
         return {"batch_size": value.size, "batch": value.to_json(), "batch_of": cell.partner_of(self.key)}

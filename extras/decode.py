@@ -66,6 +66,7 @@ class DecodeCapturer(Capturer):
 
 class Decode(Extra):
     key = column = "decode"
+    column_about = 'JSON: a `decode:` cell\'s decode rows: {"steps", "at": [...], "rows_per_repeat"}'
     hook = "decode"
     missing = "engine {engine} cannot run the decode path here (the cell asks for decode rows)"
     table = "side"

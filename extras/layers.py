@@ -56,6 +56,9 @@ class LayersCapturer(Capturer):
 
 class Layers(Extra):
     key = column = "layers"
+    column_about = (
+        'JSON: a `layers:` cell\'s hidden states: {"layers": [i, ...], "depth", "rows_per_repeat", "sources"}'
+    )
     hook = "layer_states"
     requires = ("n_layers",)
     missing = "engine {engine} cannot give per-layer states (the cell asks for layers)"

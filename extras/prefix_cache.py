@@ -43,6 +43,10 @@ class PrefixCapturer(Capturer):
 
 class PrefixCache(Extra):
     key = column = "prefix_cache"
+    column_about = (
+        'JSON: a `prefix_cache: check` cell\'s second evaluations: {"rows_per_repeat", "hits": {prompt: '
+        'tokens the cache served}, "identical_rows", "max_abs_diff_vs_prefill"}'
+    )
     hook = "warm_rows"
     missing = "engine {engine} has no prefix cache to check here (the cell asks for prefix_cache: check)"
     table = "side"

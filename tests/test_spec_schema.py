@@ -43,7 +43,6 @@ def test_parsing_takes_its_keys_and_defaults_from_the_schema():
         "bos",
         "threads",
         "max_tokens",
-        "batch",
         "store",
         "reference_metrics",
         "keep_rows",
@@ -60,7 +59,7 @@ def test_parsing_takes_its_keys_and_defaults_from_the_schema():
     assert (
         set(S.by_name(S.top())) - parse.TOP_KEYS
         == set(extras.keys())
-        == {"layers", "decode", "prefix_cache", "prefill_chunk"}
+        == {"layers", "decode", "prefix_cache", "prefill_chunk", "batch"}
     )
     assert (parse.STORES, parse.BOS_POLICIES, parse.DEFAULT_STRIDE) == (
         ("native", "bf16"),

@@ -115,7 +115,7 @@ def _column_notes(source: str) -> dict[str, dict[str, str]]:
 def warehouse_page() -> str:
     import pyarrow as pa
 
-    import extras  # noqa: F401  (the plug-ins' views)
+    import extras  # the plug-ins' views and columns
     from analysis.sql import view_about, view_columns
     from store import schema
 
@@ -129,8 +129,10 @@ def warehouse_page() -> str:
         "each table, named like it, and the derived views below.\n",
         "## Tables\n",
     ]
+    plugged = {n: about for x in extras.registered() for n, _, about in x.cell_columns()}
     for table, sch in schema.TABLES.items():
-        mine = notes.get(consts.get(id(sch), ""), {})
+        mine = notes.get(consts.get(id(schema.CORE_TABLES.get(table, sch)), ""), {})
+        mine = {**mine, **plugged} if table == "cells" else mine
         out.append(f"### `{table}`\n\n| column | type | what |\n| --- | --- | --- |")
         out += [f"| `{f.name}` | {f.type} | {_cell(mine.get(f.name, ''))} |" for f in sch]
         out.append("")

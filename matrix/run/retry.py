@@ -52,7 +52,8 @@ def judge(exc: Exception, attempt: int, retries: int, where: str) -> Judgement:
 
 def capture_limit(capture_timeout_s: float | None, prompts: list, cell: Cell) -> float:
     """Seconds one repeat may take: the spec's, or scaled by the tokens of each prompt up to
-    max_tokens (what a capture's forwards, its extras' included, may run over), times the sequences each forward holds (extras.Extra.sequences)."""
+    max_tokens (what a capture's forwards, its extras' included, may run over), times the sequences
+    each forward holds (extras.Extra.sequences)."""
     if capture_timeout_s:
         return capture_timeout_s
     fed = sum(min(len(p.token_ids), cell.max_tokens or len(p.token_ids)) for p in prompts)
