@@ -301,9 +301,10 @@ class Extras:
         self.writers = writers
         # an extra with a side table runs where the caller gave its writer; one without (batch) always
         asked = [(x, v) for x, v in extras.of(backend.stack) if x.table is None or x.table in writers]
-        self.parts = [
+        made = [
             (x.key, x.capturer(backend, v, writers.get(x.table))) for x, v in sorted(asked, key=lambda xv: xv[0].order)
         ]
+        self.parts = [(key, c) for key, c in made if c is not None]  # None: nothing runs in the capture
         for _, c in self.parts:
             c.start(prompts, max_tokens)
         self.backend = backend

@@ -298,7 +298,7 @@ class StackHost:
     def _follow(self, prompts: list[tuple[str, list[int]]], keep: Positions) -> dict[str, Any]:
         """A rank after the first under tensor parallelism: the same forwards as rank 0 (they are
         collective), its extras' too, and no rows written."""
-        side = [x.capturer(self.backend, v, None) for x, v in extras.of(self.stack)]
+        side = [c for x, v in extras.of(self.stack) if (c := x.capturer(self.backend, v, None)) is not None]
         for _, ids in prompts:
             fed, positions = keep.fed(ids, self.stack.max_tokens)
             if not positions:

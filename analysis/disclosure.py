@@ -14,7 +14,7 @@ import re
 from collections.abc import Collection
 from typing import Any
 
-from common import kv_cache
+from common import plugins
 from common import positions as P
 
 
@@ -173,35 +173,6 @@ def _runtime(cell: dict, as_is: Collection[str]) -> dict[str, Any]:
     }
 
 
-def kv_cache_types(cell: dict) -> tuple[str, str] | None:
-    """(K, V) cache types a cell ran with, as its settings record them (llama.cpp's); None where
-    the engine records none."""
-    s = _json(cell.get("settings"))
-    if s.get("kv_cache_k"):
-        return s["kv_cache_k"], s["kv_cache_v"]
-    return kv_cache.pair(s["kv_cache"]) if s.get("kv_cache") else None
-
-
-def _kv_caches(cell: dict, ref: dict) -> dict:
-    """{"kv_cache": both stacks' KV cache types} where either is not llama.cpp's default, else nothing."""
-    default = (kv_cache.DEFAULT, kv_cache.DEFAULT)
-    mine, theirs = kv_cache_types(cell), kv_cache_types(ref)
-    if mine in (None, default) and theirs in (None, default):
-        return {}
-
-    def say(kv: tuple[str, str] | None, c: dict) -> str:
-        if kv is None:
-            return f"none recorded ({c['engine']})"
-        flash = _json(c.get("settings")).get("flash_attn")
-        return (
-            f"K {kv[0]}, V {kv[1]}"
-            + (" (llama.cpp's default)" if kv == default else "")
-            + (f", attention {flash}" if flash else "")
-        )
-
-    return {"kv_cache": {"candidate": say(mine, cell), "reference": say(theirs, ref)}}
-
-
 def _reference_checkpoint(ref: dict) -> dict:
     return {
         "identity": ref.get("model_identity"),
@@ -284,7 +255,7 @@ def disclosure(cell: dict, ref: dict, s: dict, prompts: list, pos: dict, as_is: 
         "reference_checkpoint": _reference_checkpoint(ref),
         "reference_runtime": _runtime(ref, as_is),
         "candidate_runtime": _runtime(cell, as_is),
-        **_kv_caches(cell, ref),
+        **plugins.provider.disclosures(cell, ref),  # e.g. both sides' KV cache types (extras/: Extra.disclose)
         "evaluation_text": _evaluation_text(cell, prompts),
         "candidate_artifact": artifact(cell),
         "calibration_data": calibration(cell, as_is),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from common import kv_cache, plugins
+from common import plugins
 from common.errors import UserError
 
 
@@ -43,8 +43,9 @@ def facets(cell: dict[str, Any]) -> dict[str, list[str]]:
 
 
 def _word(key: str, v: Any) -> str:
-    if key == "kv_cache":  # K and V apart as `--kv-cache` takes them: kv_cache=q8_0,q4_0
-        return kv_cache.label(v)
+    word = plugins.provider.option_word(key, v)  # a plug-in's own word: kv_cache=q8_0,q4_0 (K, then V)
+    if word is not None:
+        return word
     return v if isinstance(v, str) else json.dumps(v, sort_keys=True, separators=(",", ":"))
 
 

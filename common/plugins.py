@@ -6,6 +6,8 @@ it), and store.schema and analysis.sql read their part through it.
     columns()  [(name, pyarrow type)]: the cells table's columns a plug-in records (store.schema)
     tables()   {name: pyarrow schema}: a plug-in's own tables, e.g. its graded metrics (store.schema)
     name_words(cell_row)  its words in a stack's readable name (analysis/stack_names.py)
+    option_word(key, value)  an engine option's value in one word, for the same names (None: not a plug-in's)
+    disclosures(cell_row, ref_row)  its entries of a card's disclosure (analysis/disclosure.py)
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ class Provider:
 
     def name_words(self, cell_row: dict) -> list[str]:
         return []
+
+    def option_word(self, key: str, value) -> str | None:
+        return None
+
+    def disclosures(self, cell_row: dict, ref_row: dict) -> dict:
+        return {}
 
 
 provider = Provider()

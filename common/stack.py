@@ -71,7 +71,8 @@ class Cell:
     replica: int = 0
     pin: tuple[str, ...] = ()  # Ray node ids the cell may run on (empty: any that fits)
     label: str | None = None  # `candidates:` the spec's label for a published file
-    # graded against partner cells (extras.Extra.partner): sorted (plug-in key, the partner's stack id)
+    # graded against partner cells (extras.Extra.partner): sorted (plug-in key, the partner's stack id);
+    # while the spec is expanded, each key's candidate stack ids in order (matrix/spec/cells.py _settle)
     partners: tuple = ()
     is_bound: bool = False  # set by bound(): the run chose the engine build that captures it
 

@@ -88,13 +88,27 @@ def get(key: str) -> "Extra":
 
 
 def keys() -> tuple[str, ...]:
-    return tuple(x.key for x in registered())
+    """The spec keys of the extras a cell carries (Cell.extras); an engine option's is among the options."""
+    return tuple(x.key for x in registered() if not x.option)
+
+
+def cell_extras() -> list["Extra"]:
+    """The extras a cell carries (Cell.extras), every plug-in but the engine options."""
+    return [x for x in registered() if not x.option]
 
 
 def of(asking) -> list[tuple["Extra", Any]]:
-    """(extra, value) for each extra a Cell, a StackDesc or a (key, value) tuple asks for, in registry order."""
+    """(extra, value) for each extra a Cell, a StackDesc or a (key, value) tuple asks for, in
+    registry order; an engine option's from the cell's options."""
     asked = dict(getattr(asking, "extras", asking))
-    return [(x, asked[x.key]) for x in registered() if asked.get(x.key) is not None]
+    opts = getattr(asking, "opts", {})
+    got = [(x, opts.get(x.key) if x.option else asked.get(x.key)) for x in registered()]
+    return [(x, v) for x, v in got if v is not None]
+
+
+def options() -> list["Extra"]:
+    """The plug-ins that are engine options (Extra.option), in registry order."""
+    return [x for x in registered() if x.option]
 
 
 def _views() -> dict[str, tuple[str, str]]:
@@ -138,6 +152,12 @@ class _Provider:
 
     def name_words(self, cell_row: dict) -> list[str]:
         return [w for x in registered() for w in x.name_words(cell_row)]
+
+    def option_word(self, key: str, value: Any) -> str | None:
+        return next((x.label(value) for x in options() if x.key == key), None)
+
+    def disclosures(self, cell_row: dict, ref_row: dict) -> dict:
+        return {k: v for x in registered() for k, v in x.disclose(cell_row, ref_row).items()}
 
 
 def _install() -> None:

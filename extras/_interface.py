@@ -46,6 +46,17 @@ class Extra:
     # False: the cell records its rows alone (it takes no other extra, and a reference that has it
     # records none for the others)
     shares: ClassVar[bool] = True
+    # An engine option: the value rides in the cell's options (the engine reads it by this key, and
+    # the id hashes it among them), set where options are (`options:`, include entries, reference
+    # selectors, candidates); `allowed`: its plain values, `default`: what a cell without it runs,
+    # `schema_keys`: its mapping form's keys (matrix.spec.schema.Key), `flag`: `matrix kld`'s flag
+    option: ClassVar[bool] = False
+    allowed: ClassVar[tuple] = ()
+    default: ClassVar[Any] = None
+    schema_keys: ClassVar[tuple] = ()
+    flag: ClassVar[str | None] = None
+    flag_metavar: ClassVar[str] = "VALUE"
+    flag_help: ClassVar[str] = ""
     paths: ClassVar[tuple[str, ...]] = ()  # the d<repeat> file paths it writes beside 'prefill'
     rank: ClassVar[int] = 50  # where it comes among the built-in extras: rows, card blocks, report (low first)
     order: ClassVar[int] = 50  # where its capturer runs among the others (low first)
@@ -106,8 +117,9 @@ class Extra:
         raise NotImplementedError
 
     # the capture
-    def capturer(self, backend, value: Any, writer) -> Capturer:
-        raise NotImplementedError
+    def capturer(self, backend, value: Any, writer) -> Capturer | None:
+        """What runs inside each capture (None: nothing, e.g. an engine option the engine applies)."""
+        return None
 
     def settings(self, backend, value: Any) -> dict[str, Any]:
         """Entries of the cell's engine settings this extra adds (recorded with the cell)."""
@@ -168,6 +180,18 @@ class Extra:
     def model_report(self, data: dict, model: str, k: int) -> str:
         """Its part of model `model`'s section of the report (k: the section's index, for element ids)."""
         return ""
+
+    def label(self, value: Any) -> str:
+        """An engine option's value in one word, as a stack name and `flag` show it."""
+        return value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+    def from_flag(self, text: str, fail: Callable[[str], Exception]) -> Any:
+        """`flag`'s text -> the option's value; None: the engine's default (the same cell as no flag)."""
+        raise NotImplementedError
+
+    def disclose(self, cell_row: dict, ref_row: dict) -> dict:
+        """Its entries of a card's disclosure for a cell and its reference ({}: nothing to say)."""
+        return {}
 
     def name_words(self, cell_row: dict) -> list[str]:
         """Its words in the readable name of a cells row's stack, e.g. `batch8` ([]: none)."""

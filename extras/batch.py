@@ -127,9 +127,10 @@ class Batch(Extra):
 
     # analysis, card, report
     def analyze(self, wh, done, reference, force, log, skip_damaged: bool = False) -> dict | None:
-        from analysis.batch_drift import analyze_batches
+        from analysis import partner_drift
+        from analysis.batch_drift import PARTNERING
 
-        return analyze_batches(wh, done, force, log, skip_damaged)
+        return partner_drift.analyze(PARTNERING, wh, done, force, log, skip_damaged)
 
     def analysis_line(self, got: dict) -> str:
         from analysis.batch_drift import line

@@ -44,12 +44,14 @@ def kld(
     log = log or stderr_log
     threads = _threads(threads, address)
     ref = job.classify(reference, "--reference")
-    kv = job.kv_cache_flag(kv_cache)
+    options = job.flag_options({"kv_cache": kv_cache})
     cands = [job.classify(c, "--candidate") for c in candidates]
     text_file = Path(os.path.expanduser(str(text))).resolve()
     if not text_file.is_file():
         raise UserError(f"--text {text}: no such file")
-    spec_path, asked, new = job.write_job(ref, cands, text_file, n_ctx, threads, warehouse, log, keep_rows, chunks, kv)
+    spec_path, asked, new = job.write_job(
+        ref, cands, text_file, n_ctx, threads, warehouse, log, keep_rows, chunks, options
+    )
     log(f"the job's spec: {spec_path} (`matrix run {spec_path} --warehouse {warehouse}` repeats it)")
     result, refused, stacks = _run_job(
         spec_path, asked, warehouse, executor or ("ray" if address else "local"), address, log
@@ -84,11 +86,7 @@ def _run_job(
         matrix = load_spec(spec_path)
     except UserError as e:  # the job's spec itself refused: nothing runs, no candidate has a cell
         return None, str(e), []
-    by_key = {
-        candidate_key({"gguf": c.artifact, "kv_cache": c.opts.get("kv_cache")}): c.stack_id
-        for c in matrix.cells
-        if c.artifact is not None
-    }
+    by_key = {candidate_key({"gguf": c.artifact, **c.opts}): c.stack_id for c in matrix.cells if c.artifact is not None}
     stacks = [(a, by_key[candidate_key(a)]) for a in asked]
     try:
         result = run(matrix, warehouse, executor=executor, address=address, log=log)
@@ -98,11 +96,11 @@ def _run_job(
 
 
 def _label(entry: dict) -> str:
-    """A candidate's name, with its KV cache where that is not llama.cpp's default."""
-    from common import kv_cache
+    """A candidate's name, with each engine option a plug-in declares that it runs with (its KV cache)."""
+    import extras
 
-    kv = entry.get("kv_cache")
-    return entry["name"] if kv is None else f"{entry['name']} (KV cache {kv_cache.label(kv)})"
+    more = [f" ({x.key} {x.label(entry[x.key])})" for x in extras.options() if entry.get(x.key) is not None]
+    return entry["name"] + "".join(more)
 
 
 def _threads(threads: int | None, address: str | None) -> int:

@@ -4,7 +4,6 @@ in llama-perplexity's layout, then its model card."""
 from __future__ import annotations
 
 import extras
-from common import kv_cache
 from common.errors import UserError
 from common.output import emit_json, log
 
@@ -50,15 +49,11 @@ def _print(results, n_ctx: int) -> None:
         print(markdown(r.card, extras.registered()), end="")
 
 
-def _kv_cache_flag(k) -> None:
-    k.add_argument(
-        "--kv-cache",
-        default=None,
-        metavar="TYPE|K,V",
-        help="the KV cache type this invocation's candidates run with, for K and V or as K,V (llama.cpp's "
-        f"-ctk / -ctv: {', '.join(kv_cache.TYPES)}); the reference keeps f16, so the reference's own file "
-        "is a candidate too (default: f16)",
-    )
+def _option_flags(k) -> None:
+    """Each flag a plug-in's engine option declares (extras.Extra.flag: --kv-cache)."""
+    for x in extras.options():
+        if x.flag:
+            k.add_argument(x.flag, default=None, metavar=x.flag_metavar, help=x.flag_help)
 
 
 def add_parser(sub) -> None:
@@ -107,7 +102,7 @@ def add_parser(sub) -> None:
         help="keep the candidates' rows too (default: only the reference's, as llama-perplexity keeps only "
         "its base logits; a candidate's rows are measured and hashed as they are captured)",
     )
-    _kv_cache_flag(k)
+    _option_flags(k)
     k.add_argument("--address", default=None, help="a Ray cluster to run the cells on (default: this machine, no Ray)")
     k.add_argument(
         "--executor",

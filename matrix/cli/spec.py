@@ -59,7 +59,7 @@ def rows() -> list[dict]:
     entry = [S.Key(a, j, S.AXIS_ABOUT[a]) for a, j in S.axes().items()]
     entry += [S.Key(k, j, about) for k, (j, about) in S.CELL_EXTRA.items()]
     entry += [S.Key(k.name, k.json, "as under options, for this cell") for k in S.OPTIONS]
-    entry += [S.Key(x.key, x.json_schema, x.about + " (this cell)") for x in extras.registered()]
+    entry += [S.Key(x.key, x.json_schema, x.about + " (this cell)") for x in extras.cell_extras()]
     walk(entry, "include[].")
     return out
 

@@ -72,7 +72,7 @@ def _cell_entry(c, matrix, sizes: dict) -> dict:
         "partners": dict(c.partners),  # {plug-in: the stack id it grades this cell against}
         "stack_id": c.stack_id,
         "layer_states": sizes.get(c.stack_id),
-        **{x.key: None if c.extra(x.key) is None else x.describe(c.extra(x.key)) for x in extras.registered()},
+        **{x.key: None if c.extra(x.key) is None else x.describe(c.extra(x.key)) for x in extras.cell_extras()},
         "replica": c.replica,
         "reference": c.stack_id in matrix.reference_stacks.values(),
         "candidate": None

@@ -95,7 +95,7 @@ def resolve_extras(spec: Spec, cells: tuple[Cell, ...], model: str, facts: dict,
     def resolved(c: Cell) -> Cell:
         if c.model != model or not c.extras:
             return c
-        done = tuple((x.key, x.resolve(v, c, facts, prompts, fail)) for x, v in extras.of(c))
+        done = tuple((x.key, x.resolve(v, c, facts, prompts, fail)) for x, v in extras.of(c) if not x.option)
         return c.with_stack(extras=tuple(sorted(done)))
 
     return tuple(resolved(c) for c in cells)

@@ -16,8 +16,9 @@ import re
 from pathlib import Path
 
 import backends
+import extras
 from backends.base import CHECKPOINT, GGUF
-from common import ids, kv_cache
+from common import ids
 from common.errors import UserError
 from common.files import file_sha256
 from common.stack import Cell, StackDesc
@@ -37,7 +38,7 @@ CANDIDATE_KEYS = (
     "device",
     "threads",
     "calibration",
-    "kv_cache",
+    *(x.key for x in extras.options()),  # an engine option a plug-in declares (kv_cache)
 )
 # what a candidate is given as -> the kind of file it is; the engines that run that kind as it is
 # (Backend.runs_files) may run it, the kind's default engine (Backend.default_for) when it names none
@@ -132,18 +133,22 @@ def parse_candidates(path: Path, data: dict, models: dict) -> list[dict]:
                 else None,
                 "threads": check_threads(path, f"{fld}.threads", e.get("threads")),
                 **extra,
-                **_kv_cache(path, fld, e),
+                **_options(path, fld, e),
             }
         )
     return out
 
 
-def _kv_cache(path: Path, fld: str, e: dict) -> dict:
-    """The KV cache the candidate runs with (its engine takes the option, or it is skipped saying so)."""
-    if e.get("kv_cache") is None:
-        return {}
-    fail = lambda msg, val=..., sub="": field_error(path, f"{fld}.kv_cache{sub}", msg, val)  # noqa: E731
-    return {"kv_cache": kv_cache.parse(e["kv_cache"], fail)}
+def _options(path: Path, fld: str, e: dict) -> dict:
+    """The plug-ins' engine options the candidate runs with, e.g. its KV cache (its engine takes the
+    option, or it is skipped saying so)."""
+    out = {}
+    for x in extras.options():
+        if e.get(x.key) is not None:
+            out[x.key] = x.parse(
+                e[x.key], lambda msg, val=..., sub="", k=x.key: field_error(path, f"{fld}.{k}{sub}", msg, val)
+            )
+    return out
 
 
 def _source(spec, model: str) -> tuple[str | None, str]:
@@ -204,7 +209,7 @@ def _config_dtype(d: str) -> str:
     return by_torch.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), "fp32")
 
 
-def cells(spec, corpus_fp: str, make_cell_id, option_sets, cell_extras) -> list[tuple[Cell, list[str]]]:
+def cells(spec, corpus_fp: str, make_cell_id, option_sets, cell_extras, partners) -> list[tuple[Cell, list[str]]]:
     """The spec's candidates as cells, each with the options it asks for that its engine does not
     take (matrix/spec/cells.py expand adds them to the sweep or skips them); each records the
     spec's per-cell extras, as its id says."""
@@ -222,8 +227,7 @@ def cells(spec, corpus_fp: str, make_cell_id, option_sets, cell_extras) -> list[
         }
         if c["threads"]:
             combo["threads"] = c["threads"]
-        if c.get("kv_cache") is not None:
-            combo["kv_cache"] = c["kv_cache"]
+        combo.update({x.key: c[x.key] for x in extras.options() if c.get(x.key) is not None})
         group = next(
             (
                 g
@@ -250,6 +254,7 @@ def cells(spec, corpus_fp: str, make_cell_id, option_sets, cell_extras) -> list[
                 centroid_group=group,
                 calibration=c["calibration"],
                 label=label,
+                partners=partners(spec, combo, opts, corpus_fp, extra={"candidate": pin}),
             )
             out.append((cell, foreign))
     return out

@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import extras
 from common import ids, names
@@ -203,7 +204,7 @@ def cell_extras(spec: Spec, combo: dict) -> tuple:
     sweeping extra's is the one value the combination holds (`sweeps`: set by _combo_cells)."""
     asked = {
         x.key: combo[x.key] if x.key in combo else (None if x.sweeps else spec.extras.get(x.key))
-        for x in extras.registered()
+        for x in extras.cell_extras()
     }
     return tuple(sorted((k, v) for k, v in asked.items() if v is not None))
 
@@ -222,14 +223,35 @@ def _sweeps(spec: Spec, combo: dict) -> list[dict]:
     return [dict(pick) for pick in itertools.product(*axes)]
 
 
-def _partners(spec: Spec, one: dict, opts: dict, corpus_fp: str) -> tuple:
-    """(key, stack id) of each cell a plug-in grades this one against (Extra.partner)."""
+def partners(spec: Spec, one: dict, opts: dict, corpus_fp: str, extra: dict | None = None) -> tuple:
+    """(key, (stack id, ...)) of each cell a plug-in grades this one against (Extra.partner): the
+    stack with the plug-in's partner value; for an engine option whose partner value is the
+    engine's default, then the stack without the option. _settle keeps the first the sweep has."""
     out = []
-    for x, value in extras.of(cell_extras(spec, one)):
+    for x, value in extras.of(SimpleNamespace(extras=cell_extras(spec, one), opts=opts)):
         other = x.partner(value)
-        if other is not None:
-            out.append((x.key, make_cell_id(spec, {**one, x.key: other}, opts, corpus_fp)))
+        if other is None:
+            continue
+        if not x.option:
+            out.append((x.key, (make_cell_id(spec, {**one, x.key: other}, opts, corpus_fp, extra=extra),)))
+            continue
+        got = [make_cell_id(spec, one, {**opts, x.key: other}, corpus_fp, extra=extra)]
+        if x.label(other) == x.label(x.default):
+            got.append(make_cell_id(spec, one, {k: v for k, v in opts.items() if k != x.key}, corpus_fp, extra=extra))
+        out.append((x.key, tuple(got)))
     return tuple(sorted(out))
+
+
+def _settle(cells: list[Cell]) -> list[Cell]:
+    """Each cell's partners, one stack id per plug-in: the first of its candidates the sweep has,
+    else the first (analyze then says it has no capture of it)."""
+    have = {ids.base_stack(c.stack_id) for c in cells}
+    return [
+        dataclasses.replace(
+            c, partners=tuple((k, next((i for i in got if i in have), got[0])) for k, got in c.partners)
+        )
+        for c in cells
+    ]
 
 
 def _check(spec: Spec, combo: dict, cell: Cell) -> None:
@@ -256,7 +278,7 @@ def unsupported(cell: Cell) -> str | None:
 def _candidate_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: list) -> None:
     from matrix.spec import candidates
 
-    for cell, foreign in candidates.cells(spec, corpus_fp, make_cell_id, option_sets, cell_extras):
+    for cell, foreign in candidates.cells(spec, corpus_fp, make_cell_id, option_sets, cell_extras, partners):
         reason = unsupported(cell) or (f"engine {cell.engine} takes no option {foreign[0]}" if foreign else None)
         if reason:
             skipped.append({**cell.axes(), "stack_id": cell.stack_id, "reason": reason})
@@ -291,7 +313,7 @@ def _combo_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: li
                 threads=combo.get("threads", spec.threads),
                 centroid_group=group,
                 calibration=combo.get("calibration"),
-                partners=_partners(spec, one, opts, corpus_fp),
+                partners=partners(spec, one, opts, corpus_fp),
             )
             _check(spec, combo, cell)
             reason = _combo_reason(spec, combo, cell, foreign)
@@ -334,6 +356,7 @@ def expand(spec: Spec) -> Matrix:
         raise UserError(
             f"{spec.path}: no runnable cell: " + "; ".join(f"{s['stack_id']}: {s['reason']}" for s in skipped[:3])
         )
+    cells = _settle(cells)
     refs = references(spec, cells, skipped)
     if refs:
         cells, refs = reference_extras(spec, corpus_fp, cells, refs, make_cell_id)

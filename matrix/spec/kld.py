@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from common import kv_cache
+import extras
 from common.errors import UserError, read_text_file
 
 KINDS = ("gguf", "path", "catalog")
@@ -132,25 +132,28 @@ def check_n_ctx(ref: Source, gguf: str | None, n_ctx: int) -> None:
         raise UserError(f"--n-ctx {n_ctx}: the reference {file} supports at most {found[0]} tokens ({found[1]})")
 
 
-def kv_cache_flag(value: str | None) -> str | dict | None:
-    """--kv-cache TYPE or K,V -> the candidates' kv_cache option; None for llama.cpp's default
-    (f16), which the reference runs with: the same cell as no flag."""
-    if value is None:
-        return None
-    parts = value.split(",")
-    if len(parts) > 2 or any(p.strip() not in kv_cache.TYPES for p in parts):
-        raise UserError(f"--kv-cache {value}: expected a type ({', '.join(kv_cache.TYPES)}) for K and V, or K,V")
-    kv = kv_cache.parse(value, lambda msg, val=..., sub="": UserError(f"--kv-cache {value}: {msg}"))
-    return None if kv_cache.pair(kv) == (kv_cache.DEFAULT, kv_cache.DEFAULT) else kv
+def flag_options(given: dict[str, str | None]) -> dict:
+    """{plug-in key: its flag's text} (`--kv-cache q8_0`) -> the candidates' engine options, each by
+    its plug-in's reader (extras.Extra.from_flag); an engine's default is left out: the same cell
+    as no flag, which the reference runs with."""
+    out = {}
+    for x in extras.options():
+        text = given.get(x.key)
+        if text is not None:
+            value = x.from_flag(text, lambda msg, x=x, text=text: UserError(f"{x.flag} {text}: {msg}"))
+            if value is not None:
+                out[x.key] = value
+    return out
 
 
-def candidate_entry(model: str, c: Source, log, kv: str | dict | None = None) -> dict:
-    """A candidate of the job's spec; kv: the KV cache it runs with (None: llama.cpp's default)."""
-    if kv is not None and c.kind == "path":
+def candidate_entry(model: str, c: Source, log, options: dict | None = None) -> dict:
+    """A candidate of the job's spec; options: the plug-ins' engine options it runs with (flag_options)."""
+    more = dict(options or {})
+    if more and c.kind == "path":
+        x = next(x for x in extras.options() if x.key in more)
         raise UserError(
-            f"--kv-cache: --candidate {c.location} is an HF checkpoint, and engine hf takes no option kv_cache"
+            f"{x.flag}: --candidate {c.location} is an HF checkpoint, and engine hf takes no option {x.key}"
         )
-    more = {} if kv is None else {"kv_cache": kv}
     if c.kind == "path":
         return {"model": model, "path": c.location, "name": c.label}
     gguf = c.location if c.kind == "gguf" else catalog_gguf(c.location, log)
@@ -163,12 +166,14 @@ def file_of(entry: dict) -> str:
 
 
 def candidate_key(entry: dict) -> str:
-    """What tells a job's candidates apart: the file, and the KV cache it runs with where that is
-    not llama.cpp's default (the same file with another cache is another candidate)."""
-    kv = entry.get("kv_cache")
-    if kv is None or kv_cache.pair(kv) == (kv_cache.DEFAULT, kv_cache.DEFAULT):
-        return file_of(entry)
-    return f"{file_of(entry)} (kv_cache {kv_cache.label(kv)})"
+    """What tells a job's candidates apart: the file, and each plug-in's engine option it runs with
+    where that is not the engine's default (the same file with another KV cache is another candidate)."""
+    more = [
+        f" ({x.key} {x.label(v)})"
+        for x in extras.options()
+        if (v := entry.get(x.key)) is not None and x.label(v) != x.label(x.default)
+    ]
+    return file_of(entry) + "".join(more)
 
 
 def job_files(warehouse: str) -> tuple[Path, Path]:
@@ -286,13 +291,13 @@ def write_job(
     log,
     keep_rows: bool = False,
     chunks: int | None = None,
-    kv: str | dict | None = None,
+    options: dict | None = None,
 ) -> tuple[Path, list[dict], bool]:
     """Write (or extend) the spec and corpus next to the warehouse; -> (spec path, the candidate
     entries asked for this time, whether the spec is new). keep_rows: the candidates' rows keep
     their values too (keep_rows: all), not only the reference's; chunks: only the text's first
-    chunks (llama-perplexity's --chunks), None for every chunk; kv: the KV cache this time's
-    candidates run with (kv_cache_flag; None: llama.cpp's default, as the reference)."""
+    chunks (llama-perplexity's --chunks), None for every chunk; options: the engine options this
+    time's candidates run with (flag_options; {}: the engines' defaults, as the reference)."""
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 4 or n_ctx % 2:
         raise UserError(f"--n-ctx {n_ctx}: must be an even context length >= 4 (the second half is scored)")
     if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
@@ -300,7 +305,7 @@ def write_job(
     spec_path, corpus_path = job_files(warehouse)
     entry, stack, vocab = reference_stack(ref, log)
     check_n_ctx(ref, vocab, n_ctx)
-    asked = [candidate_entry(entry["name"], c, log, kv) for c in candidates]
+    asked = [candidate_entry(entry["name"], c, log, options) for c in candidates]
     spec = _job_spec(entry, stack, threads, corpus_path, keep_rows, asked)
     new_corpus = corpus(text, n_ctx, vocab, chunks)
     new = not spec_path.is_file()

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 import extras
-from common import kv_cache, names
+from common import names
 from common import positions as P
 from common.errors import UserError, read_text_file
 from matrix.spec import schema as S
@@ -50,7 +50,7 @@ CENTROID_DEFINITIONS = CENTROID["definition"].allowed
 # include entries may set them per cell. A backend lists the ones it takes.
 # -> allowed values, int (a positive integer) or dict (a mapping its own parser checks)
 OPTION_KEYS = {k.name: k.allowed or (int if k.json.get("type") == "integer" else dict) for k in S.OPTIONS}
-OPTION_KEYS["kv_cache"] = kv_cache.TYPES  # or {k: TYPE, v: TYPE}: common/kv_cache.py parses it
+OPTION_KEYS.update({x.key: x.allowed for x in extras.options()})  # a plug-in's: its own parser (Extra.parse)
 OPTION_KEYS["deterministic"] = bool
 # `imatrix:` on a llama.cpp quant cell: quantise with an importance matrix computed on a calibration
 # text (backends/gguf_imatrix.py); parsed and checked against the corpus in matrix/spec/calibration.py
@@ -187,8 +187,8 @@ def _parse_centroid(path: Path, raw: Any, models: dict) -> tuple[str, list]:
 
 def _check_option(path: Path, fld: str, key: str, v: Any) -> Any:
     kind = OPTION_KEYS[key]
-    if key == "kv_cache":
-        return kv_cache.parse(v, lambda msg, val=..., sub="": field_error(path, fld + sub, msg, val))
+    if key in {x.key for x in extras.options()}:
+        return parse_extra(path, fld, key, v)
     if kind is dict:  # imatrix: {corpus, chunks, ctx, max_overlap}
         from matrix.spec.calibration import parse_option
 

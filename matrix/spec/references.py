@@ -78,7 +78,7 @@ def reference_extras(spec: Spec, corpus_fp: str, cells: list[Cell], refs: dict[s
             continue
         cls = backend_class(ref.engine)
         want = dict(ref.extras)
-        for x in extras.registered():
+        for x in extras.cell_extras():
             union = x.for_reference([c.extra(x.key) for c in cells if c.model == model])
             if union is not None and cls is not None and x.unsupported(cls, ref, union) is None:
                 want[x.key] = union

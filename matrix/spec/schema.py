@@ -16,7 +16,7 @@ from typing import Any
 import backends
 import extras
 from backends.base import CHECKPOINT, GGUF
-from common import kv_cache, names
+from common import names
 from common import positions as P
 
 
@@ -73,18 +73,14 @@ MODEL = (
     Key("revision", {"type": "string"}, "a hub revision (commit, tag or branch)"),
 )
 
-KV_TYPE, _ANY = enum(*kv_cache.TYPES), "|".join(kv_cache.TYPES)
-KV_PARTS = {"type": "object", "properties": {p: KV_TYPE for p in kv_cache.PARTS}, "additionalProperties": False}
-KV_CACHE = {"anyOf": [KV_TYPE, {"type": "string", "pattern": f"^({_ANY}),({_ANY})$"}, {**KV_PARTS, "minProperties": 1}]}
+
+def _option_plugin(x) -> Key:
+    """An engine option a plug-in declares (extras.Extra.option), as the options' other keys are."""
+    return Key(x.key, x.json_schema, x.about, keys=tuple(Key(*k) for k in x.schema_keys))
+
 
 OPTIONS = (
-    Key(
-        "kv_cache",
-        KV_CACHE,
-        "llama.cpp's KV cache type: one for K and V, or {k: TYPE, v: TYPE} (a part left out: f16), also "
-        "written K,V; a quantised V needs flash attention (a cell of attention eager is skipped)",
-        keys=tuple(Key(p, KV_TYPE, f"the {p.upper()} cache's type", "f16") for p in kv_cache.PARTS),
-    ),
+    *(_option_plugin(x) for x in extras.options()),
     Key("n_batch", POS_INT, "llama.cpp's logical batch size"),
     Key("n_ubatch", POS_INT, "llama.cpp's physical batch size"),
     Key("trt_backend", enum("pytorch", "tensorrt"), "TensorRT-LLM's backend"),
@@ -135,7 +131,7 @@ CANDIDATE = {
     "device": "device class",
     "threads": "CPU threads",
     "calibration": "calibration data, for its card",
-    "kv_cache": "the KV cache it runs with, as options.kv_cache (default: the spec's options)",
+    **{x.key: f"the {x.key} it runs with, as options.{x.key} (default: the spec's options)" for x in extras.options()},
 }
 CELL_EXTRA = {
     "threads": (POS_INT, "CPU threads for the engine (null: the engine's default)"),
@@ -154,7 +150,7 @@ def _entry(extra_ok: bool, options_ok: bool = False) -> dict:
     if extra_ok or options_ok:
         props.update({k.name: k.json for k in OPTIONS})
     if extra_ok:
-        props.update({x.key: nullable(x.json_schema) for x in extras.registered()})  # null: off for this cell
+        props.update({x.key: nullable(x.json_schema) for x in extras.cell_extras()})  # null: off for this cell
     return {"type": "object", "properties": props, "additionalProperties": False, "minProperties": 1}
 
 
@@ -179,7 +175,7 @@ def top() -> tuple[Key, ...]:
         + _storage_keys()
         + _measure_keys()
         + _run_keys()
-        + [Key(x.key, nullable(x.json_schema), x.about) for x in extras.registered()]
+        + [Key(x.key, nullable(x.json_schema), x.about) for x in extras.cell_extras()]
     )
 
 

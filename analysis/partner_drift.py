@@ -1,0 +1,96 @@
+"""Grading against a partner cell: each cell a plug-in pairs with another (extras.Extra.partner:
+batch N with the same stack at batch 1, a quantised KV cache with the same stack on f16), every
+row of repeat 0 against the partner's repeat 0, with the reference metrics' kernel: KL, top-1, max
+|diff| (0 where the row is bit-identical). One file per cell in the plug-in's table, under a
+content key of both shards, so a second analyze recomputes nothing; the plug-in's view sums it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from analysis import metrics as M
+from analysis.compare import cell_metrics
+from analysis.unit_keys import unit_key
+from store import Warehouse
+from store.floors import StorageFloor
+from store.stream import shard_index
+from store.verify import DamagedShard
+
+
+@dataclass(frozen=True)
+class Partnering:
+    """One plug-in's grading: its table (the metrics table's columns; reference_cell_id: the
+    partner), the cells column with the partner's stack id, and its words in the log."""
+
+    name: str  # e.g. "batch": "[batch] ... rows against batch 1", "no batch drift"
+    table: str
+    column: str
+    partner: str  # the partner in words: "batch 1"
+    partner_capture: str  # "batch-1": "no batch-1 capture of its stack"
+
+
+def pairs(p: Partnering, done: list[dict], log=lambda line: None) -> list[tuple[dict, dict]]:
+    """(cell, its partner) for every done cell whose partner is another stack that is captured: of
+    the same engine build where there is one, else the newest. One without says so."""
+    by_stack: dict[str, list[dict]] = {}
+    for c in done:
+        by_stack.setdefault(c.get("stack_id") or c["cell_id"], []).append(c)
+    out = []
+    for c in done:
+        want = c.get(p.column)
+        if not want or want == (c.get("stack_id") or c["cell_id"]) or c.get("replica"):
+            continue  # no partner, or its own (batch 1)
+        sibs = by_stack.get(want)
+        if not sibs:
+            log(f"NOTE {c['cell_id']}: no {p.partner_capture} capture of its stack ({want}): no {p.name} drift")
+            continue
+        same = [s for s in sibs if s.get("build") == c.get("build")] or sibs
+        out.append((c, max(same, key=lambda s: (s["finished_at"], s["cell_id"]))))
+    return out
+
+
+def analyze(
+    p: Partnering, wh: Warehouse, done: list[dict], force: bool, log, skip_damaged: bool = False
+) -> dict | None:
+    """The plug-in's table for every pair (None: the warehouse has no cell to measure). A damaged
+    shard stops it, unless skip_damaged: then that pair is left out, saying so."""
+    todo = pairs(p, done, log)
+    stale = {f.rsplit("/", 1)[-1].removesuffix(".parquet") for f in wh.table_files(p.table)}
+    stale -= {c["cell_id"] for c, _ in todo}
+    for name in sorted(stale):  # a partner no longer captured: its old comparison would mislead
+        wh.remove_table(p.table, name)
+    if not todo:
+        return None
+    got = {"cells": 0, "rows": 0, "reused": 0}
+    for cell, sib in todo:
+        try:
+            _measure(p, wh, cell, sib, force, log, got)
+        except DamagedShard as e:
+            if not skip_damaged:
+                raise
+            wh.remove_table(p.table, cell["cell_id"])  # no older comparison stands in for it
+            log(f"SKIPPED (damaged) {p.name} drift of {cell['cell_id']}: {e}")
+    return got
+
+
+def _measure(p: Partnering, wh: Warehouse, cell: dict, sib: dict, force: bool, log, got: dict) -> None:
+    """One pair's file, unless the one there has this content key."""
+    cid, sid = cell["cell_id"], sib["cell_id"]
+    floor = StorageFloor.of_cell(sib) + StorageFloor.of_cell(cell)
+    key = unit_key(pair=[cid, sid], digests=[shard_index(wh, i, 0).digest for i in (cid, sid)], floor=floor)
+    got["cells"] += 1
+    old = None if force else wh.table_meta(p.table, cid)
+    if old and old.get("key") == key:
+        got["reused"] += 1
+        got["rows"] += old.get("rows", 0)
+        return
+    result = cell_metrics(wh, cid, 1, sid, floor, skip_damaged=False)
+    for note in result.notes(cid, sid):  # rows the partner lacks, NaN/Inf rows
+        log(note)
+    table = result.table
+    if table is None:
+        wh.remove_table(p.table, cid)
+        return
+    wh.write_table(p.table, cid, table, {"key": key, "kernel_version": M.KERNEL_VERSION, "rows": table.num_rows})
+    got["rows"] += table.num_rows
+    log(f"[{p.name}] {cid}: {table.num_rows} rows against {p.partner} ({sid})")

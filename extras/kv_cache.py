@@ -1,0 +1,160 @@
+"""`kv_cache: q8_0` (or {k: q8_0, v: q4_0}): llama.cpp's KV cache type, an engine option graded
+against a partner cell, the same stack on llama.cpp's default f16 cache.
+
+The value rides in the cell's engine options (llama.cpp reads it as -ctk / -ctv do: type_k,
+type_v; common/kv_cache.py), so it is set where options are: `options:` (a list is an axis),
+include entries, reference selectors, a candidate's entry and `matrix kld --kv-cache`. An engine
+that takes no option kv_cache skips the cell, saying so. Each cell not on f16 is measured row by row
+against its partner (cells.kv_cache_of: the stack with `kv_cache: f16`, else the stack without the
+option where only that one is in the sweep) into kv_cache_metrics; the kv_cache_drift view sums it
+(analysis/kv_cache_drift.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from common import kv_cache as KV
+from extras import Extra
+
+_TYPE = {"enum": list(KV.TYPES)}
+_ANY = "|".join(KV.TYPES)
+_PARTS = {"type": "object", "properties": {p: _TYPE for p in KV.PARTS}, "additionalProperties": False}
+
+
+class KvCache(Extra):
+    key = "kv_cache"
+    option = True
+    allowed = KV.TYPES
+    default = KV.DEFAULT
+    table = None
+    rank = 70
+    about = (
+        "llama.cpp's KV cache type: one for K and V, or {k: TYPE, v: TYPE} (a part left out: f16), also "
+        "written K,V; a quantised V needs flash attention (a cell of attention eager is skipped)"
+    )
+    json_schema = {
+        "anyOf": [_TYPE, {"type": "string", "pattern": f"^({_ANY}),({_ANY})$"}, {**_PARTS, "minProperties": 1}]
+    }
+    schema_keys = tuple((p, _TYPE, f"the {p.upper()} cache's type", KV.DEFAULT) for p in KV.PARTS)
+    flag = "--kv-cache"
+    flag_metavar = "TYPE|K,V"
+    flag_help = (
+        "the KV cache type this invocation's candidates run with, for K and V or as K,V (llama.cpp's "
+        f"-ctk / -ctv: {', '.join(KV.TYPES)}); the reference keeps f16, so the reference's own file "
+        "is a candidate too (default: f16)"
+    )
+
+    # the spec
+    def parse(self, value: Any, fail) -> str | dict:
+        return KV.parse(value, fail)
+
+    def label(self, value: Any) -> str:
+        return KV.label(value)  # K and V apart as --kv-cache takes them: q8_0,q4_0
+
+    def from_flag(self, text: str, fail) -> str | dict | None:
+        parts = text.split(",")
+        if len(parts) > 2 or any(p.strip() not in KV.TYPES for p in parts):
+            raise fail(f"expected a type ({', '.join(KV.TYPES)}) for K and V, or K,V")
+        kv = KV.parse(text, lambda msg, val=..., sub="": fail(msg))
+        return None if KV.pair(kv) == (KV.DEFAULT, KV.DEFAULT) else kv  # f16: the same cell as no flag
+
+    def partner(self, value: Any) -> str | None:
+        return None if KV.pair(value) == (KV.DEFAULT, KV.DEFAULT) else KV.DEFAULT
+
+    def unsupported(self, engine_cls, cell, value) -> str | None:
+        return None  # an engine without the option skips the cell as for any option it does not take
+
+    def side_rows(self, value, fed_positions, prompt_lengths) -> tuple[int, bool]:
+        return 0, True
+
+    # the outcome
+    def cell_columns(self) -> list[tuple[str, Any, str]]:
+        import pyarrow as pa
+
+        about = "the stack id of the same stack on the f16 KV cache, what kv_cache_drift compares it with"
+        return [("kv_cache_of", pa.string(), about)]
+
+    def cell_record(self, cell, value: Any) -> dict[str, Any]:
+        return {"kv_cache_of": cell.partner_of(self.key)}
+
+    def tables(self) -> dict[str, Any]:
+        from analysis.kv_cache_drift import TABLE
+        from store.schema import METRICS
+
+        return {TABLE: METRICS}
+
+    def active_in(self, cell_row: dict) -> bool:
+        return cell_row.get("kv_cache_of") is not None
+
+    # analysis, card, report
+    def analyze(self, wh, done, reference, force, log, skip_damaged: bool = False) -> dict | None:
+        from analysis import partner_drift
+        from analysis.kv_cache_drift import PARTNERING
+
+        return partner_drift.analyze(PARTNERING, wh, done, force, log, skip_damaged)
+
+    def analysis_line(self, got: dict) -> str:
+        return (
+            f"KV cache drift: {got['cells']} cell(s) against the f16 cache, {got['rows']} rows "
+            f"({got['reused']} up to date)"
+        )
+
+    def views(self) -> dict[str, tuple[str, str]]:
+        from analysis.kv_cache_drift import VIEW, VIEW_ABOUT, VIEW_SQL
+
+        return {VIEW: (VIEW_SQL, VIEW_ABOUT)}
+
+    def card(self, warehouse: str, cell_row: dict) -> list[dict]:
+        from analysis.card import query_rows
+        from analysis.kv_cache_drift import VIEW
+
+        return query_rows(warehouse, f"SELECT * FROM {VIEW} WHERE cell_id = ?", [cell_row["cell_id"]])
+
+    def card_lines(self, block: list[dict]) -> list[str]:
+        from analysis.kv_cache_drift import card_lines
+
+        return card_lines(block)
+
+    def model_report(self, data: dict, model: str, k: int) -> str:
+        from analysis.kv_cache_drift import VIEW, section
+
+        rows = [r for r in (data.get("plugin_views") or {}).get(VIEW) or [] if r["model"] == model]
+        return section(rows, data.get("names") or {}, k)
+
+    def disclose(self, cell_row: dict, ref_row: dict) -> dict:
+        """Both stacks' K and V cache types where either is not llama.cpp's default, as their
+        settings record what the engine ran."""
+        default = (KV.DEFAULT, KV.DEFAULT)
+        mine, theirs = _types(cell_row), _types(ref_row)
+        if mine in (None, default) and theirs in (None, default):
+            return {}
+
+        def say(kv: tuple[str, str] | None, c: dict) -> str:
+            if kv is None:
+                return f"none recorded ({c['engine']})"
+            flash = _settings(c).get("flash_attn")
+            return (
+                f"K {kv[0]}, V {kv[1]}"
+                + (" (llama.cpp's default)" if kv == default else "")
+                + (f", attention {flash}" if flash else "")
+            )
+
+        return {"kv_cache": {"candidate": say(mine, cell_row), "reference": say(theirs, ref_row)}}
+
+
+def _settings(cell: dict) -> dict:
+    raw = cell.get("settings")
+    return json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
+
+
+def _types(cell: dict) -> tuple[str, str] | None:
+    """(K, V) cache types a cell ran with, as its settings record them; None where the engine records none."""
+    s = _settings(cell)
+    if s.get("kv_cache_k"):
+        return s["kv_cache_k"], s["kv_cache_v"]
+    return KV.pair(s["kv_cache"]) if s.get("kv_cache") else None
+
+
+EXTRA = KvCache
