@@ -63,6 +63,11 @@ def analyze(
         return None
     got = {"cells": 0, "rows": 0, "reused": 0}
     for cell, sib in todo:
+        bare = [c["cell_id"] for c in (cell, sib) if not wh.shard_keeps_values(c["cell_id"], 0)]
+        if bare:  # `keep_rows: references`, `matrix kld` without --keep-rows: hashes only
+            wh.remove_table(p.table, cell["cell_id"])
+            log(f"NOTE {cell['cell_id']}: no {p.name} drift: the rows of {', '.join(bare)} were not kept (keep_rows)")
+            continue
         try:
             _measure(p, wh, cell, sib, force, log, got)
         except DamagedShard as e:

@@ -51,6 +51,7 @@ class Extra:
     # selectors, candidates); `allowed`: its plain values, `default`: what a cell without it runs,
     # `schema_keys`: its mapping form's keys (matrix.spec.schema.Key), `flag`: `matrix kld`'s flag
     option: ClassVar[bool] = False
+    title: ClassVar[str] = ""  # what it is in a few words, for labels and docs ("KV cache"; default: its key)
     allowed: ClassVar[tuple] = ()
     default: ClassVar[Any] = None
     schema_keys: ClassVar[tuple] = ()

@@ -26,6 +26,7 @@ _PARTS = {"type": "object", "properties": {p: _TYPE for p in KV.PARTS}, "additio
 class KvCache(Extra):
     key = "kv_cache"
     option = True
+    title = "KV cache"
     allowed = KV.TYPES
     default = KV.DEFAULT
     table = None

@@ -1,5 +1,6 @@
-"""KV cache types as a stack option: llama.cpp's every cache type, K and V apart, swept as an axis
-on the 2-layer SmolLM2 (the rows, their KL against the f16 cache and what the settings record),
+"""KV cache types as a plug-in engine option: llama.cpp's every cache type, K and V apart, swept as
+an axis on the 2-layer SmolLM2 (the rows, what the settings record, and each cache graded against
+the same stack on f16: its partner cell, the kv_cache_drift view, its card line and report table),
 measured by `matrix kld --kv-cache`, and refused in one line where the value is no cache type."""
 
 from __future__ import annotations
@@ -179,6 +180,62 @@ def test_the_position_bucket_view_gives_each_caches_kl_as_float64_over_the_store
             assert got[label]["kld_stderr"] == pytest.approx(np.std(kl, ddof=1) / np.sqrt(len(kl)), rel=1e-8)
 
 
+def test_each_cache_names_the_f16_stack_it_is_graded_against(tmp_path):
+    """The partner is the same stack with `kv_cache: f16` where the sweep has it, else the stack
+    without the option (what `matrix kld` runs a file's plain candidate as); f16 itself has none."""
+    swept = load_spec(_spec(tmp_path, options={"kv_cache": AXIS}))
+    by = {kv_cache.label(c.opts["kv_cache"]): c for c in swept.cells}
+    assert by["f16"].partners == ()
+    for name in ("q8_0", "q4_0", "q8_0,q4_0"):
+        assert by[name].partners == (("kv_cache", by["f16"].stack_id),), name
+    (q8,) = load_spec(_spec(tmp_path, include=[{"engine": "llamacpp", "kv_cache": "q8_0"}])).cells
+    (plain,) = load_spec(_spec(tmp_path)).cells
+    assert plain.opts == {} and q8.partner_of("kv_cache") == plain.stack_id
+
+
+@pytest.mark.slow
+def test_the_kv_cache_drift_view_is_each_caches_kl_against_f16_in_float64(kv_sweep):
+    """Row by row against the f16 cell (its partner, cells.kv_cache_of): KL(f16 || cache) of the
+    stored float32 rows' float64 log-softmax, bit-identity from the row hashes."""
+    import numpy as np
+
+    from tests.float64_rows import log_softmax, stored
+
+    wh, done, _ = kv_sweep
+    f16 = {k: log_softmax(x) for k, (x, _) in stored(wh, done["f16"]["cell_id"]).items()}
+    f16_hash = {(r["prompt_id"], r["position"]): r["row_hash"] for r in sql(wh, _rows(done["f16"]["cell_id"]))}
+    view = {r["cell_id"]: r for r in sql(wh, "select * from kv_cache_drift")}
+    assert done["f16"]["cell_id"] not in view and len(view) == 3
+    for name in ("q8_0", "q4_0", "q8_0,q4_0"):
+        c = done[name]
+        assert c["kv_cache_of"] == done["f16"]["stack_id"]
+        got = view[c["cell_id"]]
+        assert got["f16_cell_id"] == done["f16"]["cell_id"]
+        assert (got["kv_cache_k"], got["kv_cache_v"]) == kv_cache.pair(kv_cache.parse(name, AssertionError))
+        rows = stored(wh, c["cell_id"])
+        kl = [float(np.sum(np.exp(f16[k]) * (f16[k] - log_softmax(x)))) for k, (x, _) in rows.items()]
+        same = sum(r["row_hash"] == f16_hash[(r["prompt_id"], r["position"])] for r in sql(wh, _rows(c["cell_id"])))
+        assert got["rows"] == len(kl) and got["identical_rows"] == same < len(kl)
+        assert got["kld_mean"] == pytest.approx(np.mean(kl), rel=1e-9), name
+        assert got["kld_stderr"] == pytest.approx(np.std(kl, ddof=1) / np.sqrt(len(kl)), rel=1e-8), name
+        assert got["kld_max"] == pytest.approx(max(kl), rel=1e-9), name
+    assert view[done["q4_0"]["cell_id"]]["kld_mean"] > view[done["q8_0"]["cell_id"]]["kld_mean"]
+
+
+@pytest.mark.slow
+def test_a_caches_card_and_the_report_grade_it_against_f16(kv_sweep, tmp_path):
+    wh, done, _ = kv_sweep
+    r = run_cli("card", done["q4_0"]["cell_id"], "--warehouse", str(wh), "--allow-undisclosed")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("- K q4_0, V q4_0 against the f16 cache: KL ")]
+    got = sql(wh, f"select kld_mean from kv_cache_drift where cell_id = '{done['q4_0']['cell_id']}'")[0]
+    assert f"KL {got['kld_mean']:.3g} ± " in line, line
+    r = run_cli("report", "--warehouse", str(wh), "--out", str(tmp_path / "report"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "KV cache: each cache type against the same stack on f16" in page and 'id="kv-cache-rows-0"' in page
+
+
 @pytest.fixture(scope="module")
 def f16_gguf(tiny_model):
     pytest.importorskip("llama_cpp")
@@ -213,6 +270,14 @@ def test_kld_measures_the_reference_file_itself_under_another_cache(f16_gguf, tm
     job = yaml.safe_load(Path(f"{wh}.kld.yaml").read_text())
     assert [c.get("kv_cache") for c in job["candidates"]] == ["q8_0", {"k": "q8_0", "v": "q4_0"}]
     assert "options" not in job  # the reference keeps llama.cpp's default cache
+    plain = _kld(f16_gguf, text, wh)  # the file on f16: what both caches are graded against
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    cells = {c["stack_id"]: c for c in sql(wh, "select * from cells where not is_reference")}
+    (f16,) = [c for c in cells.values() if json.loads(c["options"] or "{}") == {}]
+    assert sorted(c["kv_cache_of"] == f16["stack_id"] for c in cells.values()) == [False, True, True]
+    a = run_cli("analyze", "--warehouse", str(wh))
+    assert a.returncode == 0, a.stderr[-3000:]
+    assert a.stderr.count("no kv_cache drift: the rows of") == 2, a.stderr[-3000:]  # only hashes kept (keep_rows)
 
 
 def test_kld_refuses_a_cache_type_it_does_not_know_in_one_line(tmp_path):

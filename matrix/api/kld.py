@@ -99,7 +99,7 @@ def _label(entry: dict) -> str:
     """A candidate's name, with each engine option a plug-in declares that it runs with (its KV cache)."""
     import extras
 
-    more = [f" ({x.key} {x.label(entry[x.key])})" for x in extras.options() if entry.get(x.key) is not None]
+    more = [f" ({x.title or x.key} {x.label(entry[x.key])})" for x in extras.options() if entry.get(x.key) is not None]
     return entry["name"] + "".join(more)
 
 

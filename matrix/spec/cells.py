@@ -226,7 +226,7 @@ def _sweeps(spec: Spec, combo: dict) -> list[dict]:
 def partners(spec: Spec, one: dict, opts: dict, corpus_fp: str, extra: dict | None = None) -> tuple:
     """(key, (stack id, ...)) of each cell a plug-in grades this one against (Extra.partner): the
     stack with the plug-in's partner value; for an engine option whose partner value is the
-    engine's default, then the stack without the option. _settle keeps the first the sweep has."""
+    engine's default, then the stack without the option. _settle keeps one."""
     out = []
     for x, value in extras.of(SimpleNamespace(extras=cell_extras(spec, one), opts=opts)):
         other = x.partner(value)
@@ -244,11 +244,12 @@ def partners(spec: Spec, one: dict, opts: dict, corpus_fp: str, extra: dict | No
 
 def _settle(cells: list[Cell]) -> list[Cell]:
     """Each cell's partners, one stack id per plug-in: the first of its candidates the sweep has,
-    else the first (analyze then says it has no capture of it)."""
+    else the last: for an engine option, the stack without it, as `matrix kld` adds a file's plain
+    candidate in a later call (analyze says so while no capture of it exists)."""
     have = {ids.base_stack(c.stack_id) for c in cells}
     return [
         dataclasses.replace(
-            c, partners=tuple((k, next((i for i in got if i in have), got[0])) for k, got in c.partners)
+            c, partners=tuple((k, next((i for i in got if i in have), got[-1])) for k, got in c.partners)
         )
         for c in cells
     ]

@@ -131,7 +131,10 @@ CANDIDATE = {
     "device": "device class",
     "threads": "CPU threads",
     "calibration": "calibration data, for its card",
-    **{x.key: f"the {x.key} it runs with, as options.{x.key} (default: the spec's options)" for x in extras.options()},
+    **{
+        x.key: f"the {x.title or x.key} it runs with, as options.{x.key} (default: the spec's options)"
+        for x in extras.options()
+    },
 }
 CELL_EXTRA = {
     "threads": (POS_INT, "CPU threads for the engine (null: the engine's default)"),
