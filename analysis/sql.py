@@ -281,7 +281,7 @@ VIEW_ABOUT = {
     "layer_summary": "per (cell, layer) of a `layers:` cell: cosine and norm ratio against the reference's hidden "
     "states, with the rows where each is worst",
     "ppl_by_prompt": "perplexity of each cell and of its reference over each prompt's scored rows",
-    "summary_by_path": "rows off the plain prefill (decoded from a KV cache, recomputed from a warm cache) against "
+    "summary_by_path": "rows off the plain prefill (decoded a token at a time, served by a prefix cache) against "
     "the reference's prefill rows and against the same cell's own prefill rows",
     "stack_identity": "every pair of captured cells of one stack (replicas, builds): how many rows are byte-identical",
 }

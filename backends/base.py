@@ -81,6 +81,9 @@ class Backend:
     max_tp: ClassVar[int] = 1
     # Spec options (matrix.spec.OPTION_KEYS) this engine takes, e.g. kv_cache.
     options: ClassVar[frozenset[str]] = frozenset()
+    # The options it defines itself, {option: (JSON Schema, what it does)}, for the spec's schema and
+    # reference (an option a plug-in declares, such as kv_cache, and imatrix are declared where they live)
+    option_docs: ClassVar[dict[str, tuple[dict, str]]] = {}
     # How a tp > 1 cell is started (matrix/run/launch.py): "ranks", one actor per rank that joins a
     # torch.distributed group; "engine", one actor holding all the cell's devices, whose engine
     # starts its own tp workers.

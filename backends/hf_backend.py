@@ -48,6 +48,10 @@ class HFBackend(Backend):
     # quantizer: int8 / int4 only, which library quantises (backends/hf_quant.py); deterministic: torch's
     # deterministic algorithms (and cuBLAS's fixed workspace on CUDA)
     options = frozenset({"quantizer", "deterministic"})
+    option_docs = {
+        "quantizer": ({"enum": ["torchao", "quanto"]}, "HF int8/int4 cells: the library that quantises at load"),
+        "deterministic": ({"type": "boolean"}, "HF: deterministic torch algorithms"),
+    }
     requires = "transformers"
     runs_files = frozenset({CHECKPOINT})  # a candidate checkpoint (a directory or a hub id), run as it is
     default_for = frozenset({CHECKPOINT})

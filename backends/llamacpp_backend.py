@@ -76,6 +76,10 @@ class LlamaCppBackend(LlamaContexts, Backend):
         }
     )
     options = frozenset({"kv_cache", "n_batch", "n_ubatch", "imatrix"})
+    option_docs = {
+        "n_batch": ({"type": "integer", "minimum": 1}, "llama.cpp's logical batch size"),
+        "n_ubatch": ({"type": "integer", "minimum": 1}, "llama.cpp's physical batch size"),
+    }
     libraries = ("llama_cpp_python", "gguf")  # gguf-py writes the converted and quantised files
     requires = "llama_cpp"
     runs_files = frozenset({GGUF})

@@ -117,6 +117,7 @@ class MLXBackend(Backend):
     libraries = ("mlx", "mlx-metal", "mlx-cpu", "mlx-lm")  # mlx-metal on a Mac, mlx-cpu on Linux
     devices = frozenset({"cpu", "apple-m1", "apple-m2", "apple-m3", "apple-m4", "mps"})
     options = frozenset({"activations"})
+    option_docs = {"activations": ({"enum": ["native", "fp32"]}, "MLX: compute in float32 around quantised weights")}
     requires = "mlx_lm"
 
     @classmethod

@@ -87,6 +87,7 @@ class TrtllmBackend(Backend):
     devices = frozenset({"cuda", "h100", "h200", "b200", "sm120"})
     max_tp = 8
     options = frozenset({"trt_backend"})  # pytorch (default) | tensorrt (engine build)
+    option_docs = {"trt_backend": ({"enum": ["pytorch", "tensorrt"]}, "TensorRT-LLM's backend")}
     libraries = ("tensorrt_llm", "torch")
     requires = "tensorrt_llm"
 

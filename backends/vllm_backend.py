@@ -142,6 +142,10 @@ class VLLMBackend(Backend):
     max_tp = 8
     tp_workers = "engine"  # tp ranks are vLLM's own processes; runtime_env runs it under vllm_python()
     options = frozenset({"vllm_executor", "deterministic"})  # deterministic: its batch-invariant mode
+    option_docs = {
+        "vllm_executor": ({"enum": ["mp", "ray"]}, "vLLM's distributed executor"),
+        "deterministic": ({"type": "boolean"}, "vLLM: its batch-invariant mode"),
+    }
     libraries = ("vllm", "torch")
     # no `requires`: it runs under its own interpreter (vllm_python), which the driver's need not have
     runs_files = frozenset({CHECKPOINT})  # a candidate checkpoint (a directory or a hub id), quantised or not

@@ -48,10 +48,10 @@ CENTROID = S.by_name(TOP["centroid"].keys)
 CENTROID_DEFINITIONS = CENTROID["definition"].allowed
 # Engine options that change the arithmetic. Defaults go under top-level `options:`;
 # include entries may set them per cell. A backend lists the ones it takes.
-# -> allowed values, int (a positive integer) or dict (a mapping its own parser checks)
-OPTION_KEYS = {k.name: k.allowed or (int if k.json.get("type") == "integer" else dict) for k in S.OPTIONS}
+# -> allowed values, int (a positive integer), bool, or dict (a mapping its own parser checks)
+_KINDS = {"integer": int, "boolean": bool}
+OPTION_KEYS = {k.name: k.allowed or _KINDS.get(k.json.get("type"), dict) for k in S.OPTIONS}
 OPTION_KEYS.update({x.key: x.allowed for x in extras.options()})  # a plug-in's: its own parser (Extra.parse)
-OPTION_KEYS["deterministic"] = bool
 # `imatrix:` on a llama.cpp quant cell: quantise with an importance matrix computed on a calibration
 # text (backends/gguf_imatrix.py); parsed and checked against the corpus in matrix/spec/calibration.py
 # Non-axis keys an include entry may add to a cell.

@@ -79,15 +79,22 @@ def _option_plugin(x) -> Key:
     return Key(x.key, x.json_schema, x.about, keys=tuple(Key(*k) for k in x.schema_keys))
 
 
+def _engine_options() -> list[Key]:
+    """The options each engine defines (Backend.option_docs), in the registry's order; one that several
+    engines define has one schema and each engine's line."""
+    found: dict[str, tuple[dict, list[str]]] = {}
+    for name in backends.registry():
+        cls = backends.backend_class(name)
+        for key, (json_schema, about) in (cls.option_docs if cls else {}).items():
+            if key in found and found[key][0] != json_schema:
+                raise AssertionError(f"engine {name} declares option {key} with another schema than an earlier engine")
+            found.setdefault(key, (json_schema, []))[1].append(about)
+    return [Key(k, j, "; ".join(abouts)) for k, (j, abouts) in found.items()]
+
+
 OPTIONS = (
     *(_option_plugin(x) for x in extras.options()),
-    Key("n_batch", POS_INT, "llama.cpp's logical batch size"),
-    Key("n_ubatch", POS_INT, "llama.cpp's physical batch size"),
-    Key("trt_backend", enum("pytorch", "tensorrt"), "TensorRT-LLM's backend"),
-    Key("vllm_executor", enum("mp", "ray"), "vLLM's distributed executor"),
-    Key("activations", enum("native", "fp32"), "MLX: compute in float32 around quantised weights"),
-    Key("quantizer", enum("torchao", "quanto"), "HF int8/int4 cells: the library that quantises at load"),
-    Key("deterministic", {"type": "boolean"}, "HF: deterministic torch algorithms; vLLM: its batch-invariant mode"),
+    *_engine_options(),
     Key(
         "imatrix",
         {"type": "object"},
