@@ -1,13 +1,16 @@
-"""Per-cell extras: what a cell records beside its rows, each in one module of this package.
+"""The plug-ins: whatever varies a cell beyond model × engine × dtype × attention × TP × device, or
+what a cell records beside its rows (batch, KV cache types, layers, decode, prefix cache, prefill
+chunking), each in one module of this package (extras/_interface.py: the interface).
 
-An extra is a spec key whose value rides on the cell (`Cell.extras`, `StackDesc.extras`) and is
-part of its id; each module of this package holds one and names its class in `EXTRA`. Its
-module declares all the core needs:
+A plug-in is a spec key whose value rides on the cell and is part of its id: in `Cell.extras`, or,
+for an engine option (`option`), in the cell's options; each module of this package holds one and
+names its class in `EXTRA`. Its module declares all the core needs:
 
     key, parse            the spec key and its parser (None: off for that cell)
     about, json_schema    the key's line and JSON Schema in the spec reference
     sweeps, expand        an axis: one spec value is several cells (batch sizes), each its own id part
     partner               grading against a partner cell: the value of the cell it is measured against
+    option, label, flag   an engine option: set where options are, its word in names, `matrix kld`'s flag
     hook                  the engine method that supports it: an engine implements it, no flag elsewhere
     table, paths          the side table its rows go to (layer_states, or the d<repeat> file with a path per row)
     resolve, side_rows    its checks against the model at plan time; its side rows per repeat
@@ -17,6 +20,7 @@ module declares all the core needs:
     analysis, card        its metrics in `matrix analyze`, its block of the model card, its report section
     views, name_words     the SQL views that grade it (created after the core's: analysis.sql.all_views);
                           its words in a stack's readable name (analysis/stack_names.py)
+    disclose              its entries of a card's disclosure (both sides' KV cache types)
 
 The core (spec, plan, actor, run loop, verify, analyze, card, report) loops over `registered()`.
 Extras are found through a lazy key -> "module:Class" map, as engines are (backends/__init__.py):

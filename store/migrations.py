@@ -43,6 +43,15 @@ def batch_metrics_table(loc) -> None:
     loc.mkdirs("batch_metrics")
 
 
+def plugin_tables(loc) -> None:
+    """The directory of every table the installed plug-ins declare (extras/: Extra.tables)."""
+    from store.schema import CORE_TABLES, TABLES
+
+    for name in TABLES:
+        if name not in CORE_TABLES:
+            loc.mkdirs(name)
+
+
 # target version -> what it changed (version 1 is the first warehouse: nothing before it)
 MIGRATIONS = {
     2: Migration(
@@ -138,5 +147,13 @@ MIGRATIONS = {
         "batch_size - 1 other sequences, and the stack id of the same stack at batch 1); table batch_metrics "
         "(analyze: a batch cell's rows against that batch-1 cell's). Older cells read as null there: batch-free.",
         batch_metrics_table,
+    ),
+    17: Migration(
+        "plugin_columns",
+        "the plug-ins (extras/) declare their cells columns and tables: cells.kv_cache_of (a cell on a KV cache "
+        "other than f16: the stack id of the same stack on the f16 cache) and table kv_cache_metrics (analyze: "
+        "its rows against that cell's), beside batch's. Older cells read as null there (no partner); the "
+        "directory of each plug-in table is made.",
+        plugin_tables,
     ),
 }

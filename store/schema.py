@@ -1,11 +1,11 @@
-"""Warehouse schema, version 16: the current tables and columns. What each version changed, and
+"""Warehouse schema, version 17: the current tables and columns. What each version changed, and
 how an older warehouse is brought up to this one: store/migrations.py.
 
 Layout (one directory per table; readers glob ``*.parquet``; writers go
 through a hidden temp file and an atomic rename, so a killed run never leaves
 a half-written file that a reader sees)::
 
-    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 16}
+    WAREHOUSE.json                      {"format": "logit-matrix-warehouse", "schema_version": 17}
     runs/<run_id>.parquet               one row per `matrix run` that had work to do
     cells/<cell_id>.parquet             one row per completed cell (rewritten on resume)
     prompts/<prompt_id>.parquet         one row per tokenised prompt
@@ -46,7 +46,7 @@ import pyarrow as pa
 
 from common import plugins
 
-SCHEMA_VERSION = 16
+SCHEMA_VERSION = 17
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import extras  # noqa: F401  (the plug-ins declare their tables)
 from store.migrations import MIGRATIONS
 from store.schema import SCHEMA_VERSION
 from store.warehouse import MARKER, Warehouse
@@ -14,7 +15,12 @@ from store.warehouse import MARKER, Warehouse
 def test_every_version_says_what_it_changed():
     assert sorted(MIGRATIONS) == list(range(2, SCHEMA_VERSION + 1))
     assert all(m.changed.strip() and m.name for m in MIGRATIONS.values())
-    assert {v for v, m in MIGRATIONS.items() if m.step} == {2, 9, 16}  # new tables' directories; the rest add columns
+    assert {v for v, m in MIGRATIONS.items() if m.step} == {
+        2,
+        9,
+        16,
+        17,
+    }  # new tables' directories; the rest add columns
 
 
 def test_an_old_warehouse_is_brought_up_one_version_at_a_time(tmp_path):
@@ -28,6 +34,13 @@ def test_an_old_warehouse_is_brought_up_one_version_at_a_time(tmp_path):
     assert said[-1].endswith(f"schema_version {SCHEMA_VERSION} ({MIGRATIONS[SCHEMA_VERSION].name})")
     assert all(
         (tmp_path / t).is_dir()
-        for t in ("tokenizer_parity", "layer_states", "layer_metrics", "decode_metrics", "batch_metrics")
+        for t in (
+            "tokenizer_parity",
+            "layer_states",
+            "layer_metrics",
+            "decode_metrics",
+            "batch_metrics",
+            "kv_cache_metrics",
+        )
     )
     assert Warehouse(tmp_path).check()
