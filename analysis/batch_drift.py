@@ -1,43 +1,53 @@
 """Graded batch drift: each batch cell of size > 1 against the same stack at batch 1 (cells.batch_of),
 measured by analysis/partner_drift.py into batch_metrics/<cell_id>.parquet; the batch_drift view sums
-it. `matrix analyze` runs it as the batch plug-in's analysis (extras/batch.py)."""
+it, and a card's block gives the card's stack at each batch size the warehouse holds. `matrix
+analyze` runs it as the batch plug-in's analysis (extras/batch.py)."""
 
 from __future__ import annotations
 
-from analysis.aggregates import agg
-from analysis.partner_drift import Partnering
+from analysis.partner_drift import Partnering, view_sql
 
 TABLE = "batch_metrics"  # the metrics table's columns; reference_cell_id: the batch-1 cell
-PARTNERING = Partnering("batch", TABLE, "batch_of", "batch 1", "batch-1")
+PARTNERING = Partnering("batch", TABLE, "batch_of", "batch 1", "batch-1", "batch cell(s)")
 
-# The graded view: each batch cell (size > 1) against the same stack at batch 1 (batch_metrics),
-# repeat 0 row by row: bit-identity on the row hashes, KL and top-1 where they differ, and beside
-# it the cell's KL against the model's reference (metrics), so an invariant mode's cost shows too.
+# The graded view: each batch cell (size > 1) against the same stack at batch 1 (batch_metrics)
 VIEW = "batch_drift"
-VIEW_SQL = f"""
-        WITH h AS (SELECT cell_id, prompt_id, position, row_hash FROM logits WHERE repeat = 0 AND path IS NULL),
-        r AS (SELECT cell_id, {agg("mean", "kld")} AS kld_vs_reference FROM metrics WHERE repeat = 0 GROUP BY cell_id)
-        SELECT c.model, c.engine, c.dtype, c.attention, c.options, c.batch_of AS stack_id_batch_1,
-               m.reference_cell_id AS batch_1_cell_id, m.cell_id, c.batch_size,
-               json_extract_string(c.batch, '$.fill') AS fill, count(*) AS rows,
-               count(*) FILTER (WHERE ha.row_hash = hb.row_hash) AS identical_rows,
-               bool_and(coalesce(ha.row_hash = hb.row_hash, false)) AS bit_identical,
-               {agg("mean", "m.kld")} AS kld_mean, {agg("stderr", "m.kld")} AS kld_stderr,
-               {agg("max", "m.kld")} AS kld_max, {agg("share", "m.top1_match")} AS top1_agreement,
-               {agg("max", "m.max_abs_diff")} AS max_abs_diff,
-               any_value(r.kld_vs_reference) AS kld_vs_reference
-        FROM batch_metrics m JOIN cells c ON c.cell_id = m.cell_id
-        LEFT JOIN h ha ON ha.cell_id = m.cell_id AND ha.prompt_id = m.prompt_id AND ha.position = m.position
-        LEFT JOIN h hb ON hb.cell_id = m.reference_cell_id AND hb.prompt_id = m.prompt_id AND hb.position = m.position
-        LEFT JOIN r ON r.cell_id = m.cell_id
-        WHERE m.repeat = 0
-        GROUP BY c.model, c.engine, c.dtype, c.attention, c.options, c.batch_of, m.reference_cell_id, m.cell_id,
-                 c.batch_size, c.batch"""
+VIEW_SQL = view_sql(
+    TABLE,
+    "c.options, c.batch_of AS stack_id_batch_1, m.reference_cell_id AS batch_1_cell_id, m.cell_id, c.batch_size, "
+    "json_extract_string(c.batch, '$.fill') AS fill",
+    "c.options, c.batch_of, m.reference_cell_id, m.cell_id, c.batch_size, c.batch",
+)
 VIEW_ABOUT = (
     "each batch cell (batch_size > 1) against the same stack at batch 1: rows bit-identical, and "
-    "KL (mean, s.e., max), top-1 agreement and max |Δlogit| where they differ; with its KL against the reference"
+    "KL (mean, s.e., p99, max), top-1 agreement and max |Δlogit| where they differ; with its KL against the reference"
 )
 
+# every batch size of the card cell's stack (its batch-1 stack id, at any size of its own) captured by
+# the card cell's engine build; a batch-free cell has no batch_of, so no rows
+CARD_SQL = """WITH me AS (SELECT batch_of, build FROM cells WHERE cell_id = ?)
+              SELECT d.batch_size, d.fill, d.rows, d.identical_rows, d.bit_identical, d.kld_mean, d.kld_stderr,
+                     d.kld_max, d.top1_agreement
+              FROM batch_drift d JOIN cells c USING (cell_id) JOIN me ON d.stack_id_batch_1 = me.batch_of
+              WHERE c.build IS NOT DISTINCT FROM me.build
+              ORDER BY d.batch_size"""
 
-def line(got: dict) -> str:
-    return f"batch drift: {got['cells']} batch cell(s) against batch 1, {got['rows']} rows ({got['reused']} up to date)"
+
+def card_line(r: dict) -> str:
+    """One batch size's line: "batch 1 vs 8: bit-identical (40 rows)" or its KL."""
+    head = f"batch 1 vs {r['batch_size']} ({r['fill']} fill)"
+    if r["bit_identical"]:
+        return f"{head}: bit-identical ({r['rows']} rows)"
+    return (
+        f"{head}: KL {r['kld_mean']:.3g} ± {r['kld_stderr'] or 0:.2g} nats (max {r['kld_max']:.3g}), "
+        f"top-1 {r['top1_agreement']:.4f}, {r['identical_rows']} of {r['rows']} rows bit-identical"
+    )
+
+
+def card_lines(rows: list[dict]) -> list[str]:
+    """The block's markdown lines; none for a batch-free stack."""
+    if not rows:
+        return []
+    return ["", "Batch composition (each prompt among batch - 1 other sequences, against batch 1):", ""] + [
+        f"- {card_line(r)}" for r in rows
+    ]

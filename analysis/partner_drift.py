@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from analysis import metrics as M
+from analysis.aggregates import agg
 from analysis.compare import cell_metrics
 from analysis.unit_keys import unit_key
 from store import Warehouse
@@ -27,6 +28,38 @@ class Partnering:
     column: str
     partner: str  # the partner in words: "batch 1"
     partner_capture: str  # "batch-1": "no batch-1 capture of its stack"
+    cells: str  # what the analysis line calls the cells it measured: "batch cell(s)"
+
+
+def view_sql(table: str, columns: str, group_by: str) -> str:
+    """A plug-in's graded view over its table: the stack, `columns` (its own: the batch size, the
+    K and V types; `group_by` groups by them), then what every grading against a partner gives,
+    repeat 0 row by row: bit-identity on the row hashes, KL and top-1 where they differ, and the
+    cell's KL against the model's reference beside it (so an invariant mode's cost shows too)."""
+    return f"""
+        WITH h AS (SELECT cell_id, prompt_id, position, row_hash FROM logits WHERE repeat = 0 AND path IS NULL),
+        r AS (SELECT cell_id, {agg("mean", "kld")} AS kld_vs_reference FROM metrics WHERE repeat = 0 GROUP BY cell_id)
+        SELECT c.model, c.engine, c.dtype, c.attention, {columns}, count(*) AS rows,
+               count(*) FILTER (WHERE ha.row_hash = hb.row_hash) AS identical_rows,
+               bool_and(coalesce(ha.row_hash = hb.row_hash, false)) AS bit_identical,
+               {agg("mean", "m.kld")} AS kld_mean, {agg("stderr", "m.kld")} AS kld_stderr,
+               {agg("p99", "m.kld")} AS kld_p99, {agg("max", "m.kld")} AS kld_max,
+               {agg("share", "m.top1_match")} AS top1_agreement, {agg("max", "m.max_abs_diff")} AS max_abs_diff,
+               any_value(r.kld_vs_reference) AS kld_vs_reference
+        FROM {table} m JOIN cells c ON c.cell_id = m.cell_id
+        LEFT JOIN h ha ON ha.cell_id = m.cell_id AND ha.prompt_id = m.prompt_id AND ha.position = m.position
+        LEFT JOIN h hb ON hb.cell_id = m.reference_cell_id AND hb.prompt_id = m.prompt_id AND hb.position = m.position
+        LEFT JOIN r ON r.cell_id = m.cell_id
+        WHERE m.repeat = 0
+        GROUP BY c.model, c.engine, c.dtype, c.attention, {group_by}"""
+
+
+def line(p: Partnering, got: dict) -> str:
+    """analyze's line: "batch drift: 2 batch cell(s) against batch 1, 20 rows (0 up to date)"."""
+    what = p.name.replace("_", " ").replace("kv cache", "KV cache")
+    return (
+        f"{what} drift: {got['cells']} {p.cells} against {p.partner}, {got['rows']} rows ({got['reused']} up to date)"
+    )
 
 
 def pairs(p: Partnering, done: list[dict], log=lambda line: None) -> list[tuple[dict, dict]]:

@@ -39,9 +39,9 @@ import socket
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
-from extras._interface import Capturer, Extra, add_pairs, agreement, loads
+from extras._interface import Capturer, Extra, PartnerGraded, add_pairs, agreement, loads
 
-__all__ = ["Capturer", "Extra", "add_pairs", "agreement", "loads"]
+__all__ = ["Capturer", "Extra", "PartnerGraded", "add_pairs", "agreement", "loads"]
 
 GROUP = "logit_matrix.extras"
 

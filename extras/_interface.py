@@ -3,6 +3,7 @@ extra declares (Extra), what runs inside a capture (Capturer), and the helpers e
 
 from __future__ import annotations
 
+import importlib
 import json
 from typing import Any, Callable, ClassVar
 
@@ -238,3 +239,57 @@ def agreement(a, b) -> tuple[int, float]:
     n = len(a)
     same = (a.view(np.uint8).reshape(n, -1) == b.view(np.uint8).reshape(n, -1)).all(-1)
     return int(same.sum()), float(np.abs(widen(a) - widen(b)).max(initial=0.0))
+
+
+class PartnerGraded(Extra):
+    """A plug-in graded against a partner cell (batch, the KV cache). `grading` names its analysis
+    module, which holds its Partnering (PARTNERING: table, partner column), its view (VIEW,
+    VIEW_SQL, VIEW_ABOUT), the card's query (CARD_SQL, the card cell's id as its parameter) and
+    card_lines; analysis/partner_drift.py measures the pairs."""
+
+    grading: ClassVar[str]
+    partner_about: ClassVar[str]  # what its partner column holds, for docs/warehouse.md
+
+    def _module(self):
+        return importlib.import_module(self.grading)
+
+    def cell_columns(self) -> list[tuple[str, Any, str]]:
+        import pyarrow as pa
+
+        return [(self._module().PARTNERING.column, pa.string(), self.partner_about)]
+
+    def cell_record(self, cell, value: Any) -> dict[str, Any]:
+        return {self._module().PARTNERING.column: cell.partner_of(self.key)}
+
+    def tables(self) -> dict[str, Any]:
+        from store.schema import METRICS
+
+        return {self._module().PARTNERING.table: METRICS}
+
+    def active_in(self, cell_row: dict) -> bool:
+        return cell_row.get(self._module().PARTNERING.column) is not None
+
+    def side_rows(self, value: Any, fed_positions, prompt_lengths) -> tuple[int, bool]:
+        return 0, True  # its rows are the cell's own logits
+
+    def analyze(self, wh, done, reference, force, log, skip_damaged: bool = False) -> dict | None:
+        from analysis import partner_drift
+
+        return partner_drift.analyze(self._module().PARTNERING, wh, done, force, log, skip_damaged)
+
+    def analysis_line(self, got: dict) -> str:
+        from analysis import partner_drift
+
+        return partner_drift.line(self._module().PARTNERING, got)
+
+    def views(self) -> dict[str, tuple[str, str]]:
+        g = self._module()
+        return {g.VIEW: (g.VIEW_SQL, g.VIEW_ABOUT)}
+
+    def card(self, warehouse: str, cell_row: dict) -> list[dict]:
+        from analysis.card import query_rows
+
+        return query_rows(warehouse, self._module().CARD_SQL, [cell_row["cell_id"]])
+
+    def card_lines(self, block: list[dict]) -> list[str]:
+        return self._module().card_lines(block)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from common import batching
-from extras import Capturer, Extra
+from extras import Capturer, PartnerGraded
 
 
 class Batched(Capturer):
@@ -44,8 +44,10 @@ class Batched(Capturer):
             raise SkipCell(f"batch {self.batch.size}: {e}") from e
 
 
-class Batch(Extra):
+class Batch(PartnerGraded):
     key = "batch"
+    grading = "analysis.batch_drift"
+    partner_about = "the stack id of the same stack at batch 1, what batch_drift compares it with"
     hook = "forward_batch"
     table = None  # its rows are the cell's own logits
     sweeps = True
@@ -92,15 +94,12 @@ class Batch(Extra):
             return f"per-cell extras ({', '.join(others)}) record a sequence evaluated alone; a batch cell takes none"
         return engine_cls.batch_unsupported(cell)
 
-    # the plan and the capture
-    def side_rows(self, value, fed_positions, prompt_lengths) -> tuple[int, bool]:
-        return 0, True
-
+    # the capture
     def capturer(self, backend, value: batching.Batch, writer) -> Batched:
         return Batched(backend, value)
 
-    # the outcome: the batch as its id holds it, and the stack id of the same stack at batch 1
-    def cell_columns(self) -> list[tuple[str, Any]]:
+    # the outcome: the batch as its id holds it, and (PartnerGraded) the stack id of the same stack at batch 1
+    def cell_columns(self) -> list[tuple[str, Any, str]]:
         import pyarrow as pa
 
         return [
@@ -110,49 +109,16 @@ class Batch(Extra):
                 pa.string(),
                 'the batch as its id holds it: JSON {"size"} at 1, {"size", "fill"} above ("seed" too for fill random)',
             ),
-            ("batch_of", pa.string(), "the stack id of the same stack at batch 1, what batch_drift compares it with"),
+            *super().cell_columns(),
         ]
 
     def cell_record(self, cell, value: batching.Batch) -> dict[str, Any]:
-        return {"batch_size": value.size, "batch": value.to_json(), "batch_of": cell.partner_of(self.key)}
-
-    def tables(self) -> dict[str, Any]:
-        from analysis.batch_drift import TABLE
-        from store.schema import METRICS
-
-        return {TABLE: METRICS}
+        return {"batch_size": value.size, "batch": value.to_json(), **super().cell_record(cell, value)}
 
     def active_in(self, cell_row: dict) -> bool:
         return cell_row.get("batch_size") is not None
 
-    # analysis, card, report
-    def analyze(self, wh, done, reference, force, log, skip_damaged: bool = False) -> dict | None:
-        from analysis import partner_drift
-        from analysis.batch_drift import PARTNERING
-
-        return partner_drift.analyze(PARTNERING, wh, done, force, log, skip_damaged)
-
-    def analysis_line(self, got: dict) -> str:
-        from analysis.batch_drift import line
-
-        return line(got)
-
-    def views(self) -> dict[str, tuple[str, str]]:
-        from analysis.batch_drift import VIEW, VIEW_ABOUT, VIEW_SQL
-
-        return {VIEW: (VIEW_SQL, VIEW_ABOUT)}
-
-    def card(self, warehouse: str, cell_row: dict) -> list[dict]:
-        from analysis.batch_card import CARD_SQL
-        from analysis.card import query_rows
-
-        return query_rows(warehouse, CARD_SQL, [cell_row["cell_id"]])
-
-    def card_lines(self, block: list[dict]) -> list[str]:
-        from analysis.batch_card import card_lines
-
-        return card_lines(block)
-
+    # the report (analyze, views and card: PartnerGraded, from analysis/batch_drift.py)
     def model_report(self, data: dict, model: str, k: int) -> str:
         from analysis.report_batch import section
 

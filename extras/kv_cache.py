@@ -16,15 +16,17 @@ import json
 from typing import Any
 
 from common import kv_cache as KV
-from extras import Extra
+from extras import PartnerGraded
 
 _TYPE = {"enum": list(KV.TYPES)}
 _ANY = "|".join(KV.TYPES)
 _PARTS = {"type": "object", "properties": {p: _TYPE for p in KV.PARTS}, "additionalProperties": False}
 
 
-class KvCache(Extra):
+class KvCache(PartnerGraded):
     key = "kv_cache"
+    grading = "analysis.kv_cache_drift"
+    partner_about = "the stack id of the same stack on the f16 KV cache, what kv_cache_drift compares it with"
     option = True
     title = "KV cache"
     allowed = KV.TYPES
@@ -67,62 +69,12 @@ class KvCache(Extra):
     def unsupported(self, engine_cls, cell, value) -> str | None:
         return None  # an engine without the option skips the cell as for any option it does not take
 
-    def side_rows(self, value, fed_positions, prompt_lengths) -> tuple[int, bool]:
-        return 0, True
-
-    # the outcome
-    def cell_columns(self) -> list[tuple[str, Any, str]]:
-        import pyarrow as pa
-
-        about = "the stack id of the same stack on the f16 KV cache, what kv_cache_drift compares it with"
-        return [("kv_cache_of", pa.string(), about)]
-
-    def cell_record(self, cell, value: Any) -> dict[str, Any]:
-        return {"kv_cache_of": cell.partner_of(self.key)}
-
-    def tables(self) -> dict[str, Any]:
-        from analysis.kv_cache_drift import TABLE
-        from store.schema import METRICS
-
-        return {TABLE: METRICS}
-
-    def active_in(self, cell_row: dict) -> bool:
-        return cell_row.get("kv_cache_of") is not None
-
-    # analysis, card, report
-    def analyze(self, wh, done, reference, force, log, skip_damaged: bool = False) -> dict | None:
-        from analysis import partner_drift
-        from analysis.kv_cache_drift import PARTNERING
-
-        return partner_drift.analyze(PARTNERING, wh, done, force, log, skip_damaged)
-
-    def analysis_line(self, got: dict) -> str:
-        return (
-            f"KV cache drift: {got['cells']} cell(s) against the f16 cache, {got['rows']} rows "
-            f"({got['reused']} up to date)"
-        )
-
-    def views(self) -> dict[str, tuple[str, str]]:
-        from analysis.kv_cache_drift import VIEW, VIEW_ABOUT, VIEW_SQL
-
-        return {VIEW: (VIEW_SQL, VIEW_ABOUT)}
-
-    def card(self, warehouse: str, cell_row: dict) -> list[dict]:
-        from analysis.card import query_rows
-        from analysis.kv_cache_drift import VIEW
-
-        return query_rows(warehouse, f"SELECT * FROM {VIEW} WHERE cell_id = ?", [cell_row["cell_id"]])
-
-    def card_lines(self, block: list[dict]) -> list[str]:
-        from analysis.kv_cache_drift import card_lines
-
-        return card_lines(block)
-
+    # the report (the cells column, table, analyze, views and card: PartnerGraded, from
+    # analysis/kv_cache_drift.py)
     def model_report(self, data: dict, model: str, k: int) -> str:
-        from analysis.kv_cache_drift import VIEW, section
+        from analysis.kv_cache_drift import section
 
-        rows = [r for r in (data.get("plugin_views") or {}).get(VIEW) or [] if r["model"] == model]
-        return section(rows, data.get("names") or {}, k)
+        return section(data, model, k)
 
     def disclose(self, cell_row: dict, ref_row: dict) -> dict:
         """Both stacks' K and V cache types where either is not llama.cpp's default, as their
