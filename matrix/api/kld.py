@@ -24,7 +24,7 @@ def kld(
     chunks: int | None = None,
     threads: int | None = None,
     keep_rows: bool = False,
-    kv_cache: str | None = None,
+    options: dict[str, str] | None = None,
     address: str | None = None,
     executor: str | None = None,
     log: Callable[[str], None] | None = None,
@@ -32,8 +32,9 @@ def kld(
     """reference, candidates: a GGUF file, an HF checkpoint directory or a catalog model each; text: the
     evaluation text (UTF-8), cut into chunks of n_ctx tokens whose second halves are scored; chunks:
     only the first that many of them, as llama-perplexity's --chunks (None: every chunk). n_ctx is
-    refused past the context the reference declares. kv_cache: the KV cache type the candidates run
-    with, `TYPE` or `K,V` (llama.cpp's -ctk / -ctv; None: its default f16, as the reference), so a
+    refused past the context the reference declares. options: the engine options a plug-in declares
+    that the candidates run with, as their flags give them (extras.Extra.flag), e.g. {"kv_cache":
+    "q8_0"} or "K,V" (llama.cpp's -ctk / -ctv; left out: its default f16, as the reference), so a
     candidate is a file and a cache: the reference's own file with a q8_0 cache measures the cache.
 
     The job's spec is written beside the warehouse (WAREHOUSE.kld.yaml) and run with the local executor
@@ -44,7 +45,7 @@ def kld(
     log = log or stderr_log
     threads = _threads(threads, address)
     ref = job.classify(reference, "--reference")
-    options = job.flag_options({"kv_cache": kv_cache})
+    options = job.flag_options(options or {})
     cands = [job.classify(c, "--candidate") for c in candidates]
     text_file = Path(os.path.expanduser(str(text))).resolve()
     if not text_file.is_file():

@@ -21,7 +21,7 @@ def cmd_kld(args) -> int:
         chunks=args.chunks,
         threads=args.threads,
         keep_rows=args.keep_rows,
-        kv_cache=args.kv_cache,
+        options={x.key: getattr(args, x.key) for x in extras.options() if x.flag},
         address=args.address,
         executor=args.executor,
         log=log,
@@ -53,7 +53,7 @@ def _option_flags(k) -> None:
     """Each flag a plug-in's engine option declares (extras.Extra.flag: --kv-cache)."""
     for x in extras.options():
         if x.flag:
-            k.add_argument(x.flag, default=None, metavar=x.flag_metavar, help=x.flag_help)
+            k.add_argument(x.flag, dest=x.key, default=None, metavar=x.flag_metavar, help=x.flag_help)
 
 
 def add_parser(sub) -> None:
