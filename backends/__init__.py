@@ -126,6 +126,15 @@ def running(kind: str) -> tuple[str, ...]:
     return tuple(sorted(found, key=lambda name: kind not in declared()[name].default_for))
 
 
+def for_files(kind: str) -> type[Backend]:
+    """The engine class a file of this kind defaults to (GGUF: llama.cpp), for what the spec asks of
+    the file before any engine loads (Backend.file_tokenize, keep_file_vocabulary, checkpoint_dtype)."""
+    name = default_engine(kind)
+    if name is None:
+        raise RuntimeError(f"no installed engine runs {kind} files (base.FILE_KINDS)")
+    return backend_class(name)
+
+
 def default_engine(kind: str) -> str | None:
     """The engine a given file of this kind runs on when its entry names none."""
     for name, cls in declared().items():

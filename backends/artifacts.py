@@ -14,7 +14,6 @@ sweep has loaded is never removed under it.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from common.files import cache_root, sha256_file
+from common.files import cache_root, locked, sha256_file  # noqa: F401 (locked: re-exported)
 
 PATH_FIELDS = ("source",)  # recipe fields that say where the source was, not what it was
 SOURCE_FILES = (
@@ -61,19 +60,6 @@ def artifact_dir(kind: str, recipe: dict[str, Any], content: str | None = None) 
         keyed["source_content"] = content
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     return root() / kind / key
-
-
-@contextlib.contextmanager
-def locked(d: Path):
-    """An exclusive flock on the directory itself: no lock file, so a build or fetch that fails
-    leaves no file behind."""
-    d.mkdir(parents=True, exist_ok=True)
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # wait: the other builder finishes, then we reuse its file
-        yield
-    finally:
-        os.close(fd)
 
 
 def _hold(d: Path) -> bool:

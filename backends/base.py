@@ -177,6 +177,29 @@ class Backend:
         (None: no fixed limit). A spec asking more is an error, not a skip."""
         return None
 
+    # What the spec asks, before any engine loads, of the engine a kind of file defaults to
+    # (backends.for_files): GGUF's tokenizer and vocabulary, the dtype a checkpoint declares.
+    @classmethod
+    def file_tokenize(cls, path: str, text: str) -> tuple[list[int], int | None]:
+        """A text as the engine tokenises it with the file's own vocabulary; -> (ids, the BOS it
+        starts a chunk with, or None where the file says the model takes none)."""
+        raise NotImplementedError(f"engine {cls.engine} does not tokenise with a file's vocabulary")
+
+    @classmethod
+    def file_tokenize_ahead(cls, path: str, text: str) -> None:
+        """Start file_tokenize(path, text) beside the caller's work (default: nothing; it runs when asked)."""
+
+    @classmethod
+    def keep_file_vocabulary(cls, source: str, hf_dir: str) -> bool:
+        """Write the file's vocabulary beside a checkpoint dequantised from it where the checkpoint's
+        tokenizer does not carry it whole; -> whether it is there (default: nothing to keep)."""
+        return False
+
+    @classmethod
+    def checkpoint_dtype(cls, torch_dtype: str) -> str | None:
+        """The spec's dtype name of a checkpoint's torch_dtype ("bfloat16" -> "bf16"), None: unknown."""
+        return None
+
     def checkpoint_candidate(self) -> dict[str, Any]:
         """An HF checkpoint given as a candidate replaces the reference weights: this node's copy
         of the directory, its digest checked here where it is read; a hub id is loaded from the

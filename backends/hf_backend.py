@@ -71,6 +71,10 @@ class HFBackend(Backend):
         return reason
 
     @classmethod
+    def checkpoint_dtype(cls, torch_dtype: str) -> str | None:
+        return {v: k for k, v in TORCH_DTYPES.items()}.get(torch_dtype)  # "bfloat16" -> "bf16"
+
+    @classmethod
     def runtime_env(cls, stack, threads: int) -> dict[str, Any] | None:
         """`deterministic: true` on a GPU: cuBLAS's fixed workspace from the actor's start, before any
         cuBLAS handle exists (load() sets it too, for a process that has none yet)."""

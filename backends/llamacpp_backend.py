@@ -262,6 +262,24 @@ class LlamaCppBackend(LlamaContexts, Backend):
         logits = self.forward(token_ids, positions, taps)
         return logits, taps.result()
 
+    @classmethod
+    def file_tokenize(cls, path: str, text: str) -> tuple[list[int], int | None]:
+        return gguf_tokenize(path, text)  # as llama-perplexity: add_special on, parse_special off
+
+    @classmethod
+    def file_tokenize_ahead(cls, path: str, text: str) -> None:
+        from backends.llama_binding import tokenize_ahead
+
+        tokenize_ahead(path, text)
+
+    @classmethod
+    def keep_file_vocabulary(cls, source: str, hf_dir: str) -> bool:
+        from pathlib import Path
+
+        from backends.gguf_vocab import keep_vocabulary
+
+        return keep_vocabulary(Path(source), Path(hf_dir))
+
     def tokenize(self, text: str) -> list[int]:
         """llama.cpp's own tokenizer as llama-cpp-python calls it by default (add_bos per the GGUF)."""
         return tokenize_with(self.vocab, text, True, True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -110,3 +112,16 @@ def check_gguf(path: str) -> None:
         magic = f.read(4)
     if magic != b"GGUF":
         raise UserError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+
+
+@contextlib.contextmanager
+def locked(d: Path):
+    """An exclusive flock on the directory itself: no lock file, so a build or fetch that fails
+    leaves no file behind."""
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # wait: the other builder finishes, then we reuse its file
+        yield
+    finally:
+        os.close(fd)

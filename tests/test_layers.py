@@ -285,3 +285,17 @@ def test_the_core_names_no_plug_ins_axis():
 def test_the_core_check_sees_a_name_in_code_not_in_a_docstring():
     planted = 'def f(cell):\n    """A batch cell."""\n    # the kv_cache of it\n    return cell.batch\n'
     assert [w for _, w in code_words(planted) if "batch" in w] == ["batch"]
+
+
+def test_the_spec_reaches_engines_only_through_the_registry():
+    """matrix/spec/ imports the registry (backends) and the contract (backends.base), no engine
+    module: tokenising with a GGUF's vocabulary, keeping it, a checkpoint's dtype go through
+    backends.for_files and the Backend class methods."""
+    spec = {m: deps for m, deps in graph().items() if m.startswith("matrix.spec")}
+    engine = [
+        f"{m} imports {d}"
+        for m, deps in spec.items()
+        for d in sorted(deps)
+        if d.startswith("backends.") and d != "backends.base"
+    ]
+    assert len(spec) > 10 and engine == [], "\n".join(engine)

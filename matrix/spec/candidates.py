@@ -203,10 +203,10 @@ def _config_dtype(d: str) -> str:
         return "nvfp4"
     if method in CHECKPOINT_QUANT:
         return CHECKPOINT_QUANT[method]
-    from backends.hf_backend import TORCH_DTYPES
-
-    by_torch = {v: k for k, v in TORCH_DTYPES.items()}  # "bfloat16" -> "bf16"
-    return by_torch.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), "fp32")
+    found = backends.for_files(CHECKPOINT).checkpoint_dtype(
+        str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    )
+    return found or "fp32"
 
 
 def cells(spec, corpus_fp: str, make_cell_id, option_sets, cell_extras, partners) -> list[tuple[Cell, list[str]]]:

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from backends.llamacpp_backend import gguf_tokenize
+import backends
+from backends.base import GGUF
 from common.errors import UserError, read_text_file, read_yaml_file
 from common.files import ids_sha256
 from common.ids import prompt_id as mint_prompt_id
@@ -223,7 +224,7 @@ def _text_ids(e: Entry, text: str, tokenizer, bos_policy: str, model: str) -> tu
     """-> (ids, whether a BOS was added, the BOS a chunk starts with or None)."""
     bos = tokenizer.bos_token_id
     if e.vocab is not None:  # llama.cpp's tokenizer: BOS where the GGUF asks for it, as llama-perplexity
-        ids, gguf_bos = gguf_tokenize(str(e.vocab), text)
+        ids, gguf_bos = backends.for_files(GGUF).file_tokenize(str(e.vocab), text)
         if bos_policy == "never" and gguf_bos is not None and ids[:1] == [gguf_bos]:
             return ids[1:], False, None
         if bos_policy == "always" and gguf_bos is None:

@@ -33,9 +33,7 @@ class GgufTokenizer:
         return {t: i for i, t in enumerate(self.info.tokens)}
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> SimpleNamespace:
-        from backends.llama_binding import gguf_tokenize
-
-        ids, bos = gguf_tokenize(self.info.path, text)
+        ids, bos = backends.for_files(GGUF).file_tokenize(self.info.path, text)
         if not add_special_tokens and bos is not None and ids[:1] == [bos]:
             ids = ids[1:]
         return SimpleNamespace(input_ids=ids)

@@ -317,9 +317,10 @@ def write_job(
         known = {candidate_key(c) for c in asked}
         spec["candidates"] = [c for c in old.get("candidates") or [] if candidate_key(c) not in known] + asked
     if vocab:  # the run tokenises the text with it first: that starts now, beside what comes before it
-        from backends.llama_binding import tokenize_ahead
+        import backends
+        from backends.base import GGUF
 
-        tokenize_ahead(vocab, read_text_file(text, "--text"))
+        backends.for_files(GGUF).file_tokenize_ahead(vocab, read_text_file(text, "--text"))
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     _write(corpus_path, new_corpus)
     _write(spec_path, spec)

