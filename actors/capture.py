@@ -18,6 +18,7 @@ from backends.base import Backend, LengthRefused
 from common.positions import Positions
 from common.positions import next_ids as predicted  # the local name next_ids is the list it gives
 from store.floors import Storage
+from store.prompt_rows import PromptRows
 
 OVERLAP_BYTES = 1 << 29  # a prompt's rows up to this size are kept while the next forward runs
 
@@ -264,10 +265,11 @@ class RowWork:
 
     def __call__(self, prompt_id: str, positions: list[int], next_ids: list, native: np.ndarray) -> None:
         stored, shift = self.storage.keep(native)
+        rows = PromptRows(prompt_id, positions, next_ids, stored, shift)
         if self.pool is None:
-            self.writer.add(prompt_id, positions, next_ids, stored, shift)
+            self.writer.add(rows)
             return
-        written = self.pool.submit(self.writer.add, prompt_id, positions, next_ids, stored, shift)
+        written = self.pool.submit(self.writer.add, rows)
         try:
             self.observe(prompt_id, positions, stored, shift)
         finally:

@@ -14,12 +14,13 @@ import hashlib
 import os
 import threading
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import ray
 
 from common.files import sha256_file
+from store.prompt_rows import PromptRows
 from store.warehouse import ShardWriter, encode_rows, rows_table
 
 CHUNK = 8 << 20  # bytes per read() of a model file
@@ -98,38 +99,14 @@ class RemoteShard:
         self.pending = None
         ray.get(depot.begin.remote(run_id, cell_id, repeat, table))
 
-    def add(
-        self,
-        prompt_id: str,
-        positions: list[int],
-        next_ids: Iterable[int | None],
-        native: np.ndarray,
-        shift: np.ndarray | None = None,
-        path: list[str] | None = None,
-        step: list[int] | None = None,
-    ) -> None:
-        """native: (rows, vocab). Sent in chunks of at most MESSAGE_BYTES of values, so this node
-        encodes the next chunk while the depot writes the last (two cores at work, not one), and
-        a long prompt never has to fit in one message."""
-        next_ids = list(next_ids)
+    def add(self, rows: PromptRows) -> None:
+        """Sent in chunks of at most MESSAGE_BYTES of values, so this node encodes the next chunk
+        while the depot writes the last (two cores at work, not one), and a long prompt never has
+        to fit in one message."""
+        native = rows.native
         per = max(1, MESSAGE_BYTES // max(1, native.shape[1] * native.itemsize))  # rows per message
         for lo in range(0, native.shape[0], per):
-            hi = lo + per
-            data = encode_rows(
-                rows_table(
-                    self.run_id,
-                    self.cell_id,
-                    self.repeat,
-                    prompt_id,
-                    positions[lo:hi],
-                    next_ids[lo:hi],
-                    native[lo:hi],
-                    None if shift is None else shift[lo:hi],
-                    None if path is None else path[lo:hi],
-                    None if step is None else step[lo:hi],
-                )
-            )
-            self._send(data)
+            self._send(encode_rows(rows_table(self.run_id, self.cell_id, self.repeat, rows.part(lo, lo + per))))
         self.rows += native.shape[0]
 
     def add_blocks(self, prompt_id: str, positions: list[int], next_ids: list, blocks) -> None:
@@ -137,7 +114,9 @@ class RemoteShard:
         the next block is asked for."""
         at = 0
         for native, shift in blocks:  # (block rows, vocab), (block rows,) or None
-            self.add(prompt_id, positions[at : at + len(native)], next_ids[at : at + len(native)], native, shift)
+            self.add(
+                PromptRows(prompt_id, positions[at : at + len(native)], next_ids[at : at + len(native)], native, shift)
+            )
             at += len(native)
 
     def add_layers(

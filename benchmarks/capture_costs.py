@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from store.prompt_rows import PromptRows
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -53,7 +55,9 @@ def per_row_costs(ref: "np.ndarray", stk: "np.ndarray", next_ids: list[int]) -> 
     nxt = np.asarray(next_ids, np.int64)
     steps = {
         "rounding and floor": lambda: Storage("bf16").keep(stk),
-        "encoding": lambda: encode_rows(rows_table("r", "c", 0, "p", list(range(n)), next_ids, stored, shift)),
+        "encoding": lambda: encode_rows(
+            rows_table("r", "c", 0, PromptRows("p", list(range(n)), next_ids, stored, shift))
+        ),
         "comparison": lambda: row_metrics(ref, stk, nxt),
     }
     steps["comparison"]()  # the kernel is built or loaded once per process, as in a cell

@@ -20,6 +20,8 @@ import time
 import numpy as np
 from _common import cpu, save_result
 
+from store.prompt_rows import PromptRows
+
 TARGET_2 = 1.7  # 2 threads against 1: the target on a 2-core machine
 
 
@@ -44,7 +46,7 @@ def _one_store(where: str, dtype: str, prompts: list[np.ndarray], threads: int) 
     t0 = time.perf_counter()
     w = ShardWriter(where, "bench", f"bench.{dtype}", 0, threads=threads)
     for i, x in enumerate(prompts):
-        w.add(f"p{i}", list(range(len(x))), list(range(1, len(x) + 1)), x)
+        w.add(PromptRows(f"p{i}", list(range(len(x))), list(range(1, len(x) + 1)), x))
     key = w.commit()
     seconds = time.perf_counter() - t0
     path = os.path.join(where, key)

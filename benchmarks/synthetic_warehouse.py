@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import ids  # noqa: E402
 from store import Warehouse  # noqa: E402
 from store import rows as R  # noqa: E402
+from store.prompt_rows import PromptRows
 from store.warehouse import ShardWriter  # noqa: E402
 
 MODEL = "synthetic"
@@ -112,7 +113,7 @@ def write_stack(
                 x += rng.standard_normal((n, vocab), np.float32) * np.float32(math.sqrt(2 * kl))
             positions = [STRIDE * (i + 1) for i in range(n)]
             nxt = rng_ref.integers(0, vocab, n).tolist()
-            writer.add(f"p{p:03d}", positions, nxt, to_bf16(x))
+            writer.add(PromptRows(f"p{p:03d}", positions, nxt, to_bf16(x)))
             start += n
         writer.commit()
     except BaseException:

@@ -30,6 +30,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from _common import cpu, load_backend, model_and_prompts, save_result
 
+from store.prompt_rows import PromptRows
+
 TARGET_MB_S = 200.0
 
 
@@ -58,7 +60,7 @@ def write_shards(wh, rows, dtype: str, mb: float) -> list[tuple[str, int]]:
     while size < mb * 2**20:
         w = ShardWriter(wh.where, "bench", f"bench.{dtype}", r)
         for pid, positions, native in rows:
-            w.add(pid, positions, [None] * len(positions), to_bf16(native) if dtype == "bf16" else native)
+            w.add(PromptRows(pid, positions, [None] * len(positions), to_bf16(native) if dtype == "bf16" else native))
         w.commit()
         shards.append((f"bench.{dtype}", r))
         size += Path(wh.shard_path(f"bench.{dtype}", r)).stat().st_size

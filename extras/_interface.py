@@ -216,16 +216,13 @@ def add_pairs(
     -> agreement(prefill, other): (rows byte-identical, max |prefill - other|)."""
     import numpy as np
 
+    from store.prompt_rows import PromptRows
+
     nxt = next_ids(whole, positions)
     n = len(positions)
+    both = np.concatenate([prefill, other.astype(prefill.dtype)])
     writer.add(
-        prompt_id,
-        positions + positions,
-        nxt + nxt,
-        np.concatenate([prefill, other.astype(prefill.dtype)]),
-        None,
-        ["prefill"] * n + [path] * n,
-        steps * 2,
+        PromptRows(prompt_id, positions + positions, nxt + nxt, both, None, ["prefill"] * n + [path] * n, steps * 2)
     )
     return agreement(prefill, other)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from common.positions import next_ids
 from extras import Capturer, Extra, loads
+from store.prompt_rows import PromptRows
 
 PATH = "chunked"
 VIEW = "prefill_chunk_drift"
@@ -32,12 +33,13 @@ class ChunkCapturer(Capturer):
     def after(self, prompt_id: str, whole: list[int], fed: list[int], positions: list[int], rows) -> None:
         nxt = next_ids(whole, positions)
         k = len(positions)
-        self.writer.add(prompt_id, positions, nxt, rows, None, ["prefill"] * k, [0] * k)
+        self.writer.add(PromptRows(prompt_id, positions, nxt, rows, None, ["prefill"] * k, [0] * k))
         for n in self.sizes:
             t0 = time.perf_counter()
             chunked = self.backend.chunked_rows(fed, positions, n)  # (rows, vocab), native dtype
             self.got["seconds"] += time.perf_counter() - t0
-            self.writer.add(prompt_id, positions, nxt, chunked.astype(rows.dtype), None, [PATH] * k, [n] * k)
+            chunked = chunked.astype(rows.dtype)
+            self.writer.add(PromptRows(prompt_id, positions, nxt, chunked, None, [PATH] * k, [n] * k))
             self.got["chunked_prompts"][str(n)] += len(fed) > n
         self.got["rows"] += k * (1 + len(self.sizes))
 

@@ -25,6 +25,7 @@ from store import Warehouse
 from store import llamacpp_kld as K
 from store import rows as R
 from store.floors import kld_base_floor
+from store.prompt_rows import PromptRows
 from store.shards import ShardWriter
 from store.values import logits_matrix
 
@@ -140,7 +141,8 @@ def _write_rows(f: dict, writer: ShardWriter, prompts: list[dict], model: str, p
         new_prompts += [] if found else [prompt]
         rows = np.asarray(f["rows"][c])  # (n_scored, nv) uint16
         floors.append(kld_base_floor(*K.row_heads(rows), K.clamped(rows, f["n_vocab"]).sum(-1)))
-        writer.add(prompt["prompt_id"], scored, [toks[j + 1] for j in scored], K.decode_for_import(rows, f["n_vocab"]))
+        native = K.decode_for_import(rows, f["n_vocab"])
+        writer.add(PromptRows(prompt["prompt_id"], scored, [toks[j + 1] for j in scored], native))
     return new_prompts, matched, float(np.concatenate(floors).mean())
 
 

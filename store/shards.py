@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 
 from store.location import Writeback, named_io_errors, open_location
 from store.parquet_splice import Part, Splicer
+from store.prompt_rows import PromptRows
 from store.schema import LOGITS, NOT_KEPT, REFUSED_KEY, TABLES, VALUES_KEY
 from store.shard_encoding import (
     HEAD_SCHEMA,
@@ -33,7 +34,7 @@ from store.shard_encoding import (
     logits_writer,
     store_threads,
 )
-from store.values import native_dtype_of, native_values, row_hash, widen
+from store.values import native_values, row_hash, widen
 
 # A shard kind -> (table directory, file letter): logits/<cell>/r0.parquet, logits/<cell>/d0.parquet, ...
 SHARD_FILES = {"logits": ("logits", "r"), "side": ("logits", "d"), "layer_states": ("layer_states", "r")}
@@ -49,59 +50,24 @@ def rows_table(
     run_id: str,
     cell_id: str,
     repeat: int,
-    prompt_id: str,
-    positions: list[int],
-    next_ids: Iterable[int | None],
-    native: np.ndarray,
-    shift: np.ndarray | None = None,
-    path: list[str] | None = None,
-    step: list[int] | None = None,
+    rows: PromptRows,
     buffer: np.ndarray | None = None,
     values: bool = True,
 ) -> pa.Table:
-    """One prompt's rows as a LOGITS table. native: (rows, vocab) as returned by a backend, or as
-    stored (`store: bf16`) with shift (rows,) what was subtracted from each row; path / step per
-    row for a side file (null for a capture's rows). buffer: a float32 array of at least
-    rows * vocab values the widened values go into, for a caller that writes the table before
-    it reuses the buffer (a prompt's fresh 270 MB costs as much in page faults as the widening).
-    values=False: every row hashed, its logits null (a shard that keeps no values, VALUES_KEY)."""
+    """One prompt's rows as a LOGITS table. buffer: a float32 array of at least rows * vocab values
+    the widened values go into, for a caller that writes the table before it reuses the buffer (a
+    prompt's fresh 270 MB costs as much in page faults as the widening). values=False: every row
+    hashed, its logits null (a shard that keeps no values, VALUES_KEY)."""
+    native = rows.native
     n = len(native)
-    assert n == len(positions), (n, len(positions))
+    assert n == len(rows.positions), (n, len(rows.positions))
     hashes = [row_hash(native[i]) for i in range(n)]
     if values:
         logits = list_column(widen(native, buffer))
     else:
         logits = pa.nulls(n, LOGITS.field("logits").type)
-    columns = prompt_columns(run_id, cell_id, repeat, prompt_id, positions, next_ids, native, shift, path, step)
+    columns = rows.columns(run_id, cell_id, repeat)
     return pa.table({**columns, "row_hash": pa.array(hashes, pa.string()), "logits": logits}, schema=LOGITS)
-
-
-def prompt_columns(
-    run_id: str,
-    cell_id: str,
-    repeat: int,
-    prompt_id: str,
-    positions: list[int],
-    next_ids: Iterable[int | None],
-    native: np.ndarray,
-    shift: np.ndarray | None = None,
-    path: list[str] | None = None,
-    step: list[int] | None = None,
-) -> dict[str, pa.Array]:
-    """Every column of one prompt's rows but the logits and row_hash (rows_table's arguments)."""
-    n = len(positions)
-    return {
-        "run_id": pa.array([run_id] * n),
-        "cell_id": pa.array([cell_id] * n),
-        "prompt_id": pa.array([prompt_id] * n),
-        "position": pa.array(positions, pa.int32()),
-        "next_token_id": pa.array(list(next_ids), pa.int32()),
-        "repeat": pa.array([repeat] * n, pa.int32()),
-        "logits_dtype": pa.array([native_dtype_of(native)] * n),
-        "shift": pa.array(shift if shift is not None else np.full(n, None), pa.float32()),
-        "path": pa.array(path if path is not None else [None] * n, pa.string()),
-        "step": pa.array(step if step is not None else [None] * n, pa.int32()),
-    }
 
 
 def _writer(where, table: str = "logits", values: bool = True) -> pq.ParquetWriter:
@@ -184,26 +150,17 @@ class ShardWriter:
             self._splicer = Splicer(self._file, _template(table, values))
         self._writeback = Writeback(self._file)  # pages to disk beside the next prompts: commit's fsync has less left
 
-    def add(
-        self,
-        prompt_id: str,
-        positions: list[int],
-        next_ids: Iterable[int | None],
-        native: np.ndarray,
-        shift: np.ndarray | None = None,
-        path: list[str] | None = None,
-        step: list[int] | None = None,
-    ) -> None:
-        """native: (rows, vocab) as returned by a backend (or as stored, with each row's shift).
-        Its logits are encoded in slices on the writer's threads, beside them the other columns."""
-        args = (self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native, shift, path, step)
+    def add(self, rows: PromptRows) -> None:
+        """One prompt's rows: their logits encoded in slices on the writer's threads, beside them
+        the other columns."""
+        native = rows.native
         if not self.values or not native.size:  # no logits to spread
-            self.add_rows(rows_table(*args, values=self.values))
+            self.add_rows(rows_table(self.run_id, self.cell_id, self.repeat, rows, values=self.values))
             return
-        assert native.ndim == 2 and len(native) == len(positions), (native.shape, len(positions))
+        assert native.ndim == 2 and len(native) == len(rows.positions), (native.shape, len(rows.positions))
         tasks = self._slices.start(native)
         try:
-            self._splice(self._parts(prompt_columns(*args), tasks), len(native))
+            self._splice(self._parts(rows.columns(self.run_id, self.cell_id, self.repeat), tasks), len(native))
         finally:
             self._slices.settle()
 
@@ -236,8 +193,7 @@ class ShardWriter:
         shifts = head["shifts"]
         shift = None if not shifts or shifts[0] is None else np.concatenate(shifts)  # (rows,)
         empty = np.empty((0, 0), head["dtype"] or np.float32)  # only its dtype is read
-        args = (self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, empty, shift)
-        return prompt_columns(*args)
+        return PromptRows(prompt_id, positions, next_ids, empty, shift).columns(self.run_id, self.cell_id, self.repeat)
 
     def _hashed(self, prompt_id, positions, next_ids, head: dict) -> pa.Table:
         columns = self._columns(prompt_id, positions, next_ids, head)
@@ -252,7 +208,8 @@ class ShardWriter:
         for native, shift in blocks:
             self._note(head, native, shift)
             if first:
-                columns = prompt_columns(self.run_id, self.cell_id, self.repeat, prompt_id, positions, next_ids, native)
+                head_rows = PromptRows(prompt_id, positions, next_ids, native)
+                columns = head_rows.columns(self.run_id, self.cell_id, self.repeat)
                 yield encode_part(pa.table([columns[k] for k in HEAD_SCHEMA.names], schema=HEAD_SCHEMA))
                 first = False
             if not native.size:

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from store import pages
+from store.prompt_rows import PromptRows
 from store.shards import _writer, by_row, encode_rows, rows_table
 from store.verify import verify_shard
 from store.warehouse import LOGITS_LEAF, Warehouse, logits_matrix, row_hash
@@ -53,7 +54,8 @@ def test_shard_pages_give_back_the_native_rows_exactly(kind):
     # 70 rows of 4,099 floats span several 1 MiB pages, with rows cut across page boundaries
     groups = [native(kind, 70, seed=1), native(kind, 3, seed=2)]
     tables = [
-        rows_table("run", "cell", 0, f"p{i}", list(range(len(g))), [None] * len(g), g) for i, g in enumerate(groups)
+        rows_table("run", "cell", 0, PromptRows(f"p{i}", list(range(len(g))), [None] * len(g), g))
+        for i, g in enumerate(groups)
     ]
     got = leaves(shard_bytes(tables))  # one row group per prompt, as ShardWriter writes them
     assert len(got) == 2 and len(got[0].pages) > 1
@@ -70,7 +72,7 @@ def test_rows_written_one_row_at_a_time_and_through_a_reused_buffer_are_the_same
     # buffer it reuses: neither may change a byte of the file
     first, second = native(kind, 9, seed=3), native(kind, 5, seed=4)
     plain = [
-        rows_table("run", "cell", 0, f"p{i}", list(range(len(g))), [7] * len(g), g)
+        rows_table("run", "cell", 0, PromptRows(f"p{i}", list(range(len(g))), [7] * len(g), g))
         for i, g in enumerate((first, second))
     ]
     chunked = by_row(plain[0])
@@ -83,7 +85,9 @@ def test_rows_written_one_row_at_a_time_and_through_a_reused_buffer_are_the_same
     w = _writer(sink)
     for i, g in enumerate((first, second)):  # each prompt written before the next one reuses the buffer
         w.write_table(
-            by_row(rows_table("run", "cell", 0, f"p{i}", list(range(len(g))), [7] * len(g), g, buffer=buffer))
+            by_row(
+                rows_table("run", "cell", 0, PromptRows(f"p{i}", list(range(len(g))), [7] * len(g), g), buffer=buffer)
+            )
         )
     w.close()
     assert sink.getvalue().to_pybytes() == want
@@ -107,7 +111,7 @@ def test_rows_written_one_row_at_a_time_and_through_a_reused_buffer_are_the_same
 )
 def test_other_writers_settings_read_the_same_as_arrow(options):
     x = native("fp32", 9, seed=3)
-    t = rows_table("run", "cell", 0, "p", list(range(9)), [None] * 9, x)
+    t = rows_table("run", "cell", 0, PromptRows("p", list(range(9)), [None] * 9, x))
     data = write([t], use_dictionary=False, **{k: v for k, v in options.items() if k != "use_dictionary"})
     (leaf,) = leaves(data)
     arrow = logits_matrix(pq.read_table(pa.BufferReader(data)).column("logits"))
@@ -116,7 +120,7 @@ def test_other_writers_settings_read_the_same_as_arrow(options):
 
 def test_what_it_does_not_handle_is_unsupported_not_misread():
     x = native("fp32", 4)
-    t = rows_table("run", "cell", 0, "p", list(range(4)), [None] * 4, x)
+    t = rows_table("run", "cell", 0, PromptRows("p", list(range(4)), [None] * 4, x))
     with pytest.raises(pages.Unsupported, match="dictionary"):
         leaves(write([t], use_dictionary=True))
     nulls = t.set_column(
@@ -130,7 +134,7 @@ def test_what_it_does_not_handle_is_unsupported_not_misread():
 
 def test_damage_is_named_not_misread(tmp_path):
     x = native("bf16", 40)
-    t = rows_table("run", "cell", 0, "p", list(range(40)), [None] * 40, x)
+    t = rows_table("run", "cell", 0, PromptRows("p", list(range(40)), [None] * 40, x))
     data = bytearray(encode_rows(t))
     pf = pq.ParquetFile(pa.BufferReader(bytes(data)))
     col = pf.metadata.row_group(0).column(pages.leaf_index(pf.schema, LOGITS_LEAF))
@@ -165,7 +169,7 @@ def test_verify_checks_hashes_by_pages_and_by_arrow_alike(tmp_path):
     wh = Warehouse(tmp_path / "wh")
     wh.create()
     x = native("fp32", 6)
-    t = rows_table("run", "cell", 0, "p", [0, 32, 64, 96, 128, 160], [None] * 6, x)
+    t = rows_table("run", "cell", 0, PromptRows("p", [0, 32, 64, 96, 128, 160], [None] * 6, x))
     hashes = t.column("row_hash").to_pylist()
     hashes[4] = row_hash(x[3])
     t = t.set_column(t.schema.get_field_index("row_hash"), "row_hash", pa.array(hashes))
@@ -186,7 +190,7 @@ def test_a_leaf_streamed_a_few_rows_at_a_time_is_the_native_rows(kind):
     """LeafStream (what matrix analyze reads through) holds a page at a time: rows cut across
     pages come back whole, in any batch sizes; a flipped byte is Corrupt."""
     want = native(kind, 70, seed=3)
-    data = shard_bytes([rows_table("run", "cell", 0, "p", list(range(70)), [None] * 70, want)])
+    data = shard_bytes([rows_table("run", "cell", 0, PromptRows("p", list(range(70)), [None] * 70, want))])
     pf = pq.ParquetFile(pa.BufferReader(data))
     leaf = pages.leaf_index(pf.schema, LOGITS_LEAF)
     s = pages.LeafStream(pa.BufferReader(data), pf.metadata, pf.schema, 0, leaf, kind)
@@ -214,7 +218,7 @@ def test_rows_taken_into_a_reused_buffer_are_the_rows_taken_fresh(tmp_path):
     raw = native("fp32", 40, seed=6)
     stored, shift = Storage("bf16").keep(raw)
     w = ShardWriter(str(wh), "run", "cell", 0)
-    w.add("p0", list(range(40)), [1] * 40, stored, shift)
+    w.add(PromptRows("p0", list(range(40)), [1] * 40, stored, shift))
     w.commit()
     index = shard_index(Warehouse(wh), "cell", 0)
     fresh, reused = Rows(Warehouse(wh), index, "p0", 8), Rows(Warehouse(wh), index, "p0", 8, Scratch())

@@ -18,6 +18,7 @@ import pytest
 from store import shard_encoding
 from store.floors import Storage
 from store.parquet_splice import Part, SpliceError, Splicer
+from store.prompt_rows import PromptRows
 from store.shards import _template, _writer, by_row, encode_rows, rows_table
 from store.stream import Rows, shard_index
 from store.thrift_compact import decode, encode
@@ -57,7 +58,7 @@ def prompts() -> list[dict]:
 def write(root, rows: list[dict], threads: int) -> bytes:
     w = ShardWriter(str(root), "run", "cell", 0, threads=threads)
     for p in rows:
-        w.add(p["id"], p["positions"], p["next"], p["native"], p.get("shift"))
+        w.add(PromptRows(p["id"], p["positions"], p["next"], p["native"], p.get("shift")))
     key = w.commit()
     return (root / key).read_bytes()
 
@@ -73,7 +74,7 @@ def test_the_footer_codec_gives_back_a_pyarrow_footer_byte_for_byte(tmp_path):
     sink = pa.BufferOutputStream()
     w = _writer(sink)  # one pyarrow writer: statistics, dictionaries, size statistics, column orders
     for p in rows:
-        w.write_table(by_row(rows_table("run", "cell", 0, p["id"], p["positions"], p["next"], p["native"])))
+        w.write_table(by_row(rows_table("run", "cell", 0, PromptRows(p["id"], p["positions"], p["next"], p["native"]))))
     w.close()
     for data in (sink.getvalue().to_pybytes(), write(tmp_path, rows, 2)):
         foot = footer_bytes(data)
@@ -81,7 +82,9 @@ def test_the_footer_codec_gives_back_a_pyarrow_footer_byte_for_byte(tmp_path):
 
 
 def test_whole_row_groups_spliced_are_pyarrows_own_file():
-    tables = [rows_table("run", "cell", 0, p["id"], p["positions"], p["next"], p["native"]) for p in prompts()]
+    tables = [
+        rows_table("run", "cell", 0, PromptRows(p["id"], p["positions"], p["next"], p["native"])) for p in prompts()
+    ]
     sink = pa.BufferOutputStream()
     w = _writer(sink)
     for t in tables:
@@ -103,7 +106,7 @@ def test_a_prompt_of_one_slice_is_the_file_one_pyarrow_writer_writes(tmp_path, m
     p["native"] = p["native"][:SLICE_ROWS]
     p["positions"], p["next"] = p["positions"][:SLICE_ROWS], p["next"][:SLICE_ROWS]
     got = write(tmp_path, [p], 2)
-    want = encode_rows(rows_table("run", "cell", 0, p["id"], p["positions"], p["next"], p["native"]))
+    want = encode_rows(rows_table("run", "cell", 0, PromptRows(p["id"], p["positions"], p["next"], p["native"])))
     assert got == want
 
 
@@ -183,12 +186,14 @@ def test_rows_without_values_and_rows_another_node_encoded_share_a_shard(tmp_pat
     Warehouse(tmp_path).create()
     p, q = prompts()[:2]
     w = ShardWriter(str(tmp_path), "run", "cell", 0, threads=2)
-    w.add(p["id"], p["positions"], p["next"], p["native"])
-    w.add_encoded(encode_rows(rows_table("run", "cell", 0, q["id"], q["positions"], q["next"], q["native"])))
+    w.add(PromptRows(p["id"], p["positions"], p["next"], p["native"]))
+    w.add_encoded(
+        encode_rows(rows_table("run", "cell", 0, PromptRows(q["id"], q["positions"], q["next"], q["native"])))
+    )
     t = pq.read_table(tmp_path / w.commit())
     assert t.column("row_hash").to_pylist() == expected(p)[1] + expected(q)[1]
     w = ShardWriter(str(tmp_path), "run", "refs", 0, values=False, threads=2)
-    w.add(p["id"], p["positions"], p["next"], p["native"])
+    w.add(PromptRows(p["id"], p["positions"], p["next"], p["native"]))
     t = pq.read_table(tmp_path / w.commit())
     assert t.column("logits").null_count == len(p["native"]) and t.column("row_hash").to_pylist() == expected(p)[1]
 
@@ -213,13 +218,13 @@ def test_a_failed_slice_fails_the_add_and_the_shard_leaves_nothing(tmp_path, mon
     monkeypatch.setattr(shard_encoding.SliceEncoder, "_slice", broken)
     w = ShardWriter(str(tmp_path), "run", "cell", 0, threads=2)
     with pytest.raises(OSError, match="no space left"):
-        w.add(p["id"], p["positions"], p["next"], p["native"])
+        w.add(PromptRows(p["id"], p["positions"], p["next"], p["native"]))
     w.abort()
     assert calls and not list(tmp_path.rglob("*.part")) and not list(tmp_path.rglob("*.parquet"))
 
 
 def test_parts_out_of_the_files_column_order_are_refused():
-    t = rows_table("run", "cell", 0, "p", [0, 1], [1, None], logits(2, 9))
+    t = rows_table("run", "cell", 0, PromptRows("p", [0, 1], [1, None], logits(2, 9)))
     head, tail = (
         pa.table([t.column(k) for k in s.names], schema=s)
         for s in (shard_encoding.HEAD_SCHEMA, shard_encoding.TAIL_SCHEMA)
@@ -254,7 +259,7 @@ def test_pages_pushed_to_disk_beside_the_writes_change_nothing_and_a_failed_push
     w = ShardWriter(str(tmp_path), "run", "other", 0, threads=2)
     with pytest.raises(OSError, match="No space left"):
         for p in rows:
-            w.add(p["id"], p["positions"], p["next"], p["native"], p.get("shift"))
+            w.add(PromptRows(p["id"], p["positions"], p["next"], p["native"], p.get("shift")))
         w.commit()
     w.abort()  # the push's failure was raised once: abort only cleans up
     assert not list(tmp_path.rglob("*.part")) and not (tmp_path / "logits" / "other" / "r0.parquet").exists()

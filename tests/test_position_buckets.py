@@ -16,6 +16,7 @@ from common import metric_defs as D
 from common.files import ids_sha256
 from store import ShardWriter, Warehouse
 from store import rows as R
+from store.prompt_rows import PromptRows
 from tests.conftest import run_cli
 from tests.float64_rows import bucket, log_softmax, stored
 
@@ -66,7 +67,7 @@ def _build(wh_dir) -> None:
             x = base[pid] + np.float32(noise) * rng.standard_normal(base[pid].shape).astype(np.float32)  # (rows, vocab)
             if cid == "near" and pid == NAN_AT[0]:
                 x[POSITIONS.index(NAN_AT[1]), 7] = np.nan
-            w.add(pid, POSITIONS, [tok[p + 1] if p + 1 < N_TOKENS else None for p in POSITIONS], x)
+            w.add(PromptRows(pid, POSITIONS, [tok[p + 1] if p + 1 < N_TOKENS else None for p in POSITIONS], x))
         w.commit()
         wh.write_rows("cells", cid, [_cell_row(cid)])
     wh.write_rows("runs", "run", [R.run_row("run", "done", started_at=R.now(), finished_at=R.now(), spec_name="t")])

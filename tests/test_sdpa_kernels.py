@@ -27,6 +27,7 @@ from common.positions import Positions
 from common.stack import StackDesc
 from matrix.run.outcome import refusals_column
 from matrix.run.runner import Resume, complete_shards
+from store.prompt_rows import PromptRows
 from store.warehouse import ShardWriter, Warehouse, native_rows, widen
 
 REFUSAL = "No available kernel. Aborting execution."  # PyTorch's RuntimeError where no allowed kernel takes a call
@@ -144,7 +145,7 @@ def test_a_resumed_run_counts_a_shard_without_the_refused_rows_complete(refused_
     assert complete_shards(plan, wh, cell, Resume(recapture_damaged=True), print) == {0, 1}
     w = ShardWriter(str(c.wh), "run", "silent", 0)  # the same rows, no footer
     for p, (pos, rows) in rows_by_prompt(c.wh, "refusing").items():
-        w.add(p, pos, [None] * len(pos), rows)
+        w.add(PromptRows(p, pos, [None] * len(pos), rows))
     w.commit()
     with pytest.raises(UserError, match="3 rows, the cell has 4 per repeat"):
         complete_shards(plan, wh, SimpleNamespace(**{**vars(cell), "cell_id": "silent"}), Resume(), print)

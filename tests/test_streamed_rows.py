@@ -18,6 +18,7 @@ import backends.base as base
 from actors.capture import capture_shard
 from common.positions import Positions
 from common.stack import StackDesc
+from store.prompt_rows import PromptRows
 from store.warehouse import ShardWriter, Warehouse, native_rows
 
 pytestmark = pytest.mark.slow
@@ -195,11 +196,12 @@ def test_a_prompt_sent_in_several_row_groups_reads_as_one(tmp_path):
     wh = tmp_path / "wh"
     Warehouse(wh).create()
     w = ShardWriter(str(wh), "run", "c", 0)
-    w.add("before", [0, 1], [5, 6], rows[:2])
+    w.add(PromptRows("before", [0, 1], [5, 6], rows[:2]))
     for a in (0, 20, 40):  # three messages of one prompt, as RemoteShard.add cuts it
         pos = list(range(a, min(a + 20, 50)))
-        w.add_encoded(encode_rows(rows_table("run", "c", 0, "long", pos, [7] * len(pos), rows[a : a + 20])))
-    w.add("after", [3], [None], rows[:1])
+        part = PromptRows("long", pos, [7] * len(pos), rows[a : a + 20])
+        w.add_encoded(encode_rows(rows_table("run", "c", 0, part)))
+    w.add(PromptRows("after", [3], [None], rows[:1]))
     w.commit()
     index = shard_index(Warehouse(wh), "c", 0)
     assert index.prompts["long"].groups == [1, 2, 3] and len(index.prompts["long"].positions) == 50
@@ -217,9 +219,9 @@ def test_a_prompt_in_row_groups_apart_is_damage(tmp_path):
     wh = tmp_path / "wh"
     Warehouse(wh).create()
     w = ShardWriter(str(wh), "run", "c", 0)
-    w.add("p", [0, 1], [1, 1], rows[:2])
-    w.add("q", [0], [1], rows[:1])
-    w.add("p", [2, 3], [1, 1], rows[2:])
+    w.add(PromptRows("p", [0, 1], [1, 1], rows[:2]))
+    w.add(PromptRows("q", [0], [1], rows[:1]))
+    w.add(PromptRows("p", [2, 3], [1, 1], rows[2:]))
     w.commit()
     with pytest.raises(DamagedShard, match="row groups that do not follow each other"):
         shard_index(Warehouse(wh), "c", 0)
