@@ -8,7 +8,7 @@ from __future__ import annotations
 from analysis.partner_drift import Partnering, view_sql
 
 TABLE = "batch_metrics"  # the metrics table's columns; reference_cell_id: the batch-1 cell
-PARTNERING = Partnering("batch", TABLE, "batch_of", "batch 1", "batch-1", "batch cell(s)")
+PARTNERING = Partnering("batch", "batch", TABLE, "batch_of", "batch 1", "batch-1", "batch cell(s)")
 
 # The graded view: each batch cell (size > 1) against the same stack at batch 1 (batch_metrics)
 VIEW = "batch_drift"

@@ -2,17 +2,17 @@
 against the same stack on the f16 cache (cells.kv_cache_of), measured by analysis/partner_drift.py
 into kv_cache_metrics/<cell_id>.parquet. The kv_cache_drift view sums it, a card gives it a line and
 the report a table per model. The cache is written and read inside the attention, so this is the
-cost of the cache type alone: the same file, threads and build on both sides."""
+cost of the cache type alone: the same file and threads on both sides, and the same engine build
+where the warehouse has the partner from it (else its newest capture)."""
 
 from __future__ import annotations
 
 import html
 
-from analysis import report_tables as T
 from analysis.partner_drift import Partnering, view_sql
 
 TABLE = "kv_cache_metrics"  # the metrics table's columns; reference_cell_id: the f16-cache cell
-PARTNERING = Partnering("kv_cache", TABLE, "kv_cache_of", "the f16 cache", "f16-KV-cache", "cell(s)")
+PARTNERING = Partnering("kv_cache", "KV cache", TABLE, "kv_cache_of", "the f16 cache", "f16-KV-cache", "cell(s)")
 
 # the K and V types as the cell's settings record what llama.cpp ran
 VIEW = "kv_cache_drift"
@@ -55,6 +55,8 @@ def section(data: dict, model: str, k: int) -> str:
     names = data.get("names") or {}
     if not rows:
         return ""
+    from analysis import report_tables as T  # the report's, imported where the report is drawn
+
     head = "stack|K|V|rows|bit-identical rows|KL vs f16 cache|± s.e.|p99|max|top-1|KL vs reference".split("|")
     keys = ("kv_cache_k", "kv_cache_v", "rows", "identical_rows", "kld_mean", "kld_stderr", "kld_p99", "kld_max")
     body = [

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from analysis import metrics as M
 from analysis.aggregates import agg
-from analysis.compare import cell_metrics
-from analysis.unit_keys import unit_key
-from store import Warehouse
-from store.floors import StorageFloor
-from store.stream import shard_index
-from store.verify import DamagedShard
+
+# The measuring modules are imported where a pair is measured: the plug-ins' column and table
+# names (read whenever the store's schema is) come from modules that import only this one.
 
 
 @dataclass(frozen=True)
@@ -24,6 +20,7 @@ class Partnering:
     partner), the cells column with the partner's stack id, and its words in the log."""
 
     name: str  # e.g. "batch": "[batch] ... rows against batch 1", "no batch drift"
+    title: str  # the analysis line's words: "batch", "KV cache"
     table: str
     column: str
     partner: str  # the partner in words: "batch 1"
@@ -56,10 +53,8 @@ def view_sql(table: str, columns: str, group_by: str) -> str:
 
 def line(p: Partnering, got: dict) -> str:
     """analyze's line: "batch drift: 2 batch cell(s) against batch 1, 20 rows (0 up to date)"."""
-    what = p.name.replace("_", " ").replace("kv cache", "KV cache")
-    return (
-        f"{what} drift: {got['cells']} {p.cells} against {p.partner}, {got['rows']} rows ({got['reused']} up to date)"
-    )
+    measured = f"{got['cells']} {p.cells} against {p.partner}"
+    return f"{p.title} drift: {measured}, {got['rows']} rows ({got['reused']} up to date)"
 
 
 def pairs(p: Partnering, done: list[dict], log=lambda line: None) -> list[tuple[dict, dict]]:
@@ -82,9 +77,7 @@ def pairs(p: Partnering, done: list[dict], log=lambda line: None) -> list[tuple[
     return out
 
 
-def analyze(
-    p: Partnering, wh: Warehouse, done: list[dict], force: bool, log, skip_damaged: bool = False
-) -> dict | None:
+def analyze(p: Partnering, wh, done: list[dict], force: bool, log, skip_damaged: bool = False) -> dict | None:
     """The plug-in's table for every pair (None: the warehouse has no cell to measure). A damaged
     shard stops it, unless skip_damaged: then that pair is left out, saying so."""
     todo = pairs(p, done, log)
@@ -94,13 +87,10 @@ def analyze(
         wh.remove_table(p.table, name)
     if not todo:
         return None
+    from store.verify import DamagedShard
+
     got = {"cells": 0, "rows": 0, "reused": 0}
     for cell, sib in todo:
-        bare = [c["cell_id"] for c in (cell, sib) if not wh.shard_keeps_values(c["cell_id"], 0)]
-        if bare:  # `keep_rows: references`, `matrix kld` without --keep-rows: hashes only
-            wh.remove_table(p.table, cell["cell_id"])
-            log(f"NOTE {cell['cell_id']}: no {p.name} drift: the rows of {', '.join(bare)} were not kept (keep_rows)")
-            continue
         try:
             _measure(p, wh, cell, sib, force, log, got)
         except DamagedShard as e:
@@ -111,9 +101,21 @@ def analyze(
     return got
 
 
-def _measure(p: Partnering, wh: Warehouse, cell: dict, sib: dict, force: bool, log, got: dict) -> None:
-    """One pair's file, unless the one there has this content key."""
+def _measure(p: Partnering, wh, cell: dict, sib: dict, force: bool, log, got: dict) -> None:
+    """One pair's file, unless the one there has this content key; none where a side kept only
+    its rows' hashes (`keep_rows: references`, `matrix kld` without --keep-rows)."""
+    from analysis import metrics as M
+    from analysis.compare import cell_metrics
+    from analysis.unit_keys import unit_key
+    from store.floors import StorageFloor
+    from store.stream import shard_index
+
     cid, sid = cell["cell_id"], sib["cell_id"]
+    bare = [c for c in (cid, sid) if not _keeps_values(wh, c)]
+    if bare:
+        wh.remove_table(p.table, cid)
+        log(f"NOTE {cid}: no {p.name} drift: the rows of {', '.join(bare)} were not kept (keep_rows)")
+        return
     floor = StorageFloor.of_cell(sib) + StorageFloor.of_cell(cell)
     key = unit_key(pair=[cid, sid], digests=[shard_index(wh, i, 0).digest for i in (cid, sid)], floor=floor)
     got["cells"] += 1
@@ -132,3 +134,15 @@ def _measure(p: Partnering, wh: Warehouse, cell: dict, sib: dict, force: bool, l
     wh.write_table(p.table, cid, table, {"key": key, "kernel_version": M.KERNEL_VERSION, "rows": table.num_rows})
     got["rows"] += table.num_rows
     log(f"[{p.name}] {cid}: {table.num_rows} rows against {p.partner} ({sid})")
+
+
+def _keeps_values(wh, cell_id: str) -> bool:
+    """Whether repeat 0's shard keeps its values; one that cannot be read is damage (DamagedShard)."""
+    import pyarrow as pa
+
+    from store.verify import DamagedShard
+
+    try:
+        return wh.shard_keeps_values(cell_id, 0)
+    except (OSError, pa.ArrowException) as e:
+        raise DamagedShard(f"{wh.shard_path(cell_id, 0)}: unreadable footer: {e}") from e

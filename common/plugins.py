@@ -1,6 +1,7 @@
 """Where the plug-ins (extras/) reach the layers below them. The extras package sits above store and
-analysis, which never import it: importing it installs `provider` here (every driver path imports
-it), and store.schema and analysis.sql read their part through it.
+analysis, which never import it: importing it installs `provider` here (the CLI and `matrix.api`
+do; a script that writes cells rows imports it too, or its rows lack the plug-ins' columns), and
+store.schema and analysis read their part through it.
 
     views()    {view: (SQL, what it answers)}: created after the core's views (analysis.sql)
     columns()  [(name, pyarrow type)]: the cells table's columns a plug-in records (store.schema)

@@ -142,7 +142,9 @@ class _Provider:
         return _views()
 
     def columns(self) -> list[tuple[str, object]]:
-        out, owner = [], {}
+        from store.schema import CORE_TABLES
+
+        out, owner = [], dict.fromkeys(CORE_TABLES["cells"].names, "the core")
         for x in registered():
             for name, kind, _ in x.cell_columns():
                 if name in owner:
@@ -152,7 +154,15 @@ class _Provider:
         return out
 
     def tables(self) -> dict[str, object]:
-        return {name: schema for x in registered() for name, schema in x.tables().items()}
+        from store.schema import CORE_TABLES
+
+        out, owner = {}, dict.fromkeys(CORE_TABLES, "the core")
+        for x in registered():
+            for name, schema in x.tables().items():
+                if name in owner:
+                    raise ValueError(f"extra {x.key} ({x.target}) declares table {name}, as {owner[name]} does")
+                out[name], owner[name] = schema, f"extra {x.key}"
+        return out
 
     def name_words(self, cell_row: dict) -> list[str]:
         return [w for x in registered() for w in x.name_words(cell_row)]

@@ -38,9 +38,9 @@ class Extra:
     key: ClassVar[str]
     column: ClassVar[str | None] = None  # the cells column (JSON) its record goes to (None: none)
     column_about: ClassVar[str] = ""  # what that column holds, for docs/warehouse.md
-    hook: ClassVar[str]  # the engine method an engine implements to support it
+    hook: ClassVar[str | None] = None  # the engine method an engine implements to support it
     requires: ClassVar[tuple[str, ...]] = ()  # other engine methods its capture calls
-    table: ClassVar[str | None]  # the shard table its rows go to (store/warehouse.py SHARD_FILES); None: none
+    table: ClassVar[str | None] = None  # the shard table its rows go to (store/warehouse.py SHARD_FILES); None: none
     # An axis: one spec value is several cells (expand), and an include entry with another value adds
     # its own cells rather than changing the combination's
     sweeps: ClassVar[bool] = False
@@ -103,7 +103,7 @@ class Extra:
 
     # engines
     def unsupported(self, engine_cls, cell, value: Any) -> str | None:
-        if not all(callable(getattr(engine_cls, m, None)) for m in (self.hook, *self.requires)):
+        if not all(callable(getattr(engine_cls, m, None)) for m in (self.hook, *self.requires) if m):
             return self.missing.format(engine=engine_cls.engine, key=self.key)
         if self.tp1_only and cell.tp > 1:
             return self.tp1_only
@@ -169,7 +169,8 @@ class Extra:
         analysis.aggregates.agg; `matrix sql`, the card and the report read them as the core's."""
         return {}
 
-    def card(self, warehouse: str, cell_row: dict) -> dict | None:
+    def card(self, warehouse: str, cell_row: dict) -> Any:
+        """Its block of the cell's card, plain values (None or empty: no block)."""
         return None
 
     def card_lines(self, block: dict) -> list[str]:

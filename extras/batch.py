@@ -128,7 +128,8 @@ class Batch(PartnerGraded):
         return [f"batch{cell_row['batch_size']}"] if cell_row.get("batch_size") else []  # batch-free: no word
 
     def brief(self, value: dict) -> list[str]:
-        return [f"batch {' '.join(str(value[k]) for k in ('size', 'fill', 'seed') if k in value)}"]
+        """`8 corpus`, `1` (`matrix cells`' batch column; value: describe()'s)."""
+        return [str(value[k]) for k in ("size", "fill", "seed") if k in value]
 
 
 EXTRA = Batch

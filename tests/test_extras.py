@@ -120,3 +120,16 @@ def test_the_toy_extra_is_verified(echoed, tmp_path):
     r = run_cli("verify", "--warehouse", str(copy), "--json", env=ECHO)
     assert r.returncode == 1, r.stderr[-2000:]
     assert json.loads(r.stdout)["damage"][0]["what"].startswith("missing"), r.stdout
+
+
+def test_a_plug_in_that_takes_a_core_table_or_column_name_is_refused(monkeypatch):
+    import extras
+    from common import plugins
+
+    x = extras.get("batch")
+    monkeypatch.setattr(type(x), "tables", lambda self: {"metrics": None})
+    with pytest.raises(ValueError, match="extra batch .* declares table metrics, as the core does"):
+        plugins.provider.tables()
+    monkeypatch.setattr(type(x), "cell_columns", lambda self: [("status", None, "")])
+    with pytest.raises(ValueError, match="extra batch .* declares cells column status, as the core does"):
+        plugins.provider.columns()

@@ -193,6 +193,23 @@ def test_each_cache_names_the_f16_stack_it_is_graded_against(tmp_path):
     assert plain.opts == {} and q8.partner_of("kv_cache") == plain.stack_id
 
 
+def test_a_partner_follows_the_reference_when_it_records_more_rows(tmp_path):
+    """A reference that records another cell's extra rows takes another stack id (its decode rows
+    beside its own); a cache graded against it names that id, not the one it had before."""
+    spec = _spec(
+        tmp_path,
+        dtypes=["f16", "q8_0"],
+        options={"kv_cache": ["f16", "q8_0"]},
+        reference={"engine": "llamacpp", "dtype": "f16", "kv_cache": "f16"},
+        include=[{"engine": "llamacpp", "dtype": "q8_0", "decode": {"steps": 2, "at": [4]}}],
+    )
+    m = load_spec(spec)
+    ref = m.reference_stacks["smollm2-135m"]
+    (q8,) = [c for c in m.cells if c.dtype == "f16" and c.opts["kv_cache"] == "q8_0"]
+    assert dict(next(c for c in m.cells if c.stack_id == ref).extras).get("decode")  # it records the decode rows
+    assert q8.partner_of("kv_cache") == ref and ref in {c.stack_id for c in m.cells}
+
+
 @pytest.mark.slow
 def test_the_kv_cache_drift_view_is_each_caches_kl_against_f16_in_float64(kv_sweep):
     """Row by row against the f16 cell (its partner, cells.kv_cache_of): KL(f16 || cache) of the
@@ -298,3 +315,12 @@ def test_the_json_schema_takes_what_parsing_takes():
     for bad in ("q3", {"k": "q8_0", "x": "f16"}, "q8_0,q3"):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate({"models": ["m"], "options": {"kv_cache": bad}}, S.json_schema())
+
+
+def test_an_option_no_plug_in_declares_is_refused_by_name():
+    from matrix.spec.kld import flag_options
+
+    assert flag_options({"kv_cache": "q8_0"}) == {"kv_cache": "q8_0"}
+    assert flag_options({"kv_cache": "f16"}) == {}  # the engine's default: the same cell as no flag
+    with pytest.raises(UserError, match="options kv_cahce: no such engine option"):
+        flag_options({"kv_cahce": "q8_0"})

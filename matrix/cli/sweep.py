@@ -81,22 +81,16 @@ def _cell_entry(c, matrix, sizes: dict) -> dict:
     }
 
 
-def _batch_brief(batch: dict | None) -> str:
-    """A cell's batch in a word or two: `8 corpus`, `1`, `-` (batch-free)."""
-    if batch is None:
-        return "-"
-    return " ".join(str(batch[k]) for k in ("size", "fill", "seed") if k in batch)
-
-
 def _print_cells(matrix, cells: list[dict], sizes: dict, placed: dict | None, builds: dict | None) -> None:
     from common.output import human
     from matrix.cli.layers import layer_brief, off_prefill
 
     decoding = any(off_prefill(c) != "-" for c in cells)
-    batched = any(c.get("batch") for c in cells)
+    # a column for each axis a plug-in sweeps (batch) that some cell has: its words (Extra.brief)
+    axes = [x for x in extras.cell_extras() if x.sweeps and any(c.get(x.key) for c in cells)]
     cols = (
         ["stack_id", "role", "options"]
-        + (["batch"] if batched else [])
+        + [x.key for x in axes]
         + (["layer states"] if sizes else [])
         + (["off prefill"] if decoding else [])
         + (["placement"] if placed else [])
@@ -106,7 +100,7 @@ def _print_cells(matrix, cells: list[dict], sizes: dict, placed: dict | None, bu
     for c in cells:
         role = "reference" if c["reference"] else f"candidate: {c['candidate']['label']}" if c["candidate"] else ""
         row = [c["stack_id"], role, _brief(c["options"])]
-        row += [_batch_brief(c["batch"])] if batched else []
+        row += [" ".join(x.brief(c[x.key])) if c.get(x.key) else "-" for x in axes]
         row += [layer_brief(c["layer_states"])] if sizes else []
         row += [off_prefill(c)] if decoding else []
         row += [placed[c["stack_id"]].brief()] if placed else []

@@ -307,9 +307,9 @@ def find_todo(
 
 
 def regroup_complete_cells(plan: Plan, wh: Warehouse, log: Callable[[str], None]) -> None:
-    """Centroid grouping and calibration notes describe a cell without changing its arithmetic
-    (they are not in the cell id): a spec that changes them re-labels captured cells instead
-    of capturing them again."""
+    """Centroid grouping, calibration notes and the partners the plug-ins grade a cell against
+    describe a cell without changing its arithmetic (they are not in the cell id): a spec that
+    changes them re-labels captured cells instead of capturing them again."""
     cells = {c.cell_id: c for c in plan.cells}
     changed = 0
     for cid in plan.complete:
@@ -318,12 +318,13 @@ def regroup_complete_cells(plan: Plan, wh: Warehouse, log: Callable[[str], None]
             "centroid_group": cells[cid].centroid_group,
             "centroid": plan.spec.centroid,
             "calibration": cells[cid].calibration,
+            **{k: v for x, value in extras.of(cells[cid]) for k, v in x.cell_record(cells[cid], value).items()},
         }
         if rows and any(rows[0].get(k) != v for k, v in want.items()):
             wh.write_rows("cells", cid, [{**rows[0], **want}])
             changed += 1
     if changed:
         log(
-            f"centroid grouping / calibration changed: relabelled {changed} captured cell(s); "
+            f"centroid grouping / calibration / partners changed: relabelled {changed} captured cell(s); "
             "run `matrix analyze` again"
         )

@@ -242,26 +242,28 @@ def partners(spec: Spec, one: dict, opts: dict, corpus_fp: str, extra: dict | No
     return tuple(sorted(out))
 
 
-def _settle(cells: list[Cell]) -> list[Cell]:
+def _settle(cells: list[Cell], renamed: dict[str, str]) -> list[Cell]:
     """Each cell's partners, one stack id per plug-in: the first of its candidates the sweep has,
     else the last: for an engine option, the stack without it, as `matrix kld` adds a file's plain
-    candidate in a later call (analyze says so while no capture of it exists)."""
+    candidate in a later call (analyze says so while no capture of it exists). renamed: stack ids
+    the reference took on when it records extra rows for its model (references.reference_extras)."""
     have = {ids.base_stack(c.stack_id) for c in cells}
-    return [
-        dataclasses.replace(
-            c, partners=tuple((k, next((i for i in got if i in have), got[-1])) for k, got in c.partners)
-        )
-        for c in cells
-    ]
+
+    def pick(got: tuple) -> str:
+        got = tuple(renamed.get(i, i) for i in got)
+        return next((i for i in got if i in have), got[-1])
+
+    return [dataclasses.replace(c, partners=tuple((k, pick(got)) for k, got in c.partners)) for c in cells]
 
 
 def _check(spec: Spec, combo: dict, cell: Cell) -> None:
     """A value an engine's limits refuse is the spec's error (exit 2), naming the spec's key or the
     first include entry that gave the combination its value."""
     for x, value in extras.of(cell):
-        fld = x.key
+        fld = f"options.{x.key}" if x.option else x.key
         if x.key in combo:
-            fld = next((f"include[{i}].{x.key}" for i, e in enumerate(spec.include) if e.get(x.key) == combo[x.key]))
+            given = (f"include[{i}].{x.key}" for i, e in enumerate(spec.include) if e.get(x.key) == combo[x.key])
+            fld = next(given, fld)
         x.check(cell, value, lambda msg, v, fld=fld: field_error(spec.path, fld, msg, v))
 
 
@@ -357,8 +359,10 @@ def expand(spec: Spec) -> Matrix:
         raise UserError(
             f"{spec.path}: no runnable cell: " + "; ".join(f"{s['stack_id']}: {s['reason']}" for s in skipped[:3])
         )
-    cells = _settle(cells)
     refs = references(spec, cells, skipped)
+    renamed: dict[str, str] = {}
     if refs:
+        before = [c.stack_id for c in cells]
         cells, refs = reference_extras(spec, corpus_fp, cells, refs, make_cell_id)
-    return Matrix(spec, tuple(cells), tuple(skipped), refs)
+        renamed = {old: c.stack_id for old, c in zip(before, cells) if old != c.stack_id}
+    return Matrix(spec, tuple(_settle(cells, renamed)), tuple(skipped), refs)

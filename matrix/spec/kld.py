@@ -136,6 +136,10 @@ def flag_options(given: dict[str, str | None]) -> dict:
     """{plug-in key: its flag's text} (`--kv-cache q8_0`) -> the candidates' engine options, each by
     its plug-in's reader (extras.Extra.from_flag); an engine's default is left out: the same cell
     as no flag, which the reference runs with."""
+    flagged = {x.key for x in extras.options() if x.flag}
+    unknown = sorted(k for k, v in given.items() if v is not None and k not in flagged)
+    if unknown:
+        raise UserError(f"options {', '.join(unknown)}: no such engine option (known: {', '.join(sorted(flagged))})")
     out = {}
     for x in extras.options():
         text = given.get(x.key)

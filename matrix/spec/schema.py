@@ -44,7 +44,8 @@ SECONDS = {"type": ["number", "null"], "exclusiveMinimum": 0}
 
 def axes() -> dict[str, dict]:
     """Each axis's JSON schema: the registered engines (entry points included) and what they declare,
-    read when asked (backends.refresh() after an engine is installed in this process shows it here)."""
+    read when asked (backends.refresh() after an engine is installed in this process shows it here;
+    the options, OPTIONS, are read once, when this module is imported)."""
     return {
         "model": {"type": "string"},
         "engine": enum(*backends.engines()),
@@ -83,9 +84,8 @@ def _engine_options() -> list[Key]:
     """The options each engine defines (Backend.option_docs), in the registry's order; one that several
     engines define has one schema and each engine's line."""
     found: dict[str, tuple[dict, list[str]]] = {}
-    for name in backends.registry():
-        cls = backends.backend_class(name)
-        for key, (json_schema, about) in (cls.option_docs if cls else {}).items():
+    for name, cls in backends.declared().items():  # an engine that does not import is left out (broken())
+        for key, (json_schema, about) in cls.option_docs.items():
             if key in found and found[key][0] != json_schema:
                 raise AssertionError(f"engine {name} declares option {key} with another schema than an earlier engine")
             found.setdefault(key, (json_schema, []))[1].append(about)
