@@ -63,9 +63,7 @@ def test_the_stored_rows_are_the_forwards_own_in_prompt_order(be, tmp_path, monk
     monkeypatch.setattr(
         ShardWriter,
         "add",
-        lambda self, pid, *a, **k: (
-            writes.append((pid, threading.current_thread().name)) or real_add(self, pid, *a, **k)
-        ),
+        lambda self, rows: writes.append((rows.prompt_id, threading.current_thread().name)) or real_add(self, rows),
     )
     out = _capture(
         be,
