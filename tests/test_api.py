@@ -90,6 +90,38 @@ def ggufs(tiny_model):
     return {d: build_for(d, str(tiny_model), sha, 2)["path"] for d in ("f16", "q8_0")}
 
 
+@pytest.fixture(scope="module")
+def analysed(sweep):
+    spec, wh, _, _ = sweep
+    api.analyze(str(wh), workers=1, log=lambda line: None)
+    return wh
+
+
+@pytest.mark.parametrize(
+    "verb, call",
+    [
+        (["stacks"], lambda wh: api.stacks(wh)),
+        (["status"], lambda wh: api.status(wh)),
+        (["verify"], lambda wh: api.verify(wh, log=lambda line: None)),
+        (["card", "hf/bf16"], lambda wh: api.card(wh, "hf/bf16")),
+    ],
+    ids=lambda v: v[0] if isinstance(v, list) else "",
+)
+def test_each_verbs_json_is_its_api_calls_to_dict(analysed, verb, call):
+    """What the verb prints with --json is the same matrix.api call's to_dict(), as JSON gives it."""
+    import json
+
+    from tests.conftest import run_cli
+
+    r = run_cli(*verb, "--warehouse", str(analysed), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = call(str(analysed)).to_dict()
+    clock = {"seconds", "mib_per_s"}  # verify's own timing, another call's
+    printed = {k: v for k, v in json.loads(r.stdout).items() if k not in clock}
+    assert printed == {k: v for k, v in json.loads(json.dumps(got, default=str)).items() if k not in clock}
+    assert got and printed
+
+
 @pytest.mark.slow  # it converts and quantises the model to GGUF first
 def test_kld_returns_llama_perplexity_statistics_as_values(ggufs, tmp_path):
     prose = (REPO / "configs/corpus/long_prose.txt").read_text()

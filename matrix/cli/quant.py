@@ -22,22 +22,13 @@ def cell_arg(args, what: str, cells: list[dict] | None = None) -> str:
 
 
 def cmd_card(args) -> int:
-    import backends
-    import extras
-    from analysis.card import build_card, markdown
+    from matrix import api
 
-    args.cell = cell_arg(args, "card")
-    card = build_card(
-        args.warehouse,
-        args.cell,
-        allow_undisclosed=args.allow_undisclosed,
-        extras=extras.registered(),
-        as_is=backends.as_is(),
-    )
+    result = api.card(args.warehouse, args.cell, allow_undisclosed=args.allow_undisclosed)
     if args.json or args.format == "json":
-        emit_json(card)
+        emit_json(result.to_dict())
     else:
-        print(markdown(card, extras.registered()), end="")
+        print(result.markdown(), end="")
     return 0
 
 

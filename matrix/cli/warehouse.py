@@ -83,11 +83,10 @@ def cmd_report(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from store import Warehouse
-    from store.verify import Damage, verify
+    from matrix import api
+    from store.verify import Damage
 
-    wh = Warehouse(args.warehouse).require()
-    report = verify(wh, args.cells, log=log, side_tables=extras.side_tables)
+    report = api.verify(args.warehouse, args.cells, log=log).report
     for path in report["damaged_files"]:
         hits = [d for d in report["damage"] if d["path"] == path]
         log(f"DAMAGED {path}: {len(hits)} problem(s); first: " + Damage(**hits[0]).detail())
@@ -123,25 +122,14 @@ def cmd_merge(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from analysis.sql import query
+    from matrix import api
 
-    _, cells = query(
-        args.warehouse,
-        """
-        select c.cell_id, c.status, c.repeats, c.rows_per_repeat, c.bit_reproducible, c.is_reference,
-               coalesce(c.error_class || ': ' || c.error, c.skip_reason) as why
-        from cells c order by c.cell_id""",
-    )
-    _, runs = query(
-        args.warehouse,
-        """
-        select run_id, status, started_at, cells_done, cells_total, rows_written from runs order by started_at""",
-    )
+    result = api.status(args.warehouse)
     if args.json:
-        keys_c = ["cell_id", "status", "repeats", "rows_per_repeat", "bit_reproducible", "is_reference", "why"]
-        keys_r = ["run_id", "status", "started_at", "cells_done", "cells_total", "rows_written"]
-        emit_json({"cells": [dict(zip(keys_c, r)) for r in cells], "runs": [dict(zip(keys_r, r)) for r in runs]})
+        emit_json(result.to_dict())
         return 0
+    cells = [list(c.values()) for c in result.cells]
+    runs = [list(r.values()) for r in result.runs]
     print(
         table(
             ["cell_id", "status", "repeats", "rows/repeat", "bit_reproducible", "reference", "why"],
@@ -157,13 +145,13 @@ def cmd_status(args) -> int:
 
 def cmd_stacks(args) -> int:
     """Each stack's readable name (what card, admit, fixture and layers accept) and its latest cell."""
-    from analysis.stack_names import listing
-    from store import Warehouse
+    from matrix import api
 
-    rows = listing(Warehouse(args.warehouse).require().read_all("cells"))
+    result = api.stacks(args.warehouse)
     if args.json:
-        emit_json({"stacks": rows})
+        emit_json(result.to_dict())
         return 0
+    rows = result.stacks
     print(
         table(
             ["name", "status", "cells", "reference", "latest cell"],
