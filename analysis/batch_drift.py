@@ -5,7 +5,7 @@ analyze` runs it as the batch plug-in's analysis (extras/batch.py)."""
 
 from __future__ import annotations
 
-from analysis.partner_drift import Partnering, view_sql
+from analysis.partner_drift import Partnering, card_block, view_sql
 
 TABLE = "batch_metrics"  # the metrics table's columns; reference_cell_id: the batch-1 cell
 PARTNERING = Partnering("batch", "batch", TABLE, "batch_of", "batch 1", "batch-1", "batch cell(s)")
@@ -33,21 +33,8 @@ CARD_SQL = """WITH me AS (SELECT batch_of, build FROM cells WHERE cell_id = ?)
               ORDER BY d.batch_size"""
 
 
-def card_line(r: dict) -> str:
-    """One batch size's line: "batch 1 vs 8: bit-identical (40 rows)" or its KL."""
-    head = f"batch 1 vs {r['batch_size']} ({r['fill']} fill)"
-    if r["bit_identical"]:
-        return f"{head}: bit-identical ({r['rows']} rows)"
-    return (
-        f"{head}: KL {r['kld_mean']:.3g} ± {r['kld_stderr'] or 0:.2g} nats (max {r['kld_max']:.3g}), "
-        f"top-1 {r['top1_agreement']:.4f}, {r['identical_rows']} of {r['rows']} rows bit-identical"
-    )
-
-
 def card_lines(rows: list[dict]) -> list[str]:
-    """The block's markdown lines; none for a batch-free stack."""
-    if not rows:
-        return []
-    return ["", "Batch composition (each prompt among batch - 1 other sequences, against batch 1):", ""] + [
-        f"- {card_line(r)}" for r in rows
-    ]
+    """The block's markdown lines, one per batch size: "batch 1 vs 8 (corpus fill): ..."; none for a
+    batch-free stack."""
+    title = "Batch composition (each prompt among batch - 1 other sequences, against batch 1):"
+    return card_block(title, rows, lambda r: f"batch 1 vs {r['batch_size']} ({r['fill']} fill)")

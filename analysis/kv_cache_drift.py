@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 
-from analysis.partner_drift import Partnering, view_sql
+from analysis.partner_drift import Partnering, card_block, view_sql
 
 TABLE = "kv_cache_metrics"  # the metrics table's columns; reference_cell_id: the f16-cache cell
 PARTNERING = Partnering("kv_cache", "KV cache", TABLE, "kv_cache_of", "the f16 cache", "f16-KV-cache", "cell(s)")
@@ -30,23 +30,10 @@ VIEW_ABOUT = (
 )
 
 
-def card_line(r: dict) -> str:
-    """One cell's line: "K q8_0, V q4_0 against f16: KL ..." or bit-identical."""
-    head = f"K {r['kv_cache_k']}, V {r['kv_cache_v']} against the f16 cache"
-    if r["bit_identical"]:
-        return f"{head}: bit-identical ({r['rows']} rows)"
-    return (
-        f"{head}: KL {r['kld_mean']:.3g} ± {r['kld_stderr'] or 0:.2g} nats (p99 {r['kld_p99']:.3g}, max "
-        f"{r['kld_max']:.3g}), top-1 {r['top1_agreement']:.4f}, {r['identical_rows']} of {r['rows']} rows bit-identical"
-    )
-
-
 def card_lines(rows: list[dict]) -> list[str]:
-    if not rows:
-        return []
-    return ["", "KV cache (the same stack on llama.cpp's default f16 cache, row by row):", ""] + [
-        f"- {card_line(r)}" for r in rows
-    ]
+    """The block's markdown lines, one per cell: "K q8_0, V q4_0 against the f16 cache: ..."."""
+    title = "KV cache (the same stack on llama.cpp's default f16 cache, row by row):"
+    return card_block(title, rows, lambda r: f"K {r['kv_cache_k']}, V {r['kv_cache_v']} against the f16 cache")
 
 
 def section(data: dict, model: str, k: int) -> str:

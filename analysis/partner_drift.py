@@ -51,6 +51,25 @@ def view_sql(table: str, columns: str, group_by: str) -> str:
         GROUP BY c.model, c.engine, c.dtype, c.attention, {group_by}"""
 
 
+def card_block(title: str, rows: list[dict], head) -> list[str]:
+    """A card's block of a plug-in's graded rows: its title, then a line per row, head(row) and either
+    "bit-identical (N rows)" or its KL mean ± s.e. (p99 where the rows have it), max, top-1 and the
+    rows bit-identical; none without rows."""
+    if not rows:
+        return []
+    return ["", title, ""] + [f"- {head(r)}: {_graded(r)}" for r in rows]
+
+
+def _graded(r: dict) -> str:
+    if r["bit_identical"]:
+        return f"bit-identical ({r['rows']} rows)"
+    p99 = f"p99 {r['kld_p99']:.3g}, " if "kld_p99" in r else ""
+    return (
+        f"KL {r['kld_mean']:.3g} ± {r['kld_stderr'] or 0:.2g} nats ({p99}max {r['kld_max']:.3g}), "
+        f"top-1 {r['top1_agreement']:.4f}, {r['identical_rows']} of {r['rows']} rows bit-identical"
+    )
+
+
 def line(p: Partnering, got: dict) -> str:
     """analyze's line: "batch drift: 2 batch cell(s) against batch 1, 20 rows (0 up to date)"."""
     measured = f"{got['cells']} {p.cells} against {p.partner}"
