@@ -1,9 +1,10 @@
 """The Python API in-process, as a notebook uses it: a sweep with the local executor, its analysis,
 DuckDB over the warehouse, and a KLD job on real GGUF files, with the values each call returns
-checked against the warehouse's own rows."""
+checked against the warehouse's own rows (tests/test_api_verbs.py: every verb against its call)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from common.errors import UserError
 from matrix import api
-from tests.conftest import REPO, write_spec
+from tests.conftest import REPO, run_cli, write_spec
 
 
 @pytest.fixture(scope="module")
@@ -90,38 +91,6 @@ def ggufs(tiny_model):
     return {d: build_for(d, str(tiny_model), sha, 2)["path"] for d in ("f16", "q8_0")}
 
 
-@pytest.fixture(scope="module")
-def analysed(sweep):
-    spec, wh, _, _ = sweep
-    api.analyze(str(wh), workers=1, log=lambda line: None)
-    return wh
-
-
-@pytest.mark.parametrize(
-    "verb, call",
-    [
-        (["stacks"], lambda wh: api.stacks(wh)),
-        (["status"], lambda wh: api.status(wh)),
-        (["verify"], lambda wh: api.verify(wh, log=lambda line: None)),
-        (["card", "hf/bf16"], lambda wh: api.card(wh, "hf/bf16")),
-    ],
-    ids=lambda v: v[0] if isinstance(v, list) else "",
-)
-def test_each_verbs_json_is_its_api_calls_to_dict(analysed, verb, call):
-    """What the verb prints with --json is the same matrix.api call's to_dict(), as JSON gives it."""
-    import json
-
-    from tests.conftest import run_cli
-
-    r = run_cli(*verb, "--warehouse", str(analysed), "--json")
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = call(str(analysed)).to_dict()
-    clock = {"seconds", "mib_per_s"}  # verify's own timing, another call's
-    printed = {k: v for k, v in json.loads(r.stdout).items() if k not in clock}
-    assert printed == {k: v for k, v in json.loads(json.dumps(got, default=str)).items() if k not in clock}
-    assert got and printed
-
-
 @pytest.mark.slow  # it converts and quantises the model to GGUF first
 def test_kld_returns_llama_perplexity_statistics_as_values(ggufs, tmp_path):
     prose = (REPO / "configs/corpus/long_prose.txt").read_text()
@@ -144,6 +113,25 @@ def test_kld_returns_llama_perplexity_statistics_as_values(ggufs, tmp_path):
     assert r.statistics["rows"] == n > 0
     assert r.statistics["kld"][0] == pytest.approx(kld, rel=1e-12) and kld > 0
     assert r.card["model"] and r.to_dict()["statistics"] == r.statistics
+    # the verb with the same files and text resumes the job: what it prints is the same call's to_dict()
+    cli = run_cli(
+        "kld",
+        "--reference",
+        ggufs["f16"],
+        "--candidate",
+        ggufs["q8_0"],
+        "--text",
+        str(text),
+        "--warehouse",
+        str(wh),
+        "--n-ctx",
+        "64",
+        "--threads",
+        "2",
+        "--json",
+    )
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert json.loads(cli.stdout) == json.loads(json.dumps(job.to_dict(), default=str))
 
 
 def test_bad_input_raises_one_line(tmp_path, tiny_model):

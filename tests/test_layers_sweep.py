@@ -118,7 +118,7 @@ def test_matrix_layers_verdict_and_exit_codes(layered, tmp_path):
     q4 = cells[("llamacpp", "q4_0")]["cell_id"]
     rc, out, _ = _layers(wh, q4)
     worst = min(r["cosine_min"] for r in out["layers"])
-    from matrix.cli.quant import GATES
+    from matrix.api.gates import GATES
 
     g = yaml.safe_load(GATES.read_text())
     g["layers"]["4bit"] = {"cosine_min": worst + (1 - worst) / 2, "norm_ratio_tol": 1.0}

@@ -11,35 +11,72 @@ these, and prints what it returns.
     job = api.kld("ref.gguf", ["q4_k_m.gguf"], "wiki.test.raw", "kld-wh")    # -> KldResult
     api.stacks("warehouse"), api.status("warehouse")                         # -> StacksResult, StatusResult
     api.verify("warehouse"), api.card("warehouse", "llamacpp/q4_k_m")        # -> VerifyResult, CardResult
+    api.admit("warehouse", "llamacpp/q4_k_m").ok                              # -> AdmitResult
+
+Every verb of the command has its call here (docs/python-api.md lists them); what a verb prints with
+--json is its call's to_dict().
 
 Bad input raises common.errors.UserError with one line naming the file, field and value; a cell's
 failure is the cell's own and is reported in the result. Progress goes to `log` (default: stderr).
 docs/python-api.md has a notebook example.
 """
 
-from matrix.api.analysis import analyze, connect, sql
+from matrix.api.analysis import ViewsScript, analyze, connect, export_views, sql
+from matrix.api.catalog import (
+    CacheResult,
+    CatalogResult,
+    CutResult,
+    PruneResult,
+    cache,
+    cut_model,
+    fetch_model,
+    models,
+    prune_cache,
+)
+from matrix.api.cells import CellsResult, cells
+from matrix.api.exchange import (
+    FileResult,
+    MergeResult,
+    MergeSource,
+    fixture_export,
+    kld_base_export,
+    kld_base_import,
+    merge,
+)
+from matrix.api.gates import AdmitResult, FixtureCheckResult, LayersResult, admit, fixture_check, layers
 from matrix.api.kld import kld
 from matrix.api.results import AnalyzeResult, CandidateResult, KldResult, QueryResult, RunResult
 from matrix.api.sweep import run
-from matrix.api.warehouse import CardResult, StacksResult, StatusResult, VerifyResult, card, stacks, status, verify
+from matrix.api.warehouse import (
+    CardResult,
+    ReportResult,
+    StacksResult,
+    StatusResult,
+    VerifyResult,
+    card,
+    report,
+    stacks,
+    status,
+    verify,
+)
 
 __all__ = [
-    "AnalyzeResult",
-    "CandidateResult",
-    "CardResult",
-    "KldResult",
-    "QueryResult",
-    "RunResult",
-    "StacksResult",
-    "StatusResult",
-    "VerifyResult",
-    "analyze",
-    "card",
-    "connect",
-    "kld",
-    "run",
-    "sql",
-    "stacks",
-    "status",
-    "verify",
-]
+    # each verb of the command: its function and the frozen result whose to_dict() it prints with --json
+    "run", "RunResult",  # matrix run
+    "cells", "CellsResult",  # matrix cells
+    "analyze", "AnalyzeResult",  # matrix analyze
+    "sql", "QueryResult", "connect", "export_views", "ViewsScript",  # matrix sql
+    "report", "ReportResult",  # matrix report
+    "verify", "VerifyResult",  # matrix verify
+    "merge", "MergeResult", "MergeSource",  # matrix merge
+    "status", "StatusResult",  # matrix status
+    "stacks", "StacksResult",  # matrix stacks
+    "card", "CardResult",  # matrix card
+    "admit", "AdmitResult",  # matrix admit
+    "layers", "LayersResult",  # matrix layers
+    "fixture_export", "fixture_check", "FixtureCheckResult",  # matrix fixture export|check
+    "kld_base_export", "kld_base_import", "FileResult",  # matrix kld-base export|import (and fixture export)
+    "kld", "KldResult", "CandidateResult",  # matrix kld
+    "models", "CatalogResult", "fetch_model", "cut_model", "CutResult",  # matrix models list|fetch|cut
+    "cache", "CacheResult", "prune_cache", "PruneResult",  # matrix cache list|prune
+]  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import extras
@@ -31,6 +32,27 @@ def sql(warehouse: str, statement: str) -> QueryResult:
 
     columns, rows = query(warehouse, statement)
     return QueryResult(tuple(columns), tuple(rows))
+
+
+@dataclass(frozen=True)
+class ViewsScript:
+    """The warehouse's views as a SQL script for any DuckDB client (`duckdb -init FILE`)."""
+
+    file: str
+    tables: int
+    views: int
+    report: dict  # analysis/sql_export.py's: also each table's damaged files left out
+
+    def to_dict(self) -> dict:
+        return dict(self.report)
+
+
+def export_views(warehouse: str, out: str) -> ViewsScript:
+    """Write the table views (over the Parquet files, by glob) and the derived views to `out`."""
+    from analysis.sql_export import export_views as write
+
+    report = write(warehouse, out)
+    return ViewsScript(report["file"], report["tables"], report["views"], report)
 
 
 def analyze(

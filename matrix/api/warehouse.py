@@ -1,5 +1,5 @@
-"""What a warehouse holds, as the verbs `stacks`, `status`, `verify` and `card` give it: each returns
-a frozen record whose `to_dict()` is what the verb prints with `--json`."""
+"""What a warehouse holds, as the verbs `stacks`, `status`, `verify`, `card` and `report` give it:
+each returns a frozen record whose `to_dict()` is what the verb prints with `--json`."""
 
 from __future__ import annotations
 
@@ -61,6 +61,23 @@ class CardResult:
         return dict(self.card)
 
 
+@dataclass(frozen=True)
+class ReportResult:
+    """The HTML report written (html: its file) and the figures it shows (analysis/report.py gather)."""
+
+    html: str
+    data: dict
+
+    def terminal(self) -> str:
+        """The report's tables for a terminal."""
+        from analysis.report import terminal_table
+
+        return terminal_table(self.data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"html": self.html, **self.data}
+
+
 STATUS_CELLS = ("cell_id", "status", "repeats", "rows_per_repeat", "bit_reproducible", "is_reference", "why")
 STATUS_RUNS = ("run_id", "status", "started_at", "cells_done", "cells_total", "rows_written")
 
@@ -112,3 +129,21 @@ def card(warehouse: str, cell: str, allow_undisclosed: bool = False) -> CardResu
         warehouse, cell_id, allow_undisclosed=allow_undisclosed, extras=extras.registered(), as_is=backends.as_is()
     )
     return CardResult(built)
+
+
+def report(warehouse: str, out: str | None = None) -> ReportResult:
+    """A self-contained HTML report of an analysed warehouse, in out (default: WAREHOUSE/report, or
+    ./report for an object-store warehouse)."""
+    from pathlib import Path
+
+    from analysis.report import gather, write_html
+    from common.errors import UserError
+    from store import Warehouse
+
+    wh = Warehouse(warehouse).require()
+    if not wh.table_files("metrics"):
+        raise UserError(f"{wh.where}: no metrics yet; run `matrix analyze --warehouse {wh.where}` first")
+    data = gather(warehouse)
+    where = Path(out) if out else Path("report") if wh.remote else Path(wh.where) / "report"
+    sections = [x.report(data) for x in extras.registered()]
+    return ReportResult(str(write_html(data, where, warehouse, sections, extras.model_reports)), data)

@@ -19,60 +19,53 @@ def duration(text: str) -> float:
     return float(m[1]) * UNITS[m[2] or "s"]
 
 
-def _users(warehouses: list[str]) -> dict[str, list[str]]:
-    """artifact sha256 -> the cells of these warehouses that ran it."""
-    from store import Warehouse
-
-    out: dict[str, list[str]] = {}
-    for where in warehouses:
-        for c in Warehouse(where).require().read_all("cells"):
-            if c.get("artifact_sha256"):
-                out.setdefault(c["artifact_sha256"], []).append(c["cell_id"])
-    return out
-
-
 def cmd_cache(args) -> int:
-    from backends import artifacts
+    from matrix import api
 
     if args.action == "list":
-        users = _users(args.warehouse or [])
-        items = [{**a.to_dict(), "cells": users.get(a.sha256, [])} for a in artifacts.listing()]
+        result = api.cache(args.warehouse)
         if args.json:
-            emit_json({"root": str(artifacts.root()), "artifacts": items, "bytes": sum(a["bytes"] for a in items)})
+            emit_json(result.to_dict())
             return 0
-        now = time.time()
-        print(
-            table(
-                ["kind", "file", "tool", "size", "last used", "cells", "dir"],
-                [
-                    [
-                        a["kind"],
-                        a["file"],
-                        a["tool"] or "",
-                        human(a["bytes"]),
-                        f"{(now - a['last_used']) / 86400:.1f} d ago",
-                        str(len(a["cells"])) if args.warehouse else "-",
-                        a["dir"],
-                    ]
-                    for a in items
-                ],
-            )
-        )
-        print(f"\n{len(items)} artifact(s), {human(sum(a['bytes'] for a in items))} in {artifacts.root()}")
+        _print_cache(result, bool(args.warehouse))
         return 0
-    keep = set(_users(args.keep_used_by or []))
-    removed, busy = artifacts.prune(duration(args.older_than), keep)
-    for a in removed:
+    result = api.prune_cache(duration(args.older_than), args.keep_used_by)
+    for a in result.removed:
         log(
             f"removed {a.kind} {a.file} ({human(a.bytes)}, "
             f"last used {(time.time() - a.last_used) / 86400:.1f} d ago): {a.dir}"
         )
-    for a in busy:
+    for a in result.in_use:
         log(f"kept {a.dir}: a running cell holds it")
-    log(f"pruned {len(removed)} artifact(s), {human(sum(a.bytes for a in removed))}; {len(busy)} in use")
+    log(
+        f"pruned {len(result.removed)} artifact(s), {human(sum(a.bytes for a in result.removed))}; "
+        f"{len(result.in_use)} in use"
+    )
     if args.json:
-        emit_json({"removed": [a.to_dict() for a in removed], "in_use": [a.to_dict() for a in busy]})
+        emit_json(result.to_dict())
     return 0
+
+
+def _print_cache(result, with_cells: bool) -> None:
+    now = time.time()
+    print(
+        table(
+            ["kind", "file", "tool", "size", "last used", "cells", "dir"],
+            [
+                [
+                    a["kind"],
+                    a["file"],
+                    a["tool"] or "",
+                    human(a["bytes"]),
+                    f"{(now - a['last_used']) / 86400:.1f} d ago",
+                    str(len(a["cells"])) if with_cells else "-",
+                    a["dir"],
+                ]
+                for a in result.artifacts
+            ],
+        )
+    )
+    print(f"\n{len(result.artifacts)} artifact(s), {human(result.bytes)} in {result.root}")
 
 
 def add_parsers(sub) -> None:

@@ -6,9 +6,9 @@ NVIDIA TensorRT-Edge-LLM's few-layer numeric validation guide). Exit 0 pass, 1 f
 from __future__ import annotations
 
 import extras
-from common.errors import UserError
 from common.output import emit_json, fmt_number, human, table
-from matrix.cli.quant import CELL_HELP, GATES, cell_arg
+from matrix.api.gates import GATES
+from matrix.cli.quant import CELL_HELP
 
 LAYER_COLUMNS = [
     "layer",
@@ -25,47 +25,19 @@ LAYER_COLUMNS = [
 
 
 def cmd_layers(args) -> int:
-    from analysis.layer_analysis import layer_table
-    from analysis.layer_metrics import verdict
-    from store import Warehouse
+    from matrix import api
 
-    wh = Warehouse(args.warehouse).require()
-    cells = {c["cell_id"]: c for c in wh.read_all("cells")}
-    args.cell = cell_arg(args, "layers", list(cells.values()))
-    gates, cls = _layer_gates(args, cells[args.cell])
-    g = gates["layers"][cls]
-    rows, ref = layer_table(wh, args.cell)
-    v = verdict(rows, g["cosine_min"], g["norm_ratio_tol"])
+    result = api.layers(args.warehouse, args.cell, args.gates, args.quant_class)
     if args.json:
-        emit_json(
-            {
-                "cell_id": args.cell,
-                "reference_cell_id": ref,
-                "class": cls,
-                "gates_file": gates["path"],
-                "gates": g,
-                "layers": rows,
-                **v,
-            }
-        )
+        emit_json(result.to_dict())
     else:
+        g = result.thresholds
         print(
-            f"{args.cell} vs {ref}: class {cls} ({gates['path']}): cosine >= {g['cosine_min']}, "
-            f"|norm ratio - 1| <= {g['norm_ratio_tol']}"
+            f"{result.cell_id} vs {result.reference_cell_id}: class {result.quant_class} ({result.gates_file}): "
+            f"cosine >= {g['cosine_min']}, |norm ratio - 1| <= {g['norm_ratio_tol']}"
         )
-        _print_layers(rows, v)
-    return 0 if v["pass"] else 1
-
-
-def _layer_gates(args, cell: dict) -> tuple[dict, str]:
-    """The gates file and the cell's quant class, which must have a layers gate."""
-    from analysis.gates import load_gates, pick_class
-
-    gates = load_gates(args.gates)
-    cls = pick_class(gates, cell["dtype"], args.quant_class)
-    if cls not in gates["layers"]:
-        raise UserError(f"{gates['path']}: layers: no gate for class {cls} (has: {', '.join(gates['layers'])})")
-    return gates, cls
+        _print_layers(result.layers, result.verdict)
+    return 0 if result.ok else 1
 
 
 def _print_layers(rows: list[dict], v: dict) -> None:
@@ -115,29 +87,6 @@ def off_prefill(c: dict) -> str:
     """What a cell records beside its prefill rows (the extras that write paths of its d<repeat> file)."""
     parts = [w for x in extras.registered() if x.paths and c.get(x.key) is not None for w in x.brief(c[x.key])]
     return "; ".join(parts) or "-"
-
-
-def layer_sizes(matrix) -> dict[str, dict]:
-    """stack id -> the bytes its layer states will take; resolving the models and tokenising the
-    corpus only when a cell asks for layers (a bad index: exit 2 here too)."""
-    if not any(c.extra("layers") for c in matrix.cells):
-        return {}
-    from backends import backend_class
-    from matrix.run.runner import expected_rows, prepare
-
-    plan = prepare(matrix, None, lambda m: None)
-    layers = extras.get("layers")
-    out = {}
-    for c in plan.matrix.cells:
-        if c.extra("layers"):
-            wide = backend_class(c.engine).state_bytes(c) == 4
-            out[c.stack_id] = layers.bytes_estimate(
-                c.extra("layers"),
-                expected_rows(plan, c) * plan.spec.repeats,
-                plan.models[c.model].hidden,
-                wide,
-            )
-    return out
 
 
 def layer_brief(size: dict | None) -> str:

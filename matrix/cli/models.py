@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
-from common.errors import UserError
 from common.output import emit_json, log, table
 
 
 def cmd_models(args) -> int:
-    from matrix.spec import models
+    from matrix import api
 
     if args.action == "list":
-        return _list(args)
-    from matrix.spec.parse import ModelRef
-
-    if args.name not in models.CATALOG:
-        raise UserError(f"models fetch: unknown catalog model {args.name!r} (known: {', '.join(models.CATALOG)})")
-    resolved = models.fetch(ModelRef(args.name, "catalog", args.name), log=log)
+        rows = api.models().to_dict()
+        if args.json:
+            emit_json(rows)
+        else:
+            print(table(list(rows[0]), [list(r.values()) for r in rows]))
+        return 0
     if args.action == "cut":
-        return _cut(args, resolved)
+        cut = api.cut_model(args.name, args.layers, args.out, bf16=args.bf16, gguf=args.gguf, log=log)
+        if args.json:
+            emit_json(cut.to_dict())
+        else:
+            print(f"{cut.name} cut to {cut.layers} layer(s): {cut.path} ({cut.bytes / 2**20:.1f} MiB)")
+        return 0
+    resolved = api.fetch_model(args.name, log=log)
     if args.json:
         emit_json(resolved.to_dict())
     else:
@@ -27,57 +32,6 @@ def cmd_models(args) -> int:
             + (f"\n  license {resolved.license}" if resolved.license else "")
             + "".join(f"\n  notice {n}" for n in resolved.notices)
         )
-    return 0
-
-
-def _list(args) -> int:
-    """`matrix models list`: one row per catalog model."""
-    from matrix.spec import models
-
-    rows = [models.catalog_row(m) for m in models.CATALOG.values()]
-    if args.json:
-        emit_json(rows)
-    else:
-        print(table(list(rows[0]), [list(r.values()) for r in rows]))
-    return 0
-
-
-def _cut(args, resolved) -> int:
-    """`matrix models cut`: the fetched model (resolved) with only its first --layers layers, as
-    an HF checkpoint or, with --gguf, a GGUF file in the source's own quantisation."""
-    from pathlib import Path
-
-    from matrix.spec import models
-
-    if args.layers < 1:
-        raise UserError(f"models cut: --layers must be at least 1, got {args.layers}")
-    out = Path(args.out)
-    if out.is_file() or (out.is_dir() and any(out.iterdir())):
-        raise UserError(f"models cut: {out} exists{'' if out.is_file() else ' and is not empty'}")
-    if args.gguf and args.bf16:
-        raise UserError("models cut: --gguf keeps the source's own quantisation; --bf16 does not apply")
-    if args.gguf:
-        from store.gguf_cut import cut_gguf
-
-        if not resolved.gguf_path:
-            raise UserError(f"models cut: {args.name} has no source GGUF to cut")
-        cut_gguf(Path(resolved.gguf_path), out, args.layers)
-        size = out.stat().st_size
-    else:
-        models.cut_layers(Path(resolved.hf_dir), out, args.layers, bf16=args.bf16)
-        size = sum(f.stat().st_size for f in out.iterdir())
-    info = {
-        "name": args.name,
-        "layers": args.layers,
-        "bf16": args.bf16,
-        "gguf": args.gguf,
-        "path": str(out),
-        "bytes": size,
-    }
-    if args.json:
-        emit_json(info)
-    else:
-        print(f"{args.name} cut to {args.layers} layer(s): {out} ({info['bytes'] / 2**20:.1f} MiB)")
     return 0
 
 

@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-from common.errors import UserError
 from common.output import emit_json, fmt_number, log, table
-from matrix.spec.corpus import CONFIGS
+from matrix.api.gates import GATES
 
-GATES = CONFIGS / "gates.yaml"
 CELL_HELP = "a cell id, or a stack's name or part of it (llamacpp/q4_k_m; `matrix stacks` lists them)"
-
-
-def cell_arg(args, what: str, cells: list[dict] | None = None) -> str:
-    """args.cell as a cell id: given as one, or a stack's readable name (analysis/stack_names.py);
-    cells: the warehouse's cells rows where the caller has read them already."""
-    from analysis.stack_names import resolve
-    from store import Warehouse
-
-    if cells is None:
-        cells = Warehouse(args.warehouse).require().read_all("cells")
-    return resolve(cells, args.cell, f"{what}: warehouse {args.warehouse}")
 
 
 def cmd_card(args) -> int:
@@ -32,7 +19,7 @@ def cmd_card(args) -> int:
     return 0
 
 
-def print_gates(rows: list[dict], title: str, upper: bool = False) -> None:
+def print_gates(rows, title: str, upper: bool = False) -> None:
     """One line per gate; upper: also the upper bound a fixture's truncated KL allows."""
     print(title)
     cols = ["gate", "threshold", "measured (lower bound)" if upper else "measured"] + (["upper bound"] if upper else [])
@@ -50,95 +37,31 @@ def print_gates(rows: list[dict], title: str, upper: bool = False) -> None:
 
 
 def cmd_admit(args) -> int:
-    from analysis.gates import evaluate, load_gates, measured_from_warehouse, parity_gate, pick_class, worst_rows
-    from analysis.sql import connect
+    from matrix import api
 
-    gates = load_gates(args.gates)
-    args.cell = cell_arg(args, "admit")
-    con = connect(args.warehouse)
-    try:
-        cell = con.execute(
-            "SELECT dtype, status, tokenizer_parity FROM cells WHERE cell_id = ?", [args.cell]
-        ).fetchone()
-        if cell is None:
-            raise UserError(f"admit: no cell {args.cell} in {args.warehouse}")
-        measured, nonfinite, ref = measured_from_warehouse(con, args.cell)
-        cls = pick_class(gates, cell[0], args.quant_class)
-        rows = evaluate(measured, gates["classes"][cls], nonfinite)
-        rows.insert(1, parity_gate(cell[2], args.allow_tokenizer_mismatch))
-        worst_rows(con, args.cell, rows)
-    finally:
-        con.close()
-    ok = all(r["pass"] for r in rows)
+    result = api.admit(args.warehouse, args.cell, args.gates, args.quant_class, args.allow_tokenizer_mismatch)
     if args.json:
-        emit_json(
-            {
-                "cell_id": args.cell,
-                "reference_cell_id": ref,
-                "class": cls,
-                "gates_file": gates["path"],
-                "rows": measured["rows"],
-                "pass": ok,
-                "gates": rows,
-            }
-        )
-    else:
-        print_gates(rows, f"{args.cell} vs {ref}: class {cls} ({gates['path']}), {measured['rows']} rows")
-        for r in rows:
-            if not r["pass"] and r.get("worst"):
-                w = r["worst"]
-                print(
-                    f"  {r['gate']}: worst row prompt {w['prompt_id']} position {w['position']} "
-                    f"({fmt_number(w['value'])})"
-                )
-        print(f"\n{'ADMITTED' if ok else 'REJECTED'}: {sum(r['pass'] for r in rows)}/{len(rows)} gates pass")
-    return 0 if ok else 1
+        emit_json(result.to_dict())
+        return 0 if result.ok else 1
+    rows = result.gates
+    print_gates(
+        rows,
+        f"{result.cell_id} vs {result.reference_cell_id}: class {result.quant_class} ({result.gates_file}), "
+        f"{result.rows} rows",
+    )
+    for r in rows:
+        if not r["pass"] and r.get("worst"):
+            w = r["worst"]
+            print(
+                f"  {r['gate']}: worst row prompt {w['prompt_id']} position {w['position']} ({fmt_number(w['value'])})"
+            )
+    print(f"\n{'ADMITTED' if result.ok else 'REJECTED'}: {sum(r['pass'] for r in rows)}/{len(rows)} gates pass")
+    return 0 if result.ok else 1
 
 
-def _check(args) -> dict:
-    """In this process, or, given --address or a --device other than cpu, in a cell actor placed
-    on the cluster the way `matrix run` places one (a local cluster of this machine without --address)."""
-    from matrix.run.fixture_check import check_fixture
-
-    if not args.address and args.device == "cpu":
-        return check_fixture(args.fixture, args.engine, args.model, args.dtype, args.attention, args.threads, log=log)
-    from matrix.run import cluster, placement
-
-    ray = cluster.init_ray(args.address)
-    try:
-        nodes = placement.known_nodes(placement.cluster_nodes(), placement.default_cluster_config(args.address))
-        return check_fixture(
-            args.fixture,
-            args.engine,
-            args.model,
-            args.dtype,
-            args.attention,
-            args.threads,
-            log=log,
-            device=args.device,
-            nodes=nodes,
-        )
-    finally:
-        ray.shutdown()
-
-
-def _same_weights_gate(res: dict, allow_other_weights: bool) -> dict:
-    """The gate row that says whether the stack was built from the weights the fixture was made from."""
-    weights = next((d for d in res["differences"] if d["what"] in ("weights_sha256", "source_sha256")), None)
-    return {
-        "gate": "same_weights",
-        "comparison": "==",
-        "threshold": "the fixture's",
-        "measured": f"other weights: {weights['stack']} (fixture: {weights['fixture']})" if weights else "same",
-        "pass": weights is None or allow_other_weights,
-        "meaning": "the stack is built from the weights the fixture was made from"
-        + (" (other weights allowed)" if weights and allow_other_weights else ""),
-    }
-
-
-def _print_fixture_check(args, res: dict, rows: list[dict], cls: str, trunc: dict, ok: bool) -> None:
+def _print_fixture_check(args, res) -> None:
     """`matrix fixture check`'s text report: where it ran, what differs, the gates, the truncation."""
-    ran = res["ran_on"]
+    ran = res.ran_on
     print(
         f"ran on {ran['host']}"
         + (
@@ -147,77 +70,60 @@ def _print_fixture_check(args, res: dict, rows: list[dict], cls: str, trunc: dic
             else " (this process)"
         )
     )
-    for d in res["differences"]:
+    for d in res.differences:
         print(f"differs from the fixture's producer: {d['what']}: fixture {d['fixture']}, this stack {d['stack']}")
     print_gates(
-        rows,
+        res.gates,
         f"{args.engine} {args.dtype} {args.attention} vs fixture {args.fixture} "
-        f"(from {res['header']['produced_by']['cell_id']}): class {cls}, {res['rows']} rows",
+        f"(from {res.header['produced_by']['cell_id']}): class {res.quant_class}, {res.rows} rows",
         upper=True,
     )
+    trunc = res.truncation
     print(
         f"\ntop-{trunc['k']} of {trunc['vocab_size']}: reference tail mass mean {trunc['tail_mass_mean']:.3g}, "
         f"max {trunc['tail_mass_max']:.3g}; KL is quoted as [lower, upper] because of that tail"
     )
-    print(f"{'ADMITTED' if ok else 'REJECTED'}: {sum(r['pass'] for r in rows)}/{len(rows)} gates pass")
-
-
-def _fixture_export(args) -> int:
-    from analysis.fixture_export import export_fixture
-
-    out = export_fixture(args.warehouse, cell_arg(args, "fixture export"), args.out, k=args.k, log=log)
-    if args.json:
-        emit_json(out)
-    return 0
+    print(f"{'ADMITTED' if res.ok else 'REJECTED'}: {sum(r['pass'] for r in res.gates)}/{len(res.gates)} gates pass")
 
 
 def cmd_fixture(args) -> int:
-    if args.action == "export":
-        return _fixture_export(args)
-    from analysis.gates import evaluate, load_gates, pick_class
-    from analysis.truncated import NOTE, gate_values
+    from matrix import api
 
-    gates = load_gates(args.gates)  # a bad gates file fails before any model loads
-    cls = pick_class(gates, args.dtype, args.quant_class)
-    res = _check(args)
-    measured, upper, tail = gate_values(res["metrics"])
-    rows = evaluate(measured, gates["classes"][cls], res["nonfinite"])
-    rows.insert(1, _same_weights_gate(res, args.allow_other_weights))
-    for r in rows:
-        r["upper_bound"] = upper.get(r["gate"])
-    ok = all(r["pass"] for r in rows)
-    trunc = {"k": res["header"]["k"], "vocab_size": res["header"]["vocab_size"], **tail, "note": NOTE}
-    if not args.json:
-        _print_fixture_check(args, res, rows, cls, trunc, ok)
-        return 0 if ok else 1
-    emit_json(
-        {
-            "fixture": args.fixture,
-            "engine": args.engine,
-            "model": args.model,
-            "dtype": args.dtype,
-            "class": cls,
-            "rows": res["rows"],
-            "pass": ok,
-            "truncation": trunc,
-            "gates": rows,
-            "differences": res["differences"],
-            "header_checked": res["header"]["header_checked"],
-            "ran_on": res["ran_on"],
-        }
+    if args.action == "export":
+        out = api.fixture_export(args.warehouse, args.cell, args.out, k=args.k, log=log)
+        if args.json:
+            emit_json(out.to_dict())
+        return 0
+    res = api.fixture_check(
+        args.fixture,
+        args.engine,
+        args.model,
+        dtype=args.dtype,
+        attention=args.attention,
+        threads=args.threads,
+        device=args.device,
+        address=args.address,
+        gates=args.gates,
+        quant_class=args.quant_class,
+        allow_other_weights=args.allow_other_weights,
+        log=log,
     )
-    return 0 if ok else 1
+    if args.json:
+        emit_json(res.to_dict())
+    else:
+        _print_fixture_check(args, res)
+    return 0 if res.ok else 1
 
 
 def cmd_kld_base(args) -> int:
-    from store import llamacpp_import as interop
+    from matrix import api
 
     if args.action == "export":
-        out = interop.export_kld_base(args.warehouse, cell_arg(args, "kld-base export"), args.n_ctx, args.out, log=log)
+        out = api.kld_base_export(args.warehouse, args.cell, args.n_ctx, args.out, log=log)
     else:
-        out = interop.import_kld_base(args.warehouse, args.file, args.model, log=log)
+        out = api.kld_base_import(args.warehouse, args.file, args.model, log=log)
     if args.json:
-        emit_json(out)
+        emit_json(out.to_dict())
     return 0
 
 

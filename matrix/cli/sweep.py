@@ -22,69 +22,23 @@ def _brief(opts: dict) -> str:
 
 
 def cmd_cells(args) -> int:
-    from matrix.cli.builds import build_columns
-    from matrix.cli.layers import layer_sizes
-    from matrix.run import placement
-    from matrix.spec.cells import load_spec
+    from matrix import api
 
-    matrix = load_spec(args.spec)
-    sizes = layer_sizes(matrix)
-    cells = [_cell_entry(c, matrix, sizes) for c in matrix.cells]
-    nodes, answers = _known_nodes(args.address, args.cluster_config, matrix if args.warehouse else None)
-    placed = None
-    if nodes is not None:
-        placed = {
-            c.stack_id: placement.where(c.device, c.tp, placement.cell_threads(c, nodes), nodes) for c in matrix.cells
-        }
-        for c in cells:
-            c["placement"] = str(placed[c["stack_id"]])
-    builds = build_columns(matrix, args.warehouse, answers) if args.warehouse else None
-    for c in cells:
-        if builds:
-            c.update(builds[c["stack_id"]])
+    result = api.cells(args.spec, args.address, args.cluster_config, args.warehouse, log=log)
     if args.json:
-        spec = matrix.spec
-        emit_json(
-            {
-                "spec": str(spec.path),
-                "cells": cells,
-                "skipped": matrix.skipped,
-                "stride": spec.stride,
-                "positions": spec.positions.to_dict(),
-                "repeats": spec.repeats,
-                "corpus": spec.corpus,
-            }
-        )
+        emit_json(result.to_dict())
     else:
-        _print_cells(matrix, cells, sizes, placed, builds)
-    if nodes is not None:
-        placement.check_placement(matrix.cells, nodes, lambda msg: None)  # the same exit 2 as `matrix run`
+        _print_cells(result)
+    if result.unplaceable:  # the same exit 2 as `matrix run`, after the cells are shown
+        raise UserError(result.unplaceable)
     return 0
 
 
-def _cell_entry(c, matrix, sizes: dict) -> dict:
-    """One stack of the spec as `matrix cells --json` lists it."""
-    return {
-        **c.axes(),
-        "threads": c.threads,
-        "options": c.opts,
-        "max_tokens": c.max_tokens,
-        "partners": dict(c.partners),  # {plug-in: the stack id it grades this cell against}
-        "stack_id": c.stack_id,
-        "layer_states": sizes.get(c.stack_id),
-        **{x.key: None if c.extra(x.key) is None else x.describe(c.extra(x.key)) for x in extras.cell_extras()},
-        "replica": c.replica,
-        "reference": c.stack_id in matrix.reference_stacks.values(),
-        "candidate": None
-        if c.artifact is None
-        else {"file": c.artifact, "sha256": c.artifact_sha256, "label": c.label},
-    }
-
-
-def _print_cells(matrix, cells: list[dict], sizes: dict, placed: dict | None, builds: dict | None) -> None:
+def _print_cells(result) -> None:
     from common.output import human
     from matrix.cli.layers import layer_brief, off_prefill
 
+    cells, sizes, placed = result.cells, result.layer_states, result.placements
     decoding = any(off_prefill(c) != "-" for c in cells)
     # a column for each axis a plug-in sweeps (batch) that some cell has: its words (Extra.brief)
     axes = [x for x in extras.cell_extras() if x.sweeps and any(c.get(x.key) for c in cells)]
@@ -94,7 +48,7 @@ def _print_cells(matrix, cells: list[dict], sizes: dict, placed: dict | None, bu
         + (["layer states"] if sizes else [])
         + (["off prefill"] if decoding else [])
         + (["placement"] if placed else [])
-        + (["build", "captured by", "a run"] if builds else [])
+        + (["build", "captured by", "a run"] if result.builds else [])
     )
     rows = []
     for c in cells:
@@ -104,18 +58,17 @@ def _print_cells(matrix, cells: list[dict], sizes: dict, placed: dict | None, bu
         row += [layer_brief(c["layer_states"])] if sizes else []
         row += [off_prefill(c)] if decoding else []
         row += [placed[c["stack_id"]].brief()] if placed else []
-        if builds:
+        if result.builds:
             captured = ", ".join(b["build"] or "unrecorded" for b in c["captured"]) or "-"
             row += [c["build"] or "?", captured, c["action"]]
         rows.append(row)
     print(table(cols, rows))
-    spec = matrix.spec
-    if matrix.skipped:
-        print(f"\nskipped ({len(matrix.skipped)}):")
-        print(table(["combination", "reason"], [[s["stack_id"], s["reason"]] for s in matrix.skipped]))
+    if result.skipped:
+        print(f"\nskipped ({len(result.skipped)}):")
+        print(table(["combination", "reason"], [[s["stack_id"], s["reason"]] for s in result.skipped]))
     print(
-        f"\n{len(cells)} cell(s), {len(matrix.skipped)} skipped; "
-        f"{spec.positions.describe()} (stride {spec.stride}), repeats {spec.repeats}"
+        f"\n{len(cells)} cell(s), {len(result.skipped)} skipped; "
+        f"{result.positions_text} (stride {result.stride}), repeats {result.repeats}"
     )
     if sizes:
         total = sum(v["bytes_estimate"] for v in sizes.values())
@@ -123,33 +76,6 @@ def _print_cells(matrix, cells: list[dict], sizes: dict, placed: dict | None, bu
             f"layer states: {human(total)} over {len(sizes)} cell(s) (states x hidden x rows at the "
             "engine's native width; hidden states barely compress)"
         )
-
-
-def _known_nodes(address: str | None, cluster_config: str | None, probe_matrix=None) -> tuple[list | None, dict | None]:
-    """Live nodes of --address plus the node types of the launcher config (None: neither given),
-    and with probe_matrix, the engine build of each node its cells can use (matrix/run/builds.py)."""
-    from matrix.run import cluster, placement
-
-    if not address and not cluster_config:
-        return None, None
-    config = cluster_config or placement.default_cluster_config(address)
-    if not address:
-        return placement.known_nodes([], config), None
-    answers = None
-    ray = cluster.init_ray(address)
-    try:
-        known = placement.known_nodes(placement.cluster_nodes(), config)
-        if probe_matrix is not None:
-            from matrix.run import builds
-            from matrix.run.ray_executor import RayExecutor
-            from matrix.spec.models import fetch
-
-            placement.check_placement(probe_matrix.cells, known, lambda msg: None)
-            models = {n: fetch(ref, log=log) for n, ref in probe_matrix.spec.models.items()}
-            answers = builds.probe(probe_matrix.cells, models, known, log, RayExecutor(config))
-    finally:
-        ray.shutdown()
-    return known, answers
 
 
 def cmd_run(args) -> int:

@@ -6,22 +6,20 @@ import csv
 import io
 import sys
 
-import extras
 from common.errors import UserError
 from common.output import emit_json, log, table
 
 
 def cmd_sql(args) -> int:
-    from analysis.sql_export import export_views
     from matrix import api
 
     if args.export_views:
         if args.query:
             raise UserError("matrix sql: give a query or --export-views, not both")
-        out = export_views(args.warehouse, args.export_views)
+        out = api.export_views(args.warehouse, args.export_views)
         log(
-            f"wrote {out['file']}: {out['tables']} table views and {out['views']} derived views; "
-            f"open it with `duckdb -init {out['file']}`"
+            f"wrote {out.file}: {out.tables} table views and {out.views} derived views; "
+            f"open it with `duckdb -init {out.file}`"
         )
         return 0
     if not args.query:
@@ -62,23 +60,14 @@ def cmd_analyze(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from pathlib import Path
+    from matrix import api
 
-    from analysis.report import gather, terminal_table, write_html
-    from store import Warehouse
-
-    wh = Warehouse(args.warehouse).require()
-    if not wh.table_files("metrics"):
-        raise UserError(f"{wh.where}: no metrics yet; run `matrix analyze --warehouse {wh.where}` first")
-    data = gather(args.warehouse)
-    out = Path(args.out) if args.out else Path("report") if wh.remote else Path(wh.where) / "report"
-    sections = [x.report(data) for x in extras.registered()]
-    path = write_html(data, out, args.warehouse, sections, extras.model_reports)
+    result = api.report(args.warehouse, args.out)
     if args.json:
-        emit_json({"html": str(path), **data})
+        emit_json(result.to_dict())
         return 0
-    print(terminal_table(data))
-    print(f"\nHTML report: {path}")
+    print(result.terminal())
+    print(f"\nHTML report: {result.html}")
     return 0
 
 
@@ -101,21 +90,19 @@ def cmd_verify(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from store.merge import merge
+    from matrix import api
 
-    report = merge(args.sources, args.into, extras.side_tables, log)
-    left = {cid: why for s in report["sources"] for cid, why in s["left_out"].items()}
-    damaged = {cid: why for cid, why in left.items() if why.startswith("damaged")}
-    for s in report["sources"]:
+    result = api.merge(args.sources, args.into, log)
+    for s in result.sources:
         log(
-            f"{s['source']}: {len(s['merged'])} cell(s) merged, {len(s['already_present'])} already in "
-            f"{report['into']}, {len(s['left_out'])} left out"
+            f"{s.source}: {len(s.merged)} cell(s) merged, {len(s.already_present)} already in "
+            f"{result.into}, {len(s.left_out)} left out"
         )
     if args.json:
-        emit_json(report)
-    if damaged:
-        log(f"{len(damaged)} cell(s) NOT merged (damaged shards; capture them again or copy them again):")
-        for cid, why in damaged.items():
+        emit_json(result.to_dict())
+    if result.damaged:
+        log(f"{len(result.damaged)} cell(s) NOT merged (damaged shards; capture them again or copy them again):")
+        for cid, why in result.damaged.items():
             log(f"  {cid}: {why}")
         return 1
     return 0
