@@ -11,7 +11,6 @@ imports ray: the Ray actor subclasses StackHost for the facts only Ray knows (no
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import time
@@ -112,8 +111,7 @@ class StackHost:
             dist = self._rank_dist(dist, rendezvous, node_gpus)
         node = f"{socket.gethostname()} ({self.node_id()[:12]})"
         local_dir, model_via = model_dir(self.model, self.delivery.depot, node)
-        stack = dataclasses.replace(
-            self.stack,
+        stack = self.stack.replace(
             source_gguf=source_gguf(self.model, self.delivery.depot),
             artifact=artifact_file(self.stack.artifact, self.stack.artifact_sha256, self.delivery.depot),
         )
@@ -154,7 +152,7 @@ class StackHost:
         """stack with this node's copies of the files the loaded stack was built from (the same
         weights_key: the same files)."""
         here = self.backend.stack
-        return dataclasses.replace(stack, source_gguf=here.source_gguf, artifact=here.artifact)
+        return stack.replace(source_gguf=here.source_gguf, artifact=here.artifact)
 
     def _answer(self, t0: float) -> dict[str, Any]:
         """What load() and switch() answer: the stack's settings as the engine runs it now, where

@@ -164,7 +164,8 @@ def prune(older_than_s: float, keep_sha256: set[str]) -> tuple[list[Artifact], l
     removed, busy = [], []
     now = time.time()
     for a in listing():
-        if now - a.last_used < older_than_s or a.sha256 in keep_sha256:
+        # 0: every one (.last-used holds whole seconds, so a use this second may read as just ahead)
+        if (older_than_s > 0 and now - a.last_used < older_than_s) or a.sha256 in keep_sha256:
             continue
         fd = os.open(a.dir, os.O_RDONLY)
         try:

@@ -6,7 +6,6 @@ capability flags without them.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
 from typing import Any
@@ -91,7 +90,7 @@ class HFBackend(Backend):
         if stack.tp > 1:
             return None
         free = {"attention": "", "cell_id": "", "max_tokens": None, "extras": ()}
-        return repr(dataclasses.replace(stack, **free))
+        return repr(stack.replace(**free))
 
     def switch(self, stack) -> bool:
         """The loaded model under another stack's attention: transformers looks the attention

@@ -91,7 +91,7 @@ def load_backend(model_dir: str, dtype: str, attention: str):
     from common.stack import StackDesc
 
     be = HFBackend(
-        StackDesc(HFBackend.engine, dtype, attention), model_dir, int(os.environ.get("THREADS", os.cpu_count() or 1))
+        StackDesc.of(HFBackend.engine, dtype, attention), model_dir, int(os.environ.get("THREADS", os.cpu_count() or 1))
     )
     be.load()
     return be

@@ -24,7 +24,7 @@ def forwards_alone(model, artifacts: dict[str, dict], ids: list[list[int]], thre
     keep, out, last = parse("llama_perplexity", "positions", print), {}, {}
     for dtype, art in artifacts.items():
         be = LlamaCppBackend(
-            StackDesc(LlamaCppBackend.engine, dtype, "default", weights_sha256=model.weights_sha256),
+            StackDesc.of(LlamaCppBackend.engine, dtype, "default", weights_sha256=model.weights_sha256),
             model.hf_dir,
             threads,
         )

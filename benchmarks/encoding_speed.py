@@ -28,7 +28,7 @@ def rows_of(n: int) -> np.ndarray:
     m = fetch(ModelRef("smollm2-135m", "catalog", "smollm2-135m"), log=lambda s: None)
     build_for("f16", m.hf_dir, m.weights_sha256, 2)
     be = LlamaCppBackend(
-        StackDesc(LlamaCppBackend.engine, "f16", "default", weights_sha256=m.weights_sha256), m.hf_dir, 2
+        StackDesc.of(LlamaCppBackend.engine, "f16", "default", weights_sha256=m.weights_sha256), m.hf_dir, 2
     )
     be.load()
     ids = [int(i) for i in np.random.default_rng(0).integers(200, 40000, n + 1)]  # any ids: real weights, real rows

@@ -164,7 +164,7 @@ def _backend(hf_dir: str, dtype: str, attention: str, device: str):
     from backends.hf_backend import HFBackend
     from common.stack import StackDesc
 
-    be = HFBackend(StackDesc(HFBackend.engine, dtype, attention, device=device), hf_dir, os.cpu_count() or 1)
+    be = HFBackend(StackDesc.of(HFBackend.engine, dtype, attention, device=device), hf_dir, os.cpu_count() or 1)
     be.load()
     return be
 

@@ -41,7 +41,7 @@ class Capturer:
         from backends.hf_backend import HFBackend
         from common.stack import StackDesc
 
-        self.be = HFBackend(StackDesc(HFBackend.engine, dtype, attention), model_dir, threads)
+        self.be = HFBackend(StackDesc.of(HFBackend.engine, dtype, attention), model_dir, threads)
         self.be.load()
 
     def capture(self, prompts, stride: int, cell_id: str, repeat: int, root: str | None = None, depot=None) -> float:

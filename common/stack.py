@@ -12,10 +12,9 @@ from common import ids, names
 
 
 @dataclass(frozen=True)
-class StackDesc:
-    """The typed input of every backend: one cell's coordinates, engine options and where its
-    reference weights came from. Built by matrix.spec.cells.stack_desc (tests build their own);
-    frozen and plain, it is pickled into the cell's Ray actor as it is."""
+class Settings:
+    """What makes the stack: the coordinates, engine options, plug-ins and the file it measures.
+    Two stacks of equal settings compute the same thing (their ids, common/ids.py, agree)."""
 
     engine: str
     dtype: str
@@ -23,7 +22,6 @@ class StackDesc:
     device: str = "cpu"
     tp: int = 1
     model: str = ""
-    cell_id: str = ""  # set when the run hands the stack to its backend (matrix.spec.cells.stack_desc)
     options: tuple = ()  # sorted (key, value) pairs the engine takes
     # Feed only a prefix of each prompt (for slow stacks). Causal attention makes the rows it keeps
     # identical in meaning to the full run's rows at the same positions.
@@ -31,26 +29,77 @@ class StackDesc:
     # The plug-ins it asks for (extras/), e.g. `batch`, `decode`: sorted (key, value) pairs, values as
     # the plug-in's parser gives them; the plan resolves them against the model (Extra.resolve)
     extras: tuple = ()
+    # `candidates:` a published file measured as it is: its sha256 (the cell id hashes it)
+    artifact_sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the stack's weights come from on the machine that holds it: the same settings may read
+    other paths on another node (matrix.spec.cells.stack_desc sets them on the driver, the actor its own)."""
+
     weights_sha256: str | None = None  # of the reference checkpoint the engine's weights are built from
     source_gguf: str | None = None  # the GGUF the reference weights were dequantised from, if any
     source_quant: str | None = None  # its quant type: a cell of that dtype runs the file itself
-    # the engine build the run bound the cell to (common/builds.py), or the build of an earlier capture
-    # it reuses; None before, or for a capture that recorded none
-    build: str | None = None
-    # `candidates:` a published file measured as it is, against the model's reference: its path (on the
-    # driver, then on this node) and its sha256 (the cell id hashes it)
-    artifact: str | None = None
-    artifact_sha256: str | None = None
+    artifact: str | None = None  # `candidates:` the published file's path (on the driver, then on this node)
     artifact_source: str | None = None  # where it came from: the driver's path, or the model's source
     # `imatrix:` the calibration text itself (a node may not have the driver's file; text is small)
     calibration_text: str | None = None
 
+
+@dataclass(frozen=True)
+class Build:
+    """The engine build the run bound the stack to (common/builds.py), or the build of an earlier
+    capture it reuses (None before, or for a capture that recorded none), and the cell id that makes."""
+
+    build: str | None = None
+    cell_id: str = ""  # set when the run hands the stack to its backend (matrix.spec.cells.stack_desc)
+
+
+_PARTS = {"settings": Settings, "source": Source, "bound": Build}
+_FIELD_PART = {f.name: part for part, cls in _PARTS.items() for f in dataclasses.fields(cls)}
+
+
+@dataclass(frozen=True)
+class StackDesc:
+    """The typed input of every backend: its settings (what makes the id), its source (where the
+    weights came from) and its build. Built by matrix.spec.cells.stack_desc (tests build their own
+    with `of`); frozen and plain, it is pickled into the cell's Ray actor as it is. Each part's
+    fields read through (`stack.dtype`, `stack.weights_sha256`, `stack.build`)."""
+
+    settings: Settings
+    source: Source = Source()
+    bound: Build = Build()
+
+    @classmethod
+    def of(cls, engine: str, dtype: str, attention: str, device: str = "cpu", tp: int = 1, model: str = "", **rest):
+        """A stack from its fields, each put in its part (an unknown name is a TypeError)."""
+        return cls(Settings(engine, dtype, attention, device, tp, model)).replace(**rest)
+
+    def replace(self, **changes: Any) -> StackDesc:
+        """This stack with some fields changed, whichever part holds each."""
+        parts: dict[str, dict] = {}
+        for name, value in changes.items():
+            if name not in _FIELD_PART:
+                raise TypeError(f"StackDesc has no field {name!r}")
+            parts.setdefault(_FIELD_PART[name], {})[name] = value
+        return dataclasses.replace(
+            self, **{part: dataclasses.replace(getattr(self, part), **kw) for part, kw in parts.items()}
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        # only for names that are no attribute of the stack itself: a field of one of its parts
+        part = _FIELD_PART.get(name)
+        if part is None:
+            raise AttributeError(f"StackDesc has no field {name!r}")
+        return getattr(object.__getattribute__(self, part), name)
+
     @property
     def opts(self) -> dict[str, Any]:
-        return dict(self.options)
+        return dict(self.settings.options)
 
     def extra(self, key: str) -> Any:
-        return dict(self.extras).get(key)
+        return dict(self.settings.extras).get(key)
 
 
 @dataclass(frozen=True)
@@ -87,12 +136,12 @@ class Cell:
     def bound(self, build: str | None, pin: tuple[str, ...] | None = None) -> Cell:
         """This cell as captured by `build` (None: a capture that recorded no build), on the nodes
         `pin` names when given."""
-        stack = dataclasses.replace(self.stack, build=build)
+        stack = self.stack.replace(build=build)
         return dataclasses.replace(self, stack=stack, is_bound=True, pin=self.pin if pin is None else pin)
 
     def with_stack(self, **changes: Any) -> Cell:
         """This cell with some of its stack's fields changed (its extras resolved, its file hashed...)."""
-        return dataclasses.replace(self, stack=dataclasses.replace(self.stack, **changes))
+        return dataclasses.replace(self, stack=self.stack.replace(**changes))
 
     # the stack's coordinates, read where they live
     model = property(lambda self: self.stack.model)
@@ -121,7 +170,7 @@ class Cell:
         return dict(self.partners).get(key)
 
     def axes(self) -> dict[str, Any]:
-        return {k: getattr(self.stack, k) for k in names.CELL_AXES}
+        return {k: getattr(self.stack.settings, k) for k in names.CELL_AXES}
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ IDS = [1, 504, 3365, 8187, 418, 3732, 28, 564, 260, 9726, 5001, 15407, 1326, 106
 
 
 def backend(model_dir, dtype, attention, threads=1) -> HFBackend:
-    be = HFBackend(StackDesc("hf", dtype, attention), str(model_dir), threads)
+    be = HFBackend(StackDesc.of("hf", dtype, attention), str(model_dir), threads)
     be.load()
     return be
 
@@ -70,7 +70,7 @@ def test_each_sdpa_kernel_pinned_on_cpu(reference_model):
         assert float(np.max(np.abs(out[attention] - eager))) < 1e-4
     assert not np.array_equal(out["sdpa_math"], out["sdpa_flash"])  # two kernels, two arithmetics
     for attention in ("sdpa_efficient", "sdpa_cudnn"):
-        cell = StackDesc("hf", "fp32", attention)
+        cell = StackDesc.of("hf", "fp32", attention)
         assert (
             HFBackend.unsupported(cell) == f"attention {attention}: PyTorch has that SDPA kernel on CUDA devices only"
         )

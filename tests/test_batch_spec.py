@@ -147,7 +147,7 @@ class _Seen:
     """An engine that records what each batched forward was given, and refuses one width."""
 
     def __init__(self, batch: Batch, refuse: int | None = None):
-        self.stack, self.seen, self.refuse = StackDesc("hf", "fp32", "eager", extras=(("batch", batch),)), [], refuse
+        self.stack, self.seen, self.refuse = StackDesc.of("hf", "fp32", "eager", extras=(("batch", batch),)), [], refuse
 
     def forward_batch(self, token_ids, positions, others):
         self.seen.append((token_ids, others))

@@ -6,7 +6,6 @@ in prompt order, and a failure on either side must leave no shard and no temp fi
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import numpy as np
@@ -28,7 +27,7 @@ STRIDE = 4
 
 @pytest.fixture(scope="module")
 def be(tiny_model):
-    b = HFBackend(StackDesc("hf", "fp32", "eager"), str(tiny_model), 1)
+    b = HFBackend(StackDesc.of("hf", "fp32", "eager"), str(tiny_model), 1)
     b.load()
     return b
 
@@ -45,7 +44,7 @@ def _leftovers(wh) -> list[str]:
 def as_if_on_a_gpu(be, monkeypatch):
     """The capture asks the backend where row work runs (rows_beside_forward: beside, off the CPU);
     the model stays where it loaded."""
-    monkeypatch.setattr(be, "stack", dataclasses.replace(be.stack, device="cuda"))
+    monkeypatch.setattr(be, "stack", be.stack.replace(device="cuda"))
 
 
 @pytest.mark.parametrize(

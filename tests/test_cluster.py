@@ -86,7 +86,7 @@ def test_gpu_tp_ranks_each_see_the_groups_gpus_and_pick_their_own(cluster):
 
     _, ids = cluster
     pg = placement.placement_group_for("h200", 2, 1, placement.cluster_nodes())
-    cell = StackDesc("hf", "bf16", "sdpa", device="h200", tp=2, cell_id="x")
+    cell = StackDesc.of("hf", "bf16", "sdpa", device="h200", tp=2, cell_id="x")
     ranks = [
         StackActor.options(
             num_cpus=1,
@@ -178,7 +178,7 @@ def test_engine_workers_inherit_the_engines_interpreter_and_only_the_listed_env(
 
         return Driver
 
-    cell = StackDesc("vllm", "bf16", "default", device="h200", tp=2, options=(("vllm_executor", "ray"),))
+    cell = StackDesc.of("vllm", "bf16", "default", device="h200", tp=2, options=(("vllm_executor", "ray"),))
     d = build().options(num_cpus=1, runtime_env=VLLMBackend.runtime_env(cell, 1)).remote()
     mine, (theirs, bundles, noset) = ray.get(d.start_worker.remote(), timeout=180)
     assert mine == theirs == vllm_python() and bundles == "0,1" and noset == "1"

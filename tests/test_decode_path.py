@@ -24,7 +24,7 @@ DECODE = {"steps": 4, "at": [2, 60]}  # start 60: only the two prompts longer th
 
 
 def _engine(cls, dtype, attention, model_dir):
-    be = cls(StackDesc(cls.engine, dtype, attention), str(model_dir), 2)
+    be = cls(StackDesc.of(cls.engine, dtype, attention), str(model_dir), 2)
     be.load()
     return be
 

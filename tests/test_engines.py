@@ -62,7 +62,7 @@ def tiny(tiny_model):
 def hf_rows(model, prompts) -> np.ndarray:
     from backends.hf_backend import HFBackend
 
-    be = HFBackend(StackDesc("hf", "fp32", "sdpa"), model.hf_dir, 2)
+    be = HFBackend(StackDesc.of("hf", "fp32", "sdpa"), model.hf_dir, 2)
     be.load()
     return run_all(be, prompts)
 
@@ -76,7 +76,7 @@ def llama(model, dtype, **opts):
     from backends.llamacpp_backend import LlamaCppBackend
 
     be = LlamaCppBackend(
-        StackDesc(
+        StackDesc.of(
             "llamacpp",
             dtype,
             "default",
@@ -146,7 +146,9 @@ def _prefix_rows(prompts, n, which=None):
 def _mlx(model, dtype, **opts):
     from backends.mlx_backend import MLXBackend
 
-    desc = StackDesc("mlx", dtype, "default", options=tuple(sorted(opts.items())), weights_sha256=model.weights_sha256)
+    desc = StackDesc.of(
+        "mlx", dtype, "default", options=tuple(sorted(opts.items())), weights_sha256=model.weights_sha256
+    )
     be = MLXBackend(desc, model.hf_dir, 2)
     be.load()
     return be
@@ -194,7 +196,7 @@ def test_mlx_rope_theta_trap_is_caught(tiny, prompts, hf_fp32, tmp_path):
     assert float(np.max(np.abs(wrong - ref))) > 1.0  # silently wrong
 
     # the backend refuses such a directory instead of capturing wrong logits
-    be = MLXBackend(StackDesc("mlx", "fp32", "default"), tiny.hf_dir, 2)
+    be = MLXBackend(StackDesc.of("mlx", "fp32", "default"), tiny.hf_dir, 2)
     be.artifact, be.model = {"path": str(broken)}, model
     with pytest.raises(OracleError, match="rope_theta=10000"):
         be._check_rope()
@@ -245,7 +247,7 @@ def test_mlx_fp32_activations_measure_the_quantisation_not_the_kernel(tiny, prom
     kls, settings = {}, {}
     for act in ("native", "fp32"):
         be = MLXBackend(
-            StackDesc(
+            StackDesc.of(
                 "mlx",
                 "q8_g64",
                 "default",
@@ -307,7 +309,7 @@ import json, sys, numpy as np
 from backends.llamacpp_backend import LlamaCppBackend
 from common.positions import Positions
 from common.stack import StackDesc
-be = LlamaCppBackend(StackDesc("llamacpp", "q8_0", "default", weights_sha256={m.weights_sha256!r},
+be = LlamaCppBackend(StackDesc.of("llamacpp", "q8_0", "default", weights_sha256={m.weights_sha256!r},
                                source_gguf={m.gguf_path!r}, source_quant={m.gguf_quant!r}), {str(m.hf_dir)!r}, 2)
 be.load()
 np.save(sys.argv[1], be.forward({list(ids)!r}, Positions.every({STRIDE}).of({len(ids)})))

@@ -50,7 +50,7 @@ def test_the_entry_point_registers_it_and_a_process_without_it_fails_the_cell(mo
     import extras
     from common.stack import StackDesc
 
-    stack = StackDesc("hf", "fp32", "eager", extras=(("echo", "on"),))
+    stack = StackDesc.of("hf", "fp32", "eager", extras=(("echo", "on"),))
     with pytest.raises(RuntimeError, match=r"extra echo is not installed on .*group logit_matrix\.extras"):
         extras.require(stack)
     monkeypatch.syspath_prepend(str(TOY))

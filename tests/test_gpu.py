@@ -29,7 +29,7 @@ def run(dtype, attention, device, threads=8):
     from common.positions import Positions
     from common.stack import StackDesc
 
-    be = HFBackend(StackDesc("hf", dtype, attention, device=device), MODEL, threads)
+    be = HFBackend(StackDesc.of("hf", dtype, attention, device=device), MODEL, threads)
     be.load()
     pos = Positions.every(32).of(len(IDS))
     return be, be.forward(IDS, pos), be.forward(IDS, pos)

@@ -22,7 +22,7 @@ def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _load(cls, dtype, attention, model_dir):
-    be = cls(StackDesc(cls.engine, dtype, attention), str(model_dir), 2)
+    be = cls(StackDesc.of(cls.engine, dtype, attention), str(model_dir), 2)
     be.load()
     return be
 
@@ -74,7 +74,7 @@ def test_a_layer_past_the_models_depth_is_refused_and_mlx_says_it_cannot(tiny_mo
     import extras
 
     layers = extras.get("layers")
-    cell = StackDesc("nolayers", "fp32", "default", extras=(("layers", (0,)),))
+    cell = StackDesc.of("nolayers", "fp32", "default", extras=(("layers", (0,)),))
     assert layers.unsupported(HFBackend, cell, (0,)) is None
     assert (
         layers.unsupported(NoLayers, cell, (0,))

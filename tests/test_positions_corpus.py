@@ -259,7 +259,7 @@ def test_store_bf16_records_each_rows_floor_and_analysis_carries_it(tmp_path, ti
     p = sql(wh, "select prompt_id, token_ids from prompts order by n_tokens desc limit 1")[0]
     idx = shard_index(Warehouse(wh), eager, 0)
     got = Rows(Warehouse(wh), idx, p["prompt_id"], 64).take(np.arange(len(idx.prompts[p["prompt_id"]].positions)))
-    be = HFBackend(StackDesc("hf", "fp32", "eager"), str(tiny_model), 1)
+    be = HFBackend(StackDesc.of("hf", "fp32", "eager"), str(tiny_model), 1)
     be.load()
     want = be.forward(p["token_ids"], idx.prompts[p["prompt_id"]].positions.tolist())  # (rows, vocab)
     step = np.abs(want - want.max(-1, keepdims=True)) * 2.0**-8 + 1e-4  # bf16: 8 significant bits
@@ -281,7 +281,7 @@ def test_the_fast_bf16_floor_agrees_with_the_float64_one_on_real_rows(reference_
     from store.floors import bf16_floor
     from store.warehouse import round_bf16, shift_by_max, to_bf16, widen
 
-    be = HFBackend(StackDesc("hf", "fp32", "sdpa"), reference_model.hf_dir, 2)
+    be = HFBackend(StackDesc.of("hf", "fp32", "sdpa"), reference_model.hf_dir, 2)
     be.load()
     ids = list(range(1000, 1100))
     x = be.forward(ids, list(range(0, 100, 3)))  # (34, 49152) float32

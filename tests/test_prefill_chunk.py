@@ -36,7 +36,7 @@ def test_each_engine_feeds_a_prompt_in_chunks_that_continue_its_kv_cache(tiny_mo
 
     keep = [0, 15, 16, 40, 63, 64, 100, 149]  # chunk edges on both sides
     for cls, dtype, att in ((HFBackend, "fp32", "eager"), (LlamaCppBackend, "f16", "default")):
-        be = cls(StackDesc(cls.engine, dtype, att), str(tiny_model), 2)
+        be = cls(StackDesc.of(cls.engine, dtype, att), str(tiny_model), 2)
         be.load()
         whole = widen(be.forward(IDS, keep))  # (rows, vocab)
         for n in SIZES:

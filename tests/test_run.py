@@ -106,7 +106,7 @@ def test_bf16_bits_round_trip_exactly(swept, tiny_model):
     from common.stack import StackDesc
 
     prompt = sql(wh, "select prompt_id, token_ids from prompts where category='code'")[0]
-    be = HFBackend(StackDesc("hf", "bf16", "eager"), str(tiny_model), 1)
+    be = HFBackend(StackDesc.of("hf", "bf16", "eager"), str(tiny_model), 1)
     be.load()
     pos = Positions.every(16).of(len(prompt["token_ids"]))
     native = be.forward(prompt["token_ids"], pos)  # (rows, vocab) uint16

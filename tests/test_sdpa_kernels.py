@@ -43,7 +43,7 @@ PROMPTS = [
 
 
 def load(model_dir, attention="sdpa_math", dtype="fp32") -> HFBackend:
-    be = HFBackend(StackDesc("hf", dtype, attention), str(model_dir), 1)
+    be = HFBackend(StackDesc.of("hf", dtype, attention), str(model_dir), 1)
     be.load()
     return be
 
@@ -246,7 +246,7 @@ def test_a_kernel_refusing_the_dtype_still_skips_the_cell(tiny_model, monkeypatc
     """Refused at load()'s 4 tokens both ways: the cell is skipped (a SkipCell, not a length
     refusal), both reasons said, and the model is left at transformers' sdpa."""
     refusing(monkeypatch, lambda q, k: True)
-    be = HFBackend(StackDesc("hf", "fp32", "sdpa_flash"), str(tiny_model), 1)
+    be = HFBackend(StackDesc.of("hf", "fp32", "sdpa_flash"), str(tiny_model), 1)
     with pytest.raises(SkipCell) as e:
         be.load()
     assert type(e.value) is SkipCell
@@ -292,7 +292,7 @@ def test_cuda_kernels_capture_with_their_refusals_recorded(attention, dtype, tmp
     """On CUDA: memory-efficient attention runs at every dtype (with the KV heads repeated where
     PyTorch refuses GQA for it); cuDNN at bf16 and f16, its 1-token refusals fed longer; two
     repeats hold the same rows. A kernel PyTorch lacks at a dtype skips the cell."""
-    be = HFBackend(StackDesc("hf", dtype, attention, device="cuda"), GPU_MODEL, 8)
+    be = HFBackend(StackDesc.of("hf", dtype, attention, device="cuda"), GPU_MODEL, 8)
     try:
         be.load()
     except SkipCell as e:
@@ -314,7 +314,7 @@ def test_cuda_kernels_capture_with_their_refusals_recorded(attention, dtype, tmp
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_cuda_logits_land_in_reused_pinned_host_buffers(dtype):
-    be = HFBackend(StackDesc("hf", dtype, "sdpa", device="cuda"), GPU_MODEL, 8)
+    be = HFBackend(StackDesc.of("hf", dtype, "sdpa", device="cuda"), GPU_MODEL, 8)
     be.load()
     pos = Positions.every(8).of(len(IDS))
     fresh = be.forward(IDS, pos)  # keep_outputs(0): a new pageable array

@@ -30,7 +30,7 @@ HALF = Positions(stride=1, start="half")  # llama-perplexity's scored half (and 
 
 
 def _load(cls, dtype, attention, model_dir):
-    be = cls(StackDesc(cls.engine, dtype, attention), str(model_dir), 2)
+    be = cls(StackDesc.of(cls.engine, dtype, attention), str(model_dir), 2)
     be.load()
     return be
 
@@ -140,7 +140,7 @@ from common.positions import Positions
 from common.stack import StackDesc
 from store.warehouse import ShardWriter, Warehouse
 n, wh = int(sys.argv[1]), sys.argv[2]
-be = LlamaCppBackend(StackDesc("llamacpp", "f16", "default"), {model!r}, 2)
+be = LlamaCppBackend(StackDesc.of("llamacpp", "f16", "default"), {model!r}, 2)
 be.load()
 ids = [1] + [100 + (i * 7919) % 39000 for i in range(n - 1)]
 Warehouse(wh).create()

@@ -53,7 +53,7 @@ def test_an_engine_that_cannot_be_imported_is_its_own_problem(monkeypatch):
     try:
         assert "gone" not in backends.declared() and "bf16" in backends.dtypes()
         assert "no_such_module" in backends.broken()["gone"]
-        cell = Cell(StackDesc("gone", "bf16", "default"), "s")
+        cell = Cell(StackDesc.of("gone", "bf16", "default"), "s")
         assert "engine 'gone' (no_such_module:Gone" in backends.unsupported_reason(cell)
     finally:
         monkeypatch.undo()

@@ -15,7 +15,7 @@ from tests.conftest import run_cli, write_spec
 
 
 def _cell(options=None, **over):
-    return StackDesc(
+    return StackDesc.of(
         **{
             "model": "m",
             "engine": "trtllm",

@@ -6,7 +6,6 @@ without it the test is skipped and `matrix cells` says why the vllm cells cannot
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 
@@ -18,13 +17,13 @@ pytestmark = pytest.mark.slow  # runs cells in the vLLM-on-CPU environment (make
 
 
 def test_engine_arguments_disable_what_changes_the_arithmetic():
-    cell = StackDesc("vllm", "bf16", "default", device="h200")
+    cell = StackDesc.of("vllm", "bf16", "default", device="h200")
     kw = V.engine_kwargs(cell, "/m", 4096, 2)
     assert kw["enable_prefix_caching"] is False and kw["max_num_batched_tokens"] == kw["max_model_len"] == 4096
     assert kw["compilation_config"] == {"mode": 0} and kw["dtype"] == "bfloat16" and kw["seed"] == 0
     assert "attention_backend" not in kw
-    assert V.engine_kwargs(replace(cell, attention="flashinfer"), "/m", 64, 1)["attention_backend"] == "FLASHINFER"
-    env = V.worker_env(replace(cell, device="cpu"), 3)
+    assert V.engine_kwargs(cell.replace(attention="flashinfer"), "/m", 64, 1)["attention_backend"] == "FLASHINFER"
+    env = V.worker_env(cell.replace(device="cpu"), 3)
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "3"
     assert (
         "VLLM_RAY_BUNDLE_INDICES" not in env
@@ -33,9 +32,9 @@ def test_engine_arguments_disable_what_changes_the_arithmetic():
 
 
 def test_ray_executor_uses_the_cells_group_and_only_the_listed_environment():
-    cell = StackDesc("vllm", "bf16", "default", tp=4, device="h200", options=(("vllm_executor", "ray"),))
+    cell = StackDesc.of("vllm", "bf16", "default", tp=4, device="h200", options=(("vllm_executor", "ray"),))
     assert V.engine_kwargs(cell, "/m", 64, 1)["distributed_executor_backend"] == "ray"
-    assert V.engine_kwargs(replace(cell, options=()), "/m", 64, 1)["distributed_executor_backend"] == "mp"
+    assert V.engine_kwargs(cell.replace(options=()), "/m", 64, 1)["distributed_executor_backend"] == "mp"
     env = V.worker_env(cell, 8)
     # worker i in bundle i of our group, one GPU each; no CPU-platform knobs on a GPU cell
     assert env["VLLM_RAY_BUNDLE_INDICES"] == "0,1,2,3" and env["VLLM_RAY_PER_WORKER_GPUS"] == "1"
@@ -294,7 +293,7 @@ def test_vllm_quant_dtypes_and_checkpoint_candidates_are_listed_where_they_can_r
     from common.stack import Cell
     from matrix.spec import candidate_check
 
-    cell = Cell(StackDesc("vllm", "awq", "default", "h200", 1, "tiny", artifact=str(awq)), "c", 1)
+    cell = Cell(StackDesc.of("vllm", "awq", "default", "h200", 1, "tiny", artifact=str(awq)), "c", 1)
     config, tok = (
         transformers.AutoConfig.from_pretrained(tiny_model),
         transformers.AutoTokenizer.from_pretrained(tiny_model),
@@ -302,9 +301,9 @@ def test_vllm_quant_dtypes_and_checkpoint_candidates_are_listed_where_they_can_r
     candidate_check.check(cell, config, tok, config.vocab_size)  # the same model: no refusal
     facts = candidate_check.header_facts(cell, None)
     assert facts["kind"] == "hf checkpoint" and facts["quantization_config"]["quant_method"] == "awq", facts
-    kw = V.engine_kwargs(StackDesc("vllm", "fp8", "default", device="h200"), "/m", 64, 1)
+    kw = V.engine_kwargs(StackDesc.of("vllm", "fp8", "default", device="h200"), "/m", 64, 1)
     assert kw["quantization"] == "fp8" and kw["dtype"] == "bfloat16"
-    kw = V.engine_kwargs(StackDesc("vllm", "awq", "default", device="h200", artifact="/c"), "/c", 64, 1)
+    kw = V.engine_kwargs(StackDesc.of("vllm", "awq", "default", device="h200", artifact="/c"), "/c", 64, 1)
     assert "quantization" not in kw and kw["dtype"] == "auto"  # vLLM reads the method from the checkpoint
 
 
@@ -314,7 +313,7 @@ import numpy as np
 sys.path.insert(0, sys.argv[3])
 from backends.vllm_backend import VLLMBackend, worker_env
 from common.stack import StackDesc
-st = StackDesc("vllm", "fp32", "default", device="cpu")
+st = StackDesc.of("vllm", "fp32", "default", device="cpu")
 os.environ.update(worker_env(st, 2))
 be = VLLMBackend(st, sys.argv[1], 2)
 be.load()
@@ -344,7 +343,7 @@ def test_vllm_layer_states_match_hf_fp32(tiny_model, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     got = np.load(out)
-    hf = HFBackend(StackDesc("hf", "fp32", "eager"), str(tiny_model), 2)
+    hf = HFBackend(StackDesc.of("hf", "fp32", "eager"), str(tiny_model), 2)
     hf.load()
     ref = hf.layer_states([(i * 7919) % 49000 + 100 for i in range(100)], [0, 50, 99], [0, 1])
     for k in ("layer.0", "layer.1", "final_norm"):

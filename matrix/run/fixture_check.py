@@ -104,7 +104,7 @@ def _stack_cell(model_name: str, engine: str, dtype: str, attention: str, device
     cls = backend_class(engine)
     if cls is None:
         raise UserError(f"fixture check: --engine {engine}: no such engine installed")
-    stack = StackDesc(engine, dtype, attention, device, 1, model_name)
+    stack = StackDesc.of(engine, dtype, attention, device, 1, model_name)
     cell = Cell(stack, ids.check_cell_id(engine, dtype, attention), threads).bound(
         None
     )  # never written: its id is its own

@@ -238,7 +238,7 @@ def cells(spec, corpus_fp: str, make_cell_id, option_sets, cell_extras, partners
         )
         for opts, foreign in option_sets(spec, combo):
             cid = make_cell_id(spec, combo, opts, corpus_fp, extra={"candidate": pin})
-            stack = StackDesc(
+            stack = StackDesc.of(
                 **{k: combo[k] for k in ("model", "engine", "dtype", "attention", "tp", "device")},
                 extras=cell_extras(spec, combo),
                 max_tokens=spec.max_tokens,

@@ -38,8 +38,7 @@ def load_spec(spec_path: str | os.PathLike) -> Matrix:
 def stack_desc(cell: Cell, model) -> StackDesc:
     """What the cell's backend is given: its stack, with what the run resolved for its model
     (model: matrix.spec.models.ResolvedModel)."""
-    return dataclasses.replace(
-        cell.stack,
+    return cell.stack.replace(
         cell_id=cell.cell_id if cell.is_bound else "",  # a stack not bound yet (an engine-build probe) has none
         weights_sha256=model.weights_sha256,
         source_gguf=model.gguf_path,
@@ -304,7 +303,7 @@ def _combo_cells(spec: Spec, corpus_fp: str, seen: set, cells: list, skipped: li
             if cid in seen:
                 continue
             seen.add(cid)
-            stack = StackDesc(
+            stack = StackDesc.of(
                 **{k: combo[k] for k in names.CELL_AXES},
                 max_tokens=combo.get("max_tokens", spec.max_tokens),
                 extras=cell_extras(spec, one),
