@@ -164,3 +164,61 @@ def test_what_parsing_accepts_the_schema_accepts(good, tmp_path):
     r = run_cli("cells", str(path))
     assert r.returncode == 0, r.stderr
     jsonschema.validate(spec, _schema())
+
+
+def test_a_key_declared_as_one_field_is_parsed_checked_and_documented(tmp_path):
+    """A spec key is one typed field with its record: the parser, the JSON Schema and the reference
+    rows all come from it, for a subclass of Spec as for Spec."""
+    import dataclasses
+
+    from common.errors import UserError
+    from matrix.cli.docs import spec_page
+    from matrix.cli.spec import rows
+    from matrix.spec import schema as S
+    from matrix.spec.keys import key
+    from matrix.spec.parse import Spec, parse_spec
+
+    about = "forwards run before the first capture"
+    grown = dataclasses.make_dataclass("Grown", [("warmup", int, key(S.POS_INT, about, 1))], bases=(Spec,), frozen=True)
+    path = tmp_path / "spec.yaml"
+
+    def parsed(extra: str, cls=grown):
+        path.write_text("models: [smollm2-135m]\nengines: [hf]\n" + extra)
+        return parse_spec(path, cls)
+
+    assert parsed("warmup: 3\n").warmup == 3
+    assert parsed("").warmup == 1  # absent: its default
+    assert parsed("stride: 8\n").stride == 8 and parsed("").engines == ["hf"]  # Spec's keys as they were
+    for bad, got in (("0", "0"), ("two", "'two'"), ("true", "True"), ("null", "None")):
+        with pytest.raises(UserError) as e:
+            parsed(f"warmup: {bad}\n")
+        assert str(e.value) == f"{path}: warmup: must be a positive integer (got {got})"
+    with pytest.raises(UserError, match=r"spec\.yaml: warmup: unknown key; expected one of .*, tp"):
+        parsed("warmup: 3\n", Spec)  # Spec itself has no such key
+
+    schema = S.json_schema(S.top(grown))
+    assert schema["properties"]["warmup"] == {"type": "integer", "minimum": 1, "description": about, "default": 1}
+    assert "warmup" not in S.json_schema()["properties"]
+    jsonschema.validate({"models": ["m"], "warmup": 3}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"models": ["m"], "warmup": 0}, schema)
+
+    got = [r for r in rows(S.top(grown)) if r["key"] == "warmup"]
+    assert got == [{"key": "warmup", "type": "integer >= 1", "default": 1, "required": False, "about": about}]
+    assert f"| `warmup` | integer >= 1 | `1` | {about} |" in spec_page(S.top(grown)).splitlines()
+    assert "`warmup`" not in spec_page()
+
+
+def test_a_plug_ins_key_is_the_same_record_as_a_fields():
+    """Each plug-in's key (extras/) reaches the parser, the schema and the reference as a Key made
+    from what the plug-in declares, after the fields' keys."""
+    import extras
+    from matrix.spec import schema as S
+    from matrix.spec.keys import Key, declared
+    from matrix.spec.parse import Spec
+
+    top = S.top()
+    plugins = top[len(declared(Spec)) :]
+    assert [k.name for k in plugins] == list(extras.keys())
+    for k, x in zip(plugins, extras.cell_extras()):
+        assert isinstance(k, Key) and (k.json, k.about) == ({"anyOf": [x.json_schema, {"type": "null"}]}, x.about)

@@ -255,7 +255,8 @@ def benchmarks_page(results: Path) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def spec_page() -> str:
+def spec_page(keys: tuple | None = None) -> str:
+    """docs/spec-reference.md: the rows of `matrix spec` (keys: schema.top() of a Spec subclass)."""
     from matrix.cli.spec import rows, shown
     from matrix.spec import schema as S
 
@@ -270,7 +271,7 @@ def spec_page() -> str:
         "| key | type | default | what |",
         "| --- | --- | --- | --- |",
     ]
-    for r in rows():
+    for r in rows(keys):
         default = "required" if r["required"] else f"`{shown(r['default'])}`" if r["default"] is not None else ""
         out.append(f"| `{r['key']}` | {_cell(r['type'])} | {default} | {_cell(r['about'])} |")
     return "\n".join(out) + "\n"

@@ -1,5 +1,6 @@
-"""`matrix spec`: the spec's keys from its schema (matrix/spec/schema.py), the one table that parsing
-takes its keys, allowed values and defaults from.
+"""`matrix spec`: the spec's keys from their declarations (matrix/spec/schema.py gathers them: the
+Spec fields, the plug-ins' keys, the nested tables), which parsing takes its keys, allowed values
+and defaults from.
 
     matrix spec             every key: type, default, allowed values, meaning
     matrix spec --json      the same as JSON
@@ -36,8 +37,9 @@ def kind(j: dict) -> str:
     return f"{t}{bound}" if t else "see below"
 
 
-def rows() -> list[dict]:
-    """Every key, nested ones as parent.key, in the schema's order."""
+def rows(keys: tuple | None = None) -> list[dict]:
+    """Every key (of keys: schema.top() of a Spec subclass; default: the spec's), nested ones as
+    parent.key, in the order declared."""
     from matrix.spec import schema as S
 
     out = []
@@ -55,7 +57,7 @@ def rows() -> list[dict]:
             )
             walk(k.keys, f"{prefix}{k.name}.")
 
-    walk(S.top())
+    walk(S.top() if keys is None else keys)
     entry = [S.Key(a, j, S.AXIS_ABOUT[a]) for a, j in S.axes().items()]
     entry += [S.Key(k, j, about) for k, (j, about) in S.CELL_EXTRA.items()]
     entry += [S.Key(k.name, k.json, "as under options, for this cell") for k in S.OPTIONS]

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from matrix.spec import schema as S
+from matrix.spec.tables import MODEL
 from matrix.spec.validate import as_list, field_error
 
-MODEL_KEYS = set(S.by_name(S.MODEL))
+MODEL_KEYS = {k.name for k in MODEL}
 SOURCES = ("catalog", "path", "hub", "gguf")
 
 

@@ -52,22 +52,6 @@ def check_threads(path: Path, fld: str, v: Any) -> int | None:
     return v
 
 
-def seconds(path: Path, data: dict, key: str, default: float | None) -> float | None:
-    v = data.get(key, default)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-        raise field_error(path, key, "must be a number of seconds above 0, or null", v)
-    return float(v)
-
-
-def retries(path: Path, data: dict, default: int) -> int:
-    v = data.get("retries", default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise field_error(path, "retries", "must be a whole number, 0 or more", v)
-    return v
-
-
 def positive_int(path: Path, data: dict, key: str, default: int, fld: str | None = None) -> int:
     v = data.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
