@@ -76,7 +76,7 @@ def _args(out, check: bool, build=None):
 def test_the_scoreboard_shows_each_recorded_run_newest_first(tmp_path):
     import json
 
-    from matrix.cli.docs import benchmarks_page
+    from matrix.api.pages import benchmarks_page
 
     runs = tmp_path / "vs_llama_perplexity"
     runs.mkdir()

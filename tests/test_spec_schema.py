@@ -172,11 +172,11 @@ def test_a_key_declared_as_one_field_is_parsed_checked_and_documented(tmp_path):
     import dataclasses
 
     from common.errors import UserError
-    from matrix.cli.docs import spec_page
-    from matrix.cli.spec import rows
+    from matrix.api.pages import spec_page
     from matrix.spec import schema as S
     from matrix.spec.keys import key
     from matrix.spec.parse import Spec, parse_spec
+    from matrix.spec.reference import rows
 
     about = "forwards run before the first capture"
     grown = dataclasses.make_dataclass("Grown", [("warmup", int, key(S.POS_INT, about, 1))], bases=(Spec,), frozen=True)

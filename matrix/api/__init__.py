@@ -45,6 +45,7 @@ from matrix.api.exchange import (
 )
 from matrix.api.gates import AdmitResult, FixtureCheckResult, LayersResult, admit, fixture_check, layers
 from matrix.api.kld import kld
+from matrix.api.pages import DocsResult, SpecResult, docs, spec
 from matrix.api.results import AnalyzeResult, CandidateResult, KldResult, QueryResult, RunResult
 from matrix.api.sweep import run
 from matrix.api.warehouse import (
@@ -79,4 +80,6 @@ __all__ = [
     "kld", "KldResult", "CandidateResult",  # matrix kld
     "models", "CatalogResult", "fetch_model", "cut_model", "CutResult",  # matrix models list|fetch|cut
     "cache", "CacheResult", "prune_cache", "PruneResult",  # matrix cache list|prune
+    "spec", "SpecResult",  # matrix spec
+    "docs", "DocsResult",  # matrix docs
 ]  # fmt: skip

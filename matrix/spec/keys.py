@@ -2,7 +2,7 @@
 metadata is its record (Key): JSON Schema, the line that documents it, its default, and its own
 parser where the value has structure. A plug-in's key (extras/) is the same record, made from what
 the plug-in declares. From these records come the spec file's parser (read), `matrix spec --schema`
-and docs/spec-reference.md (matrix/spec/schema.py, matrix/cli/spec.py).
+and docs/spec-reference.md (matrix/spec/schema.py, matrix/spec/reference.py).
 
 A key without a parser of its own is checked against its JSON Schema: one of an enum, or a string,
 a boolean, an integer or a number within the schema's bounds, null where the schema allows it.
