@@ -46,9 +46,9 @@ def _wait_policy() -> str:
     return "passive"
 
 
-def _kv_refused(attention: str, kv: str | dict | None) -> str | None:
+def _kv_refused(attention: str, kv: kv_cache.KVCache) -> str | None:
     """Why llama.cpp cannot run this KV cache under this attention (None: it can)."""
-    v = kv_cache.quantised_v(kv)
+    v = kv.quantised_v
     if v and attention == "eager":  # src/llama-context.cpp: "quantized V cache requires flash_attn"
         return f"a quantised V cache ({v}) requires flash attention in llama.cpp, and attention eager turns it off"
     return None
@@ -98,7 +98,7 @@ class LlamaCppBackend(LlamaContexts, Backend):
     def unsupported(cls, cell) -> str | None:
         if "imatrix" in cell.opts and (cell.dtype not in QUANT_TYPES or getattr(cell, "artifact", None)):
             return f"an imatrix weights llama.cpp's quantiser, and this cell quantises nothing ({cell.dtype})"
-        return _kv_refused(cell.attention, cell.opts.get("kv_cache")) or super().unsupported(cell)
+        return _kv_refused(cell.attention, kv_cache.KVCache.of(cell.opts.get("kv_cache"))) or super().unsupported(cell)
 
     def load(self) -> None:
         self.wait_policy = _wait_policy()
@@ -108,7 +108,8 @@ class LlamaCppBackend(LlamaContexts, Backend):
 
         self._lc = lc = llama_cpp
         opts = {**DEFAULTS, **(self.stack.opts)}
-        self.n_batch, self.n_ubatch, self.kv_cache = opts["n_batch"], opts["n_ubatch"], opts["kv_cache"]
+        self.n_batch, self.n_ubatch = opts["n_batch"], opts["n_ubatch"]
+        self.kv_cache = kv_cache.KVCache.of(opts["kv_cache"])
         st = self.stack
         if st.artifact:  # a candidate: the published file as it is
             self.artifact = gguf_build.published(st.artifact, st.artifact_sha256, st.artifact_source)
@@ -146,17 +147,17 @@ class LlamaCppBackend(LlamaContexts, Backend):
         """A KV cache other than llama.cpp's default, tried on a small context: llama.cpp refuses a
         quantised type whose block does not divide the head size, and K and V types that differ on
         an MLA model (src/llama-context.cpp llama_init_from_model), a property of the model: a skip."""
-        if kv_cache.pair(self.kv_cache) == (kv_cache.DEFAULT, kv_cache.DEFAULT):
+        if self.kv_cache.is_default:
             return
         from backends.base import SkipCell
 
         try:
             ctx, _ = self._context(8)
         except RuntimeError:
-            k, v = kv_cache.pair(self.kv_cache)
+            kv = self.kv_cache
             raise SkipCell(
-                _kv_refused(self.stack.attention, self.kv_cache)
-                or f"llama.cpp creates no context with a KV cache of K {k}, V {v} for this model (a block "
+                _kv_refused(self.stack.attention, kv)
+                or f"llama.cpp creates no context with a KV cache of K {kv.k}, V {kv.v} for this model (a block "
                 "size that does not divide its head size, or K and V types that differ on an MLA model)"
             ) from None
         self._lc.llama_free(ctx)
@@ -194,9 +195,7 @@ class LlamaCppBackend(LlamaContexts, Backend):
             "gguf_tensor_types": self.tensor_types,
             "n_batch": self.n_batch,
             "n_ubatch": self.n_ubatch,
-            "kv_cache": self.kv_cache,
-            "kv_cache_k": kv_cache.pair(self.kv_cache)[0],
-            "kv_cache_v": kv_cache.pair(self.kv_cache)[1],
+            **self.kv_cache.settings(),
             # a prompt of more kept rows than STREAM_BYTES holds: decoded in calls of at most this
             # many kept rows, each call's rows stored before the next (llama_contexts.forward_blocks)
             "stream_rows": block_rows(self._n_vocab),

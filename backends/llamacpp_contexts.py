@@ -15,7 +15,6 @@ from typing import Iterator
 import numpy as np
 
 from backends.base import block_rows, stream_bytes
-from common import kv_cache
 
 # common/kv_cache.py TYPES -> enum ggml_type (ggml/include/ggml.h), by number: llama-cpp-python
 # exports no GGML_TYPE_BF16
@@ -27,7 +26,7 @@ class LlamaContexts:
 
     def _flash(self) -> int:
         lc = self._lc
-        if self.stack.attention == "default" and kv_cache.quantised_v(self.kv_cache):
+        if self.stack.attention == "default" and self.kv_cache.quantised_v:
             # only the flash-attention kernel reads a quantised V cache (src/llama-context.cpp: "quantized
             # V cache requires flash_attn"): asked for here rather than left to llama.cpp's auto
             return lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -49,7 +48,7 @@ class LlamaContexts:
         # n_ctx / n_seq cells, and sequences of other lengths would not fit
         cp.kv_unified = n_seq > 1
         cp.n_threads = cp.n_threads_batch = self.threads
-        cp.type_k, cp.type_v = (KV_TYPES[t] for t in kv_cache.pair(self.kv_cache))
+        cp.type_k, cp.type_v = KV_TYPES[self.kv_cache.k], KV_TYPES[self.kv_cache.v]
         cp.flash_attn_type = self._flash()
         cp.no_perf = True
         if taps is not None:

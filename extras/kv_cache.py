@@ -50,21 +50,21 @@ class KvCache(PartnerGraded):
     )
 
     # the spec
-    def parse(self, value: Any, fail) -> str | dict:
+    def parse(self, value: Any, fail) -> str:
         return KV.parse(value, fail)
 
     def label(self, value: Any) -> str:
-        return KV.label(value)  # K and V apart as --kv-cache takes them: q8_0,q4_0
+        return KV.KVCache.of(value).label  # K and V apart as --kv-cache takes them: q8_0,q4_0
 
-    def from_flag(self, text: str, fail) -> str | dict | None:
+    def from_flag(self, text: str, fail) -> str | None:
         parts = text.split(",")
         if len(parts) > 2 or any(p.strip() not in KV.TYPES for p in parts):
             raise fail(f"expected a type ({', '.join(KV.TYPES)}) for K and V, or K,V")
         kv = KV.parse(text, lambda msg, val=..., sub="": fail(msg))
-        return None if KV.pair(kv) == (KV.DEFAULT, KV.DEFAULT) else kv  # f16: the same cell as no flag
+        return None if KV.KVCache.of(kv).is_default else kv  # f16: the same cell as no flag
 
     def partner(self, value: Any) -> str | None:
-        return None if KV.pair(value) == (KV.DEFAULT, KV.DEFAULT) else KV.DEFAULT
+        return None if KV.KVCache.of(value).is_default else KV.DEFAULT
 
     def unsupported(self, engine_cls, cell, value) -> str | None:
         return None  # an engine without the option skips the cell as for any option it does not take
@@ -79,18 +79,17 @@ class KvCache(PartnerGraded):
     def disclose(self, cell_row: dict, ref_row: dict) -> dict:
         """Both stacks' K and V cache types where either is not llama.cpp's default, as their
         settings record what the engine ran."""
-        default = (KV.DEFAULT, KV.DEFAULT)
-        mine, theirs = _types(cell_row), _types(ref_row)
-        if mine in (None, default) and theirs in (None, default):
+        mine, theirs = _ran(cell_row), _ran(ref_row)
+        if (mine is None or mine.is_default) and (theirs is None or theirs.is_default):
             return {}
 
-        def say(kv: tuple[str, str] | None, c: dict) -> str:
+        def say(kv: KV.KVCache | None, c: dict) -> str:
             if kv is None:
                 return f"none recorded ({c['engine']})"
             flash = _settings(c).get("flash_attn")
             return (
-                f"K {kv[0]}, V {kv[1]}"
-                + (" (llama.cpp's default)" if kv == default else "")
+                f"K {kv.k}, V {kv.v}"
+                + (" (llama.cpp's default)" if kv.is_default else "")
                 + (f", attention {flash}" if flash else "")
             )
 
@@ -102,12 +101,9 @@ def _settings(cell: dict) -> dict:
     return json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
 
 
-def _types(cell: dict) -> tuple[str, str] | None:
-    """(K, V) cache types a cell ran with, as its settings record them; None where the engine records none."""
-    s = _settings(cell)
-    if s.get("kv_cache_k"):
-        return s["kv_cache_k"], s["kv_cache_v"]
-    return KV.pair(s["kv_cache"]) if s.get("kv_cache") else None
+def _ran(cell: dict) -> KV.KVCache | None:
+    """The KV cache a cell ran with, as its settings record it; None where the engine records none."""
+    return KV.KVCache.ran(_settings(cell))
 
 
 EXTRA = KvCache

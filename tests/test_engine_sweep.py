@@ -122,7 +122,8 @@ def test_artifacts_are_recorded_with_their_sha256(engines_sweep):
             assert sha256_file(Path(c["artifact"])) == c["artifact_sha256"]
             assert recipe["tool"] in ("convert_hf_to_gguf.py", "llama_model_quantize")
             settings = json.loads(c["settings"])
-            assert settings["kv_cache"] == ("f32" if c["dtype"] == "fp32" else "f16")
+            kv = "f32" if c["dtype"] == "fp32" else "f16"  # the fp32 cell's include entry asks for f32
+            assert settings["kv_cache_k"] == settings["kv_cache_v"] == kv and "kv_cache" not in settings
             assert "AVX2" in settings["system_info"]
         else:
             assert recipe["tool"] == "mlx_lm.convert" and recipe["rope_theta_fix"] is True

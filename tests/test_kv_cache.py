@@ -33,13 +33,19 @@ def test_every_type_llama_cpp_takes_maps_to_its_ggml_type():
     [
         ("q8_0", "q8_0"),
         ({"k": "q8_0", "v": "q8_0"}, "q8_0"),  # K and V alike: the plain type, one cell
-        ({"k": "q8_0"}, {"k": "q8_0", "v": "f16"}),  # a part left out: llama.cpp's default
-        ("q8_0,q4_0", {"k": "q8_0", "v": "q4_0"}),
+        ({"k": "q8_0"}, "q8_0,f16"),  # a part left out: llama.cpp's default
+        ("q8_0,q4_0", "q8_0,q4_0"),
+        ({"k": "q8_0", "v": "q4_0"}, "q8_0,q4_0"),  # a mapping and K,V: one encoding
     ],
 )
-def test_a_value_has_one_normal_form(given, normal):
+def test_a_value_has_one_encoding(given, normal):
     assert kv_cache.parse(given, lambda *a: AssertionError(a)) == normal
-    assert kv_cache.parse(kv_cache.label(normal), lambda *a: AssertionError(a)) == normal  # the label reads back
+    kv = kv_cache.KVCache.of(normal)
+    assert kv.label == normal and kv_cache.parse(kv.label, lambda *a: AssertionError(a)) == normal
+    assert kv.settings() == {"kv_cache_k": "q8_0", "kv_cache_v": normal.split(",")[-1]}
+    # a cell captured before the label was the one encoding: its mapping and its settings read the same
+    assert kv_cache.KVCache.of({"k": kv.k, "v": kv.v}) == kv == kv_cache.KVCache.ran(kv.settings())
+    assert kv_cache.KVCache.ran({"kv_cache": "q8_0"}) == kv_cache.KVCache("q8_0", "q8_0")
 
 
 def _spec(tmp_path: Path, **over) -> Path:
@@ -51,11 +57,12 @@ def _spec(tmp_path: Path, **over) -> Path:
 
 def test_an_axis_of_caches_keeps_each_plain_types_cell_id(tmp_path):
     axis = load_spec(_spec(tmp_path, options={"kv_cache": AXIS}))
-    ids = {kv_cache.label(c.opts["kv_cache"]): c.stack_id for c in axis.cells}
+    ids = {kv_cache.KVCache.of(c.opts["kv_cache"]).label: c.stack_id for c in axis.cells}
     assert list(ids) == ["f16", "q8_0", "q4_0", "q8_0,q4_0"]
     for plain in ("f16", "q8_0", {"k": "q4_0", "v": "q4_0"}):  # the id a spec of that one value gives
         (one,) = load_spec(_spec(tmp_path, options={"kv_cache": plain})).cells
-        assert one.stack_id == ids[kv_cache.label(plain)] and one.opts == {"kv_cache": kv_cache.label(plain)}
+        label = kv_cache.KVCache.of(plain).label
+        assert one.stack_id == ids[label] and one.opts == {"kv_cache": label}
 
 
 @pytest.mark.parametrize(
@@ -103,7 +110,7 @@ def kv_sweep(tiny_model, short_corpus, tmp_path_factory):
     a = run_cli("analyze", "--warehouse", str(wh))
     assert a.returncode == 0, a.stderr[-3000:]
     cells = sql(wh, "select * from cells")
-    done = {kv_cache.label(json.loads(c["options"])["kv_cache"]): c for c in cells if c["status"] == "done"}
+    done = {kv_cache.KVCache.of(json.loads(c["options"])["kv_cache"]).label: c for c in cells if c["status"] == "done"}
     return wh, done, [line for line in r.stderr.splitlines() if line.startswith("skipping ")]
 
 
@@ -113,7 +120,7 @@ def test_each_cache_runs_with_its_types_and_flash_attention_recorded(kv_sweep):
     assert list(sorted(done)) == sorted(["f16", "q8_0", "q4_0", "q8_0,q4_0"])
     for name, c in done.items():
         s = json.loads(c["settings"])
-        k, v = kv_cache.pair(kv_cache.parse(name, AssertionError))
+        k, v = kv_cache.KVCache.of(name).k, kv_cache.KVCache.of(name).v
         assert (s["kv_cache_k"], s["kv_cache_v"]) == (k, v)
         assert s["flash_attn"] == ("default" if v == "f16" else "flash_attn")  # a quantised V turns it on
     (eager,) = skipped  # the spec's own combination, never run
@@ -184,7 +191,7 @@ def test_each_cache_names_the_f16_stack_it_is_graded_against(tmp_path):
     """The partner is the same stack with `kv_cache: f16` where the sweep has it, else the stack
     without the option (what `matrix kld` runs a file's plain candidate as); f16 itself has none."""
     swept = load_spec(_spec(tmp_path, options={"kv_cache": AXIS}))
-    by = {kv_cache.label(c.opts["kv_cache"]): c for c in swept.cells}
+    by = {kv_cache.KVCache.of(c.opts["kv_cache"]).label: c for c in swept.cells}
     assert by["f16"].partners == ()
     for name in ("q8_0", "q4_0", "q8_0,q4_0"):
         assert by[name].partners == (("kv_cache", by["f16"].stack_id),), name
@@ -228,7 +235,7 @@ def test_the_kv_cache_drift_view_is_each_caches_kl_against_f16_in_float64(kv_swe
         assert c["kv_cache_of"] == done["f16"]["stack_id"]
         got = view[c["cell_id"]]
         assert got["f16_cell_id"] == done["f16"]["cell_id"]
-        assert (got["kv_cache_k"], got["kv_cache_v"]) == kv_cache.pair(kv_cache.parse(name, AssertionError))
+        assert (got["kv_cache_k"], got["kv_cache_v"]) == (kv_cache.KVCache.of(name).k, kv_cache.KVCache.of(name).v)
         rows = stored(wh, c["cell_id"])
         kl = [float(np.sum(np.exp(f16[k]) * (f16[k] - log_softmax(x)))) for k, (x, _) in rows.items()]
         same = sum(r["row_hash"] == f16_hash[(r["prompt_id"], r["position"])] for r in sql(wh, _rows(c["cell_id"])))
@@ -285,7 +292,7 @@ def test_kld_measures_the_reference_file_itself_under_another_cache(f16_gguf, tm
     again = _kld(f16_gguf, text, wh, "--kv-cache", "q8_0,q4_0")  # the same file, another cache: another candidate
     assert again.returncode == 0, again.stderr[-3000:]
     job = yaml.safe_load(Path(f"{wh}.kld.yaml").read_text())
-    assert [c.get("kv_cache") for c in job["candidates"]] == ["q8_0", {"k": "q8_0", "v": "q4_0"}]
+    assert [c.get("kv_cache") for c in job["candidates"]] == ["q8_0", "q8_0,q4_0"]  # one encoding: the label
     assert "options" not in job  # the reference keeps llama.cpp's default cache
     plain = _kld(f16_gguf, text, wh)  # the file on f16: what both caches are graded against
     assert plain.returncode == 0, plain.stderr[-3000:]
