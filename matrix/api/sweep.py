@@ -134,14 +134,14 @@ def _connect(kind: str, address: str | None, cluster_config: str | None) -> _Sta
 
 def _sweep(matrix, wh, kind, address, cluster_config, resume, early, command, log) -> tuple[dict | None, object]:
     """Prepare, then under the warehouse's lock: migrate, bind to the nodes' builds, execute what is left."""
-    from matrix.run import execute, placement, runner
+    from matrix.run import execute, placement, record, runner
 
     plan = runner.prepare(matrix, wh, log)
     summary = None
     wh.create()
     with wh.lock(log):
         wh.migrate(log)
-        execute.mark_interrupted_runs(wh, log)  # even when nothing is left to do
+        record.mark_interrupted_runs(wh, log)  # even when nothing is left to do
         started = early or _connect(kind, address, cluster_config)
         ex = started.executor
         try:

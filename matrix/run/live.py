@@ -8,15 +8,15 @@ from dataclasses import dataclass, field
 
 from common.stack import Cell
 from matrix.run import launch
+from matrix.run.cellwork import CellWork
 
 
 @dataclass
 class Live:
     """One cell in flight: its actors, what has come back, and how many captures are still out."""
 
-    cell: Cell
+    prepared: CellWork  # the cell as the run prepared it: started again from this when retried
     started: launch.Started
-    threads: int
     left: int
     loaded: dict | None = None
     parity: dict | None = None
@@ -27,11 +27,22 @@ class Live:
     phase: str = "placing"
     since: float = field(default_factory=time.perf_counter)
     repeats: list[int] = field(default_factory=list)  # captures not back yet, in queue order
-    capture_limit_s: float = 0.0  # capture_timeout_s, or its default for this cell's tokens
     inline: dict = field(default_factory=dict)  # repeat -> metrics its actor measured (reference_metrics: in_actor)
     extras: dict = field(default_factory=dict)  # per-cell extra key -> its part of each capture's manifest
     refusals: dict = field(default_factory=dict)  # repeat -> its manifest's length_refusals (None: none)
-    host_key: str | None = None  # its host's key when the host is shared (Host), else None
+
+    @property
+    def cell(self) -> Cell:
+        return self.prepared.cell
+
+    @property
+    def threads(self) -> int:
+        return self.prepared.threads
+
+    @property
+    def host_key(self) -> str | None:
+        """Its host's key when the host is shared (Host), else None."""
+        return self.prepared.host_key
 
 
 @dataclass
@@ -41,4 +52,4 @@ class Host:
     against (or None)."""
 
     started: launch.Started
-    queue: list[tuple[Cell, str | None]] = field(default_factory=list)
+    queue: list[tuple[CellWork, str | None]] = field(default_factory=list)

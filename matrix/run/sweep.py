@@ -1,6 +1,7 @@
 """The run loop: the cells in flight, the calls queued on their actors, and what to do next.
 
-matrix/run/runner.py plans a run; matrix/run/execute.py calls Sweep.loop. Each cell is scheduled here, judged alone by
+matrix/run/runner.py plans a run; matrix/run/execute.py prepares each cell's work (matrix/run/cellwork.py),
+starts the cells here and calls Sweep.loop. Each cell is scheduled here, judged alone by
 the retry policy (matrix/run/retry.py) when one of its calls raises, and its outcome recorded by
 matrix/run/outcome.py, so one cell's failure never ends the others. The loop owns its progress:
 the repeats still to capture start as the plan's and shrink as a retried cell's shards complete.
@@ -8,19 +9,20 @@ the repeats still to capture start as the plan's and shrink as a retried cell's 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Callable
 
-from backends import backend_class
 from common.stack import Cell
 from matrix.run import launch, placement, retry
+from matrix.run.cellwork import CellWork
 from matrix.run.failures import Failure
 from matrix.run.launch import Call, Kind
 from matrix.run.live import Host, Live
 from matrix.run.outcome import Outcomes
+from matrix.run.placement import Node
 from matrix.run.plan import Plan
-from matrix.spec.cells import model_copy, stack_desc
 from store import Warehouse
 
 HEARTBEAT_S = float(os.environ.get("LOGIT_MATRIX_HEARTBEAT_S", "60"))
@@ -29,32 +31,47 @@ HEARTBEAT_S = float(os.environ.get("LOGIT_MATRIX_HEARTBEAT_S", "60"))
 class Sweep:
     """Scheduling: which cells are in flight, which wait for their reference, which calls are out."""
 
-    def __init__(self, plan: Plan, wh: Warehouse, run: dict, ex: launch.Executor, log: Callable[[str], None], delivery):
-        self.plan, self.wh, self.ex, self.log = plan, wh, ex, log
-        self.nodes = ex.nodes()
-        self.out = Outcomes(plan, wh, run, log)
-        self.delivery = delivery  # actors.stack_actor.Delivery
+    def __init__(
+        self,
+        plan: Plan,
+        wh: Warehouse,
+        ex: launch.Executor,
+        log: Callable[[str], None],
+        out: Outcomes,
+        nodes: list[Node],
+    ):
+        self.plan, self.wh, self.ex, self.log, self.out = plan, wh, ex, log, out
+        self.nodes = nodes  # where the cells were prepared to run (CellWork.threads)
         self.todo = {cid: list(r) for cid, r in plan.todo.items()}  # cell id -> repeats still to capture
         self.attempts: dict[str, int] = {}  # cell id -> times started in this run
         self.live: dict[str, Live] = {}
         self.pending: dict = {}  # object ref -> launch.Call
-        self.waiting: dict[str, list[Cell]] = {}  # model -> cells started once its reference is done
+        self.waiting: dict[str, list[CellWork]] = {}  # model -> cells started once its reference is done
         self.hosts: dict[str, Host] = {}  # host key -> a host shared by the cells of one loaded model
         # every host this run stopped: the run waits for each to be gone before it records its end,
         # since a killed host's open files keep their space (on a full disk, the end's own write)
         self.stopped: list[Live] = []
 
-    def start(self, cell: Cell) -> None:
+    def start_all(self, todo: list[CellWork]) -> None:
+        """Every cell of the run started (or waiting for its reference), and how many that is said."""
+        for cw in todo:
+            self.start(cw)
+        waiting = sum(len(v) for v in self.waiting.values())
+        self.log(
+            f"{len(todo)} cell(s) to run, {self.out.units_total} capture(s); {len(self.plan.complete)} already complete"
+            + (f"; {waiting} start once their reference is done (reference_metrics: in_actor)" if waiting else "")
+        )
+
+    def start(self, cw: CellWork) -> None:
         """Start a cell; under `reference_metrics: in_actor` a model's other cells wait for its
         reference's shards (they measure their rows against them as they capture)."""
-        plan, ref = self.plan, self.plan.reference_cells.get(cell.model)
-        if plan.spec.reference_metrics != "in_actor" or ref is None:
-            return self._start(cell, None)
-        if ref != cell.cell_id and ref in self.live:  # the reference first (execute starts it first)
-            self.waiting.setdefault(cell.model, []).append(cell)
+        cell, ref = cw.cell, self.plan.reference_cells.get(cw.cell.model)
+        in_actor = self.plan.spec.reference_metrics == "in_actor" and ref is not None
+        if in_actor and ref != cell.cell_id and ref in self.live:  # the reference first (cellwork.prepare)
+            self.waiting.setdefault(cell.model, []).append(cw)
             self.out.units_total += len(self.todo[cell.cell_id])  # counted now: progress shows the whole run
-            return None
-        return self._start(cell, ref if ref == cell.cell_id or ref in self.out.finished else None)
+            return
+        self._start(cw, ref if in_actor and (ref == cell.cell_id or ref in self.out.finished) else None)
 
     def release(self, model: str) -> None:
         """The model's reference is done, failed or skipped: its waiting cells start now (measuring
@@ -66,65 +83,30 @@ class Sweep:
                 f"{model}: its reference {ref} is not done: {len(waiting)} cell(s) capture without measuring "
                 "against it, and keep their rows' values for `matrix analyze`"
             )
-        for cell in waiting:
-            self.out.units_total -= len(self.todo[cell.cell_id])  # _start counts them again
-            self._start(cell, ref if ref in self.out.finished else None)
+        for cw in waiting:
+            self.out.units_total -= len(self.todo[cw.cell.cell_id])  # _start counts them again
+            self._start(cw, ref if ref in self.out.finished else None)
 
-    def _start(self, cell: Cell, metrics_ref: str | None) -> None:
+    def _start(self, cw: CellWork, metrics_ref: str | None) -> None:
         """A host of its own for the cell, or a place in the queue of the host that holds its weights."""
-        threads = placement.cell_threads(cell, self.nodes)
-        key = self._host_key(cell, threads)
-        if key in self.hosts:  # that host's cell ends first; this one takes the loaded model over then
-            self.hosts[key].queue.append((cell, metrics_ref))
-            self.out.units_total += len(self.todo[cell.cell_id])
+        if cw.host_key in self.hosts:  # that host's cell ends first; this one takes the loaded model over then
+            self.hosts[cw.host_key].queue.append((cw, metrics_ref))
+            self.out.units_total += len(self.todo[cw.cell.cell_id])
             return
-        model, work = self.plan.models[cell.model].resolved, self._work(cell, metrics_ref)
-        started = self.ex.start(cell, stack_desc(cell, model), model_copy(model), threads, self.nodes, work)
-        if key is not None:
-            self.hosts[key] = Host(started)
-        self._live(cell, started, threads, key)
+        work = self._work(cw, metrics_ref)
+        started = self.ex.start(cw.cell, cw.desc, cw.model, cw.threads, self.nodes, work)
+        if cw.host_key is not None:
+            self.hosts[cw.host_key] = Host(started)
+        self.live[cw.cell.cell_id] = Live(cw, started, len(work.repeats), repeats=sorted(work.repeats))
+        self.pending.update(started.calls)
         self.out.units_total += len(work.repeats)
 
-    def _host_key(self, cell: Cell, threads: int) -> str | None:
-        """What cells sharing one host have in common (Backend.weights_key, the build, the device, the
-        threads, the nodes it may run on, the replica); None: the cell loads in a host of its own."""
-        if self.plan.spec.hosts != "shared":
-            return None
-        weights = backend_class(cell.engine).weights_key(cell.stack)
-        return None if weights is None else repr((cell.engine, threads, cell.pin, cell.replica, weights))
-
-    def _work(self, cell: Cell, metrics_ref: str | None) -> launch.Work:
-        plan, mp = self.plan, self.plan.models[cell.model]
+    def _work(self, cw: CellWork, metrics_ref: str | None) -> launch.Work:
+        """The cell's work as prepared, with the repeats still missing and the reference it measures against."""
         # keep_rows: references drops the values of a cell's rows only where its host measures them
-        values = plan.spec.keep_rows == "all" or metrics_ref in (None, cell.cell_id)
-        return launch.Work(
-            self.out.run_id,
-            self.delivery,
-            plan.spec.positions,
-            self.todo[cell.cell_id],
-            [(p.prompt_id, p.text, p.token_ids) for p in mp.prompts],
-            mp.special,
-            mp.vocab,
-            plan.spec.store,
-            metrics_ref,
-            values,
-            plan.spec.cells_per_gpu,
-        )
-
-    def _live(self, cell: Cell, started: launch.Started, threads: int, key: str | None, phase: str = "placing"):
-        repeats = self.todo[cell.cell_id]
-        limit = retry.capture_limit(self.plan.spec.capture_timeout_s, self.plan.models[cell.model].prompts, cell)
-        self.live[cell.cell_id] = Live(
-            cell,
-            started,
-            threads,
-            len(repeats),
-            repeats=sorted(repeats),
-            capture_limit_s=limit,
-            host_key=key,
-            phase=phase,
-        )
-        self.pending.update(started.calls)
+        values = self.plan.spec.keep_rows == "all" or metrics_ref in (None, cw.cell.cell_id)
+        repeats = self.todo[cw.cell.cell_id]
+        return dataclasses.replace(cw.work, repeats=repeats, metrics_ref=metrics_ref, values=values)
 
     def _hand_over(self, key: str) -> bool:
         """The next queued cell takes over the shared host `key` (whose cell has ended): its switch,
@@ -133,10 +115,13 @@ class Sweep:
         if not host.queue:
             del self.hosts[key]
             return False
-        cell, metrics_ref = host.queue.pop(0)
-        model = self.plan.models[cell.model].resolved
-        host.started = self.ex.reuse(host.started, cell, stack_desc(cell, model), self._work(cell, metrics_ref))
-        self._live(cell, host.started, placement.cell_threads(cell, self.nodes), key, phase="loading")
+        cw, metrics_ref = host.queue.pop(0)
+        work = self._work(cw, metrics_ref)
+        host.started = self.ex.reuse(host.started, cw.cell, cw.desc, work)
+        self.live[cw.cell.cell_id] = Live(
+            cw, host.started, len(work.repeats), repeats=sorted(work.repeats), phase="loading"
+        )
+        self.pending.update(host.started.calls)
         return True
 
     def _own_host(self, live: Live) -> Host | None:
@@ -188,9 +173,9 @@ class Sweep:
             self._reference_over(live.cell)
         if keep and not self._hand_over(live.host_key):
             self._stop(live)
-        for cell, metrics_ref in queued:  # a fresh host for them: the retried cell's, or the first's
-            self.out.units_total -= len(self.todo[cell.cell_id])
-            self._start(cell, metrics_ref)
+        for cw, metrics_ref in queued:  # a fresh host for them: the retried cell's, or the first's
+            self.out.units_total -= len(self.todo[cw.cell.cell_id])
+            self._start(cw, metrics_ref)
 
     def _retry(self, live: Live, failure: Failure, attempt: int) -> None:
         cid = live.cell.cell_id
@@ -203,7 +188,7 @@ class Sweep:
         done = {r for r in self.wh.completed_repeats(cid) if self.wh.shard_keeps_values(cid, r)}
         self.todo[cid] = [r for r in self.todo[cid] if r not in done]
         self.attempts[cid] = attempt + 1
-        self.start(live.cell)
+        self.start(live.prepared)
 
     def _finish(self, cid: str) -> None:
         live = self.live[cid]
@@ -234,7 +219,7 @@ class Sweep:
         self.end(call.cell_id, j.verdict, j.reason, j.failure)
 
     def limit(self, live: Live) -> tuple[float, str] | None:
-        return retry.limit(live.phase, self.plan.spec.load_timeout_s, live.capture_limit_s)
+        return retry.limit(live.phase, self.plan.spec.load_timeout_s, live.prepared.capture_limit_s)
 
     def overdue(self) -> None:
         """Stop every cell whose engine ran past its time limit, and record it failed."""
