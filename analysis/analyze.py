@@ -37,6 +37,7 @@ from analysis.unit_keys import as_measured, cell_key
 from analysis.units import Task, Unit, keep_pairs, plan
 from common.errors import UserError
 from store import Warehouse
+from store.cell_rows import CellRow
 from store.floors import StorageFloor
 from store.stream import shard_index
 
@@ -44,16 +45,16 @@ DEFAULT_RANGES = (0, 512, 2048, 8192)
 HEARTBEAT_S = 60
 
 
-def store_inline(wh: Warehouse, cell: dict, ref: dict, measured: dict[int, dict], log) -> bool:
+def store_inline(wh: Warehouse, cell: CellRow, ref: CellRow, measured: dict[int, dict], log) -> bool:
     """Write the metrics a cell's actor measured while capturing (`reference_metrics: in_actor`)
     as analyze would, under the key analyze computes: a later analyze finds the unit done. False
     (nothing written) unless every repeat the unit covers was measured against this reference."""
-    cid, ref_id = cell["cell_id"], ref["cell_id"]
-    want = [r for r in range(cell["repeats"]) if not (cid == ref_id and r == 0)]
+    cid, ref_id = cell.cell_id, ref.cell_id
+    want = [r for r in range(cell.repeats) if not (cid == ref_id and r == 0)]
     if not want or any(measured.get(r, {}).get("reference") != ref_id or "table" not in measured[r] for r in want):
         return False
     floor = StorageFloor.of_cell(ref) + StorageFloor.of_cell(cell)
-    shards = {r: shard_index(wh, cid, r).digest for r in range(cell["repeats"])}
+    shards = {r: shard_index(wh, cid, r).digest for r in range(cell.repeats)}
     result = CellResult()
     for r in want:
         result.tables[r], result.counts[r] = with_floor(measured[r]["table"], floor), measured[r]["counts"]
@@ -198,12 +199,12 @@ def _analyze(wh: Warehouse, reference, ranges, centroid, log, skip_damaged: bool
     return summary
 
 
-def _done_cells(wh: Warehouse, reference: str | None) -> list[dict]:
+def _done_cells(wh: Warehouse, reference: str | None) -> list[CellRow]:
     """The captured cells; there must be some, and --reference must be one of them."""
-    done = [c for c in wh.read_all("cells") if c["status"] == "done"]
+    done = wh.cell_rows("done")
     if not done:
         raise UserError(f"{wh.where}: no captured cells to analyze (the warehouse has no logits)")
-    if reference is not None and reference not in {c["cell_id"] for c in done}:
+    if reference is not None and reference not in {c.cell_id for c in done}:
         raise UserError(f"--reference {reference}: no captured cell with that id in {wh.where}")
     return done
 

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from analysis import layer_metrics as LM
 from common.errors import UserError
 from store import Warehouse
+from store.cell_rows import CellRow
 from store.layer_states import states_by_layer
 
 LAYER_KERNEL = "layers-1"  # bump when row_metrics' arithmetic changes: every file is recomputed
@@ -52,7 +53,7 @@ def _prompt_rows(pf: pq.ParquetFile, groups: list[int], prompt: str) -> pa.Table
     )
 
 
-def compare(cell: dict, ref_id: str, repeat: int, mine: tuple, ref: tuple) -> tuple[pa.Table, int]:
+def compare(cell: CellRow, ref_id: str, repeat: int, mine: tuple, ref: tuple) -> tuple[pa.Table, int]:
     """One repeat of a cell against the reference's repeat 0 (mine, ref: (ParquetFile, groups)).
     Returns (LAYER_METRICS rows, rows the reference has no row for)."""
     pf, groups = mine
@@ -73,8 +74,8 @@ def compare(cell: dict, ref_id: str, repeat: int, mine: tuple, ref: tuple) -> tu
                 continue
             a, b = np.array([p[0] for p in pick]), np.array([p[1] for p in pick])
             m = LM.row_metrics(rvals[b], got[a])
-            parts.append(_rows(cell["cell_id"], ref_id, repeat, layer, index, [keys[i] for i in a], m))
-    return (pa.concat_tables(parts) if parts else _rows(cell["cell_id"], ref_id, repeat, "", 0, [], None)), unaligned
+            parts.append(_rows(cell.cell_id, ref_id, repeat, layer, index, [keys[i] for i in a], m))
+    return (pa.concat_tables(parts) if parts else _rows(cell.cell_id, ref_id, repeat, "", 0, [], None)), unaligned
 
 
 def _rows(cell_id: str, ref_id: str, repeat: int, layer: str, index: int, keys: list, m: dict | None) -> pa.Table:
@@ -97,33 +98,34 @@ def _rows(cell_id: str, ref_id: str, repeat: int, layer: str, index: int, keys: 
 
 
 def analyze_layers(
-    wh: Warehouse, done: list[dict], reference: str | None, force: bool, log: Callable[[str], None]
+    wh: Warehouse, done: list[CellRow], reference: str | None, force: bool, log: Callable[[str], None]
 ) -> dict[str, Any]:
     """Every cell with layer states vs its reference's (or --reference's, same model)."""
-    by_id = {c["cell_id"]: c for c in done}
+    by_id = {c.cell_id: c for c in done}
     out = {"cells": 0, "reused": 0, "rows": 0, "unaligned_rows": {}, "missing_reference": []}
     for cell in done:
         if not cell.get("layers"):
             continue
         ref_id = (
             reference
-            if reference and by_id.get(reference, {}).get("model") == cell["model"]
-            else cell.get("reference_cell_id")
+            if reference and reference in by_id and by_id[reference].model == cell.model
+            else cell.reference_cell_id
         )
-        if ref_id == cell["cell_id"] or ref_id is None:
+        if ref_id == cell.cell_id or ref_id is None:
             continue
-        if not (by_id.get(ref_id) or {}).get("layers"):
-            out["missing_reference"].append(cell["cell_id"])
-            log(f"layers: {cell['cell_id']}: its reference {ref_id} recorded no layer states; no layer metrics")
+        ref_row = by_id.get(ref_id)
+        if ref_row is None or not ref_row.get("layers"):
+            out["missing_reference"].append(cell.cell_id)
+            log(f"layers: {cell.cell_id}: its reference {ref_id} recorded no layer states; no layer metrics")
             continue
         _one(wh, cell, ref_id, force, out, log)
     return out
 
 
-def _one(wh: Warehouse, cell: dict, ref_id: str, force: bool, out: dict, log) -> None:
+def _one(wh: Warehouse, cell: CellRow, ref_id: str, force: bool, out: dict, log) -> None:
     ref_pf = _open(wh, ref_id, 0)
     ref_groups, ref_digest = _groups(ref_pf)
-    shards = {r: _open(wh, cell["cell_id"], r) for r in sorted(wh.completed_repeats(cell["cell_id"], "layer_states"))}
+    shards = {r: _open(wh, cell.cell_id, r) for r in sorted(wh.completed_repeats(cell.cell_id, "layer_states"))}
     indexed = {r: (pf, *_groups(pf)) for r, pf in shards.items()}  # repeat -> (file, groups, digest)
     key = hashlib.sha256(
         json.dumps(
@@ -136,7 +138,7 @@ def _one(wh: Warehouse, cell: dict, ref_id: str, force: bool, out: dict, log) ->
             sort_keys=True,
         ).encode()
     ).hexdigest()
-    meta = wh.table_meta("layer_metrics", cell["cell_id"]) or {}
+    meta = wh.table_meta("layer_metrics", cell.cell_id) or {}
     if not force and meta.get("key") == key:
         out["reused"] += 1
         out["cells"] += 1
@@ -149,13 +151,13 @@ def _one(wh: Warehouse, cell: dict, ref_id: str, force: bool, out: dict, log) ->
         unaligned += u
     table = pa.concat_tables(tables)
     wh.write_table(
-        "layer_metrics", cell["cell_id"], table, {"key": key, "kernel_version": LAYER_KERNEL, "rows": table.num_rows}
+        "layer_metrics", cell.cell_id, table, {"key": key, "kernel_version": LAYER_KERNEL, "rows": table.num_rows}
     )
     out["cells"] += 1
     out["rows"] += table.num_rows
     if unaligned:
-        out["unaligned_rows"][cell["cell_id"]] = unaligned
-        log(f"layers: {cell['cell_id']}: {unaligned} layer row(s) have no reference row (other layers or positions)")
+        out["unaligned_rows"][cell.cell_id] = unaligned
+        log(f"layers: {cell.cell_id}: {unaligned} layer row(s) have no reference row (other layers or positions)")
 
 
 def layer_table(wh: Warehouse, cell_id: str) -> tuple[list[dict[str, Any]], str]:

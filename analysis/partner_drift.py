@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from analysis.aggregates import agg
+from store.cell_rows import CellRow
 
 # The measuring modules are imported where a pair is measured: the plug-ins' column and table
 # names (read whenever the store's schema is) come from modules that import only this one.
@@ -76,32 +77,32 @@ def line(p: Partnering, got: dict) -> str:
     return f"{p.title} drift: {measured}, {got['rows']} rows ({got['reused']} up to date)"
 
 
-def pairs(p: Partnering, done: list[dict], log=lambda line: None) -> list[tuple[dict, dict]]:
+def pairs(p: Partnering, done: list[CellRow], log=lambda line: None) -> list[tuple[CellRow, CellRow]]:
     """(cell, its partner) for every done cell whose partner is another stack that is captured: of
     the same engine build where there is one, else the newest. One without says so."""
-    by_stack: dict[str, list[dict]] = {}
+    by_stack: dict[str, list[CellRow]] = {}
     for c in done:
-        by_stack.setdefault(c.get("stack_id") or c["cell_id"], []).append(c)
+        by_stack.setdefault(c.stack_id, []).append(c)
     out = []
     for c in done:
         want = c.get(p.column)
-        if not want or want == (c.get("stack_id") or c["cell_id"]) or c.get("replica"):
+        if not want or want == (c.stack_id) or c.replica:
             continue  # no partner, or its own (batch 1)
         sibs = by_stack.get(want)
         if not sibs:
-            log(f"NOTE {c['cell_id']}: no {p.partner_capture} capture of its stack ({want}): no {p.name} drift")
+            log(f"NOTE {c.cell_id}: no {p.partner_capture} capture of its stack ({want}): no {p.name} drift")
             continue
-        same = [s for s in sibs if s.get("build") == c.get("build")] or sibs
-        out.append((c, max(same, key=lambda s: (s["finished_at"], s["cell_id"]))))
+        same = [s for s in sibs if s.build == c.build] or sibs
+        out.append((c, max(same, key=lambda s: (s.get("finished_at"), s.cell_id))))
     return out
 
 
-def analyze(p: Partnering, wh, done: list[dict], force: bool, log, skip_damaged: bool = False) -> dict | None:
+def analyze(p: Partnering, wh, done: list[CellRow], force: bool, log, skip_damaged: bool = False) -> dict | None:
     """The plug-in's table for every pair (None: the warehouse has no cell to measure). A damaged
     shard stops it, unless skip_damaged: then that pair is left out, saying so."""
     todo = pairs(p, done, log)
     stale = {f.rsplit("/", 1)[-1].removesuffix(".parquet") for f in wh.table_files(p.table)}
-    stale -= {c["cell_id"] for c, _ in todo}
+    stale -= {c.cell_id for c, _ in todo}
     for name in sorted(stale):  # a partner no longer captured: its old comparison would mislead
         wh.remove_table(p.table, name)
     if not todo:
@@ -115,12 +116,12 @@ def analyze(p: Partnering, wh, done: list[dict], force: bool, log, skip_damaged:
         except DamagedShard as e:
             if not skip_damaged:
                 raise
-            wh.remove_table(p.table, cell["cell_id"])  # no older comparison stands in for it
-            log(f"SKIPPED (damaged) {p.name} drift of {cell['cell_id']}: {e}")
+            wh.remove_table(p.table, cell.cell_id)  # no older comparison stands in for it
+            log(f"SKIPPED (damaged) {p.name} drift of {cell.cell_id}: {e}")
     return got
 
 
-def _measure(p: Partnering, wh, cell: dict, sib: dict, force: bool, log, got: dict) -> None:
+def _measure(p: Partnering, wh, cell: CellRow, sib: CellRow, force: bool, log, got: dict) -> None:
     """One pair's file, unless the one there has this content key; none where a side kept only
     its rows' hashes (`keep_rows: references`, `matrix kld` without --keep-rows)."""
     from analysis import metrics as M
@@ -129,7 +130,7 @@ def _measure(p: Partnering, wh, cell: dict, sib: dict, force: bool, log, got: di
     from store.floors import StorageFloor
     from store.stream import shard_index
 
-    cid, sid = cell["cell_id"], sib["cell_id"]
+    cid, sid = cell.cell_id, sib.cell_id
     bare = [c for c in (cid, sid) if not _keeps_values(wh, c)]
     if bare:
         wh.remove_table(p.table, cid)

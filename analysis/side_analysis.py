@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from analysis import metrics as M
 from store import Warehouse
+from store.cell_rows import CellRow
 from store.stream import Rows, shard_index
 from store.warehouse import logits_matrix
 
@@ -146,7 +147,7 @@ def compare(
     )
 
 
-def _key(wh: Warehouse, cell: dict, ref: Reference | None, repeats: list[int], rules: dict[str, PathRule]) -> str:
+def _key(wh: Warehouse, cell: CellRow, ref: Reference | None, repeats: list[int], rules: dict[str, PathRule]) -> str:
     """Content key: this cell's side files, the reference's side file and capture shard."""
     shard = any(r.reference_shard and r.active(cell) for r in rules.values())
     parts = {
@@ -154,16 +155,16 @@ def _key(wh: Warehouse, cell: dict, ref: Reference | None, repeats: list[int], r
         "ref": ref and ref.ref_id,
         "ref_digest": ref and ref.digest,
         "ref_shard": ref.index.digest if ref and shard else None,
-        "shards": {r: _digest(wh, cell["cell_id"], r) for r in repeats},
+        "shards": {r: _digest(wh, cell.cell_id, r) for r in repeats},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 def analyze_side(
-    wh: Warehouse, done: list[dict], force: bool, log: Callable[[str], None], rules: dict[str, PathRule]
+    wh: Warehouse, done: list[CellRow], force: bool, log: Callable[[str], None], rules: dict[str, PathRule]
 ) -> dict[str, Any]:
     """rules: path -> PathRule, for every path a per-cell extra writes (in the order compared)."""
-    by_id = {c["cell_id"]: c for c in done}
+    by_id = {c.cell_id: c for c in done}
     out = {"cells": 0, "reused": 0, "rows": 0, "no_reference_rows": []}
     refs: dict[str, Reference] = {}
     paths = tuple(rules)
@@ -171,18 +172,18 @@ def analyze_side(
         active = [r for r in rules.values() if r.active(cell)]
         if not active:
             continue
-        ref_id = cell.get("reference_cell_id") if cell.get("reference_cell_id") in by_id else None
+        ref_id = cell.reference_cell_id if cell.reference_cell_id in by_id else None
         ref_file = bool(ref_id and any(r.reference_file and r.active(by_id[ref_id]) for r in rules.values()))
         if any(r.reference_file for r in active) and not ref_file:
-            out["no_reference_rows"].append(cell["cell_id"])
+            out["no_reference_rows"].append(cell.cell_id)
             log(
-                f"{cell['cell_id']}: its reference {ref_id} recorded no side file; "
+                f"{cell.cell_id}: its reference {ref_id} recorded no side file; "
                 "its rows off the prefill are compared with this cell's own prefill only"
             )
-        repeats = sorted(wh.completed_repeats(cell["cell_id"], "side"))
+        repeats = sorted(wh.completed_repeats(cell.cell_id, "side"))
         ref = refs.setdefault(ref_id, Reference(wh, ref_id, ref_file, paths)) if ref_id else None
         key = _key(wh, cell, ref, repeats, rules)
-        meta = wh.table_meta("decode_metrics", cell["cell_id"]) or {}
+        meta = wh.table_meta("decode_metrics", cell.cell_id) or {}
         out["cells"] += 1
         if not force and meta.get("key") == key:
             out["reused"] += 1
@@ -190,11 +191,11 @@ def analyze_side(
             continue
         hits = {k: v for r in active if r.hits for k, v in r.hits(cell).items()}
         table = pa.concat_tables(
-            [compare(cell["cell_id"], r, _read(wh, cell["cell_id"], r, paths), ref, hits, rules) for r in repeats]
+            [compare(cell.cell_id, r, _read(wh, cell.cell_id, r, paths), ref, hits, rules) for r in repeats]
         )
         wh.write_table(
             "decode_metrics",
-            cell["cell_id"],
+            cell.cell_id,
             table,
             {"key": key, "kernel_version": DECODE_KERNEL, "rows": table.num_rows},
         )

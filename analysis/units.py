@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from analysis.unit_keys import cell_key
 from analysis.unit_keys import unit_key as _key
 from store import Warehouse
+from store.cell_rows import CellRow
 from store.floors import StorageFloor
 from store.stream import shard_index
 from store.verify import DamagedShard
@@ -73,21 +74,21 @@ def _pieces(counts: dict[str, int], weight: float = 1.0) -> list[list[str] | Non
     return out if len(out) > 1 else [None]
 
 
-def _reference(group: list[dict], by_id: dict, reference: str | None, model: str) -> str | None:
+def _reference(group: list[CellRow], by_id: dict, reference: str | None, model: str) -> str | None:
     """The model's reference cell: --reference, else the newest capture of the reference stack."""
-    if reference and by_id[reference]["model"] == model:
+    if reference and by_id[reference].model == model:
         return reference
-    refs = {c["reference_cell_id"] for c in group if c.get("reference_cell_id") in by_id}
-    return max(refs, key=lambda r: (by_id[r]["finished_at"], r)) if refs else None
+    refs = {c.reference_cell_id for c in group if c.reference_cell_id in by_id}
+    return max(refs, key=lambda r: (by_id[r].get("finished_at"), r)) if refs else None
 
 
-def _digests(wh: Warehouse, cell: dict, summary: dict, log) -> dict[int, tuple[str, dict[str, int]]]:
+def _digests(wh: Warehouse, cell: CellRow, summary: dict, log) -> dict[int, tuple[str, dict[str, int]]]:
     """repeat -> (content digest, rows per prompt in shard order) of each readable shard of a
     cell (small columns only)."""
     out = {}
-    for r in range(cell["repeats"]):
+    for r in range(cell.repeats):
         try:
-            i = shard_index(wh, cell["cell_id"], r)
+            i = shard_index(wh, cell.cell_id, r)
             out[r] = (i.digest, {p: len(v.positions) for p, v in i.prompts.items()})
         except DamagedShard as e:
             if not summary["skip_damaged"]:
@@ -97,17 +98,17 @@ def _digests(wh: Warehouse, cell: dict, summary: dict, log) -> dict[int, tuple[s
     return out
 
 
-def plan(wh: Warehouse, done: list[dict], reference: str | None, centroid: str, summary: dict, log) -> list[Unit]:
+def plan(wh: Warehouse, done: list[CellRow], reference: str | None, centroid: str, summary: dict, log) -> list[Unit]:
     """Every unit of the warehouse, with its content key."""
-    by_id = {c["cell_id"]: c for c in done}
+    by_id = {c.cell_id: c for c in done}
     units = []
-    for model in sorted({c["model"] for c in done}):
-        group = sorted((c for c in done if c["model"] == model), key=lambda c: c["cell_id"])
+    for model in sorted({c.model for c in done}):
+        group = sorted((c for c in done if c.model == model), key=lambda c: c.cell_id)
         ref_id = _reference(group, by_id, reference, model)
         if ref_id is None:
             log(f"{model}: no reference cell captured; skipping the reference metrics")
             continue
-        digests = {c["cell_id"]: _digests(wh, c, summary, log) for c in group}
+        digests = {c.cell_id: _digests(wh, c, summary, log) for c in group}
         if 0 not in digests[ref_id]:
             log(f"{model}: its reference {ref_id} is damaged; no metrics for this model")
             continue
@@ -116,13 +117,13 @@ def plan(wh: Warehouse, done: list[dict], reference: str | None, centroid: str, 
     return units
 
 
-def _cell_units(group: list[dict], ref: dict, digests: dict) -> list[Unit]:
+def _cell_units(group: list[CellRow], ref: CellRow, digests: dict) -> list[Unit]:
     """A unit per cell of a model: its readable repeats against the reference's repeat 0."""
-    ref_id = ref["cell_id"]
+    ref_id = ref.cell_id
     ref_digest, ref_floor = digests[ref_id][0][0], StorageFloor.of_cell(ref)
     units = []
     for c in group:
-        cid, floor, d = c["cell_id"], ref_floor + StorageFloor.of_cell(c), digests[c["cell_id"]]
+        cid, floor, d = c.cell_id, ref_floor + StorageFloor.of_cell(c), digests[c.cell_id]
         counts: dict[str, int] = {}  # rows per prompt, of every repeat: one may lack a prompt's rows another has
         for _, per in d.values():
             for p, n in per.items():
@@ -134,23 +135,23 @@ def _cell_units(group: list[dict], ref: dict, digests: dict) -> list[Unit]:
                 cid,
                 cell_key(*parts),
                 sum(sum(v[1].values()) for v in d.values()),
-                {"cell_id": cid, "repeats": c["repeats"], "ref_id": ref_id, "floor": floor, "key_parts": parts},
+                {"cell_id": cid, "repeats": c.repeats, "ref_id": ref_id, "floor": floor, "key_parts": parts},
                 _pieces({p: n * len(d) for p, n in counts.items()}),
             )
         )
     return units
 
 
-def _centroid_groups(model: str, group: list[dict], centroid: str, digests: dict) -> dict[str, list[str]]:
+def _centroid_groups(model: str, group: list[CellRow], centroid: str, digests: dict) -> dict[str, list[str]]:
     """Centroid group name -> its members' cell ids (none when only the reference metrics were asked for)."""
     groups: dict[str, list[str]] = {}
     for c in group if centroid != "none" else ():
-        if not c.get("replica") and 0 in digests[c["cell_id"]]:  # another host's copy would weigh a stack twice
-            groups.setdefault(c.get("centroid_group") or model, []).append(c["cell_id"])
+        if not c.replica and 0 in digests[c.cell_id]:  # another host's copy would weigh a stack twice
+            groups.setdefault(c.centroid_group or model, []).append(c.cell_id)
     return groups
 
 
-def _group_units(model: str, group: list[dict], ref_id: str, centroid: str, digests: dict) -> list[Unit]:
+def _group_units(model: str, group: list[CellRow], ref_id: str, centroid: str, digests: dict) -> list[Unit]:
     """A unit per centroid group of a model: its members' repeat 0 against their centroid, and every pair."""
     units = []
     for gname, ids in sorted(_centroid_groups(model, group, centroid, digests).items()):

@@ -26,8 +26,8 @@ class KVCache:
 
     @classmethod
     def of(cls, value: Any) -> KVCache:
-        """An option's value: its label (`q8_0`, `q8_0,q4_0`), the {k, v} mapping a cell captured
-        before the label was the one encoding holds, or None (llama.cpp's default)."""
+        """An option's value: its label (`q8_0`, `q8_0,q4_0`), the {k, v} mapping an older cell's
+        options may hold, or None (llama.cpp's default)."""
         if value is None:
             return cls()
         if isinstance(value, dict):

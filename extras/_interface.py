@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import importlib
 import json
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 from common.positions import next_ids
+from store.cell_rows import CellRow
 
 
 class Capturer:
@@ -146,15 +147,16 @@ class Extra:
         """{name: pyarrow schema} of its own tables (its graded metrics)."""
         return {}
 
-    def active_in(self, cell_row: dict) -> bool:
-        """Whether a cells row recorded this extra."""
+    def active_in(self, cell_row: Mapping | CellRow) -> bool:
+        """Whether a cells row (a dict as read, or a CellRow) recorded this extra."""
         return bool(self.column and cell_row.get(self.column))
 
     # analysis, card, report
     def analyze(
-        self, wh, done: list[dict], reference: str | None, force: bool, log, skip_damaged: bool = False
+        self, wh, done: list[CellRow], reference: str | None, force: bool, log, skip_damaged: bool = False
     ) -> dict | None:
-        """Its own analysis of the cells that recorded it (None: nothing to do)."""
+        """Its own analysis of the cells that recorded it (None: nothing to do); done: every captured
+        cell, as records (store/cell_rows.py)."""
         return None
 
     def analysis_line(self, part: dict) -> str:
@@ -264,7 +266,7 @@ class PartnerGraded(Extra):
 
         return {self._module().PARTNERING.table: METRICS}
 
-    def active_in(self, cell_row: dict) -> bool:
+    def active_in(self, cell_row: Mapping | CellRow) -> bool:
         return cell_row.get(self._module().PARTNERING.column) is not None
 
     def side_rows(self, value: Any, fed_positions, prompt_lengths) -> tuple[int, bool]:

@@ -13,10 +13,11 @@ A batch cell records its rows alone: it takes no other extra.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from common import batching
 from extras import Capturer, PartnerGraded
+from store.cell_rows import CellRow
 
 
 class Batched(Capturer):
@@ -115,7 +116,7 @@ class Batch(PartnerGraded):
     def cell_record(self, cell, value: batching.Batch) -> dict[str, Any]:
         return {"batch_size": value.size, "batch": value.to_json(), **super().cell_record(cell, value)}
 
-    def active_in(self, cell_row: dict) -> bool:
+    def active_in(self, cell_row: Mapping | CellRow) -> bool:
         return cell_row.get("batch_size") is not None
 
     # the report (analyze, views and card: PartnerGraded, from analysis/batch_drift.py)

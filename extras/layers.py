@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from extras import Capturer, Extra, loads
+from store.cell_rows import CellRow
 
 
 def sources(backend, layers: list[int]) -> dict[str, str]:
@@ -132,7 +133,7 @@ class Layers(Extra):
         )
 
     def analyze(
-        self, wh, done: list[dict], reference: str | None, force: bool, log, skip_damaged: bool = False
+        self, wh, done: list[CellRow], reference: str | None, force: bool, log, skip_damaged: bool = False
     ) -> dict | None:
         if not any(self.active_in(c) for c in done):
             return None

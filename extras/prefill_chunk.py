@@ -15,10 +15,11 @@ A prompt no longer than N is one chunk: a second whole prefill, with the KV cach
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from common.positions import next_ids
 from extras import Capturer, Extra, loads
+from store.cell_rows import CellRow
 from store.prompt_rows import PromptRows
 
 PATH = "chunked"
@@ -88,7 +89,7 @@ class PrefillChunk(Extra):
         whole = getattr(backend, "whole_prefill", None)
         return {self.key: {"sizes": list(value), **({"whole": whole()} if callable(whole) else {})}}
 
-    def active_in(self, cell_row: dict) -> bool:  # no cells column: its settings entry says so
+    def active_in(self, cell_row: Mapping | CellRow) -> bool:  # no cells column: its settings entry says so
         return self.key in loads(cell_row.get("settings"))
 
     def path_rules(self) -> dict:

@@ -101,7 +101,9 @@ class PrefixCache(Extra):
         from analysis.side_analysis import PathRule
 
         # its rows sit at sampled positions: the reference's capture shard holds the rows to compare with
-        return {PATH: PathRule(active=self.active_in, hits=lambda c: loads(c[self.key])["hits"], reference_shard=True)}
+        return {
+            PATH: PathRule(active=self.active_in, hits=lambda c: loads(c.get(self.key))["hits"], reference_shard=True)
+        }
 
     def card(self, warehouse: str, cell: dict) -> dict | None:
         """The rows recomputed from a warm cache against the fresh prefill (null without)."""

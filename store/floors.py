@@ -15,12 +15,13 @@ import ctypes
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from common import native as kernels
 from common.buffers import room
+from store.cell_rows import CellRow
 from store.values import shift_by_max, to_bf16, widen
 
 KERNEL = Path(__file__).with_name("floors_kernel.c")  # the fused pass below in C, where it builds
@@ -226,7 +227,7 @@ class StorageFloor:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @staticmethod
-    def of_cell(cell: dict) -> float:
+    def of_cell(cell: Mapping | CellRow) -> float:
         """The mean floor of a cells row: its `storage` (a `store: bf16` capture), or, for a file
         imported in a lossy format, the floor its import estimated (`settings`); 0 when exact."""
         stored = json.loads(cell.get("storage") or "{}").get("storage_floor")

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from common.errors import UserError
+from store.cell_rows import CellRow
 from store.location import PROBE, open_location, write_whole
 from store.schema import FORMAT, SCHEMA_VERSION, TABLES, keeps_values, refused_prompts
 from store.shard_encoding import LOGITS_LEAF, by_row
@@ -209,6 +210,10 @@ class Warehouse:
         """Every row of a table (all its files); [] when it has none yet."""
         files = self.table_files(table)
         return pq.read_table(files, filesystem=self.loc.fs).to_pylist() if files else []
+
+    def cell_rows(self, status: str | None = None) -> list[CellRow]:
+        """The cells table as records (status: only the cells of that status)."""
+        return [CellRow.of(r) for r in self.read_all("cells") if status is None or r["status"] == status]
 
     def read_rows(self, table: str, name: str) -> list[dict]:
         key = f"{table}/{name}.parquet"

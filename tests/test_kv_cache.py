@@ -43,7 +43,7 @@ def test_a_value_has_one_encoding(given, normal):
     kv = kv_cache.KVCache.of(normal)
     assert kv.label == normal and kv_cache.parse(kv.label, lambda *a: AssertionError(a)) == normal
     assert kv.settings() == {"kv_cache_k": "q8_0", "kv_cache_v": normal.split(",")[-1]}
-    # a cell captured before the label was the one encoding: its mapping and its settings read the same
+    # the {k, v} mapping an older cell's options may hold, and the settings, read as the same value
     assert kv_cache.KVCache.of({"k": kv.k, "v": kv.v}) == kv == kv_cache.KVCache.ran(kv.settings())
     assert kv_cache.KVCache.ran({"kv_cache": "q8_0"}) == kv_cache.KVCache("q8_0", "q8_0")
 

@@ -194,7 +194,10 @@ def test_analyze_cuts_its_pieces_from_every_repeats_prompts(monkeypatch):
         "ref": {0: ("r", {"a": 2, "b": 2, "c": 2})},
         "c": {0: ("x", {"a": 2, "c": 2}), 1: ("y", {"a": 2, "b": 2, "c": 2})},
     }
-    cells = [{"cell_id": "c", "repeats": 2}, {"cell_id": "ref", "repeats": 1}]
+    from store.cell_rows import CellRow
+
+    axes = {"model": "m", "engine": "hf", "dtype": "fp32", "attention": "sdpa", "status": "done"}
+    cells = [CellRow.of({"cell_id": "c", "repeats": 2, **axes}), CellRow.of({"cell_id": "ref", "repeats": 1, **axes})]
     (u,) = [u for u in units._cell_units(cells, cells[1], digests) if u.name == "c"]
     assert sorted(p for piece in u.pieces for p in piece) == ["a", "b", "c"] and u.rows == 10
 

@@ -188,7 +188,8 @@ def test_a_key_declared_as_one_field_is_parsed_checked_and_documented(tmp_path):
 
     assert parsed("warmup: 3\n").warmup == 3
     assert parsed("").warmup == 1  # absent: its default
-    assert parsed("stride: 8\n").stride == 8 and parsed("").engines == ["hf"]  # Spec's keys as they were
+    # Spec's own keys beside it
+    assert parsed("stride: 8\n").stride == 8 and parsed("").engines == ["hf"]
     for bad, got in (("0", "0"), ("two", "'two'"), ("true", "True"), ("null", "None")):
         with pytest.raises(UserError) as e:
             parsed(f"warmup: {bad}\n")

@@ -3,7 +3,7 @@
     docs/cli.md        every command and option, from the argument parsers (here)
     docs/warehouse.md  every table's columns (store/schema.py, with its comments) and every
                        view's columns (analysis/sql.py, as DuckDB derives them)
-    docs/spec-reference.md every spec key: type, default, allowed values (matrix/spec/schema.py)
+    docs/spec-reference.md every spec key: type, default, allowed values (matrix/spec/reference.py)
     docs/benchmarks.md the scoreboard: every run the benchmark scripts recorded (benchmarks/results/)
 
 The other pages than cli.md are made by matrix.api.docs (matrix/api/pages.py).

@@ -37,9 +37,9 @@ class Scheduler:
         run's end whatever happened; returns the run's summary."""
         wh, ex, log = self.wh, self.ex, self.log
         run = record.begin(plan, wh, argv, address, ex.name, log, nonce)
-        delivery, nodes = ex.open(wh.where, nonce), ex.nodes()
         out, sweep, status = Outcomes(plan, wh, run, log), None, "failed"
-        try:
+        try:  # from here on, the run's end is recorded whatever happens
+            delivery, nodes = ex.open(wh.where, nonce), ex.nodes()
             todo = cellwork.prepare(plan, nodes, run["run_id"], delivery)
             sweep = Sweep(plan, wh, ex, log, out, nodes)
             sweep.start_all(todo)

@@ -17,6 +17,7 @@ from matrix.run.live import Live
 from matrix.run.plan import Plan
 from store import Warehouse
 from store import rows as R
+from store.cell_rows import CellRow
 from store.floors import StorageFloor
 from store.warehouse import row_hashes
 
@@ -293,7 +294,7 @@ class Outcomes:
             if ref_id == row["cell_id"]
             else next(r for r in self.wh.read_rows("cells", ref_id) if r["status"] == "done")
         )
-        if store_inline(self.wh, row, ref, live.inline, self.log):
+        if store_inline(self.wh, CellRow.of(row), CellRow.of(ref), live.inline, self.log):
             self.inline_written += 1
         else:
             self.log(f"{row['cell_id']}: some repeats were captured in an earlier run; `matrix analyze` measures them")
