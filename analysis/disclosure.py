@@ -145,7 +145,8 @@ def _runtime(cell: dict, as_is: Collection[str]) -> dict[str, Any]:
             "cpu_capability",
             "mkldnn",
             "gguf_tensor_types",
-            "kv_cache",
+            "kv_cache_k",  # what llama.cpp's K and V caches held (common/kv_cache.py)
+            "kv_cache_v",
             "n_batch",
             "n_ubatch",
             "torch_dtype",
