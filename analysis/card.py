@@ -60,8 +60,9 @@ def _query(warehouse: str, cell_id: str) -> tuple[dict, dict, dict, list, list, 
         prompts = dict_rows(
             con,
             """SELECT DISTINCT p.prompt_id, p.name, p.category, p.n_tokens, p.ids_sha256, p.bos_policy,
-                                       p.bos_added, p.corpus FROM prompts p JOIN metrics m USING (prompt_id)
-                                WHERE m.cell_id = ? AND m.repeat = 0 ORDER BY p.prompt_id""",
+                               p.bos_added, p.corpus, p.source, p.source_sha256
+                               FROM prompts p JOIN metrics m USING (prompt_id)
+                               WHERE m.cell_id = ? AND m.repeat = 0 ORDER BY p.prompt_id""",
             [cell_id],
         )
         pos = dict_rows(

@@ -194,11 +194,27 @@ def _evaluation_text(cell: dict, prompts: list) -> dict:
     ids_hash = hashlib.sha256("".join(p["ids_sha256"] for p in prompts).encode()).hexdigest()
     return {
         "corpus": cell.get("corpus"),
+        **_text(prompts),
         "prompts": len(prompts),
         "categories": cats,
         "token_ids_sha256": ids_hash,
         "bos_policy": cell.get("bos_policy"),
         "tokenizer_parity": cell.get("tokenizer_parity"),
+    }
+
+
+def _text(prompts: list) -> dict:
+    """The text the prompts come from: where they share one (`matrix kld`'s text file), its name
+    (the corpus entry's `source`) and sha256 (of the file's bytes, as sha256sum gives it); else the
+    corpus's name and a sha256 over its texts' in prompt order. None where a prompt records none."""
+    sources = list(dict.fromkeys((p.get("source") or "", p.get("source_sha256")) for p in prompts))
+    if not sources or any(sha is None for _, sha in sources):
+        return {"text_name": None, "text_sha256": None}
+    if len(sources) == 1:
+        return {"text_name": sources[0][0] or prompts[0]["corpus"], "text_sha256": sources[0][1]}
+    return {
+        "text_name": prompts[0]["corpus"],
+        "text_sha256": hashlib.sha256("".join(sha for _, sha in sources).encode()).hexdigest(),
     }
 
 

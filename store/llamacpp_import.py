@@ -127,6 +127,7 @@ def _chunk_prompt(
         bos_added=None,
         starts_with_bos=None,
         tokenizer_sha256=None,
+        source_sha256=sha,  # the kl-divergence-base file the chunk comes from
     ), False
 
 

@@ -156,4 +156,9 @@ MIGRATIONS = {
         "directory of each plug-in table is made.",
         plugin_tables,
     ),
+    18: Migration(
+        "prompt_sources",
+        "prompts.source_sha256 (the sha256 of the text a prompt comes from, a model card's dataset revision). "
+        "Columns only: older prompts read as null there, and a card of theirs names no text hash.",
+    ),
 }

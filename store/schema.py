@@ -46,7 +46,7 @@ import pyarrow as pa
 
 from common import plugins
 
-SCHEMA_VERSION = 17
+SCHEMA_VERSION = 18
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 
@@ -171,6 +171,9 @@ PROMPTS = pa.schema(
         ("bos_added", pa.bool_()),
         ("starts_with_bos", pa.bool_()),
         ("tokenizer_sha256", pa.string()),
+        # sha256 of the text the prompt comes from: a file's bytes (what sha256sum gives), an inline
+        # text's UTF-8, a chat's JSON, an ids file's bytes; a model card's dataset revision
+        ("source_sha256", pa.string()),
     ]
 )
 

@@ -132,6 +132,37 @@ def test_kld_returns_llama_perplexity_statistics_as_values(ggufs, tmp_path):
     )
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert json.loads(cli.stdout) == json.loads(json.dumps(job.to_dict(), default=str))
+    _model_index_reads_back(wh, r, text, ggufs["f16"])
+
+
+def _model_index_reads_back(wh, r, text: Path, reference: str) -> None:
+    """`matrix card --format model-index` is what huggingface_hub reads from a model card's front
+    matter: the candidate's statistics, the text's name and sha256, the reference file's sha256."""
+    import hashlib
+
+    from huggingface_hub import ModelCard
+
+    import matrix
+
+    cli = run_cli("card", r.cell_id, "--warehouse", str(wh), "--format", "model-index")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    results = ModelCard(f"---\n{cli.stdout}---\n").data.eval_results
+    got = {e.metric_type: e for e in results}
+    assert got["kl_divergence"].metric_value == pytest.approx(r.statistics["kld"][0], rel=1e-12)
+    assert got["kl_divergence_stderr"].metric_value == pytest.approx(r.statistics["kld"][1], rel=1e-9)
+    assert got["perplexity_ratio"].metric_value == pytest.approx(r.card["numbers"]["ppl_ratio"], rel=1e-12)
+    assert got["same_top_p"].metric_value == r.card["numbers"]["top1_agreement"]
+    sha = {f: hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in (text, reference)}
+    for e in results:
+        assert (e.task_type, e.dataset_name, e.dataset_revision) == ("text-generation", text.name, sha[text])
+        assert e.metric_args == {
+            "reference_sha256": sha[reference],
+            "n_ctx": 64,
+            "tool": f"logit-matrix {matrix.__version__}",
+        }
+    assert (
+        len(results) == 7 and results[0].dataset_revision != r.card["disclosure"]["evaluation_text"]["token_ids_sha256"]
+    )
 
 
 def test_bad_input_raises_one_line(tmp_path, tiny_model):

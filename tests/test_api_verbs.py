@@ -209,3 +209,14 @@ def test_every_leaf_command_is_held_to_its_call():
 
     leaves = {line.removeprefix("matrix ") for line, _, _ in _parsers(build_parser())}
     assert len(leaves) == 24 and leaves == set(VERBS) | {"cache list", "cache prune", "kld"}
+
+
+def test_a_card_without_its_texts_hash_has_no_model_index():
+    """A card whose prompts record no sha256 of their text (captured before prompts recorded one)
+    is refused in one line: a model-index names the text it was measured on."""
+    from analysis.model_index import model_index
+    from common.errors import UserError
+
+    card = {"cell_id": "c", "disclosure": {"evaluation_text": {"text_name": None, "text_sha256": None}}}
+    with pytest.raises(UserError, match="^card c: its prompts record no sha256 of their text"):
+        model_index(card, "logit-matrix")

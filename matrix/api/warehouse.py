@@ -57,6 +57,19 @@ class CardResult:
 
         return markdown(self.card, extras.registered())
 
+    def model_index(self) -> dict[str, Any]:
+        """The card's figures as a Hugging Face model card's `model-index` (analysis/model_index.py)."""
+        from analysis.model_index import model_index
+        from matrix import __version__
+
+        return model_index(self.card, f"logit-matrix {__version__}")
+
+    def model_index_yaml(self) -> str:
+        """model_index() as the YAML of a model card's front matter (paste it between its `---` lines)."""
+        import yaml
+
+        return yaml.safe_dump(self.model_index(), sort_keys=False, allow_unicode=True)
+
     def to_dict(self) -> dict[str, Any]:
         return dict(self.card)
 

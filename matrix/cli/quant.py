@@ -14,6 +14,8 @@ def cmd_card(args) -> int:
     result = api.card(args.warehouse, args.cell, allow_undisclosed=args.allow_undisclosed)
     if args.json or args.format == "json":
         emit_json(result.to_dict())
+    elif args.format == "model-index":
+        print(result.model_index_yaml(), end="")
     else:
         print(result.markdown(), end="")
     return 0
@@ -131,7 +133,13 @@ def _add_card(sub) -> None:
     c = sub.add_parser("card", help="a model-card KLD block with every disclosure field")
     c.add_argument("cell", help=CELL_HELP)
     c.add_argument("--warehouse", default="warehouse")
-    c.add_argument("--format", choices=["md", "json"], default="md")
+    c.add_argument(
+        "--format",
+        choices=["md", "json", "model-index"],
+        default="md",
+        help="md: the card; json: the card as data; model-index: its figures as the model-index YAML of a "
+        "Hugging Face model card's front matter",
+    )
     c.add_argument("--json", action="store_true", help="the card as JSON (same as --format json)")
     c.add_argument(
         "--allow-undisclosed", action="store_true", help="print unknown fields as 'undisclosed' instead of failing"

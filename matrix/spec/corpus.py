@@ -21,6 +21,8 @@ An entry holds exactly one of:
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -55,6 +57,15 @@ class Entry:
     vocab: Path | None = None  # a GGUF whose llama.cpp tokenizer tokenises the text
     ids_kind: str | None = None  # inline | npy | parquet | kld-base
 
+    @property
+    def source_sha256(self) -> str | None:
+        """sha256 of the text the entry's prompts come from: a text's (a file's) UTF-8 bytes, as
+        sha256sum gives a file read as it is; a chat's JSON; token ids' JSON."""
+        if self.text is not None:
+            return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+        body = self.chat if self.chat is not None else self.ids
+        return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -71,6 +82,7 @@ class Prompt:
     bos_added: bool
     starts_with_bos: bool
     tokenizer_sha256: str | None
+    source_sha256: str | None = None  # Entry.source_sha256: the text it comes from
 
     def to_row(self) -> dict:
         return asdict(self)
@@ -327,6 +339,7 @@ def tokenize(
                     bos_added=bool(added),
                     starts_with_bos=bos is not None and ids[0] == bos,
                     tokenizer_sha256=tokenizer_sha256 if e.ids is None and e.vocab is None else None,
+                    source_sha256=e.source_sha256,
                 )
             )
     if not prompts:
