@@ -13,6 +13,7 @@ from collections.abc import Collection
 from typing import Any
 
 from analysis import confidence as C
+from analysis import frontier as F
 from analysis import position_card as PC
 from analysis.disclosure import disclosure as _disclosure
 from analysis.sql import connect, dict_rows, referenced
@@ -108,6 +109,7 @@ def build_card(
         "ranges": ranges,
         "by_confidence": query_rows(warehouse, C.CARD_SQL, [cell_id]),
         "position_buckets": query_rows(warehouse, PC.CARD_SQL, [cell_id]),
+        "frontier": query_rows(warehouse, F.CARD_SQL, [cell["model"]]),
         "disclosure": disclosure,
         "undisclosed": missing,
         **{x.key: x.card(warehouse, cell) for x in extras},
@@ -168,6 +170,7 @@ def markdown(card: dict, extras) -> str:
         )
     out += PC.card_lines(card.get("position_buckets") or [])
     out += C.card_lines(card.get("by_confidence") or [])
+    out += F.card_lines(card.get("frontier") or [], card["cell_id"])
     out += ["", "| disclosure | value |", "|---|---|"]
     for k, v in card["disclosure"].items():
         if isinstance(v, dict) and k.endswith("runtime"):

@@ -13,6 +13,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from analysis import frontier as F
 from analysis import report_buckets as B
 from analysis import report_plots as P
 from analysis import report_tables as T
@@ -63,6 +64,7 @@ def gather(warehouse: str) -> dict:
                                 spec_sha256, cells_done, cells_total FROM runs ORDER BY started_at"""),
             "centroids": q("SELECT DISTINCT centroid_group, centroid FROM centroid_metrics ORDER BY ALL"),
             "stacks": q("SELECT * FROM cells"),
+            "frontier": q(f"SELECT * FROM {F.VIEW} ORDER BY model, file_bytes, kld_mean, cell_id"),
             # each plug-in's views (extras.Extra.views), for its own report section
             "plugin_views": {name: q(f"SELECT * FROM {name}") for name in plugins.provider.views()},
         }
@@ -244,7 +246,7 @@ def write_html(data: dict, out_dir: Path, warehouse: str, sections: list[str] = 
     parts = model_parts or (lambda data, model, k: "")
     body = "".join(
         f'<section class="model"><h2>Model {html.escape(m)}</h2>{T.stacks_table(data, m)}'
-        f"{model_charts(data, m, k)}{parts(data, m, k)}{T.ranges_tables(data, m)}</section>"
+        f"{model_charts(data, m, k)}{F.section(data, m, k)}{parts(data, m, k)}{T.ranges_tables(data, m)}</section>"
         for k, m in enumerate(models)
     )
     page = f"""<!doctype html>

@@ -9,6 +9,7 @@ import time
 import duckdb
 import pyarrow as pa
 
+from analysis import frontier as F
 from analysis.aggregates import agg, bucket_values, position_bucket_values, select_sql
 from common import metric_defs as D
 from common import plugins
@@ -260,6 +261,7 @@ VIEWS = {
         JOIN h ha ON ha.cell_id = a.cell_id
         JOIN h hb ON hb.cell_id = b.cell_id AND hb.prompt_id = ha.prompt_id AND hb.position = ha.position
         GROUP BY ALL""",
+    F.VIEW: F.VIEW_SQL,  # after summary, which it reads
 }
 
 
@@ -284,6 +286,7 @@ VIEW_ABOUT = {
     "summary_by_path": "rows off the plain prefill (decoded a token at a time, served by a prefix cache) against "
     "the reference's prefill rows and against the same cell's own prefill rows",
     "stack_identity": "every pair of captured cells of one stack (replicas, builds): how many rows are byte-identical",
+    F.VIEW: F.VIEW_ABOUT,
 }
 
 

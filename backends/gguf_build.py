@@ -177,6 +177,27 @@ def tensor_types(path: str) -> dict[str, int]:
     return dict(sorted(Counter(GGMLQuantizationType(t).name for _, t in tensor_table(path)).items()))
 
 
+def weights_size(path: str | Path) -> dict[str, Any]:
+    """A GGUF's size as a quant's reader weighs it: the file's bytes, its weights' elements and bits
+    per weight over the tensor data (llama.cpp's BPW: tensor bytes x 8 / elements)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from common.gguf_header import read_tensors
+
+    tensors = read_tensors(path)
+    elements = sum(n for _, _, n in tensors)
+    data = 0
+    for _, ttype, n in tensors:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+        data += n // block * size
+    return {
+        "file_bytes": Path(path).stat().st_size,
+        "tensor_bytes": data,
+        "parameters": elements,
+        "bits_per_weight": data * 8 / elements,
+    }
+
+
 def tensor_table(path: str | Path) -> list[tuple[str, int]]:
     """(name, ggml type id) of every tensor, from the header alone (common/gguf_header.py)."""
     from common.gguf_header import read_header

@@ -140,6 +140,7 @@ class LlamaCppBackend(LlamaContexts, Backend):
         self.vocab = lc.llama_model_get_vocab(self.model)
         self._n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.tensor_types = gguf_build.tensor_types(self.artifact["path"])
+        self.size = gguf_build.weights_size(self.artifact["path"])  # for the KL-against-size frontier
         self._kept = None  # (n_ctx, context, params) of the last prompt's forward
         self._outputs = OutputRing(0)
 
@@ -193,6 +194,7 @@ class LlamaCppBackend(LlamaContexts, Backend):
         return {
             "dtype": self.stack.dtype,
             "gguf_tensor_types": self.tensor_types,
+            "gguf_size": self.size,
             "n_batch": self.n_batch,
             "n_ubatch": self.n_ubatch,
             **self.kv_cache.settings(),

@@ -7,6 +7,7 @@ large vocabulary (docs/benchmark-notes.md). This walks the header once with stru
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -107,20 +108,44 @@ def read_header(
             value = w.value(vtype, wanted)
             if wanted:
                 fields[key] = value
-        table = []
-        for _ in range(n_tensors if tensors else 0):
-            name = w.string()
-            (dims,) = struct.unpack_from("<I", m, w.at)
-            w.at += 4 + 8 * dims
-            (ttype,) = struct.unpack_from("<I", m, w.at)
-            table.append((name, ttype))
-            w.at += 4 + 8  # the type, then the data offset
+        table = [(name, ttype) for name, ttype, _ in _tensor_infos(w, m, n_tensors if tensors else 0)]
         return fields, table
     except struct.error:
         raise UserError(f"{path}: GGUF header is truncated") from None
     finally:
         m.close()
         f.close()
+
+
+def read_tensors(path: str | Path) -> list[tuple[str, int, int]]:
+    """[(tensor name, ggml type id, number of elements)] of every tensor, from the header alone."""
+    f, m = _open(path)
+    try:
+        n_tensors, n_kv = struct.unpack_from("<QQ", m, 8)
+        w = _Walk(m, str(path))
+        for _ in range(n_kv):
+            w.string()
+            (vtype,) = struct.unpack_from("<I", m, w.at)
+            w.at += 4
+            w.value(vtype, False)
+        return list(_tensor_infos(w, m, n_tensors))
+    except struct.error:
+        raise UserError(f"{path}: GGUF header is truncated") from None
+    finally:
+        m.close()
+        f.close()
+
+
+def _tensor_infos(w: _Walk, m, n: int):
+    """(name, ggml type id, elements) of the next n tensor infos (name, dims, shape, type, offset)."""
+    for _ in range(n):
+        name = w.string()
+        (dims,) = struct.unpack_from("<I", m, w.at)
+        shape = struct.unpack_from(f"<{dims}Q", m, w.at + 4)
+        w.at += 4 + 8 * dims
+        (ttype,) = struct.unpack_from("<I", m, w.at)
+        w.at += 4 + 8  # the type, then the data offset
+        yield name, ttype, math.prod(shape)
 
 
 @dataclass(frozen=True)

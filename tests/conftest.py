@@ -310,3 +310,15 @@ def capture(tiny_model, short_corpus, tmp_path_factory):
         return made[key]
 
     return capture
+
+
+def same_json(a, b) -> bool:
+    """Two JSON values equal, floats to 1e-12 relative: a figure of two queries may differ in its last
+    bit, as DuckDB's parallel aggregates (avg, stddev_samp) add partial sums in the order threads finish."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == pytest.approx(b, rel=1e-12, nan_ok=True)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b))
+    return a == b

@@ -12,7 +12,7 @@ import pytest
 
 from common.errors import UserError
 from matrix import api
-from tests.conftest import REPO, run_cli, write_spec
+from tests.conftest import REPO, run_cli, same_json, write_spec
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_kld_returns_llama_perplexity_statistics_as_values(ggufs, tmp_path):
         "--json",
     )
     assert cli.returncode == 0, cli.stderr[-2000:]
-    assert json.loads(cli.stdout) == json.loads(json.dumps(job.to_dict(), default=str))
+    assert same_json(json.loads(cli.stdout), json.loads(json.dumps(job.to_dict(), default=str)))
     _model_index_reads_back(wh, r, text, ggufs["f16"])
 
 

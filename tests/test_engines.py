@@ -102,7 +102,7 @@ def test_llamacpp_f32_matches_hf_fp32(tiny, prompts, hf_fp32):
     assert np.array_equal(got, run_all(be, prompts))  # the KV cache cleared before each prompt: bit-reproducible
     assert be.settings()["gguf_tensor_types"] == {"F32": 2 * 9 + 2}  # 9 a layer, the embedding, the norm
     s = be.settings()
-    assert s["kv_cache"] == "f32" and s["n_ubatch"] == 512 and "AVX2 = 1" in s["system_info"]
+    assert s["kv_cache_k"] == s["kv_cache_v"] == "f32" and s["n_ubatch"] == 512 and "AVX2 = 1" in s["system_info"]
     assert len(s["artifact"]["sha256"]) == 64
 
 

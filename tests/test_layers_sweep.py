@@ -221,3 +221,38 @@ def test_verify_checks_layer_states_row_by_row(layered, tmp_path):
     assert rep["damaged_files"] == [str(path)] and len(rep["damage"]) == 1
     d = rep["damage"][0]
     assert d["what"].endswith("values do not match row_hash") and d["cell_id"] == cid, d
+
+
+def test_the_frontier_is_each_gguf_by_its_size_and_kl(layered, tmp_path):
+    """The frontier view against the files themselves (gguf's own reader) and the summary; its
+    Pareto flags against a brute force; the card's table and the report's chart of it."""
+    from pathlib import Path
+
+    from gguf import GGUFReader
+
+    from matrix import api
+
+    _, wh, _ = layered
+    rows = {r["dtype"]: r for r in sql(wh, "select * from frontier")}
+    cells = _cells(wh)
+    summary = {r["cell_id"]: r for r in sql(wh, "select cell_id, kld_mean, kld_p999 from summary")}
+    assert sorted(rows) == sorted(LADDER)  # the HF stacks have no sized weights file
+    for q, r in rows.items():
+        f = GGUFReader(cells[("llamacpp", q)]["artifact"])
+        assert r["file_bytes"] == Path(cells[("llamacpp", q)]["artifact"]).stat().st_size
+        assert r["parameters"] == sum(int(t.n_elements) for t in f.tensors)
+        assert r["tensor_bytes"] == sum(int(t.n_bytes) for t in f.tensors)
+        assert r["bits_per_weight"] == pytest.approx(r["tensor_bytes"] * 8 / r["parameters"], rel=1e-12)
+        # the view reads summary again: DuckDB's parallel avg may round the last bit another way
+        assert r["kld_mean"] == pytest.approx(summary[r["cell_id"]]["kld_mean"], rel=1e-12)
+        assert r["kld_p999"] == pytest.approx(summary[r["cell_id"]]["kld_p999"], rel=1e-12)
+    order = lambda r: (r["file_bytes"], r["kld_mean"], r["cell_id"])  # noqa: E731
+    for r in rows.values():  # on the front: no file ordered before it has a KL as low
+        assert r["pareto"] == all(o["kld_mean"] > r["kld_mean"] for o in rows.values() if order(o) < order(r))
+    assert rows["q4_0"]["file_bytes"] < rows["q8_0"]["file_bytes"] < rows["f16"]["file_bytes"]
+    assert rows["q4_0"]["pareto"]  # the smallest file is always on it
+    card = api.card(str(wh), cells[("llamacpp", "q4_0")]["cell_id"], allow_undisclosed=True)
+    assert [r["cell_id"] for r in card.card["frontier"]] == [r["cell_id"] for r in sorted(rows.values(), key=order)]
+    assert sum("(this card)" in line for line in card.markdown().splitlines()) == 1
+    page = Path(api.report(str(wh), str(tmp_path / "report")).html).read_text()
+    assert 'id="frontier-0"' in page and "<h3>KL against size</h3>" in page
