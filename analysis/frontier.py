@@ -69,7 +69,7 @@ def section(data: dict, model: str, k: int) -> str:
     head = "<h3>KL against size</h3>"
     note = (
         f"<p>{len(rows)} file(s); the Pareto front (no smaller file has a KL as low) is joined and labelled. "
-        "KL in nats, log axis; p99.9 where the stack has enough rows.</p>"
+        "KL in nats on a log axis: the mean as circles, p99.9 as triangles.</p>"
     )
     with P.drawing(9.6, 3.6) as fig:
         axes = fig.subplots(1, 2, sharey=True)
