@@ -170,39 +170,33 @@ def quantize(f32: dict[str, Any], dtype: str, threads: int, imatrix: dict[str, A
     return ensure("gguf", f"model-{dtype}.gguf", recipe, build)
 
 
-def tensor_types(path: str) -> dict[str, int]:
+def tensor_types(path: str | Path) -> dict[str, int]:
     """ggml type name -> number of tensors, as actually stored in the file."""
-    from gguf import GGMLQuantizationType
-
-    return dict(sorted(Counter(GGMLQuantizationType(t).name for _, t in tensor_table(path)).items()))
+    return tensor_layout(path)[0]
 
 
-def weights_size(path: str | Path) -> dict[str, Any]:
-    """A GGUF's size as a quant's reader weighs it: the file's bytes, its weights' elements and bits
-    per weight over the tensor data (llama.cpp's BPW: tensor bytes x 8 / elements)."""
+def tensor_layout(path: str | Path) -> tuple[dict[str, int], dict[str, Any]]:
+    """From one read of the header: the file's tensor types (as tensor_types) and its size as a
+    quant's reader weighs it: the file's bytes, its weights' elements and bits per weight over the
+    tensor data (llama.cpp's BPW: tensor bytes x 8 / elements)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     from common.gguf_header import read_tensors
 
     tensors = read_tensors(path)
+    types = Counter(GGMLQuantizationType(t).name for _, t, _ in tensors)
     elements = sum(n for _, _, n in tensors)
     data = 0
     for _, ttype, n in tensors:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
         data += n // block * size
-    return {
+    size = {
         "file_bytes": Path(path).stat().st_size,
         "tensor_bytes": data,
         "parameters": elements,
         "bits_per_weight": data * 8 / elements,
     }
-
-
-def tensor_table(path: str | Path) -> list[tuple[str, int]]:
-    """(name, ggml type id) of every tensor, from the header alone (common/gguf_header.py)."""
-    from common.gguf_header import read_header
-
-    return read_header(path, keep=lambda key: False, tensors=True)[1]
+    return dict(sorted(types.items())), size
 
 
 def published(path: str, sha256: str | None, source: str | None = None) -> dict[str, Any]:

@@ -139,8 +139,8 @@ class LlamaCppBackend(LlamaContexts, Backend):
         self._check_kv_cache()
         self.vocab = lc.llama_model_get_vocab(self.model)
         self._n_vocab = lc.llama_vocab_n_tokens(self.vocab)
-        self.tensor_types = gguf_build.tensor_types(self.artifact["path"])
-        self.size = gguf_build.weights_size(self.artifact["path"])  # for the KL-against-size frontier
+        # the size for the KL-against-size frontier (analysis/frontier.py), from the same header read
+        self.tensor_types, self.size = gguf_build.tensor_layout(self.artifact["path"])
         self._kept = None  # (n_ctx, context, params) of the last prompt's forward
         self._outputs = OutputRing(0)
 

@@ -96,6 +96,17 @@ def read_header(
 ) -> tuple[dict[str, Any], list[tuple[str, int]]]:
     """({key: value} of the fields keep(key) asks for, [(tensor name, ggml type id)] when tensors,
     else [])."""
+    fields, infos = _read(path, keep, tensors)
+    return fields, [(name, ttype) for name, ttype, _ in infos]
+
+
+def read_tensors(path: str | Path) -> list[tuple[str, int, int]]:
+    """[(tensor name, ggml type id, number of elements)] of every tensor, from the header alone."""
+    return _read(path, lambda key: False, True)[1]
+
+
+def _read(path: str | Path, keep, tensors: bool) -> tuple[dict[str, Any], list[tuple[str, int, int]]]:
+    """The fields keep(key) asks for and, when tensors, every tensor's (name, type id, elements)."""
     f, m = _open(path)
     try:
         n_tensors, n_kv = struct.unpack_from("<QQ", m, 8)
@@ -108,27 +119,7 @@ def read_header(
             value = w.value(vtype, wanted)
             if wanted:
                 fields[key] = value
-        table = [(name, ttype) for name, ttype, _ in _tensor_infos(w, m, n_tensors if tensors else 0)]
-        return fields, table
-    except struct.error:
-        raise UserError(f"{path}: GGUF header is truncated") from None
-    finally:
-        m.close()
-        f.close()
-
-
-def read_tensors(path: str | Path) -> list[tuple[str, int, int]]:
-    """[(tensor name, ggml type id, number of elements)] of every tensor, from the header alone."""
-    f, m = _open(path)
-    try:
-        n_tensors, n_kv = struct.unpack_from("<QQ", m, 8)
-        w = _Walk(m, str(path))
-        for _ in range(n_kv):
-            w.string()
-            (vtype,) = struct.unpack_from("<I", m, w.at)
-            w.at += 4
-            w.value(vtype, False)
-        return list(_tensor_infos(w, m, n_tensors))
+        return fields, list(_tensor_infos(w, m, n_tensors if tensors else 0))
     except struct.error:
         raise UserError(f"{path}: GGUF header is truncated") from None
     finally:
