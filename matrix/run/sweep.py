@@ -97,8 +97,7 @@ class Sweep:
         started = self.ex.start(cw.cell, cw.desc, cw.model, cw.threads, self.nodes, work)
         if cw.host_key is not None:
             self.hosts[cw.host_key] = Host(started)
-        self.live[cw.cell.cell_id] = Live(cw, started, len(work.repeats), repeats=sorted(work.repeats))
-        self.pending.update(started.calls)
+        self._live(cw, started, work, "placing")
         self.out.units_total += len(work.repeats)
 
     def _work(self, cw: CellWork, metrics_ref: str | None) -> launch.Work:
@@ -118,11 +117,13 @@ class Sweep:
         cw, metrics_ref = host.queue.pop(0)
         work = self._work(cw, metrics_ref)
         host.started = self.ex.reuse(host.started, cw.cell, cw.desc, work)
-        self.live[cw.cell.cell_id] = Live(
-            cw, host.started, len(work.repeats), repeats=sorted(work.repeats), phase="loading"
-        )
-        self.pending.update(host.started.calls)
+        self._live(cw, host.started, work, "loading")
         return True
+
+    def _live(self, cw: CellWork, started: launch.Started, work: launch.Work, phase: str) -> None:
+        """The cell in flight on `started` (a host of its own, or a shared one it took over), its calls out."""
+        self.live[cw.cell.cell_id] = Live(cw, started, len(work.repeats), repeats=sorted(work.repeats), phase=phase)
+        self.pending.update(started.calls)
 
     def _own_host(self, live: Live) -> Host | None:
         """The shared host the cell runs on now, if it runs on one."""

@@ -155,7 +155,7 @@ class Reading:
     def __init__(self, cls, path: Path, text: str, data: dict):
         self.path, self.text, self.data = path, text, data
         self.keys = {k.name: k for k in spec_keys(cls)}
-        self.plugins = tuple(set(self.keys) - {k.name for k in declared(cls)})  # keys no field declares
+        self.plugins = tuple(x.key for x in extras.cell_extras())  # the keys no field declares
         self._values: dict[str, Any] = {}
 
     def fail(self, fld: str, msg: str, value: Any = ...) -> UserError:
