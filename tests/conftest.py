@@ -292,6 +292,20 @@ def merge_sources(tiny_model, short_corpus, tmp_path_factory):
     return tuple(out)
 
 
+# Every position of the first 40 tokens (what llama-perplexity scores with -c 32), fp32 against bf16,
+# layer states on both: the capture the verbs' tests and the kld-base tests share (`capture(**DENSE)`).
+DENSE = {
+    "dtypes": ["fp32", "bf16"],
+    "attention": ["eager"],
+    "reference": {"engine": "hf", "dtype": "fp32", "attention": "eager"},
+    "stride": 1,
+    "repeats": 1,
+    "max_tokens": 40,
+    "layers": "all",
+    "flags": ("--executor", "local"),
+}
+
+
 @pytest.fixture(scope="session")
 def capture(tiny_model, short_corpus, tmp_path_factory):
     """capture(**over) -> (spec, warehouse): `write_spec(tiny_model, short_corpus, **over)` captured

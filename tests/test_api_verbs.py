@@ -1,8 +1,8 @@
 """Every verb of the command is its matrix.api call: what the verb prints with --json (--format json
-for sql) is that call's to_dict(), as JSON writes it. One small sweep (every position of the first 40
-tokens, so that llama-perplexity's chunks of 32 can be exported; layer states on every cell) is
-captured and analysed once; each verb then runs once through the command and once through the API,
-a verb that writes a file writing it under cli/ and api/ of its own folder."""
+for sql) is that call's to_dict(), as JSON writes it. The session's dense capture (conftest DENSE:
+every position of the first 40 tokens, so that llama-perplexity's chunks of 32 can be exported;
+layer states on every cell) is analysed in a copy; each verb then runs once through the command and
+once through the API, a verb that writes a file writing it under cli/ and api/ of its own folder."""
 
 from __future__ import annotations
 
@@ -13,29 +13,16 @@ from types import SimpleNamespace
 import pytest
 
 from matrix import api
-from tests.conftest import run_cli, same_json, write_spec
+from tests.conftest import DENSE, analyzed_copy, run_cli, same_json
 
 QUIET = {"log": lambda line: None}
 
 
 @pytest.fixture(scope="module")
-def w(tiny_model, short_corpus, tmp_path_factory):
-    d = tmp_path_factory.mktemp("verbs")
-    spec = write_spec(
-        d / "spec.yaml",
-        tiny_model,
-        short_corpus,
-        dtypes=["fp32", "bf16"],
-        attention=["eager"],
-        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"},
-        stride=1,
-        repeats=1,
-        max_tokens=40,
-        layers="all",
-    )
-    wh = str(d / "wh")
-    assert api.run(spec, wh, executor="local", **QUIET).ok
-    api.analyze(wh, workers=1, **QUIET)
+def w(capture, tiny_model, tmp_path_factory):
+    spec, _ = captured = capture(**DENSE)  # the session's capture, analysed in a copy
+    copy, _ = analyzed_copy(captured, tmp_path_factory, "verbs")
+    d, wh = copy.parent, str(copy)
     for side in ("cli", "api"):
         (d / side).mkdir()
     fixture = api.fixture_export(wh, "hf/fp32", str(d / "ref.json"), k=16, **QUIET).report["path"]

@@ -13,7 +13,7 @@ import pytest
 from store import Warehouse
 from store import llamacpp_kld as K
 from store.warehouse import logits_matrix
-from tests.conftest import analyzed_copy, run_cli, run_process, sql, write_spec
+from tests.conftest import DENSE, analyzed_copy, run_cli, run_process, sql
 
 pytestmark = pytest.mark.slow  # the session's `swept` sweep runs on a Ray cluster
 
@@ -122,23 +122,11 @@ def test_admit_passes_the_reference_and_fails_tight_gates(analyzed, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def dense(tiny_model, short_corpus, tmp_path_factory):
-    """Every position of the first 40 tokens: what llama-perplexity scores with -c 32."""
-    d = tmp_path_factory.mktemp("dense")
-    spec = write_spec(
-        d / "spec.yaml",
-        tiny_model,
-        short_corpus,
-        dtypes=["fp32", "bf16"],
-        attention=["eager"],
-        reference={"engine": "hf", "dtype": "fp32"},
-        stride=1,
-        repeats=1,
-        max_tokens=40,
-    )
-    wh = d / "wh"
-    r = run_cli("run", str(spec), "--warehouse", str(wh))
-    assert r.returncode == 0, r.stderr[-3000:]
+def dense(capture, tmp_path_factory):
+    """Every position of the first 40 tokens (conftest DENSE), in a copy: the import writes into it."""
+    _, captured = capture(**DENSE)
+    wh = tmp_path_factory.mktemp("dense") / "wh"
+    shutil.copytree(captured, wh)
     cells = {c["dtype"]: c["cell_id"] for c in sql(wh, "select * from cells")}
     return wh, cells
 
