@@ -9,6 +9,8 @@ from __future__ import annotations
 import html
 
 from analysis import report_plots as P
+from analysis import report_tables as T
+from common.output import fmt_number
 
 VIEW = "frontier"
 # Pareto: its KL is below the lowest KL of every smaller file of its model (a tie in size: the lower KL first)
@@ -49,14 +51,10 @@ def card_lines(rows: list[dict], cell_id: str, names: dict[str, str] | None = No
         mark = " (this card)" if r["cell_id"] == cell_id else ""
         out.append(
             f"| {name}{mark} | {r['file_bytes'] / MIB:.1f} | {r['bits_per_weight']:.3f} | "
-            f"{r['kld_mean']:.4g} ± {r['kld_stderr'] or 0:.2g} | {_g(r['kld_p999'])} | "
+            f"{r['kld_mean']:.4g} ± {r['kld_stderr'] or 0:.2g} | {fmt_number(r['kld_p999'])} | "
             f"{'yes' if r['pareto'] else ''} |"
         )
     return out
-
-
-def _g(v) -> str:
-    return "" if v is None else f"{v:.4g}"
 
 
 def section(data: dict, model: str, k: int) -> str:
@@ -80,7 +78,7 @@ def section(data: dict, model: str, k: int) -> str:
             ax.set_xlabel(label)
         axes[0].set_ylabel("KL to the reference (nats)")
         chart = P.svg(fig, f"frontier-{k}")
-    return head + note + chart + _table(rows, names)
+    return head + note + chart + _table(rows, names, k)
 
 
 def _panel(ax, rows: list[dict], names: dict, key: str, scale: float) -> None:
@@ -105,14 +103,15 @@ def _panel(ax, rows: list[dict], names: dict, key: str, scale: float) -> None:
     ax.legend(loc="upper right", frameon=False)
 
 
-def _table(rows: list[dict], names: dict) -> str:
-    cells = "".join(
-        f"<tr><td>{html.escape(names.get(r['cell_id'], r['cell_id']))}</td><td>{r['file_bytes'] / MIB:.1f}</td>"
-        f"<td>{r['bits_per_weight']:.3f}</td><td>{r['kld_mean']:.4g}</td><td>{_g(r['kld_p999'])}</td>"
-        f"<td>{'yes' if r['pareto'] else ''}</td></tr>"
+def _table(rows: list[dict], names: dict, k: int) -> str:
+    head = ["stack", "MiB", "bits/weight", "mean KLD", "p99.9 KLD", "Pareto"]
+    body = [
+        [
+            html.escape(names.get(r["cell_id"], r["cell_id"])),
+            f"{r['file_bytes'] / MIB:.1f}",
+            f"{r['bits_per_weight']:.3f}",
+        ]
+        + [T.fmt(r["kld_mean"]), T.fmt(r["kld_p999"]), "yes" if r["pareto"] else ""]
         for r in rows
-    )
-    return (
-        "<table><tr><th>stack</th><th>MiB</th><th>bits/weight</th><th>mean KLD</th><th>p99.9 KLD</th>"
-        f"<th>Pareto</th></tr>{cells}</table>"
-    )
+    ]
+    return T.html_table(f"frontier-rows-{k}", head, body)
