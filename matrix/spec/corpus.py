@@ -320,6 +320,7 @@ def tokenize(
             # a base model (Gemma 3 270M's GGUF carries no template): its chats have no rendering
             log(f"{model}: prompt {e.id} is a chat and the tokenizer has no chat template: left out for this model")
             continue
+        source_sha256 = e.source_sha256  # once per entry: a text cut into chunks is hashed whole
         for pname, text, ids, added in _sequences(e, tokenizer, bos_policy, model, str(corpus_path(corpus))):
             if not ids:
                 raise UserError(f"{model}: prompt {pname} tokenises to no tokens")
@@ -339,7 +340,7 @@ def tokenize(
                     bos_added=bool(added),
                     starts_with_bos=bos is not None and ids[0] == bos,
                     tokenizer_sha256=tokenizer_sha256 if e.ids is None and e.vocab is None else None,
-                    source_sha256=e.source_sha256,
+                    source_sha256=source_sha256,
                 )
             )
     if not prompts:
