@@ -4,6 +4,7 @@ what the verb prints with `--json`."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +35,7 @@ class CutResult:
     bytes: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("name", "layers", "bf16", "gguf", "path", "bytes")}
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
