@@ -151,8 +151,11 @@ def test_the_results_hold_the_warehouses_values(w):
     assert [r["layer"] for r in layers.layers][-1] == "final_norm" and layers.ok == layers.verdict["pass"]
     listed = api.cells(w.spec)
     assert sorted(c["dtype"] for c in listed.cells) == ["bf16", "fp32"] and listed.unplaceable is None
-    merged = api.merge([w.wh], str(w.d / "api" / "merged"), **QUIET)  # merged above: nothing new now
-    assert merged.sources[0].merged == () and len(merged.sources[0].already_present) == 2 and merged.ok
+    into = str(w.d / "merged-twice")
+    first = api.merge([w.wh], into, **QUIET)
+    assert len(first.sources[0].merged) == 2 and first.sources[0].already_present == () and first.ok
+    again = api.merge([w.wh], into, **QUIET)  # nothing new the second time
+    assert again.sources[0].merged == () and len(again.sources[0].already_present) == 2 and again.ok
 
 
 def test_cache_list_and_prune(tmp_path, monkeypatch):
