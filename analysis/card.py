@@ -178,6 +178,9 @@ def markdown(card: dict, extras) -> str:
                 out.append(f"| {k}.{kk} | {fmt_value(vv).replace('|', '/')} |")
         else:
             out.append(f"| {k} | {fmt_value(v).replace('|', '/')} |")
+    lines = (card["disclosure"].get("candidate_artifact") or {}).get("tensor_type_lines")
+    if isinstance(lines, list):  # the recipe, as llama-quantize --tensor-type-file takes it
+        out += ["", "The recipe's `--tensor-type-file`:", "", "```", *lines, "```"]
     for x in extras:  # each per-cell extra's block (extras: Extra.card_lines)
         if card.get(x.key):
             out += x.card_lines(card[x.key])

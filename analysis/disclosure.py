@@ -91,6 +91,8 @@ def artifact(cell: dict) -> dict:
             "source": recipe.get("source"),
             "declared_quant": recipe.get("declared_quant"),
             **({"label": recipe["label"]} if recipe.get("label") else {}),
+            # llama-quantize --tensor-type-file lines that rebuild it, where this project quantised it
+            **({"tensor_type_lines": recipe["tensor_types"]} if recipe.get("tensor_types") else {}),
         }
     if not recipe:  # HF, vLLM, TensorRT-LLM: the engine loads the reference checkpoint itself
         return {"kind": f"the reference checkpoint itself, loaded by {cell['engine']} at {cell['dtype']}"}

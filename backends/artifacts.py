@@ -104,6 +104,21 @@ def ensure(
     return {"path": str(d / name), "sha256": data["sha256"], "recipe": recipe}
 
 
+def recipe_of(path: str | Path) -> dict | None:
+    """The recipe of a file this cache built, read from the recipe.json beside it where that names
+    this file and its hash still matches (a file copied out and changed is not the artifact)."""
+    from common.files import file_sha256
+
+    p = Path(path)
+    meta = p.parent / "recipe.json"
+    if not meta.is_file():
+        return None
+    data = json.loads(meta.read_text())
+    if data.get("file") != p.name or data.get("sha256") != file_sha256(p):
+        return None
+    return data
+
+
 def _digest(p: Path) -> str:
     """sha256 of a file, or of a directory's files (name + content) in name order."""
     if p.is_file():

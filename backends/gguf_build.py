@@ -138,9 +138,16 @@ def _run_converter(tools: Path, hf_dir: str, outtype: str, out: Path) -> None:
         raise UserError(f"{hf_dir}: convert_hf_to_gguf.py --outtype {outtype} failed: {tail[0]}")
 
 
-def quantize(f32: dict[str, Any], dtype: str, threads: int, imatrix: dict[str, Any] | None = None) -> dict[str, Any]:
+def quantize(
+    f32: dict[str, Any],
+    dtype: str,
+    threads: int,
+    imatrix: dict[str, Any] | None = None,
+    tensor_types: tuple[str, ...] = (),
+) -> dict[str, Any]:
     """F32 GGUF -> a quant type, by llama.cpp's own quantiser (llama_model_quantize), weighted by an
-    importance matrix (an artifact of backends/gguf_imatrix.py) when one is given."""
+    importance matrix (an artifact of backends/gguf_imatrix.py) when one is given. tensor_types:
+    llama-quantize's --tensor-type lines (PATTERN=TYPE, backends/gguf_groups.py), first match wins."""
     import ctypes
 
     import llama_cpp
@@ -153,6 +160,8 @@ def quantize(f32: dict[str, Any], dtype: str, threads: int, imatrix: dict[str, A
         "ftype": ftype_name,
         "imatrix": None if imatrix is None else {"sha256": imatrix["sha256"], **imatrix["recipe"]},
     }
+    if tensor_types:  # only where given: a plain quant's key, and so its cached file, stays as it was
+        recipe["tensor_types"] = list(tensor_types)
 
     def build(tmp: Path) -> None:
         params = llama_cpp.llama_model_quantize_default_params()
@@ -163,6 +172,10 @@ def quantize(f32: dict[str, Any], dtype: str, threads: int, imatrix: dict[str, A
 
             arr, kv, _keep = quantize_inputs(imatrix["path"], imatrix["recipe"]["calibration"])
             params.imatrix, params.kv_overrides = arr, kv
+        if tensor_types:
+            from backends.gguf_groups import overrides
+
+            params.tt_overrides, _keep_overrides = overrides(tensor_types)
         rc = llama_cpp.llama_model_quantize(f32["path"].encode(), str(tmp).encode(), ctypes.byref(params))
         if rc != 0 or not tmp.is_file():
             raise UserError(f"llama.cpp could not quantise {f32['path']} to {dtype} (return code {rc})")

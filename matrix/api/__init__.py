@@ -9,6 +9,7 @@ these, and prints what it returns.
     con.sql("SELECT cell_id, kld_mean, top1_agreement FROM summary").df()
     api.sql("warehouse", "SELECT count(*) AS n FROM cells").to_dict()       # -> QueryResult
     job = api.kld("ref.gguf", ["q4_k_m.gguf"], "wiki.test.raw", "kld-wh")    # -> KldResult
+    api.attribute("ref.gguf", "q4_k_m", "wiki.test.raw", "attr-wh")         # -> AttributeResult
     api.stacks("warehouse"), api.status("warehouse")                         # -> StacksResult, StatusResult
     api.verify("warehouse"), api.card("warehouse", "llamacpp/q4_k_m")        # -> VerifyResult, CardResult
     api.admit("warehouse", "llamacpp/q4_k_m").ok                              # -> AdmitResult
@@ -22,6 +23,7 @@ docs/python-api.md has a notebook example.
 """
 
 from matrix.api.analysis import ViewsScript, analyze, connect, export_views, sql
+from matrix.api.attribute import attribute
 from matrix.api.catalog import (
     CacheResult,
     CatalogResult,
@@ -46,7 +48,7 @@ from matrix.api.exchange import (
 from matrix.api.gates import AdmitResult, FixtureCheckResult, LayersResult, admit, fixture_check, layers
 from matrix.api.kld import kld
 from matrix.api.pages import DocsResult, SpecResult, docs, spec
-from matrix.api.results import AnalyzeResult, CandidateResult, KldResult, QueryResult, RunResult
+from matrix.api.results import AnalyzeResult, AttributeResult, CandidateResult, KldResult, QueryResult, RunResult
 from matrix.api.sweep import run
 from matrix.api.warehouse import (
     CardResult,
@@ -78,6 +80,7 @@ __all__ = [
     "fixture_export", "fixture_check", "FixtureCheckResult",  # matrix fixture export|check
     "kld_base_export", "kld_base_import", "FileResult",  # matrix kld-base export|import (and fixture export)
     "kld", "KldResult", "CandidateResult",  # matrix kld
+    "attribute", "AttributeResult",  # matrix attribute
     "models", "CatalogResult", "fetch_model", "cut_model", "CutResult",  # matrix models list|fetch|cut
     "cache", "CacheResult", "prune_cache", "PruneResult",  # matrix cache list|prune
     "spec", "SpecResult",  # matrix spec

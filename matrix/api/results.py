@@ -102,3 +102,27 @@ class KldResult:
             "results": [r.to_dict() for r in self.results],
             "incomplete": list(self.incomplete),
         }
+
+
+@dataclass(frozen=True)
+class AttributeResult:
+    """One `attribute()` job: the base quant, each group's variant ranked, and the cumulative frontier
+    (analysis/attribution.py says how each is ranked and measured)."""
+
+    reference: str  # the float GGUF quantised from
+    reference_sha256: str
+    recipe: str
+    text: str
+    n_ctx: int
+    warehouse: str
+    base: dict
+    variants: tuple[dict, ...]  # raises, then lowers, each in ranking order, dropped ones last
+    frontier: tuple[dict, ...]  # step 0 the base
+    incomplete: tuple[str, ...] = ()  # frontier files whose cell did not complete
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def tensor_type_file(self, step: int) -> str:
+        """The --tensor-type-file that rebuilds a frontier step with llama-quantize."""
+        return "".join(f"{line}\n" for line in self.frontier[step]["lines"])

@@ -11,7 +11,7 @@ from common.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from matrix.cli import cache, docs, kld, models, spec, sweep, warehouse
+    from matrix.cli import attribute, cache, docs, kld, models, spec, sweep, warehouse
     from matrix.cli import layers as cli_layers
     from matrix.cli import quant as cli_quant
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     warehouse.add_parsers(sub)
     cli_quant.add_parsers(sub)
     kld.add_parser(sub)
+    attribute.add_parser(sub)
     cli_layers.add_parser(sub)
     spec.add_parser(sub)
     docs.add_parser(sub, build_parser)

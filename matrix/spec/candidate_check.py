@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import backends
+from backends.artifacts import recipe_of
 from backends.base import CHECKPOINT
 from common import ids
 from common.errors import UserError
@@ -58,8 +59,13 @@ def header_facts(cell: Cell, model) -> dict:
             "config_dtype": str(getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)),
             "quantization_config": q if isinstance(q, dict) else (q.to_dict() if q is not None else None),
         }
-    info = read_info(resolve(cell, model).artifact)
-    return {"declared_quant": info.declared, "gguf_name": info.name, "imatrix": info.imatrix or None}
+    path = resolve(cell, model).artifact
+    info = read_info(path)
+    facts = {"declared_quant": info.declared, "gguf_name": info.name, "imatrix": info.imatrix or None}
+    # a file this machine's llama.cpp quantised with per-tensor types (matrix attribute): the
+    # --tensor-type lines that rebuild it, from its recipe in the artifact cache
+    lines = (recipe_of(path) or {}).get("tensor_types")
+    return {**facts, "tensor_types": lines} if lines else facts
 
 
 # SentencePiece writes a space inside a piece as U+2581 (github.com/google/sentencepiece README,

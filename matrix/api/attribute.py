@@ -1,0 +1,277 @@
+"""`attribute()`: which tensors cost the KL of a quant recipe, and what each byte buys.
+
+The recipe (a quant type, optionally an importance matrix) is quantised once from the reference: the
+base. Each group of tensors (backends/gguf_groups.py: by kind, by depth) is then raised alone to a
+higher type, and optionally lowered alone to a cheaper one, through llama.cpp's per-tensor type
+overrides; every file is measured against the reference's rows by one `kld()` job (the rows stored
+once, a candidate measured as it is captured), ranked (analysis/attribution.py), and the raises are
+applied cumulatively in the ranking's order: each frontier point a real file, measured.
+
+Every file is a content-keyed artifact and the job's cells are kept, so a second call (or one after
+an interruption) quantises and measures only what it has not.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from analysis import attribution as A
+from common.errors import UserError
+from common.output import log as stderr_log
+from matrix.api.results import AttributeResult
+
+RAISE_DEFAULT = "q8_0"
+
+
+def attribute(
+    reference: str,
+    quant: str,
+    text: str | os.PathLike,
+    warehouse: str = "attribute-warehouse",
+    *,
+    imatrix: str | None = None,
+    raise_to: str = RAISE_DEFAULT,
+    lower_to: str | None = None,
+    groups: tuple[str, ...] | None = None,
+    frontier: int | None = None,
+    n_ctx: int = 512,
+    chunks: int | None = None,
+    threads: int | None = None,
+    address: str | None = None,
+    executor: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> AttributeResult:
+    """reference: an F16, BF16 or F32 GGUF, an HF checkpoint directory or a catalog model (converted
+    to F16 by llama.cpp's converter); quant: the recipe's type (`q4_k_m`), imatrix: an imatrix GGUF
+    it is weighted by; raise_to: a ggml type or `reference` (the reference's own type); lower_to: a
+    cheaper ggml type to lower each group to as well (None: no lowering); groups: only these (names
+    as listed, `first_third`); frontier: at most this many cumulative steps (None: every raise that
+    removes KL). n_ctx, chunks, threads, address, executor: as `kld()`."""
+    from backends import gguf_build, gguf_groups
+
+    log = log or stderr_log
+    from matrix.api.kld import _threads
+
+    threads = _threads(threads, address)
+    ref = _reference(reference, threads, log)
+    if quant not in gguf_build.QUANT_TYPES:
+        raise UserError(f"--quant {quant}: not a quant type here (one of {', '.join(gguf_build.QUANT_TYPES)})")
+    types = [("raise", _ggml_type(raise_to, "--raise-to", ref))]
+    if lower_to is not None:
+        types.append(("lower", _ggml_type(lower_to, "--lower-to", ref)))
+    im = _imatrix(imatrix)
+    recipe = quant + (f" + imatrix {Path(imatrix).name}" if imatrix else "")
+    found = gguf_groups.groups(ref["path"], groups)
+
+    def build(lines: tuple[str, ...]) -> dict:
+        return gguf_build.quantize(ref, quant, threads, im, tensor_types=lines)
+
+    progress = _Progress("quantised", len(found) * len(types) + 1, log)
+    base = _file(build(()), None)
+    progress.tick()
+    variants = []
+    for g in found:
+        for direction, t in types:
+            v = _file(build((g.line(t),)), base, g)
+            variants.append({"group": g.name, "direction": direction, "type": t, **v})
+            progress.tick()
+    kept = [v for v in variants if v["size"]["file_bytes"] != base["size"]["file_bytes"]]
+    measured = _measure(ref, [base, *kept], text, warehouse, n_ctx, chunks, threads, address, executor, log)
+    base = {**base, **measured[base["path"]]}
+    variants = _ranked(warehouse, base, variants, measured, [d for d, _ in types])
+    steps = _frontier(build, base, variants, frontier, types[0][1], log)
+    measured = _measure(ref, steps[1:], text, warehouse, n_ctx, chunks, threads, address, executor, log)
+    points = [steps[0]] + [{**s, **measured[s["path"]]} for s in steps[1:] if s["path"] in measured]
+    return AttributeResult(
+        reference=ref["path"],
+        reference_sha256=ref["sha256"],
+        recipe=recipe,
+        text=str(text),
+        n_ctx=n_ctx,
+        warehouse=warehouse,
+        base=base,
+        variants=tuple(variants),
+        frontier=tuple(points),
+        incomplete=tuple(sorted({s["path"] for s in steps[1:]} - set(measured))),
+    )
+
+
+def _reference(reference: str, threads: int, log) -> dict:
+    """{path, sha256, type} of the float GGUF the recipe quantises: the file given, or a checkpoint
+    (or catalog model's) converted to F16 by llama.cpp's converter."""
+    from backends import gguf_build
+    from common.files import file_sha256, weights_digest_cached
+    from matrix.spec import kld as job
+    from store.gguf_meta import read_info
+
+    src = job.classify(reference, "--reference")
+    if src.kind == "gguf":
+        declared = read_info(src.location).declared
+        if declared not in gguf_build.FLOAT_TYPES:
+            raise UserError(
+                f"--reference {reference}: the file declares {declared}; attribution quantises from an F16, "
+                "BF16 or F32 file"
+            )
+        return {"path": src.location, "sha256": file_sha256(Path(src.location)), "type": declared}
+    if src.kind == "catalog":
+        from matrix.spec.models import fetch
+        from matrix.spec.parse import ModelRef
+
+        m = fetch(ModelRef(src.location, "catalog", src.location), log=log)
+        hf_dir, sha = m.hf_dir, m.weights_sha256
+    else:
+        hf_dir, sha = src.location, weights_digest_cached(Path(src.location))
+    art = gguf_build.build_for("f16", hf_dir, sha, threads)
+    return {"path": art["path"], "sha256": art["sha256"], "type": "f16"}
+
+
+def _ggml_type(name: str, flag: str, ref: dict) -> str:
+    from gguf import GGMLQuantizationType
+
+    from backends.gguf_build import FLOAT_TYPES
+
+    if name == "reference":
+        return FLOAT_TYPES[ref["type"]]
+    try:
+        GGMLQuantizationType[name.upper()]
+    except KeyError:
+        raise UserError(f"{flag} {name}: not a ggml type (q8_0, q6_k, f16, ...) or `reference`") from None
+    return name.lower()
+
+
+def _imatrix(path: str | None) -> dict | None:
+    """An imatrix GGUF (llama-imatrix's or this project's) as quantize() takes it."""
+    if path is None:
+        return None
+    from backends.gguf_imatrix import read
+    from common.files import file_sha256
+
+    p = Path(os.path.expanduser(path)).resolve()
+    if not p.is_file():
+        raise UserError(f"--imatrix {path}: no such file")
+    datasets = read(str(p))["datasets"]
+    return {"path": str(p), "sha256": file_sha256(p), "recipe": {"calibration": datasets[0] if datasets else p.name}}
+
+
+def _file(art: dict, base: dict | None, group=None) -> dict:
+    """A quantised file as the ranking reads it: path, sha256, size, its lines, the types its group's
+    tensors really have, and how many tensors outside the group changed against the base."""
+    from backends.gguf_build import tensor_layout
+    from backends.gguf_groups import quantisable
+
+    counts_all, size = tensor_layout(art["path"])
+    types = dict(quantisable(art["path"]))
+    out = {
+        "path": art["path"],
+        "sha256": art["sha256"],
+        "size": size,
+        "type_counts": counts_all,
+        "lines": art["recipe"].get("tensor_types", []),
+    }
+    if base is None:
+        return {**out, "tensor_types": types}
+    mine = set(group.tensors)
+    counts: dict[str, int] = {}
+    for name in group.tensors:
+        counts[types[name]] = counts.get(types[name], 0) + 1
+    outside = sorted(n for n, t in types.items() if n not in mine and base["tensor_types"].get(n) != t)
+    return {
+        **out,
+        "types": counts,
+        "changed_outside": outside,
+        "delta_bytes": size["file_bytes"] - base["size"]["file_bytes"],
+    }
+
+
+def _measure(ref, files, text, warehouse, n_ctx, chunks, threads, address, executor, log) -> dict[str, dict]:
+    """{file: {cell_id, summary, statistics}} of each file measured by one kld() job."""
+    from matrix.api.kld import kld
+
+    paths = list(dict.fromkeys(f["path"] for f in files))
+    if not paths:
+        return {}
+    seen = {"done": 0, "base": None, "t0": time.perf_counter()}
+
+    def watch(line: str) -> None:  # the run's own "[cells a/b ..." lines, as this stage's progress
+        log(line)
+        m = re.match(r"\[cells (\d+)/(\d+)", line)
+        if m and int(m.group(1)) > seen["done"]:
+            done, total = int(m.group(1)), int(m.group(2))
+            if seen["base"] is None:  # cells complete before this call count in the run's figures
+                seen["base"] = done - 1
+            seen["done"], el = done, time.perf_counter() - seen["t0"]
+            eta = el / (done - seen["base"]) * (total - done)
+            log(f"attribute: measured {done}/{total} cells of the job | ETA {eta:.0f}s")
+
+    r = kld(
+        ref["path"],
+        paths,
+        text,
+        warehouse,
+        n_ctx=n_ctx,
+        chunks=chunks,
+        threads=threads,
+        address=address,
+        executor=executor,
+        log=watch,
+    )
+    if r.refused is not None and not r.results:
+        raise UserError(r.refused)
+    return {c.candidate: {"cell_id": c.cell_id, "summary": A.summary(c.statistics)} for c in r.results}
+
+
+def _ranked(warehouse: str, base: dict, variants: list[dict], measured: dict, directions: list[str]) -> list[dict]:
+    from analysis.sql import connect
+
+    con = connect(warehouse)
+    try:
+        out = []
+        for v in variants:
+            m = measured.get(v["path"])
+            if v["delta_bytes"] == 0:  # the base's bytes: not measured, dropped by rank()
+                out.append({**v, "cell_id": None, "summary": None, "delta_kl": [0.0, 0.0], "score": None})
+            elif m is not None:
+                d = A.paired_delta(con, base["cell_id"], m["cell_id"])
+                out.append({**v, **m, "delta_kl": d, "score": A.score(v["direction"], d[0], v["delta_bytes"])})
+    finally:
+        con.close()
+    return [r for d in directions for r in A.rank([v for v in out if v["direction"] == d], d)]
+
+
+def _frontier(build, base: dict, variants: list[dict], limit: int | None, raise_type: str, log) -> list[dict]:
+    """Step 0 the base, step k the first k raises of the ranking applied together: each a file,
+    skipped where it has the bytes of the step before (its group already covered)."""
+    order = A.frontier_order([v for v in variants if v["direction"] == "raise"])
+    steps = [{**base, "step": 0, "groups": []}]
+    lines: list[str] = []
+    names: list[str] = []
+    for v in order:
+        if limit is not None and len(steps) > limit:
+            break
+        lines += v["lines"]
+        names.append(v["group"])
+        art = build(tuple(lines))
+        f = {k: v for k, v in _file(art, None).items() if k != "tensor_types"}
+        if f["size"]["file_bytes"] == steps[-1]["size"]["file_bytes"]:
+            log(f"frontier: raising {v['group']} after {', '.join(names[:-1])} changes no byte; no step of its own")
+            continue
+        steps.append({**f, "step": len(steps), "groups": list(names)})
+    return steps
+
+
+class _Progress:
+    """done/total, rate and ETA of one stage, logged at each step."""
+
+    def __init__(self, what: str, total: int, log) -> None:
+        self.what, self.total, self.done, self.log, self.t0 = what, total, 0, log, time.perf_counter()
+
+    def tick(self) -> None:
+        self.done += 1
+        el = time.perf_counter() - self.t0
+        rate = self.done / max(el, 1e-9)
+        eta = (self.total - self.done) / rate
+        self.log(f"attribute: {self.what} {self.done}/{self.total} files | {rate:.2f}/s | ETA {eta:.0f}s")
