@@ -148,7 +148,6 @@ def quantize(
     """F32 GGUF -> a quant type, by llama.cpp's own quantiser (llama_model_quantize), weighted by an
     importance matrix (an artifact of backends/gguf_imatrix.py) when one is given. tensor_types:
     llama-quantize's --tensor-type lines (PATTERN=TYPE, backends/gguf_groups.py), first match wins."""
-    import ctypes
 
     import llama_cpp
 
@@ -164,23 +163,43 @@ def quantize(
         recipe["tensor_types"] = list(tensor_types)
 
     def build(tmp: Path) -> None:
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = getattr(llama_cpp, ftype_name)
-        params.nthread = threads  # threads split rows; the result does not depend on them
-        if imatrix is not None:  # as llama-quantize --imatrix does, header keys included
-            from backends.gguf_imatrix import quantize_inputs
-
-            arr, kv, _keep = quantize_inputs(imatrix["path"], imatrix["recipe"]["calibration"])
-            params.imatrix, params.kv_overrides = arr, kv
-        if tensor_types:
-            from backends.gguf_groups import overrides
-
-            params.tt_overrides, _keep_overrides = overrides(tensor_types)
-        rc = llama_cpp.llama_model_quantize(f32["path"].encode(), str(tmp).encode(), ctypes.byref(params))
-        if rc != 0 or not tmp.is_file():
-            raise UserError(f"llama.cpp could not quantise {f32['path']} to {dtype} (return code {rc})")
+        quantize_file(f32["path"], dtype, tmp, threads, imatrix, tensor_types)
 
     return ensure("gguf", f"model-{dtype}.gguf", recipe, build)
+
+
+def quantize_file(
+    source: str,
+    dtype: str,
+    out: Path,
+    threads: int,
+    imatrix: dict[str, Any] | None = None,
+    tensor_types: tuple[str, ...] = (),
+) -> None:
+    """llama_model_quantize from source to out, as llama-quantize [--imatrix F] [--tensor-type-file F]
+    SOURCE OUT TYPE does, with no cache in between."""
+    import ctypes
+
+    import llama_cpp
+
+    from backends.llama_binding import quiet_logs
+
+    quiet_logs()  # the quantiser logs every tensor (and each fallback) as a warning
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, QUANT_TYPES[dtype])
+    params.nthread = threads  # threads split rows; the result does not depend on them
+    if imatrix is not None:  # as llama-quantize --imatrix does, header keys included
+        from backends.gguf_imatrix import quantize_inputs
+
+        arr, kv, _keep = quantize_inputs(imatrix["path"], imatrix["recipe"]["calibration"])
+        params.imatrix, params.kv_overrides = arr, kv
+    if tensor_types:
+        from backends.gguf_groups import overrides
+
+        params.tt_overrides, _keep_overrides = overrides(tensor_types)
+    rc = llama_cpp.llama_model_quantize(source.encode(), str(out).encode(), ctypes.byref(params))
+    if rc != 0 or not out.is_file():
+        raise UserError(f"llama.cpp could not quantise {source} to {dtype} (return code {rc})")
 
 
 def tensor_types(path: str | Path) -> dict[str, int]:

@@ -47,10 +47,15 @@ def quantisable(path: str | Path) -> list[tuple[str, str]]:
     """[(name, ggml type name)] of the tensors llama.cpp's quantiser may change: its weights of two
     or more dimensions (norms and biases stay as they are, src/llama-quant.cpp
     tensor_allows_quantization), in file order."""
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
 
-    reader = GGUFReader(str(path))
-    return [(t.name, t.tensor_type.name) for t in reader.tensors if t.name.endswith(".weight") and len(t.shape) >= 2]
+    from common.gguf_header import read_tensor_shapes
+
+    return [
+        (name, GGMLQuantizationType(t).name)
+        for name, t, shape in read_tensor_shapes(path)
+        if name.endswith(".weight") and len(shape) >= 2
+    ]
 
 
 def groups(path: str | Path, wanted: tuple[str, ...] | None = None) -> list[Group]:

@@ -105,7 +105,12 @@ def read_tensors(path: str | Path) -> list[tuple[str, int, int]]:
     return _read(path, lambda key: False, True)[1]
 
 
-def _read(path: str | Path, keep, tensors: bool) -> tuple[dict[str, Any], list[tuple[str, int, int]]]:
+def read_tensor_shapes(path: str | Path) -> list[tuple[str, int, tuple[int, ...]]]:
+    """[(tensor name, ggml type id, shape)] of every tensor, from the header alone."""
+    return _read(path, lambda key: False, "shapes")[1]
+
+
+def _read(path: str | Path, keep, tensors: bool | str) -> tuple[dict[str, Any], list[tuple[str, int, int]]]:
     """The fields keep(key) asks for and, when tensors, every tensor's (name, type id, elements)."""
     f, m = _open(path)
     try:
@@ -119,7 +124,8 @@ def _read(path: str | Path, keep, tensors: bool) -> tuple[dict[str, Any], list[t
             value = w.value(vtype, wanted)
             if wanted:
                 fields[key] = value
-        return fields, list(_tensor_infos(w, m, n_tensors if tensors else 0))
+        infos = _tensor_infos(w, m, n_tensors if tensors else 0)
+        return fields, [(n, t, shape if tensors == "shapes" else math.prod(shape)) for n, t, shape in infos]
     except struct.error:
         raise UserError(f"{path}: GGUF header is truncated") from None
     finally:
@@ -128,7 +134,7 @@ def _read(path: str | Path, keep, tensors: bool) -> tuple[dict[str, Any], list[t
 
 
 def _tensor_infos(w: _Walk, m, n: int):
-    """(name, ggml type id, elements) of the next n tensor infos (name, dims, shape, type, offset)."""
+    """(name, ggml type id, shape) of the next n tensor infos (name, dims, shape, type, offset)."""
     for _ in range(n):
         name = w.string()
         (dims,) = struct.unpack_from("<I", m, w.at)
@@ -136,7 +142,7 @@ def _tensor_infos(w: _Walk, m, n: int):
         w.at += 4 + 8 * dims
         (ttype,) = struct.unpack_from("<I", m, w.at)
         w.at += 4 + 8  # the type, then the data offset
-        yield name, ttype, math.prod(shape)
+        yield name, ttype, shape
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,165 @@
+"""`matrix attribute` on the 2-layer cut: each group raised and lowered alone through llama.cpp's
+per-tensor types, the types its file really has, its ΔKL against two `kld()` results, a frontier
+step rebuilt from its --tensor-type lines to the same bytes, and the job resumed by the verb."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from matrix import api
+from tests.conftest import REPO, run_cli
+
+pytestmark = pytest.mark.slow  # converts and quantises the model, then captures a dozen cells
+
+GROUPS = ("attn_v", "ffn_down", "first_third")
+QUIET = {"log": lambda line: None}
+
+
+@pytest.fixture(scope="module")
+def f16(tiny_model) -> str:
+    from backends.gguf_build import build_for
+    from common.files import weights_digest_cached
+
+    return build_for("f16", str(tiny_model), weights_digest_cached(Path(tiny_model)), 2)["path"]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    prose = (REPO / "configs/corpus/long_prose.txt").read_text()
+    f = tmp_path_factory.mktemp("text") / "prose.txt"
+    f.write_text(prose[: len(prose) // 6])
+    return f
+
+
+@pytest.fixture(scope="module")
+def job(f16, text, tmp_path_factory):
+    wh = str(tmp_path_factory.mktemp("attr") / "wh")
+    args = dict(groups=GROUPS, lower_to="q2_k", n_ctx=64, threads=2)
+    return api.attribute(f16, "q4_k_m", text, wh, **args, **QUIET), args
+
+
+@functools.cache
+def _types(path: str) -> dict[str, str]:
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+
+
+def test_each_variant_records_the_types_its_file_really_has(job, f16):
+    from backends.gguf_groups import groups
+
+    r, _ = job
+    members = {g.name: set(g.tensors) for g in groups(f16, GROUPS)}
+    assert members["first third"] == {n for n in _types(f16) if n.startswith("blk.0.") and "norm" not in n}
+    by = {(v["group"], v["direction"]): v for v in r.variants}
+    assert set(by) == {(g, d) for g in members for d in ("raise", "lower")}
+    base = _types(r.base["path"])
+    for (group, _), v in by.items():
+        types = _types(v["path"])  # read here by gguf-py, apart from the code under test
+        want: dict[str, int] = {}
+        for n in members[group]:
+            want[types[n]] = want.get(types[n], 0) + 1
+        assert v["types"] == want
+        assert v["changed_outside"] == sorted(n for n in base if n not in members[group] and types[n] != base[n])
+        assert v["delta_bytes"] == Path(v["path"]).stat().st_size - Path(r.base["path"]).stat().st_size
+    # raised to Q8_0 as asked; attn_v lowered to Q2_K falls back, its 576-wide rows not dividing
+    # into 256-blocks: the record says what the file holds, not what was asked
+    assert by[("attn_v", "raise")]["types"] == {"Q8_0": 2}
+    assert by[("attn_v", "lower")]["types"] == {"Q4_0": 2} and by[("attn_v", "lower")]["type"] == "q2_k"
+
+
+def test_the_ranking_orders_kl_removed_per_mib(job):
+    r, _ = job
+    raises = [v for v in r.variants if v["direction"] == "raise" and v["rank"] is not None]
+    assert [v["rank"] for v in raises] == list(range(1, len(raises) + 1)) and len(raises) == 3
+    scores = [v["score"] for v in raises]
+    assert scores == sorted(scores, reverse=True)
+    for v in raises:
+        assert v["score"] == pytest.approx(v["delta_kl"][0] / (v["delta_bytes"] / 2**20), rel=1e-12)
+        assert v["delta_bytes"] > 0 and v["delta_kl"][0] > 0  # every raise of a 4-bit base removes KL here
+    lowers = [v for v in r.variants if v["direction"] == "lower"]
+    assert [v["score"] for v in lowers] == sorted(v["score"] for v in lowers)
+    assert all(v["delta_bytes"] < 0 and v["delta_kl"][0] < 0 for v in lowers)
+
+
+def test_a_groups_delta_kl_is_the_difference_of_two_kld_results(job, f16, text, tmp_path):
+    r, args = job
+    v = next(v for v in r.variants if v["group"] == "ffn_down" and v["direction"] == "raise")
+    alone = api.kld(f16, [r.base["path"], v["path"]], text, str(tmp_path / "kld"), n_ctx=64, threads=2, **QUIET)
+    got = {c.candidate: c.statistics for c in alone.results}
+    base, var = got[r.base["path"]], got[v["path"]]
+    # the same files over the same text in a warehouse of their own: the same statistics, bit for bit
+    assert base["kld"] == r.base["summary"]["kld"] and var["kld"] == v["summary"]["kld"]
+    assert var["kld_percentiles"]["99.9%"] == v["summary"]["kld_p99_9"]
+    # mean of the per-row differences against the difference of the means: equal up to rounding
+    assert v["delta_kl"][0] == pytest.approx(base["kld"][0] - var["kld"][0], rel=1e-12, abs=1e-15)
+    assert 0 < v["delta_kl"][1] < base["kld"][1] + var["kld"][1]  # paired: less noise than unpaired
+
+
+def test_a_frontier_step_rebuilds_from_its_lines_to_the_same_bytes(job, f16, tmp_path):
+    from backends.gguf_build import quantize_file
+    from backends.gguf_groups import read_lines
+
+    r, _ = job
+    assert [p["step"] for p in r.frontier] == list(range(len(r.frontier))) and len(r.frontier) == 4
+    last = r.frontier[-1]
+    assert len(last["lines"]) == 3 and last["groups"] == [
+        v["group"] for v in r.variants if v["rank"] and v["direction"] == "raise"
+    ]
+    sizes = [p["size"]["file_bytes"] for p in r.frontier]
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
+    kls = [p["summary"]["kld"][0] for p in r.frontier]
+    assert kls[-1] < kls[0]
+    tt = tmp_path / "tensor-types.txt"
+    tt.write_text(r.tensor_type_file(len(r.frontier) - 1))
+    out = tmp_path / "rebuilt.gguf"
+    quantize_file(f16, "q4_k_m", out, 1, None, read_lines(tt.read_text()))
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == last["sha256"]
+
+
+def test_the_card_gives_the_recipes_lines(job):
+    r, _ = job
+    last = r.frontier[-1]
+    card = api.card(r.warehouse, last["cell_id"], allow_undisclosed=True)
+    assert card.card["disclosure"]["candidate_artifact"]["tensor_type_lines"] == last["lines"]
+    assert "The recipe's `--tensor-type-file`:" in card.markdown() and last["lines"][0] in card.markdown()
+
+
+def test_the_verb_resumes_the_job_and_prints_the_calls_result(job, f16, text):
+    r, args = job
+    cli = run_cli(
+        "attribute", "--reference", f16, "--quant", "q4_k_m", "--text", str(text), "--warehouse", r.warehouse,
+        "--groups", ",".join(GROUPS), "--lower-to", "q2_k", "--n-ctx", "64", "--threads", "2", "--json",
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert json.loads(cli.stdout) == json.loads(json.dumps(r.to_dict()))
+    assert "nothing to do: all 10 cell(s) are complete" in cli.stderr  # nothing captured again
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--groups", "attn_z"], "--groups attn_z: no such group in "),
+        (["--quant", "q9_k"], "--quant q9_k: not a quant type here"),
+        (["--raise-to", "q9"], "--raise-to q9: not a ggml type"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(f16, text, tmp_path, flags, says):
+    args = {"--reference": f16, "--quant": "q4_k_m", "--text": str(text), "--warehouse": str(tmp_path / "wh")}
+    for k, v in zip(flags[::2], flags[1::2]):
+        args[k] = v
+    r = run_cli("attribute", *[x for kv in args.items() for x in kv])
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and says in r.stderr, r.stderr
+    assert not (tmp_path / "wh").exists()
+
+
+def test_a_quantised_reference_is_refused(job, text, tmp_path):
+    r, _ = job
+    cli = run_cli("attribute", "--reference", r.base["path"], "--quant", "q4_k_m", "--text", str(text),
+                  "--warehouse", str(tmp_path / "wh"))  # fmt: skip
+    assert cli.returncode == 2 and "declares q4_k_m; attribution quantises from an F16, BF16 or F32 file" in cli.stderr
