@@ -115,7 +115,7 @@ def table(result: dict) -> list[str]:
         for v in rows:
             types = ", ".join(f"{n} {t}" for t, n in sorted(v["types"].items()))
             sc = "—" if v["score"] is None else f"{v['score']:.3g}"
-            rk = v["rank"] if v["rank"] is not None else f"dropped: {v['dropped']}"
+            rk = v["rank"] if v["rank"] is not None else "dropped: the base's bytes"
             out.append(
                 f"| {rk} | {v['group']} | {v['type']} | {types} | {v['delta_bytes'] / MIB:+.3f} | "
                 f"{_pm(v['delta_kl'])} | {sc} |"
