@@ -74,14 +74,14 @@ def section(data: dict, model: str, k: int) -> str:
         for ax, (key, label, scale) in zip(
             axes, (("file_bytes", "file size (MiB)", MIB), ("bits_per_weight", "bits per weight", 1))
         ):
-            _panel(ax, rows, names, key, scale)
+            _panel(ax, rows, names, key, scale, labelled=ax is axes[-1])
             ax.set_xlabel(label)
         axes[0].set_ylabel("KL to the reference (nats)")
         chart = P.svg(fig, f"frontier-{k}")
     return head + note + chart + _table(rows, names, k)
 
 
-def _panel(ax, rows: list[dict], names: dict, key: str, scale: float) -> None:
+def _panel(ax, rows: list[dict], names: dict, key: str, scale: float, labelled: bool) -> None:
     for i, (metric, marker) in enumerate((("kld_mean", "o"), ("kld_p999", "^"))):
         pts = [(r[key] / scale, r[metric]) for r in rows if r[metric]]
         ax.plot(
@@ -96,11 +96,24 @@ def _panel(ax, rows: list[dict], names: dict, key: str, scale: float) -> None:
         )
     front = sorted((r[key] / scale, r["kld_mean"], names.get(r["cell_id"], r["cell_id"])) for r in rows if r["pareto"])
     ax.plot([x for x, _, _ in front], [y for _, y, _ in front], "-", color=P.COLOURS[0], lw=1, gid="pareto")
-    for x, y, name in front:
-        ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_yscale("log")
     P.log_ticks(ax.yaxis)
-    ax.legend(loc="upper right", frameon=False)
+    if not labelled:  # the legend where no leader line crosses it
+        ax.legend(loc="upper right", frameon=False)
+        return
+    # the front's names in a column right of the panel, top to bottom in the order of their KL,
+    # each with a leader line to its point: labels beside the points overlap where files crowd
+    ordered = sorted(front, key=lambda p: -p[1])
+    for j, (x, y, name) in enumerate(ordered):
+        ax.annotate(
+            name,
+            xy=(x, y),
+            xytext=(1.04, 1 - (j + 0.5) / len(ordered)),
+            textcoords="axes fraction",
+            fontsize=7,
+            va="center",
+            arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.6", "shrinkA": 0, "shrinkB": 2},
+        )
 
 
 def _table(rows: list[dict], names: dict, k: int) -> str:

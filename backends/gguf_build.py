@@ -144,10 +144,13 @@ def quantize(
     threads: int,
     imatrix: dict[str, Any] | None = None,
     tensor_types: tuple[str, ...] = (),
+    label: str | None = None,
 ) -> dict[str, Any]:
     """F32 GGUF -> a quant type, by llama.cpp's own quantiser (llama_model_quantize), weighted by an
     importance matrix (an artifact of backends/gguf_imatrix.py) when one is given. tensor_types:
-    llama-quantize's --tensor-type lines (PATTERN=TYPE, backends/gguf_groups.py), first match wins."""
+    llama-quantize's --tensor-type lines (PATTERN=TYPE, backends/gguf_groups.py), first match wins;
+    label: what they do, in the file's name (model-q4_k_m+attn_v=q8_0.gguf), so that a job's files
+    and stacks read apart."""
 
     import llama_cpp
 
@@ -159,13 +162,17 @@ def quantize(
         "ftype": ftype_name,
         "imatrix": None if imatrix is None else {"sha256": imatrix["sha256"], **imatrix["recipe"]},
     }
+    name = f"model-{dtype}.gguf"
     if tensor_types:  # only where given: a plain quant's key, and so its cached file, stays as it was
         recipe["tensor_types"] = list(tensor_types)
+        if label:  # part of the key: the file's name is what the key's directory holds
+            recipe["label"] = label
+            name = f"model-{dtype}+{label}.gguf"
 
     def build(tmp: Path) -> None:
         quantize_file(f32["path"], dtype, tmp, threads, imatrix, tensor_types)
 
-    return ensure("gguf", f"model-{dtype}.gguf", recipe, build)
+    return ensure("gguf", name, recipe, build)
 
 
 def quantize_file(

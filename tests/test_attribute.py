@@ -167,3 +167,23 @@ def test_a_quantised_reference_is_refused(job, text, tmp_path):
     cli = run_cli("attribute", "--reference", r.base["path"], "--quant", "q4_k_m", "--text", str(text),
                   "--warehouse", str(tmp_path / "wh"))  # fmt: skip
     assert cli.returncode == 2 and "declares q4_k_m; attribution quantises from an F16, BF16 or F32 file" in cli.stderr
+
+
+def test_the_reports_frontier_chart_reads_in_chromium(job, tmp_path):
+    """Every file of the job is a point; the Pareto front's names stand in a column beside the chart,
+    apart from each other and inside the drawing, each one a stack of the warehouse."""
+    from tests.test_report_browser import CHROMIUM, layout
+
+    if CHROMIUM is None:
+        pytest.skip("no Chromium on this machine (.ci/run installs it)")
+    r, _ = job
+    rep = run_cli("report", "--warehouse", r.warehouse, "--out", str(tmp_path / "rep"))
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    got = layout(tmp_path / "rep" / "report.html", tmp_path)
+    assert not got["console"] and got["font"]
+    chart = next(c for c in got["charts"] if c["id"] == "frontier-0")
+    assert chart["series"] >= 2 and 400 < chart["w"] <= 1000 and chart["h"] > 150
+    assert not [o for o in got["overlaps"] if o[0] == "frontier-0" or o[2] == "frontier-0"]
+    stacks = {s["name"] for s in api.stacks(r.warehouse).to_dict()["stacks"]}
+    named = [t for t in chart["labels"] if "/" in t]
+    assert named and set(named) <= stacks and any("+attn_v=q8_0" in t for t in named), named

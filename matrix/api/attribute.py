@@ -67,8 +67,8 @@ def attribute(
     recipe = quant + (f" + imatrix {Path(imatrix).name}" if imatrix else "")
     found = gguf_groups.groups(ref["path"], groups)
 
-    def build(lines: tuple[str, ...]) -> dict:
-        return gguf_build.quantize(ref, quant, threads, im, tensor_types=lines)
+    def build(lines: tuple[str, ...], label: str | None = None) -> dict:
+        return gguf_build.quantize(ref, quant, threads, im, tensor_types=lines, label=label)
 
     progress = _Progress("quantised", len(found) * len(types) + 1, log)
     base = _file(build(()), None)
@@ -76,7 +76,7 @@ def attribute(
     variants = []
     for g in found:
         for direction, t in types:
-            v = _file(build((g.line(t),)), base, g)
+            v = _file(build((g.line(t),), f"{_short(g.name)}={t}"), base, g)
             variants.append({"group": g.name, "direction": direction, "type": t, **v})
             progress.tick()
     kept = [v for v in variants if v["size"]["file_bytes"] != base["size"]["file_bytes"]]
@@ -254,13 +254,20 @@ def _frontier(build, base: dict, variants: list[dict], limit: int | None, raise_
             break
         lines += v["lines"]
         names.append(v["group"])
-        art = build(tuple(lines))
-        f = {k: v for k, v in _file(art, None).items() if k != "tensor_types"}
+        if len(names) == 1:  # the first step is the ranking's first variant, measured already
+            f = {k: x for k, x in v.items() if k in ("path", "sha256", "size", "type_counts", "lines")}
+        else:
+            art = build(tuple(lines), f"{','.join(map(_short, names))}={raise_type}")
+            f = {k: x for k, x in _file(art, None).items() if k != "tensor_types"}
         if f["size"]["file_bytes"] == steps[-1]["size"]["file_bytes"]:
             log(f"frontier: raising {v['group']} after {', '.join(names[:-1])} changes no byte; no step of its own")
             continue
         steps.append({**f, "step": len(steps), "groups": list(names)})
     return steps
+
+
+def _short(group: str) -> str:
+    return group.replace(" ", "_")
 
 
 class _Progress:
