@@ -187,3 +187,25 @@ def test_the_reports_frontier_chart_reads_in_chromium(job, tmp_path):
     stacks = {s["name"] for s in api.stacks(r.warehouse).to_dict()["stacks"]}
     named = [t for t in chart["labels"] if "/" in t]
     assert named and set(named) <= stacks and any("+attn_v=q8_0" in t for t in named), named
+
+
+def test_an_imatrix_recipe_weights_every_file(job, f16, text, tmp_path):
+    """--imatrix: the base and each variant quantised with it, as llama-quantize --imatrix writes
+    them (the quantize.imatrix.* header keys), apart from the unweighted recipe's files."""
+    from backends.gguf_imatrix import collect
+    from common.files import file_sha256
+    from store.gguf_meta import read_info
+
+    plain, _ = job
+    calib = text.read_text()[:4000]
+    im = collect({"path": f16, "sha256": file_sha256(Path(f16))}, calib, "prose", "x" * 64, 2, 64, 2)
+    r = api.attribute(
+        f16, "q4_k_m", text, str(tmp_path / "wh"), imatrix=im["path"], groups=("attn_v",), frontier=0,
+        n_ctx=64, threads=2, **QUIET,
+    )  # fmt: skip
+    assert r.recipe == "q4_k_m + imatrix imatrix.gguf" and len(r.frontier) == 1
+    (v,) = r.variants
+    for path in (r.base["path"], v["path"]):
+        assert read_info(path).imatrix.get("dataset") == "prose", read_info(path).imatrix
+    assert r.base["sha256"] != plain.base["sha256"] and v["types"] == {"Q8_0": 2}
+    assert v["summary"]["rows"] == plain.base["summary"]["rows"] and v["delta_kl"][0] > 0
