@@ -153,3 +153,11 @@ def unsupported_reason(cell: Cell) -> str | None:
     if cls.requires and importlib.util.find_spec(cls.requires) is None:
         return f"engine {cell.engine} needs the Python package '{cls.requires}', which is not installed"
     return cls.unsupported(cell)
+
+
+def built_recipe(path) -> dict | None:
+    """The recipe of a file this machine's artifact cache built (backends/artifacts.py recipe_of),
+    or None for any other file: what the driver may say of a candidate beyond its header."""
+    from backends.artifacts import recipe_of
+
+    return recipe_of(path)

@@ -52,17 +52,14 @@ def attribute(
     as listed, `first_third`); frontier: at most this many cumulative steps (None: every raise that
     removes KL). n_ctx, chunks, threads, address, executor: as `kld()`."""
     from backends import gguf_build, gguf_groups
+    from matrix.api.kld import cell_threads
 
     log = log or stderr_log
-    from matrix.api.kld import _threads
-
-    threads = _threads(threads, address)
-    ref = _reference(reference, threads, log)
+    threads = cell_threads(threads, address)
     if quant not in gguf_build.QUANT_TYPES:
         raise UserError(f"--quant {quant}: not a quant type here (one of {', '.join(gguf_build.QUANT_TYPES)})")
-    types = [("raise", _ggml_type(raise_to, "--raise-to", ref))]
-    if lower_to is not None:
-        types.append(("lower", _ggml_type(lower_to, "--lower-to", ref)))
+    ref = _reference(reference, threads, log)
+    types = _directions(raise_to, lower_to, ref)
     im = _imatrix(imatrix)
     recipe = quant + (f" + imatrix {Path(imatrix).name}" if imatrix else "")
     found = gguf_groups.groups(ref["path"], groups)
@@ -70,17 +67,11 @@ def attribute(
     def build(lines: tuple[str, ...], label: str | None = None) -> dict:
         return gguf_build.quantize(ref, quant, threads, im, tensor_types=lines, label=label)
 
-    progress = _Progress("quantised", len(found) * len(types) + 1, log)
-    base = _file(build(()), None)
-    progress.tick()
-    variants = []
-    for g in found:
-        for direction, t in types:
-            v = _file(build((g.line(t),), f"{_short(g.name)}={t}"), base, g)
-            variants.append({"group": g.name, "direction": direction, "type": t, **v})
-            progress.tick()
+    base, variants = _quantise(build, found, types, log)
     kept = [v for v in variants if v["size"]["file_bytes"] != base["size"]["file_bytes"]]
     measured = _measure(ref, [base, *kept], text, warehouse, n_ctx, chunks, threads, address, executor, log)
+    if base["path"] not in measured:
+        raise RuntimeError(f"the base file {base['path']} was not measured: its cell did not complete (see above)")
     base = {**base, **measured[base["path"]]}
     variants = _ranked(warehouse, base, variants, measured, [d for d, _ in types])
     steps = _frontier(build, base, variants, frontier, types[0][1], log)
@@ -98,6 +89,20 @@ def attribute(
         frontier=tuple(points),
         incomplete=tuple(sorted({s["path"] for s in steps[1:]} - set(measured))),
     )
+
+
+def _quantise(build, found: list, types: list[tuple[str, str]], log) -> tuple[dict, list[dict]]:
+    """The base, then each group's variant in each direction, with progress."""
+    progress = _Progress("quantised", len(found) * len(types) + 1, log)
+    base = _file(build(()), None)
+    progress.tick()
+    variants = []
+    for g in found:
+        for direction, t in types:
+            v = _file(build((g.line(t),), f"{_short(g.name)}={t}"), base, g)
+            variants.append({"group": g.name, "direction": direction, "type": t, **v})
+            progress.tick()
+    return base, variants
 
 
 def _reference(reference: str, threads: int, log) -> dict:
@@ -127,6 +132,14 @@ def _reference(reference: str, threads: int, log) -> dict:
         hf_dir, sha = src.location, weights_digest_cached(Path(src.location))
     art = gguf_build.build_for("f16", hf_dir, sha, threads)
     return {"path": art["path"], "sha256": art["sha256"], "type": "f16"}
+
+
+def _directions(raise_to: str, lower_to: str | None, ref: dict) -> list[tuple[str, str]]:
+    """[("raise", type), ("lower", type) where asked]."""
+    types = [("raise", _ggml_type(raise_to, "--raise-to", ref))]
+    if lower_to is not None:
+        types.append(("lower", _ggml_type(lower_to, "--lower-to", ref)))
+    return types
 
 
 def _ggml_type(name: str, flag: str, ref: dict) -> str:

@@ -43,7 +43,7 @@ def kld(
     from matrix.spec import kld as job
 
     log = log or stderr_log
-    threads = _threads(threads, address)
+    threads = cell_threads(threads, address)
     ref = job.classify(reference, "--reference")
     options = job.flag_options(options or {})
     cands = [job.classify(c, "--candidate") for c in candidates]
@@ -104,7 +104,9 @@ def _label(entry: dict) -> str:
     return entry["name"] + "".join(more)
 
 
-def _threads(threads: int | None, address: str | None) -> int:
+def cell_threads(threads: int | None, address: str | None) -> int:
+    """The threads each cell takes: as given, else this machine's cores (refused with a cluster,
+    whose nodes' cores this machine cannot know)."""
     if threads is not None and threads < 1:
         raise UserError(f"--threads {threads}: must be >= 1")
     if threads is None and address:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 
 import backends
-from backends.artifacts import recipe_of
 from backends.base import CHECKPOINT
 from common import ids
 from common.errors import UserError
@@ -64,7 +63,7 @@ def header_facts(cell: Cell, model) -> dict:
     facts = {"declared_quant": info.declared, "gguf_name": info.name, "imatrix": info.imatrix or None}
     # a file this machine's llama.cpp quantised with per-tensor types (matrix attribute): the
     # --tensor-type lines that rebuild it, from its recipe in the artifact cache
-    lines = (recipe_of(path) or {}).get("tensor_types")
+    lines = (backends.built_recipe(path) or {}).get("tensor_types")
     return {**facts, "tensor_types": lines} if lines else facts
 
 
