@@ -45,11 +45,10 @@ def attribute(
     executor: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> AttributeResult:
-    """reference: an F16, BF16 or F32 GGUF, an HF checkpoint directory or a catalog model (converted
-    to F16 by llama.cpp's converter); quant: the recipe's type (`q4_k_m`), imatrix: an imatrix GGUF
-    it is weighted by; raise_to: a ggml type or `reference` (the reference's own type); lower_to: a
-    cheaper ggml type to lower each group to as well (None: no lowering); groups: only these (names
-    as listed, `first_third`); frontier: at most this many cumulative steps (None: every raise that
+    """reference: an F16/BF16/F32 GGUF, an HF checkpoint directory or a catalog model (converted to
+    F16); quant: the recipe's type (`q4_k_m`) and imatrix its imatrix GGUF; raise_to: a ggml type or
+    `reference` (its own type); lower_to: also lower each group to this type; groups: only these
+    (`attn_v`, `first_third`); frontier: at most this many cumulative steps (None: every raise that
     removes KL). n_ctx, chunks, threads, address, executor: as `kld()`."""
     from backends import gguf_build, gguf_groups
     from matrix.api.kld import cell_threads
@@ -61,26 +60,25 @@ def attribute(
     ref = _reference(reference, threads, log)
     types = _directions(raise_to, lower_to, ref)
     im = _imatrix(imatrix)
-    recipe = quant + (f" + imatrix {Path(imatrix).name}" if imatrix else "")
     found = gguf_groups.groups(ref["path"], groups)
 
     def build(lines: tuple[str, ...], label: str | None = None) -> dict:
         return gguf_build.quantize(ref, quant, threads, im, tensor_types=lines, label=label)
 
     base, variants = _quantise(build, found, types, log)
-    kept = [v for v in variants if v["size"]["file_bytes"] != base["size"]["file_bytes"]]
-    measured = _measure(ref, [base, *kept], text, warehouse, n_ctx, chunks, threads, address, executor, log)
-    if base["path"] not in measured:
-        raise RuntimeError(f"the base file {base['path']} was not measured: its cell did not complete (see above)")
-    base = {**base, **measured[base["path"]]}
+    job = {"text": text, "warehouse": warehouse, "n_ctx": n_ctx, "chunks": chunks, "threads": threads}
+    job |= {"address": address, "executor": executor, "log": log}
+    changed = [v for v in variants if v["size"]["file_bytes"] != base["size"]["file_bytes"]]
+    measured = _measure(ref, [base, *changed], job)
+    base = _measured_base(base, measured)
     variants = _ranked(warehouse, base, variants, measured, [d for d, _ in types])
     steps = _frontier(build, base, variants, frontier, types[0][1], log)
-    measured = _measure(ref, steps[1:], text, warehouse, n_ctx, chunks, threads, address, executor, log)
+    measured = _measure(ref, steps[1:], job)
     points = [steps[0]] + [{**s, **measured[s["path"]]} for s in steps[1:] if s["path"] in measured]
     return AttributeResult(
         reference=ref["path"],
         reference_sha256=ref["sha256"],
-        recipe=recipe,
+        recipe=quant + (f" + imatrix {Path(imatrix).name}" if imatrix else ""),
         text=str(text),
         n_ctx=n_ctx,
         warehouse=warehouse,
@@ -200,10 +198,17 @@ def _file(art: dict, base: dict | None, group=None) -> dict:
     }
 
 
-def _measure(ref, files, text, warehouse, n_ctx, chunks, threads, address, executor, log) -> dict[str, dict]:
-    """{file: {cell_id, summary, statistics}} of each file measured by one kld() job."""
+def _measured_base(base: dict, measured: dict) -> dict:
+    if base["path"] not in measured:
+        raise RuntimeError(f"the base file {base['path']} was not measured: its cell did not complete (see above)")
+    return {**base, **measured[base["path"]]}
+
+
+def _measure(ref: dict, files: list[dict], job: dict) -> dict[str, dict]:
+    """{file: {cell_id, summary}} of each file measured by one kld() job (job: kld()'s arguments)."""
     from matrix.api.kld import kld
 
+    log = job["log"]
     paths = list(dict.fromkeys(f["path"] for f in files))
     if not paths:
         return {}
@@ -220,18 +225,7 @@ def _measure(ref, files, text, warehouse, n_ctx, chunks, threads, address, execu
             eta = el / (done - seen["base"]) * (total - done)
             log(f"attribute: measured {done}/{total} cells of the job | ETA {eta:.0f}s")
 
-    r = kld(
-        ref["path"],
-        paths,
-        text,
-        warehouse,
-        n_ctx=n_ctx,
-        chunks=chunks,
-        threads=threads,
-        address=address,
-        executor=executor,
-        log=watch,
-    )
+    r = kld(ref["path"], paths, **{**job, "log": watch})
     if r.refused is not None and not r.results:
         raise UserError(r.refused)
     return {c.candidate: {"cell_id": c.cell_id, "summary": A.summary(c.statistics)} for c in r.results}
