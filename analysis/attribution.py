@@ -109,15 +109,17 @@ def table(result: dict) -> list[str]:
             continue
         verb = "KL removed per MiB added" if direction == "raise" else "KL added per MiB saved"
         out += [
-            f"| rank | group | {direction} to | tensors (types in the file) | ΔMiB | ΔKL (paired) | {verb} |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            f"| rank | group | {direction} to | tensors (types in the file) | others moved | ΔMiB | ΔKL (paired) "
+            f"| {verb} |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for v in rows:
             types = ", ".join(f"{n} {t}" for t, n in sorted(v["types"].items()))
             sc = "—" if v["score"] is None else f"{v['score']:.3g}"
             rk = v["rank"] if v["rank"] is not None else "dropped: the base's bytes"
             out.append(
-                f"| {rk} | {v['group']} | {v['type']} | {types} | {v['delta_bytes'] / MIB:+.3f} | "
+                f"| {rk} | {v['group']} | {v['type']} | {types} | {len(v['changed_outside'])} | "
+                f"{v['delta_bytes'] / MIB:+.3f} | "
                 f"{_pm(v['delta_kl'])} | {sc} |"
             )
         out.append("")
