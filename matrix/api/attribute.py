@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from analysis import attribution as A
@@ -65,12 +67,17 @@ def attribute(
     def build(lines: tuple[str, ...], label: str | None = None) -> dict:
         return gguf_build.quantize(ref, quant, threads, im, tensor_types=lines, label=label)
 
-    base, variants = _quantise(build, found, types, log)
+    base = _file(build(()), None)
     job = {"text": text, "warehouse": warehouse, "n_ctx": n_ctx, "chunks": chunks, "threads": threads}
     job |= {"address": address, "executor": executor, "log": log}
-    changed = [v for v in variants if v["size"]["file_bytes"] != base["size"]["file_bytes"]]
-    measured = _measure(ref, [base, *changed], job)
+    # the variants are quantised at a lower priority while the reference's and the base's cells are
+    # captured: the quantiser takes the cores the capture leaves idle (loads, hand-overs, waits)
+    with ThreadPoolExecutor(1, thread_name_prefix="quantise") as pool:
+        pending = pool.submit(_quantise, build, base, found, types, log)
+        measured = _measure(ref, [base], job)
+        variants = pending.result()
     base = _measured_base(base, measured)
+    measured |= _measure(ref, [v for v in variants if v["delta_bytes"] != 0], job)
     variants = _ranked(warehouse, base, variants, measured, [d for d, _ in types])
     steps = _frontier(build, base, variants, frontier, types[0][1], log)
     measured = _measure(ref, steps[1:], job)
@@ -89,18 +96,19 @@ def attribute(
     )
 
 
-def _quantise(build, found: list, types: list[tuple[str, str]], log) -> tuple[dict, list[dict]]:
-    """The base, then each group's variant in each direction, with progress."""
-    progress = _Progress("quantised", len(found) * len(types) + 1, log)
-    base = _file(build(()), None)
-    progress.tick()
+def _quantise(build, base: dict, found: list, types: list[tuple[str, str]], log) -> list[dict]:
+    """Each group's variant in each direction, with progress, on this thread at nice 19 (Linux
+    threads have a niceness each; the quantiser's own threads inherit it)."""
+    if hasattr(os, "setpriority"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    progress = _Progress("quantised the variants:", len(found) * len(types), log)
     variants = []
     for g in found:
         for direction, t in types:
             v = _file(build((g.line(t),), f"{_short(g.name)}={t}"), base, g)
             variants.append({"group": g.name, "direction": direction, "type": t, **v})
             progress.tick()
-    return base, variants
+    return variants
 
 
 def _reference(reference: str, threads: int, log) -> dict:
