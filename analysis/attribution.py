@@ -48,41 +48,42 @@ def paired_delta(con, base_cell: str, cell: str) -> list[float]:
     return list(mean_se(d))
 
 
-def score(direction: str, delta_kl: float, delta_bytes: int) -> float | None:
-    """raise: KL removed per MiB added; lower: KL added per MiB saved. None where no byte moves."""
-    if delta_bytes == 0:
-        return None
-    if direction == "raise":
-        return delta_kl / (delta_bytes / MIB)
-    return -delta_kl / (-delta_bytes / MIB)
+def score(delta_kl: float, delta_bytes: int) -> float | None:
+    """KL removed per MiB the file gains: a raise's KL removed per MiB added, and equally a lower's KL
+    added per MiB saved (both signs flip). None where no byte moves."""
+    return None if delta_bytes == 0 else delta_kl / (delta_bytes / MIB)
 
 
-def rank(variants: list[dict], direction: str) -> list[dict]:
+SAME_AS_BASE = (
+    "its file is the base's, byte for byte: every tensor it names is already at that type in the base, "
+    "or llama.cpp falls back to the base's type for it"
+)
+NOT_MEASURED = "its cell did not complete (the run says why)"
+
+
+def rank(variants: list[dict], direction: str, base_sha256: str) -> list[dict]:
     """The variants of one direction in ranking order, each with `rank` (1-based) or, where its file
-    has the base's bytes, `rank` None and `dropped` saying why.
+    is the base's or was not measured, `rank` None and `dropped` saying why.
 
-    raise: a variant that removes KL without adding bytes comes first (most KL removed first), then
-    the rest by KL removed per MiB added, highest first; one that adds KL comes last.
-    lower: by KL added per MiB saved, lowest first (the cheapest bytes to give up); a variant that
-    saves no bytes is last."""
-    kept = [v for v in variants if v["delta_bytes"] != 0]
+    raise: one that removes KL without adding bytes comes first (most KL removed first), then those
+    that add bytes by KL removed per MiB added, highest first; one that adds no bytes and removes no
+    KL comes last. lower: by KL added per MiB saved, lowest first (the cheapest bytes to give up);
+    one that saves no bytes comes last."""
     dropped = [
-        {
-            **v,
-            "rank": None,
-            "dropped": "its file has the base's bytes: every tensor it names is already at that type "
-            "in the base, or llama.cpp falls back to the base's type for it",
-        }
+        {**v, "rank": None, "dropped": SAME_AS_BASE if v["sha256"] == base_sha256 else NOT_MEASURED}
         for v in variants
-        if v["delta_bytes"] == 0
+        if v["sha256"] == base_sha256 or v.get("delta_kl") is None
     ]
+    kept = [v for v in variants if v["sha256"] != base_sha256 and v.get("delta_kl") is not None]
     if direction == "raise":
-        free = sorted((v for v in kept if v["delta_bytes"] < 0), key=lambda v: -v["delta_kl"][0])
+        free = sorted(
+            (v for v in kept if v["delta_bytes"] <= 0 and v["delta_kl"][0] > 0), key=lambda v: -v["delta_kl"][0]
+        )
         paid = sorted((v for v in kept if v["delta_bytes"] > 0), key=lambda v: -v["score"])
-        order = free + paid
+        order = free + paid + [v for v in kept if v["delta_bytes"] <= 0 and v["delta_kl"][0] <= 0]
     else:
         saving = sorted((v for v in kept if v["delta_bytes"] < 0), key=lambda v: v["score"])
-        order = saving + [v for v in kept if v["delta_bytes"] > 0]
+        order = saving + [v for v in kept if v["delta_bytes"] >= 0]
     return [{**v, "rank": i + 1, "dropped": None} for i, v in enumerate(order)] + dropped
 
 
@@ -98,6 +99,8 @@ def fmt_mib(n: int) -> str:
 def table(result: dict) -> list[str]:
     """The ranking and the frontier as markdown, for the terminal and the docs."""
     base = result["base"]
+    if not base["summary"].get("rows"):
+        return [f"base {result['recipe']}: no scored rows (every row non-finite, or the text too short)"]
     out = [
         f"base {result['recipe']}: {fmt_mib(base['size']['file_bytes'])} MiB, "
         f"{base['size']['bits_per_weight']:.3f} bpw, KL {_pm(base['summary']['kld'])}",
@@ -116,11 +119,15 @@ def table(result: dict) -> list[str]:
         for v in rows:
             types = ", ".join(f"{n} {t}" for t, n in sorted(v["types"].items()))
             sc = "—" if v["score"] is None else f"{v['score']:.3g}"
-            rk = v["rank"] if v["rank"] is not None else "dropped: the base's bytes"
+            rk = (
+                v["rank"]
+                if v["rank"] is not None
+                else ("dropped: the base's file" if v["dropped"] == SAME_AS_BASE else "dropped: not measured")
+            )
             out.append(
                 f"| {rk} | {v['group']} | {v['type']} | {types} | {len(v['changed_outside'])} | "
                 f"{v['delta_bytes'] / MIB:+.3f} | "
-                f"{_pm(v['delta_kl'])} | {sc} |"
+                f"{'—' if v['delta_kl'] is None else _pm(v['delta_kl'])} | {sc} |"
             )
         out.append("")
     if result["frontier"]:

@@ -109,12 +109,15 @@ def recipe_of(path: str | Path) -> dict | None:
     this file and its hash still matches (a file copied out and changed is not the artifact)."""
     from common.files import file_sha256
 
-    p = Path(path)
+    p = Path(path).resolve()
     meta = p.parent / "recipe.json"
-    if not meta.is_file():
+    if not p.is_relative_to(root().resolve()) or not meta.is_file():  # only this cache's own files
         return None
-    data = json.loads(meta.read_text())
-    if data.get("file") != p.name or data.get("sha256") != file_sha256(p):
+    try:
+        data = json.loads(meta.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # not a recipe this cache wrote: the file is no artifact of it
+    if not isinstance(data, dict) or data.get("file") != p.name or data.get("sha256") != file_sha256(p):
         return None
     return data
 

@@ -146,12 +146,11 @@ def quantize(
     tensor_types: tuple[str, ...] = (),
     label: str | None = None,
 ) -> dict[str, Any]:
-    """F32 GGUF -> a quant type, by llama.cpp's own quantiser (llama_model_quantize), weighted by an
-    importance matrix (an artifact of backends/gguf_imatrix.py) when one is given. tensor_types:
-    llama-quantize's --tensor-type lines (PATTERN=TYPE, backends/gguf_groups.py), first match wins;
-    label: what they do, in the file's name (model-q4_k_m+attn_v=q8_0.gguf), so that a job's files
-    and stacks read apart."""
-
+    """A float GGUF (F32, F16 or BF16) -> a quant type, by llama.cpp's own quantiser
+    (llama_model_quantize), weighted by an importance matrix (an artifact of backends/gguf_imatrix.py)
+    when one is given. tensor_types: llama-quantize's --tensor-type lines (PATTERN=TYPE,
+    backends/gguf_groups.py), first match wins; label: what they do, in the file's name
+    (model-q4_k_m+attn_v=q8_0.gguf), so that a job's files and stacks read apart."""
     import llama_cpp
 
     ftype_name = QUANT_TYPES[dtype]
@@ -163,7 +162,7 @@ def quantize(
         "imatrix": None if imatrix is None else {"sha256": imatrix["sha256"], **imatrix["recipe"]},
     }
     name = f"model-{dtype}.gguf"
-    if tensor_types:  # only where given: a plain quant's key, and so its cached file, stays as it was
+    if tensor_types:  # only where given: a plain quant's key (and cached file) has no such field
         recipe["tensor_types"] = list(tensor_types)
         if label:  # part of the key: the file's name is what the key's directory holds
             recipe["label"] = label

@@ -6,7 +6,8 @@ not divide into the type's blocks (Q4_K -> Q5_0 at n_embd 576, for instance).
 
 Patterns are anchored (`^blk\\.\\d+\\.attn_output\\.weight$`, never a bare `output`, which would also
 match every attn_output), lower case and free of spaces: llama-quantize lowercases the name part and
-reads a --tensor-type-file as whitespace-separated words (tools/quantize/quantize.cpp).
+reads a --tensor-type-file as whitespace-separated words (tools/quantize/quantize.cpp). They mean the
+same to std::regex (ECMAScript) and Python's re.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def kind_pattern(kind: str) -> str:
 
 
 def depth_pattern(layers: list[int]) -> str:
-    return rf"^blk\.({'|'.join(str(i) for i in layers)})\.[a-z0-9_]+\.weight$"
+    return rf"^blk\.({'|'.join(str(i) for i in layers)})\..+\.weight$"
 
 
 def quantisable(path: str | Path) -> list[tuple[str, str]]:
@@ -87,8 +88,16 @@ def groups(path: str | Path, wanted: tuple[str, ...] | None = None) -> list[Grou
     return [by_name[w.replace(" ", "_")] for w in wanted]
 
 
+def uncovered(path: str | Path, found: list[Group]) -> list[str]:
+    """The quantisable tensors no kind group names (MoE experts, fused QKV, ...): only the thirds
+    reach them."""
+    named = {n for g in found if g.name in KINDS for n in g.tensors}
+    return [n for n, _ in quantisable(path) if n not in named]
+
+
 def parse_line(line: str) -> tuple[str, str]:
-    """PATTERN=TYPE as llama-quantize reads it (lower-cased pattern, a ggml type name in any case)."""
+    """PATTERN=TYPE as llama-quantize reads it: the pattern lower-cased (so a `\\D` written there is a
+    `\\d` to it, and here), a ggml type name in any case."""
     from gguf import GGMLQuantizationType
 
     pattern, sep, name = line.strip().partition("=")

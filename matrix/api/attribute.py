@@ -3,9 +3,10 @@
 The recipe (a quant type, optionally an importance matrix) is quantised once from the reference: the
 base. Each group of tensors (backends/gguf_groups.py: by kind, by depth) is then raised alone to a
 higher type, and optionally lowered alone to a cheaper one, through llama.cpp's per-tensor type
-overrides; every file is measured against the reference's rows by one `kld()` job (the rows stored
-once, a candidate measured as it is captured), ranked (analysis/attribution.py), and the raises are
-applied cumulatively in the ranking's order: each frontier point a real file, measured.
+overrides; every file is measured against the reference's rows by `kld()` calls into one job spec
+(the reference's rows stored once, a candidate measured as it is captured), ranked
+(analysis/attribution.py), and the raises are applied cumulatively in the ranking's order: each
+frontier point a real file, measured.
 
 Every file is a content-keyed artifact and the job's cells are kept, so a second call (or one after
 an interruption) quantises and measures only what it has not.
@@ -22,11 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from analysis import attribution as A
-from common.errors import UserError
+from common.errors import UserError, first_line
 from common.output import log as stderr_log
 from matrix.api.results import AttributeResult
 
 RAISE_DEFAULT = "q8_0"
+# the ggml types llama.cpp quantises a tensor to without an importance matrix (ggml_quantize_chunk;
+# the IQ types want one, and a type it cannot make aborts the process)
+TARGET_TYPES = ("f32", "f16", "bf16", "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")
+NOT_MEASURED = A.NOT_MEASURED
 
 
 def attribute(
@@ -57,12 +62,17 @@ def attribute(
 
     log = log or stderr_log
     threads = cell_threads(threads, address)
-    if quant not in gguf_build.QUANT_TYPES:
-        raise UserError(f"--quant {quant}: not a quant type here (one of {', '.join(gguf_build.QUANT_TYPES)})")
+    _check(quant, text, frontier, groups)
     ref = _reference(reference, threads, log)
     types = _directions(raise_to, lower_to, ref)
     im = _imatrix(imatrix)
     found = gguf_groups.groups(ref["path"], groups)
+    left = gguf_groups.uncovered(ref["path"], found) if groups is None else []
+    if left:
+        log(
+            f"attribute: {len(left)} tensor(s) in no kind group ({', '.join(left[:3])}, ...): "
+            "only the thirds reach them"
+        )
 
     def build(lines: tuple[str, ...], label: str | None = None) -> dict:
         return gguf_build.quantize(ref, quant, threads, im, tensor_types=lines, label=label)
@@ -70,18 +80,23 @@ def attribute(
     base = _file(build(()), None)
     job = {"text": text, "warehouse": warehouse, "n_ctx": n_ctx, "chunks": chunks, "threads": threads}
     job |= {"address": address, "executor": executor, "log": log}
-    # the variants are quantised at a lower priority while the reference's and the base's cells are
-    # captured: the quantiser takes the cores the capture leaves idle (loads, hand-overs, waits)
+    # the variants are quantised while the reference's and the base's cells are captured: the
+    # quantiser takes the cores the capture leaves idle (its loads, hand-overs and waits)
+    stop = threading.Event()
     with ThreadPoolExecutor(1, thread_name_prefix="quantise") as pool:
-        pending = pool.submit(_quantise, build, base, found, types, log)
-        measured = _measure(ref, [base], job)
+        pending = pool.submit(_quantise, build, base, found, types, log, stop)
+        try:
+            measured = _measure(ref, [base], job)
+        except BaseException:
+            stop.set()  # no more variants: the job ends here
+            raise
         variants = pending.result()
     base = _measured_base(base, measured)
-    measured |= _measure(ref, [v for v in variants if v["delta_bytes"] != 0], job)
+    measured |= _measure(ref, [v for v in variants if v["sha256"] != base["sha256"]], job)
     variants = _ranked(warehouse, base, variants, measured, [d for d, _ in types])
     steps = _frontier(build, base, variants, frontier, types[0][1], log)
     measured = _measure(ref, steps[1:], job)
-    points = [steps[0]] + [{**s, **measured[s["path"]]} for s in steps[1:] if s["path"] in measured]
+    points = [steps[0]] + [{**s, **measured[_key(s["path"])]} for s in steps[1:] if _key(s["path"]) in measured]
     return AttributeResult(
         reference=ref["path"],
         reference_sha256=ref["sha256"],
@@ -92,19 +107,23 @@ def attribute(
         base=base,
         variants=tuple(variants),
         frontier=tuple(points),
-        incomplete=tuple(sorted({s["path"] for s in steps[1:]} - set(measured))),
+        incomplete=tuple(
+            sorted(
+                {v["path"] for v in variants if v["dropped"] == NOT_MEASURED}
+                | {s["path"] for s in steps[1:] if _key(s["path"]) not in measured}
+            )
+        ),
     )
 
 
-def _quantise(build, base: dict, found: list, types: list[tuple[str, str]], log) -> list[dict]:
-    """Each group's variant in each direction, with progress, on this thread at nice 19 (Linux
-    threads have a niceness each; the quantiser's own threads inherit it)."""
-    if hasattr(os, "setpriority"):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+def _quantise(build, base: dict, found: list, types: list[tuple[str, str]], log, stop: threading.Event) -> list[dict]:
+    """Each group's variant in each direction, with progress; none more once stop is set."""
     progress = _Progress("quantised the variants:", len(found) * len(types), log)
     variants = []
     for g in found:
         for direction, t in types:
+            if stop.is_set():
+                return variants
             v = _file(build((g.line(t),), f"{_short(g.name)}={t}"), base, g)
             variants.append({"group": g.name, "direction": direction, "type": t, **v})
             progress.tick()
@@ -140,6 +159,20 @@ def _reference(reference: str, threads: int, log) -> dict:
     return {"path": art["path"], "sha256": art["sha256"], "type": "f16"}
 
 
+def _check(quant: str, text, frontier: int | None, groups: tuple[str, ...] | None) -> None:
+    """What can be refused before anything is converted or quantised."""
+    from backends.gguf_build import QUANT_TYPES
+
+    if quant not in QUANT_TYPES:
+        raise UserError(f"--quant {quant}: not a quant type here (one of {', '.join(QUANT_TYPES)})")
+    if not Path(os.path.expanduser(str(text))).is_file():
+        raise UserError(f"--text {text}: no such file")
+    if frontier is not None and frontier < 0:
+        raise UserError(f"--frontier {frontier}: must be >= 0")
+    if groups is not None and (not groups or len(set(g.replace(" ", "_") for g in groups)) < len(groups)):
+        raise UserError(f"--groups {','.join(groups)}: name each group once, at least one")
+
+
 def _directions(raise_to: str, lower_to: str | None, ref: dict) -> list[tuple[str, str]]:
     """[("raise", type), ("lower", type) where asked]."""
     types = [("raise", _ggml_type(raise_to, "--raise-to", ref))]
@@ -149,16 +182,13 @@ def _directions(raise_to: str, lower_to: str | None, ref: dict) -> list[tuple[st
 
 
 def _ggml_type(name: str, flag: str, ref: dict) -> str:
-    from gguf import GGMLQuantizationType
 
     from backends.gguf_build import FLOAT_TYPES
 
     if name == "reference":
         return FLOAT_TYPES[ref["type"]]
-    try:
-        GGMLQuantizationType[name.upper()]
-    except KeyError:
-        raise UserError(f"{flag} {name}: not a ggml type (q8_0, q6_k, f16, ...) or `reference`") from None
+    if name.lower() not in TARGET_TYPES:
+        raise UserError(f"{flag} {name}: not a type a group is quantised to here (one of {', '.join(TARGET_TYPES)})")
     return name.lower()
 
 
@@ -172,7 +202,10 @@ def _imatrix(path: str | None) -> dict | None:
     p = Path(os.path.expanduser(path)).resolve()
     if not p.is_file():
         raise UserError(f"--imatrix {path}: no such file")
-    datasets = read(str(p))["datasets"]
+    try:
+        datasets = read(str(p))["datasets"]
+    except (ValueError, KeyError, OSError) as e:  # a legacy .dat, or not a GGUF at all
+        raise UserError(f"--imatrix {path}: not an imatrix GGUF ({first_line(str(e), type(e).__name__)})") from None
     return {"path": str(p), "sha256": file_sha256(p), "recipe": {"calibration": datasets[0] if datasets else p.name}}
 
 
@@ -207,9 +240,9 @@ def _file(art: dict, base: dict | None, group=None) -> dict:
 
 
 def _measured_base(base: dict, measured: dict) -> dict:
-    if base["path"] not in measured:
+    if _key(base["path"]) not in measured:
         raise RuntimeError(f"the base file {base['path']} was not measured: its cell did not complete (see above)")
-    return {**base, **measured[base["path"]]}
+    return {**base, **measured[_key(base["path"])]}
 
 
 def _measure(ref: dict, files: list[dict], job: dict) -> dict[str, dict]:
@@ -236,7 +269,12 @@ def _measure(ref: dict, files: list[dict], job: dict) -> dict[str, dict]:
     r = kld(ref["path"], paths, **{**job, "log": watch})
     if r.refused is not None and not r.results:
         raise UserError(r.refused)
-    return {c.candidate: {"cell_id": c.cell_id, "summary": A.summary(c.statistics)} for c in r.results}
+    # kld() names each file by its resolved path: the results are keyed the same way here
+    return {_key(c.candidate): {"cell_id": c.cell_id, "summary": A.summary(c.statistics)} for c in r.results}
+
+
+def _key(path: str) -> str:
+    return str(Path(path).resolve())
 
 
 def _ranked(warehouse: str, base: dict, variants: list[dict], measured: dict, directions: list[str]) -> list[dict]:
@@ -246,15 +284,15 @@ def _ranked(warehouse: str, base: dict, variants: list[dict], measured: dict, di
     try:
         out = []
         for v in variants:
-            m = measured.get(v["path"])
-            if v["delta_bytes"] == 0:  # the base's bytes: not measured, dropped by rank()
-                out.append({**v, "cell_id": None, "summary": None, "delta_kl": [0.0, 0.0], "score": None})
-            elif m is not None:
+            m = measured.get(_key(v["path"]))
+            if v["sha256"] == base["sha256"] or m is None:  # the base's file, or its cell failed: rank() drops it
+                out.append({**v, "cell_id": None, "summary": None, "delta_kl": None, "score": None})
+            else:
                 d = A.paired_delta(con, base["cell_id"], m["cell_id"])
-                out.append({**v, **m, "delta_kl": d, "score": A.score(v["direction"], d[0], v["delta_bytes"])})
+                out.append({**v, **m, "delta_kl": d, "score": A.score(d[0], v["delta_bytes"])})
     finally:
         con.close()
-    return [r for d in directions for r in A.rank([v for v in out if v["direction"] == d], d)]
+    return [r for d in directions for r in A.rank([v for v in out if v["direction"] == d], d, base["sha256"])]
 
 
 def _frontier(build, base: dict, variants: list[dict], limit: int | None, raise_type: str, log) -> list[dict]:
@@ -274,7 +312,7 @@ def _frontier(build, base: dict, variants: list[dict], limit: int | None, raise_
         else:
             art = build(tuple(lines), f"{','.join(map(_short, names))}={raise_type}")
             f = {k: x for k, x in _file(art, None).items() if k != "tensor_types"}
-        if f["size"]["file_bytes"] == steps[-1]["size"]["file_bytes"]:
+        if f["sha256"] == steps[-1]["sha256"]:
             log(f"frontier: raising {v['group']} after {', '.join(names[:-1])} changes no byte; no step of its own")
             continue
         steps.append({**f, "step": len(steps), "groups": list(names)})

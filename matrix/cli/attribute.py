@@ -33,7 +33,11 @@ def cmd_attribute(args) -> int:
         print("\n".join(table(result.to_dict())))
         last = result.frontier[-1]
         if last["lines"]:
-            print(f"\nthe last step's --tensor-type-file ({last['path']}):\n")
+            im = f" --imatrix {args.imatrix}" if args.imatrix else ""
+            print(
+                f"\nthe last step ({last['path']}) is llama-quantize{im} --tensor-type-file FILE REFERENCE OUT "
+                f"{args.quant.upper()} with FILE:\n"
+            )
             print(result.tensor_type_file(len(result.frontier) - 1), end="")
     return 1 if result.incomplete else 0
 
@@ -74,6 +78,11 @@ def add_parser(sub) -> None:
         "--warehouse", default="attribute-warehouse", help="where the rows go; the job's spec is written beside it"
     )
     a.add_argument("--address", default=None, help="a Ray cluster to run the cells on (default: this machine)")
-    a.add_argument("--executor", choices=("ray", "local"), default=None, help="where cells run (default: local)")
+    a.add_argument(
+        "--executor",
+        choices=("ray", "local"),
+        default=None,
+        help="where cells run (default: local, or ray with --address)",
+    )
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_attribute)
