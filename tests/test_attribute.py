@@ -75,6 +75,12 @@ def test_each_variant_records_the_types_its_file_really_has(job, f16):
     # into 256-blocks: the record says what the file holds, not what was asked
     assert by[("attn_v", "raise")]["types"] == {"Q8_0": 2}
     assert by[("attn_v", "lower")]["types"] == {"Q4_0": 2} and by[("attn_v", "lower")]["type"] == "q2_k"
+    # overriding layer 0 takes it out of the Q4_K_M mixture's count of attn_v and ffn_down tensors,
+    # so layer 1's (Q8_0 and Q6_K in the base) get the plainer types: outside the group, and recorded
+    first = by[("first third", "raise")]
+    assert first["changed_outside"] == ["blk.1.attn_v.weight", "blk.1.ffn_down.weight"]
+    assert [_types(first["path"])[n] for n in first["changed_outside"]] == ["Q5_0", "Q4_K"]
+    assert [base[n] for n in first["changed_outside"]] == ["Q8_0", "Q6_K"]
 
 
 def test_the_ranking_orders_kl_removed_per_mib(job):
