@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from common.files import cache_root, locked, sha256_file  # noqa: F401 (locked: re-exported)
+from common.files import cache_root, locked, remember_sha256, sha256_file  # noqa: F401 (locked: re-exported)
 
 PATH_FIELDS = ("source",)  # recipe fields that say where the source was, not what it was
 SOURCE_FILES = (
@@ -96,6 +96,8 @@ def ensure(
                 build(tmp)
                 digest = _digest(tmp)
                 os.replace(tmp, d / name)
+                if (d / name).is_file():  # a job that names the file next need not read it again
+                    remember_sha256(d / name, digest)
                 meta.write_text(
                     json.dumps({**recipe, "kind": kind, "sha256": digest, "file": name}, indent=1, sort_keys=True)
                 )
