@@ -86,7 +86,7 @@ def main() -> int:
     print(f"kld ({len(files)} candidates, files given):              best of {a.repeat} {best['kld']:.1f} s")
     print(f"ratio {ratio:.2f}x (target <= {TARGET}x): {'met' if ratio <= TARGET else 'NOT met'}")
     print("KL mean per variant: " + ", ".join(f"{g} {v:.4g}" for g, v in kl.items()))
-    row = {"cpu": cpu(), "model": a.model, "groups": a.groups, **{f"{k}_s": v for k, v in best.items()}, "ratio": ratio}
+    row = {"model": a.model, "groups": a.groups, **{f"{k}_s": v for k, v in best.items()}, "ratio": ratio}
     save_result("attribute_vs_kld", [row], f"attribute <= {TARGET}x kld", ratio <= TARGET)
     return 0
 

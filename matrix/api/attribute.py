@@ -57,7 +57,7 @@ def attribute(
     `reference` (its own type); lower_to: also lower each group to this type; groups: only these
     (`attn_v`, `first_third`); frontier: at most this many cumulative steps (None: every raise that
     removes KL). n_ctx, chunks, threads, address, executor: as `kld()`."""
-    from backends import gguf_build, gguf_groups
+    from backends import gguf_build
     from matrix.api.kld import cell_threads
 
     log = log or stderr_log
@@ -66,6 +66,31 @@ def attribute(
     ref = _reference(reference, threads, log)
     types = _directions(raise_to, lower_to, ref)
     im = _imatrix(imatrix)
+    found = _groups(ref, groups, log)
+
+    def build(lines: tuple[str, ...], label: str | None = None) -> dict:
+        return gguf_build.quantize(ref, quant, threads, im, tensor_types=lines, label=label)
+
+    job = {"text": text, "warehouse": warehouse, "n_ctx": n_ctx, "chunks": chunks, "threads": threads}
+    job |= {"address": address, "executor": executor, "log": log}
+    base, variants, measured = _base_and_variants(ref, build, found, types, job)
+    variants = _ranked(warehouse, base, variants, measured, [d for d, _ in types])
+    steps = _frontier(build, base, variants, frontier, types[0][1], log)
+    measured = _measure(ref, steps[1:], job)
+    points = [steps[0]] + [{**s, **measured[_key(s["path"])]} for s in steps[1:] if _key(s["path"]) in measured]
+    failed = {v["path"] for v in variants if v["dropped"] == NOT_MEASURED}
+    failed |= {s["path"] for s in steps[1:] if _key(s["path"]) not in measured}
+    recipe = quant + (f" + imatrix {Path(imatrix).name}" if imatrix else "")
+    return AttributeResult(
+        ref["path"], ref["sha256"], recipe, str(text), n_ctx, warehouse, base, tuple(variants), tuple(points),
+        tuple(sorted(failed)),
+    )  # fmt: skip
+
+
+def _groups(ref: dict, groups: tuple[str, ...] | None, log) -> list:
+    """The reference's groups (those asked for), saying which tensors no kind group names."""
+    from backends import gguf_groups
+
     found = gguf_groups.groups(ref["path"], groups)
     left = gguf_groups.uncovered(ref["path"], found) if groups is None else []
     if left:
@@ -73,18 +98,17 @@ def attribute(
             f"attribute: {len(left)} tensor(s) in no kind group ({', '.join(left[:3])}, ...): "
             "only the thirds reach them"
         )
+    return found
 
-    def build(lines: tuple[str, ...], label: str | None = None) -> dict:
-        return gguf_build.quantize(ref, quant, threads, im, tensor_types=lines, label=label)
 
+def _base_and_variants(ref: dict, build, found: list, types: list, job: dict) -> tuple[dict, list[dict], dict]:
+    """(the base, measured; every variant; {file: measured} of the base and each variant that is not
+    the base's file). The variants are quantised while the reference's and the base's cells are
+    captured: the quantiser takes the cores the capture leaves idle (its loads, hand-overs, waits)."""
     base = _file(build(()), None)
-    job = {"text": text, "warehouse": warehouse, "n_ctx": n_ctx, "chunks": chunks, "threads": threads}
-    job |= {"address": address, "executor": executor, "log": log}
-    # the variants are quantised while the reference's and the base's cells are captured: the
-    # quantiser takes the cores the capture leaves idle (its loads, hand-overs and waits)
     stop = threading.Event()
     with ThreadPoolExecutor(1, thread_name_prefix="quantise") as pool:
-        pending = pool.submit(_quantise, build, base, found, types, log, stop)
+        pending = pool.submit(_quantise, build, base, found, types, job["log"], stop)
         try:
             measured = _measure(ref, [base], job)
         except BaseException:
@@ -93,27 +117,7 @@ def attribute(
         variants = pending.result()
     base = _measured_base(base, measured)
     measured |= _measure(ref, [v for v in variants if v["sha256"] != base["sha256"]], job)
-    variants = _ranked(warehouse, base, variants, measured, [d for d, _ in types])
-    steps = _frontier(build, base, variants, frontier, types[0][1], log)
-    measured = _measure(ref, steps[1:], job)
-    points = [steps[0]] + [{**s, **measured[_key(s["path"])]} for s in steps[1:] if _key(s["path"]) in measured]
-    return AttributeResult(
-        reference=ref["path"],
-        reference_sha256=ref["sha256"],
-        recipe=quant + (f" + imatrix {Path(imatrix).name}" if imatrix else ""),
-        text=str(text),
-        n_ctx=n_ctx,
-        warehouse=warehouse,
-        base=base,
-        variants=tuple(variants),
-        frontier=tuple(points),
-        incomplete=tuple(
-            sorted(
-                {v["path"] for v in variants if v["dropped"] == NOT_MEASURED}
-                | {s["path"] for s in steps[1:] if _key(s["path"]) not in measured}
-            )
-        ),
-    )
+    return base, variants, measured
 
 
 def _quantise(build, base: dict, found: list, types: list[tuple[str, str]], log, stop: threading.Event) -> list[dict]:
