@@ -92,13 +92,14 @@ def svg(fig, ident: str) -> str:
 
 def log_ticks(axis) -> None:
     """Plain labels (1e-3, 2e-3) on a log axis, called once its data is drawn: decades on a wide
-    axis, 1-2-5 or every integer mantissa on a narrow one, so even a span under one decade is read.
+    axis, 1-2-5 or 1-2-3-5-7 on a narrow one, so even a span under one decade is read (8 and 9 sit
+    within a twentieth of a decade of the next 1: their labels would touch it on a short axis).
     (matplotlib's own 10^x labels are mathtext: several text runs to one label.)"""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     lo, hi = sorted(axis.get_view_interval())
     span = math.log10(hi / lo) if lo > 0 else 99.0
-    subs = (1.0,) if span > 2.5 else (1.0, 2.0, 5.0) if span > 1.0 else tuple(float(m) for m in range(1, 10))
+    subs = (1.0,) if span > 2.5 else (1.0, 2.0, 5.0) if span > 1.0 else (1.0, 2.0, 3.0, 5.0, 7.0)
     axis.set_major_locator(LogLocator(base=10, subs=subs, numticks=7))  # decades thinned to ~7: a 12-decade axis fits
     axis.set_major_formatter(FuncFormatter(_sci))
     axis.set_minor_formatter(NullFormatter())

@@ -164,12 +164,12 @@ def test_report_renders_in_headless_chromium(swept, tmp_path):
 @needs_chromium
 def test_the_demo_warehouse_report(tmp_path):
     """configs/smoke.yaml's 17 stacks of four engines, layer states, a decode path, a prefix-cache
-    check and batch cells, on 128-token prefixes where the demo reads 768 and with one repeat where
+    check and batch cells, on 64-token prefixes where the demo reads 768 and with one repeat where
     it takes two: the same charts and labels (the decode path and the prefix-cache check read each
-    whole prompt whatever the prefix; no chart draws a second repeat) for a twelfth of the bf16
+    whole prompt whatever the prefix; no chart draws a second repeat) for a 24th of the bf16
     work, which a CPU without native bf16 emulates."""
     spec = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())
-    (tmp_path / "smoke.yaml").write_text(yaml.safe_dump({**spec, "max_tokens": 128, "repeats": 1}, sort_keys=False))
+    (tmp_path / "smoke.yaml").write_text(yaml.safe_dump({**spec, "max_tokens": 64, "repeats": 1}, sort_keys=False))
     wh = tmp_path / "wh"
     r = run_cli("run", str(tmp_path / "smoke.yaml"), "--warehouse", str(wh), timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
