@@ -69,20 +69,24 @@ def file_sha256(path: Path) -> str:
     corpus used), remembered per (device, inode, size, mtime, ctime): any write or `touch` gives
     the file a new key, so a changed file is hashed again, and a 0.5 GB GGUF is not re-read by
     every process of every run. Integrity checks (verify, the depot, imports) read the bytes."""
-    st = Path(path).stat()
-    what = ["file", os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    what = _identity(path)
     # a file changed in the last seconds could change again within a coarse timestamp's tick
     # under the same key (git's "racy clean" case): hashed, not remembered
-    settled = time.time() - st.st_ctime_ns / 1e9 > SETTLED_S
+    settled = time.time() - what[-1] / 1e9 > SETTLED_S
     return _remembered(what, lambda: sha256_file(Path(path)), keep=settled)
 
 
 def remember_sha256(path: Path, digest: str) -> None:
     """file_sha256's memo for a file whose bytes were just hashed by whoever wrote it and are never
     written again (an artifact, once in place): the next process to ask reads it instead of the file."""
+    _remembered(_identity(path), lambda: digest)
+
+
+def _identity(path: Path) -> list:
+    """What names a file's bytes for file_sha256's memo: where it is, its inode, size and times
+    (ctime last)."""
     st = Path(path).stat()
-    what = ["file", os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-    _remembered(what, lambda: digest)
+    return ["file", os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def ids_sha256(ids: list[int]) -> str:

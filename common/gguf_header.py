@@ -102,16 +102,16 @@ def read_header(
 
 def read_tensors(path: str | Path) -> list[tuple[str, int, int]]:
     """[(tensor name, ggml type id, number of elements)] of every tensor, from the header alone."""
-    return _read(path, lambda key: False, True)[1]
+    return [(name, ttype, math.prod(shape)) for name, ttype, shape in read_tensor_shapes(path)]
 
 
 def read_tensor_shapes(path: str | Path) -> list[tuple[str, int, tuple[int, ...]]]:
     """[(tensor name, ggml type id, shape)] of every tensor, from the header alone."""
-    return _read(path, lambda key: False, "shapes")[1]
+    return _read(path, lambda key: False, True)[1]
 
 
-def _read(path: str | Path, keep, tensors: bool | str) -> tuple[dict[str, Any], list[tuple[str, int, int]]]:
-    """The fields keep(key) asks for and, when tensors, every tensor's (name, type id, elements)."""
+def _read(path: str | Path, keep, tensors: bool) -> tuple[dict[str, Any], list[tuple[str, int, tuple[int, ...]]]]:
+    """The fields keep(key) asks for and, when tensors, every tensor's (name, type id, shape)."""
     f, m = _open(path)
     try:
         n_tensors, n_kv = struct.unpack_from("<QQ", m, 8)
@@ -124,8 +124,7 @@ def _read(path: str | Path, keep, tensors: bool | str) -> tuple[dict[str, Any], 
             value = w.value(vtype, wanted)
             if wanted:
                 fields[key] = value
-        infos = _tensor_infos(w, m, n_tensors if tensors else 0)
-        return fields, [(n, t, shape if tensors == "shapes" else math.prod(shape)) for n, t, shape in infos]
+        return fields, list(_tensor_infos(w, m, n_tensors if tensors else 0))
     except struct.error:
         raise UserError(f"{path}: GGUF header is truncated") from None
     finally:
