@@ -36,6 +36,11 @@ class Group:
         return f"{self.pattern}={ggml_type.lower()}"
 
 
+def flag_name(name: str) -> str:
+    """A group's name as a command line and a file name write it: `first third` -> `first_third`."""
+    return name.replace(" ", "_")
+
+
 def kind_pattern(kind: str) -> str:
     return rf"^blk\.\d+\.{kind}\.weight$" if kind.startswith(("attn_", "ffn_")) else rf"^{kind}\.weight$"
 
@@ -81,11 +86,11 @@ def groups(path: str | Path, wanted: tuple[str, ...] | None = None) -> list[Grou
     found = [g for g in found if g.tensors]
     if wanted is None:
         return found
-    by_name = {g.name.replace(" ", "_"): g for g in found}
-    unknown = [w for w in wanted if w.replace(" ", "_") not in by_name]
+    by_name = {flag_name(g.name): g for g in found}
+    unknown = [w for w in wanted if flag_name(w) not in by_name]
     if unknown:
         raise UserError(f"--groups {','.join(unknown)}: no such group in {path} (it has {', '.join(by_name)})")
-    return [by_name[w.replace(" ", "_")] for w in wanted]
+    return [by_name[flag_name(w)] for w in wanted]
 
 
 def uncovered(path: str | Path, found: list[Group]) -> list[str]:

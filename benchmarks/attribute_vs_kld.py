@@ -61,11 +61,11 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--repeat", type=int, default=2)
     a = p.parse_args()
-    from backends.gguf_groups import groups
+    from backends.gguf_groups import flag_name, groups
 
     built, _ = catalog_ggufs(a.model, ("f16",), a.threads)
     ref = built["f16"]["path"]
-    names = ",".join(g.name.replace(" ", "_") for g in groups(ref)[: a.groups])
+    names = ",".join(flag_name(g.name) for g in groups(ref)[: a.groups])
     walls: dict[str, list[float]] = {"attribute": [], "kld": []}
     kl: dict[str, float] = {}
     for i in range(a.repeat):

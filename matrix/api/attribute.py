@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from analysis import attribution as A
+from backends.gguf_groups import flag_name
 from common.errors import UserError, first_line
 from common.output import log as stderr_log
 from matrix.api.results import AttributeResult
@@ -31,7 +32,6 @@ RAISE_DEFAULT = "q8_0"
 # the ggml types llama.cpp quantises a tensor to without an importance matrix (ggml_quantize_chunk;
 # the IQ types want one, and a type it cannot make aborts the process)
 TARGET_TYPES = ("f32", "f16", "bf16", "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")
-NOT_MEASURED = A.NOT_MEASURED
 
 
 def attribute(
@@ -78,7 +78,7 @@ def attribute(
     steps = _frontier(build, base, variants, frontier, types[0][1], log)
     measured = _measure(ref, steps[1:], job)
     points = [steps[0]] + [{**s, **measured[_key(s["path"])]} for s in steps[1:] if _key(s["path"]) in measured]
-    failed = {v["path"] for v in variants if v["dropped"] == NOT_MEASURED}
+    failed = {v["path"] for v in variants if v["dropped"] == A.NOT_MEASURED}
     failed |= {s["path"] for s in steps[1:] if _key(s["path"]) not in measured}
     recipe = quant + (f" + imatrix {Path(imatrix).name}" if imatrix else "")
     return AttributeResult(
@@ -128,7 +128,7 @@ def _quantise(build, base: dict, found: list, types: list[tuple[str, str]], log,
         for direction, t in types:
             if stop.is_set():
                 return variants
-            v = _file(build((g.line(t),), f"{_short(g.name)}={t}"), base, g)
+            v = _file(build((g.line(t),), f"{flag_name(g.name)}={t}"), base, g)
             variants.append({"group": g.name, "direction": direction, "type": t, **v})
             progress.tick()
     return variants
@@ -173,7 +173,7 @@ def _check(quant: str, text, frontier: int | None, groups: tuple[str, ...] | Non
         raise UserError(f"--text {text}: no such file")
     if frontier is not None and frontier < 0:
         raise UserError(f"--frontier {frontier}: must be >= 0")
-    if groups is not None and (not groups or len(set(g.replace(" ", "_") for g in groups)) < len(groups)):
+    if groups is not None and (not groups or len(set(map(flag_name, groups))) < len(groups)):
         raise UserError(f"--groups {','.join(groups)}: name each group once, at least one")
 
 
@@ -186,7 +186,6 @@ def _directions(raise_to: str, lower_to: str | None, ref: dict) -> list[tuple[st
 
 
 def _ggml_type(name: str, flag: str, ref: dict) -> str:
-
     from backends.gguf_build import FLOAT_TYPES
 
     if name == "reference":
@@ -314,17 +313,13 @@ def _frontier(build, base: dict, variants: list[dict], limit: int | None, raise_
         if len(names) == 1:  # the first step is the ranking's first variant, measured already
             f = {k: x for k, x in v.items() if k in ("path", "sha256", "size", "type_counts", "lines")}
         else:
-            art = build(tuple(lines), f"{','.join(map(_short, names))}={raise_type}")
+            art = build(tuple(lines), f"{','.join(map(flag_name, names))}={raise_type}")
             f = {k: x for k, x in _file(art, None).items() if k != "tensor_types"}
         if f["sha256"] == steps[-1]["sha256"]:
             log(f"frontier: raising {v['group']} after {', '.join(names[:-1])} changes no byte; no step of its own")
             continue
         steps.append({**f, "step": len(steps), "groups": list(names)})
     return steps
-
-
-def _short(group: str) -> str:
-    return group.replace(" ", "_")
 
 
 class _Progress:
