@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 import extras
+from actors.lanes import Ahead, forward_ahead, lanes_for
 from backends.base import Backend, LengthRefused
 from common.positions import Positions
 from common.positions import next_ids as predicted  # the local name next_ids is the list it gives
@@ -90,13 +91,11 @@ def capture_shard(
     work = RowWork(Storage(store, reuse=True), writer, observe)  # done with a prompt's stored rows before the next
     stage = Overlap(beside=_rows_beside(backend, observe))
     refused = Refusals()
-    if not side.parts:  # only this loop calls forward(): a prompt's rows are done with two forwards later
+    plan = _plan(prompts, keep, max_tokens)
+    if not side.parts:  # only this loop calls forward(): a prompt's rows are done with two forwards later (a lane's)
         backend.keep_outputs(2)
     try:
-        streamed = partial(_stream, stage, work)
-        dtype, forward_s = _forward_each(
-            prompts, keep, max_tokens, side, partial(stage.submit, work), refused, streamed
-        )
+        dtype, forward_s, lanes = _forward_all(backend, plan, max_tokens, side, stage, work, refused)
         stage.drain()
         side.commit()
         path = writer.commit(refused.skipped or None)
@@ -114,6 +113,7 @@ def capture_shard(
         "rows": writer.rows,
         "seconds": time.perf_counter() - t0,
         "forward_seconds": forward_s,
+        "lanes": lanes,
         "array_dtype": dtype,
         "storage": work.storage.summary(),
         "extras": side.summary(),
@@ -130,28 +130,50 @@ def _rows_beside(backend: Backend, observe) -> bool:
     return observe is None or backend.rows_beside_forward()
 
 
+def _forward_all(
+    backend: Backend, plan: list[tuple], max_tokens: int | None, side: Extras, stage: Overlap, work, refused
+):
+    """Every planned prompt's forward, on the engine's lanes where they run (actors/lanes.py), else
+    one after the other; returns, or raises, once no forward runs any more.
+
+    -> (the rows' dtype or None, seconds spent in forward, the lanes used)."""
+    hand_over = partial(stage.submit, work)
+    lanes = lanes_for(backend, bool(side.parts), plan, side.streams)
+    if lanes == 1:
+        return (*_forward_each(plan, max_tokens, side, hand_over, refused, partial(_stream, stage, work)), 1)
+    ahead = Ahead(backend, lanes)
+    try:
+        most = partial(limit, max_tokens=max_tokens)
+        return (*forward_ahead(ahead, plan, side.forward, feed, most, hand_over, refused), lanes)
+    finally:
+        ahead.close()
+
+
+def _plan(prompts: list[tuple[str, list[int]]], keep: Positions | int, max_tokens: int | None) -> list[tuple]:
+    """(prompt_id, ids, fed, positions) of each prompt with kept rows: the prefix its kept positions
+    need and those positions; a prompt the window misses has no rows and no forward."""
+    keep = Positions.every(keep) if isinstance(keep, int) else keep
+    planned = [(prompt_id, ids, *keep.fed(ids, max_tokens)) for prompt_id, ids in prompts]
+    return [p for p in planned if p[3]]
+
+
 def _forward_each(
-    prompts: list[tuple[str, list[int]]],
-    keep: Positions | int,
+    plan: list[tuple],
     max_tokens: int | None,
     side: Extras,
     hand_over,
     refused: Refusals,
     stream_over=None,
 ) -> tuple[str | None, float]:
-    """Each prompt's forward over the prefix its kept positions need (longer where the engine
-    refuses that length: feed()), its rows handed over in prompt order (hand_over(prompt_id,
+    """Each planned prompt's forward over the prefix its kept positions need (longer where the
+    engine refuses that length: feed()), its rows handed over in prompt order (hand_over(prompt_id,
     positions, next_ids, rows)); a prompt whose every length is refused hands over nothing.
     Rows the engine streams (Backend.streams) go to stream_over(prompt_id, positions, next_ids,
     blocks) block by block as the forward gives them, where no extra needs them whole.
 
     -> (the rows' array dtype, or None when no prompt had a row; seconds spent in forward)."""
-    keep = Positions.every(keep) if isinstance(keep, int) else keep
     dtype, forward_s = None, 0.0
-    for prompt_id, ids in prompts:
-        fed, positions = keep.fed(ids, max_tokens)
-        if not positions:  # the window misses this prompt: no rows, no forward
-            continue
+    for prompt_id, ids, fed, positions in plan:
         next_ids = predicted(ids, positions)
         tf = time.perf_counter()
         streamed = stream_over is not None and side.streams(len(positions))

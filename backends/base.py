@@ -264,6 +264,16 @@ class Backend:
         that makes no other call): a prompt's fresh memory costs its page faults. An engine that
         has no such buffers ignores it."""
 
+    def lanes(self) -> int:
+        """How many forward() calls a capture may run at once, each from a thread of its own that
+        called bind_lane(i) first (0 <= i < lanes). An engine whose forwards share one state says 1."""
+        return 1
+
+    def bind_lane(self, i: int) -> None:
+        """Bind the calling thread to lane i: its forward() calls use that lane's own state."""
+        if i != 0:
+            raise ValueError(f"lane {i}: this engine runs one forward at a time")
+
     def rows_beside_forward(self) -> bool:
         """Whether a capture that measures its rows against its reference does that row work (and
         the writing) beside the next forward rather than between forwards: yes where the forward

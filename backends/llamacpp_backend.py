@@ -22,12 +22,15 @@ import numpy as np
 from backends.base import GGUF, Backend, OutputRing, block_rows, check_layers
 from backends.gguf_build import FLOAT_TYPES, QUANT_TYPES
 from backends.llama_binding import extra_bufts, gguf_tokenize, load_vocab, quiet_logs, tokenize_with  # noqa: F401 (re-exported)
-from backends.llamacpp_contexts import LlamaContexts
+from backends.llamacpp_contexts import Lanes, LlamaContexts
 from common import kv_cache
 
 # sequences one context holds at most: LLAMA_MAX_SEQ of the llama.cpp llama-cpp-python 0.3 vendors
 MAX_SEQ = 256
 DEFAULTS = {"n_batch": 2048, "n_ubatch": 512, "kv_cache": kv_cache.DEFAULT}  # llama.cpp's own defaults
+# prompts a capture runs at once, the threads split between them (backends/llamacpp_contexts.py Lanes);
+# measured at 2 threads, so no more lanes than that are made
+LANES = 2
 
 
 def _wait_policy() -> str:
@@ -136,13 +139,12 @@ class LlamaCppBackend(LlamaContexts, Backend):
             from common.errors import UserError
 
             raise UserError(f"{self.artifact['path']}: llama.cpp could not load this GGUF")
+        self._lanes = Lanes(self.threads, min(LANES, self.threads))
         self._check_kv_cache()
         self.vocab = lc.llama_model_get_vocab(self.model)
         self._n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         # the size for the KL-against-size frontier (analysis/frontier.py), from the same header read
         self.tensor_types, self.size = gguf_build.tensor_layout(self.artifact["path"])
-        self._kept = None  # (n_ctx, context, params) of the last prompt's forward
-        self._outputs = OutputRing(0)
 
     def _check_kv_cache(self) -> None:
         """A KV cache other than llama.cpp's default, tried on a small context: llama.cpp refuses a
@@ -164,7 +166,14 @@ class LlamaCppBackend(LlamaContexts, Backend):
         self._lc.llama_free(ctx)
 
     def keep_outputs(self, n: int) -> None:
-        self._outputs = OutputRing(n)
+        for lane in self._lanes.every():
+            lane.outputs = OutputRing(n)
+
+    def lanes(self) -> int:
+        return max(1, len(self._lanes.split))
+
+    def bind_lane(self, i: int) -> None:
+        self._lanes.bind(i)
 
     def rows_beside_forward(self) -> bool:
         # beside passive threads the rows' work is faster than between forwards; beside spinning ones
@@ -205,6 +214,9 @@ class LlamaCppBackend(LlamaContexts, Backend):
             **_batching(self.stack),
             "flash_attn": self._flash_ran(),
             "threads": self.threads,
+            "lanes": {"at_most": self.lanes(), "threads_each": [lane.threads for lane in self._lanes.split]}
+            if self._lanes.split
+            else None,
             "context_per_prompt": "kept per prompt length, KV cache cleared before each prompt",
             "omp_wait_policy": self.wait_policy,
             "use_extra_bufts": self.extra_bufts,
@@ -294,8 +306,8 @@ class LlamaCppBackend(LlamaContexts, Backend):
         }
 
     def close(self) -> None:
-        if getattr(self, "_kept", None) is not None:
-            self._drop_kept()
+        for lane in self._lanes.every() if getattr(self, "_lanes", None) else ():
+            self._drop_kept(lane)
         if getattr(self, "model", None):
             self._lc.llama_model_free(self.model)
             self.model = None

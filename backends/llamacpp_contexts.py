@@ -2,23 +2,57 @@
 context per prompt length with its KV cache cleared between prompts, token batches fed through
 llama_decode with the logits of the wanted positions read back, one token at a time for a decode,
 and a prompt's state saved and restored for a warm prompt cache. What it needs of the backend:
-_lc (llama_cpp), model, threads, n_batch, n_ubatch, kv_cache, stack.attention, _n_vocab,
-_outputs and _kept (set by LlamaCppBackend.load).
+_lc (llama_cpp), model, threads, n_batch, n_ubatch, kv_cache, stack.attention, _n_vocab and
+_lanes (Lanes, set by LlamaCppBackend.load).
+
+Lanes: a capture may run two prompts' forwards at once, each in a context of its own on its own
+share of the threads (Backend.lanes). On 2 cores two 1-thread forwards at once took 0.90x
+(SmolLM2-135M) and 0.77x (Gemma 3 270M) of one 2-thread forward after the other, with the same
+logits bit for bit: ggml gives each output row to one thread, so the thread count changes who
+computes a row, not how; what the split saves is the threads' wait at every graph node.
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
+import threading
 from typing import Iterator
 
 import numpy as np
 
-from backends.base import block_rows, stream_bytes
+from backends.base import OutputRing, block_rows, stream_bytes
 
 # common/kv_cache.py TYPES -> enum ggml_type (ggml/include/ggml.h), by number: llama-cpp-python
 # exports no GGML_TYPE_BF16
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
+
+
+class Lane:
+    """What one forward at a time needs of its own: its threads, the context kept from its last
+    prompt (n_ctx, context, params) and its ring of output buffers."""
+
+    def __init__(self, threads: int):
+        self.threads, self.kept, self.outputs = threads, None, OutputRing(0)
+
+
+class Lanes:
+    """The lanes of one loaded model: `whole` (every thread) for a call from any thread not bound
+    to a lane, and, where the threads split, `split` lanes a thread binds itself to (bind)."""
+
+    def __init__(self, threads: int, n: int):
+        self.whole = Lane(threads)
+        self.split = [Lane(threads // n + (i < threads % n)) for i in range(n)] if n > 1 else []
+        self.local = threading.local()
+
+    def here(self) -> Lane:
+        return getattr(self.local, "lane", None) or self.whole
+
+    def bind(self, i: int) -> None:
+        self.local.lane = self.split[i]
+
+    def every(self) -> list[Lane]:
+        return [self.whole, *self.split]
 
 
 class LlamaContexts:
@@ -47,7 +81,7 @@ class LlamaContexts:
         # one KV buffer for every sequence (llama-server's --kv-unified): split, each would get
         # n_ctx / n_seq cells, and sequences of other lengths would not fit
         cp.kv_unified = n_seq > 1
-        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.n_threads = cp.n_threads_batch = self._lanes.here().threads
         cp.type_k, cp.type_v = KV_TYPES[self.kv_cache.k], KV_TYPES[self.kv_cache.v]
         cp.flash_attn_type = self._flash()
         cp.no_perf = True
@@ -101,16 +135,19 @@ class LlamaContexts:
         length, cleared (llama_memory_clear), else a new one. The output and compute buffers are
         then allocated once, not per prompt, where allocating them costs time at a large vocabulary
         (docs/benchmark-notes.md); the logits are the same bits as a fresh context's."""
-        if self._kept is not None and self._kept[0] == n_ctx:
-            self._lc.llama_memory_clear(self._lc.llama_get_memory(self._kept[1]), True)
-            return self._kept[1], self._kept[2]
-        self._drop_kept()
+        lane = self._lanes.here()
+        if lane.kept is not None and lane.kept[0] == n_ctx:
+            self._lc.llama_memory_clear(self._lc.llama_get_memory(lane.kept[1]), True)
+            return lane.kept[1], lane.kept[2]
+        self._drop_kept(lane)
         ctx, cp = self._context(n_ctx)
-        self._kept = (n_ctx, ctx, cp)
+        lane.kept = (n_ctx, ctx, cp)
         return ctx, cp
 
-    def _drop_kept(self) -> None:
-        kept, self._kept = self._kept, None
+    def _drop_kept(self, lane: Lane | None = None) -> None:
+        """Free the context a lane (the calling thread's by default) kept from its last prompt."""
+        lane = lane or self._lanes.here()
+        kept, lane.kept = lane.kept, None
         if kept is not None:
             self._lc.llama_free(kept[1])
 
@@ -118,7 +155,7 @@ class LlamaContexts:
         # a forward that taps layers sets its own eval callback: a context of its own
         ctx, cp = self._context(len(token_ids), taps) if taps is not None else self._prefill_context(len(token_ids))
         want = {p: i for i, p in enumerate(positions)}
-        out = self._outputs.take((len(positions), self._n_vocab), np.float32)  # (rows, vocab)
+        out = self._lanes.here().outputs.take((len(positions), self._n_vocab), np.float32)  # (rows, vocab)
         batch = self._lc.llama_batch_init(cp.n_batch, 0, 1)
         try:
             self._feed(ctx, batch, cp.n_batch, token_ids, 0, want, out, taps, cp.n_ubatch)
@@ -141,7 +178,7 @@ class LlamaContexts:
         flat = [(tok, pos, s) for s, seq in enumerate(seqs) for pos, tok in enumerate(seq)]  # (tokens,) in batch order
         ctx, cp = self._context(len(flat), n_seq=len(seqs))
         want = {p: i for i, p in enumerate(positions)}
-        out = self._outputs.take((len(positions), self._n_vocab), np.float32)  # (rows, vocab)
+        out = self._lanes.here().outputs.take((len(positions), self._n_vocab), np.float32)  # (rows, vocab)
         batch = lc.llama_batch_init(cp.n_batch, 0, len(seqs))
         try:
             for start in range(0, len(flat), cp.n_batch):
