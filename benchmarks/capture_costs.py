@@ -1,6 +1,6 @@
-"""What a capture costs on real rows, in this process: the forwards alone (the floor under any tool
-that runs them) and, per stored row beyond its forward, rounding to bf16 with its KL floor,
-encoding (row hash + Parquet) and the comparison with the reference's row."""
+"""What a capture costs on real rows, in this process: the forwards alone, one after another (the
+floor under any tool that runs them so) and, per stored row beyond its forward, rounding to bf16
+with its KL floor, encoding (row hash + Parquet) and the comparison with the reference's row."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 
 def forwards_alone(model, artifacts: dict[str, dict], ids: list[list[int]], threads: int):
-    """The floor under any tool that runs these forwards: each GGUF's prefill of every chunk through
+    """The floor under any tool that runs these forwards one after another on every thread (a
+    capture's lanes run two at once: actors/lanes.py): each GGUF's prefill of every chunk through
     logit-matrix's own backend, in this process (no rounding, no writes, no comparison);
     -> ({dtype: seconds}, {dtype: the last chunk's rows}, that chunk's next ids)."""
     from backends.llamacpp_backend import LlamaCppBackend

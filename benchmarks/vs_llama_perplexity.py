@@ -17,7 +17,9 @@ Each tool runs --repeat times, in turn, and its best wall time counts: on a shar
 can lose seconds to other work, and taking each tool's best compares what each does itself.
 
 Beside the two wall times: the forwards alone (each GGUF's prefill of every chunk through
-logit-matrix's llama.cpp backend, in this process: the floor under any tool that runs them), and
+logit-matrix's llama.cpp backend, in this process, one after another on every thread as
+llama-perplexity runs them; a capture's lanes run two at once where a prompt's rows are small,
+actors/lanes.py, so it can take less), and
 what each stored row costs on top of its forward at that vocabulary (ms per row): rounding to bf16
 with its KL floor, encoding (row hash + Parquet), and the comparison with the reference.
 """
