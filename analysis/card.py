@@ -34,7 +34,8 @@ def query_rows(warehouse: str, sql: str, params=()) -> list[dict]:
 
 def _query(warehouse: str, cell_id: str) -> tuple[dict, dict, dict, list, list, dict]:
     """-> (cell, its reference, its summary row, ranges, prompts, sampled positions)."""
-    con = connect(warehouse)
+    # a connection with the views these queries read (binding every view reads every table's footers)
+    con = connect(warehouse, referenced("cells summary summary_by_range prompts metrics"))
     try:
         cells = {c["cell_id"]: c for c in dict_rows(con, "SELECT * FROM cells")}
         if cell_id not in cells:

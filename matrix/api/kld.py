@@ -139,7 +139,7 @@ def _measured(warehouse: str, cells: list[tuple[dict, str]], log) -> None:
     from analysis.analyze import analyze
     from analysis.sql import connect
 
-    con = connect(warehouse)
+    con = connect(warehouse, {"metrics"})
     try:
         have = {r[0] for r in con.execute("SELECT DISTINCT cell_id FROM metrics").fetchall()}
     finally:
@@ -156,7 +156,7 @@ def _results(warehouse: str, cells: list[tuple[dict, str]], ref_label: str) -> t
     from analysis.sql import connect
     from matrix.spec.kld import file_of
 
-    con = connect(warehouse)
+    con = connect(warehouse, {"metrics"})  # what cell_stats and the count read
     try:
         found = []
         for a, cid in cells:
