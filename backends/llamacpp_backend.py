@@ -29,8 +29,10 @@ from common import kv_cache
 MAX_SEQ = 256
 DEFAULTS = {"n_batch": 2048, "n_ubatch": 512, "kv_cache": kv_cache.DEFAULT}  # llama.cpp's own defaults
 # prompts a capture runs at once, the threads split between them (backends/llamacpp_contexts.py Lanes);
-# measured at 2 threads, so no more lanes than that are made
+# measured at 2 threads, so no more lanes than that are made. LANES_ENV sets fewer (a benchmark's
+# comparison: 1 runs one prompt after the other on every thread).
 LANES = 2
+LANES_ENV = "LOGIT_MATRIX_LANES"
 
 
 def _wait_policy() -> str:
@@ -139,7 +141,7 @@ class LlamaCppBackend(LlamaContexts, Backend):
             from common.errors import UserError
 
             raise UserError(f"{self.artifact['path']}: llama.cpp could not load this GGUF")
-        self._lanes = Lanes(self.threads, min(LANES, self.threads))
+        self._lanes = Lanes(self.threads, min(LANES, self.threads, int(os.environ.get(LANES_ENV) or LANES)))
         self._check_kv_cache()
         self.vocab = lc.llama_model_get_vocab(self.model)
         self._n_vocab = lc.llama_vocab_n_tokens(self.vocab)

@@ -118,3 +118,16 @@ def test_lanes_run_only_where_nothing_needs_prompts_one_at_a_time():
     assert lanes_for(Lanes(2), False, plan[:1], never, 1 << 20) == 1  # one prompt
     assert lanes_for(Lanes(2), False, plan, lambda rows: True, 1 << 20) == 1  # streamed
     assert lanes_for(Lanes(2, vocab=1 << 18), False, plan, never, 1 << 20) == 1  # 2 rows x 1 MiB each
+
+
+@pytest.mark.slow
+def test_the_lanes_variable_sets_fewer(tiny_model, monkeypatch):
+    from backends.llamacpp_backend import LANES_ENV, LlamaCppBackend
+
+    monkeypatch.setenv(LANES_ENV, "1")  # what a benchmark sets to compare with one prompt after the other
+    be = LlamaCppBackend(StackDesc.of("llamacpp", "f16", "default"), str(tiny_model), 2)
+    be.load()
+    try:
+        assert be.lanes() == 1 and be.settings()["lanes"] is None
+    finally:
+        be.close()
