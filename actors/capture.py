@@ -91,10 +91,10 @@ def capture_shard(
     work = RowWork(Storage(store, reuse=True), writer, observe)  # done with a prompt's stored rows before the next
     stage = Overlap(beside=_rows_beside(backend, observe))
     refused = Refusals()
-    plan = _plan(prompts, keep, max_tokens)
     if not side.parts:  # only this loop calls forward(): a prompt's rows are done with two forwards later (a lane's)
         backend.keep_outputs(2)
     try:
+        plan = _plan(prompts, keep, max_tokens)
         dtype, forward_s, lanes = _forward_all(backend, plan, max_tokens, side, stage, work, refused)
         stage.drain()
         side.commit()
@@ -145,16 +145,19 @@ def _forward_all(
     try:
         most = partial(limit, max_tokens=max_tokens)
         return (*forward_ahead(ahead, plan, side.forward, feed, most, hand_over, refused), lanes)
+    except BaseException as e:
+        ahead.settle(e)  # the other lanes' forwards waited out; their own failures go on e's notes
+        raise
     finally:
         ahead.close()
 
 
 def _plan(prompts: list[tuple[str, list[int]]], keep: Positions | int, max_tokens: int | None) -> list[tuple]:
-    """(prompt_id, ids, fed, positions) of each prompt with kept rows: the prefix its kept positions
-    need and those positions; a prompt the window misses has no rows and no forward."""
+    """(prompt_id, ids, need, positions) of each prompt with kept rows: the length of the prefix its
+    kept positions need and those positions; a prompt the window misses has no rows and no forward."""
     keep = Positions.every(keep) if isinstance(keep, int) else keep
-    planned = [(prompt_id, ids, *keep.fed(ids, max_tokens)) for prompt_id, ids in prompts]
-    return [p for p in planned if p[3]]
+    planned = ((prompt_id, ids, keep.fed(ids, max_tokens)) for prompt_id, ids in prompts)
+    return [(prompt_id, ids, len(fed), positions) for prompt_id, ids, (fed, positions) in planned if positions]
 
 
 def _forward_each(
@@ -173,15 +176,15 @@ def _forward_each(
 
     -> (the rows' array dtype, or None when no prompt had a row; seconds spent in forward)."""
     dtype, forward_s = None, 0.0
-    for prompt_id, ids, fed, positions in plan:
+    for prompt_id, ids, need, positions in plan:
         next_ids = predicted(ids, positions)
         tf = time.perf_counter()
         streamed = stream_over is not None and side.streams(len(positions))
         forward = side.forward_blocks if streamed else side.forward
-        got = feed(partial(forward, prompt_id, positions=positions), ids, len(fed), limit(ids, max_tokens))
+        got = feed(partial(forward, prompt_id, positions=positions), ids, need, limit(ids, max_tokens))
         if got.rows is not None and not streamed:  # the extras' own work, once, on the rows kept
             side.after(prompt_id, ids, ids[: got.tokens], positions, got.rows)
-        refused.add(prompt_id, len(fed), len(positions), got)
+        refused.add(prompt_id, need, len(positions), got)
         if got.rows is not None and streamed:  # stored as the forward goes: its time is the forward's too
             dtype = str(got.rows.dtype)
             stream_over(prompt_id, positions, next_ids, got.rows)

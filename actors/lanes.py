@@ -35,6 +35,7 @@ class Ahead:
             ThreadPoolExecutor(1, thread_name_prefix=f"forward-lane{i}", initializer=backend.bind_lane, initargs=(i,))
             for i in range(n)
         ]
+        self.submitted: list = []  # futures not known done: what settle() waits out
 
     def map(self, fn: Callable, items: Iterable) -> Iterator:
         """fn(item) for each item, item k on lane k mod n, yielded in order. Item k + n is asked of a
@@ -42,10 +43,20 @@ class Ahead:
         pending: deque = deque()
         for k, item in enumerate(items):
             pending.append(self.pools[k % len(self.pools)].submit(fn, item))
+            self.submitted = [*(f for f in self.submitted if not f.done()), pending[-1]]
             if len(pending) == len(self.pools):
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+
+    def settle(self, error: BaseException) -> None:
+        """After a failure: wait for every forward submitted; those that failed too go on error's notes."""
+        for p in self.pools:
+            p.shutdown(wait=True, cancel_futures=True)
+        for f in self.submitted:
+            if not f.cancelled() and (other := f.exception()) is not None and other is not error:
+                error.add_note(f"a forward on another lane failed too: {type(other).__name__}: {other}")
+        self.submitted = []
 
     def close(self) -> None:
         """Wait for the forwards still running (a failure elsewhere leaves them to finish, never
@@ -71,22 +82,22 @@ def lanes_for(
 def forward_ahead(
     ahead: Ahead, plan: list[tuple], forward, feed, limit, hand_over, refused
 ) -> tuple[str | None, float]:
-    """Each planned prompt (prompt_id, ids, fed, positions) fed on the lanes (feed(forward(prompt_id,
-    fed, positions=...), ...) as the loop feeds it), handed over in prompt order.
+    """Each planned prompt (prompt_id, ids, need, positions) fed on the lanes (feed(forward(prompt_id,
+    fed, positions=...), ids, need, ...) as the loop feeds it), handed over in prompt order.
 
     -> (the rows' dtype or None, the forwards' seconds summed over the lanes: more than the wall
     time they took, since they overlap)."""
 
     def one(item: tuple):
-        prompt_id, ids, fed, positions, most = item
+        prompt_id, ids, need, positions, most = item
         t = time.perf_counter()
-        got = feed(partial(forward, prompt_id, positions=positions), ids, len(fed), most)
+        got = feed(partial(forward, prompt_id, positions=positions), ids, need, most)
         return got, time.perf_counter() - t
 
     dtype, forward_s = None, 0.0
-    items = [(pid, ids, fed, positions, limit(ids)) for pid, ids, fed, positions in plan]
-    for (prompt_id, ids, fed, positions, _), (got, seconds) in zip(items, ahead.map(one, items)):
-        refused.add(prompt_id, len(fed), len(positions), got)
+    items = [(pid, ids, need, positions, limit(ids)) for pid, ids, need, positions in plan]
+    for (prompt_id, ids, need, positions, _), (got, seconds) in zip(items, ahead.map(one, items)):
+        refused.add(prompt_id, need, len(positions), got)
         forward_s += seconds
         if got.rows is not None:
             dtype = str(got.rows.dtype)

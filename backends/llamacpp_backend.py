@@ -28,11 +28,24 @@ from common import kv_cache
 # sequences one context holds at most: LLAMA_MAX_SEQ of the llama.cpp llama-cpp-python 0.3 vendors
 MAX_SEQ = 256
 DEFAULTS = {"n_batch": 2048, "n_ubatch": 512, "kv_cache": kv_cache.DEFAULT}  # llama.cpp's own defaults
-# prompts a capture runs at once, the threads split between them (backends/llamacpp_contexts.py Lanes);
-# measured at 2 threads, so no more lanes than that are made. LANES_ENV sets fewer (a benchmark's
+# prompts a CPU capture runs at once, the threads split between them (backends/llamacpp_contexts.py
+# Lanes): at most 2, the number measured (on 2 threads). LANES_ENV sets fewer (a benchmark's
 # comparison: 1 runs one prompt after the other on every thread).
 LANES = 2
 LANES_ENV = "LOGIT_MATRIX_LANES"
+
+
+def _lanes(threads: int, device: str) -> int:
+    """How many lanes a loaded model gets: LANES (or LANES_ENV's fewer), never more than threads;
+    1 off the CPU, where what the lanes save (threads waiting at every graph node) was not measured."""
+    raw = os.environ.get(LANES_ENV)
+    if raw is not None and not (raw.strip().isdigit() and int(raw) >= 1):
+        from common.errors import UserError
+
+        raise UserError(f"{LANES_ENV}={raw!r}: a whole number of lanes, 1 or more")
+    if device != "cpu":
+        return 1
+    return min(LANES, threads, int(raw) if raw is not None else LANES)
 
 
 def _wait_policy() -> str:
@@ -141,7 +154,7 @@ class LlamaCppBackend(LlamaContexts, Backend):
             from common.errors import UserError
 
             raise UserError(f"{self.artifact['path']}: llama.cpp could not load this GGUF")
-        self._lanes = Lanes(self.threads, min(LANES, self.threads, int(os.environ.get(LANES_ENV) or LANES)))
+        self._lanes = Lanes(self.threads, _lanes(self.threads, self.stack.device))
         self._check_kv_cache()
         self.vocab = lc.llama_model_get_vocab(self.model)
         self._n_vocab = lc.llama_vocab_n_tokens(self.vocab)

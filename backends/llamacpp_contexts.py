@@ -8,8 +8,8 @@ _lanes (Lanes, set by LlamaCppBackend.load).
 Lanes: a capture may run two prompts' forwards at once, each in a context of its own on its own
 share of the threads (Backend.lanes). On 2 cores two 1-thread forwards at once took 0.90x
 (SmolLM2-135M) and 0.77x (Gemma 3 270M) of one 2-thread forward after the other, with the same
-logits bit for bit: ggml gives each output row to one thread, so the thread count changes who
-computes a row, not how; what the split saves is the threads' wait at every graph node.
+logits bit for bit on both (and tests/test_lanes.py on SmolLM2's F16 cut): what the split saves
+is the threads' wait for each other at every graph node.
 """
 
 from __future__ import annotations
@@ -212,6 +212,7 @@ class LlamaContexts:
         if not self.streams(len(positions)):
             yield self.forward(token_ids, positions)
             return
+        lane = self._lanes.here()  # the generator may be resumed, or closed, from another thread
         ctx, cp = self._prefill_context(len(token_ids))
         want, per = list(positions), block_rows(self._n_vocab)
         assert want == sorted(want), "kept positions come in ascending order"
@@ -227,7 +228,7 @@ class LlamaContexts:
                     yield self._outputs_view(ctx, kept, start)  # (block rows, vocab)
                 at, start = at + len(kept), end
         except BaseException:
-            self._drop_kept()  # a forward left half done leaves the cache in no known state
+            self._drop_kept(lane)  # a forward left half done leaves the cache in no known state
             raise
         finally:
             self._lc.llama_batch_free(batch)

@@ -6,6 +6,7 @@ two layers, the real writer."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -75,7 +76,7 @@ def test_a_forward_failing_on_a_lane_fails_the_capture_and_leaves_no_shard(llama
     assert _capture(llama, tmp_path / "after", "native")[0]["lanes"] == 2  # the lanes serve the next capture
 
 
-class Lanes:
+class FakeLanes:
     """A stand-in engine for the lane bookkeeping alone: which lane each thread bound to."""
 
     def __init__(self, n: int, vocab: int = 10):
@@ -92,7 +93,7 @@ class Lanes:
 
 
 def test_prompts_go_to_the_lanes_in_turn_and_come_back_in_order():
-    be, started, taken = Lanes(2), [], []
+    be, started, taken = FakeLanes(2), [], []
     ahead = Ahead(be, 2)
 
     def work(k: int):
@@ -112,12 +113,12 @@ def test_prompts_go_to_the_lanes_in_turn_and_come_back_in_order():
 def test_lanes_run_only_where_nothing_needs_prompts_one_at_a_time():
     plan = [("a", [1, 2, 3], [1, 2], [0, 1]), ("b", [1, 2], [1], [0])]
     never = lambda rows: False  # noqa: E731
-    assert lanes_for(Lanes(2), False, plan, never, 1 << 20) == 2
-    assert lanes_for(Lanes(1), False, plan, never, 1 << 20) == 1
-    assert lanes_for(Lanes(2), True, plan, never, 1 << 20) == 1  # an extra runs
-    assert lanes_for(Lanes(2), False, plan[:1], never, 1 << 20) == 1  # one prompt
-    assert lanes_for(Lanes(2), False, plan, lambda rows: True, 1 << 20) == 1  # streamed
-    assert lanes_for(Lanes(2, vocab=1 << 18), False, plan, never, 1 << 20) == 1  # 2 rows x 1 MiB each
+    assert lanes_for(FakeLanes(2), False, plan, never, 1 << 20) == 2
+    assert lanes_for(FakeLanes(1), False, plan, never, 1 << 20) == 1
+    assert lanes_for(FakeLanes(2), True, plan, never, 1 << 20) == 1  # an extra runs
+    assert lanes_for(FakeLanes(2), False, plan[:1], never, 1 << 20) == 1  # one prompt
+    assert lanes_for(FakeLanes(2), False, plan, lambda rows: True, 1 << 20) == 1  # streamed
+    assert lanes_for(FakeLanes(2, vocab=1 << 18), False, plan, never, 1 << 20) == 1  # 2 rows x 1 MiB each
 
 
 @pytest.mark.slow
@@ -131,3 +132,41 @@ def test_the_lanes_variable_sets_fewer(tiny_model, monkeypatch):
         assert be.lanes() == 1 and be.settings()["lanes"] is None
     finally:
         be.close()
+
+
+def test_lanes_are_the_cpus_and_the_variable_is_checked(monkeypatch):
+    from backends.llamacpp_backend import LANES_ENV, _lanes
+    from common.errors import UserError
+
+    monkeypatch.delenv(LANES_ENV, raising=False)
+    assert (_lanes(2, "cpu"), _lanes(16, "cpu"), _lanes(1, "cpu"), _lanes(8, "cuda"), _lanes(8, "mps")) == (
+        2,
+        2,
+        1,
+        1,
+        1,
+    )
+    monkeypatch.setenv(LANES_ENV, "1")
+    assert _lanes(2, "cpu") == 1
+    for bad in ("0", "two", "1.5", "-1"):
+        monkeypatch.setenv(LANES_ENV, bad)
+        with pytest.raises(UserError, match=f"{LANES_ENV}='{re.escape(bad)}': a whole number of lanes, 1 or more"):
+            _lanes(2, "cpu")
+
+
+def test_a_second_lanes_failure_goes_on_the_firsts_notes():
+    ahead = Ahead(FakeLanes(2), 2)
+
+    def work(k: int):
+        time.sleep(0.05 * k)  # the prompt on lane 1 is still running when lane 0's failure is taken
+        raise RuntimeError(f"decode failed on p{k}")
+
+    with pytest.raises(RuntimeError, match="decode failed on p0") as got:
+        try:
+            for _ in ahead.map(work, range(4)):
+                pass
+        except BaseException as e:
+            ahead.settle(e)
+            raise
+    ahead.close()
+    assert got.value.__notes__ == ["a forward on another lane failed too: RuntimeError: decode failed on p1"]
