@@ -35,28 +35,26 @@ class Ahead:
             ThreadPoolExecutor(1, thread_name_prefix=f"forward-lane{i}", initializer=backend.bind_lane, initargs=(i,))
             for i in range(n)
         ]
-        self.submitted: list = []  # futures not known done: what settle() waits out
+        self.pending: deque = deque()  # forwards submitted and not yet taken, in prompt order
 
     def map(self, fn: Callable, items: Iterable) -> Iterator:
         """fn(item) for each item, item k on lane k mod n, yielded in order. Item k + n is asked of a
         lane only once the caller has taken item k's result and asked for the next one."""
-        pending: deque = deque()
+        pending = self.pending
         for k, item in enumerate(items):
             pending.append(self.pools[k % len(self.pools)].submit(fn, item))
-            self.submitted = [*(f for f in self.submitted if not f.done()), pending[-1]]
             if len(pending) == len(self.pools):
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
 
     def settle(self, error: BaseException) -> None:
-        """After a failure: wait for every forward submitted; those that failed too go on error's notes."""
-        for p in self.pools:
-            p.shutdown(wait=True, cancel_futures=True)
-        for f in self.submitted:
+        """After a failure: wait for the forwards not yet taken; those that failed too go on error's notes."""
+        self.close()
+        while self.pending:
+            f = self.pending.popleft()
             if not f.cancelled() and (other := f.exception()) is not None and other is not error:
                 error.add_note(f"a forward on another lane failed too: {type(other).__name__}: {other}")
-        self.submitted = []
 
     def close(self) -> None:
         """Wait for the forwards still running (a failure elsewhere leaves them to finish, never
