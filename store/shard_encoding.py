@@ -6,10 +6,11 @@ Parquet's write of the logits column (byte-stream-split and zstd over 4 bytes a 
 a store's work (~85% of it on one core), and one pyarrow writer runs on one core. So a prompt's
 rows are cut into slices of SLICE_VALUES values (whole rows), and each slice, on one of
 store_threads() threads (a pool's and the caller's), has its rows hashed (sha256 of the native
-bytes), widened into that thread's own buffer and encoded as a small Parquet file of the logits
-column alone; pyarrow and hashlib let go of the GIL while they work, so the slices run on separate
-cores. The caller also encodes the small columns (a few bytes a row) and writes each slice's pages
-to the shard's file in row order as the slice is done. 2 threads store ~1.75x the rows a second
+bytes) and encoded as a small Parquet file of the logits column alone, the very file pyarrow's
+writer gives, written page by page without its per-value level work (store/logits_pages.py);
+hashlib, numpy and zstd let go of the GIL while they work, so the slices run on separate cores.
+The caller also encodes the small columns (a few bytes a row) and writes each slice's pages to
+the shard's file in row order as the slice is done. 2 threads store ~1.75x the rows a second
 of one on a 2-core AMD EPYC (benchmarks/store_scaling.py, docs/benchmark-notes.md).
 
 Why so:
@@ -47,6 +48,7 @@ import pyarrow.parquet as pq
 
 from common.buffers import room
 from common.native import threads as cpu_threads
+from store.logits_pages import Layout, OtherPages, PageWriter
 from store.schema import LOGITS
 from store.values import ZSTD_LEVEL, row_hash, widen
 
@@ -108,6 +110,31 @@ def encode_part(rows: pa.Table) -> pa.Buffer:
     w.write_table(by_row(rows))
     w.close()
     return sink.getvalue()
+
+
+def pyarrow_slice(wide: np.ndarray) -> bytes:
+    """(rows, vocab) float32 -> the slice file pyarrow's writer gives: what PageWriter writes."""
+    sink = pa.BufferOutputStream()
+    w = logits_writer(sink, SLICE_SCHEMA)
+    w.write_table(by_row(pa.table({"logits": list_column(wide)}, schema=SLICE_SCHEMA)))
+    w.close()
+    return sink.getvalue().to_pybytes()
+
+
+_LAYOUTS: dict[int, Layout | None] = {}
+_LAYOUTS_LOCK = threading.Lock()
+
+
+def layout(vocab: int) -> Layout | None:
+    """The page layout of a vocabulary's slices, read once a process from pyarrow's own files;
+    None where this pyarrow ends its pages elsewhere (its writer then writes the slices)."""
+    with _LAYOUTS_LOCK:
+        if vocab not in _LAYOUTS:
+            try:
+                _LAYOUTS[vocab] = Layout(vocab, pyarrow_slice, ZSTD_LEVEL)
+            except OtherPages:
+                _LAYOUTS[vocab] = None
+        return _LAYOUTS[vocab]
 
 
 def list_column(wide: np.ndarray) -> pa.ListArray:
@@ -203,9 +230,10 @@ class Flight:
 
 class SliceEncoder:
     """A prompt's logits encoded in slices on `threads` threads: the caller's and a pool of the
-    others. Each thread widens into a buffer of its own, and each slice is encoded into an output
-    buffer the caller gives back once it has written it: memory kept from slice to slice (fresh
-    memory costs its page faults and, across threads, TLB flushes: docs/benchmark-notes.md)."""
+    others. Each thread has a page buffer of its own (and a widening buffer for a dtype it
+    widens), and each slice is encoded into an output buffer the caller gives back once it has
+    written it: memory kept from slice to slice (fresh memory costs its page faults and, across
+    threads, TLB flushes: docs/benchmark-notes.md)."""
 
     def __init__(self, threads: int):
         self.threads = threads
@@ -250,18 +278,31 @@ class SliceEncoder:
         return np.empty(size, np.uint8)
 
     def _slice(self, native: np.ndarray, a: int, b: int) -> Slice:
-        """Rows a..b of native hashed, widened and encoded (on whichever thread claimed them)."""
+        """Rows a..b of native hashed and encoded (on whichever thread claimed them): float32 and
+        bf16 bits as they are, any other dtype widened to float32 first."""
         rows = native[a:b]  # (rows, vocab) native
         hashes = [row_hash(r) for r in rows]
-        if rows.dtype != np.float32:
+        if rows.dtype not in (np.float32, np.uint16):
             self._local.wide = room(getattr(self._local, "wide", None), rows.size)
-        wide = widen(rows, getattr(self._local, "wide", None))  # (rows, vocab) float32
+            rows = widen(rows, self._local.wide)
         buf = self._buffer(slice_bound(rows.size))
+        pages = self._pages(rows.shape[1])
+        if pages is not None:
+            return Slice(hashes, buf, pages.write(rows, buf))
         sink = pa.FixedSizeBufferWriter(pa.py_buffer(buf))
         w = logits_writer(sink, SLICE_SCHEMA)
-        w.write_table(by_row(pa.table({"logits": list_column(wide)}, schema=SLICE_SCHEMA)))
+        w.write_table(by_row(pa.table({"logits": list_column(widen(rows))}, schema=SLICE_SCHEMA)))
         w.close()
         return Slice(hashes, buf, sink.tell())
+
+    def _pages(self, vocab: int) -> PageWriter | None:
+        """This thread's page writer for the vocabulary (its body buffer is its own), or None
+        where pyarrow's pages do not end where PageWriter's would (another pyarrow's rule)."""
+        pages = getattr(self._local, "pages", None)
+        if pages is None or pages.layout.vocab != vocab:
+            found = layout(vocab)
+            pages = self._local.pages = None if found is None else PageWriter(found)
+        return pages
 
     def close(self) -> None:
         if self._pool is not None:

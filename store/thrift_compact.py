@@ -154,6 +154,15 @@ def decode(buf: bytes | memoryview) -> Struct:
     return out
 
 
+def decode_prefix(buf: bytes | memoryview) -> tuple[Struct, int]:
+    """The struct at the start of buf (a Parquet page header before its page), and its length."""
+    r = _Reader(buf)
+    try:
+        return r.struct(), r.pos
+    except IndexError:
+        raise ThriftError("a Thrift struct runs past its bytes") from None
+
+
 # -- encoding -----------------------------------------------------------------------------------------
 def _varint(n: int, out: bytearray) -> None:
     while n >= 0x80:
