@@ -1,9 +1,11 @@
 """What a capture costs on real rows, in this process: the forwards alone, one after another (the
 floor under any tool that runs them so) and, per stored row beyond its forward, rounding to bf16
-with its KL floor, encoding (row hash + Parquet) and the comparison with the reference's row."""
+with its KL floor, encoding (row hash, Parquet pages and the shard's file, as a capture writes
+them) and the comparison with the reference's row."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from typing import TYPE_CHECKING
 
@@ -45,20 +47,28 @@ def per_row_costs(ref: "np.ndarray", stk: "np.ndarray", next_ids: list[int]) -> 
     """ms per row of what a capture adds to each forward's rows at this vocabulary, on real rows,
     best of 3: rounding to bf16 with the row's KL floor (Storage.keep: one fused pass), encoding
     (row hash and Parquet page), and the comparison with the reference's row (every metric, float64)."""
+    import tempfile
+
     import numpy as np
 
     from analysis.metrics import row_metrics
     from store.floors import Storage
-    from store.shards import encode_rows, rows_table
+    from store.warehouse import ShardWriter, Warehouse
 
     n = stk.shape[0]
     stored, shift = Storage("bf16").keep(stk)
     nxt = np.asarray(next_ids, np.int64)
+    where = tempfile.mkdtemp(prefix="row-costs-")
+    Warehouse(where).create()
+
+    def encode() -> None:  # a capture's write of the rows: one thread, as one core's share of it
+        w = ShardWriter(where, "r", "c", 0, threads=1)
+        w.add(PromptRows("p", list(range(n)), next_ids, stored, shift))
+        w.commit()
+
     steps = {
         "rounding and floor": lambda: Storage("bf16").keep(stk),
-        "encoding": lambda: encode_rows(
-            rows_table("r", "c", 0, PromptRows("p", list(range(n)), next_ids, stored, shift))
-        ),
+        "encoding": encode,
         "comparison": lambda: row_metrics(ref, stk, nxt),
     }
     steps["comparison"]()  # the kernel is built or loaded once per process, as in a cell
@@ -70,4 +80,5 @@ def per_row_costs(ref: "np.ndarray", stk: "np.ndarray", next_ids: list[int]) -> 
             fn()
             best = min(best, time.perf_counter() - t0)
         out[k] = 1000 * best / n
+    shutil.rmtree(where)
     return out

@@ -21,7 +21,7 @@ logit-matrix's llama.cpp backend, in this process, one after another on every th
 llama-perplexity runs them; a capture's lanes run two at once where a prompt's rows are small,
 actors/lanes.py, so it can take less), and
 what each stored row costs on top of its forward at that vocabulary (ms per row): rounding to bf16
-with its KL floor, encoding (row hash + Parquet), and the comparison with the reference.
+with its KL floor, encoding (row hash, Parquet pages, the shard file), and the comparison with the reference.
 """
 
 from __future__ import annotations

@@ -26,8 +26,34 @@ def _job(ggufs, text, wh: Path):  # noqa: F811 - the fixture, passed in
     return load_spec(spec_path)
 
 
+class Ahead:
+    """LocalExecutor.load_ahead wrapped: each cell it started a host for, with the host and the
+    number of cells done at that moment."""
+
+    def __init__(self, ex, summary_cells):
+        self.ex, self.real, self.cells_done, self.started = ex, ex.load_ahead, summary_cells, []
+        ex.load_ahead = self
+
+    def __call__(self, cell, *args):
+        ok = self.real(cell, *args)
+        if ok:
+            self.started.append((cell.cell_id, self.ex.early[cell.cell_id][0], self.cells_done()))
+        return ok
+
+
+def _run(spec, wh, ex, nonce, lines):
+    from matrix.run import execute, runner
+
+    plan = runner.prepare(spec, wh, lines.append)
+    wh.create()
+    with wh.lock(lines.append):
+        plan = runner.bind(plan, wh, ex, lines.append, runner.Resume(own_cluster=True))
+        ex.keep_early(set(plan.todo))
+        return plan, execute.execute(plan, wh, [], None, lines.append, ex, nonce)
+
+
 def test_the_first_host_starts_ahead_and_the_run_takes_it_over(ggufs, text, tmp_path):  # noqa: F811
-    from matrix.run import early, execute, runner
+    from matrix.run import early
     from matrix.run.local import LocalExecutor
     from store import Warehouse
 
@@ -35,15 +61,16 @@ def test_the_first_host_starts_ahead_and_the_run_takes_it_over(ggufs, text, tmp_
     nonce = early.start_first_host(spec, wh, ex, lines.append)
     ((ref, (host, _)),) = ex.early.items()
     assert nonce and ref.startswith(early.first_cell(spec).stack_id) and host.proc is not None  # spawned at once
-    plan = runner.prepare(spec, wh, lines.append)
-    wh.create()
-    with wh.lock(lines.append):
-        plan = runner.bind(plan, wh, ex, lines.append, runner.Resume(own_cluster=True))
-        ex.keep_early(set(plan.todo))
-        summary = execute.execute(plan, wh, [], None, lines.append, ex, nonce)
+    ahead = Ahead(ex, lambda: sum(line.startswith("[cells") and " done" in line for line in lines))
+    plan, summary = _run(spec, wh, ex, nonce, lines)
     assert summary["cells_done"] == 2 and not summary["failed"]
-    assert ex.started == 2  # two cells, two processes: the one started ahead was the reference's
+    assert ex.started == 2  # two cells, two processes: the reference's started ahead, the candidate's loaded ahead
     assert any(line.startswith(f"loaded {ref} ") and f"(pid {host.proc.pid})" in line for line in lines), lines
+    # the candidate's host started while its reference was in flight, and the run took it over
+    ((cand, cand_host, done_then),) = ahead.started
+    assert cand != ref and done_then == 0
+    assert any(line.startswith(f"loaded {cand} ") and f"(pid {cand_host.proc.pid})" in line for line in lines), lines
+    assert not ex.early and ex.free_cpus == ex.cpus and not ex.running  # every CPU given back
     assert plan.reference_cells[spec.cells[0].model] == ref
     again = LocalExecutor()  # the reference is done: a later run starts nothing ahead
     assert early.start_first_host(spec, Warehouse(str(tmp_path / "wh")), again, lines.append) is None
@@ -62,3 +89,16 @@ def test_a_host_started_ahead_for_a_cell_the_run_does_not_start_is_stopped(ggufs
     ex.keep_early(set())  # e.g. the reference was captured by another build the run reuses
     assert host.gone and not ex.early and ex.free_cpus == ex.cpus
     assert load.done and "stopped" in str(load.error)
+
+
+def test_no_host_loads_ahead_where_memory_would_not_hold_two_models(ggufs, text, tmp_path, monkeypatch):  # noqa: F811
+    from matrix.run import local
+    from matrix.run.local import LocalExecutor
+    from store import Warehouse
+
+    monkeypatch.setattr(local, "available_memory", lambda: 1 << 30)  # less than twice a file and a GiB
+    spec, wh, ex, lines = _job(ggufs, text, tmp_path / "wh"), Warehouse(str(tmp_path / "wh")), LocalExecutor(), []
+    ahead = Ahead(ex, lambda: 0)
+    _, summary = _run(spec, wh, ex, None, lines)
+    assert summary["cells_done"] == 2 and not summary["failed"] and ex.started == 2
+    assert not ahead.started and ex.free_cpus == ex.cpus

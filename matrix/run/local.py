@@ -27,7 +27,7 @@ from common.files import cache_root
 from common.stack import Cell, ModelCopy, StackDesc
 from matrix.run import placement
 from matrix.run.launch import Call, Kind, Started, Work, measures_in_host, queue_calls, reuse_host
-from matrix.run.local_node import NODE_ID, gpu_pool, local_node
+from matrix.run.local_node import NODE_ID, available_memory, gpu_pool, local_node
 from matrix.run.local_worker import Future, Worker, interpreter
 
 
@@ -104,6 +104,28 @@ class LocalExecutor:
         self.early[cell.cell_id] = (w, w.call("load"))
         self._pump()
 
+    def load_ahead(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, delivery) -> bool:
+        """Start now the host of a cell the run starts once the cell in flight is done (a candidate
+        measured against its reference as it captures), so its process start and engine load run
+        beside that capture instead of after it. It takes its CPUs only when the run starts its
+        cell (start() adopts it); until then it loads and waits. Only a CPU cell of one rank run on
+        a file (a GGUF candidate), and only where the machine's free memory holds that file twice
+        over and a GiB more; -> whether it started."""
+        if cell.cell_id in self.early or cell.tp != 1 or placement.NEEDS[cell.device].gpu or not cell.artifact:
+            return False
+        try:
+            size = Path(cell.artifact).stat().st_size
+        except OSError:
+            return False  # the run's own start says what is wrong with the file
+        if 2 * size + (1 << 30) > available_memory():
+            return False
+        w = self._worker(cell, desc, model, threads, delivery)
+        self.early[cell.cell_id] = (w, w.call("load"))
+        self.running.append(w)  # held CPUs: none until adopted
+        self.started += 1
+        w.spawn([], self.log_dir, self.started)
+        return True
+
     def keep_early(self, cell_ids) -> None:
         """Stop the hosts started ahead for cells the run will not start (done, or left out)."""
         for cid in [c for c in self.early if c not in cell_ids]:
@@ -124,6 +146,9 @@ class LocalExecutor:
         w, load = self._adopt(self._worker(cell, desc, model, threads, work.delivery, work.gpu_share))
         if load is None:
             self.line.append(w)
+        elif w in self.running and not w.cpus_held:  # loaded ahead (load_ahead): its CPUs are taken now
+            self.free_cpus -= w.cpus
+            w.cpus_held = w.cpus
         if measures_in_host(cell, work):  # before load, so the two overlap (it returns at once: a thread)
             w.call("warm_metrics", work.vocab)
         load = load or w.call("load")
@@ -148,6 +173,7 @@ class LocalExecutor:
             for g in gpu_ids:
                 self.gpu_free[g] -= w.gpu_part
             self.free_cpus -= w.cpus
+            w.cpus_held = w.cpus
             self.running.append(w)
             self.started += 1
             w.spawn(gpu_ids, self.log_dir, self.started)
@@ -161,7 +187,8 @@ class LocalExecutor:
     def _release(self, w: Worker) -> None:
         if w in self.running:
             self.running.remove(w)
-            self.free_cpus += w.cpus
+            self.free_cpus += w.cpus_held
+            w.cpus_held = 0
             for g in w.gpu_ids:
                 self.gpu_free[g] += w.gpu_part
 

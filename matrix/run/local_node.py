@@ -58,3 +58,14 @@ def _nvidia_gpus() -> list[str]:
         ]
     finally:
         pynvml.nvmlShutdown()
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give a process without swapping: MemAvailable on Linux (free
+    memory and reclaimable cache), else the free pages' count (macOS: SC_AVPHYS_PAGES)."""
+    if os.path.isfile("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -50,6 +50,7 @@ class Worker:
         1, or 1/N for a tp 1 cell under `cells_per_gpu: N`)."""
         self.cell_id, self.init, self.cpus, self.gpus, self.env = cell_id, init, cpus, gpus, env or {}
         self.gpu_part = gpu_part
+        self.cpus_held = 0  # the executor's CPUs this host holds now (none while it loads ahead)
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.log: Path | None = None

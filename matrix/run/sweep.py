@@ -70,6 +70,9 @@ class Sweep:
         if in_actor and ref != cell.cell_id and ref in self.live:  # the reference first (cellwork.prepare)
             self.waiting.setdefault(cell.model, []).append(cw)
             self.out.units_total += len(self.todo[cell.cell_id])  # counted now: progress shows the whole run
+            if len(self.waiting[cell.model]) == 1 and cw.host_key is None and hasattr(self.ex, "load_ahead"):
+                # the first to start once the reference is done: its host loads beside the reference's capture
+                self.ex.load_ahead(cell, cw.desc, cw.model, cw.threads, cw.work.delivery)
             return
         self._start(cw, ref if in_actor and (ref == cell.cell_id or ref in self.out.finished) else None)
 
