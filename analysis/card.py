@@ -23,58 +23,57 @@ from common.errors import UserError
 UNDISCLOSED = "undisclosed"
 
 
-def query_rows(warehouse: str, sql: str, params=()) -> list[dict]:
-    """One query's rows as dicts, on a connection of its own with the views it names."""
-    con = connect(warehouse, referenced(sql))
+def query_rows(db, sql: str, params=()) -> list[dict]:
+    """One query's rows as dicts. db: an open DuckDB connection of the warehouse (a card's, which
+    runs every query of the card), or a warehouse, then on a connection of its own with the views
+    the query names."""
+    if not isinstance(db, str):
+        return dict_rows(db, sql, params)
+    con = connect(db, referenced(sql))
     try:
         return dict_rows(con, sql, params)
     finally:
         con.close()
 
 
-def _query(warehouse: str, cell_id: str) -> tuple[dict, dict, dict, list, list, dict]:
+def _query(con, warehouse: str, cell_id: str) -> tuple[dict, dict, dict, list, list, dict]:
     """-> (cell, its reference, its summary row, ranges, prompts, sampled positions)."""
-    # a connection with the views these queries read (binding every view reads every table's footers)
-    con = connect(warehouse, referenced("cells summary summary_by_range prompts metrics"))
-    try:
-        cells = {c["cell_id"]: c for c in dict_rows(con, "SELECT * FROM cells")}
-        if cell_id not in cells:
-            raise UserError(f"card: no cell {cell_id} in {warehouse} (see `matrix status --json`)")
-        cell = cells[cell_id]
-        if cell["status"] != "done":
-            raise UserError(f"card: cell {cell_id} was not captured ({cell['status']}: {cell.get('skip_reason')})")
-        summ = dict_rows(con, "SELECT * FROM summary WHERE cell_id = ?", [cell_id])
-        if not summ:
-            raise UserError(f"card: cell {cell_id} has no metrics yet; run `matrix analyze --warehouse {warehouse}`")
-        s = summ[0]
-        if s["is_reference"]:
-            raise UserError(
-                f"card: cell {cell_id} is the reference its model's stacks are measured against; "
-                "a card measures a candidate against it"
-            )
-        ref = cells[s["reference_cell_id"]]
-        ranges = dict_rows(
-            con,
-            """SELECT range, lo, rows, kld_mean, kld_stderr, kld_p99, kld_max, top1_agreement
-                               FROM summary_by_range WHERE cell_id = ? AND category IS NULL ORDER BY lo""",
-            [cell_id],
+    cells = {c["cell_id"]: c for c in dict_rows(con, "SELECT * FROM cells")}
+    if cell_id not in cells:
+        raise UserError(f"card: no cell {cell_id} in {warehouse} (see `matrix status --json`)")
+    cell = cells[cell_id]
+    if cell["status"] != "done":
+        raise UserError(f"card: cell {cell_id} was not captured ({cell['status']}: {cell.get('skip_reason')})")
+    summ = dict_rows(con, "SELECT * FROM summary WHERE cell_id = ?", [cell_id])
+    if not summ:
+        raise UserError(f"card: cell {cell_id} has no metrics yet; run `matrix analyze --warehouse {warehouse}`")
+    s = summ[0]
+    if s["is_reference"]:
+        raise UserError(
+            f"card: cell {cell_id} is the reference its model's stacks are measured against; "
+            "a card measures a candidate against it"
         )
-        prompts = dict_rows(
-            con,
-            """SELECT DISTINCT p.prompt_id, p.name, p.category, p.n_tokens, p.ids_sha256, p.bos_policy,
-                               p.bos_added, p.corpus, p.source, p.source_sha256
-                               FROM prompts p JOIN metrics m USING (prompt_id)
-                               WHERE m.cell_id = ? AND m.repeat = 0 ORDER BY p.prompt_id""",
-            [cell_id],
-        )
-        pos = dict_rows(
-            con,
-            """SELECT count(*) AS n, min(position) AS first, max(position) AS last
-                            FROM metrics WHERE cell_id = ? AND repeat = 0""",
-            [cell_id],
-        )[0]
-    finally:
-        con.close()
+    ref = cells[s["reference_cell_id"]]
+    ranges = dict_rows(
+        con,
+        """SELECT range, lo, rows, kld_mean, kld_stderr, kld_p99, kld_max, top1_agreement
+                           FROM summary_by_range WHERE cell_id = ? AND category IS NULL ORDER BY lo""",
+        [cell_id],
+    )
+    prompts = dict_rows(
+        con,
+        """SELECT DISTINCT p.prompt_id, p.name, p.category, p.n_tokens, p.ids_sha256, p.bos_policy,
+                           p.bos_added, p.corpus, p.source, p.source_sha256
+                           FROM prompts p JOIN metrics m USING (prompt_id)
+                           WHERE m.cell_id = ? AND m.repeat = 0 ORDER BY p.prompt_id""",
+        [cell_id],
+    )
+    pos = dict_rows(
+        con,
+        """SELECT count(*) AS n, min(position) AS first, max(position) AS last
+                        FROM metrics WHERE cell_id = ? AND repeat = 0""",
+        [cell_id],
+    )[0]
     return cell, ref, s, ranges, prompts, pos
 
 
@@ -87,10 +86,21 @@ NUMBERS = tuple(a.alias for _, a in D.aggregates(D.CARD)) + tuple(
 def build_card(
     warehouse: str, cell_id: str, allow_undisclosed: bool = False, *, extras, as_is: Collection[str]
 ) -> dict:
-    """extras: the per-cell extras (key, card(warehouse, cell)); each adds its block (null without).
+    """extras: the per-cell extras (key, card(db, cell)); each adds its block (null without).
     as_is: the engines whose cells without a weights recipe run the reference checkpoint's own
-    weights at their dtype (backends.as_is(): Backend.checkpoint_as_is)."""
-    cell, ref, s, ranges, prompts, pos = _query(warehouse, cell_id)
+    weights at their dtype (backends.as_is(): Backend.checkpoint_as_is).
+
+    Every query of the card, the extras' too, runs on one connection with every view: one
+    connection costs about what two of the views a query names do (each binds its tables' footers)."""
+    con = connect(warehouse)
+    try:
+        return _card(con, warehouse, cell_id, allow_undisclosed, extras, as_is)
+    finally:
+        con.close()
+
+
+def _card(con, warehouse: str, cell_id: str, allow_undisclosed: bool, extras, as_is: Collection[str]) -> dict:
+    cell, ref, s, ranges, prompts, pos = _query(con, warehouse, cell_id)
     numbers = {k: s[k] for k in NUMBERS}
     disclosure = _disclosure(cell, ref, s, prompts, pos, as_is)
     missing = sorted(_unknown(disclosure))
@@ -108,12 +118,12 @@ def build_card(
         "model": cell["model"],
         "numbers": numbers,
         "ranges": ranges,
-        "by_confidence": query_rows(warehouse, C.CARD_SQL, [cell_id]),
-        "position_buckets": query_rows(warehouse, PC.CARD_SQL, [cell_id]),
-        "frontier": query_rows(warehouse, F.CARD_SQL, [cell["model"]]),
+        "by_confidence": query_rows(con, C.CARD_SQL, [cell_id]),
+        "position_buckets": query_rows(con, PC.CARD_SQL, [cell_id]),
+        "frontier": query_rows(con, F.CARD_SQL, [cell["model"]]),
         "disclosure": disclosure,
         "undisclosed": missing,
-        **{x.key: x.card(warehouse, cell) for x in extras},
+        **{x.key: x.card(con, cell) for x in extras},
     }
 
 

@@ -171,8 +171,9 @@ class Extra:
         analysis.aggregates.agg; `matrix sql`, the card and the report read them as the core's."""
         return {}
 
-    def card(self, warehouse: str, cell_row: dict) -> Any:
-        """Its block of the cell's card, plain values (None or empty: no block)."""
+    def card(self, db, cell_row: dict) -> Any:
+        """Its block of the cell's card, plain values (None or empty: no block). db: the card's
+        DuckDB connection to the warehouse, every view bound (analysis.card.query_rows reads it)."""
         return None
 
     def card_lines(self, block: dict) -> list[str]:
@@ -286,10 +287,10 @@ class PartnerGraded(Extra):
         g = self._module()
         return {g.VIEW: (g.VIEW_SQL, g.VIEW_ABOUT)}
 
-    def card(self, warehouse: str, cell_row: dict) -> list[dict]:
+    def card(self, db, cell_row: dict) -> list[dict]:
         from analysis.card import query_rows
 
-        return query_rows(warehouse, self._module().CARD_SQL, [cell_row["cell_id"]])
+        return query_rows(db, self._module().CARD_SQL, [cell_row["cell_id"]])
 
     def card_lines(self, block: list[dict]) -> list[str]:
         return self._module().card_lines(block)

@@ -155,7 +155,7 @@ class Decode(Extra):
         # the reference's own side file holds its prefill rows at the decoded positions
         return {"decode": PathRule(active=self.active_in, reference_file=True)}
 
-    def card(self, warehouse: str, cell: dict) -> dict | None:
+    def card(self, db, cell: dict) -> dict | None:
         """The decode rows against the prefill rows and the reference (null without)."""
         if not cell.get("decode"):
             return None
@@ -164,7 +164,7 @@ class Decode(Extra):
         rows = {
             r["path"]: r
             for r in query_rows(
-                warehouse, "SELECT * FROM summary_by_path WHERE cell_id = ? AND rows_of = 'decode'", [cell["cell_id"]]
+                db, "SELECT * FROM summary_by_path WHERE cell_id = ? AND rows_of = 'decode'", [cell["cell_id"]]
             )
         }
         rec, d, p = loads(cell["decode"]), rows.get("decode") or {}, rows.get("prefill") or {}

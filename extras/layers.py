@@ -147,14 +147,14 @@ class Layers(Extra):
             "`matrix layers CELL` for the table and the first failing layer"
         )
 
-    def card(self, warehouse: str, cell: dict) -> dict | None:
+    def card(self, db, cell: dict) -> dict | None:
         """The cell's per-layer agreement with its reference (null for a cell without layers)."""
         if not cell.get("layers"):
             return None
         from analysis.card import query_rows
 
         rows = query_rows(
-            warehouse,
+            db,
             """SELECT layer, layer_index, rows, cosine_min, cosine_mean, norm_ratio_dev_max,
                                         rel_l2_max FROM layer_summary WHERE cell_id = ? ORDER BY layer_index""",
             [cell["cell_id"]],

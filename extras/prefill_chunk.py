@@ -119,13 +119,13 @@ class PrefillChunk(Extra):
         )
         return {VIEW: (sql, about)}
 
-    def card(self, warehouse: str, cell: dict) -> dict | None:
+    def card(self, db, cell: dict) -> dict | None:
         """Per chunk size: the chunked rows against the whole prefill (null without)."""
         if not self.active_in(cell):
             return None
         from analysis.card import query_rows
 
-        rows = query_rows(warehouse, f"SELECT * FROM {VIEW} WHERE cell_id = ? ORDER BY chunk", [cell["cell_id"]])
+        rows = query_rows(db, f"SELECT * FROM {VIEW} WHERE cell_id = ? ORDER BY chunk", [cell["cell_id"]])
         keys = ("chunk", "rows", "identical_rows", "kld_mean", "kld_stderr", "kld_max", "top1_agreement")
         return {"sizes": [{k: r[k] for k in keys} for r in rows]}
 

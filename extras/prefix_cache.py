@@ -105,16 +105,14 @@ class PrefixCache(Extra):
             PATH: PathRule(active=self.active_in, hits=lambda c: loads(c.get(self.key))["hits"], reference_shard=True)
         }
 
-    def card(self, warehouse: str, cell: dict) -> dict | None:
+    def card(self, db, cell: dict) -> dict | None:
         """The rows recomputed from a warm cache against the fresh prefill (null without)."""
         if not cell.get(self.key):
             return None
         from analysis.card import query_rows
 
         r = (
-            query_rows(
-                warehouse, "SELECT * FROM summary_by_path WHERE cell_id = ? AND path = ?", [cell["cell_id"], PATH]
-            )
+            query_rows(db, "SELECT * FROM summary_by_path WHERE cell_id = ? AND path = ?", [cell["cell_id"], PATH])
             or [{}]
         )[0]
         rec = loads(cell[self.key])
