@@ -34,17 +34,17 @@ class _Walk:
     def strings(self, count: int, keep: bool) -> list[str] | None:
         """An array of count strings (a vocabulary: 262,144 for Gemma 3) in one tight loop: a
         call per entry through value() is slower at that size (docs/benchmark-notes.md)."""
+        start = self.at
+        self.skip_strings(count)
+        return decode_strings(self.m[start : self.at], count) if keep else None
+
+    def skip_strings(self, count: int) -> None:
         m, at, length = self.m, self.at, _LENGTH.unpack_from
-        out = []
         for _ in range(count):
-            (n,) = length(m, at)
-            if keep:
-                out.append(m[at + 8 : at + 8 + n].decode("utf-8", errors="replace"))
-            at += 8 + n
+            at += 8 + length(m, at)[0]
         if at > len(m):
             raise struct.error("a string runs past the end of the file")
         self.at = at
-        return out if keep else None
 
     def value(self, vtype: int, keep: bool) -> Any:
         """The value at the cursor (decoded when keep, else skipped: None); the cursor moves past it."""
@@ -64,11 +64,48 @@ class _Walk:
             if etype in _SCALAR and not keep:
                 self.at += count * struct.calcsize(_SCALAR[etype])
                 return None
+            if etype == 8 and keep == "bytes":
+                start = self.at
+                self.skip_strings(count)
+                return Strings(self.m[start : self.at], count)
             if etype == 8:
                 return self.strings(count, keep)
             items = [self.value(etype, keep) for _ in range(count)]
             return items if keep else None
         raise UserError(f"{self.path}: GGUF value type {vtype} at byte {self.at} is not one GGUF defines")
+
+
+def decode_strings(data: bytes, count: int) -> list[str]:
+    """The count strings of a GGUF string array's bytes (each a u64 length and its UTF-8 bytes)."""
+    out, at, length = [], 0, _LENGTH.unpack_from
+    for _ in range(count):
+        (n,) = length(data, at)
+        out.append(data[at + 8 : at + 8 + n].decode("utf-8", errors="replace"))
+        at += 8 + n
+    return out
+
+
+@dataclass(frozen=True)
+class Strings:
+    """A GGUF string array as its bytes, decoded on first use (a vocabulary's 262,144 entries take
+    ~0.1 s to decode): its length, and equality with another file's array, need no decoding."""
+
+    data: bytes
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i):
+        return self.decoded()[i]
+
+    def __iter__(self):
+        return iter(self.decoded())
+
+    def decoded(self) -> tuple[str, ...]:
+        if "_decoded" not in self.__dict__:
+            object.__setattr__(self, "_decoded", tuple(decode_strings(self.data, self.count)))
+        return self.__dict__["_decoded"]
 
 
 def _open(path: str | Path):
@@ -95,7 +132,7 @@ def read_header(
     path: str | Path, keep=lambda key: True, tensors: bool = False
 ) -> tuple[dict[str, Any], list[tuple[str, int]]]:
     """({key: value} of the fields keep(key) asks for, [(tensor name, ggml type id)] when tensors,
-    else [])."""
+    else []). A string array keep(key) answers "bytes" for comes as Strings, decoded when read."""
     fields, infos = _read(path, keep, tensors)
     return fields, [(name, ttype) for name, ttype, _ in infos]
 

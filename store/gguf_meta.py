@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
+from common.gguf_header import Strings
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class GgufInfo:
     block_count: int | None
     embedding_length: int | None
     head_count: int | None
-    tokens: tuple[str, ...]  # the vocabulary, by id
+    tokens: Strings  # the vocabulary, by id (a sequence of str, decoded on first read)
     bos: int | None
     eos: int | None
     declared: str  # the quant type the file declares (general.file_type), in the spec's dtype names
@@ -71,7 +72,12 @@ _KEYS = {
 def _read_info(path: str, _size: int, _mtime_ns: int) -> GgufInfo:
     from common.gguf_header import read_header
 
-    f, _ = read_header(path, keep=lambda k: k in _KEYS or k.startswith("quantize.imatrix.") or k.endswith(_ARCH_KEYS))
+    def keep(k: str):
+        if k == "tokenizer.ggml.tokens":
+            return "bytes"  # decoded where a token is read, never for its length or a file's equal vocabulary
+        return k in _KEYS or k.startswith("quantize.imatrix.") or k.endswith(_ARCH_KEYS)
+
+    f, _ = read_header(path, keep=keep)
     arch = f.get("general.architecture")
     if not arch:
         raise UserError(f"{path}: GGUF header has no general.architecture")
@@ -82,7 +88,7 @@ def _read_info(path: str, _size: int, _mtime_ns: int) -> GgufInfo:
         block_count=f.get(f"{arch}.block_count"),
         embedding_length=f.get(f"{arch}.embedding_length"),
         head_count=f.get(f"{arch}.attention.head_count"),
-        tokens=tuple(f.get("tokenizer.ggml.tokens") or ()),
+        tokens=f.get("tokenizer.ggml.tokens") or Strings(b"", 0),
         bos=f.get("tokenizer.ggml.bos_token_id"),
         eos=f.get("tokenizer.ggml.eos_token_id"),
         declared=declared_quant(f.get("general.file_type")),

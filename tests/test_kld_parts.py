@@ -92,7 +92,9 @@ def test_the_header_reader_agrees_with_gguf_py(tmp_path):
             assert fields[key] == field.contents(), key
     info = read_info(f)
     assert (info.architecture, info.block_count, info.embedding_length, info.head_count) == ("llama", 2, 8, 2)
-    assert info.tokens == tuple(tokens) and info.bos == 1 and info.declared == "f16"
+    assert tuple(info.tokens) == tuple(tokens) and len(info.tokens) == len(tokens)
+    assert [info.tokens[i] for i in (0, 2, 303)] == ["<s>", "héllo", "t299"] and info.bos == 1 and info.declared == "f16"
+    assert info.tokens == read_info(f).tokens  # the same bytes: equal without decoding
 
 
 @pytest.mark.parametrize("content", [b"", b"GGUF", b"GGUF\x03\x00\x00\x00" + b"\x00" * 8, b"NOPE" + b"\x00" * 40])

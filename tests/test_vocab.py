@@ -76,6 +76,19 @@ def test_the_check_refuses_a_vocabulary_that_differs_in_one_id(tmp_path):
     assert differences(read_info(other), config, tok, len(tok)) == ["tokenizer: token 3 is 'b' (reference: 'a')"]
 
 
+def test_a_vocabulary_written_byte_for_byte_as_the_references_is_equal_without_decoding(tmp_path):
+    from matrix.spec.gguf_model import load
+    from store.gguf_meta import read_info
+
+    words = ["<bos>", "▁▁", "▁the", "a"]
+    ref = _gguf(tmp_path / "ref.gguf", words, "gpt2")
+    tok, config = load(str(ref))
+    twin = read_info(_gguf(tmp_path / "twin.gguf", words, "gpt2"))
+    assert differences(twin, config, tok, len(tok)) == []
+    assert "_decoded" not in vars(twin.tokens) and "_decoded" not in vars(tok.info.tokens)  # neither decoded
+    assert list(twin.tokens) == words  # and read as the strings they are
+
+
 def test_a_sentencepiece_vocabulary_is_kept_beside_the_checkpoint_and_a_gpt2_one_is_not(tmp_path):
     spm = _gguf(tmp_path / "spm.gguf", ["<unk>", "▁a", "  "], "llama", **{"tokenizer.ggml.pre": "default"})
     bpe = _gguf(tmp_path / "bpe.gguf", ["<unk>", "Ġa"], "gpt2")
