@@ -9,6 +9,7 @@ it to be printed as "undisclosed".
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection
 from typing import Any
 
@@ -16,9 +17,10 @@ from analysis import confidence as C
 from analysis import frontier as F
 from analysis import position_card as PC
 from analysis.disclosure import disclosure as _disclosure
-from analysis.sql import connect, dict_rows, referenced
+from analysis.sql import all_views, connect, dict_rows, referenced
 from common import metric_defs as D
 from common.errors import UserError
+from store.schema import TABLES
 
 UNDISCLOSED = "undisclosed"
 
@@ -27,7 +29,7 @@ def query_rows(db, sql: str, params=()) -> list[dict]:
     """One query's rows as dicts. db: an open DuckDB connection of the warehouse (a card's, which
     runs every query of the card), or a warehouse, then on a connection of its own with the views
     the query names."""
-    if not isinstance(db, str):
+    if not isinstance(db, (str, os.PathLike)):
         return dict_rows(db, sql, params)
     con = connect(db, referenced(sql))
     try:
@@ -90,13 +92,20 @@ def build_card(
     as_is: the engines whose cells without a weights recipe run the reference checkpoint's own
     weights at their dtype (backends.as_is(): Backend.checkpoint_as_is).
 
-    Every query of the card, the extras' too, runs on one connection with every view: one
-    connection costs about what two of the views a query names do (each binds its tables' footers)."""
-    con = connect(warehouse)
+    Every query of the card, the extras' too, runs on one connection: one connection costs about
+    what two of the views a query names do (each binds its tables' footers)."""
+    con = connect(warehouse, _card_views())
     try:
         return _card(con, warehouse, cell_id, allow_undisclosed, extras, as_is)
     finally:
         con.close()
+
+
+def _card_views() -> set[str]:
+    """Every table and view but the rows' own (logits, layer states) and what reads them: a card
+    reads measurements, and binding a rows view reads every shard's footer."""
+    views, rows = all_views(), {"logits", "layer_states"}
+    return (set(TABLES) - rows) | {n for n, body in views.items() if not (referenced(body) or set()) & rows}
 
 
 def _card(con, warehouse: str, cell_id: str, allow_undisclosed: bool, extras, as_is: Collection[str]) -> dict:

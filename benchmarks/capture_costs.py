@@ -46,7 +46,8 @@ def forwards_alone(model, artifacts: dict[str, dict], ids: list[list[int]], thre
 def per_row_costs(ref: "np.ndarray", stk: "np.ndarray", next_ids: list[int]) -> dict[str, float]:
     """ms per row of what a capture adds to each forward's rows at this vocabulary, on real rows,
     best of 3: rounding to bf16 with the row's KL floor (Storage.keep: one fused pass), encoding
-    (row hash and Parquet page), and the comparison with the reference's row (every metric, float64)."""
+    (row hash, Parquet pages and the shard's file with its fsync, as a capture writes them, on one
+    thread), and the comparison with the reference's row (every metric, float64)."""
     import tempfile
 
     import numpy as np
@@ -73,12 +74,14 @@ def per_row_costs(ref: "np.ndarray", stk: "np.ndarray", next_ids: list[int]) -> 
     }
     steps["comparison"]()  # the kernel is built or loaded once per process, as in a cell
     out = {}
-    for k, fn in steps.items():
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        out[k] = 1000 * best / n
-    shutil.rmtree(where)
+    try:
+        for k, fn in steps.items():
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+            out[k] = 1000 * best / n
+    finally:
+        shutil.rmtree(where)
     return out

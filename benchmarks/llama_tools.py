@@ -45,7 +45,8 @@ def source_tree() -> Path:
 def build_tool(target: str, log) -> Path:
     """bin/<target> (llama-perplexity, llama-imatrix, llama-quantize), built if missing."""
     root = source_tree()
-    # the package's own CMake include turns llama.cpp's common library off, which every tool links
+    # the package's own CMake include turns llama.cpp's common library off, which every tool links;
+    # its LLAVA_BUILD (the package's multimodal library) is no tool's
     skip = ("-DLLAMA_BUILD_TESTS", "-DLLAMA_BUILD_EXAMPLES", "-DCMAKE_PROJECT_llama.cpp_INCLUDE", "-DLLAVA_BUILD")
     flags = [f for f in binding_flags() if not f.startswith(skip)]
     build = root / f"build-{hashlib.sha256(' '.join(flags).encode()).hexdigest()[:10]}"  # a tree per flag set

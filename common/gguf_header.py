@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,9 @@ class _Walk:
             raise struct.error("a string runs past the end of the file")
         self.at = at
 
-    def value(self, vtype: int, keep: bool) -> Any:
-        """The value at the cursor (decoded when keep, else skipped: None); the cursor moves past it."""
+    def value(self, vtype: int, keep: bool | str) -> Any:
+        """The value at the cursor (decoded when keep, a string array as Strings when keep is
+        "bytes", else skipped: None); the cursor moves past it."""
         if vtype in _SCALAR:
             fmt = _SCALAR[vtype]
             v = struct.unpack_from(fmt, self.m, self.at)[0] if keep else None
@@ -85,13 +87,15 @@ def decode_strings(data: bytes, count: int) -> list[str]:
     return out
 
 
-@dataclass(frozen=True)
-class Strings:
+class Strings(Sequence):
     """A GGUF string array as its bytes, decoded on first use (a vocabulary's 262,144 entries take
-    ~0.1 s to decode): its length, and equality with another file's array, need no decoding."""
+    ~0.1 s to decode): its length, and equality with another file's array written byte for byte
+    the same, need no decoding. Equal to the tuple or list of its strings; hashed as that tuple."""
 
-    data: bytes
-    count: int
+    __slots__ = ("data", "count", "_decoded")
+
+    def __init__(self, data: bytes, count: int):
+        self.data, self.count, self._decoded = data, count, None
 
     def __len__(self) -> int:
         return self.count
@@ -103,9 +107,22 @@ class Strings:
         return iter(self.decoded())
 
     def decoded(self) -> tuple[str, ...]:
-        if "_decoded" not in self.__dict__:
-            object.__setattr__(self, "_decoded", tuple(decode_strings(self.data, self.count)))
-        return self.__dict__["_decoded"]
+        if self._decoded is None:
+            self._decoded = tuple(decode_strings(self.data, self.count))
+        return self._decoded
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Strings):  # the same bytes, or other bytes that decode to the same strings
+            return self.count == other.count and (self.data == other.data or self.decoded() == other.decoded())
+        if isinstance(other, (tuple, list)):
+            return self.decoded() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.decoded())
+
+    def __repr__(self) -> str:
+        return f"Strings({self.count} strings, {len(self.data)} bytes)"
 
 
 def _open(path: str | Path):

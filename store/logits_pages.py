@@ -73,10 +73,25 @@ class Layout:
         self.chunk = self.meta.get(4).items[0].get(1).items[0]
         self.header, _ = page_header(data, self.chunk.get(3).get(9))
         self.levels_of = {full: self._first_levels(data, full)}
+        self._check(data, full + 1)
+
+    def _check(self, want: bytes, rows: int) -> None:
+        """PageWriter's file of `rows` rows of zeros is pyarrow's (`want`) byte for byte, else
+        OtherPages: a pyarrow whose header, footer or levels differ from those this module writes."""
+        out = np.zeros(len(want) + 4096, np.uint8)
+        try:
+            got = out[: PageWriter(self).write(np.zeros((rows, self.vocab), np.float32), out)].tobytes()
+        except (AttributeError, KeyError, TypeError, ValueError) as e:  # a field this module sets is not there
+            raise OtherPages(f"pyarrow's slice file has other fields ({type(e).__name__}: {e})") from e
+        if got != want:
+            raise OtherPages(f"pyarrow's file of {rows} rows of {self.vocab} zeros is not the one written here")
 
     def levels(self, rows: int) -> bytes:
         """The level bytes of a page of `rows` full rows (at most a full page's), as pyarrow writes them."""
-        with self.lock:
+        got = self.levels_of.get(rows)
+        if got is not None:
+            return got
+        with self.lock:  # pyarrow writes a page size's zero rows once, whichever thread asks first
             if rows not in self.levels_of:
                 self.levels_of[rows] = self._first_levels(
                     self.pyarrow_file(np.zeros((rows, self.vocab), np.float32)), rows
@@ -92,6 +107,15 @@ class Layout:
             raise OtherPages(f"pyarrow's first page holds {hdr.get(5).get(1)} logits, not {rows} rows of {self.vocab}")
         body = self.codec.decompress(data[at : at + hdr.get(3)], hdr.get(2), asbytes=True)
         return body[: len(body) - 4 * values]
+
+
+def _put(out: np.ndarray, pos: int, data) -> int:
+    """data's bytes into out at pos; -> where they end. Refused past out's end (slice_bound sizes it)."""
+    end = pos + len(data)
+    if end > out.size:
+        raise ValueError(f"a slice's Parquet file outgrows its buffer of {out.size} bytes")
+    out[pos:end] = np.frombuffer(data, np.uint8)
+    return end
 
 
 def split_streams(native: np.ndarray, out: np.ndarray) -> None:
@@ -135,14 +159,10 @@ class PageWriter:
             split_streams(native[a : a + k], body[len(levels) :].reshape(4, n))
             packed = lay.codec.compress(body, asbytes=False)
             head = encode(self._page(size, packed.size, zlib.crc32(packed), n))
-            out[pos : pos + len(head)] = np.frombuffer(head, np.uint8)
-            out[pos + len(head) : pos + len(head) + packed.size] = np.frombuffer(packed, np.uint8)
-            pos += len(head) + packed.size
+            pos = _put(out, _put(out, pos, head), packed)
             unc, comp, pages = unc + len(head) + size, comp + len(head) + packed.size, pages + 1
         tail = encode(self._footer(rows, vocab, unc, comp, pages))
-        out[pos : pos + len(tail)] = np.frombuffer(tail, np.uint8)
-        out[pos + len(tail) : pos + len(tail) + 8] = np.frombuffer(struct.pack("<I", len(tail)) + MAGIC, np.uint8)
-        return pos + len(tail) + 8
+        return _put(out, _put(out, pos, tail), struct.pack("<I", len(tail)) + MAGIC)
 
     def _page(self, size: int, packed: int, crc: int, values: int) -> Struct:
         hdr = self.layout.header.copy()

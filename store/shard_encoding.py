@@ -48,6 +48,7 @@ import pyarrow.parquet as pq
 
 from common.buffers import room
 from common.native import threads as cpu_threads
+from common.output import log
 from store.logits_pages import Layout, OtherPages, PageWriter
 from store.schema import LOGITS
 from store.values import ZSTD_LEVEL, row_hash, widen
@@ -132,8 +133,9 @@ def layout(vocab: int) -> Layout | None:
         if vocab not in _LAYOUTS:
             try:
                 _LAYOUTS[vocab] = Layout(vocab, pyarrow_slice, ZSTD_LEVEL)
-            except OtherPages:
+            except OtherPages as e:
                 _LAYOUTS[vocab] = None
+                log(f"shard pages at a vocabulary of {vocab}: pyarrow's writer writes them ({e})")
         return _LAYOUTS[vocab]
 
 
@@ -239,7 +241,7 @@ class SliceEncoder:
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
         self._flight: tuple[Flight, list[Future]] | None = None  # the last start()'s, and its pool work
-        self._local = threading.local()  # .wide: this thread's widening buffer
+        self._local = threading.local()  # .pages: this thread's PageWriter; .wide: its widening buffer
         self._free: list[np.ndarray] = []  # output buffers given back, ready for the next slices
         self._lock = threading.Lock()
 
@@ -288,10 +290,17 @@ class SliceEncoder:
         buf = self._buffer(slice_bound(rows.size))
         pages = self._pages(rows.shape[1])
         if pages is not None:
-            return Slice(hashes, buf, pages.write(rows, buf))
+            try:
+                return Slice(hashes, buf, pages.write(rows, buf))
+            except OtherPages as e:  # a page size whose levels pyarrow writes otherwise: its writer from now on
+                _other_pages(rows.shape[1], e)
+                self._local.pages = None
+        if rows.dtype != np.float32:
+            self._local.wide = room(getattr(self._local, "wide", None), rows.size)
         sink = pa.FixedSizeBufferWriter(pa.py_buffer(buf))
         w = logits_writer(sink, SLICE_SCHEMA)
-        w.write_table(by_row(pa.table({"logits": list_column(widen(rows))}, schema=SLICE_SCHEMA)))
+        wide = widen(rows, getattr(self._local, "wide", None))
+        w.write_table(by_row(pa.table({"logits": list_column(wide)}, schema=SLICE_SCHEMA)))
         w.close()
         return Slice(hashes, buf, sink.tell())
 
@@ -303,6 +312,15 @@ class SliceEncoder:
             found = layout(vocab)
             pages = self._local.pages = None if found is None else PageWriter(found)
         return pages
+
+
+def _other_pages(vocab: int, e: OtherPages) -> None:
+    """This vocabulary's slices go through pyarrow's writer from now on, said once on stderr."""
+    with _LAYOUTS_LOCK:
+        said = vocab in _LAYOUTS and _LAYOUTS[vocab] is None
+        _LAYOUTS[vocab] = None
+    if not said:
+        log(f"shard pages at a vocabulary of {vocab}: pyarrow's writer writes them ({e})")
 
     def close(self) -> None:
         if self._pool is not None:

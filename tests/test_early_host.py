@@ -4,6 +4,7 @@ real worker processes and the test model's GGUF files (matrix/run/early.py)."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 from tests.test_kld_command import N_CTX, ggufs, text  # noqa: F401 - fixtures
 
@@ -30,8 +31,8 @@ class Ahead:
     """LocalExecutor.load_ahead wrapped: each cell it started a host for, with the host and the
     number of cells done at that moment."""
 
-    def __init__(self, ex, summary_cells):
-        self.ex, self.real, self.cells_done, self.started = ex, ex.load_ahead, summary_cells, []
+    def __init__(self, ex, cells_done):
+        self.ex, self.real, self.cells_done, self.started = ex, ex.load_ahead, cells_done, []
         ex.load_ahead = self
 
     def __call__(self, cell, *args):
@@ -102,3 +103,73 @@ def test_no_host_loads_ahead_where_memory_would_not_hold_two_models(ggufs, text,
     _, summary = _run(spec, wh, ex, None, lines)
     assert summary["cells_done"] == 2 and not summary["failed"] and ex.started == 2
     assert not ahead.started and ex.free_cpus == ex.cpus
+
+
+class Sent:
+    """A host's socket that records what the executor sends (method names), and starts nothing."""
+
+    def __init__(self):
+        self.methods = []
+
+    def send(self, msg):
+        self.methods.append(msg[0] if msg[0] == "init" else msg[1])
+
+
+def _no_process(self, gpu_ids, log_dir, n):
+    self.proc, self.conn, self.gpu_ids = SimpleNamespace(pid=0, poll=lambda: None), Sent(), gpu_ids
+    for msg in [("init", self.init)] + self.outbox:
+        self._send(msg)
+    self.outbox = []
+
+
+def test_a_host_loaded_ahead_waits_for_its_cpus_with_its_calls_held(tmp_path, monkeypatch):
+    from common.stack import StackDesc
+    from matrix.run.local import LocalExecutor
+    from matrix.run.local_worker import Worker
+
+    monkeypatch.setattr(Worker, "spawn", _no_process)
+    gguf = tmp_path / "cand.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    cell = SimpleNamespace(cell_id="cand", tp=1, device="cpu", artifact=str(gguf), engine="llamacpp")
+    desc, model = StackDesc.of("llamacpp", "q8_0", "default"), SimpleNamespace(path="m")
+    ex = LocalExecutor()
+    assert ex.load_ahead(cell, desc, model, ex.cpus, "delivery")
+    ((w, _),) = ex.early.values()
+    assert w.conn.methods == ["init", "load"] and w.cpus_held == 0 and ex.free_cpus == ex.cpus
+    other = SimpleNamespace(**{**vars(cell), "cell_id": "other"})
+    assert not ex.load_ahead(other, desc, model, ex.cpus, "delivery")  # one host ahead at a time
+    ex.free_cpus = 0  # the cell before it holds every CPU still
+    work = SimpleNamespace(
+        prompts=[("p0", "text", [1, 2, 3])],
+        repeats=[0],
+        run_id="run",
+        keep=1,
+        store="bf16",
+        metrics_ref="ref",
+        values=False,
+        special={},
+        vocab=8,
+        delivery="delivery",
+        gpu_share=1,
+    )
+    started = ex.start(cell, desc, model, ex.cpus, [], work)
+    assert started.actor is w and w in ex.line and w.conn.methods == ["init", "load"]  # adopted, its calls held
+    ex.free_cpus = ex.cpus  # that cell's host is gone
+    ex._pump()
+    assert w.conn.methods == ["init", "load", "warm_metrics", "parity", "capture"] and w.cpus_held == ex.cpus
+    assert ex.free_cpus == 0 and not ex.line and ex.running.count(w) == 1
+    ex.stop(started)
+    assert ex.free_cpus == ex.cpus and not ex.running
+
+
+def test_nothing_loads_ahead_off_the_cpu_or_from_a_checkpoint_directory(tmp_path):
+    from common.stack import StackDesc
+    from matrix.run.local import LocalExecutor
+
+    ex, desc = LocalExecutor(), StackDesc.of("llamacpp", "q8_0", "default")
+    gguf = tmp_path / "cand.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    for device, artifact in (("mps", gguf), ("cpu", tmp_path), ("cpu", None)):
+        cell = SimpleNamespace(cell_id="c", tp=1, device=device, artifact=artifact and str(artifact), engine="llamacpp")
+        assert not ex.load_ahead(cell, desc, SimpleNamespace(), 1, "delivery")
+    assert not ex.early and ex.started == 0

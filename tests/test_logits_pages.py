@@ -48,8 +48,14 @@ def test_a_page_rule_pyarrow_does_not_follow_is_refused(monkeypatch):
         Layout(49_152, pyarrow_slice, ZSTD_LEVEL)
 
 
-def write_shard(root, prompts: list[np.ndarray]) -> bytes:
-    w = ShardWriter(str(root), "run", "cell", 0, threads=2)
+def test_a_file_that_is_not_pyarrows_is_refused_before_any_slice_is_written(monkeypatch):
+    monkeypatch.setattr(logits_pages, "_signed", lambda crc: 0)  # page headers pyarrow would not write
+    with pytest.raises(OtherPages, match="not the one written here"):
+        Layout(4_099, pyarrow_slice, ZSTD_LEVEL)
+
+
+def write_shard(root, prompts: list[np.ndarray], threads: int = 2) -> bytes:
+    w = ShardWriter(str(root), "run", "cell", 0, threads=threads)
     for i, native in enumerate(prompts):
         n = len(native)
         w.add(PromptRows(f"p{i}", list(range(n)), list(range(1, n)) + [None], native))
@@ -57,10 +63,13 @@ def write_shard(root, prompts: list[np.ndarray]) -> bytes:
 
 
 def test_where_pyarrow_ends_pages_elsewhere_its_writer_writes_the_same_shard(tmp_path, monkeypatch):
+    # slices of 6 rows: each prompt spans several, encoded on two threads, each its own PageWriter
+    monkeypatch.setattr(shard_encoding, "SLICE_VALUES", 6 * 4_099)
     Warehouse(tmp_path).create()
     x = rows(30, 4_099, 1)
     prompts = [x, (x[:11].view(np.uint32) >> 16).astype(np.uint16), x[:5].astype(np.float16)]
     direct = write_shard(tmp_path, prompts)
     assert shard_encoding.layout(4_099) is not None  # the pages above were PageWriter's
+    assert write_shard(tmp_path, prompts, threads=1) == direct
     monkeypatch.setattr(shard_encoding, "_LAYOUTS", {4_099: None})  # as where OtherPages was raised
     assert write_shard(tmp_path, prompts) == direct

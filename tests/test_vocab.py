@@ -85,8 +85,8 @@ def test_a_vocabulary_written_byte_for_byte_as_the_references_is_equal_without_d
     tok, config = load(str(ref))
     twin = read_info(_gguf(tmp_path / "twin.gguf", words, "gpt2"))
     assert differences(twin, config, tok, len(tok)) == []
-    assert "_decoded" not in vars(twin.tokens) and "_decoded" not in vars(tok.info.tokens)  # neither decoded
-    assert list(twin.tokens) == words  # and read as the strings they are
+    assert twin.tokens._decoded is None and tok.info.tokens._decoded is None  # neither decoded
+    assert list(twin.tokens) == words and twin.tokens == tuple(words)  # and read as the strings they are
 
 
 def test_a_sentencepiece_vocabulary_is_kept_beside_the_checkpoint_and_a_gpt2_one_is_not(tmp_path):

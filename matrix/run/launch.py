@@ -80,6 +80,9 @@ class Executor(Protocol):
     def reuse(
         self, started: Started, cell: Cell, desc: StackDesc, work: Work
     ) -> Started: ...  # the next cell of a shared host, on the same host (its switch first)
+    def load_ahead(
+        self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, delivery: Any
+    ) -> bool: ...  # a host for a cell the run starts later, loading now where it can: whether it did
     def stop(self, started: Started) -> None: ...  # kill the cell's hosts (their calls fail)
     def close(self, started: Started) -> None: ...  # close the engines, wait for them
     def wait(self, futures: list, timeout: float) -> list: ...  # the first ready future(s), or []

@@ -107,21 +107,20 @@ class LocalExecutor:
     def load_ahead(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, delivery) -> bool:
         """Start now the host of a cell the run starts once the cell in flight is done (a candidate
         measured against its reference as it captures), so its process start and engine load run
-        beside that capture instead of after it. It takes its CPUs only when the run starts its
-        cell (start() adopts it); until then it loads and waits. Only a CPU cell of one rank run on
-        a file (a GGUF candidate), and only where the machine's free memory holds that file twice
-        over and a GiB more; -> whether it started."""
-        if cell.cell_id in self.early or cell.tp != 1 or placement.NEEDS[cell.device].gpu or not cell.artifact:
+        beside that capture instead of after it. Until the run starts its cell it holds no CPUs and
+        runs nothing but its load; then it waits in line for its CPUs like any host (start()). One
+        such host at a time, for a CPU cell of one rank run on a file (a GGUF candidate), where this
+        machine's free memory holds that file twice over and a GiB more; -> whether it started."""
+        ahead = any(w.cpus_held == 0 and w.proc is not None and not w.gone for w, _ in self.early.values())
+        if ahead or self.closing or cell.cell_id in self.early or cell.tp != 1 or cell.device != "cpu":
             return False
-        try:
-            size = Path(cell.artifact).stat().st_size
-        except OSError:
-            return False  # the run's own start says what is wrong with the file
-        if 2 * size + (1 << 30) > available_memory():
+        if not cell.artifact or not Path(cell.artifact).is_file():
+            return False  # a checkpoint directory's size says nothing of its memory
+        if 2 * Path(cell.artifact).stat().st_size + (1 << 30) > available_memory():
             return False
         w = self._worker(cell, desc, model, threads, delivery)
         self.early[cell.cell_id] = (w, w.call("load"))
-        self.running.append(w)  # held CPUs: none until adopted
+        self.running.append(w)  # holding no CPUs until the run starts its cell
         self.started += 1
         w.spawn([], self.log_dir, self.started)
         return True
@@ -146,9 +145,9 @@ class LocalExecutor:
         w, load = self._adopt(self._worker(cell, desc, model, threads, work.delivery, work.gpu_share))
         if load is None:
             self.line.append(w)
-        elif w in self.running and not w.cpus_held:  # loaded ahead (load_ahead): its CPUs are taken now
-            self.free_cpus -= w.cpus
-            w.cpus_held = w.cpus
+        elif w in self.running and not w.cpus_held:  # loaded ahead: its calls wait with it for its CPUs
+            w.holding = True
+            self.line.append(w)
         if measures_in_host(cell, work):  # before load, so the two overlap (it returns at once: a thread)
             w.call("warm_metrics", work.vocab)
         load = load or w.call("load")
@@ -166,6 +165,9 @@ class LocalExecutor:
         """Start waiting hosts, first come first served, while their CPUs and GPUs are free."""
         while not self.closing and self.line and self.line[0].cpus <= self.free_cpus:
             w = self.line[0]
+            if w.gone:  # loaded ahead and died while it waited: its calls have failed already
+                self.line.pop(0)
+                continue
             gpu_ids = self._gpus_for(w)
             if gpu_ids is None:
                 return
@@ -174,6 +176,9 @@ class LocalExecutor:
                 self.gpu_free[g] -= w.gpu_part
             self.free_cpus -= w.cpus
             w.cpus_held = w.cpus
+            if w.proc is not None:  # loaded ahead (load_ahead): running already, its calls held till now
+                w.release()
+                continue
             self.running.append(w)
             self.started += 1
             w.spawn(gpu_ids, self.log_dir, self.started)

@@ -62,10 +62,32 @@ def _nvidia_gpus() -> list[str]:
 
 def available_memory() -> int:
     """Bytes this machine can still give a process without swapping: MemAvailable on Linux (free
-    memory and reclaimable cache), else the free pages' count (macOS: SC_AVPHYS_PAGES)."""
+    memory and reclaimable cache), else the free pages' count (macOS: SC_AVPHYS_PAGES); within
+    the room left under this process's cgroup (v2) limit where it has one (a container's)."""
+    free = None
     if os.path.isfile("/proc/meminfo"):
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            free = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    if free is None:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    room = _cgroup_room()
+    return free if room is None else min(free, room)
+
+
+def _cgroup_room() -> int | None:
+    """memory.max - memory.current of this process's cgroup v2 ("0::/path" in /proc/self/cgroup),
+    or None without one or without a limit."""
+    if not os.path.isfile("/proc/self/cgroup"):
+        return None
+    with open("/proc/self/cgroup") as f:
+        path = next((line.strip()[3:] for line in f if line.startswith("0::")), None)
+    where = os.path.join("/sys/fs/cgroup", (path or "").lstrip("/"))
+    limit, used = os.path.join(where, "memory.max"), os.path.join(where, "memory.current")
+    if path is None or not (os.path.isfile(limit) and os.path.isfile(used)):
+        return None
+    with open(limit) as f:
+        cap = f.read().strip()
+    if cap == "max":
+        return None
+    with open(used) as f:
+        return int(cap) - int(f.read().strip())

@@ -51,6 +51,7 @@ class Worker:
         self.cell_id, self.init, self.cpus, self.gpus, self.env = cell_id, init, cpus, gpus, env or {}
         self.gpu_part = gpu_part
         self.cpus_held = 0  # the executor's CPUs this host holds now (none while it loads ahead)
+        self.holding = False  # its calls kept in the outbox: a host loaded ahead, waiting for its CPUs
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.log: Path | None = None
@@ -69,7 +70,7 @@ class Worker:
         f = self._future(seq)
         if self.gone:
             f.settle(False, WorkerDied(f"{self.cell_id}: its worker process was stopped"))
-        elif self.conn is None:
+        elif self.conn is None or self.holding:
             self.outbox.append((seq, method, args))
         else:
             self._send((seq, method, args))
@@ -109,6 +110,13 @@ class Worker:
         theirs.close()
         self.conn, self.gpu_ids = Connection(ours.detach()), gpu_ids
         for msg in [("init", self.init)] + self.outbox:
+            self._send(msg)
+        self.outbox = []
+
+    def release(self) -> None:
+        """Send the calls held back (the host has its CPUs now)."""
+        self.holding = False
+        for msg in self.outbox:
             self._send(msg)
         self.outbox = []
 

@@ -132,6 +132,11 @@ class RayExecutor:
     def reuse(self, started: Started, cell: Cell, desc: StackDesc, work: Work) -> Started:
         return reuse_host(started, cell, desc, work, lambda a, method, *args: getattr(a, method).remote(*args))
 
+    def load_ahead(self, cell: Cell, desc: StackDesc, model: ModelCopy, threads: int, delivery) -> bool:
+        """Nothing loads ahead on a cluster: an actor is placed where its CPUs are free, and a node's
+        memory is the node's (the local executor's load_ahead is for one machine)."""
+        return False
+
     def stop(self, started: Started) -> None:
         """Kill the cell's actors and free its group (pending calls on them fail; nobody waits on them)."""
         from ray.util.placement_group import remove_placement_group

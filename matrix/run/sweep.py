@@ -70,9 +70,6 @@ class Sweep:
         if in_actor and ref != cell.cell_id and ref in self.live:  # the reference first (cellwork.prepare)
             self.waiting.setdefault(cell.model, []).append(cw)
             self.out.units_total += len(self.todo[cell.cell_id])  # counted now: progress shows the whole run
-            if len(self.waiting[cell.model]) == 1 and cw.host_key is None and hasattr(self.ex, "load_ahead"):
-                # the first to start once the reference is done: its host loads beside the reference's capture
-                self.ex.load_ahead(cell, cw.desc, cw.model, cw.threads, cw.work.delivery)
             return
         self._start(cw, ref if in_actor and (ref == cell.cell_id or ref in self.out.finished) else None)
 
@@ -89,6 +86,13 @@ class Sweep:
         for cw in waiting:
             self.out.units_total -= len(self.todo[cw.cell.cell_id])  # _start counts them again
             self._start(cw, ref if ref in self.out.finished else None)
+
+    def _load_ahead(self, model: str) -> None:
+        """The reference is loaded: the first cell waiting for it may load now, beside its capture
+        (Executor.load_ahead; the memory free now counts the reference's)."""
+        cw = next(iter(self.waiting.get(model, ())), None)
+        if cw is not None and cw.host_key is None:
+            self.ex.load_ahead(cw.cell, cw.desc, cw.model, cw.threads, cw.work.delivery)
 
     def _start(self, cw: CellWork, metrics_ref: str | None) -> None:
         """A host of its own for the cell, or a place in the queue of the host that holds its weights."""
@@ -244,6 +248,8 @@ class Sweep:
         try:
             if call.kind is Kind.LOAD:
                 self.out.loaded(live, call.cell_id, result)
+                if call.cell_id == self.plan.reference_cells.get(live.cell.model):
+                    self._load_ahead(live.cell.model)
             elif call.kind is Kind.PARITY:
                 self.out.parity(live, call.cell_id, result)
             elif call.kind is Kind.CAPTURE:
