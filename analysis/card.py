@@ -17,10 +17,9 @@ from analysis import confidence as C
 from analysis import frontier as F
 from analysis import position_card as PC
 from analysis.disclosure import disclosure as _disclosure
-from analysis.sql import all_views, connect, dict_rows, referenced
+from analysis.sql import connect, dict_rows, referenced
 from common import metric_defs as D
 from common.errors import UserError
-from store.schema import TABLES
 
 UNDISCLOSED = "undisclosed"
 
@@ -92,20 +91,15 @@ def build_card(
     as_is: the engines whose cells without a weights recipe run the reference checkpoint's own
     weights at their dtype (backends.as_is(): Backend.checkpoint_as_is).
 
-    Every query of the card, the extras' too, runs on one connection: one connection costs about
-    what two of the views a query names do (each binds its tables' footers)."""
-    con = connect(warehouse, _card_views())
+    Every query of the card, the extras' too, runs on one connection with every view bound: one
+    connection costs about what two of the views a query names do (binding reads the footers of
+    its tables' files), and the extras' blocks read views over the rows themselves (batch_drift
+    reads logits), which their own connections bound as well."""
+    con = connect(warehouse)
     try:
         return _card(con, warehouse, cell_id, allow_undisclosed, extras, as_is)
     finally:
         con.close()
-
-
-def _card_views() -> set[str]:
-    """Every table and view but the rows' own (logits, layer states) and what reads them: a card
-    reads measurements, and binding a rows view reads every shard's footer."""
-    views, rows = all_views(), {"logits", "layer_states"}
-    return (set(TABLES) - rows) | {n for n, body in views.items() if not (referenced(body) or set()) & rows}
 
 
 def _card(con, warehouse: str, cell_id: str, allow_undisclosed: bool, extras, as_is: Collection[str]) -> dict:

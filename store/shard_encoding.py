@@ -313,6 +313,11 @@ class SliceEncoder:
             pages = self._local.pages = None if found is None else PageWriter(found)
         return pages
 
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
 
 def _other_pages(vocab: int, e: OtherPages) -> None:
     """This vocabulary's slices go through pyarrow's writer from now on, said once on stderr."""
@@ -321,8 +326,3 @@ def _other_pages(vocab: int, e: OtherPages) -> None:
         _LAYOUTS[vocab] = None
     if not said:
         log(f"shard pages at a vocabulary of {vocab}: pyarrow's writer writes them ({e})")
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None

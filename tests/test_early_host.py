@@ -3,6 +3,7 @@ real worker processes and the test model's GGUF files (matrix/run/early.py)."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -114,9 +115,15 @@ class Sent:
     def send(self, msg):
         self.methods.append(msg[0] if msg[0] == "init" else msg[1])
 
+    def close(self):
+        self.methods.append("closed")
+
 
 def _no_process(self, gpu_ids, log_dir, n):
-    self.proc, self.conn, self.gpu_ids = SimpleNamespace(pid=0, poll=lambda: None), Sent(), gpu_ids
+    """Worker.spawn without the host: a sleeping process of its own session stands in for it
+    (stopping a host kills its session)."""
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    self.proc, self.conn, self.gpu_ids = proc, Sent(), gpu_ids
     for msg in [("init", self.init)] + self.outbox:
         self._send(msg)
     self.outbox = []
@@ -159,7 +166,7 @@ def test_a_host_loaded_ahead_waits_for_its_cpus_with_its_calls_held(tmp_path, mo
     assert w.conn.methods == ["init", "load", "warm_metrics", "parity", "capture"] and w.cpus_held == ex.cpus
     assert ex.free_cpus == 0 and not ex.line and ex.running.count(w) == 1
     ex.stop(started)
-    assert ex.free_cpus == ex.cpus and not ex.running
+    assert ex.free_cpus == ex.cpus and not ex.running and w.gone and w.proc.poll() is not None
 
 
 def test_nothing_loads_ahead_off_the_cpu_or_from_a_checkpoint_directory(tmp_path):
