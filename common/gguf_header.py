@@ -32,20 +32,19 @@ class _Walk:
         self.at += 8 + n
         return s
 
-    def strings(self, count: int, keep: bool) -> list[str] | None:
-        """An array of count strings (a vocabulary: 262,144 for Gemma 3) in one tight loop: a
-        call per entry through value() is slower at that size (docs/benchmark-notes.md)."""
-        start = self.at
-        self.skip_strings(count)
-        return decode_strings(self.m[start : self.at], count) if keep else None
-
-    def skip_strings(self, count: int) -> None:
-        m, at, length = self.m, self.at, _LENGTH.unpack_from
+    def strings(self, count: int, keep: bool | str) -> list[str] | Strings | None:
+        """An array of count strings (a vocabulary: 262,144 for Gemma 3) walked in one tight loop (a
+        call per entry through value() is slower at that size: docs/benchmark-notes.md); decoded
+        when keep, kept as its bytes (Strings) when keep is "bytes", else skipped: None."""
+        m, start, at, length = self.m, self.at, self.at, _LENGTH.unpack_from
         for _ in range(count):
             at += 8 + length(m, at)[0]
         if at > len(m):
             raise struct.error("a string runs past the end of the file")
         self.at = at
+        if keep == "bytes":
+            return Strings(m[start:at], count)
+        return decode_strings(m[start:at], count) if keep else None
 
     def value(self, vtype: int, keep: bool | str) -> Any:
         """The value at the cursor (decoded when keep, a string array as Strings when keep is
@@ -66,10 +65,6 @@ class _Walk:
             if etype in _SCALAR and not keep:
                 self.at += count * struct.calcsize(_SCALAR[etype])
                 return None
-            if etype == 8 and keep == "bytes":
-                start = self.at
-                self.skip_strings(count)
-                return Strings(self.m[start : self.at], count)
             if etype == 8:
                 return self.strings(count, keep)
             items = [self.value(etype, keep) for _ in range(count)]

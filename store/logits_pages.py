@@ -3,17 +3,18 @@ shard_encoding.py's settings: byte-stream-split, zstd, page CRCs), byte for byte
 writer's per-value work.
 
 Parquet's list<float32> writer builds two levels (int16) for every value and runs them through
-its RLE encoder before the values are split and compressed: at 262,144 logits a row that is most
-of a stored row's CPU time beside zstd (docs/benchmark-notes.md). A shard's lists are full rows
-of one vocabulary with no nulls, so a page's levels depend only on how many rows it holds: they
+its RLE encoder before the values are split and compressed: at 262,144 logits a row, ~0.15 ms of
+a stored row's ~1.9 ms of CPU, where zstd and the row hash are most of it (docs/benchmark-notes.md).
+A shard's lists are full rows of one vocabulary with no nulls, so a page's levels depend only on
+how many rows it holds: they
 are taken once per (vocabulary, rows a page) from pyarrow's own file of rows of zeros, and each
 page is then those level bytes and the values' byte streams, compressed, with its CRC. The page
 header and the footer are pyarrow's, decoded once per vocabulary and re-encoded with each page's
 sizes (store/thrift_compact.py encodes what it decodes to the same bytes).
 
 Pages end where pyarrow's do: after the first row that brings the page's values to PAGE_BYTES
-(its default data page size), or after PAGE_ROWS rows. tests/test_logits_pages.py holds the two to the same bytes over
-vocabularies below, at and above a page a row, for bf16 and float32 rows.
+(its default data page size), or after PAGE_ROWS rows. tests/test_logits_pages.py holds the two
+to the same bytes over vocabularies below, at and above a page a row, for bf16 and float32 rows.
 
 Data page v1 (Parquet's format, https://github.com/apache/parquet-format): the body is the
 repetition levels, the definition levels (each a 4-byte length and RLE/bit-packed runs), then

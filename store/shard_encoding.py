@@ -113,12 +113,17 @@ def encode_part(rows: pa.Table) -> pa.Buffer:
     return sink.getvalue()
 
 
-def pyarrow_slice(wide: np.ndarray) -> bytes:
-    """(rows, vocab) float32 -> the slice file pyarrow's writer gives: what PageWriter writes."""
-    sink = pa.BufferOutputStream()
+def write_pyarrow_slice(wide: np.ndarray, sink) -> None:
+    """(rows, vocab) float32 -> sink (an Arrow output stream): the slice file pyarrow's writer gives."""
     w = logits_writer(sink, SLICE_SCHEMA)
     w.write_table(by_row(pa.table({"logits": list_column(wide)}, schema=SLICE_SCHEMA)))
     w.close()
+
+
+def pyarrow_slice(wide: np.ndarray) -> bytes:
+    """The bytes of write_pyarrow_slice's file: what PageWriter writes."""
+    sink = pa.BufferOutputStream()
+    write_pyarrow_slice(wide, sink)
     return sink.getvalue().to_pybytes()
 
 
@@ -135,7 +140,7 @@ def layout(vocab: int) -> Layout | None:
                 _LAYOUTS[vocab] = Layout(vocab, pyarrow_slice, ZSTD_LEVEL)
             except OtherPages as e:
                 _LAYOUTS[vocab] = None
-                log(f"shard pages at a vocabulary of {vocab}: pyarrow's writer writes them ({e})")
+                _say_other_pages(vocab, e)
         return _LAYOUTS[vocab]
 
 
@@ -285,8 +290,7 @@ class SliceEncoder:
         rows = native[a:b]  # (rows, vocab) native
         hashes = [row_hash(r) for r in rows]
         if rows.dtype not in (np.float32, np.uint16):
-            self._local.wide = room(getattr(self._local, "wide", None), rows.size)
-            rows = widen(rows, self._local.wide)
+            rows = self._widened(rows)
         buf = self._buffer(slice_bound(rows.size))
         pages = self._pages(rows.shape[1])
         if pages is not None:
@@ -295,14 +299,15 @@ class SliceEncoder:
             except OtherPages as e:  # a page size whose levels pyarrow writes otherwise: its writer from now on
                 _other_pages(rows.shape[1], e)
                 self._local.pages = None
+        sink = pa.FixedSizeBufferWriter(pa.py_buffer(buf))
+        write_pyarrow_slice(self._widened(rows), sink)
+        return Slice(hashes, buf, sink.tell())
+
+    def _widened(self, rows: np.ndarray) -> np.ndarray:
+        """rows as float32, widened into this thread's buffer (float32 rows are themselves)."""
         if rows.dtype != np.float32:
             self._local.wide = room(getattr(self._local, "wide", None), rows.size)
-        sink = pa.FixedSizeBufferWriter(pa.py_buffer(buf))
-        w = logits_writer(sink, SLICE_SCHEMA)
-        wide = widen(rows, getattr(self._local, "wide", None))
-        w.write_table(by_row(pa.table({"logits": list_column(wide)}, schema=SLICE_SCHEMA)))
-        w.close()
-        return Slice(hashes, buf, sink.tell())
+        return widen(rows, getattr(self._local, "wide", None))
 
     def _pages(self, vocab: int) -> PageWriter | None:
         """This thread's page writer for the vocabulary (its body buffer is its own), or None
@@ -325,4 +330,8 @@ def _other_pages(vocab: int, e: OtherPages) -> None:
         said = vocab in _LAYOUTS and _LAYOUTS[vocab] is None
         _LAYOUTS[vocab] = None
     if not said:
-        log(f"shard pages at a vocabulary of {vocab}: pyarrow's writer writes them ({e})")
+        _say_other_pages(vocab, e)
+
+
+def _say_other_pages(vocab: int, e: OtherPages) -> None:
+    log(f"shard pages at a vocabulary of {vocab}: pyarrow's writer writes them ({e})")

@@ -114,7 +114,7 @@ class Worker:
         self.outbox = []
 
     def release(self) -> None:
-        """Send the calls held back (the host has its CPUs now)."""
+        """Send the calls kept in the outbox while the host waited for its CPUs."""
         self.holding = False
         for msg in self.outbox:
             self._send(msg)
