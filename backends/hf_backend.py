@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from backends import hf_batch, hf_checkpoint, hf_quant, hf_sdpa, hf_stream, torch_rows
+from backends import hf_batch, hf_checkpoint, hf_cpu_path, hf_quant, hf_sdpa, hf_stream, torch_rows
 from backends.base import CHECKPOINT, GPU_DEVICES, Backend, OutputRing, block_rows, check_layers, stream_bytes
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -45,8 +45,9 @@ class HFBackend(Backend):
     max_tp = 8  # tensor parallel through torch.distributed: gloo on CPU, NCCL on GPU
     libraries = ("torch", "transformers", "accelerate", "safetensors")
     # quantizer: int8 / int4 only, which library quantises (backends/hf_quant.py); deterministic: torch's
-    # deterministic algorithms (and cuBLAS's fixed workspace on CUDA)
-    options = frozenset({"quantizer", "deterministic"})
+    # deterministic algorithms (and cuBLAS's fixed workspace on CUDA); cpu_path: torch's and oneDNN's
+    # kernels for another CPU's instruction set (backends/hf_cpu_path.py)
+    options = frozenset({"quantizer", "deterministic", "cpu_path"})
     option_docs = {
         "quantizer": ({"enum": ["torchao", "quanto"]}, "HF int8/int4 cells: the library that quantises at load"),
         "deterministic": ({"type": "boolean"}, "HF: deterministic torch algorithms"),
@@ -76,10 +77,16 @@ class HFBackend(Backend):
     @classmethod
     def runtime_env(cls, stack, threads: int) -> dict[str, Any] | None:
         """`deterministic: true` on a GPU: cuBLAS's fixed workspace from the actor's start, before any
-        cuBLAS handle exists (load() sets it too, for a process that has none yet)."""
+        cuBLAS handle exists (load() sets it too, for a process that has none yet); a `cpu_path`:
+        its switches, which torch and oneDNN read once, when they load."""
+        env = hf_cpu_path.env(stack.opts.get("cpu_path"))
         if stack.opts.get("deterministic") and stack.device != "cpu":
-            return {"env_vars": {"CUBLAS_WORKSPACE_CONFIG": hf_batch.CUBLAS_WORKSPACE}}
-        return None
+            env["CUBLAS_WORKSPACE_CONFIG"] = hf_batch.CUBLAS_WORKSPACE
+        return {"env_vars": env} if env else None
+
+    def cpu_path_ran(self) -> dict[str, Any]:
+        """The cpu_path hook: what this host's torch runs, checked against the path the cell names."""
+        return hf_cpu_path.ran(self._torch, self.stack.opts["cpu_path"])
 
     @classmethod
     def weights_key(cls, stack) -> str | None:

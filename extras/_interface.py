@@ -58,6 +58,8 @@ class Extra:
     default: ClassVar[Any] = None
     schema_keys: ClassVar[tuple] = ()
     flag: ClassVar[str | None] = None
+    # its default is the cell without the option (nothing set): a cell given the default has no option, one id
+    plain_default: ClassVar[bool] = False
     flag_metavar: ClassVar[str] = "VALUE"
     flag_help: ClassVar[str] = ""
     paths: ClassVar[tuple[str, ...]] = ()  # the d<repeat> file paths it writes beside 'prefill'

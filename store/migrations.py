@@ -161,4 +161,11 @@ MIGRATIONS = {
         "prompts.source_sha256 (the sha256 of the text a prompt comes from, a model card's dataset revision). "
         "Columns only: older prompts read as null there, and a card of theirs names no text hash.",
     ),
+    19: Migration(
+        "cpu_paths",
+        "cells.cpu_path_of (a cell on a CPU code path other than native, extras/cpu_path.py: the stack id of "
+        "the same stack on the native path) and table hardware_metrics (analyze: its rows against that "
+        "cell's). Older cells read as null there (no partner); the table's directory is made.",
+        plugin_tables,
+    ),
 }

@@ -46,7 +46,7 @@ import pyarrow as pa
 
 from common import plugins
 
-SCHEMA_VERSION = 18
+SCHEMA_VERSION = 19
 FORMAT = "logit-matrix-warehouse"
 TS = pa.timestamp("us", tz="UTC")
 

@@ -71,6 +71,7 @@ def test_parsing_takes_its_keys_and_defaults_from_the_schema():
     assert parse.HOSTS == ("shared", "per_cell")
     assert parse.OPTION_KEYS == {
         "kv_cache": ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"),
+        "cpu_path": ("native", "scalar", "avx2", "avx512", "avx512_bf16", "amx"),
         "n_batch": int,
         "n_ubatch": int,
         "trt_backend": ("pytorch", "tensorrt"),

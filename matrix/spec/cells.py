@@ -149,11 +149,18 @@ def option_sets(spec: Spec, combo: dict) -> list[tuple[dict, list[str]]]:
     opts, foreign = cell_options(spec, combo)
     axes = [k for k, v in opts.items() if isinstance(v, list)]
     if not axes:
-        return [(opts, foreign)]
+        return [(_plain(opts), foreign)]
     return [
-        (dict(sorted({**opts, **dict(zip(axes, values))}.items())), foreign)
+        (_plain(dict(sorted({**opts, **dict(zip(axes, values))}.items()))), foreign)
         for values in itertools.product(*(opts[k] for k in axes))
     ]
+
+
+def _plain(opts: dict) -> dict:
+    """opts without the plug-in options at a default that is the cell without them (Extra.plain_default:
+    cpu_path native sets no switch), so both spellings are one stack."""
+    plain = {x.key for x in extras.options() if x.plain_default and opts.get(x.key) == x.default}
+    return {k: v for k, v in opts.items() if k not in plain} if plain else opts
 
 
 def make_cell_id(

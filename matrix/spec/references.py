@@ -25,7 +25,7 @@ def references(spec: Spec, cells: list[Cell], skipped: list[dict]) -> dict[str, 
             for c in cells
             if c.replica == 0
             and c.artifact is None  # a candidate is never the reference
-            and all((getattr(c, k) if k in names.CELL_AXES else c.opts.get(k)) == v for k, v in sel.items())
+            and all((getattr(c, k) if k in names.CELL_AXES else _option(c, k)) == v for k, v in sel.items())
         ]
         missed = [s for s in skipped if all(s.get(k) == v for k, v in sel.items())]
         if not hits and missed:
@@ -98,3 +98,12 @@ def reference_extras(spec: Spec, corpus_fp: str, cells: list[Cell], refs: dict[s
                 cells[i] = dataclasses.replace(c.with_stack(extras=want), stack_id=cid)
         refs[model] = make_cell_id(spec, combo, ref.opts, corpus_fp)
     return cells, refs
+
+
+def _option(cell, key: str):
+    """A cell's engine option as a selector names it: a plug-in's default that is the cell without
+    the option (Extra.plain_default) where the cell has none."""
+    if key in cell.opts:
+        return cell.opts[key]
+    x = extras.get(key) if key in {o.key for o in extras.options()} else None
+    return x.default if x is not None and x.plain_default else None

@@ -1,0 +1,109 @@
+"""`options: {cpu_path: [native, scalar, avx2, avx512]}`: the CPU code path a cell's engine runs,
+an engine option graded against a partner cell, the same stack on the path the libraries pick for
+this CPU (native).
+
+An AVX2-only server, an AVX-512 server and an AMX server run different kernels for the same stack;
+each library lets a user pick its code path (common/cpu_paths.py names the switches), so one
+machine measures the drift between those kinds of CPU. `offered` is every path this CPU can run. A
+path the CPU lacks the instructions for, or a name that is no path, is the spec's error. The engine
+sets the switches where it starts the cell's process (HF: backends/hf_cpu_path.py) and its hook
+`cpu_path_ran` reads back what ran, failing the cell where a library fell back to another path;
+an engine without the hook takes no option cpu_path and skips the cell, saying so. Each cell off
+native is measured row by row against its partner into hardware_metrics; the hardware_drift view
+sums it (analysis/hardware_drift.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common import cpu_paths
+from extras import PartnerGraded
+
+
+class CpuPathOption(PartnerGraded):
+    key = "cpu_path"
+    grading = "analysis.hardware_drift"
+    partner_about = (
+        "the stack id of the same stack on this CPU's native code path, what hardware_drift compares it with"
+    )
+    option = True
+    title = "CPU code path"
+    hook = "cpu_path_ran"
+    missing = "engine {engine} offers no CPU code path switch (the cell asks for {key})"
+    allowed = cpu_paths.NAMES
+    default = cpu_paths.NATIVE
+    plain_default = True  # native sets no switch: the plain cell
+    table = None
+    rank = 75
+    about = (
+        "the CPU code path the engine runs: native (what the libraries pick), scalar, avx2, avx512, "
+        "avx512_bf16, amx, or offered (every path this CPU runs); graded against native"
+    )
+    json_schema = {"enum": [*cpu_paths.NAMES, cpu_paths.OFFERED]}
+
+    def parse(self, value: Any, fail) -> str | list[str]:
+        if value == cpu_paths.OFFERED:  # an axis of every path this CPU runs
+            return cpu_paths.offered(cpu_paths.cpu_flags())
+        if value not in cpu_paths.NAMES:
+            raise fail(f"unknown CPU code path; expected one of {', '.join(cpu_paths.NAMES)} or offered", value)
+        lacks = cpu_paths.lacks(value, cpu_paths.cpu_flags())
+        if lacks:
+            raise fail(f"this CPU cannot run CPU code path {value}: it lacks {', '.join(lacks)}", value)
+        return value
+
+    def from_flag(self, text: str, fail) -> str | None:
+        value = self.parse(text, lambda msg, val=...: fail(msg))
+        return None if value == cpu_paths.NATIVE else value
+
+    def partner(self, value: Any) -> str | None:
+        return None if value == cpu_paths.NATIVE else cpu_paths.NATIVE
+
+    def check(self, cell, value: Any, fail) -> None:
+        if value != cpu_paths.NATIVE and cell.device != "cpu":
+            raise fail(f"a CPU code path runs on device cpu; this cell runs on {cell.device}", value)
+
+    def unsupported(self, engine_cls, cell, value) -> str | None:
+        return None  # an engine without the option skips the cell as for any option it does not take
+
+    # the capture: what ran, read back in the host (the engine raises where it fell back)
+    def settings(self, backend, value: Any) -> dict[str, Any]:
+        return {} if value == cpu_paths.NATIVE else backend.cpu_path_ran()
+
+    # the report (the cells column, table, analyze, views and card: PartnerGraded, from
+    # analysis/hardware_drift.py)
+    def model_report(self, data: dict, model: str, k: int) -> str:
+        from analysis.hardware_drift import section
+
+        return section(data, model, k)
+
+    def name_words(self, cell_row: dict) -> list[str]:
+        path = _ran(cell_row).get("cpu_path")
+        return [f"cpu-{path}"] if path else []
+
+    def disclose(self, cell_row: dict, ref_row: dict) -> dict:
+        """Both stacks' CPU code paths where either ran one other than native."""
+        mine, theirs = _ran(cell_row), _ran(ref_row)
+        if not mine and not theirs:
+            return {}
+
+        def say(ran: dict) -> str:
+            if not ran:
+                return cpu_paths.NATIVE
+            return (
+                f"{ran['cpu_path']} (torch {ran['cpu_capability']}, oneDNN {ran['onednn_isa'] or 'no bf16 primitive'})"
+            )
+
+        return {"cpu_path": {"candidate": say(mine), "reference": say(theirs)}}
+
+
+def _ran(cell_row: dict) -> dict:
+    """The CPU code path a cells row's settings record ({}: native, or an engine that records none)."""
+    from extras import loads
+
+    raw = cell_row.get("settings")
+    settings = loads(raw) if isinstance(raw, str) else (raw or {})
+    return settings if settings.get("cpu_path") else {}
+
+
+EXTRA = CpuPathOption

@@ -1,0 +1,174 @@
+"""CPU code paths as an engine option (`options: {cpu_path: ...}`): HF on the 2-layer SmolLM2 on its
+native path, torch's scalar kernels and oneDNN at AVX2, the path each host ran read back from the
+host, each graded against the same stack on the native path (hardware_drift) with the KL a float64
+log-softmax of the stored rows gives, the same rows from two warehouses merged, and a path this CPU
+cannot run or a name that is none refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+
+from common import cpu_paths
+from common.errors import UserError
+from matrix.spec.cells import load_spec
+from tests.conftest import run_cli, sql, write_spec
+
+
+def _spec(tmp_path, **over):
+    body = {"models": ["smollm2-135m"], "engines": ["hf"], "dtypes": ["fp32"], "attention": ["eager"], **over}
+    p = tmp_path / "spec.yaml"
+    p.write_text(yaml.safe_dump(body, sort_keys=False))
+    return p
+
+
+def test_native_is_the_plain_cell_and_each_path_is_graded_against_it(tmp_path):
+    (plain,) = load_spec(_spec(tmp_path)).cells
+    swept = load_spec(_spec(tmp_path, options={"cpu_path": ["native", "scalar"]})).cells
+    by = {c.opts.get("cpu_path", "native"): c for c in swept}
+    assert by["native"].stack_id == plain.stack_id and by["native"].opts == {}  # ids of cells without a path stay
+    assert by["scalar"].stack_id != plain.stack_id and by["scalar"].partner_of("cpu_path") == plain.stack_id
+    (alone,) = load_spec(_spec(tmp_path, options={"cpu_path": "scalar"})).cells  # no native cell in this spec
+    assert alone.stack_id == by["scalar"].stack_id and alone.partner_of("cpu_path") == plain.stack_id
+
+
+def test_offered_is_every_path_this_cpu_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_paths, "cpu_flags", lambda: frozenset({"sse4_2", "avx2", "fma"}))
+    cells = load_spec(_spec(tmp_path, options={"cpu_path": "offered"})).cells
+    assert [c.opts.get("cpu_path", "native") for c in cells] == ["native", "scalar", "avx2"]
+    flags = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16"}
+    assert cpu_paths.offered(frozenset(flags)) == list(cpu_paths.NAMES)
+
+
+@pytest.mark.parametrize(
+    "flags, value, line",
+    [
+        ({"sse4_2"}, "avx2", "options.cpu_path: this CPU cannot run CPU code path avx2: it lacks avx2, fma"),
+        (
+            {"avx2", "fma", "avx512f"},
+            "avx512",
+            "cannot run CPU code path avx512: it lacks avx512bw, avx512vl, avx512dq",
+        ),
+        ({"avx2", "fma"}, "amx", "cannot run CPU code path amx: it lacks avx512f"),
+        (set(), "avx3", "options.cpu_path: unknown CPU code path; expected one of native, scalar, avx2"),
+    ],
+)
+def test_a_path_this_cpu_cannot_run_or_no_path_is_one_line(tmp_path, monkeypatch, flags, value, line):
+    monkeypatch.setattr(cpu_paths, "cpu_flags", lambda: frozenset(flags))
+    with pytest.raises(UserError) as e:
+        load_spec(_spec(tmp_path, options={"cpu_path": value}))
+    assert len(str(e.value).splitlines()) == 1 and line in str(e.value), e.value
+
+
+def test_an_unknown_path_exits_2_with_one_line(tmp_path):
+    r = run_cli("cells", str(_spec(tmp_path, options={"cpu_path": "cpu:avx9"})))
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "options.cpu_path: unknown CPU code path" in err[0], r.stderr
+
+
+def test_what_ran_is_checked_against_the_path_asked_for():
+    p = cpu_paths.PATHS
+    assert cpu_paths.mismatch("scalar", "DEFAULT", None) is None
+    assert "torch ran its AVX512 kernels, not DEFAULT" in cpu_paths.mismatch("scalar", "AVX512", None)
+    assert "where avx2 runs none" in cpu_paths.mismatch("avx2", "AVX2", "Intel AVX-512 with AVX512BW")
+    assert cpu_paths.mismatch("avx512_bf16", "AVX512", "Intel AVX-512 with Intel DL Boost and bfloat16 support") is None
+    amx = "Intel AVX-512 with Intel DL Boost and bfloat16 support and Intel AMX with bfloat16 and 8-bit integer support"
+    assert "not AVX512_CORE_BF16" in cpu_paths.mismatch("avx512_bf16", "AVX512", amx)  # AMX is no fallback either
+    assert cpu_paths.mismatch("amx", "AVX512", amx) is None and p["scalar"].env()["ATEN_CPU_CAPABILITY"] == "default"
+
+
+def _capture(d, tiny_model, short_corpus, dtypes=("fp32",), options=None, reference_path="native"):
+    spec = write_spec(
+        d / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        dtypes=list(dtypes),
+        attention=["eager"],
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager", "cpu_path": reference_path},
+        repeats=1,
+        **({"options": options} if options else {}),
+    )
+    wh = d / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--executor", "local")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return wh
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_model, short_corpus, tmp_path_factory):
+    """fp32 and bf16, each on the native path, torch's scalar kernels and AVX2, in one warehouse, analysed."""
+    if cpu_paths.lacks("avx2", cpu_paths.cpu_flags()):
+        pytest.skip("this CPU runs no AVX2")
+    d = tmp_path_factory.mktemp("cpu-path")
+    wh = _capture(d, tiny_model, short_corpus, ("fp32", "bf16"), {"cpu_path": ["native", "scalar", "avx2"]})
+    a = run_cli("analyze", "--warehouse", str(wh))
+    assert a.returncode == 0, a.stderr[-3000:]
+    cells = {
+        (c["dtype"], json.loads(c["options"] or "{}").get("cpu_path", "native")): c
+        for c in sql(wh, "select * from cells")
+    }
+    return wh, cells, a.stdout + a.stderr
+
+
+def test_each_host_ran_the_path_it_was_given(paths):
+    _, cells, _ = paths
+    assert {k for k, c in cells.items() if c["status"] == "done"} == {
+        (d, p) for d in ("fp32", "bf16") for p in ("native", "scalar", "avx2")
+    }
+    scalar, avx2 = (json.loads(cells[k]["settings"]) for k in (("fp32", "scalar"), ("bf16", "avx2")))
+    assert (scalar["cpu_path"], scalar["cpu_capability"], scalar["onednn_isa"]) == ("scalar", "DEFAULT", None)
+    assert scalar["cpu_path_env"] == {
+        "ATEN_CPU_CAPABILITY": "default",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+    }
+    assert (avx2["cpu_path"], avx2["cpu_capability"], avx2["onednn_isa"]) == ("avx2", "AVX2", None)
+    assert "cpu_path" not in json.loads(cells[("fp32", "native")]["settings"])  # native: nothing set, nothing probed
+
+
+def test_hardware_drift_grades_each_path_against_native_as_float64_does(paths):
+    from tests.float64_rows import log_softmax, stored
+
+    wh, cells, out = paths
+    view = sql(wh, "select * from hardware_drift")
+    assert {(r["dtype"], r["cpu_path"]) for r in view} == {(d, p) for d in ("fp32", "bf16") for p in ("scalar", "avx2")}
+    for r in view:
+        dtype, path = r["dtype"], r["cpu_path"]
+        native = cells[(dtype, "native")]["cell_id"]
+        assert r["native_cell_id"] == native and r["cell_id"] == cells[(dtype, path)]["cell_id"]
+        ref = {k: log_softmax(x) for k, (x, _) in stored(wh, native).items()}
+        mine = {k: log_softmax(x) for k, (x, _) in stored(wh, r["cell_id"]).items()}
+        assert mine.keys() == ref.keys() and r["rows"] == len(ref)
+        kl = [float(np.sum(np.exp(ref[k]) * (ref[k] - mine[k]))) for k in ref]
+        same = sum(np.array_equal(stored(wh, native)[k][0], stored(wh, r["cell_id"])[k][0]) for k in ref)
+        assert r["identical_rows"] == same
+        assert r["kld_mean"] == pytest.approx(np.mean(kl), rel=1e-9, abs=1e-15), path
+    by = {(r["dtype"], r["cpu_path"]): r for r in view}
+    assert by[("fp32", "scalar")]["identical_rows"] < by[("fp32", "scalar")]["rows"]  # torch's scalar kernels
+    assert "hardware" in out
+
+
+def test_two_warehouses_merged_grade_as_one(paths, tiny_model, short_corpus, tmp_path_factory):
+    """The native cell captured in one warehouse, its scalar path in another: merged, the same
+    hardware_drift row as the warehouse that holds both."""
+    wh, cells, _ = paths
+    d = tmp_path_factory.mktemp("cpu-path-merge")
+    (d / "a").mkdir()
+    (d / "b").mkdir()
+    a = _capture(d / "a", tiny_model, short_corpus)
+    b = _capture(d / "b", tiny_model, short_corpus, options={"cpu_path": "scalar"}, reference_path="scalar")
+    r = run_cli("merge", str(b), "--into", str(a))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli("analyze", "--warehouse", str(a))
+    assert r.returncode == 0, r.stderr[-3000:]
+    cols = "cell_id, native_cell_id, rows, identical_rows, kld_mean, kld_p99, kld_max, top1_agreement, max_abs_diff"
+    merged = sql(a, f"select {cols} from hardware_drift")
+    whole = sql(wh, f"select {cols} from hardware_drift where cpu_path = 'scalar' and dtype = 'fp32'")
+    assert len(merged) == 1 and merged[0].keys() == whole[0].keys()
+    for k, v in whole[0].items():  # floats to DuckDB's summation order (avg over files read in another order)
+        assert merged[0][k] == (pytest.approx(v, rel=1e-12) if isinstance(v, float) else v), k
+    shutil.rmtree(d)
