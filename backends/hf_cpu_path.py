@@ -6,6 +6,7 @@ kernels are not the ones it named fails before any row is kept."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
@@ -20,18 +21,21 @@ def env(value: str | None) -> dict[str, str]:
     return path.env() if path else {}
 
 
+@functools.cache
 def onednn_isa(torch) -> str | None:
     """The ISA oneDNN runs a bf16 linear at in this process, as its verbose mode names it (None:
     no oneDNN primitive ran it; torch's own kernel did). oneDNN prints to this process's stdout,
-    read back through a temporary file for the one call."""
-    x = torch.ones(4, 64, dtype=torch.bfloat16)
+    read back through a temporary file for the one call; it names the ISA once, with the process's
+    first primitive, hence once a process (before any forward: the host asks right after its load).
+    A 16 x 64 by 64 x 64 linear is one torch hands to oneDNN (a 4 x 64 one it keeps for itself)."""
+    x, w = torch.ones(16, 64, dtype=torch.bfloat16), torch.ones(64, 64, dtype=torch.bfloat16)
     with tempfile.TemporaryFile("w+") as out:
         sys.stdout.flush()
         saved = os.dup(1)
         try:
             os.dup2(out.fileno(), 1)
             with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
-                torch.nn.functional.linear(x, x)
+                torch.nn.functional.linear(x, w)
         finally:
             sys.stdout.flush()
             os.dup2(saved, 1)
