@@ -42,10 +42,14 @@ def library_build(name: str) -> dict:
 
 
 def engine_build(libraries: tuple[str, ...] | list[str]) -> dict:
-    """{"build": 12 hex, "libraries": {name: {version, files}}} for this interpreter."""
+    """{"build": 12 hex, "libraries": {name: {version, files}}, "cpu_flags": [...]} for this
+    interpreter; the CPU's flags ride along (not in the build's hash) so that the run places a
+    cell's CPU code path only on a node that executes it (extras: Extra.node_refusal)."""
+    from common.cpu_paths import cpu_flags
+
     libs = {name: library_build(name) for name in sorted(libraries)}
     digest = hashlib.sha256(json.dumps(libs, sort_keys=True).encode()).hexdigest()[:12]
-    return {"build": digest, "libraries": libs}
+    return {"build": digest, "libraries": libs, "cpu_flags": sorted(cpu_flags())}
 
 
 def describe(libraries: dict) -> str:

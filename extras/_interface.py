@@ -92,6 +92,11 @@ class Extra:
     def check(self, cell, value: Any, fail: Callable[[str, Any], Exception]) -> None:
         """A spec error the engine's limits make of the value (fail(msg, value) names the field)."""
 
+    def node_refusal(self, value: Any, node: dict) -> str | None:
+        """Why a node cannot run a cell of this value (node: its probe's answer, matrix/run/builds.py:
+        host, cpu_flags, libraries); None: it can. The run places the cell on the nodes that can."""
+        return None
+
     def sequences(self, value: Any) -> int:
         """How many sequences each of the cell's forwards holds (its capture's time budget scales by it)."""
         return 1

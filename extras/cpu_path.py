@@ -63,6 +63,10 @@ class CpuPathOption(PartnerGraded):
         if value != cpu_paths.NATIVE and cell.device != "cpu":
             raise fail(f"a CPU code path runs on device cpu; this cell runs on {cell.device}", value)
 
+    def node_refusal(self, value: Any, node: dict) -> str | None:
+        lacks = cpu_paths.lacks(value, frozenset(node.get("cpu_flags") or ()))
+        return f"{node.get('host') or node.get('node_id')} lacks {', '.join(lacks)}" if lacks else None
+
     def unsupported(self, engine_cls, cell, value) -> str | None:
         return None  # an engine without the option skips the cell as for any option it does not take
 

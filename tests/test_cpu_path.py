@@ -172,3 +172,39 @@ def test_two_warehouses_merged_grade_as_one(paths, tiny_model, short_corpus, tmp
     for k, v in whole[0].items():  # floats to DuckDB's summation order (avg over files read in another order)
         assert merged[0][k] == (pytest.approx(v, rel=1e-12) if isinstance(v, float) else v), k
     shutil.rmtree(d)
+
+
+AVX512 = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq")
+
+
+def test_a_path_is_placed_only_on_nodes_whose_cpu_runs_it(tmp_path, monkeypatch):
+    """Faked nodes: two probe answers of one build, an AVX-512 node and an AVX2-only one. The
+    native cell may run on either; the avx512 cell is pinned to the AVX-512 node; with no such
+    node it is left out of the run, saying which node lacks what."""
+    from matrix.run import builds
+
+    monkeypatch.setattr(cpu_paths, "cpu_flags", lambda: frozenset(AVX512))  # the driver's, for the spec
+    cells = load_spec(_spec(tmp_path, options={"cpu_path": ["native", "avx512"]})).cells
+    native, avx512 = sorted(cells, key=lambda c: "cpu_path" in c.opts)
+    node = {"build": "b" * 12, "libraries": {}}
+    wide = {**node, "node_id": "n-wide", "host": "wide", "cpu_flags": sorted(AVX512)}
+    narrow = {**node, "node_id": "n-narrow", "host": "narrow", "cpu_flags": ["avx2", "fma"]}
+    both = {c.stack_id: [wide, narrow] for c in cells}
+    bound, _, left_out = builds.bind(cells, both, {}, lambda line: None)
+    pins = {c.stack_id: c.pin for c in bound}
+    assert left_out == {} and pins == {native.stack_id: ("n-narrow", "n-wide"), avx512.stack_id: ("n-wide",)}
+    bound, _, left_out = builds.bind(cells, {c.stack_id: [narrow] for c in cells}, {}, lambda line: None)
+    assert [c.stack_id for c in bound] == [native.stack_id]
+    assert left_out == {
+        avx512.stack_id: "no node that can host it runs it: cpu_path avx512: narrow lacks avx512f, avx512bw, "
+        "avx512vl, avx512dq"
+    }
+
+
+def test_every_probe_answer_carries_its_cpu_flags_outside_the_build_hash(monkeypatch):
+    from common.builds import engine_build
+
+    plain = engine_build(["numpy"])
+    monkeypatch.setattr(cpu_paths, "cpu_flags", lambda: frozenset({"sse4_2"}))
+    other = engine_build(["numpy"])
+    assert other["cpu_flags"] == ["sse4_2"] and other["build"] == plain["build"]

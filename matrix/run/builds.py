@@ -138,6 +138,17 @@ def _choose(cell: Cell, answers: list[dict], captured: set[str], log: Callable[[
     return pick
 
 
+def _able(cell: Cell, answers: list[dict]) -> tuple[list[dict], str | None]:
+    """The nodes (probe answers) that can run what the cell's plug-ins ask of them (Extra.node_refusal:
+    a CPU code path's instructions), and the first refusal in words where any node was refused."""
+    import extras
+
+    asked = extras.of(cell)
+    refusals = [(a, [f"{x.key} {v}: {why}" for x, v in asked if (why := x.node_refusal(v, a))]) for a in answers]
+    first = next((why[0] for _, why in refusals if why), None)
+    return [a for a, why in refusals if not why], first
+
+
 def bind(
     cells: list[Cell], answers: dict[str, list], captured: dict[str, set[str]], log: Callable[[str], None]
 ) -> tuple[list[Cell], dict[str, dict], dict[str, str]]:
@@ -153,6 +164,10 @@ def bind(
         if not ok:
             why = f"could not ask a node for its {group[0].engine} build: {str(bad[0]).strip().splitlines()[-1][:300]}"
             left_out.update({c.stack_id: why for c in group})
+            continue
+        ok, refused = _able(group[0], ok)
+        if not ok:
+            left_out.update({c.stack_id: f"no node that can host it runs it: {refused}" for c in group})
             continue
         if len(group) == 1:
             build = _choose(group[0], ok, captured.get(group[0].stack_id, set()), log)
