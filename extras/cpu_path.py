@@ -77,7 +77,7 @@ class CpuPathOption(PartnerGraded):
     # the report (the cells column, table, analyze, views and card: PartnerGraded, from
     # analysis/hardware_drift.py)
     def model_report(self, data: dict, model: str, k: int) -> str:
-        from analysis.hardware_drift import section
+        from analysis.report_hardware import section
 
         return section(data, model, k)
 

@@ -114,6 +114,7 @@ def paths(tiny_model, short_corpus, tmp_path_factory):
     return wh, cells, a.stdout + a.stderr
 
 
+@pytest.mark.slow
 def test_each_host_ran_the_path_it_was_given(paths):
     _, cells, _ = paths
     assert {k for k, c in cells.items() if c["status"] == "done"} == {
@@ -130,6 +131,7 @@ def test_each_host_ran_the_path_it_was_given(paths):
     assert "cpu_path" not in json.loads(cells[("fp32", "native")]["settings"])  # native: nothing set, nothing probed
 
 
+@pytest.mark.slow
 def test_hardware_drift_grades_each_path_against_native_as_float64_does(paths):
     from tests.float64_rows import log_softmax, stored
 
@@ -152,6 +154,7 @@ def test_hardware_drift_grades_each_path_against_native_as_float64_does(paths):
     assert "hardware" in out
 
 
+@pytest.mark.slow
 def test_two_warehouses_merged_grade_as_one(paths, tiny_model, short_corpus, tmp_path_factory):
     """The native cell captured in one warehouse, its scalar path in another: merged, the same
     hardware_drift row as the warehouse that holds both."""
@@ -208,3 +211,23 @@ def test_every_probe_answer_carries_its_cpu_flags_outside_the_build_hash(monkeyp
     monkeypatch.setattr(cpu_paths, "cpu_flags", lambda: frozenset({"sse4_2"}))
     other = engine_build(["numpy"])
     assert other["cpu_flags"] == ["sse4_2"] and other["build"] == plain["build"]
+
+
+@pytest.mark.slow
+def test_the_atlas_and_the_ladder_read_well_in_chromium(paths, tmp_path):
+    """The report's CPU-path section in headless Chromium: the atlas (stacks x paths) and the KL
+    ladder drawn, their labels apart, the hardware table there; the card's line beside it."""
+    from tests.test_report_browser import CHROMIUM, check_report
+
+    if CHROMIUM is None:
+        pytest.skip("Debian chromium is not installed (.ci/run installs it)")
+    wh, cells, _ = paths
+    got = check_report(wh, tmp_path, ["hardware-atlas-0", "hardware-ladder-0"])
+    charts = {c["id"]: c for c in got["charts"]}
+    assert {"scalar", "avx2", "hf/fp32", "hf/bf16"} <= set(charts["hardware-atlas-0"]["labels"])
+    assert "hardware-rows-0" in (tmp_path / "rep" / "report.html").read_text()
+    r = run_cli("card", cells[("bf16", "native")]["cell_id"], "--warehouse", str(wh))
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    at = lines.index("Across CPU code paths (the same stack on this CPU's native path, row by row):")
+    assert "on avx2" in lines[at + 2] and "on scalar" in lines[at + 2], lines[at : at + 8]

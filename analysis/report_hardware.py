@@ -1,0 +1,88 @@
+"""The report's drift atlas of a model: its stacks (rows) against the CPU code paths (columns), each
+square coloured by the stack's KL against itself on the native path, a bit-identical one marked ≡;
+beside it, on one log axis, each stack's largest KL across paths and every stack's KL against the
+reference (the quant ladder's), so a reader sees whether another CPU moves a stack more or less than
+quantising it; then the hardware_drift rows as a table."""
+
+from __future__ import annotations
+
+import html
+
+from analysis import report_plots as P
+from analysis import report_tables as T
+from analysis.hardware_drift import VIEW
+from common import cpu_paths
+
+IDENTICAL = "≡"
+
+
+def section(data: dict, model: str, k: int) -> str:
+    """The model's CPU code path section; empty where it has no path measured against native."""
+    rows = [r for r in (data.get("plugin_views") or {}).get(VIEW) or [] if r["model"] == model]
+    if not rows:
+        return ""
+    names = data.get("names") or {}
+    stack = {r["native_cell_id"]: names.get(r["native_cell_id"], r["native_cell_id"]) for r in rows}
+    paths = [p for p in cpu_paths.NAMES if any(r["cpu_path"] == p for r in rows)]
+    grid = {(stack[r["native_cell_id"]], r["cpu_path"]): (r["kld_mean"], r["bit_identical"]) for r in rows}
+    head = "stack|path|torch|oneDNN bf16|rows|bit-identical rows|KL vs native|± s.e.|p99|max|top-1|KL vs reference"
+    keys = ("cpu_path", "cpu_capability", "onednn_isa", "rows", "identical_rows", "kld_mean", "kld_stderr")
+    body = [
+        [html.escape(T.fmt(v)) for v in (stack[r["native_cell_id"]], *(r[k] for k in keys))]
+        + [html.escape(T.fmt(r[k])) for k in ("kld_p99", "kld_max", "top1_agreement", "kld_vs_reference")]
+        for r in sorted(rows, key=lambda r: (stack[r["native_cell_id"]], paths.index(r["cpu_path"])))
+    ]
+    return (
+        "<h3>Across CPU code paths: each stack against itself on the native path</h3>"
+        f"<p>{IDENTICAL}: every row bit-identical to the native path's; blank: not measured.</p>"
+        + atlas(sorted(set(stack.values())), paths, grid, f"hardware-atlas-{k}")
+        + "<h3>Changing the CPU against quantising: KL on one axis</h3>"
+        + P.dots(_ladder(data, model, rows, stack), f"hardware-ladder-{k}", "KL, nats")
+        + T.html_table(f"hardware-rows-{k}", head.split("|"), body)
+    )
+
+
+def _ladder(data: dict, model: str, rows: list[dict], stack: dict) -> list[tuple[str, dict]]:
+    """Each stack's largest KL across CPU paths beside its KL against the reference, then every other
+    measured stack of the model (the quant ladder) with its KL against the reference."""
+    paths = {r["cell_id"] for r in rows}
+    kl = {c["cell_id"]: c.get("kld_mean") for c in data["cells"] if c["model"] == model}
+    out = []
+    for native, label in sorted(stack.items(), key=lambda s: s[1]):
+        most = max(r["kld_mean"] or 0.0 for r in rows if r["native_cell_id"] == native)
+        out.append((label, {"largest across CPU paths": most, "against the reference": kl.get(native)}))
+    names = data.get("names") or {}
+    for c in data["cells"]:
+        if c["model"] == model and c["cell_id"] not in paths and c["cell_id"] not in stack:
+            out.append((names.get(c["cell_id"], c["cell_id"]), {"against the reference": kl.get(c["cell_id"])}))
+    return out
+
+
+def atlas(stacks: list[str], paths: list[str], grid: dict, ident: str) -> str:
+    """stacks x paths squares, a log colour scale of KL against native; ≡ where bit-identical."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    values = np.full((len(stacks), len(paths)), np.nan)
+    for (s, p), (kl, _) in grid.items():
+        if kl:
+            values[stacks.index(s), paths.index(p)] = kl
+    longest = max(len(s) for s in stacks) * 0.065
+    with P.drawing(1.6 + longest + 0.55 * len(paths), 0.9 + 0.4 * len(stacks)) as fig:
+        ax = fig.subplots()
+        shown = values[~np.isnan(values)]
+        lo, hi = (shown.min(), shown.max()) if shown.size else (1e-12, 1e-11)
+        im = ax.imshow(
+            np.ma.masked_invalid(values), cmap="viridis", norm=LogNorm(lo, hi if hi > lo else lo * 10), gid="series-0"
+        )
+        for (s, p), (_, same) in grid.items():
+            if same:
+                ax.text(paths.index(p), stacks.index(s), IDENTICAL, ha="center", va="center", fontsize=12)
+        ax.set_xticks(range(len(paths)), paths, rotation=30, ha="right")
+        ax.set_yticks(range(len(stacks)), stacks)
+        ax.grid(False)
+        ax.tick_params(length=0)
+        bar = fig.colorbar(im, ax=ax, shrink=0.9)
+        bar.set_label("KL(native ‖ path), nats")
+        P.log_ticks(bar.ax.yaxis)
+        return P.svg(fig, ident)
