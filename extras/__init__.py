@@ -110,6 +110,17 @@ def of(asking) -> list[tuple["Extra", Any]]:
     return [(x, v) for x, v in got if v is not None]
 
 
+def cell_records(cell) -> dict[str, Any]:
+    """The cells columns the plug-ins fill from a cell (Extra.cell_record): each it asks for, and each
+    that grades it against a partner on other hardware without being asked (Extra.partner_elsewhere)."""
+    asked = of(cell)
+    out = {k: v for x, value in asked for k, v in x.cell_record(cell, value).items()}
+    for key, _ in getattr(cell, "partners", ()):
+        if all(x.key != key for x, _ in asked):
+            out.update(get(key).cell_record(cell, None))
+    return out
+
+
 def options() -> list["Extra"]:
     """The plug-ins that are engine options (Extra.option), in registry order."""
     return [x for x in registered() if x.option]

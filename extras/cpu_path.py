@@ -9,8 +9,9 @@ path the CPU lacks the instructions for, or a name that is no path, is the spec'
 sets the switches where it starts the cell's process (HF: backends/hf_cpu_path.py) and its hook
 `cpu_path_ran` reads back what ran, failing the cell where a library fell back to another path;
 an engine without the hook takes no option cpu_path and skips the cell, saying so. Each cell off
-native is measured row by row against its partner into hardware_metrics; the hardware_drift view
-sums it (analysis/hardware_drift.py).
+native is measured row by row against its partner into hardware_metrics, and so is each cell on
+another device (a GPU's, captured in the same run or merged in from its own warehouse) against the
+same stack on this CPU's native path; the hardware_drift view sums it (analysis/hardware_drift.py).
 """
 
 from __future__ import annotations
@@ -59,16 +60,22 @@ class CpuPathOption(PartnerGraded):
     def partner(self, value: Any) -> str | None:
         return None if value == cpu_paths.NATIVE else cpu_paths.NATIVE
 
-    def check(self, cell, value: Any, fail) -> None:
-        if value != cpu_paths.NATIVE and cell.device != "cpu":
-            raise fail(f"a CPU code path runs on device cpu; this cell runs on {cell.device}", value)
+    def partner_elsewhere(self, combo: dict, opts: dict) -> tuple[dict, dict] | None:
+        """A cell on another device (a GPU) is graded against the same stack on this CPU's native
+        path: the CPU is the reference hardware, and a GPU warehouse merged in lands beside the paths."""
+        if combo.get("device", "cpu") == "cpu":
+            return None
+        return {**combo, "device": "cpu"}, {k: v for k, v in opts.items() if k != self.key}
 
     def node_refusal(self, value: Any, node: dict) -> str | None:
         lacks = cpu_paths.lacks(value, frozenset(node.get("cpu_flags") or ()))
         return f"{node.get('host') or node.get('node_id')} lacks {', '.join(lacks)}" if lacks else None
 
     def unsupported(self, engine_cls, cell, value) -> str | None:
-        return None  # an engine without the option skips the cell as for any option it does not take
+        # an engine without the option skips the cell as for any option it does not take
+        if value != cpu_paths.NATIVE and cell.device != "cpu":
+            return f"CPU code path {value}: it runs on device cpu, and this cell runs on {cell.device}"
+        return None
 
     # the capture: what ran, read back in the host (the engine raises where it fell back)
     def settings(self, backend, value: Any) -> dict[str, Any]:

@@ -36,6 +36,21 @@ def test_native_is_the_plain_cell_and_each_path_is_graded_against_it(tmp_path):
     assert alone.stack_id == by["scalar"].stack_id and alone.partner_of("cpu_path") == plain.stack_id
 
 
+def test_a_cell_on_another_device_is_graded_against_its_stack_on_the_cpu(tmp_path):
+    """A GPU cell's partner is the same stack on the CPU's native path, whether the CPU cell is in its
+    sweep or in a warehouse of its own (a GPU box's spec, merged in later): the ids agree."""
+    both = load_spec(_spec(tmp_path, devices=["cpu", "cuda"], options={"cpu_path": ["native", "scalar"]}))
+    by = {(c.device, c.opts.get("cpu_path", "native")): c for c in both.cells}
+    assert set(by) == {("cpu", "native"), ("cpu", "scalar"), ("cuda", "native")}  # no CPU path on a GPU
+    (skipped,) = both.skipped
+    assert skipped["reason"] == "CPU code path scalar: it runs on device cpu, and this cell runs on cuda"
+    cpu = by[("cpu", "native")].stack_id
+    assert by[("cuda", "native")].partner_of("cpu_path") == cpu and by[("cpu", "scalar")].partner_of("cpu_path") == cpu
+    assert by[("cpu", "native")].partners == ()
+    (gpu,) = load_spec(_spec(tmp_path, devices=["cuda"])).cells  # the GPU box's own sweep
+    assert gpu.stack_id == by[("cuda", "native")].stack_id and gpu.partner_of("cpu_path") == cpu
+
+
 def test_offered_is_every_path_this_cpu_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_paths, "cpu_flags", lambda: frozenset({"sse4_2", "avx2", "fma"}))
     cells = load_spec(_spec(tmp_path, options={"cpu_path": "offered"})).cells
@@ -229,5 +244,5 @@ def test_the_atlas_and_the_ladder_read_well_in_chromium(paths, tmp_path):
     r = run_cli("card", cells[("bf16", "native")]["cell_id"], "--warehouse", str(wh))
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
-    at = lines.index("Across CPU code paths (the same stack on this CPU's native path, row by row):")
+    at = lines.index("Across hardware (the same stack on the CPU's native path, row by row):")
     assert "on avx2" in lines[at + 2] and "on scalar" in lines[at + 2], lines[at : at + 8]

@@ -37,7 +37,7 @@ def _cell_fields(plan: Plan, cell: Cell) -> dict:
         "stack_id": ids.base_stack(cell.stack_id),
         "replica": cell.replica,
         "build": cell.build,
-        **{k: v for x, value in extras.of(cell) for k, v in x.cell_record(cell, value).items()},
+        **extras.cell_records(cell),
     }
 
 

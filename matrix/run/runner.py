@@ -318,7 +318,7 @@ def regroup_complete_cells(plan: Plan, wh: Warehouse, log: Callable[[str], None]
             "centroid_group": cells[cid].centroid_group,
             "centroid": plan.spec.centroid,
             "calibration": cells[cid].calibration,
-            **{k: v for x, value in extras.of(cells[cid]) for k, v in x.cell_record(cells[cid], value).items()},
+            **extras.cell_records(cells[cid]),
         }
         if rows and any(rows[0].get(k) != v for k, v in want.items()):
             wh.write_rows("cells", cid, [{**rows[0], **want}])

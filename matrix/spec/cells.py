@@ -232,8 +232,13 @@ def _sweeps(spec: Spec, combo: dict) -> list[dict]:
 def partners(spec: Spec, one: dict, opts: dict, corpus_fp: str, extra: dict | None = None) -> tuple:
     """(key, (stack id, ...)) of each cell a plug-in grades this one against (Extra.partner): the
     stack with the plug-in's partner value; for an engine option whose partner value is the
-    engine's default, then the stack without the option. _settle keeps one."""
+    engine's default, then the stack without the option; or the stack on other hardware
+    (Extra.partner_elsewhere). _settle keeps one."""
     out = []
+    for x in extras.registered():  # a cell graded on other hardware: the same stack there
+        moved = x.partner_elsewhere(one, opts)
+        if moved is not None:
+            out.append((x.key, (make_cell_id(spec, moved[0], moved[1], corpus_fp, extra=extra),)))
     for x, value in extras.of(SimpleNamespace(extras=cell_extras(spec, one), opts=opts)):
         other = x.partner(value)
         if other is None:
