@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from backends import llamacpp_cpu_path
 from backends.base import GGUF, Backend, OutputRing, block_rows, check_layers
 from backends.gguf_build import FLOAT_TYPES, QUANT_TYPES
 from backends.llama_binding import extra_bufts, gguf_tokenize, load_vocab, quiet_logs, tokenize_with  # noqa: F401 (re-exported)
@@ -93,7 +94,7 @@ class LlamaCppBackend(LlamaContexts, Backend):
             "mps",
         }
     )
-    options = frozenset({"kv_cache", "n_batch", "n_ubatch", "imatrix"})
+    options = frozenset({"kv_cache", "n_batch", "n_ubatch", "imatrix", "cpu_path"})
     option_docs = {
         "n_batch": ({"type": "integer", "minimum": 1}, "llama.cpp's logical batch size"),
         "n_ubatch": ({"type": "integer", "minimum": 1}, "llama.cpp's physical batch size"),
@@ -120,6 +121,7 @@ class LlamaCppBackend(LlamaContexts, Backend):
 
     def load(self) -> None:
         self.wait_policy = _wait_policy()
+        self._cpu_module = self._cpu_path_build()
         import llama_cpp
 
         from backends import gguf_build
@@ -142,6 +144,8 @@ class LlamaCppBackend(LlamaContexts, Backend):
                 imatrix=self._imatrix(),
             )
         quiet_logs()
+        if self._cpu_module:  # the path's CPU backend, before any backend initialises
+            llamacpp_cpu_path.load_variant(self._cpu_module)
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0 if self.stack.device == "cpu" else 999
@@ -210,6 +214,29 @@ class LlamaCppBackend(LlamaContexts, Backend):
 
     def vocab_size(self) -> int:
         return self._n_vocab
+
+    @classmethod
+    def cpu_path_refusal(cls, value: str) -> str | None:
+        """Why llama.cpp runs no CPU code path `value` (the cpu_path plug-in skips the cell with it)."""
+        return llamacpp_cpu_path.refusal(value)
+
+    def _cpu_path_build(self) -> str | None:
+        """A cell on a CPU code path: its llama.cpp build made (or found) in the tools cache and set for
+        llama_cpp's import in this host; -> the CPU backend module to load (None: the package's own)."""
+        import sys
+
+        value = self.stack.opts.get("cpu_path")
+        if not value:
+            return None
+        if "llama_cpp" in sys.modules:
+            raise RuntimeError(f"cpu_path {value}: this host loaded llama.cpp before the path's build could be set")
+        lib, module = llamacpp_cpu_path.build(value, lambda line: print(line, flush=True))
+        os.environ[llamacpp_cpu_path.ENV_LIB] = str(lib)
+        return str(module)
+
+    def cpu_path_ran(self) -> dict[str, Any]:
+        """The cpu_path hook: the variant this host's llama.cpp runs, checked against the path asked for."""
+        return llamacpp_cpu_path.ran(self._lc, self.stack.opts["cpu_path"], self._cpu_module)
 
     def settings(self) -> dict[str, Any]:
         import llama_cpp

@@ -30,16 +30,10 @@ def binding_flags() -> list[str]:
 
 
 def source_tree() -> Path:
-    import llama_cpp
+    """The installed llama-cpp-python's vendor/llama.cpp in the tools cache (the engine's own)."""
+    from backends.llamacpp_cpu_path import source
 
-    from backends.gguf_build import vendor_tree
-    from common.files import cache_root
-
-    root = cache_root() / "tools" / f"llama.cpp-{llama_cpp.__version__}"
-    if not (root / "CMakeLists.txt").is_file():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        vendor_tree(llama_cpp.__version__, root)
-    return root
+    return source()
 
 
 def build_tool(target: str, log) -> Path:

@@ -75,7 +75,9 @@ class CpuPathOption(PartnerGraded):
         # an engine without the option skips the cell as for any option it does not take
         if value != cpu_paths.NATIVE and cell.device != "cpu":
             return f"CPU code path {value}: it runs on device cpu, and this cell runs on {cell.device}"
-        return None
+        refused = getattr(engine_cls, "cpu_path_refusal", None)  # an engine's own limits (llama.cpp's AMX)
+        why = refused(value) if refused is not None and value != cpu_paths.NATIVE else None
+        return f"CPU code path {value}: {why}" if why else None
 
     # the capture: what ran, read back in the host (the engine raises where it fell back)
     def settings(self, backend, value: Any) -> dict[str, Any]:

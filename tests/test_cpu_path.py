@@ -246,3 +246,66 @@ def test_the_atlas_and_the_ladder_read_well_in_chromium(paths, tmp_path):
     lines = r.stdout.splitlines()
     at = lines.index("Across hardware (the same stack on the CPU's native path, row by row):")
     assert "on avx2" in lines[at + 2] and "on scalar" in lines[at + 2], lines[at : at + 8]
+
+
+def test_llama_cpp_refuses_amx_with_its_reason_and_takes_the_other_paths(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_paths, "cpu_flags", lambda: frozenset(AVX512 + ("avx512_bf16", "amx_tile", "amx_bf16")))
+    spec = load_spec(
+        _spec(tmp_path, engines=["llamacpp"], dtypes=["f16"], attention=["default"], options={"cpu_path": "offered"})
+    )
+    assert sorted(c.opts.get("cpu_path", "native") for c in spec.cells) == sorted(
+        ["native", "scalar", "avx2", "avx512", "avx512_bf16"]
+    )
+    (amx,) = spec.skipped
+    assert amx["reason"] == (
+        "CPU code path amx: llama.cpp's AMX matmul crashes on some Xeons (ggml-org/llama.cpp#20824); its AMX stays off"
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_paths(tiny_model, short_corpus, tmp_path_factory):
+    """llama.cpp F16 on the package's own CPU backend (native) and on ggml's haswell variant (avx2),
+    which its host builds into the tools cache on first use, analysed."""
+    pytest.importorskip("llama_cpp")
+    if cpu_paths.lacks("avx2", cpu_paths.cpu_flags()):
+        pytest.skip("this CPU runs no AVX2")
+    d = tmp_path_factory.mktemp("llama-path")
+    spec = write_spec(
+        d / "spec.yaml",
+        tiny_model,
+        short_corpus,
+        engines=["llamacpp"],
+        dtypes=["f16"],
+        attention=["default"],
+        options={"cpu_path": ["native", "avx2"]},
+        reference={"engine": "llamacpp", "dtype": "f16", "attention": "default", "cpu_path": "native"},
+        repeats=1,
+    )
+    wh = d / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--executor", "local", timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = run_cli("analyze", "--warehouse", str(wh))
+    assert a.returncode == 0, a.stderr[-3000:]
+    cells = {json.loads(c["options"] or "{}").get("cpu_path", "native"): c for c in sql(wh, "select * from cells")}
+    return wh, cells
+
+
+@pytest.mark.slow
+def test_llama_cpp_runs_the_variant_it_loaded_graded_as_float64_does(llama_paths):
+    from tests.float64_rows import log_softmax, stored
+
+    wh, cells = llama_paths
+    ran = json.loads(cells["avx2"]["settings"])
+    assert ran["ggml_cpu_variant"] == "haswell" and ran["ggml_cpu_module"].endswith("libggml-cpu-haswell.so")
+    assert "AVX2 = 1" in ran["ggml_cpu_features"] and "AVX512 = 1" not in ran["ggml_cpu_features"]
+    assert "ggml_cpu_variant" not in json.loads(cells["native"]["settings"])
+    (r,) = sql(wh, "select * from hardware_drift")
+    assert (r["hardware"], r["cell_id"], r["native_cell_id"]) == (
+        "avx2",
+        cells["avx2"]["cell_id"],
+        cells["native"]["cell_id"],
+    )
+    ref = {k: log_softmax(x) for k, (x, _) in stored(wh, r["native_cell_id"]).items()}
+    mine = {k: log_softmax(x) for k, (x, _) in stored(wh, r["cell_id"]).items()}
+    kl = [float(np.sum(np.exp(ref[k]) * (ref[k] - mine[k]))) for k in ref]
+    assert r["rows"] == len(ref) and r["kld_mean"] == pytest.approx(np.mean(kl), rel=1e-9, abs=1e-15)
