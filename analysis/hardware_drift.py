@@ -16,7 +16,10 @@ PARTNERING = Partnering(
 
 # the path as the cell's settings record what ran: torch's kernels and oneDNN's bf16 ISA
 VIEW = "hardware_drift"
-VIEW_SQL = view_sql(
+VIEW_SQL = (
+    "SELECT d.*, l.first_layer_differing, l.first_layer_max_abs_diff FROM ({}) d LEFT JOIN ({}) l USING (cell_id)"
+)
+PAIRS_SQL = view_sql(
     TABLE,
     "c.device, m.cell_id, m.reference_cell_id AS native_cell_id, "
     "coalesce(json_extract_string(c.settings, '$.cpu_path'), c.device) AS hardware, "
@@ -31,7 +34,8 @@ CARD_SQL = f"""WITH me AS (SELECT ?::VARCHAR AS id)
 VIEW_ABOUT = (
     "each cell on a CPU code path other than native, or on another device, against the same stack on the "
     "CPU's native path (hardware: the path or the device): rows "
-    "bit-identical, KL (mean, s.e., p99, max), top-1 agreement and max |Δlogit|; with its KL against the reference"
+    "bit-identical, KL (mean, s.e., p99, max), top-1 agreement and max |Δlogit|; with its KL against the reference; "
+    "where both recorded `layers:`, the first layer whose states differ and the largest |Δ| there"
 )
 
 
@@ -45,4 +49,56 @@ def card_lines(rows: list[dict]) -> list[str]:
     moved = [f"KL {r['kld_mean']:.2g} on {r['hardware']}" for r in rows if not r["bit_identical"]]
     brief = "; ".join(([f"bit-identical on {', '.join(same)}"] if same else []) + moved)
     lines = card_block(title, rows, lambda r: f"{r['hardware']} ({r['cpu_capability'] or r['device']}) against native")
+    lines[3:] = [line + _first_layer(r) for line, r in zip(lines[3:], rows)]
     return [*lines[:3], brief, "", *lines[3:]]
+
+
+def _first_layer(r: dict) -> str:
+    """ "; first apart at layer.3 (max |Δ| 0.0012)" where both sides' layer states were compared."""
+    if not r.get("first_layer_differing"):
+        return ""
+    return f"; first apart at {r['first_layer_differing']} (max |Δ| {r['first_layer_max_abs_diff']:.3g})"
+
+
+# Where both sides recorded `layers:` states: each pair's states compared layer by layer (the
+# layer_metrics columns; reference_cell_id: the native-path cell), so the view can say at which
+# layer the two hardware paths first part, and by how much.
+LAYER_TABLE = "hardware_layers"
+
+
+def analyze_layers(wh, done, force: bool, log) -> int:
+    """Each hardware pair with layer states on both sides into hardware_layers/<cell_id>.parquet;
+    -> pairs measured. Keyed by both sides' layer shards, as matrix analyze's layer_metrics are."""
+    import hashlib
+    import json
+
+    from analysis import layer_analysis as LA
+    from analysis.partner_drift import pairs
+
+    n = 0
+    for cell, sib in pairs(PARTNERING, done):
+        if not (cell.get("layers") and sib.get("layers")):
+            wh.remove_table(LAYER_TABLE, cell.cell_id)
+            continue
+        mine, theirs = LA._open(wh, cell.cell_id, 0), LA._open(wh, sib.cell_id, 0)
+        (mg, md), (tg, td) = LA._groups(mine), LA._groups(theirs)
+        key = hashlib.sha256(json.dumps([LA.LAYER_KERNEL, sib.cell_id, md, td]).encode()).hexdigest()
+        n += 1
+        if not force and (wh.table_meta(LAYER_TABLE, cell.cell_id) or {}).get("key") == key:
+            continue
+        table, _ = LA.compare(cell, sib.cell_id, 0, (mine, mg), (theirs, tg))
+        wh.write_table(LAYER_TABLE, cell.cell_id, table, {"key": key, "rows": table.num_rows})
+        log(f"[hardware] {cell.cell_id}: its layer states against {sib.cell_id}'s")
+    return n
+
+
+# the shallowest layer whose states differ (any row not bit-identical), and by how much there
+FIRST_LAYER_SQL = f"""
+    SELECT cell_id, arg_min(layer, layer_index) AS first_layer_differing,
+           arg_min(worst, layer_index) AS first_layer_max_abs_diff
+    FROM (SELECT cell_id, layer, layer_index, max(max_abs_diff) AS worst FROM {LAYER_TABLE}
+          GROUP BY cell_id, layer, layer_index)
+    WHERE worst > 0 GROUP BY cell_id"""
+
+
+VIEW_SQL = VIEW_SQL.format(PAIRS_SQL, FIRST_LAYER_SQL)

@@ -32,6 +32,7 @@ def section(data: dict, model: str, k: int) -> str:
     body = [
         [html.escape(T.fmt(v)) for v in (stack[r["native_cell_id"]], *(r[k] for k in keys))]
         + [html.escape(T.fmt(r[k])) for k in ("kld_p99", "kld_max", "top1_agreement", "kld_vs_reference")]
+        + [html.escape(T.fmt(r[k])) for k in ("first_layer_differing", "first_layer_max_abs_diff")]
         for r in sorted(rows, key=lambda r: (stack[r["native_cell_id"]], paths.index(r["hardware"])))
     ]
     return (
@@ -40,7 +41,7 @@ def section(data: dict, model: str, k: int) -> str:
         + atlas(sorted(set(stack.values())), paths, grid, f"hardware-atlas-{k}")
         + "<h3>Changing the CPU against quantising: KL on one axis</h3>"
         + P.dots(_ladder(data, model, rows, stack), f"hardware-ladder-{k}", "KL, nats")
-        + T.html_table(f"hardware-rows-{k}", head.split("|"), body)
+        + T.html_table(f"hardware-rows-{k}", [*head.split("|"), "first layer apart", "its max |Δ|"], body)
     )
 
 

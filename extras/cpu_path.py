@@ -83,8 +83,21 @@ class CpuPathOption(PartnerGraded):
     def settings(self, backend, value: Any) -> dict[str, Any]:
         return {} if value == cpu_paths.NATIVE else backend.cpu_path_ran()
 
-    # the report (the cells column, table, analyze, views and card: PartnerGraded, from
-    # analysis/hardware_drift.py)
+    # analysis: the pairs' rows (PartnerGraded), and their layer states where both sides recorded them
+    def tables(self) -> dict[str, Any]:
+        from analysis.hardware_drift import LAYER_TABLE
+        from store.schema import LAYER_METRICS
+
+        return {**super().tables(), LAYER_TABLE: LAYER_METRICS}
+
+    def analyze(self, wh, done, reference, force, log, skip_damaged: bool = False) -> dict | None:
+        from analysis.hardware_drift import analyze_layers
+
+        got = super().analyze(wh, done, reference, force, log, skip_damaged)
+        layered = analyze_layers(wh, done, force, log) if got is not None else 0
+        return None if got is None else {**got, "layers": layered}
+
+    # the report (the cells column, views and card: PartnerGraded, from analysis/hardware_drift.py)
     def model_report(self, data: dict, model: str, k: int) -> str:
         from analysis.report_hardware import section
 

@@ -96,7 +96,7 @@ def test_what_ran_is_checked_against_the_path_asked_for():
     assert cpu_paths.mismatch("amx", "AVX512", amx) is None and p["scalar"].env()["ATEN_CPU_CAPABILITY"] == "default"
 
 
-def _capture(d, tiny_model, short_corpus, dtypes=("fp32",), options=None, reference_path="native"):
+def _capture(d, tiny_model, short_corpus, dtypes=("fp32",), options=None, reference_path="native", **more):
     spec = write_spec(
         d / "spec.yaml",
         tiny_model,
@@ -106,6 +106,7 @@ def _capture(d, tiny_model, short_corpus, dtypes=("fp32",), options=None, refere
         reference={"engine": "hf", "dtype": "fp32", "attention": "eager", "cpu_path": reference_path},
         repeats=1,
         **({"options": options} if options else {}),
+        **more,
     )
     wh = d / "wh"
     r = run_cli("run", str(spec), "--warehouse", str(wh), "--executor", "local")
@@ -115,11 +116,14 @@ def _capture(d, tiny_model, short_corpus, dtypes=("fp32",), options=None, refere
 
 @pytest.fixture(scope="module")
 def paths(tiny_model, short_corpus, tmp_path_factory):
-    """fp32 and bf16, each on the native path, torch's scalar kernels and AVX2, in one warehouse, analysed."""
+    """fp32 and bf16, each on the native path, torch's scalar kernels and AVX2, with their layer
+    states, in one warehouse, analysed."""
     if cpu_paths.lacks("avx2", cpu_paths.cpu_flags()):
         pytest.skip("this CPU runs no AVX2")
     d = tmp_path_factory.mktemp("cpu-path")
-    wh = _capture(d, tiny_model, short_corpus, ("fp32", "bf16"), {"cpu_path": ["native", "scalar", "avx2"]})
+    wh = _capture(
+        d, tiny_model, short_corpus, ("fp32", "bf16"), {"cpu_path": ["native", "scalar", "avx2"]}, layers="all"
+    )
     a = run_cli("analyze", "--warehouse", str(wh))
     assert a.returncode == 0, a.stderr[-3000:]
     cells = {
@@ -170,6 +174,38 @@ def test_hardware_drift_grades_each_path_against_native_as_float64_does(paths):
 
 
 @pytest.mark.slow
+def _states(wh, cell_id: str) -> dict:
+    """layer -> (index, {(prompt, position): its state as float64}) of repeat 0's layer_states shard."""
+    from analysis import layer_analysis as LA
+    from store import Warehouse
+    from store.layer_states import states_by_layer
+
+    pf = LA._open(Warehouse(str(wh)), cell_id, 0)
+    out: dict = {}
+    for prompt, groups in LA._groups(pf)[0].items():
+        for layer, (keys, values, index) in states_by_layer(LA._prompt_rows(pf, groups, prompt)).items():
+            out.setdefault(layer, (index, {}))[1].update(zip(keys, np.asarray(values, np.float64)))
+    return out
+
+
+@pytest.mark.slow
+def test_the_first_layer_where_two_paths_part_and_by_how_much(paths):
+    """Where both sides recorded `layers:`: the shallowest state that differs on any row, and the
+    largest |difference| there, as the two shards' states give them."""
+    wh, _, _ = paths
+    for r in sql(wh, "select * from hardware_drift"):
+        mine, theirs = _states(wh, r["cell_id"]), _states(wh, r["native_cell_id"])
+        differ = {
+            layer: max(float(np.abs(mine[layer][1][k] - theirs[layer][1][k]).max()) for k in mine[layer][1])
+            for layer in mine
+        }
+        first = min((mine[layer][0], layer) for layer, d in differ.items() if d > 0)[1]
+        assert r["first_layer_differing"] == first and r["first_layer_max_abs_diff"] == differ[first], r
+    by = {(r["dtype"], r["hardware"]): r for r in sql(wh, "select * from hardware_drift")}
+    assert by[("fp32", "scalar")]["first_layer_differing"] == "layer.0"
+
+
+@pytest.mark.slow
 def test_two_warehouses_merged_grade_as_one(paths, tiny_model, short_corpus, tmp_path_factory):
     """The native cell captured in one warehouse, its scalar path in another: merged, the same
     hardware_drift row as the warehouse that holds both."""
@@ -177,13 +213,18 @@ def test_two_warehouses_merged_grade_as_one(paths, tiny_model, short_corpus, tmp
     d = tmp_path_factory.mktemp("cpu-path-merge")
     (d / "a").mkdir()
     (d / "b").mkdir()
-    a = _capture(d / "a", tiny_model, short_corpus)
-    b = _capture(d / "b", tiny_model, short_corpus, options={"cpu_path": "scalar"}, reference_path="scalar")
+    a = _capture(d / "a", tiny_model, short_corpus, layers="all")
+    b = _capture(
+        d / "b", tiny_model, short_corpus, options={"cpu_path": "scalar"}, reference_path="scalar", layers="all"
+    )
     r = run_cli("merge", str(b), "--into", str(a))
     assert r.returncode == 0, r.stderr[-3000:]
     r = run_cli("analyze", "--warehouse", str(a))
     assert r.returncode == 0, r.stderr[-3000:]
-    cols = "cell_id, native_cell_id, rows, identical_rows, kld_mean, kld_p99, kld_max, top1_agreement, max_abs_diff"
+    cols = (
+        "cell_id, native_cell_id, rows, identical_rows, kld_mean, kld_p99, kld_max, top1_agreement, max_abs_diff, "
+        "first_layer_differing, first_layer_max_abs_diff"
+    )
     merged = sql(a, f"select {cols} from hardware_drift")
     whole = sql(wh, f"select {cols} from hardware_drift where cpu_path = 'scalar' and dtype = 'fp32'")
     assert len(merged) == 1 and merged[0].keys() == whole[0].keys()
