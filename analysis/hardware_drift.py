@@ -25,6 +25,8 @@ PAIRS_SQL = view_sql(
     "coalesce(json_extract_string(c.settings, '$.cpu_path'), c.device) AS hardware, "
     "json_extract_string(c.settings, '$.cpu_path') AS cpu_path, "
     "json_extract_string(c.settings, '$.cpu_capability') AS cpu_capability, "
+    "coalesce(json_extract_string(c.settings, '$.cpu_capability'), "
+    "json_extract_string(c.settings, '$.ggml_cpu_variant')) AS kernels, "
     "json_extract_string(c.settings, '$.onednn_isa') AS onednn_isa",
     "c.device, m.cell_id, m.reference_cell_id, c.settings",
 )
@@ -48,7 +50,7 @@ def card_lines(rows: list[dict]) -> list[str]:
     same = [r["hardware"] for r in rows if r["bit_identical"]]
     moved = [f"KL {r['kld_mean']:.2g} on {r['hardware']}" for r in rows if not r["bit_identical"]]
     brief = "; ".join(([f"bit-identical on {', '.join(same)}"] if same else []) + moved)
-    lines = card_block(title, rows, lambda r: f"{r['hardware']} ({r['cpu_capability'] or r['device']}) against native")
+    lines = card_block(title, rows, lambda r: f"{r['hardware']} ({r['kernels'] or r['device']}) against native")
     lines[3:] = [line + _first_layer(r) for line, r in zip(lines[3:], rows)]
     return [*lines[:3], brief, "", *lines[3:]]
 
@@ -66,30 +68,43 @@ def _first_layer(r: dict) -> str:
 LAYER_TABLE = "hardware_layers"
 
 
-def analyze_layers(wh, done, force: bool, log) -> int:
-    """Each hardware pair with layer states on both sides into hardware_layers/<cell_id>.parquet;
-    -> pairs measured. Keyed by both sides' layer shards, as matrix analyze's layer_metrics are."""
+def analyze_layers(wh, done, force: bool, log, skip_damaged: bool = False) -> int:
+    """Each hardware pair with layer states on both sides into hardware_layers/<cell_id>.parquet,
+    and the files of pairs no longer so removed; -> pairs measured. A damaged shard stops it unless
+    skip_damaged (then that pair is left out, saying so)."""
+    from analysis.partner_drift import pairs
+    from store.verify import DamagedShard
+
+    todo = [(c, s) for c, s in pairs(PARTNERING, done) if c.get("layers") and s.get("layers")]
+    keep = {c.cell_id for c, _ in todo}
+    for name in {f.rsplit("/", 1)[-1].removesuffix(".parquet") for f in wh.table_files(LAYER_TABLE)} - keep:
+        wh.remove_table(LAYER_TABLE, name)
+    for cell, sib in todo:
+        try:
+            _layers(wh, cell, sib, force, log)
+        except DamagedShard as e:
+            if not skip_damaged:
+                raise
+            wh.remove_table(LAYER_TABLE, cell.cell_id)
+            log(f"SKIPPED (damaged) hardware layer drift of {cell.cell_id}: {e}")
+    return len(todo)
+
+
+def _layers(wh, cell, sib, force: bool, log) -> None:
+    """One pair's layer file, unless the one there has this content key (both sides' layer shards)."""
     import hashlib
     import json
 
     from analysis import layer_analysis as LA
-    from analysis.partner_drift import pairs
 
-    n = 0
-    for cell, sib in pairs(PARTNERING, done):
-        if not (cell.get("layers") and sib.get("layers")):
-            wh.remove_table(LAYER_TABLE, cell.cell_id)
-            continue
-        mine, theirs = LA._open(wh, cell.cell_id, 0), LA._open(wh, sib.cell_id, 0)
-        (mg, md), (tg, td) = LA._groups(mine), LA._groups(theirs)
-        key = hashlib.sha256(json.dumps([LA.LAYER_KERNEL, sib.cell_id, md, td]).encode()).hexdigest()
-        n += 1
-        if not force and (wh.table_meta(LAYER_TABLE, cell.cell_id) or {}).get("key") == key:
-            continue
-        table, _ = LA.compare(cell, sib.cell_id, 0, (mine, mg), (theirs, tg))
-        wh.write_table(LAYER_TABLE, cell.cell_id, table, {"key": key, "rows": table.num_rows})
-        log(f"[hardware] {cell.cell_id}: its layer states against {sib.cell_id}'s")
-    return n
+    mine, theirs = LA._open(wh, cell.cell_id, 0), LA._open(wh, sib.cell_id, 0)
+    (mg, md), (tg, td) = LA._groups(mine), LA._groups(theirs)
+    key = hashlib.sha256(json.dumps([LA.LAYER_KERNEL, sib.cell_id, md, td]).encode()).hexdigest()
+    if not force and (wh.table_meta(LAYER_TABLE, cell.cell_id) or {}).get("key") == key:
+        return
+    table, _ = LA.compare(cell, sib.cell_id, 0, (mine, mg), (theirs, tg))
+    wh.write_table(LAYER_TABLE, cell.cell_id, table, {"key": key, "rows": table.num_rows})
+    log(f"[hardware] {cell.cell_id}: its layer states against {sib.cell_id}'s")
 
 
 # the shallowest layer whose states differ (any row not bit-identical), and by how much there

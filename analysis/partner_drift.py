@@ -79,7 +79,8 @@ def line(p: Partnering, got: dict) -> str:
 
 def pairs(p: Partnering, done: list[CellRow], log=lambda line: None) -> list[tuple[CellRow, CellRow]]:
     """(cell, its partner) for every done cell whose partner is another stack that is captured: of
-    the same engine build where there is one, else the newest. One without says so."""
+    the same engine build where there is one, on the same host where there is one, else the newest.
+    One without says so."""
     by_stack: dict[str, list[CellRow]] = {}
     for c in done:
         by_stack.setdefault(c.stack_id, []).append(c)
@@ -92,7 +93,10 @@ def pairs(p: Partnering, done: list[CellRow], log=lambda line: None) -> list[tup
         if not sibs:
             log(f"NOTE {c.cell_id}: no {p.partner_capture} capture of its stack ({want}): no {p.name} drift")
             continue
+        # the same engine build on the same host first: a partner from another machine would add that
+        # machine's own drift (CPU flags are outside the build's hash)
         same = [s for s in sibs if s.build == c.build] or sibs
+        same = [s for s in same if s.get("host") == c.get("host")] or same
         out.append((c, max(same, key=lambda s: (s.get("finished_at"), s.cell_id))))
     return out
 

@@ -27,8 +27,10 @@ def section(data: dict, model: str, k: int) -> str:
     seen = {r["hardware"] for r in rows}
     paths = [p for p in cpu_paths.NAMES if p in seen] + sorted(seen - set(cpu_paths.NAMES))  # then devices
     grid = {(stack[r["native_cell_id"]], r["hardware"]): (r["kld_mean"], r["bit_identical"]) for r in rows}
-    head = "stack|hardware|torch|oneDNN bf16|rows|bit-identical rows|KL vs native|± s.e.|p99|max|top-1|KL vs reference"
-    keys = ("hardware", "cpu_capability", "onednn_isa", "rows", "identical_rows", "kld_mean", "kld_stderr")
+    head = (
+        "stack|hardware|kernels|oneDNN bf16|rows|bit-identical rows|KL vs native|± s.e.|p99|max|top-1|KL vs reference"
+    )
+    keys = ("hardware", "kernels", "onednn_isa", "rows", "identical_rows", "kld_mean", "kld_stderr")
     body = [
         [html.escape(T.fmt(v)) for v in (stack[r["native_cell_id"]], *(r[k] for k in keys))]
         + [html.escape(T.fmt(r[k])) for k in ("kld_p99", "kld_max", "top1_agreement", "kld_vs_reference")]

@@ -201,6 +201,8 @@ class HFBackend(Backend):
             "interop_threads": torch.get_num_interop_threads(),
             "torch_device": self.torch_device,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            # a CPU code path's switches wherever set (a native cell under a user's exported one is no native one)
+            "cpu_switches": hf_cpu_path.switches(),
             "mkldnn": bool(torch.backends.mkldnn.is_available()),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")

@@ -6,6 +6,7 @@ kernels are not the ones it named fails before any row is kept."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import sys
@@ -19,6 +20,11 @@ def env(value: str | None) -> dict[str, str]:
     """The host's environment entries for path `value` (none for native or no path)."""
     path = cpu_paths.PATHS.get(value or cpu_paths.NATIVE)
     return path.env() if path else {}
+
+
+def switches() -> dict[str, str] | None:
+    """The CPU code path switches set in this process's environment (None: none)."""
+    return {k: v for k in cpu_paths.ENV_KEYS if (v := os.environ.get(k))} or None
 
 
 @functools.cache
@@ -38,6 +44,7 @@ def onednn_isa(torch) -> str | None:
                 torch.nn.functional.linear(x, w)
         finally:
             sys.stdout.flush()
+            ctypes.CDLL(None).fflush(None)  # C's stdout buffer too: oneDNN's line is written there
             os.dup2(saved, 1)
             os.close(saved)
         out.seek(0)

@@ -126,6 +126,9 @@ class LlamaCppBackend(LlamaContexts, Backend):
 
         from backends import gguf_build
 
+        if self._cpu_module:  # the path's CPU backend, before any backend initialises (an imatrix's too)
+            llamacpp_cpu_path.load_variant(self._cpu_module)
+
         self._lc = lc = llama_cpp
         opts = {**DEFAULTS, **(self.stack.opts)}
         self.n_batch, self.n_ubatch = opts["n_batch"], opts["n_ubatch"]
@@ -144,8 +147,6 @@ class LlamaCppBackend(LlamaContexts, Backend):
                 imatrix=self._imatrix(),
             )
         quiet_logs()
-        if self._cpu_module:  # the path's CPU backend, before any backend initialises
-            llamacpp_cpu_path.load_variant(self._cpu_module)
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0 if self.stack.device == "cpu" else 999

@@ -57,12 +57,20 @@ def refusal(value: str) -> str | None:
     return None if value in VARIANTS else f"llama.cpp builds no CPU backend for path {value}"
 
 
-def _cmake(args: list[str], what: str) -> None:
-    gen = ["-G", "Ninja"] if shutil.which("ninja") and "--build" not in args else []
+def _cmake(args: list[str], what: str, tree: Path) -> None:
+    """cmake with args (a configure of `tree`, or a build in it); a failed configure leaves no tree
+    behind (a later cell configures again), and either says the tree and its first error line."""
+    configure = "--build" not in args
+    gen = ["-G", "Ninja"] if shutil.which("ninja") and configure else []
     r = subprocess.run(["cmake", *args, *gen], capture_output=True, text=True)
     if r.returncode != 0:
-        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [f"exit {r.returncode}"]
-        raise RuntimeError(f"building llama.cpp's {what} failed: {tail[0]}")
+        if configure:
+            shutil.rmtree(tree, ignore_errors=True)
+        lines = (r.stderr + r.stdout).strip().splitlines()
+        first = next(
+            (ln.strip() for ln in lines if "error" in ln.lower()), lines[-1] if lines else f"exit {r.returncode}"
+        )
+        raise RuntimeError(f"building llama.cpp's {what} in {tree} failed: {first}")
 
 
 def source() -> Path:
@@ -71,13 +79,14 @@ def source() -> Path:
     from importlib.metadata import version
 
     from backends.gguf_build import vendor_tree
-    from common.files import cache_root
+    from common.files import cache_root, locked
 
     v = version("llama_cpp_python")
     root = cache_root() / "tools" / f"llama.cpp-{v}"
     if not (root / "CMakeLists.txt").is_file():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        vendor_tree(v, root)
+        with locked(root.parent):  # two hosts asking at once: one unpacks, the other finds it there
+            if not (root / "CMakeLists.txt").is_file():
+                vendor_tree(v, root)
     return root
 
 
@@ -94,14 +103,14 @@ def build(value: str, log: Callable[[str], None]) -> tuple[Path, Path]:
     with locked(root):
         if not (lib_dir / "bin" / "libllama.so").is_file():
             log(f"building llama.cpp's libllama with backends loaded at run time into {lib_dir} (once; minutes)")
-            _cmake(["-S", str(root), "-B", str(lib_dir), *COMMON, "-DGGML_CPU_ALL_VARIANTS=OFF"], "libllama")
-            _cmake(["--build", str(lib_dir), "--target", "llama", "-j", jobs], "libllama")
+            _cmake(["-S", str(root), "-B", str(lib_dir), *COMMON, "-DGGML_CPU_ALL_VARIANTS=OFF"], "libllama", lib_dir)
+            _cmake(["--build", str(lib_dir), "--target", "llama", "-j", jobs], "libllama", lib_dir)
         module = var_dir / "bin" / f"libggml-cpu-{variant}.so"
         if not module.is_file():
             log(f"building llama.cpp's {variant} CPU backend into {var_dir} (once a variant; a minute or two)")
             if not (var_dir / "CMakeCache.txt").is_file():
-                _cmake(["-S", str(root), "-B", str(var_dir), *COMMON, "-DGGML_CPU_ALL_VARIANTS=ON"], variant)
-            _cmake(["--build", str(var_dir), "--target", f"ggml-cpu-{variant}", "-j", jobs], variant)
+                _cmake(["-S", str(root), "-B", str(var_dir), *COMMON, "-DGGML_CPU_ALL_VARIANTS=ON"], variant, var_dir)
+            _cmake(["--build", str(var_dir), "--target", f"ggml-cpu-{variant}", "-j", jobs], variant, var_dir)
     return lib_dir / "bin", module
 
 

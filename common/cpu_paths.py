@@ -14,7 +14,7 @@ aten/src/ATen/native/DispatchStub.cpp), ONEDNN_MAX_CPU_ISA (oneDNN's dispatcher,
 "CPU dispatcher control"), MKL_ENABLE_INSTRUCTIONS (oneMKL's "Instruction Set Specific Dispatching").
 A value a library does not know, or a level above what the CPU has, silently runs its default, so
 what ran is read back in the process that ran it (torch.backends.cpu.get_cpu_capability(), oneDNN's
-verbose isa line) and compared with `expected` before a row is kept.
+verbose isa line) and compared with the path's `capability` and `isa` before a row is kept.
 """
 
 from __future__ import annotations

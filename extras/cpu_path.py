@@ -53,18 +53,17 @@ class CpuPathOption(PartnerGraded):
             raise fail(f"this CPU cannot run CPU code path {value}: it lacks {', '.join(lacks)}", value)
         return value
 
-    def from_flag(self, text: str, fail) -> str | None:
-        value = self.parse(text, lambda msg, val=...: fail(msg))
-        return None if value == cpu_paths.NATIVE else value
-
     def partner(self, value: Any) -> str | None:
         return None if value == cpu_paths.NATIVE else cpu_paths.NATIVE
 
     def partner_elsewhere(self, combo: dict, opts: dict) -> tuple[dict, dict] | None:
         """A cell on another device (a GPU) is graded against the same stack on this CPU's native
         path: the CPU is the reference hardware, and a GPU warehouse merged in lands beside the paths."""
-        if combo.get("device", "cpu") == "cpu":
-            return None
+        from backends import backend_class
+
+        cls = backend_class(combo.get("engine", ""))
+        if combo.get("device", "cpu") == "cpu" or cls is None or "cpu" not in cls.devices:
+            return None  # on the CPU already, or an engine with no CPU stack to grade it against
         return {**combo, "device": "cpu"}, {k: v for k, v in opts.items() if k != self.key}
 
     def node_refusal(self, value: Any, node: dict) -> str | None:
@@ -94,7 +93,7 @@ class CpuPathOption(PartnerGraded):
         from analysis.hardware_drift import analyze_layers
 
         got = super().analyze(wh, done, reference, force, log, skip_damaged)
-        layered = analyze_layers(wh, done, force, log) if got is not None else 0
+        layered = analyze_layers(wh, done, force, log, skip_damaged)  # also drops the pairs no longer there
         return None if got is None else {**got, "layers": layered}
 
     # the report (the cells column, views and card: PartnerGraded, from analysis/hardware_drift.py)
@@ -116,9 +115,10 @@ class CpuPathOption(PartnerGraded):
         def say(ran: dict) -> str:
             if not ran:
                 return cpu_paths.NATIVE
-            return (
-                f"{ran['cpu_path']} (torch {ran['cpu_capability']}, oneDNN {ran['onednn_isa'] or 'no bf16 primitive'})"
-            )
+            if ran.get("ggml_cpu_variant"):
+                return f"{ran['cpu_path']} (ggml's {ran['ggml_cpu_variant']} CPU backend)"
+            isa = ran.get("onednn_isa") or "no bf16 primitive"
+            return f"{ran['cpu_path']} (torch {ran.get('cpu_capability')}, oneDNN {isa})"
 
         return {"cpu_path": {"candidate": say(mine), "reference": say(theirs)}}
 

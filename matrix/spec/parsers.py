@@ -198,6 +198,9 @@ def options(r: Reading, k: Key, v: Any) -> dict:
         if not given:
             raise r.fail(f"options.{o}", "must not be empty")
         values = [check_option(r.path, f"options.{o}[{i}]", o, x) for i, x in enumerate(given)]
+        for i, x in enumerate(values):  # a plug-in's value that is itself an axis (cpu_path: offered)
+            if isinstance(x, list):
+                raise r.fail(f"options.{o}[{i}]", "is several values (an axis of its own): give it alone", given[i])
         if len({json.dumps(x, sort_keys=True) for x in values}) != len(values):
             raise r.fail(f"options.{o}", "has duplicate values", given)
         out[o] = values if len(values) > 1 else values[0]
