@@ -46,6 +46,8 @@ COMMON = [
     "-DLLAMA_BUILD_COMMON=OFF",
     "-DCMAKE_BUILD_TYPE=Release",
 ]
+LIB_ARGS = [*COMMON, "-DGGML_CPU=OFF"]  # libllama's tree: no CPU backend of its own (a variant's is loaded)
+VARIANT_ARGS = [*COMMON, "-DGGML_CPU_ALL_VARIANTS=ON"]
 ENV_LIB = "LLAMA_CPP_LIB_PATH"  # llama-cpp-python's own: the directory it loads libllama from
 ENV_VARIANT = "LOGIT_MATRIX_GGML_CPU"  # the CPU backend module this host loads
 
@@ -93,23 +95,23 @@ def source() -> Path:
 def build(value: str, log: Callable[[str], None]) -> tuple[Path, Path]:
     """(the directory of libllama with its backends loaded at run time, the path's CPU backend
     module), built into the tools cache on first use (one host at a time: a lock on the tree): one
-    tree for libllama (its own CPU backend, the baseline's, never loaded), one for the variants,
+    tree for libllama (without a CPU backend of its own), one for the variants,
     each compiled only when a cell first asks for it (ggml's `ggml` target would compile all)."""
     from common.files import locked
 
     root, jobs = source(), str(os.cpu_count() or 2)
     variant = VARIANTS[value][0]
-    lib_dir, var_dir = root / f"build-dl-{_key(COMMON)}", root / f"build-variants-{_key(COMMON)}"
+    lib_dir, var_dir = root / f"build-dl-{_key(LIB_ARGS)}", root / f"build-variants-{_key(VARIANT_ARGS)}"
     with locked(root):
         if not (lib_dir / "bin" / "libllama.so").is_file():
             log(f"building llama.cpp's libllama with backends loaded at run time into {lib_dir} (once; minutes)")
-            _cmake(["-S", str(root), "-B", str(lib_dir), *COMMON, "-DGGML_CPU_ALL_VARIANTS=OFF"], "libllama", lib_dir)
+            _cmake(["-S", str(root), "-B", str(lib_dir), *LIB_ARGS], "libllama", lib_dir)
             _cmake(["--build", str(lib_dir), "--target", "llama", "-j", jobs], "libllama", lib_dir)
         module = var_dir / "bin" / f"libggml-cpu-{variant}.so"
         if not module.is_file():
             log(f"building llama.cpp's {variant} CPU backend into {var_dir} (once a variant; a minute or two)")
             if not (var_dir / "CMakeCache.txt").is_file():
-                _cmake(["-S", str(root), "-B", str(var_dir), *COMMON, "-DGGML_CPU_ALL_VARIANTS=ON"], variant, var_dir)
+                _cmake(["-S", str(root), "-B", str(var_dir), *VARIANT_ARGS], variant, var_dir)
             _cmake(["--build", str(var_dir), "--target", f"ggml-cpu-{variant}", "-j", jobs], variant, var_dir)
     return lib_dir / "bin", module
 
