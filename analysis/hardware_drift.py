@@ -1,6 +1,7 @@
-"""Graded drift across hardware: each cell on a CPU code path other than native (extras/cpu_path.py),
-and each cell on another device (a GPU), against the same stack on this CPU's native path
-(cells.cpu_path_of; `hardware` names the path, or the device), measured by
+"""Graded drift across hardware: each cell on other hardware than the reference's, another CPU code
+path (extras/cpu_path.py) or another device (a GPU), against the same stack on the reference
+hardware, the device and path the spec's `reference:` names, by default the CPU's native path
+(cells.cpu_path_of; `hardware` names a cell's path, or its device), measured by
 analysis/partner_drift.py into hardware_metrics/<cell_id>.parquet. The hardware_drift view sums it,
 a card gives it a line and the report a table per model, beside each cell's KL against the
 reference: whether another CPU moves a stack more or less than its quantisation does."""
@@ -9,19 +10,21 @@ from __future__ import annotations
 
 from analysis.partner_drift import Partnering, card_block, view_sql
 
-TABLE = "hardware_metrics"  # the metrics table's columns; reference_cell_id: the native-path cell
+TABLE = "hardware_metrics"  # the metrics table's columns; reference_cell_id: the reference hardware's cell
 PARTNERING = Partnering(
-    "hardware", "CPU code path", TABLE, "cpu_path_of", "the native path", "native-path", "CPU-path cell(s)"
+    "hardware", "hardware", TABLE, "cpu_path_of", "the reference hardware", "reference-hardware", "cell(s)"
 )
 
 # the path as the cell's settings record what ran: torch's kernels and oneDNN's bf16 ISA
 VIEW = "hardware_drift"
 VIEW_SQL = (
-    "SELECT d.*, l.first_layer_differing, l.first_layer_max_abs_diff FROM ({}) d LEFT JOIN ({}) l USING (cell_id)"
+    "SELECT d.*, coalesce(json_extract_string(p.settings, '$.cpu_path'), p.device) AS reference_hardware, "
+    "l.first_layer_differing, l.first_layer_max_abs_diff FROM ({}) d "
+    "LEFT JOIN cells p ON p.cell_id = d.reference_hardware_cell_id LEFT JOIN ({}) l ON l.cell_id = d.cell_id"
 )
 PAIRS_SQL = view_sql(
     TABLE,
-    "c.device, m.cell_id, m.reference_cell_id AS native_cell_id, "
+    "c.device, m.cell_id, m.reference_cell_id AS reference_hardware_cell_id, "
     "coalesce(json_extract_string(c.settings, '$.cpu_path'), c.device) AS hardware, "
     "json_extract_string(c.settings, '$.cpu_path') AS cpu_path, "
     "json_extract_string(c.settings, '$.cpu_capability') AS cpu_capability, "
@@ -30,12 +33,13 @@ PAIRS_SQL = view_sql(
     "json_extract_string(c.settings, '$.onednn_isa') AS onednn_isa",
     "c.device, m.cell_id, m.reference_cell_id, c.settings",
 )
-# the card cell as the path measured, or as the native partner of the paths measured against it
+# the card cell as the one measured, or as the reference hardware's cell the others are measured against
 CARD_SQL = f"""WITH me AS (SELECT ?::VARCHAR AS id)
-               SELECT d.* FROM {VIEW} d, me WHERE d.cell_id = me.id OR d.native_cell_id = me.id ORDER BY d.hardware"""
+               SELECT d.* FROM {VIEW} d, me WHERE d.cell_id = me.id OR d.reference_hardware_cell_id = me.id
+               ORDER BY d.hardware"""
 VIEW_ABOUT = (
-    "each cell on a CPU code path other than native, or on another device, against the same stack on the "
-    "CPU's native path (hardware: the path or the device): rows "
+    "each cell on other hardware than the reference's (another CPU code path, another device) against the same "
+    "stack on the reference hardware (hardware, reference_hardware: the path or the device): rows "
     "bit-identical, KL (mean, s.e., p99, max), top-1 agreement and max |Δlogit|; with its KL against the reference; "
     "where both recorded `layers:`, the first layer whose states differ and the largest |Δ| there"
 )
@@ -44,13 +48,15 @@ VIEW_ABOUT = (
 def card_lines(rows: list[dict]) -> list[str]:
     """The block's markdown lines: its title, "bit-identical on avx512, avx512_bf16; KL 5.8e-12 on
     scalar, ..." in one line, then a line per path."""
-    title = "Across hardware (the same stack on the CPU's native path, row by row):"
+    title = "Across hardware (the same stack on the reference hardware, row by row):"
     if not rows:
         return []
     same = [r["hardware"] for r in rows if r["bit_identical"]]
     moved = [f"KL {r['kld_mean']:.2g} on {r['hardware']}" for r in rows if not r["bit_identical"]]
     brief = "; ".join(([f"bit-identical on {', '.join(same)}"] if same else []) + moved)
-    lines = card_block(title, rows, lambda r: f"{r['hardware']} ({r['kernels'] or r['device']}) against native")
+    lines = card_block(
+        title, rows, lambda r: f"{r['hardware']} ({r['kernels'] or r['device']}) against {r['reference_hardware']}"
+    )
     lines[3:] = [line + _first_layer(r) for line, r in zip(lines[3:], rows)]
     return [*lines[:3], brief, "", *lines[3:]]
 
@@ -63,7 +69,7 @@ def _first_layer(r: dict) -> str:
 
 
 # Where both sides recorded `layers:` states: each pair's states compared layer by layer (the
-# layer_metrics columns; reference_cell_id: the native-path cell), so the view can say at which
+# layer_metrics columns; reference_cell_id: the reference hardware's cell), so the view can say at which
 # layer the two hardware paths first part, and by how much.
 LAYER_TABLE = "hardware_layers"
 

@@ -1,6 +1,6 @@
 """The report's drift atlas of a model: its stacks (rows) against the hardware (columns: the CPU code
 paths, then other devices, a GPU merged in from its own warehouse), each
-square coloured by the stack's KL against itself on the native path, a bit-identical one marked ≡;
+square coloured by the stack's KL against itself on the reference hardware, a bit-identical one marked ≡;
 beside it, on one log axis, each stack's largest KL across paths and every stack's KL against the
 reference (the quant ladder's), so a reader sees whether another CPU moves a stack more or less than
 quantising it; then the hardware_drift rows as a table."""
@@ -18,28 +18,30 @@ IDENTICAL = "≡"
 
 
 def section(data: dict, model: str, k: int) -> str:
-    """The model's hardware section; empty where nothing was measured against the native path."""
+    """The model's hardware section; empty where nothing was measured against the reference hardware."""
     rows = [r for r in (data.get("plugin_views") or {}).get(VIEW) or [] if r["model"] == model]
     if not rows:
         return ""
     names = data.get("names") or {}
-    stack = {r["native_cell_id"]: names.get(r["native_cell_id"], r["native_cell_id"]) for r in rows}
+    stack = {
+        r["reference_hardware_cell_id"]: names.get(r["reference_hardware_cell_id"], r["reference_hardware_cell_id"])
+        for r in rows
+    }
     seen = {r["hardware"] for r in rows}
     paths = [p for p in cpu_paths.NAMES if p in seen] + sorted(seen - set(cpu_paths.NAMES))  # then devices
-    grid = {(stack[r["native_cell_id"]], r["hardware"]): (r["kld_mean"], r["bit_identical"]) for r in rows}
-    head = (
-        "stack|hardware|kernels|oneDNN bf16|rows|bit-identical rows|KL vs native|± s.e.|p99|max|top-1|KL vs reference"
-    )
+    grid = {(stack[r["reference_hardware_cell_id"]], r["hardware"]): (r["kld_mean"], r["bit_identical"]) for r in rows}
+    head = "stack|hardware|kernels|oneDNN bf16|rows|bit-identical rows|KL vs reference hardware|± s.e.|p99|max|top-1"
+    head += "|KL vs reference"
     keys = ("hardware", "kernels", "onednn_isa", "rows", "identical_rows", "kld_mean", "kld_stderr")
     body = [
-        [html.escape(T.fmt(v)) for v in (stack[r["native_cell_id"]], *(r[k] for k in keys))]
+        [html.escape(T.fmt(v)) for v in (stack[r["reference_hardware_cell_id"]], *(r[k] for k in keys))]
         + [html.escape(T.fmt(r[k])) for k in ("kld_p99", "kld_max", "top1_agreement", "kld_vs_reference")]
         + [html.escape(T.fmt(r[k])) for k in ("first_layer_differing", "first_layer_max_abs_diff")]
-        for r in sorted(rows, key=lambda r: (stack[r["native_cell_id"]], paths.index(r["hardware"])))
+        for r in sorted(rows, key=lambda r: (stack[r["reference_hardware_cell_id"]], paths.index(r["hardware"])))
     ]
     return (
-        "<h3>Across hardware: each stack against itself on the CPU's native path</h3>"
-        f"<p>{IDENTICAL}: every row bit-identical to the native path's; blank: not measured.</p>"
+        "<h3>Across hardware: each stack against itself on the reference hardware</h3>"
+        f"<p>{IDENTICAL}: every row bit-identical to the reference hardware's; blank: not measured.</p>"
         + atlas(sorted(set(stack.values())), paths, grid, f"hardware-atlas-{k}")
         + "<h3>Changing the CPU against quantising: KL on one axis</h3>"
         + P.dots(_ladder(data, model, rows, stack), f"hardware-ladder-{k}", "KL, nats")
@@ -53,9 +55,9 @@ def _ladder(data: dict, model: str, rows: list[dict], stack: dict) -> list[tuple
     paths = {r["cell_id"] for r in rows}
     kl = {c["cell_id"]: c.get("kld_mean") for c in data["cells"] if c["model"] == model}
     out = []
-    for native, label in sorted(stack.items(), key=lambda s: s[1]):
-        most = max(r["kld_mean"] or 0.0 for r in rows if r["native_cell_id"] == native)
-        out.append((label, {"largest across hardware": most, "against the reference": kl.get(native)}))
+    for home, label in sorted(stack.items(), key=lambda s: s[1]):
+        most = max(r["kld_mean"] or 0.0 for r in rows if r["reference_hardware_cell_id"] == home)
+        out.append((label, {"largest across hardware": most, "against the reference": kl.get(home)}))
     names = data.get("names") or {}
     for c in data["cells"]:
         if c["model"] == model and c["cell_id"] not in paths and c["cell_id"] not in stack:
@@ -64,7 +66,7 @@ def _ladder(data: dict, model: str, rows: list[dict], stack: dict) -> list[tuple
 
 
 def atlas(stacks: list[str], paths: list[str], grid: dict, ident: str) -> str:
-    """stacks x hardware squares, a log colour scale of KL against native; ≡ where bit-identical."""
+    """stacks x hardware squares, a log colour scale of KL against the reference hardware; ≡ where bit-identical."""
     import numpy as np
     from matplotlib.colors import LogNorm
 
@@ -88,6 +90,6 @@ def atlas(stacks: list[str], paths: list[str], grid: dict, ident: str) -> str:
         ax.grid(False)
         ax.tick_params(length=0)
         bar = fig.colorbar(im, ax=ax, shrink=0.9)
-        bar.set_label("KL(native ‖ hardware), nats")
+        bar.set_label("KL(reference hardware ‖ hardware), nats")
         P.log_ticks(bar.ax.yaxis)
         return P.svg(fig, ident)

@@ -89,9 +89,10 @@ class Extra:
         (the rest of the stack the same); None: no partner (graded on its own paths, or not at all)."""
         return None
 
-    def partner_elsewhere(self, combo: dict, opts: dict) -> tuple[dict, dict] | None:
+    def partner_elsewhere(self, combo: dict, opts: dict, reference: dict) -> tuple[dict, dict] | None:
         """Graded against the same stack on other hardware, whether or not the cell asks for the key:
-        (the partner's axes, its options), e.g. a GPU cell's stack on the CPU; None: no such partner."""
+        (the partner's axes, its options), e.g. a GPU cell's stack on the reference's CPU; None: no
+        such partner. reference: the spec's `reference:` selector (its device and options, if named)."""
         return None
 
     def check(self, cell, value: Any, fail: Callable[[str, Any], Exception]) -> None:

@@ -1,6 +1,6 @@
 """`options: {cpu_path: [native, scalar, avx2, avx512]}`: the CPU code path a cell's engine runs,
-an engine option graded against a partner cell, the same stack on the path the libraries pick for
-this CPU (native).
+an engine option graded against a partner cell, the same stack on the reference hardware: the
+device and path of the spec's `reference:` (default: the CPU's native path, what the libraries pick).
 
 An AVX2-only server, an AVX-512 server and an AMX server run different kernels for the same stack;
 each library lets a user pick its code path (common/cpu_paths.py names the switches), so one
@@ -9,9 +9,9 @@ path the CPU lacks the instructions for, or a name that is no path, is the spec'
 sets the switches where it starts the cell's process (HF: backends/hf_cpu_path.py) and its hook
 `cpu_path_ran` reads back what ran, failing the cell where a library fell back to another path;
 an engine without the hook takes no option cpu_path and skips the cell, saying so. Each cell off
-native is measured row by row against its partner into hardware_metrics, and so is each cell on
-another device (a GPU's, captured in the same run or merged in from its own warehouse) against the
-same stack on this CPU's native path; the hardware_drift view sums it (analysis/hardware_drift.py).
+the reference hardware is measured row by row against the same stack on the reference hardware into
+hardware_metrics, and so is each cell on another device (a GPU's, captured in the same run or merged
+in from its own warehouse); the hardware_drift view sums it (analysis/hardware_drift.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class CpuPathOption(PartnerGraded):
     key = "cpu_path"
     grading = "analysis.hardware_drift"
     partner_about = (
-        "the stack id of the same stack on this CPU's native code path, what hardware_drift compares it with"
+        "the stack id of the same stack on the reference hardware (the reference's device and CPU code path), "
+        "what hardware_drift compares it with"
     )
     option = True
     title = "CPU code path"
@@ -39,7 +40,7 @@ class CpuPathOption(PartnerGraded):
     rank = 75
     about = (
         "the CPU code path the engine runs: native (what the libraries pick), scalar, avx2, avx512, "
-        "avx512_bf16, amx, or offered (every path this CPU runs); graded against native"
+        "avx512_bf16, amx, or offered (every path this CPU runs); graded against the reference's path"
     )
     json_schema = {"enum": [*cpu_paths.NAMES, cpu_paths.OFFERED]}
 
@@ -53,18 +54,26 @@ class CpuPathOption(PartnerGraded):
             raise fail(f"this CPU cannot run CPU code path {value}: it lacks {', '.join(lacks)}", value)
         return value
 
-    def partner(self, value: Any) -> str | None:
-        return None if value == cpu_paths.NATIVE else cpu_paths.NATIVE
+    def partner(self, value: Any) -> None:
+        return None  # the partner is the reference hardware's stack, whatever the value (partner_elsewhere)
 
-    def partner_elsewhere(self, combo: dict, opts: dict) -> tuple[dict, dict] | None:
-        """A cell on another device (a GPU) is graded against the same stack on this CPU's native
-        path: the CPU is the reference hardware, and a GPU warehouse merged in lands beside the paths."""
+    def partner_elsewhere(self, combo: dict, opts: dict, reference: dict) -> tuple[dict, dict] | None:
+        """The same stack on the reference hardware: the device and path the spec's `reference:` names
+        (default: the CPU's native path), for every cell on other hardware, a path's or another
+        device's (a GPU's, merged in from its own warehouse). None for a cell on the reference
+        hardware, or of an engine that cannot run there."""
         from backends import backend_class
 
         cls = backend_class(combo.get("engine", ""))
-        if combo.get("device", "cpu") == "cpu" or cls is None or "cpu" not in cls.devices:
-            return None  # on the CPU already, or an engine with no CPU stack to grade it against
-        return {**combo, "device": "cpu"}, {k: v for k, v in opts.items() if k != self.key}
+        device, path = reference.get("device", "cpu"), reference.get(self.key, cpu_paths.NATIVE)
+        if cls is None or device not in cls.devices:
+            return None
+        if path != cpu_paths.NATIVE and self.key not in getattr(cls, "options", ()):
+            path = cpu_paths.NATIVE  # an engine with no path switch: its plain stack on that device
+        if (combo.get("device", "cpu"), opts.get(self.key, cpu_paths.NATIVE)) == (device, path):
+            return None
+        theirs = {k: v for k, v in opts.items() if k != self.key}
+        return {**combo, "device": device}, ({**theirs, self.key: path} if path != cpu_paths.NATIVE else theirs)
 
     def node_refusal(self, value: Any, node: dict) -> str | None:
         lacks = cpu_paths.lacks(value, frozenset(node.get("cpu_flags") or ()))

@@ -163,8 +163,8 @@ MIGRATIONS = {
     ),
     19: Migration(
         "cpu_paths",
-        "cells.cpu_path_of (a cell on a CPU code path other than native, extras/cpu_path.py: the stack id of "
-        "the same stack on the native path, or for a cell on another device its stack on the CPU) and tables "
+        "cells.cpu_path_of (a cell off the reference hardware, another CPU code path, extras/cpu_path.py, or "
+        "another device: the stack id of the same stack on the reference hardware) and tables "
         "hardware_metrics (analyze: its rows against that cell's) and hardware_layers (its layer states "
         "against that cell's, where both recorded them). Older cells read as null there (no partner); the "
         "tables' directories are made.",

@@ -51,6 +51,30 @@ def test_a_cell_on_another_device_is_graded_against_its_stack_on_the_cpu(tmp_pat
     assert gpu.stack_id == by[("cuda", "native")].stack_id and gpu.partner_of("cpu_path") == cpu
 
 
+def test_the_reference_hardware_is_the_device_and_path_the_reference_names(tmp_path):
+    """reference: {cpu_path: scalar}: every other path, native included, is graded against the scalar
+    stack, and the scalar cell against none; reference: {device: cuda}: the CPU cells against the GPU's."""
+    spec = load_spec(
+        _spec(
+            tmp_path,
+            options={"cpu_path": ["native", "scalar", "avx2"]},
+            reference={"engine": "hf", "cpu_path": "scalar"},
+        )
+    )
+    by = {c.opts.get("cpu_path", "native"): c for c in spec.cells}
+    assert by["scalar"].partners == ()
+    assert by["native"].partner_of("cpu_path") == by["avx2"].partner_of("cpu_path") == by["scalar"].stack_id
+    gpu = load_spec(
+        _spec(
+            tmp_path, devices=["cpu", "cuda"], options={"cpu_path": ["native", "scalar"]}, reference={"device": "cuda"}
+        )
+    )
+    by = {(c.device, c.opts.get("cpu_path", "native")): c for c in gpu.cells}
+    assert by[("cuda", "native")].partners == ()
+    for key in (("cpu", "native"), ("cpu", "scalar")):
+        assert by[key].partner_of("cpu_path") == by[("cuda", "native")].stack_id, key
+
+
 def test_offered_is_every_path_this_cpu_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_paths, "cpu_flags", lambda: frozenset({"sse4_2", "avx2", "fma"}))
     cells = load_spec(_spec(tmp_path, options={"cpu_path": "offered"})).cells
@@ -104,7 +128,8 @@ def _capture(d, tiny_model, short_corpus, dtypes=("fp32",), options=None, refere
         short_corpus,
         dtypes=list(dtypes),
         attention=["eager"],
-        reference={"engine": "hf", "dtype": "fp32", "attention": "eager", "cpu_path": reference_path},
+        reference={"engine": "hf", "dtype": "fp32", "attention": "eager"}
+        | ({"cpu_path": reference_path} if reference_path else {}),
         repeats=1,
         **({"options": options} if options else {}),
         **more,
@@ -161,7 +186,7 @@ def test_hardware_drift_grades_each_path_against_native_as_float64_does(paths):
     for r in view:
         dtype, path = r["dtype"], r["cpu_path"]
         native = cells[(dtype, "native")]["cell_id"]
-        assert r["native_cell_id"] == native and r["cell_id"] == cells[(dtype, path)]["cell_id"]
+        assert r["reference_hardware_cell_id"] == native and r["cell_id"] == cells[(dtype, path)]["cell_id"]
         ref = {k: log_softmax(x) for k, (x, _) in stored(wh, native).items()}
         mine = {k: log_softmax(x) for k, (x, _) in stored(wh, r["cell_id"]).items()}
         assert mine.keys() == ref.keys() and r["rows"] == len(ref)
@@ -194,7 +219,7 @@ def test_the_first_layer_where_two_paths_part_and_by_how_much(paths):
     largest |difference| there, as the two shards' states give them."""
     wh, _, _ = paths
     for r in sql(wh, "select * from hardware_drift"):
-        mine, theirs = _states(wh, r["cell_id"]), _states(wh, r["native_cell_id"])
+        mine, theirs = _states(wh, r["cell_id"]), _states(wh, r["reference_hardware_cell_id"])
         differ = {
             layer: max(float(np.abs(mine[layer][1][k] - theirs[layer][1][k]).max()) for k in mine[layer][1])
             for layer in mine
@@ -207,23 +232,22 @@ def test_the_first_layer_where_two_paths_part_and_by_how_much(paths):
 
 @pytest.mark.slow
 def test_two_warehouses_merged_grade_as_one(paths, tiny_model, short_corpus, tmp_path_factory):
-    """The native cell captured in one warehouse, its scalar path in another: merged, the same
+    """The native cell captured in one warehouse, its scalar path in another (whose reference, its only
+    cell, names no path: the reference hardware stays the CPU's native path): merged, the same
     hardware_drift row as the warehouse that holds both."""
     wh, cells, _ = paths
     d = tmp_path_factory.mktemp("cpu-path-merge")
     (d / "a").mkdir()
     (d / "b").mkdir()
     a = _capture(d / "a", tiny_model, short_corpus, layers="all")
-    b = _capture(
-        d / "b", tiny_model, short_corpus, options={"cpu_path": "scalar"}, reference_path="scalar", layers="all"
-    )
+    b = _capture(d / "b", tiny_model, short_corpus, options={"cpu_path": "scalar"}, reference_path=None, layers="all")
     r = run_cli("merge", str(b), "--into", str(a))
     assert r.returncode == 0, r.stderr[-3000:]
     r = run_cli("analyze", "--warehouse", str(a))
     assert r.returncode == 0, r.stderr[-3000:]
     cols = (
-        "cell_id, native_cell_id, rows, identical_rows, kld_mean, kld_p99, kld_max, top1_agreement, max_abs_diff, "
-        "first_layer_differing, first_layer_max_abs_diff"
+        "cell_id, reference_hardware_cell_id, rows, identical_rows, kld_mean, kld_p99, kld_max, top1_agreement, "
+        "max_abs_diff, first_layer_differing, first_layer_max_abs_diff"
     )
     merged = sql(a, f"select {cols} from hardware_drift")
     whole = sql(wh, f"select {cols} from hardware_drift where cpu_path = 'scalar' and dtype = 'fp32'")
@@ -301,7 +325,7 @@ def test_the_atlas_and_the_ladder_read_well_in_chromium(paths, tmp_path):
     r = run_cli("card", cells[("bf16", "native")]["cell_id"], "--warehouse", str(wh))
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
-    at = lines.index("Across hardware (the same stack on the CPU's native path, row by row):")
+    at = lines.index("Across hardware (the same stack on the reference hardware, row by row):")
     assert "on avx2" in lines[at + 2] and "on scalar" in lines[at + 2], lines[at : at + 8]
 
 
@@ -361,12 +385,12 @@ def test_llama_cpp_runs_the_variant_it_loaded_graded_as_float64_does(llama_paths
     said = json.loads(card.stdout)["disclosure"]["cpu_path"]
     assert said == {"candidate": "avx2 (ggml's haswell CPU backend)", "reference": "native"}, said
     (r,) = sql(wh, "select * from hardware_drift")
-    assert (r["hardware"], r["cell_id"], r["native_cell_id"]) == (
+    assert (r["hardware"], r["cell_id"], r["reference_hardware_cell_id"]) == (
         "avx2",
         cells["avx2"]["cell_id"],
         cells["native"]["cell_id"],
     )
-    ref = {k: log_softmax(x) for k, (x, _) in stored(wh, r["native_cell_id"]).items()}
+    ref = {k: log_softmax(x) for k, (x, _) in stored(wh, r["reference_hardware_cell_id"]).items()}
     mine = {k: log_softmax(x) for k, (x, _) in stored(wh, r["cell_id"]).items()}
     kl = [float(np.sum(np.exp(ref[k]) * (ref[k] - mine[k]))) for k in ref]
     assert r["rows"] == len(ref) and r["kld_mean"] == pytest.approx(np.mean(kl), rel=1e-9, abs=1e-15)

@@ -236,7 +236,7 @@ def partners(spec: Spec, one: dict, opts: dict, corpus_fp: str, extra: dict | No
     (Extra.partner_elsewhere). _settle keeps one."""
     out = []
     for x in extras.registered():  # a cell graded on other hardware: the same stack there
-        moved = x.partner_elsewhere(one, opts)
+        moved = x.partner_elsewhere(one, opts, spec.reference or {})
         if moved is not None:
             out.append((x.key, (make_cell_id(spec, moved[0], moved[1], corpus_fp, extra=extra),)))
     for x, value in extras.of(SimpleNamespace(extras=cell_extras(spec, one), opts=opts)):
