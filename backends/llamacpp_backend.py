@@ -126,8 +126,8 @@ class LlamaCppBackend(LlamaContexts, Backend):
 
         from backends import gguf_build
 
-        if self._cpu_module:  # the path's CPU backend, before any backend initialises (an imatrix's too)
-            llamacpp_cpu_path.load_variant(self._cpu_module)
+        if self._cpu_module:  # the path's CPU backend runs this CPU, checked before any backend initialises
+            llamacpp_cpu_path.check_score(os.environ[llamacpp_cpu_path.ENV_LIB], self.stack.opts["cpu_path"])
 
         self._lc = lc = llama_cpp
         opts = {**DEFAULTS, **(self.stack.opts)}
@@ -222,8 +222,8 @@ class LlamaCppBackend(LlamaContexts, Backend):
         return llamacpp_cpu_path.refusal(value)
 
     def _cpu_path_build(self) -> str | None:
-        """A cell on a CPU code path: its llama.cpp build made (or found) in the tools cache and set for
-        llama_cpp's import in this host; -> the CPU backend module to load (None: the package's own)."""
+        """A cell on a CPU code path: its llama.cpp libraries made (or found) in the tools cache and set
+        for llama_cpp's import in this host; -> the path's CPU backend module (None: the package's own)."""
         import sys
 
         value = self.stack.opts.get("cpu_path")

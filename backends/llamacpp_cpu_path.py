@@ -1,15 +1,16 @@
 """The llama.cpp engine's CPU code paths (`options: {cpu_path: ...}`, common/cpu_paths.py): llama.cpp
 builds its CPU backend once per instruction set when ggml loads its backends at run time
-(GGML_BACKEND_DL with GGML_CPU_ALL_VARIANTS: x64, haswell, skylakex, cooperlake, ...), and
-ggml_backend_load(path) loads a chosen one, before the first backend initialisation.
+(GGML_BACKEND_DL with GGML_CPU_ALL_VARIANTS: x64, haswell, skylakex, cooperlake, ...).
 
-The package's own library has its CPU backend built in, so a cell on a path runs a second build of
-the same vendor/llama.cpp, made on first use into the tools cache (never by `make venv`): libllama
-with ggml's backends loaded at run time (llama-cpp-python loads it from LLAMA_CPP_LIB_PATH), and the
-path's CPU backend alone (a build of every variant would compile each one). The host sets both
-before llama_cpp is imported, loads the variant, and reads back what runs: the CPU backend's
-features, as llama_print_system_info() lists them, must be the variant's (a variant the CPU cannot
-run is refused by ggml's own score, and said).
+A cell on a path runs the package's own libllama, libggml and libggml-base with the path's variant
+in place of the package's libggml-cpu: the variant module defines the same ggml_backend_cpu_reg the
+package's libggml registers its CPU backend through, and only ggml-cpu's kernels differ between
+instruction sets. The variant alone is built from the installed package's vendor/llama.cpp into the
+tools cache when a cell first asks (never by `make venv`; a second libllama would compile minutes more),
+then copied with the package's libraries into a directory of their own, which llama-cpp-python loads
+from LLAMA_CPP_LIB_PATH. The host reads back what runs: ggml's score of the variant for this CPU
+(0 where it lacks an instruction) and the CPU backend's features as llama_print_system_info() lists
+them, which must be the variant's.
 
 AMX stays off (scripts/llama_cmake_args.py): its matmul crashes on some Xeons
 (ggml-org/llama.cpp#20824), so cpu_path amx is refused on llama.cpp with that reason.
@@ -46,10 +47,9 @@ COMMON = [
     "-DLLAMA_BUILD_COMMON=OFF",
     "-DCMAKE_BUILD_TYPE=Release",
 ]
-LIB_ARGS = [*COMMON, "-DGGML_CPU=OFF"]  # libllama's tree: no CPU backend of its own (a variant's is loaded)
 VARIANT_ARGS = [*COMMON, "-DGGML_CPU_ALL_VARIANTS=ON"]
 ENV_LIB = "LLAMA_CPP_LIB_PATH"  # llama-cpp-python's own: the directory it loads libllama from
-ENV_VARIANT = "LOGIT_MATRIX_GGML_CPU"  # the CPU backend module this host loads
+CPU_LIB = "libggml-cpu"  # the package's CPU backend, whose names the variant takes in a path's directory
 
 
 def refusal(value: str) -> str | None:
@@ -93,27 +93,50 @@ def source() -> Path:
 
 
 def build(value: str, log: Callable[[str], None]) -> tuple[Path, Path]:
-    """(the directory of libllama with its backends loaded at run time, the path's CPU backend
-    module), built into the tools cache on first use (one host at a time: a lock on the tree): one
-    tree for libllama (without a CPU backend of its own), one for the variants,
-    each compiled only when a cell first asks for it (ggml's `ggml` target would compile all)."""
+    """(the directory llama_cpp loads for path `value`, the variant module in it), made in the tools
+    cache on first use, one host at a time (a lock on the tree). Only the path's variant compiles
+    (ggml's `ggml` target would compile all)."""
     from common.files import locked
 
     root, jobs = source(), str(os.cpu_count() or 2)
     variant = VARIANTS[value][0]
-    lib_dir, var_dir = root / f"build-dl-{_key(LIB_ARGS)}", root / f"build-variants-{_key(VARIANT_ARGS)}"
+    var_dir = root / f"build-variants-{_key(VARIANT_ARGS)}"
+    module = var_dir / "bin" / f"libggml-cpu-{variant}.so"
     with locked(root):
-        if not (lib_dir / "bin" / "libllama.so").is_file():
-            log(f"building llama.cpp's libllama with backends loaded at run time into {lib_dir} (once; minutes)")
-            _cmake(["-S", str(root), "-B", str(lib_dir), *LIB_ARGS], "libllama", lib_dir)
-            _cmake(["--build", str(lib_dir), "--target", "llama", "-j", jobs], "libllama", lib_dir)
-        module = var_dir / "bin" / f"libggml-cpu-{variant}.so"
         if not module.is_file():
             log(f"building llama.cpp's {variant} CPU backend into {var_dir} (once a variant; a minute or two)")
             if not (var_dir / "CMakeCache.txt").is_file():
                 _cmake(["-S", str(root), "-B", str(var_dir), *VARIANT_ARGS], variant, var_dir)
             _cmake(["--build", str(var_dir), "--target", f"ggml-cpu-{variant}", "-j", jobs], variant, var_dir)
-    return lib_dir / "bin", module
+        return _assembled(root, module), module
+
+
+def _package_libs() -> Path:
+    """The installed llama-cpp-python's library directory, found without importing it (an import
+    loads its libllama)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("llama-cpp-python is not installed")
+    return Path(spec.origin).parent / "lib"
+
+
+def _assembled(root: Path, module: Path) -> Path:
+    """A directory of the package's libraries with `module` under every name of its libggml-cpu,
+    keyed by every file's size and time: a rebuilt package or variant gets a directory of its own."""
+    libs = sorted(p for p in _package_libs().iterdir() if p.name.startswith(("libllama.", "libggml")))
+    stamp = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in [*libs, module]]
+    out = root / "paths" / f"{module.stem}-{_key(stamp)}"
+    if (out / "libllama.so").is_file():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for p in libs:  # copies: the loader finds each library's NEEDED ones beside it ($ORIGIN)
+        shutil.copy2(module if p.name.startswith(CPU_LIB + ".") else p, tmp / p.name)
+    tmp.rename(out)
+    return out
 
 
 def ran(lc, value: str, module: str) -> dict[str, Any]:
@@ -129,13 +152,14 @@ def ran(lc, value: str, module: str) -> dict[str, Any]:
     return {"cpu_path": value, "ggml_cpu_variant": variant, "ggml_cpu_module": module, "ggml_cpu_features": info}
 
 
-def load_variant(module: str) -> None:
-    """ggml_backend_load(module) in this process's libggml, before any backend is initialised."""
-    lib = ctypes.CDLL(str(Path(os.environ[ENV_LIB]) / "libggml.so"), mode=ctypes.RTLD_GLOBAL)
-    lib.ggml_backend_load.restype = ctypes.c_void_p
-    lib.ggml_backend_load.argtypes = [ctypes.c_char_p]
-    if not lib.ggml_backend_load(module.encode()):
-        raise RuntimeError(f"ggml could not load {module}: this CPU cannot run it, or it is no CPU backend")
+def check_score(lib: str, value: str) -> None:
+    """ggml's own score of the path's variant, loaded with libllama from `lib`, for this CPU: 0 where
+    the CPU lacks one of the variant's instructions (its kernels would stop the process)."""
+    cpu = ctypes.CDLL(str(Path(lib) / f"{CPU_LIB}.so.0"))
+    cpu.ggml_backend_score.restype = ctypes.c_int
+    if cpu.ggml_backend_score() == 0:
+        variant = VARIANTS[value][0]
+        raise RuntimeError(f"cpu_path {value}: this CPU cannot run ggml's {variant} CPU backend (ggml's score is 0)")
 
 
 def _key(parts: list[str]) -> str:
