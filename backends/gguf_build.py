@@ -12,6 +12,7 @@ once from PyPI into the cache), so converter and runtime always match.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -181,9 +182,11 @@ def quantize_file(
     threads: int,
     imatrix: dict[str, Any] | None = None,
     tensor_types: tuple[str, ...] = (),
+    dry_run: bool = False,
 ) -> None:
     """llama_model_quantize from source to out, as llama-quantize [--imatrix F] [--tensor-type-file F]
-    SOURCE OUT TYPE does, with no cache in between."""
+    SOURCE OUT TYPE does, with no cache in between; dry_run: as its --dry-run, every tensor's type
+    chosen and logged, nothing quantised or written."""
     import ctypes
 
     import llama_cpp
@@ -192,6 +195,7 @@ def quantize_file(
 
     quiet_logs()  # the quantiser logs every tensor (and each fallback) as a warning
     params = llama_cpp.llama_model_quantize_default_params()
+    params.dry_run = dry_run
     params.ftype = getattr(llama_cpp, QUANT_TYPES[dtype])
     params.nthread = threads  # threads split rows; the result does not depend on them
     if imatrix is not None:  # as llama-quantize --imatrix does, header keys included
@@ -204,8 +208,23 @@ def quantize_file(
 
         params.tt_overrides, _keep_overrides = overrides(tensor_types)
     rc = llama_cpp.llama_model_quantize(source.encode(), str(out).encode(), ctypes.byref(params))
-    if rc != 0 or not out.is_file():
+    if rc != 0 or not (dry_run or out.is_file()):
         raise UserError(f"llama.cpp could not quantise {source} to {dtype} (return code {rc})")
+
+
+# a tensor's line in llama_model_quantize's log: "[  12/ 272] NAME - [576, 576, 1, 1], type = f16, "
+# then "size = A MiB -> B MiB (q4_K)" where it is quantised, "size = A MiB" where it stays
+_PLANNED = re.compile(r"\[\s*\d+/\s*\d+\]\s+(\S+)\s+- \[[^\]]*\], type =\s*(\w+), size =[^\n(]*(?:\((\w+)\))?")
+
+
+def planned_types(source: str, dtype: str, imatrix: dict[str, Any] | None, tensor_types: tuple[str, ...]) -> dict:
+    """{tensor: ggml type name, lower case} of every tensor quantize_file would write, from llama.cpp's
+    own dry run (its mixture's choices, the overrides and the fallbacks), in ~0.1 s: nothing quantised."""
+    from backends.llama_binding import logs_of_this_thread
+
+    with logs_of_this_thread() as parts:
+        quantize_file(source, dtype, Path(os.devnull), 1, imatrix, tensor_types, dry_run=True)
+    return {m[1]: (m[3] or m[2]).lower() for m in _PLANNED.finditer("".join(parts))}
 
 
 def tensor_types(path: str | Path) -> dict[str, int]:

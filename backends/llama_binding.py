@@ -8,12 +8,14 @@ import hashlib
 import os
 import threading
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 _LOG_CB = None  # keep the ctypes callback alive for the life of the process
 _LOG_LOCK = threading.Lock()  # a thread tokenising ahead and the caller may both ask for quiet logs
+_SINK = threading.local()  # .parts: the list a thread collects its calls' log lines in
 _AHEAD: dict[tuple, Future] = {}  # gguf_tokenize results started early (tokenize_ahead), taken once
 _AHEAD_LOCK = threading.Lock()
 
@@ -29,11 +31,26 @@ def quiet_logs() -> None:
         if _LOG_CB is None:
 
             def cb(level, text, _user):
+                parts = getattr(_SINK, "parts", None)
+                if parts is not None:  # this thread asked for its calls' lines (logs_of_this_thread)
+                    parts.append(text.decode(errors="replace"))
                 if level == 4:  # GGML_LOG_LEVEL_ERROR
                     sys.stderr.write(text.decode(errors="replace"))
 
             _LOG_CB = llama_cpp.llama_log_callback(cb)
             llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+
+
+@contextmanager
+def logs_of_this_thread():
+    """-> a list that collects what llama.cpp logs from this thread's calls, at every level, until
+    the block ends (llama_model_quantize logs each tensor from its caller's thread)."""
+    quiet_logs()
+    _SINK.parts = parts = []
+    try:
+        yield parts
+    finally:
+        _SINK.parts = None
 
 
 def extra_bufts() -> bool:

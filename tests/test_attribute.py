@@ -83,6 +83,14 @@ def test_each_variant_records_the_types_its_file_really_has(job, f16):
     assert [base[n] for n in first["changed_outside"]] == ["Q8_0", "Q6_K"]
 
 
+def test_llamas_dry_run_plans_the_types_each_file_holds(job, f16):
+    from backends.gguf_build import planned_types
+
+    r, _ = job
+    for lines, path in [((), r.base["path"])] + [(tuple(v["lines"]), v["path"]) for v in r.variants]:
+        assert planned_types(f16, "q4_k_m", None, lines) == {n: t.lower() for n, t in _types(path).items()}, lines
+
+
 def test_the_ranking_orders_kl_removed_per_mib(job):
     r, _ = job
     raises = [v for v in r.variants if v["direction"] == "raise" and v["rank"] is not None]
@@ -220,3 +228,19 @@ def test_an_imatrix_recipe_weights_every_file(job, f16, text, tmp_path):
         assert read_info(path).imatrix.get("dataset") == "prose", read_info(path).imatrix
     assert r.base["sha256"] != plain.base["sha256"] and v["types"] == {"Q8_0": 2}
     assert v["summary"]["rows"] == plain.base["summary"]["rows"] and v["delta_kl"][1] > 0 and v["rank"] == 1
+
+
+def test_a_variant_that_changes_no_type_is_the_bases_file_not_quantised_again(job, f16, text, monkeypatch):
+    """token_embd is Q8_0 in the base already (Q6_K's fallback at 576-wide rows): raised to Q8_0, llama.cpp's
+    dry run plans the base's types, and the variant is the base's file, dropped from the ranking."""
+    from analysis.attribution import SAME_AS_BASE
+    from backends import gguf_build
+
+    r, args = job
+    asked, quantize = [], gguf_build.quantize
+    monkeypatch.setattr(gguf_build, "quantize", lambda *a, **k: asked.append(k["tensor_types"]) or quantize(*a, **k))
+    again = api.attribute(f16, "q4_k_m", text, r.warehouse, groups=("token_embd",), n_ctx=64, threads=2, **QUIET)
+    (v,) = again.variants
+    assert asked == [()]  # the base alone, found in the artifact cache
+    assert (v["path"], v["sha256"], v["dropped"]) == (r.base["path"], r.base["sha256"], SAME_AS_BASE)
+    assert v["lines"] == [r"^token_embd\.weight$=q8_0"] and v["types"] == {"Q8_0": 1} and v["delta_bytes"] == 0

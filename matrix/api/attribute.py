@@ -71,9 +71,12 @@ def attribute(
     def build(lines: tuple[str, ...], label: str | None = None) -> dict:
         return gguf_build.quantize(ref, quant, threads, im, tensor_types=lines, label=label)
 
+    def plan(lines: tuple[str, ...]) -> dict:
+        return gguf_build.planned_types(ref["path"], quant, im, lines)
+
     job = {"text": text, "warehouse": warehouse, "n_ctx": n_ctx, "chunks": chunks, "threads": threads}
     job |= {"address": address, "executor": executor, "log": log}
-    base, variants, measured = _base_and_variants(ref, build, found, types, job)
+    base, variants, measured = _base_and_variants(ref, (build, plan), found, types, job)
     variants = _ranked(warehouse, base, variants, measured, [d for d, _ in types])
     steps = _frontier(build, base, variants, frontier, types[0][1], log)
     measured = _measure(ref, steps[1:], job)
@@ -101,14 +104,15 @@ def _groups(ref: dict, groups: tuple[str, ...] | None, log) -> list:
     return found
 
 
-def _base_and_variants(ref: dict, build, found: list, types: list, job: dict) -> tuple[dict, list[dict], dict]:
+def _base_and_variants(ref: dict, quantiser, found: list, types: list, job: dict) -> tuple[dict, list[dict], dict]:
     """(the base, measured; every variant; {file: measured} of the base and each variant that is not
-    the base's file). The variants are quantised while the reference's and the base's cells are
-    captured: the quantiser takes the cores the capture leaves idle (its loads, hand-overs, waits)."""
-    base = _file(build(()), None)
+    the base's file). quantiser: (build, plan). The variants are quantised while the reference's and
+    the base's cells are captured: the quantiser takes the cores the capture leaves idle (its loads,
+    hand-overs, waits)."""
+    base = _file(quantiser[0](()), None)
     stop = threading.Event()
     with ThreadPoolExecutor(1, thread_name_prefix="quantise") as pool:
-        pending = pool.submit(_quantise, build, base, found, types, job["log"], stop)
+        pending = pool.submit(_quantise, quantiser, base, found, types, job["log"], stop)
         try:
             measured = _measure(ref, [base], job)
         except BaseException:
@@ -120,16 +124,31 @@ def _base_and_variants(ref: dict, build, found: list, types: list, job: dict) ->
     return base, variants, measured
 
 
-def _quantise(build, base: dict, found: list, types: list[tuple[str, str]], log, stop: threading.Event) -> list[dict]:
-    """Each group's variant in each direction, with progress; none more once stop is set."""
+def _quantise(
+    quantiser, base: dict, found: list, types: list[tuple[str, str]], log, stop: threading.Event
+) -> list[dict]:
+    """Each group's variant in each direction, with progress; none more once stop is set. A variant in
+    which llama.cpp's dry run gives every tensor the base's type is the base's file, not quantised
+    again: the same types from the same weights are the same bytes."""
+    from gguf import GGMLQuantizationType
+
+    from common.gguf_header import read_tensors
+
+    build, plan = quantiser
     progress = _Progress("quantised the variants:", len(found) * len(types), log)
+    held = {name: GGMLQuantizationType(t).name.lower() for name, t, _ in read_tensors(base["path"])}
     variants = []
     for g in found:
         for direction, t in types:
             if stop.is_set():
                 return variants
-            v = _file(build((g.line(t),), f"{flag_name(g.name)}={t}"), base, g)
-            variants.append({"group": g.name, "direction": direction, "type": t, **v})
+            line = g.line(t)
+            if plan((line,)) == held:
+                log(f"attribute: {g.name} at {t} leaves every tensor's type as the base has it: the base's file")
+                art = {"path": base["path"], "sha256": base["sha256"], "recipe": {"tensor_types": [line]}}
+            else:
+                art = build((line,), f"{flag_name(g.name)}={t}")
+            variants.append({"group": g.name, "direction": direction, "type": t, **_file(art, base, g)})
             progress.tick()
     return variants
 
