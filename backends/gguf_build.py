@@ -170,9 +170,42 @@ def quantize(
             name = f"model-{dtype}+{label}.gguf"
 
     def build(tmp: Path) -> None:
-        quantize_file(f32["path"], dtype, tmp, threads, imatrix, tensor_types)
+        if tensor_types:  # the plain recipe's file holds most of its tensors already
+            base = quantize(f32, dtype, threads, imatrix)
+            _quantize_over(f32["path"], base["path"], dtype, tmp, threads, imatrix, tensor_types)
+        else:
+            quantize_file(f32["path"], dtype, tmp, threads, imatrix, tensor_types)
 
     return ensure("gguf", name, recipe, build)
+
+
+def _quantize_over(source: str, base: str, dtype: str, out: Path, threads: int, imatrix, tensor_types) -> None:
+    """quantize_file's very file, with only the tensors whose type differs from the base's quantised:
+    llama.cpp's dry run gives each tensor's type, the base's tensors that keep theirs are spliced
+    into the float source (common/gguf_splice.py), and the quantiser copies those as they are."""
+    from common.gguf_splice import splice
+
+    planned = planned_types(source, dtype, imatrix, tensor_types)
+    held = types_held(base)
+    mixed = out.with_name(out.name + ".spliced")
+    try:
+        splice(source, base, {n for n, t in planned.items() if held.get(n) == t}, mixed)
+        quantize_file(str(mixed), dtype, out, threads, imatrix, tensor_types)
+    finally:
+        mixed.unlink(missing_ok=True)
+    got = types_held(out)
+    if got != planned:
+        wrong = sorted(n for n in planned if got.get(n) != planned[n])
+        raise RuntimeError(f"{out}: llama.cpp's quantiser wrote other types than its dry run planned ({wrong[:3]})")
+
+
+def types_held(path: str | Path) -> dict[str, str]:
+    """{tensor: ggml type name, lower case} as the file holds them."""
+    from gguf import GGMLQuantizationType
+
+    from common.gguf_header import read_tensors
+
+    return {name: GGMLQuantizationType(t).name.lower() for name, t, _ in read_tensors(path)}
 
 
 def quantize_file(

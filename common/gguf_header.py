@@ -237,3 +237,23 @@ def layout(path: str | Path) -> Layout:
     finally:
         m.close()
         f.close()
+
+
+def tensor_table(path: str | Path) -> tuple[Layout, dict[str, tuple[tuple[int, ...], int, int]]]:
+    """(the file's layout, {tensor name: (shape, ggml type id, offset from the data's start)}) in file order."""
+    lay = layout(path)
+    f, m = _open(path)
+    try:
+        w, out = _Walk(m, str(path)), {}
+        w.at = lay.tensor_infos[0]
+        for _ in range(lay.n_tensors):
+            name = w.string()
+            (dims,) = struct.unpack_from("<I", m, w.at)
+            shape = struct.unpack_from(f"<{dims}Q", m, w.at + 4)
+            ttype, offset = struct.unpack_from("<IQ", m, w.at + 4 + 8 * dims)
+            w.at += 4 + 8 * dims + 12
+            out[name] = (shape, ttype, offset)
+        return lay, out
+    finally:
+        m.close()
+        f.close()

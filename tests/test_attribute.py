@@ -83,6 +83,18 @@ def test_each_variant_records_the_types_its_file_really_has(job, f16):
     assert [base[n] for n in first["changed_outside"]] == ["Q8_0", "Q6_K"]
 
 
+def test_each_variant_is_the_file_a_plain_quantisation_writes(job, f16, tmp_path):
+    """Variants are quantised over the base (its tensors that keep their type spliced in, only the rest
+    quantised): each is, byte for byte, what llama_model_quantize writes from the F16 alone."""
+    from backends.gguf_build import quantize_file
+
+    r, _ = job
+    for i, v in enumerate(r.variants):
+        out = tmp_path / f"plain-{i}.gguf"
+        quantize_file(f16, "q4_k_m", out, 2, None, tuple(v["lines"]))
+        assert hashlib.sha256(out.read_bytes()).hexdigest() == v["sha256"], v["lines"]
+
+
 def test_llamas_dry_run_plans_the_types_each_file_holds(job, f16):
     from backends.gguf_build import planned_types
 
@@ -228,6 +240,12 @@ def test_an_imatrix_recipe_weights_every_file(job, f16, text, tmp_path):
         assert read_info(path).imatrix.get("dataset") == "prose", read_info(path).imatrix
     assert r.base["sha256"] != plain.base["sha256"] and v["types"] == {"Q8_0": 2}
     assert v["summary"]["rows"] == plain.base["summary"]["rows"] and v["delta_kl"][1] > 0 and v["rank"] == 1
+    # quantised over the weighted base: the bytes llama_model_quantize writes with the imatrix from the F16 alone
+    from backends.gguf_build import quantize_file
+    from matrix.api.attribute import _imatrix
+
+    quantize_file(f16, "q4_k_m", tmp_path / "plain.gguf", 2, _imatrix(im["path"]), tuple(v["lines"]))
+    assert file_sha256(tmp_path / "plain.gguf") == v["sha256"]
 
 
 def test_a_variant_that_changes_no_type_is_the_bases_file_not_quantised_again(job, f16, text, monkeypatch):

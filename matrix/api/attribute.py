@@ -130,13 +130,11 @@ def _quantise(
     """Each group's variant in each direction, with progress; none more once stop is set. A variant in
     which llama.cpp's dry run gives every tensor the base's type is the base's file, not quantised
     again: the same types from the same weights are the same bytes."""
-    from gguf import GGMLQuantizationType
-
-    from common.gguf_header import read_tensors
+    from backends.gguf_build import types_held
 
     build, plan = quantiser
     progress = _Progress("quantised the variants:", len(found) * len(types), log)
-    held = {name: GGMLQuantizationType(t).name.lower() for name, t, _ in read_tensors(base["path"])}
+    held = types_held(base["path"])
     variants = []
     for g in found:
         for direction, t in types:
