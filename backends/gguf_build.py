@@ -195,7 +195,7 @@ def _quantize_over(source: str, base: str, dtype: str, out: Path, threads: int, 
         mixed.unlink(missing_ok=True)
     got = types_held(out)
     if got != planned:
-        wrong = sorted(n for n in planned if got.get(n) != planned[n])
+        wrong = sorted(n for n in planned.keys() | got.keys() if got.get(n) != planned.get(n))
         raise RuntimeError(f"{out}: llama.cpp's quantiser wrote other types than its dry run planned ({wrong[:3]})")
 
 
@@ -257,7 +257,13 @@ def planned_types(source: str, dtype: str, imatrix: dict[str, Any] | None, tenso
 
     with logs_of_this_thread() as parts:
         quantize_file(source, dtype, Path(os.devnull), 1, imatrix, tensor_types, dry_run=True)
-    return {m[1]: (m[3] or m[2]).lower() for m in _PLANNED.finditer("".join(parts))}
+    planned = {m[1]: (m[3] or m[2]).lower() for m in _PLANNED.finditer("".join(parts))}
+    missed = sorted(set(types_held(source)) - set(planned))
+    if missed:  # its log read otherwise than this parser expects: no plan at all, rather than part of one
+        raise RuntimeError(
+            f"llama.cpp's quantiser dry run on {source} named no type for {len(missed)} tensor(s): {missed[:3]}"
+        )
+    return planned
 
 
 def tensor_types(path: str | Path) -> dict[str, int]:

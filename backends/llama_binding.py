@@ -46,11 +46,12 @@ def logs_of_this_thread():
     """-> a list that collects what llama.cpp logs from this thread's calls, at every level, until
     the block ends (llama_model_quantize logs each tensor from its caller's thread)."""
     quiet_logs()
+    outer = getattr(_SINK, "parts", None)
     _SINK.parts = parts = []
     try:
         yield parts
     finally:
-        _SINK.parts = None
+        _SINK.parts = outer
 
 
 def extra_bufts() -> bool:

@@ -23,6 +23,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,8 +48,15 @@ COMMON = [
     "-DLLAMA_BUILD_COMMON=OFF",
     "-DCMAKE_BUILD_TYPE=Release",
 ]
-VARIANT_ARGS = [*COMMON, "-DGGML_CPU_ALL_VARIANTS=ON"]
+# the module finds its libggml-base beside it, in a path's directory, never in the tree it was built in
+VARIANT_ARGS = [
+    *COMMON,
+    "-DGGML_CPU_ALL_VARIANTS=ON",
+    "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+]
 ENV_LIB = "LLAMA_CPP_LIB_PATH"  # llama-cpp-python's own: the directory it loads libllama from
+STALE_S = 86400  # a path's directory of another build of the package or variant, kept this long for another venv
 CPU_LIB = "libggml-cpu"  # the package's CPU backend, whose names the variant takes in a path's directory
 
 
@@ -93,9 +101,9 @@ def source() -> Path:
 
 
 def build(value: str, log: Callable[[str], None]) -> tuple[Path, Path]:
-    """(the directory llama_cpp loads for path `value`, the variant module in it), made in the tools
-    cache on first use, one host at a time (a lock on the tree). Only the path's variant compiles
-    (ggml's `ggml` target would compile all)."""
+    """(the directory llama_cpp loads for path `value`, the variant module built, which that directory
+    holds a copy of), made in the tools cache on first use, one host at a time (a lock on the tree).
+    Only the path's variant compiles (ggml's `ggml` target would compile all)."""
     from common.files import locked
 
     root, jobs = source(), str(os.cpu_count() or 2)
@@ -126,12 +134,19 @@ def _assembled(root: Path, module: Path) -> Path:
     """A directory of the package's libraries with `module` under every name of its libggml-cpu,
     keyed by every file's size and time: a rebuilt package or variant gets a directory of its own."""
     libs = sorted(p for p in _package_libs().iterdir() if p.name.startswith(("libllama.", "libggml")))
+    if not any(p.name.startswith(CPU_LIB + ".") for p in libs):
+        raise RuntimeError(
+            f"llama-cpp-python's libraries in {_package_libs()} have no {CPU_LIB} of their own (a build with "
+            "ggml's CPU backend inside libggml, or loaded at run time): no variant can take its place"
+        )
     stamp = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in [*libs, module]]
     out = root / "paths" / f"{module.stem}-{_key(stamp)}"
     if (out / "libllama.so").is_file():
         return out
+    for old in out.parent.glob(f"{module.stem}-*"):  # a partial one, or a day-old one of an earlier build
+        if not (old / "libllama.so").is_file() or time.time() - old.stat().st_mtime > STALE_S:
+            shutil.rmtree(old)
     tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for p in libs:  # copies: the loader finds each library's NEEDED ones beside it ($ORIGIN)
         shutil.copy2(module if p.name.startswith(CPU_LIB + ".") else p, tmp / p.name)

@@ -254,6 +254,8 @@ def tensor_table(path: str | Path) -> tuple[Layout, dict[str, tuple[tuple[int, .
             w.at += 4 + 8 * dims + 12
             out[name] = (shape, ttype, offset)
         return lay, out
+    except struct.error:
+        raise UserError(f"{path}: GGUF header is truncated") from None
     finally:
         m.close()
         f.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 from pathlib import Path
 
 from common.gguf_header import tensor_table
@@ -48,13 +49,22 @@ def splice(first: str | Path, second: str | Path, taken: set[str], out: str | Pa
         o.write(f1.read(lay.tensor_infos[0]))  # magic, version, counts and every key/value pair, as they are
         table = b"".join(infos)
         o.write(table + b"\0" * pad(lay.tensor_infos[0] + len(table)))
-        fds = (f1.fileno(), f2.fileno())
         for which, start, size in spans:
-            done = 0
-            while done < size:  # file to file in the kernel
-                n = os.sendfile(o.fileno(), fds[which], start + done, size - done)
-                if n == 0:
-                    raise ValueError(f"{(first, second)[which]}: a tensor's data runs past the end of the file")
-                done += n
+            _copy((f1, f2)[which], o, start, size)
             o.write(b"\0" * pad(size))
     return Path(out)
+
+
+def _copy(src, out, start: int, size: int) -> None:
+    """size bytes of src from start onto out: file to file in the kernel on Linux (sendfile takes a
+    file there; elsewhere it wants a socket), through a buffer elsewhere."""
+    done = 0
+    while done < size:
+        if sys.platform.startswith("linux"):
+            n = os.sendfile(out.fileno(), src.fileno(), start + done, size - done)
+        else:
+            src.seek(start + done)
+            n = out.write(src.read(min(size - done, 1 << 24)))
+        if n == 0:
+            raise ValueError(f"{src.name}: a tensor's data runs past the end of the file")
+        done += n

@@ -343,6 +343,34 @@ def test_llama_cpp_refuses_amx_with_its_reason_and_takes_the_other_paths(tmp_pat
     )
 
 
+def test_a_paths_directory_holds_the_packages_libraries_with_the_variant_as_its_cpu_backend(tmp_path, monkeypatch):
+    """The package's libraries copied, the variant under every name of its libggml-cpu, a partial directory of
+    an earlier try cleared; a package with no libggml-cpu of its own is refused in one line."""
+    from backends import llamacpp_cpu_path as P
+
+    pkg, root, module = tmp_path / "lib", tmp_path / "tree", tmp_path / "libggml-cpu-haswell.so"
+    pkg.mkdir()
+    for name in ("libllama.so", "libggml.so.0", "libggml-base.so.0"):
+        (pkg / name).write_bytes(name.encode())
+    module.write_bytes(b"haswell")
+    monkeypatch.setattr(P, "_package_libs", lambda: pkg)
+    with pytest.raises(RuntimeError, match="have no libggml-cpu of their own"):
+        P._assembled(root, module)
+    for name in ("libggml-cpu.so", "libggml-cpu.so.0"):
+        (pkg / name).write_bytes(b"the package's own")
+    partial = root / "paths" / "libggml-cpu-haswell-0123456789"
+    partial.mkdir(parents=True)
+    out = P._assembled(root, module)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {
+        "libllama.so": b"libllama.so",
+        "libggml.so.0": b"libggml.so.0",
+        "libggml-base.so.0": b"libggml-base.so.0",
+        "libggml-cpu.so": b"haswell",
+        "libggml-cpu.so.0": b"haswell",
+    }
+    assert not partial.exists() and P._assembled(root, module) == out
+
+
 @pytest.fixture(scope="module")
 def llama_paths(tiny_model, short_corpus, tmp_path_factory):
     """llama.cpp F16 on the package's own CPU backend (native) and on ggml's haswell variant (avx2),
