@@ -218,6 +218,20 @@ def write_spec(path: Path, model_dir: Path, corpus: Path, **over) -> Path:
     return path
 
 
+def llama_sweep(d: Path, model_dir: Path, corpus: Path, **over) -> tuple[Path, list[dict], str]:
+    """llama.cpp F16 on the test model (default attention, one repeat; `over` as write_spec takes it)
+    captured by `matrix run --executor local` into d/wh and analysed: (the warehouse, its cells rows,
+    the run's stderr)."""
+    over = {"engines": ["llamacpp"], "dtypes": ["f16"], "attention": ["default"], "repeats": 1, **over}
+    spec = write_spec(d / "spec.yaml", model_dir, corpus, **over)
+    wh = d / "wh"
+    r = run_cli("run", str(spec), "--warehouse", str(wh), "--executor", "local", timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = run_cli("analyze", "--warehouse", str(wh))
+    assert a.returncode == 0, a.stderr[-3000:]
+    return wh, sql(wh, "select * from cells"), r.stderr
+
+
 def dedent(s: str) -> str:
     return textwrap.dedent(s).lstrip()
 

@@ -16,7 +16,7 @@ import yaml
 from common import cpu_paths
 from common.errors import UserError
 from matrix.spec.cells import load_spec
-from tests.conftest import run_cli, sql, write_spec
+from tests.conftest import llama_sweep, run_cli, sql, write_spec
 
 
 def _spec(tmp_path, **over):
@@ -378,24 +378,14 @@ def llama_paths(tiny_model, short_corpus, tmp_path_factory):
     pytest.importorskip("llama_cpp")
     if cpu_paths.lacks("avx2", cpu_paths.cpu_flags()):
         pytest.skip("this CPU runs no AVX2")
-    d = tmp_path_factory.mktemp("llama-path")
-    spec = write_spec(
-        d / "spec.yaml",
+    wh, rows, _ = llama_sweep(
+        tmp_path_factory.mktemp("llama-path"),
         tiny_model,
         short_corpus,
-        engines=["llamacpp"],
-        dtypes=["f16"],
-        attention=["default"],
         options={"cpu_path": ["native", "avx2"]},
         reference={"engine": "llamacpp", "dtype": "f16", "attention": "default", "cpu_path": "native"},
-        repeats=1,
     )
-    wh = d / "wh"
-    r = run_cli("run", str(spec), "--warehouse", str(wh), "--executor", "local", timeout=1800)
-    assert r.returncode == 0, r.stderr[-3000:]
-    a = run_cli("analyze", "--warehouse", str(wh))
-    assert a.returncode == 0, a.stderr[-3000:]
-    cells = {json.loads(c["options"] or "{}").get("cpu_path", "native"): c for c in sql(wh, "select * from cells")}
+    cells = {json.loads(c["options"] or "{}").get("cpu_path", "native"): c for c in rows}
     return wh, cells
 
 

@@ -14,7 +14,7 @@ import yaml
 from common import kv_cache
 from common.errors import UserError
 from matrix.spec.cells import load_spec
-from tests.conftest import REPO, run_cli, sql, write_spec
+from tests.conftest import REPO, llama_sweep, run_cli, sql
 
 AXIS = ["f16", "q8_0", "q4_0", {"k": "q8_0", "v": "q4_0"}]
 
@@ -91,27 +91,16 @@ def test_a_bad_value_exits_2_with_one_line(tmp_path):
 def kv_sweep(tiny_model, short_corpus, tmp_path_factory):
     """llama.cpp f16 weights under each cache of AXIS, f16 the reference, and eager + q4_0 (skipped)."""
     pytest.importorskip("llama_cpp")
-    d = tmp_path_factory.mktemp("kv")
-    spec = write_spec(
-        d / "spec.yaml",
+    wh, cells, err = llama_sweep(
+        tmp_path_factory.mktemp("kv"),
         tiny_model,
         short_corpus,
-        engines=["llamacpp"],
-        dtypes=["f16"],
-        attention=["default"],
         options={"kv_cache": AXIS},
         include=[{"engine": "llamacpp", "dtype": "f16", "attention": "eager", "kv_cache": "q4_0"}],
         reference={"engine": "llamacpp", "attention": "default", "kv_cache": "f16"},
-        repeats=1,
     )
-    wh = d / "wh"
-    r = run_cli("run", str(spec), "--warehouse", str(wh), "--executor", "local", "--json")
-    assert r.returncode == 0, r.stderr[-3000:]
-    a = run_cli("analyze", "--warehouse", str(wh))
-    assert a.returncode == 0, a.stderr[-3000:]
-    cells = sql(wh, "select * from cells")
     done = {kv_cache.KVCache.of(json.loads(c["options"])["kv_cache"]).label: c for c in cells if c["status"] == "done"}
-    return wh, done, [line for line in r.stderr.splitlines() if line.startswith("skipping ")]
+    return wh, done, [line for line in err.splitlines() if line.startswith("skipping ")]
 
 
 @pytest.mark.slow
