@@ -275,17 +275,14 @@ def tensor_layout(path: str | Path) -> tuple[dict[str, int], dict[str, Any]]:
     """From one read of the header: the file's tensor types (as tensor_types) and its size as a
     quant's reader weighs it: the file's bytes, its weights' elements and bits per weight over the
     tensor data (llama.cpp's BPW: tensor bytes x 8 / elements)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGMLQuantizationType
 
-    from common.gguf_header import read_tensors
+    from common.gguf_header import nbytes, read_tensors
 
     tensors = read_tensors(path)
     types = Counter(GGMLQuantizationType(t).name for _, t, _ in tensors)
     elements = sum(n for _, _, n in tensors)
-    data = 0
-    for _, ttype, n in tensors:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
-        data += n // block * size
+    data = sum(nbytes(n, ttype) for _, ttype, n in tensors)
     size = {
         "file_bytes": Path(path).stat().st_size,
         "tensor_bytes": data,

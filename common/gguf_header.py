@@ -173,7 +173,7 @@ def _read(path: str | Path, keep, tensors: bool) -> tuple[dict[str, Any], list[t
             value = w.value(vtype, wanted)
             if wanted:
                 fields[key] = value
-        return fields, list(_tensor_infos(w, m, n_tensors if tensors else 0))
+        return fields, [info[:3] for info in _tensor_infos(w, m, n_tensors if tensors else 0)]
     except struct.error:
         raise UserError(f"{path}: GGUF header is truncated") from None
     finally:
@@ -182,15 +182,24 @@ def _read(path: str | Path, keep, tensors: bool) -> tuple[dict[str, Any], list[t
 
 
 def _tensor_infos(w: _Walk, m, n: int):
-    """(name, ggml type id, shape) of the next n tensor infos (name, dims, shape, type, offset)."""
+    """(name, ggml type id, shape, offset from the data's start) of the next n tensor infos (name,
+    dims, shape, type, offset)."""
     for _ in range(n):
         name = w.string()
         (dims,) = struct.unpack_from("<I", m, w.at)
         shape = struct.unpack_from(f"<{dims}Q", m, w.at + 4)
         w.at += 4 + 8 * dims
-        (ttype,) = struct.unpack_from("<I", m, w.at)
+        ttype, offset = struct.unpack_from("<IQ", m, w.at)
         w.at += 4 + 8  # the type, then the data offset
-        yield name, ttype, shape
+        yield name, ttype, shape, offset
+
+
+def nbytes(elements: int, ttype: int) -> int:
+    """The data bytes of a tensor of `elements` values of ggml type `ttype`: its blocks' bytes."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+    return elements // block * size
 
 
 @dataclass(frozen=True)
@@ -244,16 +253,9 @@ def tensor_table(path: str | Path) -> tuple[Layout, dict[str, tuple[tuple[int, .
     lay = layout(path)
     f, m = _open(path)
     try:
-        w, out = _Walk(m, str(path)), {}
+        w = _Walk(m, str(path))
         w.at = lay.tensor_infos[0]
-        for _ in range(lay.n_tensors):
-            name = w.string()
-            (dims,) = struct.unpack_from("<I", m, w.at)
-            shape = struct.unpack_from(f"<{dims}Q", m, w.at + 4)
-            ttype, offset = struct.unpack_from("<IQ", m, w.at + 4 + 8 * dims)
-            w.at += 4 + 8 * dims + 12
-            out[name] = (shape, ttype, offset)
-        return lay, out
+        return lay, {name: (shape, ttype, off) for name, ttype, shape, off in _tensor_infos(w, m, lay.n_tensors)}
     except struct.error:
         raise UserError(f"{path}: GGUF header is truncated") from None
     finally:

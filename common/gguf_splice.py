@@ -10,23 +10,13 @@ the reference alone writes, with only the changed tensors quantised.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import sys
 from pathlib import Path
 
-from common.gguf_header import tensor_table
-
-
-def nbytes(shape: tuple[int, ...], ttype: int) -> int:
-    """A tensor's data bytes: its rows (every dimension past the first) of blocks of its type."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
-    rows = 1
-    for d in shape[1:]:
-        rows *= d
-    return rows * (shape[0] // block) * size
+from common.gguf_header import nbytes, tensor_table
 
 
 def splice(first: str | Path, second: str | Path, taken: set[str], out: str | Path) -> Path:
@@ -40,7 +30,7 @@ def splice(first: str | Path, second: str | Path, taken: set[str], out: str | Pa
         which, start, ttype = (
             (1, lay2.data_offset + t2[name][2], t2[name][1]) if name in taken else (0, lay.data_offset + off, ttype)
         )
-        size = nbytes(shape, ttype)
+        size = nbytes(math.prod(shape), ttype)
         raw = name.encode()
         infos.append(struct.pack(f"<Q{len(raw)}sI{len(shape)}QIQ", len(raw), raw, len(shape), *shape, ttype, offset))
         spans.append((which, start, size))
