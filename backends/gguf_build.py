@@ -146,12 +146,14 @@ def quantize(
     imatrix: dict[str, Any] | None = None,
     tensor_types: tuple[str, ...] = (),
     label: str | None = None,
+    planned: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A float GGUF (F32, F16 or BF16) -> a quant type, by llama.cpp's own quantiser
     (llama_model_quantize), weighted by an importance matrix (an artifact of backends/gguf_imatrix.py)
     when one is given. tensor_types: llama-quantize's --tensor-type lines (PATTERN=TYPE,
     backends/gguf_groups.py), first match wins; label: what they do, in the file's name
-    (model-q4_k_m+attn_v=q8_0.gguf), so that a job's files and stacks read apart."""
+    (model-q4_k_m+attn_v=q8_0.gguf), so that a job's files and stacks read apart; planned: the
+    caller's planned_types of these lines, where it has them (no second dry run; not in the key)."""
     import llama_cpp
 
     ftype_name = QUANT_TYPES[dtype]
@@ -172,20 +174,23 @@ def quantize(
     def build(tmp: Path) -> None:
         if tensor_types:  # the plain recipe's file holds most of its tensors already
             base = quantize(f32, dtype, threads, imatrix)
-            _quantize_over(f32["path"], base["path"], dtype, tmp, threads, imatrix, tensor_types)
+            _quantize_over(f32["path"], base["path"], dtype, tmp, threads, imatrix, tensor_types, planned)
         else:
             quantize_file(f32["path"], dtype, tmp, threads, imatrix, tensor_types)
 
     return ensure("gguf", name, recipe, build)
 
 
-def _quantize_over(source: str, base: str, dtype: str, out: Path, threads: int, imatrix, tensor_types) -> None:
+def _quantize_over(
+    source: str, base: str, dtype: str, out: Path, threads: int, imatrix, tensor_types, planned=None
+) -> None:
     """quantize_file's very file, with only the tensors whose type differs from the base's quantised:
     llama.cpp's dry run gives each tensor's type, the base's tensors that keep theirs are spliced
     into the float source (common/gguf_splice.py), and the quantiser copies those as they are."""
     from common.gguf_splice import splice
 
-    planned = planned_types(source, dtype, imatrix, tensor_types)
+    if planned is None:
+        planned = planned_types(source, dtype, imatrix, tensor_types)
     held = types_held(base)
     mixed = out.with_name(out.name + ".spliced")
     try:

@@ -68,8 +68,8 @@ def attribute(
     im = _imatrix(imatrix)
     found = _groups(ref, groups, log)
 
-    def build(lines: tuple[str, ...], label: str | None = None) -> dict:
-        return gguf_build.quantize(ref, quant, threads, im, tensor_types=lines, label=label)
+    def build(lines: tuple[str, ...], label: str | None = None, planned: dict | None = None) -> dict:
+        return gguf_build.quantize(ref, quant, threads, im, tensor_types=lines, label=label, planned=planned)
 
     def plan(lines: tuple[str, ...]) -> dict:
         return gguf_build.planned_types(ref["path"], quant, im, lines)
@@ -141,11 +141,12 @@ def _quantise(
             if stop.is_set():
                 return variants
             line = g.line(t)
-            if plan((line,)) == held:
+            planned = plan((line,))
+            if planned == held:
                 log(f"attribute: {g.name} at {t} leaves every tensor's type as the base has it: the base's file")
                 art = {"path": base["path"], "sha256": base["sha256"], "recipe": {"tensor_types": [line]}}
             else:
-                art = build((line,), f"{flag_name(g.name)}={t}")
+                art = build((line,), f"{flag_name(g.name)}={t}", planned)
             variants.append({"group": g.name, "direction": direction, "type": t, **_file(art, base, g)})
             progress.tick()
     return variants
