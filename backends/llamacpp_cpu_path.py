@@ -133,10 +133,11 @@ def _package_libs() -> Path:
 def _assembled(root: Path, module: Path) -> Path:
     """A directory of the package's libraries with `module` under every name of its libggml-cpu,
     keyed by every file's size and time: a rebuilt package or variant gets a directory of its own."""
-    libs = sorted(p for p in _package_libs().iterdir() if p.name.startswith(("libllama.", "libggml")))
+    package = _package_libs()
+    libs = sorted(p for p in package.iterdir() if p.name.startswith(("libllama.", "libggml")))
     if not any(p.name.startswith(CPU_LIB + ".") for p in libs):
         raise RuntimeError(
-            f"llama-cpp-python's libraries in {_package_libs()} have no {CPU_LIB} of their own (a build with "
+            f"llama-cpp-python's libraries in {package} have no {CPU_LIB} of their own (a build with "
             "ggml's CPU backend inside libggml, or loaded at run time): no variant can take its place"
         )
     stamp = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in [*libs, module]]
