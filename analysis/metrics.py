@@ -135,14 +135,34 @@ def _topk(x: np.ndarray | Bf16Rows, bmax: np.ndarray) -> np.ndarray:
     maxima (any block holding one of them has a maximum >= the K-th largest), plus the tail."""
     rows, vocab = x.shape
     nb = bmax.shape[1]
-    kb = min(K, nb)
-    blocks = np.sort(np.argsort(-bmax, axis=-1, kind="stable")[:, :kb], -1)  # (rows, kb); lower block first on ties
+    blocks = _largest(bmax, min(K, nb))  # (rows, kb) ascending; the lower block first on ties
     cand = (blocks[:, :, None] * BLOCK + np.arange(BLOCK)).reshape(rows, -1)  # (rows, kb*BLOCK)
     tail = np.broadcast_to(np.arange(nb * BLOCK, vocab), (rows, vocab - nb * BLOCK))
-    cand = np.concatenate([cand, tail], 1)
+    cand = np.concatenate([cand, tail], 1)  # ascending ids
     vals = _gather(x, cand)
-    order = np.lexsort((cand, -vals), axis=-1)[:, : min(K, cand.shape[1])]  # value descending, then lower id
+    k = min(K, cand.shape[1])
+    pick = _largest(vals, k)  # positions in cand of the k largest, ascending
+    cand, vals = np.take_along_axis(cand, pick, 1), np.take_along_axis(vals, pick, 1)
+    order = np.lexsort((cand, -vals), axis=-1)  # value descending, then lower id
     return np.take_along_axis(cand, order, 1)
+
+
+def _largest(v: np.ndarray, k: int) -> np.ndarray:
+    """(rows, n) values -> (rows, k) column indices, ascending, of the k largest values of each row,
+    the lower index first among equal values: the first k of a stable descending sort, found by a
+    partition (a sort of every row's n values cost more than the rest of the measuring)."""
+    rows, n = v.shape
+    if k >= n:
+        return np.broadcast_to(np.arange(n), (rows, n))
+    if np.isnan(v).any():  # NaN sorts after every number in a descending sort: the sort itself, then
+        return np.sort(np.argsort(-v, axis=-1, kind="stable")[:, :k], -1)
+    kth = np.partition(v, n - k, axis=-1)[:, n - k : n - k + 1]  # (rows, 1): the k-th largest
+    above = v > kth
+    tied = v == kth
+    # of the values equal to the k-th largest, the lowest indices fill what the larger leave
+    fill = k - above.sum(-1, keepdims=True)
+    take = above | (tied & (np.cumsum(tied, -1) <= fill))
+    return np.nonzero(take)[1].reshape(rows, k)
 
 
 def _ranks(v: np.ndarray) -> np.ndarray:
