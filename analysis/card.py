@@ -85,16 +85,19 @@ NUMBERS = tuple(a.alias for _, a in D.aggregates(D.CARD)) + tuple(
 
 
 def build_card(
-    warehouse: str, cell_id: str, allow_undisclosed: bool = False, *, extras, as_is: Collection[str]
+    warehouse: str, cell_id: str, allow_undisclosed: bool = False, *, extras, as_is: Collection[str], con=None
 ) -> dict:
     """extras: the per-cell extras (key, card(db, cell)); each adds its block (null without).
     as_is: the engines whose cells without a weights recipe run the reference checkpoint's own
-    weights at their dtype (backends.as_is(): Backend.checkpoint_as_is).
+    weights at their dtype (backends.as_is(): Backend.checkpoint_as_is). con: a connection of
+    analysis.sql.connect(warehouse) with every view, kept open by the caller (None: one of its own).
 
     Every query of the card, the extras' too, runs on one connection with every view bound: one
     connection costs about what two of the views a query names do (binding reads the footers of
     its tables' files), and the extras' blocks read views over the rows themselves (batch_drift
     reads logits), which their own connections bound as well."""
+    if con is not None:
+        return _card(con, warehouse, cell_id, allow_undisclosed, extras, as_is)
     con = connect(warehouse)
     try:
         return _card(con, warehouse, cell_id, allow_undisclosed, extras, as_is)

@@ -13,6 +13,8 @@ from common.output import log as stderr_log
 from matrix.api.results import CandidateResult, KldResult, RunResult
 from matrix.api.sweep import run
 
+LEFT_OUT = "and it is left out of the job's spec"
+
 
 def kld(
     reference: str,
@@ -62,15 +64,15 @@ def kld(
     job.forget(warehouse, failed, drop_job=new and not anything)
     if refused is not None and not done:
         raise UserError(refused)
-    if done:
-        _measured(warehouse, done, log)
-    if failed:
-        names = ", ".join(_label(a) for a in asked if job.candidate_key(a) in failed)
-        log(
-            f"no statistics for {names}: its cell did not complete (the run says why above), "
-            "and it is left out of the job's spec"
-        )
-    results = _results(warehouse, done, ref.label) if done else ()
+    con = _measured(warehouse, done, log) if done else None
+    try:
+        if failed:
+            names = ", ".join(_label(a) for a in asked if job.candidate_key(a) in failed)
+            log(f"no statistics for {names}: its cell did not complete (the run says why above), {LEFT_OUT}")
+        results = _results(con, warehouse, done, ref.label) if con is not None else ()
+    finally:
+        if con is not None:
+            con.close()
     return KldResult(str(spec_path), warehouse, n_ctx, results, tuple(sorted(failed)), result, refused)
 
 
@@ -133,48 +135,41 @@ def _done_cells(warehouse: str, stacks: list[tuple[dict, str]]) -> tuple[list[tu
     return out, bool(rows)
 
 
-def _measured(warehouse: str, cells: list[tuple[dict, str]], log) -> None:
-    """Metrics for a completed candidate that has none: its capturing process could not measure it
-    (it says why in its cells row); `matrix analyze` does, here."""
+def _measured(warehouse: str, cells: list[tuple[dict, str]], log):
+    """A connection with every view of the warehouse, where each completed candidate has its
+    metrics: one its capturing process could not measure (it says why in its cells row) is
+    measured here, as `matrix analyze` does, and the views are bound again after it."""
     from analysis.analyze import analyze
     from analysis.sql import connect
 
-    con = connect(warehouse, {"metrics"})
+    con = connect(warehouse)  # every view: the card reads most of them
     try:
         have = {r[0] for r in con.execute("SELECT DISTINCT cell_id FROM metrics").fetchall()}
-    finally:
+    except BaseException:
         con.close()
-    if any(cid not in have for _, cid in cells):
-        log("measuring the candidates their capture did not measure (matrix analyze)")
-        analyze(warehouse, log=log, side=[s[:2] for s in extras.analyses()])
+        raise
+    if all(cid in have for _, cid in cells):
+        return con
+    con.close()  # a view reads the files that were there when it was made
+    log("measuring the candidates their capture did not measure (matrix analyze)")
+    analyze(warehouse, log=log, side=[s[:2] for s in extras.analyses()])
+    return connect(warehouse)
 
 
-def _results(warehouse: str, cells: list[tuple[dict, str]], ref_label: str) -> tuple[CandidateResult, ...]:
+def _results(con, warehouse: str, cells: list[tuple[dict, str]], ref_label: str) -> tuple[CandidateResult, ...]:
     import backends
     from analysis.card import build_card
     from analysis.kld_stats import cell_stats
-    from analysis.sql import connect
     from matrix.spec.kld import file_of
 
-    con = connect(warehouse, {"metrics"})  # what cell_stats and the count read
-    try:
-        found = []
-        for a, cid in cells:
-            q = "SELECT count(DISTINCT prompt_id) FROM metrics WHERE cell_id = ?"
-            chunks = con.execute(q, [cid]).fetchone()[0]
-            found.append((file_of(a), _label(a), cid, chunks, cell_stats(con, cid)))
-    finally:
-        con.close()
+    found = []
+    for a, cid in cells:
+        q = "SELECT count(DISTINCT prompt_id) FROM metrics WHERE cell_id = ?"
+        chunks = con.execute(q, [cid]).fetchone()[0]
+        found.append((file_of(a), _label(a), cid, chunks, cell_stats(con, cid)))
+    card = {"allow_undisclosed": True, "extras": extras.registered(), "as_is": backends.as_is(), "con": con}
     return tuple(
-        CandidateResult(
-            file,
-            label,
-            ref_label,
-            cid,
-            chunks,
-            stats,
-            build_card(warehouse, cid, allow_undisclosed=True, extras=extras.registered(), as_is=backends.as_is()),
-        )
+        CandidateResult(file, label, ref_label, cid, chunks, stats, build_card(warehouse, cid, **card))
         for file, label, cid, chunks, stats in found
     )
 
