@@ -22,7 +22,7 @@ from pathlib import Path
 
 import _common  # noqa: F401 - puts the repository on sys.path
 from _common import cpu, save_result
-from kld_common import MATRIX_ENV, catalog_ggufs, kld_command
+from kld_common import MATRIX_ENV, bytecode, catalog_ggufs, kld_command
 
 TARGET = 1.1
 
@@ -61,6 +61,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--repeat", type=int, default=2)
     a = p.parse_args()
+    bytecode()
     from backends.gguf_groups import flag_name, groups
 
     built, _ = catalog_ggufs(a.model, ("f16",), a.threads)

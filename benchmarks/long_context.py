@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.kld_common import (  # noqa: E402
     MATRIX_ENV,
     USER_ENV,
+    bytecode,
     catalog_ggufs,
     kld_command,
     kld_results,
@@ -289,6 +290,7 @@ def rows_of(n_ctx: int, n_chunk: int, st: list[dict]) -> list[dict]:
 
 def main() -> int:
     args = parse_args()
+    bytecode()
     from benchmarks._common import save_result
     from benchmarks.llama_tools import build_tool
     from matrix.spec.kld import catalog_gguf

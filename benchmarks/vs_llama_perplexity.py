@@ -42,6 +42,7 @@ from benchmarks.capture_costs import forwards_alone, per_row_costs  # noqa: E402
 from benchmarks.kld_common import (  # noqa: E402
     MATRIX_ENV,
     USER_ENV,
+    bytecode,
     catalog_ggufs,
     kld_command,
     kld_results,
@@ -281,6 +282,7 @@ def scoreboard_rows(results: list[dict]) -> list[dict]:
 
 def main() -> int:
     args = parse_args()
+    bytecode()
     from benchmarks._common import cpu, save_result
     from benchmarks.llama_tools import build_tool
 
