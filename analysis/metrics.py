@@ -159,9 +159,12 @@ def _largest(v: np.ndarray, k: int) -> np.ndarray:
     kth = np.partition(v, n - k, axis=-1)[:, n - k : n - k + 1]  # (rows, 1): the k-th largest
     above = v > kth
     tied = v == kth
-    # of the values equal to the k-th largest, the lowest indices fill what the larger leave
-    fill = k - above.sum(-1, keepdims=True)
-    take = above | (tied & (np.cumsum(tied, -1) <= fill))
+    take = above | tied
+    # where more values equal the k-th largest than the larger leave room for, the lowest indices
+    fill = k - above.sum(-1)
+    over = np.flatnonzero(tied.sum(-1) > fill)
+    if len(over):
+        take[over] = above[over] | (tied[over] & (np.cumsum(tied[over], -1) <= fill[over, None]))
     return np.nonzero(take)[1].reshape(rows, k)
 
 
