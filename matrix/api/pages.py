@@ -226,11 +226,9 @@ def benchmarks_page(results: Path) -> str:
         "[benchmark-notes.md](benchmark-notes.md).\n",
     ]
     for bench in sorted(p.name for p in results.iterdir() if p.is_dir()) if results.is_dir() else []:
-        runs = sorted(
-            (json.loads(f.read_text()) for f in (results / bench).glob("*.json")),
-            key=lambda r: (r["date"], r["commit"]),
-            reverse=True,
-        )
+        # newest first: a result's file is named by the UTC time it was recorded (benchmarks/_common.py)
+        files = sorted((results / bench).glob("*.json"), key=lambda f: f.name, reverse=True)
+        runs = [json.loads(f.read_text()) for f in files]
         if not runs:
             continue
         cols = SCOREBOARD.get(bench) or [(k, k) for k in runs[0]["rows"][0]] if runs[0]["rows"] else []
