@@ -148,14 +148,18 @@ def _topk(x: np.ndarray | Bf16Rows, bmax: np.ndarray) -> np.ndarray:
 
 
 def _largest(v: np.ndarray, k: int) -> np.ndarray:
-    """(rows, n) values -> (rows, k) column indices, ascending, of the k largest values of each row,
-    the lower index first among equal values: the first k of a stable descending sort, found by a
-    partition (a sort of every row's n values cost more than the rest of the measuring)."""
+    """(rows, n) values, 1 <= k -> (rows, min(k, n)) column indices, ascending, of the k largest values
+    of each row, the lower index first among equal values: the first k of a stable descending sort,
+    found by a partition, which costs a fraction of sorting each row's n values."""
     rows, n = v.shape
     if k >= n:
         return np.broadcast_to(np.arange(n), (rows, n))
-    if np.isnan(v).any():  # NaN sorts after every number in a descending sort: the sort itself, then
-        return np.sort(np.argsort(-v, axis=-1, kind="stable")[:, :k], -1)
+    nan = np.isnan(v).any(-1)
+    if nan.any():  # a stable descending sort puts NaN after every number; a partition cannot: those rows sort
+        out = np.empty((rows, k), np.intp)
+        out[nan] = np.sort(np.argsort(-v[nan], axis=-1, kind="stable")[:, :k], -1)
+        out[~nan] = _largest(v[~nan], k)
+        return out
     kth = np.partition(v, n - k, axis=-1)[:, n - k : n - k + 1]  # (rows, 1): the k-th largest
     above = v > kth
     tied = v == kth
