@@ -264,6 +264,54 @@ def test_another_text_for_the_same_warehouse_is_refused(job, ggufs, tmp_path):
     assert (wh.parent / "wh.kld.yaml").read_text() == before
 
 
+def test_a_candidate_without_metrics_is_measured_by_analyze_and_reported_the_same(job, ggufs, text, tmp_path):
+    """A completed candidate whose metrics are missing (its capture could not measure it) is measured
+    by `matrix analyze` at the end of the job: its rows' metrics are those its capture measured, bit
+    for bit, and so are its statistics but for the last bits of the sums DuckDB takes over a file of
+    another layout."""
+    import shutil
+
+    from matrix import api
+
+    first = {Path(r["candidate"]).name: r for r in job[1]["results"]}
+    q8 = first[Path(ggufs["q8_0"]).name]
+    wh = tmp_path / "wh"
+    shutil.copytree(job[0], wh)
+    measured = wh / "metrics" / f"{q8['cell_id']}.parquet"
+    captured = pq.read_table(measured)
+    measured.unlink()
+    lines: list[str] = []
+    out = api.kld(
+        ggufs["f16"],
+        [ggufs["q8_0"], ggufs["q4_k_m"]],
+        text,
+        str(wh),
+        n_ctx=N_CTX,
+        threads=2,
+        keep_rows=True,
+        executor="local",
+        log=lines.append,
+    )
+    assert any(x.startswith("nothing to do: all") for x in lines), lines  # nothing captured again
+    assert "measuring the candidates their capture did not measure (matrix analyze)" in lines
+    assert pq.read_table(measured).select(captured.column_names).equals(captured)
+    again = {Path(r.candidate).name: r for r in out.results}
+    assert set(again) == set(first)
+    for name, r in again.items():
+        assert r.cell_id == first[name]["cell_id"] and r.chunks == first[name]["chunks"]
+        got, want = _flat(json.loads(json.dumps(r.statistics))), _flat(first[name]["statistics"])
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-300), name
+        assert r.card["numbers"]["kld_mean"] == pytest.approx(r.statistics["kld"][0], rel=1e-12)
+
+
+def _flat(d, key: str = "") -> dict:
+    """A statistics dict's numbers by their path (nested dicts and lists flattened)."""
+    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) else None
+    if items is None:
+        return {key: d}
+    return {k: v for sub, val in items for k, v in _flat(val, f"{key}/{sub}").items()}
+
+
 def _shard(wh: Path, cell_id: str):
     return pq.ParquetFile(wh / "logits" / cell_id / "r0.parquet")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import extras
 from common.errors import UserError
@@ -13,7 +14,8 @@ from common.output import log as stderr_log
 from matrix.api.results import CandidateResult, KldResult, RunResult
 from matrix.api.sweep import run
 
-LEFT_OUT = "and it is left out of the job's spec"
+if TYPE_CHECKING:
+    from duckdb import DuckDBPyConnection
 
 
 def kld(
@@ -68,7 +70,8 @@ def kld(
     try:
         if failed:
             names = ", ".join(_label(a) for a in asked if job.candidate_key(a) in failed)
-            log(f"no statistics for {names}: its cell did not complete (the run says why above), {LEFT_OUT}")
+            why = "its cell did not complete (the run says why above), and it is left out of the job's spec"
+            log(f"no statistics for {names}: {why}")
         results = _results(con, warehouse, done, ref.label) if con is not None else ()
     finally:
         if con is not None:
@@ -135,7 +138,7 @@ def _done_cells(warehouse: str, stacks: list[tuple[dict, str]]) -> tuple[list[tu
     return out, bool(rows)
 
 
-def _measured(warehouse: str, cells: list[tuple[dict, str]], log):
+def _measured(warehouse: str, cells: list[tuple[dict, str]], log) -> DuckDBPyConnection:
     """A connection with every view of the warehouse, where each completed candidate has its
     metrics: one its capturing process could not measure (it says why in its cells row) is
     measured here, as `matrix analyze` does, and the views are bound again after it."""
@@ -156,7 +159,9 @@ def _measured(warehouse: str, cells: list[tuple[dict, str]], log):
     return connect(warehouse)
 
 
-def _results(con, warehouse: str, cells: list[tuple[dict, str]], ref_label: str) -> tuple[CandidateResult, ...]:
+def _results(
+    con: DuckDBPyConnection, warehouse: str, cells: list[tuple[dict, str]], ref_label: str
+) -> tuple[CandidateResult, ...]:
     import backends
     from analysis.card import build_card
     from analysis.kld_stats import cell_stats
