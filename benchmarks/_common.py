@@ -36,8 +36,9 @@ def gpu() -> str | None:
 
 
 def save_result(name: str, rows: list[dict], target: str, met: bool | None) -> Path:
-    """One run's figures as benchmarks/results/<name>/<date>-<commit>.json, the row docs/benchmarks.md's
-    scoreboard shows (`matrix docs` regenerates it): when, which commit, on what, by which command.
+    """One run's figures as benchmarks/results/<name>/<UTC time>-<commit>.json (e.g.
+    20261207T140650Z-85d0281eaa.json), the row docs/benchmarks.md's scoreboard shows, newest first
+    by that time (`matrix docs` regenerates it): when, which commit, on what, by which command.
     met: whether the figures reach the target; None where the script states no pass/fail target."""
     import datetime
     import json

@@ -25,9 +25,13 @@ def bytecode() -> None:
     import compileall
     from pathlib import Path
 
+    import tomllib
+
     root = Path(__file__).resolve().parent.parent
-    for package in ("actors", "analysis", "backends", "common", "extras", "matrix", "store"):
-        compileall.compile_dir(root / package, quiet=1)
+    found = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    for package in (p.rstrip("*") for p in found["include"]):  # the packages the project installs
+        if not compileall.compile_dir(root / package, quiet=1):
+            raise SystemExit(f"{root / package}: a module does not compile")
 
 
 def catalog_ggufs(model: str, dtypes: tuple[str, ...], threads: int) -> tuple[dict[str, dict], object]:
