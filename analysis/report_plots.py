@@ -253,6 +253,9 @@ def cdf(series: list[tuple[str, list[float], list[float]]], ident: str) -> str:
         return svg(fig, ident)
 
 
+PANEL_CHARS = 26  # title characters that fit the width of a small multiple (2.3 in at 9 pt)
+
+
 def by_position(panels: list[dict], ident: str) -> str:
     """Small multiples, one per stack: the median over prompts of KL at each position and the band
     from its 10th to 90th percentile, shaded grey where fewer than two prompts reach that position
@@ -262,10 +265,13 @@ def by_position(panels: list[dict], ident: str) -> str:
         return no_data("KL is 0 at every position of every stack.")
     cols = min(4, len(shown))
     nrows = math.ceil(len(shown) / cols)
-    with drawing(2.3 * cols + 0.6, 1.7 * nrows + 0.5) as fig:
+    titles = [wrapped(p["label"], PANEL_CHARS) for p in shown]
+    lines = max(t.count("\n") + 1 for t in titles)  # each row of panels makes room for the tallest title
+    with drawing(2.3 * cols + 0.6, (1.55 + 0.15 * lines) * nrows + 0.5) as fig:
         axes = fig.subplots(nrows, cols, sharex=True, sharey=True, squeeze=False).ravel()
-        for i, (ax, p) in enumerate(zip(axes, shown)):
+        for i, (ax, p, title) in enumerate(zip(axes, shown, titles)):
             _position_panel(ax, p, i)
+            ax.set_title(title, loc="left")
         for ax in axes[len(shown) :]:
             ax.set_visible(False)
         for i, ax in enumerate(axes[: len(shown)]):
@@ -289,7 +295,21 @@ def _position_panel(ax, p: dict, i: int) -> None:
         ax.plot(xs, [max(v, floor) for v in med], color=COLOURS[0], lw=1.2, marker="o", ms=2, gid=f"series-{i}")
     for a, b in _runs([xx for xx, n in zip(x, p["prompts"]) if n < 2], x):
         ax.axvspan(a, b, color="#bbbbbb", alpha=0.35, lw=0)
-    ax.set_title(p["label"], loc="left")
+
+
+def wrapped(label: str, width: int) -> str:
+    """label on lines of at most width characters, broken after a '/', '+' or '-' where one falls
+    (a stack's name: `llamacpp/q4_k_m/model-q4_k_m+attn_q-q8_0.gguf`), else where a line is full."""
+    lines, line = [], ""
+    for piece in filter(None, re.findall(r"[^/+-]*[/+-]?", label)):  # each piece ends at its break
+        if line and len(line) + len(piece) > width:
+            lines.append(line)
+            line = ""
+        line += piece
+        while len(line) > width:  # a piece longer than a line
+            lines.append(line[:width])
+            line = line[width:]
+    return "\n".join([*lines, line] if line else lines)
 
 
 def _runs(few: list[int], xs: list[int]) -> list[tuple[float, float]]:
