@@ -13,7 +13,9 @@ from tests.conftest import run_cli
 gguf = pytest.importorskip("gguf")
 
 
-def test_cut_gguf_keeps_the_source_bytes_and_dequantises_to_the_reference_layers(reference_model, tmp_path):
+def test_cut_gguf_keeps_the_source_bytes_and_dequantises_to_the_reference_layers(
+    reference_model, tmp_path, monkeypatch
+):
     from safetensors.numpy import load_file
 
     from matrix.spec.models import dequantise_gguf
@@ -30,8 +32,12 @@ def test_cut_gguf_keeps_the_source_bytes_and_dequantises_to_the_reference_layers
     for t in cut.tensors:  # same quant type, same bytes
         assert t.tensor_type == by_name[t.name].tensor_type
         assert np.array_equal(t.data, by_name[t.name].data), t.name
-    # dequantised, the cut is the reference model's first two layers, value for value
+    # dequantised, the cut is the reference model's first two layers, value for value; transformers'
+    # tokenizer, config and weights loads share one reader of the file
+    readers = []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, _cls=gguf.GGUFReader: readers.append(a) or _cls(*a))
     dequantise_gguf(out, tmp_path / "hf", log=lambda m: None)
+    assert readers == [(str(out), "r")], readers
     mine = load_file(tmp_path / "hf" / "model.safetensors")
     full = {}
     for f in Path(reference_model.hf_dir).glob("*.safetensors"):
