@@ -253,7 +253,9 @@ def cdf(series: list[tuple[str, list[float], list[float]]], ident: str) -> str:
         return svg(fig, ident)
 
 
-PANEL_CHARS = 26  # title characters that fit the width of a small multiple (2.3 in at 9 pt)
+# title characters that fit the width of a small multiple (2.3 in at 9 pt) for a stack's name, whose
+# characters are lower case, digits and separators; 26 capitals would not fit
+PANEL_CHARS = 26
 
 
 def by_position(panels: list[dict], ident: str) -> str:
@@ -300,6 +302,8 @@ def _position_panel(ax, p: dict, i: int) -> None:
 def wrapped(label: str, width: int) -> str:
     """label on lines of at most width characters, broken after a '/', '+' or '-' where one falls
     (a stack's name: `llamacpp/q4_k_m/model-q4_k_m+attn_q-q8_0.gguf`), else where a line is full."""
+    if width < 1:
+        raise ValueError(f"wrapped: width {width}: a line holds at least one character")
     lines, line = [], ""
     for piece in filter(None, re.findall(r"[^/+-]*[/+-]?", label)):  # each piece ends at its break
         if line and len(line) + len(piece) > width:

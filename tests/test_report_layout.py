@@ -16,12 +16,17 @@ NAMES = ["llamacpp/f16", "llamacpp/q4_k_m/model-q4_k_m.gguf"] + [
 ]
 
 
-@pytest.mark.parametrize("name", [*NAMES, "hf/bf16/eager/batch8", "x" * 70, "a/" + "b" * 40 + "/c"])
+def test_a_width_under_one_character_is_refused():
+    with pytest.raises(ValueError, match="width 0"):
+        P.wrapped("llamacpp/f16", 0)
+
+
+@pytest.mark.parametrize("name", [*NAMES, "hf/bf16/eager/batch8", "x" * 70, "a/" + "b" * 40 + "/c", "///", ""])
 def test_a_name_is_broken_after_its_separators_into_lines_that_fit(name):
     text = P.wrapped(name, P.PANEL_CHARS)
     lines = text.split("\n")
     assert "".join(lines) == name
-    assert all(0 < len(line) <= P.PANEL_CHARS for line in lines)
+    assert all(0 < len(line) <= P.PANEL_CHARS for line in lines) or text == name == ""
     for line in lines[:-1]:  # a line ends at a separator unless a piece alone is longer than a line
         assert line[-1] in "/+-" or len(line) == P.PANEL_CHARS, lines
     if len(name) <= P.PANEL_CHARS:
@@ -55,10 +60,19 @@ def test_no_panels_title_reaches_another_panel_or_title(monkeypatch):
     fig.draw(renderer)  # the constrained layout, as the report's savefig runs it
     axes = [ax for ax in fig.axes if ax.get_visible() and ax.get_title(loc="left")]
     assert [ax.get_title(loc="left").replace("\n", "") for ax in axes] == NAMES
-    titles = {ax: ax._left_title for ax in axes}  # set_title(loc="left")
+    titles = {ax: _title(ax) for ax in axes}
     boxes = {ax: t.get_window_extent(renderer) for ax, t in titles.items()}
     for a, b in itertools.combinations(axes, 2):
         assert not boxes[a].overlaps(boxes[b]), (a.get_title(loc="left"), b.get_title(loc="left"))
         assert not boxes[a].overlaps(b.get_window_extent(renderer)), a.get_title(loc="left")
         assert not boxes[b].overlaps(a.get_window_extent(renderer)), b.get_title(loc="left")
     assert max(b.height for b in boxes.values()) > 2 * min(b.height for b in boxes.values())  # broken names
+
+
+def _title(ax):
+    """The Text artist of an axes' left title (set_title(loc="left"))."""
+    from matplotlib.text import Text
+
+    text = ax.get_title(loc="left")
+    (t,) = [c for c in ax.get_children() if isinstance(c, Text) and c.get_text() == text]
+    return t

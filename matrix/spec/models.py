@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -139,28 +140,31 @@ def dequantise_gguf(gguf_path: Path, out_dir: Path, log: Callable[[str], None] =
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+_READER_LOCK = threading.Lock()  # one patched gguf.GGUFReader at a time: each restores what it replaced
+
+
 @contextlib.contextmanager
 def _one_gguf_reader():
-    """One gguf.GGUFReader a file while transformers loads a GGUF. Its load_gguf_checkpoint makes a
-    new reader for the tokenizer, the config and the weights, and a reader builds a numpy view of
-    every part of every header field: for Gemma 3's 262,144-token vocabulary, ~15 s a reader on
-    2 cores (dequantising it took 77 s with three readers, 48 s with one). A reader only reads its
-    file, so the three loads share it."""
+    """One gguf.GGUFReader a file while transformers loads a GGUF: its load_gguf_checkpoint makes a
+    new reader for the config the tokenizer reads, for the model's config and for the weights, and
+    a reader builds a numpy view of every part of every header field (~15 s at Gemma 3's 262,144
+    tokens on 2 cores). A reader only reads its file, so the loads share it."""
     import gguf
 
-    made, cls = {}, gguf.GGUFReader
+    with _READER_LOCK:
+        made, cls = {}, gguf.GGUFReader
 
-    def reader(path, mode="r"):
-        key = (os.path.realpath(path), mode)
-        if key not in made:
-            made[key] = cls(path, mode)
-        return made[key]
+        def reader(path, mode="r"):
+            key = (os.path.realpath(path), mode)
+            if key not in made:
+                made[key] = cls(path, mode)
+            return made[key]
 
-    gguf.GGUFReader = reader  # load_gguf_checkpoint imports it from gguf at each call
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = cls
+        gguf.GGUFReader = reader  # load_gguf_checkpoint imports it from gguf at each call
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = cls
 
 
 def cut_layers(src: Path, out: Path, layers: int, bf16: bool = False) -> Path:
